@@ -1,0 +1,9 @@
+//! Compiles `proto/ps.proto` with protox (pure Rust), so `cargo build` is the only build step.
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let proto_dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../proto");
+    let proto = format!("{proto_dir}/ps.proto");
+    println!("cargo:rerun-if-changed={proto}");
+    let fds = protox::compile([&proto], [proto_dir])?;
+    tonic_prost_build::configure().bytes(".").compile_fds(fds)?;
+    Ok(())
+}

@@ -1,0 +1,129 @@
+//! The typed errors of the parameter server and the one place that maps them to gRPC status
+//! codes. Handlers return `PsResult` and use `?`; every message says what was expected.
+
+use tonic::{Code, Status};
+
+/// Result with a [`PsError`].
+pub type PsResult<T> = Result<T, PsError>;
+
+/// Everything a request can be refused for.
+#[derive(Debug, thiserror::Error)]
+pub enum PsError {
+    /// The peer speaks another protocol version.
+    #[error(
+        "protocol version {got} is not supported: this server speaks protocol version {expected}"
+    )]
+    ProtocolMismatch {
+        /// Ours.
+        expected: u32,
+        /// Theirs.
+        got: u32,
+    },
+    /// The worker's view of the cluster or model differs from the server's.
+    #[error("{0}")]
+    ClusterMismatch(String),
+    /// A rank outside `0..world_size`.
+    #[error("unknown rank {rank}: expected a rank in 0..{world}")]
+    UnknownRank {
+        /// The rank asked for.
+        rank: u32,
+        /// World size.
+        world: u32,
+    },
+    /// A push from a rank that never registered.
+    #[error("rank {0} has not registered with this shard: call Register first")]
+    NotRegistered(u32),
+    /// A push for a step the shard has already completed.
+    #[error("stale step {step}: this shard already applied it and expects step {expected}")]
+    StaleStep {
+        /// The step pushed.
+        step: u64,
+        /// The step the shard expects.
+        expected: u64,
+    },
+    /// A push for a step the shard has not reached.
+    #[error(
+        "future step {step}: this shard expects step {expected} (pull version {step} before pushing step {step})"
+    )]
+    FutureStep {
+        /// The step pushed.
+        step: u64,
+        /// The step the shard expects.
+        expected: u64,
+    },
+    /// A second, different gradient for a step from the same rank.
+    #[error(
+        "rank {rank} already pushed a different gradient for step {step}: a retry must resend the same values"
+    )]
+    Conflict {
+        /// The rank.
+        rank: u32,
+        /// The step.
+        step: u64,
+    },
+    /// A tensor of the wrong length.
+    #[error("wrong length: expected {expected} f32 values, got {got}")]
+    WrongLength {
+        /// Expected values.
+        expected: u64,
+        /// Values received.
+        got: u64,
+    },
+    /// NaN or infinity in a gradient.
+    #[error(
+        "non-finite value {value} at index {index} of the gradient: expected finite f32 values"
+    )]
+    NonFinite {
+        /// Index in the shard's slice.
+        index: u64,
+        /// The value.
+        value: f32,
+    },
+    /// A malformed stream: missing header, misplaced chunk, bad field.
+    #[error("{0}")]
+    BadChunk(String),
+    /// A version beyond the last step of the run.
+    #[error("version {asked} will never exist: the run ends at version {last}")]
+    VersionOutOfRange {
+        /// Asked for.
+        asked: u64,
+        /// Last version of the run.
+        last: u64,
+    },
+    /// A bounded wait ran out.
+    #[error("{0}")]
+    Timeout(String),
+    /// The shard stopped (failed barrier, shutdown).
+    #[error("{0}")]
+    Unavailable(String),
+    /// A bug or an I/O failure on the server side.
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+impl PsError {
+    /// The gRPC status code of this error: the single table of the project.
+    pub fn code(&self) -> Code {
+        match self {
+            PsError::ProtocolMismatch { .. }
+            | PsError::ClusterMismatch(_)
+            | PsError::NotRegistered(_) => Code::FailedPrecondition,
+            PsError::StaleStep { .. } | PsError::FutureStep { .. } => Code::FailedPrecondition,
+            PsError::UnknownRank { .. }
+            | PsError::WrongLength { .. }
+            | PsError::NonFinite { .. }
+            | PsError::BadChunk(_) => Code::InvalidArgument,
+            PsError::Conflict { .. } => Code::AlreadyExists,
+            PsError::VersionOutOfRange { .. } => Code::OutOfRange,
+            PsError::Timeout(_) => Code::DeadlineExceeded,
+            PsError::Unavailable(_) => Code::Unavailable,
+            PsError::Internal(_) => Code::Internal,
+        }
+    }
+}
+
+impl From<PsError> for Status {
+    fn from(e: PsError) -> Status {
+        Status::new(e.code(), e.to_string())
+    }
+}

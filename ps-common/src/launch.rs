@@ -1,0 +1,316 @@
+//! Starting a local cluster as real processes: shards on OS-chosen 127.0.0.1 ports (each
+//! writes its bound address to a file the launcher waits for, bounded), then workers pointed at
+//! them. Used by `ps-launch` and by the integration tests. Children die with their parent
+//! (`PR_SET_PDEATHSIG`) and are killed on drop, so nothing is left orphaned.
+
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+/// A launch failure, in words.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct LaunchError(pub String);
+
+/// The directory holding the `ps-server` and `ps-worker` binaries: the current executable's
+/// directory, or its parent when running from `target/<profile>/deps` (tests).
+pub fn bin_dir() -> PathBuf {
+    let exe = std::env::current_exe().unwrap_or_default();
+    let dir = exe.parent().map(Path::to_path_buf).unwrap_or_default();
+    if dir.file_name().is_some_and(|n| n == "deps") {
+        dir.parent().map(Path::to_path_buf).unwrap_or(dir)
+    } else {
+        dir
+    }
+}
+
+/// One child process with a name for messages and an optional log file.
+#[derive(Debug)]
+pub struct Proc {
+    /// "shard 0", "worker 3".
+    pub name: String,
+    /// The process.
+    pub child: Child,
+    /// Where its stdout and stderr go, when captured.
+    pub log: Option<PathBuf>,
+    /// Its exit status once reaped.
+    pub status: Option<ExitStatus>,
+}
+
+impl Proc {
+    /// The last `n` lines of its log, for error messages.
+    pub fn log_tail(&self, n: usize) -> String {
+        let Some(log) = &self.log else {
+            return String::new();
+        };
+        let text = std::fs::read_to_string(log).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        let tail = lines[lines.len().saturating_sub(n)..].join("\n");
+        format!("\n--- last lines of {} ---\n{tail}", log.display())
+    }
+}
+
+/// A set of server and worker processes on this machine.
+#[derive(Debug)]
+pub struct LocalCluster {
+    /// Binaries' directory.
+    pub bin_dir: PathBuf,
+    /// The config every process reads.
+    pub config: PathBuf,
+    /// When set, servers log to `<dir>/shard-<i>.log` instead of the terminal.
+    pub server_logs: Option<PathBuf>,
+    /// When set, workers log to `<dir>/worker-<r>.log` instead of the terminal.
+    pub worker_logs: Option<PathBuf>,
+    /// Shard processes, shard `i` at index `i`.
+    pub servers: Vec<Proc>,
+    /// Bound address of each shard.
+    pub addrs: Vec<String>,
+    /// Worker processes.
+    pub workers: Vec<Proc>,
+}
+
+impl LocalCluster {
+    /// An empty cluster for `config`; `logs` captures every process's output in that directory.
+    pub fn new(bin_dir: PathBuf, config: PathBuf, logs: Option<PathBuf>) -> Self {
+        Self {
+            bin_dir,
+            config,
+            server_logs: logs.clone(),
+            worker_logs: logs,
+            servers: Vec::new(),
+            addrs: Vec::new(),
+            workers: Vec::new(),
+        }
+    }
+
+    fn command(
+        &self,
+        bin: &str,
+        name: &str,
+        log_dir: Option<&Path>,
+    ) -> Result<(Command, Option<PathBuf>), LaunchError> {
+        let path = self.bin_dir.join(bin);
+        if !path.exists() {
+            return Err(LaunchError(format!(
+                "{} not found: build it first (cargo build --release --bins, or cargo test --workspace builds it)",
+                path.display()
+            )));
+        }
+        let mut cmd = Command::new(path);
+        cmd.arg("--config").arg(&self.config).stdin(Stdio::null());
+        // SAFETY: prctl is async-signal-safe and touches only the child's own process state.
+        unsafe {
+            cmd.pre_exec(|| {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
+                Ok(())
+            });
+        }
+        let log = match log_dir {
+            Some(dir) => {
+                std::fs::create_dir_all(dir)
+                    .map_err(|e| LaunchError(format!("{}: {e}", dir.display())))?;
+                let p = dir.join(format!("{}.log", name.replace(' ', "-")));
+                let f = std::fs::File::create(&p)
+                    .map_err(|e| LaunchError(format!("{}: {e}", p.display())))?;
+                let f2 = f.try_clone().map_err(|e| LaunchError(e.to_string()))?;
+                cmd.stdout(f).stderr(f2);
+                Some(p)
+            }
+            None => None,
+        };
+        Ok((cmd, log))
+    }
+
+    /// Starts shards `0..num_shards` on 127.0.0.1 port 0 and waits (at most `timeout`) until each
+    /// has written its bound address. `extra` is appended to every server's arguments.
+    pub fn start_servers(
+        &mut self,
+        num_shards: usize,
+        extra: &[String],
+        timeout: Duration,
+    ) -> Result<(), LaunchError> {
+        let run_dir =
+            std::env::temp_dir().join(format!("ps-launch-{}-{}", std::process::id(), unique()));
+        std::fs::create_dir_all(&run_dir)
+            .map_err(|e| LaunchError(format!("{}: {e}", run_dir.display())))?;
+        for shard in 0..num_shards {
+            let name = format!("shard {shard}");
+            let addr_file = run_dir.join(format!("shard-{shard}.addr"));
+            let (mut cmd, log) = self.command("ps-server", &name, self.server_logs.as_deref())?;
+            cmd.arg("--shard")
+                .arg(shard.to_string())
+                .arg("--listen")
+                .arg("127.0.0.1:0")
+                .arg("--addr-file")
+                .arg(&addr_file);
+            if let Some(a0) = self.addrs.first() {
+                cmd.arg("--shard0").arg(a0);
+            }
+            cmd.args(extra);
+            let child = cmd
+                .spawn()
+                .map_err(|e| LaunchError(format!("cannot start {name}: {e}")))?;
+            self.servers.push(Proc {
+                name: name.clone(),
+                child,
+                log,
+                status: None,
+            });
+            let addr = self.wait_for_addr(shard, &addr_file, timeout)?;
+            self.addrs.push(addr);
+        }
+        Ok(())
+    }
+
+    fn wait_for_addr(
+        &mut self,
+        shard: usize,
+        file: &Path,
+        timeout: Duration,
+    ) -> Result<String, LaunchError> {
+        let start = Instant::now();
+        loop {
+            if let Ok(s) = std::fs::read_to_string(file)
+                && s.ends_with('\n')
+            {
+                return Ok(s.trim().to_string());
+            }
+            let p = &mut self.servers[shard];
+            if let Ok(Some(status)) = p.child.try_wait() {
+                p.status = Some(status);
+                return Err(LaunchError(format!(
+                    "{} exited with {status} before listening{}",
+                    p.name,
+                    p.log_tail(20)
+                )));
+            }
+            if start.elapsed() > timeout {
+                return Err(LaunchError(format!(
+                    "{} did not report its address in {:?} (waited for {})",
+                    p.name,
+                    timeout,
+                    file.display()
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Starts worker `rank` of `world` pointed at the shards; `extra` is appended to its arguments.
+    pub fn start_worker(
+        &mut self,
+        rank: usize,
+        world: usize,
+        extra: &[String],
+    ) -> Result<(), LaunchError> {
+        let name = format!("worker {rank}");
+        let (mut cmd, log) = self.command("ps-worker", &name, self.worker_logs.as_deref())?;
+        cmd.arg("--rank")
+            .arg(rank.to_string())
+            .arg("--world-size")
+            .arg(world.to_string());
+        cmd.arg("--servers").arg(self.addrs.join(","));
+        cmd.args(extra);
+        let child = cmd
+            .spawn()
+            .map_err(|e| LaunchError(format!("cannot start {name}: {e}")))?;
+        self.workers.push(Proc {
+            name,
+            child,
+            log,
+            status: None,
+        });
+        Ok(())
+    }
+
+    /// Waits until every process has exited, at most `timeout`. The first failure stops the
+    /// others and is returned with the end of its log; `interrupted` is polled so a Ctrl-C
+    /// handler can end the wait.
+    pub fn wait(
+        &mut self,
+        timeout: Duration,
+        interrupted: &dyn Fn() -> bool,
+    ) -> Result<(), LaunchError> {
+        let start = Instant::now();
+        loop {
+            let mut running = Vec::new();
+            for p in self.servers.iter_mut().chain(self.workers.iter_mut()) {
+                if p.status.is_none() {
+                    match p.child.try_wait() {
+                        Ok(Some(s)) => p.status = Some(s),
+                        Ok(None) => running.push(p.name.clone()),
+                        Err(e) => return Err(LaunchError(format!("{}: {e}", p.name))),
+                    }
+                }
+                if let Some(s) = p.status
+                    && !s.success()
+                {
+                    let msg = format!("{} failed with {s}{}", p.name, p.log_tail(30));
+                    self.kill_all();
+                    return Err(LaunchError(msg));
+                }
+            }
+            if running.is_empty() {
+                return Ok(());
+            }
+            if interrupted() {
+                self.kill_all();
+                return Err(LaunchError(
+                    "interrupted: stopped every server and worker".into(),
+                ));
+            }
+            if start.elapsed() > timeout {
+                self.kill_all();
+                return Err(LaunchError(format!(
+                    "still running after {timeout:?}: {}",
+                    running.join(", ")
+                )));
+            }
+            std::thread::sleep(Duration::from_millis(25));
+        }
+    }
+
+    /// Sends SIGTERM to every process still running, then SIGKILL after a short grace period.
+    pub fn kill_all(&mut self) {
+        let procs: Vec<&mut Proc> = self
+            .servers
+            .iter_mut()
+            .chain(self.workers.iter_mut())
+            .collect();
+        for p in &procs {
+            if p.status.is_none() {
+                // SAFETY: kill(2) on our own child's pid.
+                unsafe { libc::kill(p.child.id() as i32, libc::SIGTERM) };
+            }
+        }
+        let deadline = Instant::now() + Duration::from_secs(3);
+        for p in procs {
+            while p.status.is_none() {
+                match p.child.try_wait() {
+                    Ok(Some(s)) => p.status = Some(s),
+                    Ok(None) if Instant::now() < deadline => {
+                        std::thread::sleep(Duration::from_millis(10))
+                    }
+                    _ => {
+                        let _ = p.child.kill();
+                        p.status = p.child.wait().ok();
+                        break;
+                    }
+                }
+            }
+        }
+    }
+}
+
+impl Drop for LocalCluster {
+    fn drop(&mut self) {
+        self.kill_all();
+    }
+}
+
+fn unique() -> u64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static N: AtomicU64 = AtomicU64::new(0);
+    N.fetch_add(1, Ordering::Relaxed)
+}

@@ -1,0 +1,38 @@
+//! Everything ps-server and ps-worker agree on: the config file, the model's flat parameter
+//! layout and its split into shards, the initial weights, the data files and the data order,
+//! the optimizers, the wire format of tensors, the typed errors and their gRPC status codes,
+//! and the helpers that start server and worker processes.
+
+pub mod config;
+pub mod error;
+pub mod idx;
+pub mod launch;
+pub mod layout;
+pub mod optim;
+pub mod order;
+pub mod weights;
+pub mod wire;
+
+pub use error::{PsError, PsResult};
+
+/// Sent on registration; a worker and a shard of different protocol versions refuse each other.
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// The generated gRPC code for `proto/ps.proto`.
+#[allow(clippy::all, missing_docs)]
+pub mod pb {
+    tonic::include_proto!("ps.v1");
+}
+
+pub use tonic;
+
+/// Sets up `tracing` output on stderr, `info` by default, `RUST_LOG` to change it.
+pub fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_target(false)
+        .with_writer(std::io::stderr)
+        .try_init();
+}

@@ -1,0 +1,238 @@
+//! The parameter-server shard: it owns one contiguous range of the model's flat parameter
+//! vector and its optimizer state, runs a BSP barrier per step over every worker's gradient,
+//! aggregates (`sum`, `mean` or sample-`weighted`) in fixed rank order, applies the optimizer,
+//! and serves the new version to pulls. Shard 0 also logs the cluster-wide convergence line.
+
+pub mod report;
+pub mod service;
+pub mod shard;
+
+use anyhow::Context;
+use ps_common::config::Config;
+use ps_common::pb::parameter_server_server::ParameterServerServer;
+use ps_common::wire::MAX_MESSAGE_BYTES;
+use report::{Reporter, ReporterConfig};
+use service::ShardService;
+use shard::Shard;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::net::TcpListener;
+use tokio::sync::Notify;
+
+/// How a shard's run ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// Every step applied (and the workers left, or the linger time ran out).
+    Finished,
+    /// The barrier timed out or another fatal condition; the message says why.
+    Failed(String),
+    /// The shutdown future fired (Ctrl-C, SIGTERM) before the end.
+    Interrupted,
+}
+
+/// Everything a shard needs to run.
+#[derive(Debug)]
+pub struct ShardSetup {
+    /// The config.
+    pub cfg: Config,
+    /// Shard index.
+    pub index: usize,
+    /// Training-set size (decides the number of steps).
+    pub train_len: usize,
+    /// Shard 0's address, for shards > 0 to report to.
+    pub shard0: Option<String>,
+}
+
+/// Serves shard `setup.index` on `listener` until the run ends or `shutdown` resolves; writes
+/// the final weights into the config's output directory.
+pub async fn run_shard(
+    setup: ShardSetup,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()>,
+) -> anyhow::Result<Outcome> {
+    let ShardSetup {
+        cfg,
+        index,
+        train_len,
+        shard0,
+    } = setup;
+    let total_steps = cfg.total_steps(train_len)?;
+    let shard = Shard::new(&cfg, index, total_steps);
+    let reporter = Reporter::spawn(ReporterConfig {
+        shard: index,
+        num_shards: cfg.num_shards(),
+        world: cfg.workers,
+        total_steps,
+        log_every: cfg.log_every,
+        metrics_file: (index == 0).then(|| cfg.server.out_dir.join("metrics.jsonl")),
+        shard0,
+    });
+    let all_left = Arc::new(Notify::new());
+    let svc = ShardService {
+        shard: shard.clone(),
+        reporter,
+        pull_timeout: Duration::from_secs_f64(cfg.server.pull_timeout_secs),
+        chunk_bytes: cfg.server.chunk_bytes,
+        all_left: all_left.clone(),
+    };
+    let server = ParameterServerServer::new(svc)
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(MAX_MESSAGE_BYTES);
+    tracing::info!(
+        "shard {index}/{}: parameters {}..{} ({} values) of {}, {} steps, listening on {}",
+        cfg.num_shards(),
+        shard.range.start,
+        shard.range.end,
+        shard.len(),
+        cfg.layout().describe(),
+        total_steps,
+        listener.local_addr()?
+    );
+
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+    let serve = tonic::transport::Server::builder()
+        .initial_stream_window_size(8 << 20)
+        .initial_connection_window_size(16 << 20)
+        .max_frame_size((1 << 20) - 1)
+        .tcp_nodelay(true)
+        .add_service(server)
+        .serve_with_incoming_shutdown(incoming, async {
+            let _ = stop_rx.await;
+        });
+    let serve = tokio::spawn(serve);
+
+    let outcome = tokio::select! {
+        o = watch_run(&cfg, &shard, &all_left) => o,
+        _ = shutdown => Outcome::Interrupted,
+    };
+    match &outcome {
+        Outcome::Finished => {}
+        Outcome::Failed(why) => {
+            tracing::error!("shard {index}: run failed: {why}");
+            shard.fail(why.clone());
+        }
+        Outcome::Interrupted => {
+            tracing::warn!(
+                "shard {index}: interrupted at version {}; stopping",
+                shard.version()
+            );
+            shard.fail("the shard was interrupted".into());
+        }
+    }
+    let _ = stop_tx.send(());
+    match tokio::time::timeout(Duration::from_secs(5), serve).await {
+        Ok(Ok(Err(e))) => tracing::warn!("shard {index}: server error while stopping: {e}"),
+        Err(_) => tracing::warn!("shard {index}: connections still open after 5 s; closing anyway"),
+        _ => {}
+    }
+    Ok(outcome)
+}
+
+/// Waits for the end of the run while watching the barrier: logs the missing ranks of a step
+/// that waits too long, fails the run past the timeout, writes the final weights, and waits
+/// (bounded) for the workers to leave.
+async fn watch_run(cfg: &Config, shard: &Arc<Shard>, all_left: &Notify) -> Outcome {
+    let warn = Duration::from_secs_f64(cfg.server.barrier_warn_secs);
+    let timeout = Duration::from_secs_f64(cfg.server.barrier_timeout_secs);
+    let mut versions = shard.subscribe();
+    let mut tick = tokio::time::interval(Duration::from_millis(500));
+    while shard.version() < shard.total_steps {
+        tokio::select! {
+            _ = versions.changed() => {}
+            _ = tick.tick() => {
+                if let Some((step, missing, waited)) = shard.overdue(warn) {
+                    if waited >= timeout {
+                        return Outcome::Failed(format!(
+                            "step {step}: no gradient from ranks {missing:?} after {:.0} s (barrier_timeout_secs = {})",
+                            waited.as_secs_f64(), cfg.server.barrier_timeout_secs
+                        ));
+                    }
+                    tracing::warn!(
+                        "shard {} step {step}: waiting {:.1} s for ranks {missing:?} ({} of {} in)",
+                        shard.index, waited.as_secs_f64(), shard.world - missing.len(), shard.world
+                    );
+                }
+            }
+        }
+    }
+    let (version, params) = shard.params();
+    match ps_common::weights::write_shard(
+        &cfg.server.out_dir,
+        shard.index,
+        shard.range.clone(),
+        version,
+        &params,
+    ) {
+        Ok(p) => tracing::info!(
+            "shard {}: final weights (version {version}) written to {}",
+            shard.index,
+            p.display()
+        ),
+        Err(e) => return Outcome::Failed(format!("cannot write the final weights: {e}")),
+    }
+    let linger = Duration::from_secs_f64(cfg.server.linger_secs);
+    let left = tokio::time::timeout(linger, async {
+        while !shard.final_eval().1.is_empty() {
+            all_left.notified().await;
+        }
+    })
+    .await;
+    let ((correct, count), missing) = shard.final_eval();
+    if left.is_err() {
+        tracing::warn!(
+            "shard {}: ranks {missing:?} did not leave within {} s after the last step",
+            shard.index,
+            linger.as_secs()
+        );
+    }
+    if shard.index == 0 && count > 0 {
+        tracing::info!(
+            "training finished: {} steps; final test accuracy {:.2}% ({correct}/{count})",
+            shard.total_steps,
+            100.0 * correct as f64 / count as f64
+        );
+    } else if shard.index == 0 {
+        tracing::info!("training finished: {} steps", shard.total_steps);
+    }
+    Outcome::Finished
+}
+
+/// Loads and checks the config and the training set a shard needs; the error names the file.
+pub fn load_setup(
+    config: &std::path::Path,
+    index: usize,
+    shard0: Option<String>,
+) -> anyhow::Result<ShardSetup> {
+    let cfg = Config::load(config)?;
+    if index >= cfg.num_shards() {
+        anyhow::bail!(
+            "--shard {index}: expected a shard index in 0..{} ({} lists {} servers)",
+            cfg.num_shards(),
+            config.display(),
+            cfg.num_shards()
+        );
+    }
+    let train = ps_common::idx::load_split(
+        &cfg.data_dir,
+        ps_common::idx::Split::Train,
+        cfg.dims[cfg.dims.len() - 1],
+    )
+    .context("loading the training set")?;
+    if train.features() != cfg.dims[0] {
+        anyhow::bail!(
+            "{}: images have {} pixels but [model] inputs = {}",
+            cfg.data_dir.display(),
+            train.features(),
+            cfg.dims[0]
+        );
+    }
+    let shard0 = shard0.or_else(|| (index > 0).then(|| cfg.servers[0].clone()));
+    Ok(ShardSetup {
+        train_len: train.len(),
+        cfg,
+        index,
+        shard0,
+    })
+}

@@ -1,0 +1,91 @@
+//! `ps-server --config FILE --shard I`: one shard of the parameter server.
+
+use clap::Parser;
+use ps_server::{Outcome, load_setup, run_shard};
+use std::path::PathBuf;
+
+#[derive(Parser, Debug)]
+#[command(version, about = "One shard of the parameter server")]
+struct Cli {
+    /// The cluster's TOML config.
+    #[arg(long)]
+    config: PathBuf,
+    /// This shard's index (its address is `[cluster] servers[I]`).
+    #[arg(long)]
+    shard: usize,
+    /// Listen here instead of the config's address (`127.0.0.1:0` picks a free port).
+    #[arg(long)]
+    listen: Option<String>,
+    /// Write the bound address to this file once listening (for launchers).
+    #[arg(long)]
+    addr_file: Option<PathBuf>,
+    /// Shard 0's address, when it differs from the config's.
+    #[arg(long)]
+    shard0: Option<String>,
+    /// Write final weights and metrics here instead of the config's `[server] out_dir`.
+    #[arg(long)]
+    out_dir: Option<PathBuf>,
+}
+
+fn main() -> std::process::ExitCode {
+    ps_common::init_logging();
+    let cli = Cli::parse();
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            return std::process::ExitCode::from(1);
+        }
+    };
+    match rt.block_on(serve(cli)) {
+        Ok(Outcome::Finished) => std::process::ExitCode::SUCCESS,
+        Ok(Outcome::Interrupted) => std::process::ExitCode::from(130),
+        Ok(Outcome::Failed(_)) => std::process::ExitCode::from(1),
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::ExitCode::from(2)
+        }
+    }
+}
+
+async fn serve(cli: Cli) -> anyhow::Result<Outcome> {
+    let mut setup = load_setup(&cli.config, cli.shard, cli.shard0)?;
+    if let Some(d) = cli.out_dir {
+        setup.cfg.server.out_dir = d;
+    }
+    if setup.index == 0 {
+        tracing::info!("{}", setup.cfg.describe());
+        let eq = setup.cfg.equivalence();
+        tracing::info!("{eq}");
+        for w in &eq.warnings {
+            tracing::warn!("{w}");
+        }
+    }
+    let addr = cli
+        .listen
+        .unwrap_or_else(|| setup.cfg.servers[setup.index].clone());
+    let listener = tokio::net::TcpListener::bind(&addr)
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot listen on {addr}: {e}"))?;
+    if let Some(f) = &cli.addr_file {
+        let tmp = f.with_extension("tmp");
+        std::fs::write(&tmp, format!("{}\n", listener.local_addr()?))?;
+        std::fs::rename(&tmp, f)?;
+    }
+    run_shard(setup, listener, shutdown_signal()).await
+}
+
+async fn shutdown_signal() {
+    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+        Ok(s) => s,
+        Err(_) => return std::future::pending().await,
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+}

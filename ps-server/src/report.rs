@@ -1,0 +1,240 @@
+//! What users watch: shard 0 joins its own step figures with the squared gradient norms the
+//! other shards report, then logs one line per step (every `log_every`) with the cluster-wide
+//! loss, accuracy, whole-gradient norm, lr, workers, samples, timing and slowest rank, and
+//! appends the same as a JSON line to the metrics file. Every other shard logs its own barrier
+//! and timing, and reports to shard 0.
+
+use crate::shard::StepFigures;
+use ps_common::pb::StepReport;
+use ps_common::pb::parameter_server_client::ParameterServerClient;
+use serde_json::json;
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+use tokio::sync::mpsc;
+
+/// How long shard 0 waits for the other shards' reports of a step before logging without them.
+const REPORT_WAIT: Duration = Duration::from_secs(10);
+
+#[derive(Debug)]
+enum Event {
+    Local(StepFigures),
+    Remote(StepReport),
+}
+
+/// The handle handlers use to hand over step figures.
+#[derive(Debug, Clone)]
+pub struct Reporter {
+    tx: mpsc::UnboundedSender<Event>,
+}
+
+/// Settings of the reporter task.
+#[derive(Debug, Clone)]
+pub struct ReporterConfig {
+    /// This shard.
+    pub shard: usize,
+    /// S.
+    pub num_shards: usize,
+    /// W.
+    pub world: usize,
+    /// Steps of the run.
+    pub total_steps: u64,
+    /// Log every N steps.
+    pub log_every: u64,
+    /// Shard 0's metrics file.
+    pub metrics_file: Option<PathBuf>,
+    /// Shard 0's address (for shards > 0).
+    pub shard0: Option<String>,
+}
+
+impl Reporter {
+    /// Starts the reporter task and returns its handle.
+    pub fn spawn(cfg: ReporterConfig) -> Self {
+        let (tx, rx) = mpsc::unbounded_channel();
+        tokio::spawn(run(cfg, rx));
+        Self { tx }
+    }
+
+    /// This shard finished a step.
+    pub fn step_done(&self, f: StepFigures) {
+        let _ = self.tx.send(Event::Local(f));
+    }
+
+    /// Another shard reported a step (shard 0 only).
+    pub fn remote_report(&self, r: StepReport) {
+        let _ = self.tx.send(Event::Remote(r));
+    }
+}
+
+#[derive(Default)]
+struct Pending {
+    local: Option<StepFigures>,
+    remote_sq: f64,
+    remote: usize,
+    first_seen: Option<Instant>,
+}
+
+async fn run(cfg: ReporterConfig, mut rx: mpsc::UnboundedReceiver<Event>) {
+    if cfg.shard != 0 {
+        forward_to_shard0(cfg, rx).await;
+        return;
+    }
+    let mut metrics = cfg.metrics_file.as_ref().and_then(|p| {
+        let open = || -> std::io::Result<std::fs::File> {
+            if let Some(d) = p.parent() {
+                std::fs::create_dir_all(d)?;
+            }
+            std::fs::File::create(p)
+        };
+        open()
+            .map_err(|e| tracing::warn!("cannot write metrics file {}: {e}", p.display()))
+            .ok()
+    });
+    let mut pending: BTreeMap<u64, Pending> = BTreeMap::new();
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    loop {
+        tokio::select! {
+            ev = rx.recv() => {
+                let Some(ev) = ev else { break };
+                let step = match ev {
+                    Event::Local(f) => {
+                        let step = f.step;
+                        let p = pending.entry(step).or_default();
+                        p.first_seen.get_or_insert_with(Instant::now);
+                        p.local = Some(f);
+                        step
+                    }
+                    Event::Remote(r) => {
+                        let p = pending.entry(r.step).or_default();
+                        p.first_seen.get_or_insert_with(Instant::now);
+                        p.remote_sq += r.grad_sq_norm;
+                        p.remote += 1;
+                        r.step
+                    }
+                };
+                if let Some(p) = pending.get(&step)
+                    && p.local.is_some()
+                    && p.remote + 1 == cfg.num_shards
+                {
+                    let p = pending.remove(&step).expect("present");
+                    emit(&cfg, p, metrics.as_mut());
+                }
+            }
+            _ = tick.tick() => {
+                let stale: Vec<u64> = pending
+                    .iter()
+                    .filter(|(_, p)| p.local.is_some() && p.first_seen.is_some_and(|t| t.elapsed() > REPORT_WAIT))
+                    .map(|(s, _)| *s)
+                    .collect();
+                for s in stale {
+                    let p = pending.remove(&s).expect("present");
+                    tracing::warn!("step {s}: only {} of {} shards reported; the gradient norm covers those", p.remote + 1, cfg.num_shards);
+                    emit(&cfg, p, metrics.as_mut());
+                }
+            }
+        }
+    }
+}
+
+fn emit(cfg: &ReporterConfig, p: Pending, metrics: Option<&mut std::fs::File>) {
+    let f = p.local.expect("local figures present");
+    let norm = (f.grad_sq_norm + p.remote_sq).sqrt();
+    let samples = f.samples.max(1) as f64;
+    let loss = f.loss_sum / samples;
+    let acc = f.correct as f64 / samples;
+    let test_acc = (f.eval.1 > 0).then(|| f.eval.0 as f64 / f.eval.1 as f64);
+    let last = f.step + 1 == cfg.total_steps;
+    if (f.step + 1) % cfg.log_every == 0 || f.step == 0 || last {
+        tracing::info!(
+            "step {}/{} | loss {:.4} | train acc {:.2}% | grad norm {:.4} | lr {:.5} | workers {}/{} | samples {} | step {:.1} ms | barrier wait {:.1} ms (slowest rank {}) | apply {:.1} ms",
+            f.step + 1,
+            cfg.total_steps,
+            loss,
+            acc * 100.0,
+            norm,
+            f.lr,
+            f.workers_in,
+            cfg.world,
+            f.samples,
+            f.step_ms,
+            f.barrier_wait_ms,
+            f.slowest_rank,
+            f.apply_ms,
+        );
+    }
+    if let Some(a) = test_acc {
+        tracing::info!(
+            "eval after {} steps: test accuracy {:.2}% ({}/{})",
+            f.step,
+            a * 100.0,
+            f.eval.0,
+            f.eval.1
+        );
+    }
+    if let Some(m) = metrics {
+        let mut line = json!({
+            "step": f.step + 1, "loss": loss, "train_acc": acc, "grad_norm": norm, "lr": f.lr,
+            "workers": f.workers_in, "samples": f.samples, "step_ms": f.step_ms,
+            "barrier_wait_ms": f.barrier_wait_ms, "slowest_rank": f.slowest_rank, "apply_ms": f.apply_ms,
+        });
+        if let Some(a) = test_acc {
+            line["test_acc_before_step"] = json!(a);
+        }
+        if let Err(e) = writeln!(m, "{line}") {
+            tracing::warn!("cannot append to the metrics file: {e}");
+        }
+    }
+}
+
+/// Shards > 0: log their own barrier line and send the figures to shard 0 (best effort, in order).
+async fn forward_to_shard0(cfg: ReporterConfig, mut rx: mpsc::UnboundedReceiver<Event>) {
+    let mut client = None;
+    let mut warned = false;
+    while let Some(ev) = rx.recv().await {
+        let Event::Local(f) = ev else { continue };
+        if (f.step + 1) % cfg.log_every == 0 || f.step + 1 == cfg.total_steps {
+            tracing::info!(
+                "shard {} step {}/{} | step {:.1} ms | barrier wait {:.1} ms (slowest rank {}) | apply {:.1} ms",
+                cfg.shard,
+                f.step + 1,
+                cfg.total_steps,
+                f.step_ms,
+                f.barrier_wait_ms,
+                f.slowest_rank,
+                f.apply_ms
+            );
+        }
+        let report = StepReport {
+            shard: cfg.shard as u32,
+            step: f.step,
+            grad_sq_norm: f.grad_sq_norm,
+            step_ms: f.step_ms,
+            barrier_wait_ms: f.barrier_wait_ms,
+            slowest_rank: f.slowest_rank,
+        };
+        let Some(addr) = &cfg.shard0 else { continue };
+        if client.is_none() {
+            client = ParameterServerClient::connect(format!("http://{addr}"))
+                .await
+                .ok();
+        }
+        let sent = match client.as_mut() {
+            Some(c) => c
+                .report_step(report)
+                .await
+                .map_err(|s| s.message().to_string()),
+            None => Err(format!("cannot connect to shard 0 at {addr}")),
+        };
+        if let Err(e) = sent {
+            client = None;
+            if !warned {
+                tracing::warn!(
+                    "shard {}: step report to shard 0 failed ({e}); its log lines will lack this shard's gradient norm",
+                    cfg.shard
+                );
+                warned = true;
+            }
+        }
+    }
+}

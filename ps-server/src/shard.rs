@@ -1,0 +1,498 @@
+//! One shard's state and its BSP step: per-rank gradient slots for the current step, the
+//! aggregation in fixed rank order, the optimizer update, the version bump that wakes pulls,
+//! and the validation every push goes through before it touches state.
+//!
+//! Locking: one std `Mutex<State>`, never held across an `.await` nor during the arithmetic;
+//! the barrier-completing push moves the slots out, computes on a blocking thread, and puts
+//! the new parameters back.
+
+use bytes::Bytes;
+use ps_common::config::{Aggregation, Config};
+use ps_common::optim::{LrSchedule, OptState, Optimizer};
+use ps_common::wire::f32_to_bytes;
+use ps_common::{PsError, PsResult};
+use std::ops::Range;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+use tokio::sync::watch;
+
+/// One rank's gradient for the current step.
+#[derive(Debug)]
+pub struct Slot {
+    /// The gradient slice.
+    pub grad: Vec<f32>,
+    /// Fingerprint of its bytes (to recognise retries).
+    pub fingerprint: u64,
+    /// `b_r`.
+    pub samples: u32,
+    /// Sum of per-sample losses.
+    pub loss_sum: f64,
+    /// Correct predictions.
+    pub correct: u64,
+    /// Test-set evaluation carried with the push (correct, count).
+    pub eval: (u64, u64),
+    /// When it arrived.
+    pub arrived: Instant,
+}
+
+/// What a push carries besides the gradient.
+#[derive(Debug, Clone, Copy)]
+pub struct PushMeta {
+    /// Rank.
+    pub rank: u32,
+    /// Step.
+    pub step: u64,
+    /// `b_r`.
+    pub samples: u32,
+    /// Sum of per-sample losses.
+    pub loss_sum: f64,
+    /// Correct predictions.
+    pub correct: u64,
+    /// Evaluation (correct, count).
+    pub eval: (u64, u64),
+}
+
+/// The outcome of an accepted push.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PushOutcome {
+    /// False for an idempotent retry of a gradient already counted.
+    pub counted: bool,
+    /// Ranks in for the step now.
+    pub ranks_in: u32,
+}
+
+/// Figures of one completed step on this shard.
+#[derive(Debug, Clone)]
+pub struct StepFigures {
+    /// The step that was applied (version is now `step + 1`).
+    pub step: u64,
+    /// Squared norm of this shard's slice of the aggregated gradient.
+    pub grad_sq_norm: f64,
+    /// Learning rate used.
+    pub lr: f64,
+    /// Σ b_r.
+    pub samples: u64,
+    /// Σ loss sums.
+    pub loss_sum: f64,
+    /// Σ correct.
+    pub correct: u64,
+    /// Workers whose gradient went in.
+    pub workers_in: u32,
+    /// Time from the previous version bump to this one.
+    pub step_ms: f64,
+    /// Time from the first to the last arrival.
+    pub barrier_wait_ms: f64,
+    /// Rank that arrived last.
+    pub slowest_rank: u32,
+    /// Time spent aggregating and updating.
+    pub apply_ms: f64,
+    /// Test-set evaluation summed over ranks (correct, count), when carried.
+    pub eval: (u64, u64),
+}
+
+#[derive(Debug)]
+struct State {
+    /// Steps applied: the next step expected.
+    version: u64,
+    /// Parameters of `version`, encoded once and shared by every pull.
+    snapshot: Bytes,
+    /// Master copy (taken out while applying).
+    params: Vec<f32>,
+    opt: OptState,
+    registered: Vec<bool>,
+    slots: Vec<Option<Slot>>,
+    /// Fingerprints of this step's gradients (kept while applying) and of the previous step's.
+    current_fp: Vec<Option<u64>>,
+    previous_fp: Vec<Option<u64>>,
+    applying: bool,
+    /// When the shard started waiting for the current step.
+    waiting_since: Instant,
+    last_warn: Option<Instant>,
+    /// Final test evaluation reported by each rank when it leaves.
+    left: Vec<Option<(u64, u64)>>,
+    failed: Option<String>,
+}
+
+/// One shard of the model: its range of the flat vector, optimizer, schedule and barrier.
+#[derive(Debug)]
+pub struct Shard {
+    /// Shard index.
+    pub index: usize,
+    /// Its range of the flat parameter vector.
+    pub range: Range<usize>,
+    /// W.
+    pub world: usize,
+    /// Total parameter count of the model.
+    pub num_params: usize,
+    /// Number of shards.
+    pub num_shards: usize,
+    /// Steps of the run.
+    pub total_steps: u64,
+    aggregation: Aggregation,
+    optimizer: Optimizer,
+    schedule: LrSchedule,
+    state: Mutex<State>,
+    version_tx: watch::Sender<u64>,
+}
+
+impl Shard {
+    /// Builds shard `index` of `cfg` for a run of `total_steps`, with initial weights from the seed.
+    pub fn new(cfg: &Config, index: usize, total_steps: u64) -> Arc<Self> {
+        let layout = cfg.layout();
+        let range =
+            ps_common::layout::shard_ranges(layout.num_params(), cfg.num_shards())[index].clone();
+        let params = layout.init_range(cfg.seed, range.clone());
+        let w = cfg.workers;
+        let state = State {
+            version: 0,
+            snapshot: f32_to_bytes(&params),
+            opt: cfg.optimizer.init_state(params.len()),
+            params,
+            registered: vec![false; w],
+            slots: (0..w).map(|_| None).collect(),
+            current_fp: vec![None; w],
+            previous_fp: vec![None; w],
+            applying: false,
+            waiting_since: Instant::now(),
+            last_warn: None,
+            left: vec![None; w],
+            failed: None,
+        };
+        Arc::new(Self {
+            index,
+            range,
+            world: w,
+            num_params: layout.num_params(),
+            num_shards: cfg.num_shards(),
+            total_steps,
+            aggregation: cfg.aggregation,
+            optimizer: cfg.optimizer.clone(),
+            schedule: cfg.schedule_for(total_steps),
+            state: Mutex::new(state),
+            version_tx: watch::Sender::new(0),
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // a panic while holding the lock would be a bug; keep serving with the data as it is
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Length of the shard's slice.
+    pub fn len(&self) -> usize {
+        self.range.len()
+    }
+
+    /// True for an empty shard (more shards than parameters).
+    pub fn is_empty(&self) -> bool {
+        self.range.is_empty()
+    }
+
+    /// Current version.
+    pub fn version(&self) -> u64 {
+        *self.version_tx.borrow()
+    }
+
+    /// A receiver that sees every version bump.
+    pub fn subscribe(&self) -> watch::Receiver<u64> {
+        self.version_tx.subscribe()
+    }
+
+    /// Marks the run failed: pulls and pushes are refused from now on.
+    pub fn fail(&self, why: String) {
+        self.lock().failed = Some(why);
+        // wake pulls so they see the failure
+        self.version_tx.send_modify(|_| {});
+    }
+
+    /// Why the run failed, if it did.
+    pub fn failure(&self) -> Option<String> {
+        self.lock().failed.clone()
+    }
+
+    fn check_rank(&self, rank: u32) -> PsResult<usize> {
+        if (rank as usize) < self.world {
+            Ok(rank as usize)
+        } else {
+            Err(PsError::UnknownRank {
+                rank,
+                world: self.world as u32,
+            })
+        }
+    }
+
+    /// Records a worker's registration; returns the current version.
+    pub fn register(&self, rank: u32) -> PsResult<u64> {
+        let r = self.check_rank(rank)?;
+        let mut st = self.lock();
+        st.registered[r] = true;
+        Ok(st.version)
+    }
+
+    /// Checks a push header before its data is received: rank, registration, length, and a
+    /// step that can still be accepted (the current one, or the previous one as a retry).
+    pub fn precheck(&self, rank: u32, step: u64, len: u64) -> PsResult<()> {
+        let r = self.check_rank(rank)?;
+        let st = self.lock();
+        if let Some(why) = &st.failed {
+            return Err(PsError::Unavailable(why.clone()));
+        }
+        if !st.registered[r] {
+            return Err(PsError::NotRegistered(rank));
+        }
+        if len != self.len() as u64 {
+            return Err(PsError::WrongLength {
+                expected: self.len() as u64,
+                got: len,
+            });
+        }
+        check_step(step, st.version)
+    }
+
+    /// Counts a complete, validated gradient. Returns the outcome and, when this push completed
+    /// the barrier, the slots to aggregate (in rank order).
+    pub fn accept(
+        &self,
+        meta: PushMeta,
+        grad: Vec<f32>,
+        fingerprint: u64,
+    ) -> PsResult<(PushOutcome, Option<Vec<Slot>>)> {
+        let r = self.check_rank(meta.rank)?;
+        let mut st = self.lock();
+        if let Some(why) = &st.failed {
+            return Err(PsError::Unavailable(why.clone()));
+        }
+        check_step(meta.step, st.version)?;
+        let ranks_in = |st: &State| st.current_fp.iter().filter(|f| f.is_some()).count() as u32;
+        if meta.step + 1 == st.version {
+            // a retry of the step just applied: acknowledged only if it is the same gradient
+            return if st.previous_fp[r] == Some(fingerprint) {
+                Ok((
+                    PushOutcome {
+                        counted: false,
+                        ranks_in: self.world as u32,
+                    },
+                    None,
+                ))
+            } else {
+                Err(PsError::StaleStep {
+                    step: meta.step,
+                    expected: st.version,
+                })
+            };
+        }
+        match st.current_fp[r] {
+            Some(fp) if fp == fingerprint => {
+                return Ok((
+                    PushOutcome {
+                        counted: false,
+                        ranks_in: ranks_in(&st),
+                    },
+                    None,
+                ));
+            }
+            Some(_) => {
+                return Err(PsError::Conflict {
+                    rank: meta.rank,
+                    step: meta.step,
+                });
+            }
+            None => {}
+        }
+        st.current_fp[r] = Some(fingerprint);
+        st.slots[r] = Some(Slot {
+            grad,
+            fingerprint,
+            samples: meta.samples,
+            loss_sum: meta.loss_sum,
+            correct: meta.correct,
+            eval: meta.eval,
+            arrived: Instant::now(),
+        });
+        let n = ranks_in(&st);
+        let outcome = PushOutcome {
+            counted: true,
+            ranks_in: n,
+        };
+        if n as usize == self.world && !st.applying {
+            st.applying = true;
+            let slots = st
+                .slots
+                .iter_mut()
+                .map(|s| s.take().expect("all ranks in"))
+                .collect();
+            return Ok((outcome, Some(slots)));
+        }
+        Ok((outcome, None))
+    }
+
+    /// Aggregates `slots` (rank order), applies the optimizer and publishes the next version.
+    /// Runs the arithmetic without holding the lock; call it from a blocking thread.
+    pub fn apply(&self, slots: Vec<Slot>) -> StepFigures {
+        let started = Instant::now();
+        let (step, mut params, mut opt, waiting_since) = {
+            let mut st = self.lock();
+            let params = std::mem::take(&mut st.params);
+            let opt = std::mem::take(&mut st.opt);
+            (st.version, params, opt, st.waiting_since)
+        };
+        let samples: u64 = slots.iter().map(|s| u64::from(s.samples)).sum();
+        let coeffs: Vec<f32> = slots
+            .iter()
+            .map(|s| match self.aggregation {
+                Aggregation::Sum => 1.0,
+                Aggregation::Mean => 1.0 / self.world as f32,
+                Aggregation::Weighted if samples == 0 => 0.0,
+                Aggregation::Weighted => (f64::from(s.samples) / samples as f64) as f32,
+            })
+            .collect();
+        let mut g = vec![0f32; params.len()];
+        aggregate(&mut g, &slots, &coeffs);
+        let grad_sq_norm = g.iter().map(|&v| f64::from(v) * f64::from(v)).sum::<f64>();
+        let lr = self.schedule.lr(step);
+        self.optimizer.step(&mut params, &g, &mut opt, lr as f32);
+        let snapshot = f32_to_bytes(&params);
+
+        let first = slots
+            .iter()
+            .map(|s| s.arrived)
+            .min()
+            .expect("at least one rank");
+        let (last_rank, last) = slots
+            .iter()
+            .enumerate()
+            .map(|(r, s)| (r, s.arrived))
+            .max_by_key(|&(_, t)| t)
+            .expect("at least one rank");
+        let now = Instant::now();
+        let figures = StepFigures {
+            step,
+            grad_sq_norm,
+            lr,
+            samples,
+            loss_sum: slots.iter().map(|s| s.loss_sum).sum(),
+            correct: slots.iter().map(|s| s.correct).sum(),
+            workers_in: slots.len() as u32,
+            step_ms: ms(now - waiting_since),
+            barrier_wait_ms: ms(last - first),
+            slowest_rank: last_rank as u32,
+            apply_ms: ms(now - started),
+            eval: slots
+                .iter()
+                .fold((0, 0), |a, s| (a.0 + s.eval.0, a.1 + s.eval.1)),
+        };
+        {
+            let mut st = self.lock();
+            st.params = params;
+            st.opt = opt;
+            st.snapshot = snapshot;
+            st.version = step + 1;
+            st.previous_fp = std::mem::replace(&mut st.current_fp, vec![None; self.world]);
+            st.applying = false;
+            st.waiting_since = now;
+            st.last_warn = None;
+        }
+        self.version_tx.send_replace(step + 1);
+        figures
+    }
+
+    /// The snapshot of the current parameters and its version.
+    pub fn snapshot(&self) -> PsResult<(u64, Bytes)> {
+        let st = self.lock();
+        if let Some(why) = &st.failed {
+            return Err(PsError::Unavailable(why.clone()));
+        }
+        Ok((st.version, st.snapshot.clone()))
+    }
+
+    /// A copy of the current parameters (for the final weights file).
+    pub fn params(&self) -> (u64, Vec<f32>) {
+        let st = self.lock();
+        (st.version, st.params.clone())
+    }
+
+    /// Records that `rank` left with its final evaluation; returns true when every rank has.
+    pub fn leave(&self, rank: u32, eval: (u64, u64)) -> PsResult<bool> {
+        let r = self.check_rank(rank)?;
+        let mut st = self.lock();
+        st.left[r] = Some(eval);
+        Ok(st.left.iter().all(Option::is_some))
+    }
+
+    /// Final evaluation summed over the ranks that left, and the ranks that did not.
+    pub fn final_eval(&self) -> ((u64, u64), Vec<usize>) {
+        let st = self.lock();
+        let sum = st
+            .left
+            .iter()
+            .flatten()
+            .fold((0, 0), |a, e| (a.0 + e.0, a.1 + e.1));
+        let missing = st
+            .left
+            .iter()
+            .enumerate()
+            .filter(|(_, e)| e.is_none())
+            .map(|(r, _)| r)
+            .collect();
+        (sum, missing)
+    }
+
+    /// The barrier's watch: while the current step has waited longer than `warn` since the
+    /// last warning, returns the ranks still missing and how long it has waited.
+    pub fn overdue(&self, warn: Duration) -> Option<(u64, Vec<usize>, Duration)> {
+        let mut st = self.lock();
+        if st.applying || st.version >= self.total_steps || st.failed.is_some() {
+            return None;
+        }
+        let waited = st.waiting_since.elapsed();
+        let since_warn = st.last_warn.map_or(waited, |t| t.elapsed());
+        if waited < warn || since_warn < warn {
+            return None;
+        }
+        st.last_warn = Some(Instant::now());
+        let missing = st
+            .current_fp
+            .iter()
+            .enumerate()
+            .filter(|(_, f)| f.is_none())
+            .map(|(r, _)| r)
+            .collect();
+        Some((st.version, missing, waited))
+    }
+}
+
+fn check_step(step: u64, version: u64) -> PsResult<()> {
+    if step > version {
+        Err(PsError::FutureStep {
+            step,
+            expected: version,
+        })
+    } else if step + 1 < version {
+        Err(PsError::StaleStep {
+            step,
+            expected: version,
+        })
+    } else {
+        Ok(())
+    }
+}
+
+/// `g = Σ_r coeffs[r] * slots[r].grad`, summed in rank order (bit-reproducible whatever the
+/// arrival order), in straight-line loops over slices.
+fn aggregate(g: &mut [f32], slots: &[Slot], coeffs: &[f32]) {
+    for (slot, &c) in slots.iter().zip(coeffs) {
+        if c == 1.0 {
+            for (a, &x) in g.iter_mut().zip(&slot.grad) {
+                *a += x;
+            }
+        } else {
+            for (a, &x) in g.iter_mut().zip(&slot.grad) {
+                *a += c * x;
+            }
+        }
+    }
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}

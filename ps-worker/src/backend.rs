@@ -1,0 +1,93 @@
+//! The compute backend a worker runs the model on: one trait, a CPU implementation (ndarray)
+//! that always builds and runs, and a CUDA implementation (cudarc) loaded at run time.
+//! The model is the MLP of [`ps_common::layout::MlpLayout`]: linear layers with ReLU between
+//! them and a softmax cross-entropy loss over the last layer's outputs.
+
+use ps_common::config::LossReduction;
+
+/// What can go wrong on a device.
+#[derive(Debug, thiserror::Error)]
+pub enum BackendError {
+    /// No usable GPU: no driver library, no device, or CUDA support missing.
+    #[error("no GPU: {0}")]
+    NoGpu(String),
+    /// A CUDA call failed.
+    #[error("cuda: {0}")]
+    Cuda(String),
+    /// Inputs of the wrong size.
+    #[error("shape: {0}")]
+    Shape(String),
+}
+
+/// Result with a [`BackendError`].
+pub type BackendResult<T> = Result<T, BackendError>;
+
+/// Figures of one forward and backward pass.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct StepStats {
+    /// Sum over the batch of the per-sample cross-entropy loss (whatever the reduction).
+    pub loss_sum: f64,
+    /// Samples whose largest logit is their label.
+    pub correct: u64,
+}
+
+/// A device that computes the MLP's loss gradient.
+pub trait Backend: Send {
+    /// "cpu (2 threads)", "cuda:0 (NVIDIA H100 80GB HBM3)".
+    fn name(&self) -> String;
+
+    /// Loads the full flat parameter vector (PyTorch `state_dict` order), after each pull.
+    fn set_weights(&mut self, flat: &[f32]) -> BackendResult<()>;
+
+    /// Forward and backward on `labels.len()` samples whose features are the rows of `x`
+    /// (row-major, `[n, inputs]`). Writes the gradient of the batch loss with `reduction`
+    /// (`mean`: divided by n, `sum`: not) into `grad` (length = number of parameters).
+    /// An empty batch writes zeros.
+    fn forward_backward(
+        &mut self,
+        x: &[f32],
+        labels: &[u8],
+        reduction: LossReduction,
+        grad: &mut [f32],
+    ) -> BackendResult<StepStats>;
+
+    /// Number of correctly classified samples among `labels.len()` rows of `x`.
+    fn evaluate(&mut self, x: &[f32], labels: &[u8]) -> BackendResult<u64>;
+}
+
+/// Checks the common argument shapes of [`Backend::forward_backward`].
+pub fn check_shapes(
+    dims: &[usize],
+    num_params: usize,
+    x: &[f32],
+    labels: &[u8],
+    grad: Option<&[f32]>,
+) -> BackendResult<()> {
+    let n = labels.len();
+    if x.len() != n * dims[0] {
+        return Err(BackendError::Shape(format!(
+            "features hold {} values: expected {n} samples x {} inputs = {}",
+            x.len(),
+            dims[0],
+            n * dims[0]
+        )));
+    }
+    if let Some(bad) = labels
+        .iter()
+        .find(|&&l| usize::from(l) >= *dims.last().expect("dims"))
+    {
+        return Err(BackendError::Shape(format!(
+            "label {bad}: expected < {}",
+            dims.last().expect("dims")
+        )));
+    }
+    if let Some(g) = grad
+        && g.len() != num_params
+    {
+        return Err(BackendError::Shape(format!(
+            "gradient buffer holds {}: expected {num_params}",
+            g.len()
+        )));
+    }
+    Ok(())
+}

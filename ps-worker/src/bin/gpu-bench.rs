@@ -1,0 +1,328 @@
+//! gpu-bench: micro-benchmark of the CUDA backend.
+//!
+//! For each model and batch size: the forward+backward time per step with the gradient left
+//! on the device (batch upload, kernels, sgemm, reading the loss back), beside the same
+//! step's three sgemm calls per layer alone; the host-to-device weight upload and the
+//! device-to-host gradient download; and a full worker step (upload weights, forward+backward,
+//! download gradient). Medians over `--steps` timed steps after `--warmup` untimed ones, each
+//! timed step ending with a stream synchronisation. FLOPs are counted as 6·batch·Σ(in·out)
+//! per step (forward, weight gradient and input gradient of every layer; a real step skips the
+//! first layer's input gradient but the count, like PyTorch's usual one, includes it).
+//!
+//! Prints a markdown table; `--json PATH` also writes the figures as JSON. Without a GPU it
+//! prints one "no GPU: …" line and exits 0.
+
+use ps_common::config::LossReduction;
+use ps_common::layout::{MlpLayout, splitmix64};
+use ps_worker::backend::{Backend, BackendError};
+use ps_worker::cuda::CudaBackend;
+use std::process::ExitCode;
+use std::time::Instant;
+
+const USAGE: &str = "usage: gpu-bench [--json PATH] [--steps N] [--warmup N] [--device N] \
+[--models 784-1024-1024-10,784-4096-4096-10] [--batches 64,256,1024]";
+
+#[derive(Debug)]
+struct Args {
+    json: Option<String>,
+    steps: usize,
+    warmup: usize,
+    device: usize,
+    models: Vec<Vec<usize>>,
+    batches: Vec<usize>,
+}
+
+fn parse_list(s: &str, sep: char, what: &str) -> Result<Vec<usize>, String> {
+    s.split(sep)
+        .map(|v| {
+            v.trim()
+                .parse::<usize>()
+                .map_err(|_| format!("bad {what} {s:?}"))
+        })
+        .collect()
+}
+
+fn parse_args() -> Result<Args, String> {
+    let mut a = Args {
+        json: None,
+        steps: 50,
+        warmup: 10,
+        device: 0,
+        models: vec![vec![784, 1024, 1024, 10], vec![784, 4096, 4096, 10]],
+        batches: vec![64, 256, 1024],
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        if flag == "-h" || flag == "--help" {
+            return Err(USAGE.to_string());
+        }
+        let value = it
+            .next()
+            .ok_or_else(|| format!("{flag} needs a value\n{USAGE}"))?;
+        let num = |v: &str| {
+            v.parse::<usize>()
+                .map_err(|_| format!("{flag}: not a number: {v:?}"))
+        };
+        match flag.as_str() {
+            "--json" => a.json = Some(value),
+            "--steps" => a.steps = num(&value)?.max(1),
+            "--warmup" => a.warmup = num(&value)?,
+            "--device" => a.device = num(&value)?,
+            "--models" => {
+                a.models = value
+                    .split(',')
+                    .map(|m| parse_list(m, '-', "model"))
+                    .collect::<Result<_, _>>()?;
+                if a.models.iter().any(|m| m.len() < 2 || m.contains(&0)) {
+                    return Err(format!(
+                        "--models {value:?}: each model is at least two widths like 784-10"
+                    ));
+                }
+            }
+            "--batches" => {
+                a.batches = parse_list(&value, ',', "batch size")?;
+                if a.batches.contains(&0) {
+                    return Err("--batches: sizes must be positive".into());
+                }
+            }
+            _ => return Err(format!("unknown argument {flag:?}\n{USAGE}")),
+        }
+    }
+    Ok(a)
+}
+
+/// Median of the wall times of `steps` calls of `f`, in milliseconds, after `warmup` calls.
+fn median_ms(
+    warmup: usize,
+    steps: usize,
+    mut f: impl FnMut() -> Result<(), BackendError>,
+) -> Result<f64, BackendError> {
+    for _ in 0..warmup {
+        f()?;
+    }
+    let mut t = Vec::with_capacity(steps);
+    for _ in 0..steps {
+        let start = Instant::now();
+        f()?;
+        t.push(start.elapsed().as_secs_f64() * 1e3);
+    }
+    t.sort_by(f64::total_cmp);
+    let m = t.len() / 2;
+    Ok(if t.len() % 2 == 1 {
+        t[m]
+    } else {
+        0.5 * (t[m - 1] + t[m])
+    })
+}
+
+#[derive(Debug)]
+struct Row {
+    model: String,
+    params: usize,
+    batch: usize,
+    gflop: f64,
+    step_ms: f64,
+    gemm_ms: f64,
+    htod_ms: f64,
+    dtoh_ms: f64,
+    full_ms: f64,
+}
+
+impl Row {
+    fn rate(&self, ms: f64) -> f64 {
+        self.gflop / (ms * 1e-3)
+    }
+    fn gbps(&self, ms: f64) -> f64 {
+        (4 * self.params) as f64 / (ms * 1e6)
+    }
+}
+
+fn bench_model(
+    b: &mut CudaBackend,
+    dims: &[usize],
+    batches: &[usize],
+    a: &Args,
+) -> Result<Vec<Row>, BackendError> {
+    let layout = MlpLayout::new(dims);
+    let p = layout.num_params();
+    let w = layout.init_range(1, 0..p);
+    let mut g = vec![0.0f32; p];
+    let classes = *dims.last().expect("dims") as u64;
+    let macs: usize = dims.windows(2).map(|d| d[0] * d[1]).sum();
+    let mut rows = Vec::new();
+    for &n in batches {
+        let x: Vec<f32> = (0..(n * dims[0]) as u64)
+            .map(|i| (splitmix64(i) >> 40) as f32 / (1u64 << 24) as f32)
+            .collect();
+        let labels: Vec<u8> = (0..n as u64)
+            .map(|i| (splitmix64(!i) % classes.min(256)) as u8)
+            .collect();
+        b.set_weights(&w)?;
+        let (warm, steps) = (a.warmup, a.steps);
+        let step_ms = median_ms(warm, steps, || {
+            b.compute_gradient(&x, &labels, LossReduction::Mean)
+                .map(|_| ())
+        })?;
+        let gemm_ms = median_ms(warm, steps, || {
+            b.gemm_only(n)?;
+            b.sync()
+        })?;
+        let htod_ms = median_ms(warm, steps, || {
+            b.set_weights(&w)?;
+            b.sync()
+        })?;
+        let dtoh_ms = median_ms(warm, steps, || b.download_gradient(&mut g))?;
+        let full_ms = median_ms(warm, steps, || {
+            b.set_weights(&w)?;
+            b.forward_backward(&x, &labels, LossReduction::Mean, &mut g)
+                .map(|_| ())
+        })?;
+        rows.push(Row {
+            model: dims
+                .iter()
+                .map(|d| d.to_string())
+                .collect::<Vec<_>>()
+                .join("-"),
+            params: p,
+            batch: n,
+            gflop: 6.0 * n as f64 * macs as f64 / 1e9,
+            step_ms,
+            gemm_ms,
+            htod_ms,
+            dtoh_ms,
+            full_ms,
+        });
+    }
+    Ok(rows)
+}
+
+fn markdown(header: &str, rows: &[Row]) -> String {
+    let mut s = format!("{header}\n\n");
+    s.push_str(
+        "| model | params | batch | fwd+bwd ms | GFLOP/s | sgemm-only ms | sgemm GFLOP/s | fwd+bwd / sgemm | \
+         weights htod ms | htod GB/s | grad dtoh ms | dtoh GB/s | full step ms |\n",
+    );
+    s.push_str("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+    for r in rows {
+        s.push_str(&format!(
+            "| {} | {} | {} | {:.3} | {:.0} | {:.3} | {:.0} | {:.0}% | {:.3} | {:.1} | {:.3} | {:.1} | {:.3} |\n",
+            r.model,
+            r.params,
+            r.batch,
+            r.step_ms,
+            r.rate(r.step_ms),
+            r.gemm_ms,
+            r.rate(r.gemm_ms),
+            100.0 * r.gemm_ms / r.step_ms,
+            r.htod_ms,
+            r.gbps(r.htod_ms),
+            r.dtoh_ms,
+            r.gbps(r.dtoh_ms),
+            r.full_ms,
+        ));
+    }
+    s
+}
+
+fn json_str(s: &str) -> String {
+    let mut o = String::from("\"");
+    for c in s.chars() {
+        match c {
+            '"' => o.push_str("\\\""),
+            '\\' => o.push_str("\\\\"),
+            c if (c as u32) < 0x20 => o.push_str(&format!("\\u{:04x}", c as u32)),
+            c => o.push(c),
+        }
+    }
+    o.push('"');
+    o
+}
+
+fn json(device: &str, arch: &str, a: &Args, rows: &[Row]) -> String {
+    let items: Vec<String> = rows
+        .iter()
+        .map(|r| {
+            format!(
+                "    {{\"model\": {}, \"params\": {}, \"batch\": {}, \"gflop_per_step\": {:.6}, \
+                 \"step_ms\": {:.6}, \"step_gflops\": {:.3}, \"sgemm_ms\": {:.6}, \"sgemm_gflops\": {:.3}, \
+                 \"weights_htod_ms\": {:.6}, \"weights_htod_gbps\": {:.3}, \"grad_dtoh_ms\": {:.6}, \
+                 \"grad_dtoh_gbps\": {:.3}, \"full_step_ms\": {:.6}}}",
+                json_str(&r.model),
+                r.params,
+                r.batch,
+                r.gflop,
+                r.step_ms,
+                r.rate(r.step_ms),
+                r.gemm_ms,
+                r.rate(r.gemm_ms),
+                r.htod_ms,
+                r.gbps(r.htod_ms),
+                r.dtoh_ms,
+                r.gbps(r.dtoh_ms),
+                r.full_ms,
+            )
+        })
+        .collect();
+    format!(
+        "{{\n  \"tool\": \"gpu-bench\",\n  \"device\": {},\n  \"arch\": {},\n  \"precision\": \"fp32 (no TF32)\",\n  \
+         \"steps\": {},\n  \"warmup\": {},\n  \"statistic\": \"median\",\n  \"results\": [\n{}\n  ]\n}}\n",
+        json_str(device),
+        json_str(arch),
+        a.steps,
+        a.warmup,
+        items.join(",\n")
+    )
+}
+
+fn main() -> ExitCode {
+    let a = match parse_args() {
+        Ok(a) => a,
+        Err(e) => {
+            let help = e == USAGE;
+            eprintln!("{e}");
+            return if help {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::from(2)
+            };
+        }
+    };
+    let mut rows = Vec::new();
+    let (mut device, mut arch) = (String::new(), String::new());
+    for dims in &a.models {
+        let mut b = match CudaBackend::new(a.device, MlpLayout::new(dims)) {
+            Ok(b) => b,
+            Err(e @ BackendError::NoGpu(_)) => {
+                println!("{e}");
+                return ExitCode::SUCCESS;
+            }
+            Err(e) => {
+                eprintln!("gpu-bench: {e}");
+                return ExitCode::FAILURE;
+            }
+        };
+        device = b.name();
+        arch = b.arch().to_string();
+        match bench_model(&mut b, dims, &a.batches, &a) {
+            Ok(r) => rows.extend(r),
+            Err(e) => {
+                eprintln!("gpu-bench: {dims:?}: {e}");
+                return ExitCode::FAILURE;
+            }
+        }
+    }
+    let header = format!(
+        "gpu-bench on {device} [{arch}], FP32 (no TF32): median of {} steps after {} warm-up steps; \
+         FLOPs = 6·batch·Σ(in·out)",
+        a.steps, a.warmup
+    );
+    print!("{}", markdown(&header, &rows));
+    if let Some(path) = &a.json {
+        if let Err(e) = std::fs::write(path, json(&device, &arch, &a, &rows)) {
+            eprintln!("gpu-bench: writing {path}: {e}");
+            return ExitCode::FAILURE;
+        }
+        eprintln!("gpu-bench: wrote {path}");
+    }
+    ExitCode::SUCCESS
+}

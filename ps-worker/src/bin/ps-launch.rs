@@ -1,0 +1,93 @@
+//! `ps-launch --config FILE`: runs a whole cluster on this machine (S shards and W workers as
+//! processes on 127.0.0.1), shows the servers' convergence log, and stops everything at the end
+//! or on Ctrl-C. `--check-reference` then runs the single-process reference and prints the
+//! largest relative weight difference.
+
+use anyhow::Context;
+use clap::Parser;
+use ps_common::config::Config;
+use ps_common::launch::{LocalCluster, bin_dir};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+#[derive(Parser, Debug)]
+#[command(version, about = "Run a parameter-server cluster on this machine")]
+struct Cli {
+    /// The cluster's TOML config.
+    #[arg(long)]
+    config: PathBuf,
+    /// Write final weights, metrics and worker logs here instead of `[server] out_dir`.
+    #[arg(long)]
+    out_dir: Option<PathBuf>,
+    /// After training, run the single-process reference and compare the weights.
+    #[arg(long)]
+    check_reference: bool,
+    /// Stop everything if the run has not ended after this many seconds.
+    #[arg(long, default_value_t = 6 * 3600)]
+    timeout_secs: u64,
+    /// Extra arguments for every worker (e.g. `--device=auto`).
+    #[arg(long, allow_hyphen_values = true)]
+    worker_arg: Vec<String>,
+}
+
+static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_signal(_: libc::c_int) {
+    INTERRUPTED.store(true, Ordering::SeqCst);
+}
+
+fn main() -> std::process::ExitCode {
+    ps_common::init_logging();
+    match run(Cli::parse()) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::ExitCode::from(1)
+        }
+    }
+}
+
+fn run(cli: Cli) -> anyhow::Result<()> {
+    // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
+    unsafe {
+        libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
+        libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
+    }
+    let cfg = Config::load(&cli.config)?;
+    let out_dir = cli
+        .out_dir
+        .clone()
+        .unwrap_or_else(|| cfg.server.out_dir.clone());
+    let logs = out_dir.join("logs");
+    let (s, w) = (cfg.num_shards(), cfg.workers);
+    eprintln!(
+        "ps-launch: {s} shards and {w} workers on 127.0.0.1; worker logs in {}",
+        logs.display()
+    );
+    let started = Instant::now();
+    let mut cluster = LocalCluster::new(bin_dir(), cli.config.clone(), None);
+    cluster.worker_logs = Some(logs);
+    let server_args = vec!["--out-dir".to_string(), out_dir.display().to_string()];
+    cluster.start_servers(s, &server_args, Duration::from_secs(60))?;
+    for r in 0..w {
+        cluster.start_worker(r, w, &cli.worker_arg)?;
+    }
+    cluster.wait(Duration::from_secs(cli.timeout_secs), &|| {
+        INTERRUPTED.load(Ordering::SeqCst)
+    })?;
+    eprintln!(
+        "ps-launch: cluster finished in {:.1} s; weights in {}",
+        started.elapsed().as_secs_f64(),
+        out_dir.display()
+    );
+    if cli.check_reference {
+        let (diff, tensor) = ps_worker::reference::compare_with_reference(&cfg, &out_dir)
+            .context("reference check")?;
+        eprintln!(
+            "ps-launch: {}; largest relative weight difference to the single-process run: {diff:.3e} (in {tensor})",
+            cfg.equivalence()
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,128 @@
+//! Where a worker's rank, world size and local rank come from: explicit flags, or the
+//! environment of the launcher that started it (torchrun, Slurm, Kubernetes Indexed Jobs).
+
+use std::collections::HashMap;
+
+/// A worker's place in the job and where it was read from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Placement {
+    /// Global rank.
+    pub rank: usize,
+    /// World size, if the source states one.
+    pub world: Option<usize>,
+    /// Rank on this host (picks the GPU).
+    pub local_rank: usize,
+    /// "flags", "torchrun (RANK/WORLD_SIZE/LOCAL_RANK)", ...
+    pub source: &'static str,
+}
+
+/// Resolves the placement from flags first, then `env` (pass `std::env::vars().collect()`).
+pub fn resolve(
+    rank: Option<usize>,
+    world: Option<usize>,
+    local_rank: Option<usize>,
+    env: &HashMap<String, String>,
+) -> Result<Placement, String> {
+    let get = |k: &str| -> Result<Option<usize>, String> {
+        env.get(k)
+            .map(|v| {
+                v.trim()
+                    .parse::<usize>()
+                    .map_err(|_| format!("environment {k}={v:?}: expected a non-negative integer"))
+            })
+            .transpose()
+    };
+    if let Some(rank) = rank {
+        return Ok(Placement {
+            rank,
+            world,
+            local_rank: local_rank.unwrap_or(0),
+            source: "flags (--rank)",
+        });
+    }
+    let sources: [(&str, &str, &str, &'static str); 2] = [
+        (
+            "RANK",
+            "WORLD_SIZE",
+            "LOCAL_RANK",
+            "torchrun (RANK/WORLD_SIZE/LOCAL_RANK)",
+        ),
+        (
+            "SLURM_PROCID",
+            "SLURM_NTASKS",
+            "SLURM_LOCALID",
+            "slurm (SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID)",
+        ),
+    ];
+    for (r, w, l, source) in sources {
+        if let Some(rank) = get(r)? {
+            return Ok(Placement {
+                rank,
+                world: world.or(get(w)?),
+                local_rank: local_rank.or(get(l)?).unwrap_or(0),
+                source,
+            });
+        }
+    }
+    if let Some(rank) = get("JOB_COMPLETION_INDEX")? {
+        return Ok(Placement {
+            rank,
+            world,
+            local_rank: local_rank.unwrap_or(0),
+            source: "kubernetes (JOB_COMPLETION_INDEX)",
+        });
+    }
+    Err("no rank: pass --rank R, or run under torchrun (RANK), Slurm (SLURM_PROCID) or a Kubernetes Indexed Job (JOB_COMPLETION_INDEX)".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env(pairs: &[(&str, &str)]) -> HashMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn sources_in_order() {
+        let e = env(&[
+            ("RANK", "3"),
+            ("WORLD_SIZE", "4"),
+            ("LOCAL_RANK", "1"),
+            ("SLURM_PROCID", "9"),
+        ]);
+        let p = resolve(None, None, None, &e).unwrap();
+        assert_eq!((p.rank, p.world, p.local_rank), (3, Some(4), 1));
+        assert!(p.source.starts_with("torchrun"));
+        let p = resolve(Some(2), Some(4), None, &e).unwrap();
+        assert_eq!((p.rank, p.world, p.source), (2, Some(4), "flags (--rank)"));
+        let p = resolve(
+            None,
+            None,
+            None,
+            &env(&[
+                ("SLURM_PROCID", "5"),
+                ("SLURM_NTASKS", "8"),
+                ("SLURM_LOCALID", "1"),
+            ]),
+        )
+        .unwrap();
+        assert_eq!((p.rank, p.world, p.local_rank), (5, Some(8), 1));
+        assert!(p.source.starts_with("slurm"));
+        let p = resolve(None, None, None, &env(&[("JOB_COMPLETION_INDEX", "2")])).unwrap();
+        assert_eq!((p.rank, p.world), (2, None));
+        assert!(
+            resolve(None, None, None, &env(&[]))
+                .unwrap_err()
+                .contains("no rank")
+        );
+        assert!(
+            resolve(None, None, None, &env(&[("RANK", "x")]))
+                .unwrap_err()
+                .contains("RANK=\"x\"")
+        );
+    }
+}

@@ -1,0 +1,20 @@
+//! The worker side: compute backends (CPU with ndarray, CUDA with cudarc, one trait), the
+//! pull/compute/push training loop against every shard, the launcher environment (flags,
+//! torchrun, Slurm, Kubernetes), and the single-process reference run used to check that a
+//! distributed run equals one process.
+
+pub mod backend;
+pub mod cpu;
+pub mod env;
+pub mod reference;
+pub mod worker;
+
+/// Threads for the CPU backend's matrix products: the configured number, or the cores this
+/// process may use divided among the workers and shards of a local cluster (at least 1).
+pub fn cpu_threads(configured: usize, processes_on_host: usize) -> usize {
+    if configured > 0 {
+        return configured;
+    }
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    (cores / processes_on_host.max(1)).max(1)
+}

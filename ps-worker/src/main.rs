@@ -1,0 +1,126 @@
+//! `ps-worker --config FILE --rank R`: one data-parallel worker.
+
+use anyhow::Context;
+use clap::Parser;
+use ps_common::config::Config;
+use ps_common::idx::{Split, load_split};
+use ps_worker::cpu::CpuBackend;
+use ps_worker::worker::{WorkerSetup, run_worker};
+use std::path::PathBuf;
+
+#[derive(Parser, Debug)]
+#[command(
+    version,
+    about = "One data-parallel worker of the parameter-server cluster"
+)]
+struct Cli {
+    /// The cluster's TOML config.
+    #[arg(long)]
+    config: PathBuf,
+    /// This worker's rank (default: from RANK, SLURM_PROCID or JOB_COMPLETION_INDEX).
+    #[arg(long)]
+    rank: Option<usize>,
+    /// World size; must equal `[cluster] workers` (default: from the launcher's environment).
+    #[arg(long)]
+    world_size: Option<usize>,
+    /// Rank on this host, picks the GPU (default: LOCAL_RANK or SLURM_LOCALID, else 0).
+    #[arg(long)]
+    local_rank: Option<usize>,
+    /// Shard addresses, comma-separated, instead of the config's `[cluster] servers`.
+    #[arg(long, value_delimiter = ',')]
+    servers: Option<Vec<String>>,
+    /// `cpu`, `cuda`, `cuda:N` or `auto` (default: the config's `[worker] device`).
+    #[arg(long)]
+    device: Option<String>,
+    /// Dataset directory instead of the config's `[data] dir`.
+    #[arg(long)]
+    data_dir: Option<PathBuf>,
+}
+
+fn main() -> std::process::ExitCode {
+    ps_common::init_logging();
+    let cli = Cli::parse();
+    match run(cli) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::ExitCode::from(1)
+        }
+    }
+}
+
+fn run(cli: Cli) -> anyhow::Result<()> {
+    let mut cfg = Config::load(&cli.config)?;
+    if let Some(d) = cli.data_dir {
+        cfg.data_dir = d;
+    }
+    let env = std::env::vars().collect();
+    let place = ps_worker::env::resolve(cli.rank, cli.world_size, cli.local_rank, &env)
+        .map_err(anyhow::Error::msg)?;
+    let world = place.world.unwrap_or(cfg.workers);
+    if world != cfg.workers {
+        anyhow::bail!(
+            "world size {world} (from {}) differs from [cluster] workers = {} in {}",
+            place.source,
+            cfg.workers,
+            cli.config.display()
+        );
+    }
+    if place.rank >= world {
+        anyhow::bail!(
+            "rank {} (from {}): expected a rank in 0..{world}",
+            place.rank,
+            place.source
+        );
+    }
+    tracing::info!(
+        "worker {}: rank {} of {world}, local rank {}, from {}",
+        place.rank,
+        place.rank,
+        place.local_rank,
+        place.source
+    );
+    let servers = cli.servers.unwrap_or_else(|| cfg.servers.clone());
+    if servers.len() != cfg.num_shards() {
+        anyhow::bail!(
+            "{} server addresses given: expected {} (one per shard in {})",
+            servers.len(),
+            cfg.num_shards(),
+            cli.config.display()
+        );
+    }
+    let threads = ps_worker::cpu_threads(cfg.worker.threads, cfg.workers + cfg.num_shards());
+    // SAFETY: set before any thread of this process exists (the runtime starts below);
+    // matrixmultiply reads it once, at its first threaded product.
+    unsafe { std::env::set_var("MATMUL_NUM_THREADS", threads.to_string()) };
+    let classes = cfg.dims[cfg.dims.len() - 1];
+    let train =
+        load_split(&cfg.data_dir, Split::Train, classes).context("loading the training set")?;
+    let test = load_split(&cfg.data_dir, Split::Test, classes).context("loading the test set")?;
+    if train.features() != cfg.dims[0] {
+        anyhow::bail!(
+            "{}: images have {} pixels but [model] inputs = {}",
+            cfg.data_dir.display(),
+            train.features(),
+            cfg.dims[0]
+        );
+    }
+    let device = cli.device.unwrap_or_else(|| cfg.worker.device.clone());
+    let backend: Box<dyn ps_worker::backend::Backend> = match device.as_str() {
+        "cpu" => Box::new(CpuBackend::new(cfg.layout(), threads)),
+        other => anyhow::bail!("device {other:?}: this build supports cpu"),
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()?;
+    rt.block_on(run_worker(WorkerSetup {
+        cfg,
+        servers,
+        rank: place.rank,
+        train,
+        test,
+        backend,
+    }))?;
+    Ok(())
+}

@@ -1,0 +1,83 @@
+//! The single-process reference: the same model code and optimizer, batch `B`, the same data
+//! order, no network. A distributed run must end at its weights (DESIGN.md §2).
+
+use crate::backend::Backend;
+use crate::cpu::CpuBackend;
+use ps_common::config::Config;
+use ps_common::idx::Dataset;
+use ps_common::order::BatchPlanner;
+
+/// Result of a reference run.
+#[derive(Debug, Clone)]
+pub struct ReferenceRun {
+    /// Final flat weights.
+    pub weights: Vec<f32>,
+    /// Steps run.
+    pub steps: u64,
+    /// Mean training loss of the last step.
+    pub last_loss: f64,
+}
+
+/// Trains `cfg`'s model in one process on `train` for the run's steps, as the single-process
+/// run of [`Config::equivalence`]: batch `B`, the configured loss reduction, and the
+/// equivalent learning rate (or gradient scale, when the optimizer makes them differ).
+pub fn run_reference(cfg: &Config, train: &Dataset) -> anyhow::Result<ReferenceRun> {
+    let layout = cfg.layout();
+    let total = cfg.total_steps(train.len())?;
+    let eq = cfg.equivalence();
+    let schedule = cfg.schedule_for(total);
+    let (lr_factor, grad_factor) = if eq.lr_is_scale {
+        (eq.grad_scale, 1.0)
+    } else {
+        (1.0, eq.grad_scale as f32)
+    };
+    let mut params = layout.init_range(cfg.seed, 0..layout.num_params());
+    let mut opt = cfg.optimizer.init_state(params.len());
+    let mut backend = CpuBackend::new(layout.clone(), 0);
+    let mut planner = BatchPlanner::new(cfg.data_order(train.len()));
+    let mut grad = vec![0f32; params.len()];
+    let (mut x, mut y) = (Vec::new(), Vec::new());
+    let mut last_loss = 0.0;
+    for t in 0..total {
+        train.gather(planner.global_batch(t), &mut x, &mut y);
+        backend.set_weights(&params)?;
+        let stats = backend.forward_backward(&x, &y, cfg.loss_reduction, &mut grad)?;
+        last_loss = stats.loss_sum / y.len().max(1) as f64;
+        if grad_factor != 1.0 {
+            grad.iter_mut().for_each(|g| *g *= grad_factor);
+        }
+        let lr = schedule.lr(t) * lr_factor;
+        cfg.optimizer.step(&mut params, &grad, &mut opt, lr as f32);
+    }
+    Ok(ReferenceRun {
+        weights: params,
+        steps: total,
+        last_loss,
+    })
+}
+
+/// Runs the reference for `cfg` and compares it with the shard weights a cluster wrote to
+/// `out_dir`: returns the largest relative difference (see [`ps_common::weights::max_rel_diff`])
+/// and the tensor where it occurs.
+pub fn compare_with_reference(
+    cfg: &Config,
+    out_dir: &std::path::Path,
+) -> anyhow::Result<(f64, String)> {
+    let layout = cfg.layout();
+    let classes = cfg.dims[cfg.dims.len() - 1];
+    let train = ps_common::idx::load_split(&cfg.data_dir, ps_common::idx::Split::Train, classes)?;
+    let (cluster, version) =
+        ps_common::weights::read_shards(out_dir, cfg.num_shards(), layout.num_params())?;
+    let reference = run_reference(cfg, &train)?;
+    if version != reference.steps {
+        anyhow::bail!(
+            "the cluster's weights are at version {version}, the reference ran {} steps",
+            reference.steps
+        );
+    }
+    Ok(ps_common::weights::max_rel_diff(
+        &layout,
+        &cluster,
+        &reference.weights,
+    ))
+}

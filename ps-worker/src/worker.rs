@@ -1,0 +1,329 @@
+//! The worker's loop: register with every shard (retrying with backoff, so start order does not
+//! matter), then for each step pull every shard's version `t` in parallel, compute the gradient
+//! of its slice of global batch `t`, and push each shard its part in parallel. At the end it
+//! evaluates the final weights on its slice of the test set and leaves.
+
+use crate::backend::Backend;
+use anyhow::{Context, bail};
+use ps_common::PROTOCOL_VERSION;
+use ps_common::config::Config;
+use ps_common::idx::Dataset;
+use ps_common::layout::{shard_ranges, split_even};
+use ps_common::order::BatchPlanner;
+use ps_common::pb::parameter_server_client::ParameterServerClient;
+use ps_common::pb::{LeaveRequest, PullRequest, PushChunk, PushHeader, RegisterRequest};
+use ps_common::wire::{MAX_MESSAGE_BYTES, TensorReceiver, chunks, f32_to_bytes};
+use std::ops::Range;
+use std::time::{Duration, Instant};
+use tonic::transport::{Channel, Endpoint};
+use tonic::{Code, Status};
+
+type Client = ParameterServerClient<Channel>;
+
+/// Everything a worker needs.
+pub struct WorkerSetup {
+    /// The config.
+    pub cfg: Config,
+    /// Shard addresses (the config's, or overridden).
+    pub servers: Vec<String>,
+    /// Rank.
+    pub rank: usize,
+    /// Training set.
+    pub train: Dataset,
+    /// Test set.
+    pub test: Dataset,
+    /// The device.
+    pub backend: Box<dyn Backend>,
+}
+
+/// Averages of a run's step phases, for the final log line.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Timing {
+    /// Steps run.
+    pub steps: u64,
+    /// Total pull time.
+    pub pull: Duration,
+    /// Total compute time.
+    pub compute: Duration,
+    /// Total push time.
+    pub push: Duration,
+}
+
+/// Opens a channel to `addr` with the flow-control windows sized for large tensors.
+pub async fn connect(addr: &str, timeout: Duration) -> anyhow::Result<Client> {
+    let endpoint = Endpoint::from_shared(format!("http://{addr}"))
+        .with_context(|| format!("bad server address {addr:?}: expected host:port"))?
+        .initial_stream_window_size(8 << 20)
+        .initial_connection_window_size(16 << 20)
+        .tcp_nodelay(true)
+        .connect_timeout(Duration::from_secs(5));
+    let start = Instant::now();
+    let mut delay = Duration::from_millis(50);
+    loop {
+        match endpoint.connect().await {
+            Ok(ch) => {
+                return Ok(ParameterServerClient::new(ch)
+                    .max_decoding_message_size(MAX_MESSAGE_BYTES)
+                    .max_encoding_message_size(MAX_MESSAGE_BYTES));
+            }
+            Err(e) if start.elapsed() < timeout => {
+                tracing::debug!("connecting to {addr}: {e}; retrying in {delay:?}");
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(Duration::from_secs(2));
+            }
+            Err(e) => bail!(
+                "cannot reach shard at {addr} after {:.0} s: {e}",
+                timeout.as_secs_f64()
+            ),
+        }
+    }
+}
+
+fn retryable(s: &Status) -> bool {
+    matches!(
+        s.code(),
+        Code::Unavailable | Code::Unknown | Code::Cancelled
+    )
+}
+
+/// Runs the worker to the end of the training run; returns its timing.
+pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
+    let WorkerSetup {
+        cfg,
+        servers,
+        rank,
+        train,
+        test,
+        mut backend,
+    } = setup;
+    let layout = cfg.layout();
+    let world = cfg.workers;
+    let total = cfg.total_steps(train.len())?;
+    let ranges = shard_ranges(layout.num_params(), servers.len());
+    let connect_timeout = Duration::from_secs_f64(cfg.worker.connect_timeout_secs);
+
+    // connect and register with every shard
+    let mut clients = Vec::with_capacity(servers.len());
+    let mut start_step = u64::MAX;
+    for (s, addr) in servers.iter().enumerate() {
+        let mut c = connect(addr, connect_timeout).await?;
+        let req = RegisterRequest {
+            protocol_version: PROTOCOL_VERSION,
+            rank: rank as u32,
+            world_size: world as u32,
+            num_params: layout.num_params() as u64,
+            shard: s as u32,
+            num_shards: servers.len() as u32,
+        };
+        let begun = Instant::now();
+        let reply = loop {
+            match c.register(req).await {
+                Ok(r) => break r.into_inner(),
+                Err(st) if retryable(&st) && begun.elapsed() < connect_timeout => {
+                    tokio::time::sleep(Duration::from_millis(200)).await
+                }
+                Err(st) => bail!("shard {s} at {addr} refused registration: {}", st.message()),
+            }
+        };
+        if reply.start != ranges[s].start as u64
+            || reply.len != ranges[s].len() as u64
+            || reply.total_steps != total
+        {
+            bail!(
+                "shard {s} at {addr} holds {}..{} of a {}-step run; this worker expects {:?} of a {total}-step run (same config?)",
+                reply.start,
+                reply.start + reply.len,
+                reply.total_steps,
+                ranges[s]
+            );
+        }
+        start_step = start_step.min(reply.version);
+        clients.push(c);
+    }
+    tracing::info!(
+        "worker {rank}/{world}: registered with {} shards, starting at step {start_step} of {total}, device {}",
+        servers.len(),
+        backend.name()
+    );
+
+    let mut planner = BatchPlanner::new(cfg.data_order(train.len()));
+    let test_slice = split_even(test.len(), world)[rank].clone();
+    let test_idx: Vec<u32> = (test_slice.start as u32..test_slice.end as u32).collect();
+    let mut weights = vec![0f32; layout.num_params()];
+    let mut grad = vec![0f32; layout.num_params()];
+    let (mut x, mut y) = (Vec::new(), Vec::new());
+    let mut timing = Timing::default();
+    let chunk_bytes = cfg.server.chunk_bytes;
+
+    for t in start_step..total {
+        let t0 = Instant::now();
+        pull_all(&mut clients, &ranges, t, &mut weights).await?;
+        let t1 = Instant::now();
+        backend.set_weights(&weights)?;
+        let eval = if cfg.eval_every > 0 && t > 0 && t % cfg.eval_every == 0 {
+            evaluate(backend.as_mut(), &test, &test_idx, &mut x, &mut y)?
+        } else {
+            (0, 0)
+        };
+        train.gather(planner.worker_batch(t, rank, world), &mut x, &mut y);
+        let stats = backend.forward_backward(&x, &y, cfg.loss_reduction, &mut grad)?;
+        let t2 = Instant::now();
+        let header = PushHeader {
+            rank: rank as u32,
+            step: t,
+            samples: y.len() as u32,
+            loss_sum: stats.loss_sum,
+            correct: stats.correct,
+            len: 0,
+            eval_correct: eval.0,
+            eval_count: eval.1,
+        };
+        push_all(&mut clients, &ranges, header, &grad, chunk_bytes).await?;
+        let t3 = Instant::now();
+        timing.steps += 1;
+        timing.pull += t1 - t0;
+        timing.compute += t2 - t1;
+        timing.push += t3 - t2;
+    }
+
+    // final weights: evaluate this rank's slice of the test set and leave
+    pull_all(&mut clients, &ranges, total, &mut weights).await?;
+    backend.set_weights(&weights)?;
+    let (correct, count) = evaluate(backend.as_mut(), &test, &test_idx, &mut x, &mut y)?;
+    for (s, c) in clients.iter_mut().enumerate() {
+        c.leave(LeaveRequest {
+            rank: rank as u32,
+            eval_correct: correct,
+            eval_count: count,
+        })
+        .await
+        .map_err(|st| anyhow::anyhow!("shard {s}: leave refused: {}", st.message()))?;
+    }
+    let per = |d: Duration| d.as_secs_f64() * 1e3 / timing.steps.max(1) as f64;
+    tracing::info!(
+        "worker {rank}: done after {} steps; per step pull {:.2} ms, compute {:.2} ms, push {:.2} ms; test accuracy on its slice {:.2}% ({correct}/{count})",
+        timing.steps,
+        per(timing.pull),
+        per(timing.compute),
+        per(timing.push),
+        100.0 * correct as f64 / count.max(1) as f64
+    );
+    Ok(timing)
+}
+
+fn evaluate(
+    backend: &mut dyn Backend,
+    test: &Dataset,
+    idx: &[u32],
+    x: &mut Vec<f32>,
+    y: &mut Vec<u8>,
+) -> anyhow::Result<(u64, u64)> {
+    test.gather(idx, x, y);
+    Ok((backend.evaluate(x, y)?, idx.len() as u64))
+}
+
+/// Pulls version `version` from every shard in parallel into `weights`.
+pub async fn pull_all(
+    clients: &mut [Client],
+    ranges: &[Range<usize>],
+    version: u64,
+    weights: &mut [f32],
+) -> anyhow::Result<()> {
+    let futs = clients.iter_mut().enumerate().map(|(s, c)| async move {
+        let mut stream = c
+            .pull(PullRequest {
+                min_version: version,
+                rank: 0,
+            })
+            .await
+            .map_err(|st| {
+                anyhow::anyhow!(
+                    "pull of version {version} from shard {s} failed: {}",
+                    st.message()
+                )
+            })?
+            .into_inner();
+        let first = stream.message().await?.context("empty pull reply")?;
+        let h = first.header.context("pull reply without a header")?;
+        if h.version != version {
+            bail!(
+                "shard {s} is at version {} but this worker needs version {version}",
+                h.version
+            );
+        }
+        let mut rx = TensorReceiver::new(h.len as usize, false);
+        rx.push(first.offset, &first.data)?;
+        while let Some(c) = stream.message().await? {
+            rx.push(c.offset, &c.data)?;
+        }
+        Ok::<_, anyhow::Error>((s, rx.finish()?.0))
+    });
+    for r in futures::future::join_all(futs).await {
+        let (s, values) = r?;
+        if values.len() != ranges[s].len() {
+            bail!(
+                "shard {s} sent {} values: expected {}",
+                values.len(),
+                ranges[s].len()
+            );
+        }
+        weights[ranges[s].clone()].copy_from_slice(&values);
+    }
+    Ok(())
+}
+
+/// Pushes each shard its slice of `grad` in parallel, retrying transport failures (the server
+/// acknowledges a retry of a gradient it already counted without counting it twice).
+pub async fn push_all(
+    clients: &mut [Client],
+    ranges: &[Range<usize>],
+    header: PushHeader,
+    grad: &[f32],
+    chunk_bytes: usize,
+) -> anyhow::Result<()> {
+    let futs = clients
+        .iter_mut()
+        .zip(ranges)
+        .enumerate()
+        .map(|(s, (c, r))| {
+            let bytes = f32_to_bytes(&grad[r.clone()]);
+            let header = PushHeader {
+                len: r.len() as u64,
+                ..header
+            };
+            async move {
+                let mut attempt = 0;
+                loop {
+                    let msgs: Vec<PushChunk> = chunks(&bytes, chunk_bytes)
+                        .enumerate()
+                        .map(|(i, (offset, data))| PushChunk {
+                            header: (i == 0).then_some(header),
+                            offset,
+                            data,
+                        })
+                        .collect();
+                    match c.push(tokio_stream::iter(msgs)).await {
+                        Ok(_) => return Ok(()),
+                        Err(st) if retryable(&st) && attempt < 5 => {
+                            attempt += 1;
+                            tracing::warn!(
+                                "push of step {} to shard {s} failed ({}); retry {attempt}",
+                                header.step,
+                                st.message()
+                            );
+                            tokio::time::sleep(Duration::from_millis(100 << attempt)).await;
+                        }
+                        Err(st) => bail!(
+                            "shard {s} refused the gradient of step {}: {}",
+                            header.step,
+                            st.message()
+                        ),
+                    }
+                }
+            }
+        });
+    for r in futures::future::join_all(futs).await {
+        r?;
+    }
+    Ok(())
+}

@@ -1,0 +1,161 @@
+#!/usr/bin/env bash
+# gpu-check.sh: run the CUDA backend's parity tests and benchmarks on a GPU machine that has
+# no Rust toolchain, from binaries built elsewhere, and write everything into
+# bench/results/gpu-<date>-<gpu name>.md (plus the two benchmarks' JSON beside it).
+#
+# 1. Build, on a machine with Rust (its glibc must not be newer than the GPU host's; the
+#    binaries need glibc >= 2.34 and link no CUDA library: cudarc loads libcuda, libnvrtc and
+#    libcublas at run time), from the repository root:
+#
+#      cargo build --release -p ps-worker --bin gpu-bench
+#      cargo test --release -p ps-worker --test cuda_parity --no-run
+#        # prints: Executable tests/cuda_parity.rs (target/release/deps/cuda_parity-<hash>)
+#      mkdir -p .dev/gpu-bin
+#      cp target/release/gpu-bench .dev/gpu-bin/
+#      cp "$(cargo test --release -p ps-worker --test cuda_parity --no-run 2>&1 \
+#            | sed -n 's/.*Executable .*(\(.*cuda_parity-[0-9a-f]*\)).*/\1/p' | head -n1)" .dev/gpu-bin/cuda_parity
+#
+# 2. Copy the repository (at least scripts/ and .dev/gpu-bin/) to the GPU host and run, from
+#    its root:
+#
+#      scripts/gpu-check.sh [BIN_DIR]        # BIN_DIR: argument, else $BIN, else .dev/gpu-bin
+#
+#    BIN_DIR must hold `gpu-bench` and the test executable (`cuda_parity` or `cuda_parity-<hash>`).
+#    Environment: PS_CUDA_DEVICE (device ordinal, default 0), STEPS / WARMUP (benchmark steps,
+#    default 50 / 10), PYTHON (default python3), SKIP_TORCH=1 to skip the PyTorch comparison.
+#    When libnvrtc / libcublas are not in the loader's cache, the script adds
+#    /usr/local/cuda/lib64 (or the pip "nvidia-*" wheels' lib directories) to LD_LIBRARY_PATH.
+#
+# Exit status: non-zero when the parity tests fail (or cannot run); the report is written
+# either way. Benchmark failures are recorded in the report but do not change the status.
+set -uo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT" || exit 2
+BIN_DIR="${1:-${BIN:-.dev/gpu-bin}}"
+DEVICE="${PS_CUDA_DEVICE:-0}"
+STEPS="${STEPS:-50}"
+WARMUP="${WARMUP:-10}"
+PYTHON="${PYTHON:-python3}"
+
+die() { echo "gpu-check: $*" >&2; exit 2; }
+
+[ -d "$BIN_DIR" ] || die "no binary folder $BIN_DIR (see the build steps at the top of $0)"
+BENCH="$BIN_DIR/gpu-bench"
+[ -x "$BENCH" ] || die "$BENCH missing or not executable"
+PARITY=""
+for f in "$BIN_DIR/cuda_parity" "$BIN_DIR"/cuda_parity-*; do
+    if [ -f "$f" ] && [ -x "$f" ] && [[ "$f" != *.d ]]; then PARITY="$f"; break; fi
+done
+[ -n "$PARITY" ] || die "no cuda_parity test executable in $BIN_DIR (see the build steps at the top of $0)"
+command -v nvidia-smi >/dev/null || die "nvidia-smi not found: is this a GPU machine with the NVIDIA driver?"
+
+# NVRTC and cuBLAS: cudarc dlopens libnvrtc.so(.13|.12) and libcublas.so(.13|.12) by name.
+have_lib() { # is a library named $1* in the loader cache or on LD_LIBRARY_PATH?
+    ldconfig -p 2>/dev/null | grep -F "$1" >/dev/null && return 0 # (no grep -q: SIGPIPE under pipefail)
+    local d dirs
+    IFS=: read -ra dirs <<<"${LD_LIBRARY_PATH:-}"
+    for d in "${dirs[@]}"; do compgen -G "$d/$1*" >/dev/null && return 0; done
+    return 1
+}
+add_path() { [ -d "$1" ] && export LD_LIBRARY_PATH="$1${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"; }
+LIB_NOTE="loader cache"
+if ! have_lib libnvrtc.so || ! have_lib libcublas.so; then
+    LIB_NOTE="added to LD_LIBRARY_PATH:"
+    for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do
+        if [ -d "$d" ]; then add_path "$d"; LIB_NOTE="$LIB_NOTE $d"; break; fi
+    done
+    if ! have_lib libnvrtc.so || ! have_lib libcublas.so; then
+        # pip wheels (nvidia-cuda-nvrtc-cu12/13, nvidia-cublas-cu12/13), e.g. from a PyTorch install
+        WHEEL_DIRS="$("$PYTHON" - <<'PY' 2>/dev/null
+import glob, os
+try:
+    import nvidia
+    roots = list(nvidia.__path__)
+except Exception:
+    roots = []
+for r in roots:
+    for sub in ("cuda_nvrtc/lib", "cublas/lib", "cu13/lib"):
+        d = os.path.join(r, sub)
+        if os.path.isdir(d):
+            print(d)
+PY
+)"
+        for d in $WHEEL_DIRS; do add_path "$d"; LIB_NOTE="$LIB_NOTE $d"; done
+    fi
+fi
+
+GPU_NAME="$(nvidia-smi --query-gpu=name --format=csv,noheader -i "$DEVICE" 2>/dev/null | head -n1)"
+[ -n "$GPU_NAME" ] || GPU_NAME="unknown-gpu"
+SAFE_NAME="$(printf '%s' "$GPU_NAME" | tr ' ' '-' | tr -cd 'A-Za-z0-9._-')"
+STAMP="$(date -u +%Y-%m-%d-%H%M%S)"
+mkdir -p bench/results
+REPORT="bench/results/gpu-$STAMP-$SAFE_NAME.md"
+BENCH_JSON="bench/results/gpu-$STAMP-$SAFE_NAME.gpu-bench.json"
+TORCH_JSON="bench/results/gpu-$STAMP-$SAFE_NAME.torch.json"
+TMP="$(mktemp -d)"
+trap 'rm -rf "$TMP"' EXIT
+
+section() { printf '\n## %s\n\n' "$1" >>"$REPORT"; }
+fenced() { { echo '```'; cat "$1"; echo '```'; } >>"$REPORT"; }
+run_to() { # run_to FILE CMD...: runs CMD, shows and saves its output, returns its status
+    local out="$1"; shift
+    echo "+ $*" >&2
+    "$@" 2>&1 | tee "$out"
+    return "${PIPESTATUS[0]}"
+}
+
+{
+    echo "# GPU check: $GPU_NAME ($STAMP UTC)"
+    echo
+    echo "- host: $(hostname), $(uname -sr), $(ldd --version 2>/dev/null | head -n1)"
+    echo "- commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+    echo "- binaries: \`$BENCH\`, \`$PARITY\`"
+    echo "- sha256: $(sha256sum "$BENCH" "$PARITY" 2>/dev/null | awk '{printf "%s %s; ", substr($1,1,16), $2}')"
+    echo "- CUDA libraries: $LIB_NOTE; LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}"
+    echo "- device: PS_CUDA_DEVICE=$DEVICE"
+} >"$REPORT"
+
+section "nvidia-smi"
+run_to "$TMP/smi" nvidia-smi -L
+nvidia-smi --query-gpu=index,name,driver_version,memory.total,compute_cap,pcie.link.gen.current,clocks.max.sm \
+    --format=csv >>"$TMP/smi" 2>&1
+ldconfig -p 2>/dev/null | grep -E 'libcuda\.so|libnvrtc\.so|libnvrtc-builtins|libcublas\.so' >>"$TMP/smi"
+fenced "$TMP/smi"
+
+section "Parity tests (CPU vs CUDA)"
+echo "\`$PARITY --ignored --test-threads=1 --nocapture\`" >>"$REPORT"
+echo >>"$REPORT"
+PS_CUDA_DEVICE="$DEVICE" run_to "$TMP/parity" "$PARITY" --ignored --test-threads=1 --nocapture
+PARITY_RC=$?
+fenced "$TMP/parity"
+if [ "$PARITY_RC" -eq 0 ]; then echo "**parity: PASS**" >>"$REPORT"; else echo "**parity: FAIL (exit $PARITY_RC)**" >>"$REPORT"; fi
+
+section "gpu-bench (ps-worker CUDA backend)"
+run_to "$TMP/bench" "$BENCH" --device "$DEVICE" --steps "$STEPS" --warmup "$WARMUP" --json "$BENCH_JSON"
+BENCH_RC=$?
+cat "$TMP/bench" >>"$REPORT"
+[ "$BENCH_RC" -eq 0 ] || echo "**gpu-bench failed (exit $BENCH_RC)**" >>"$REPORT"
+[ -f "$BENCH_JSON" ] && echo "JSON: \`$BENCH_JSON\`" >>"$REPORT"
+
+section "PyTorch reference (same MLP, FP32, TF32 off)"
+if [ "${SKIP_TORCH:-0}" = 1 ]; then
+    echo "skipped (SKIP_TORCH=1)" >>"$REPORT"
+elif ! command -v "$PYTHON" >/dev/null; then
+    echo "skipped: $PYTHON not found" >>"$REPORT"
+else
+    run_to "$TMP/torch" "$PYTHON" scripts/torch_mlp_bench.py --device "$DEVICE" --steps "$STEPS" --warmup "$WARMUP" \
+        --json "$TORCH_JSON"
+    TORCH_RC=$?
+    cat "$TMP/torch" >>"$REPORT"
+    [ "$TORCH_RC" -eq 0 ] || echo "**torch_mlp_bench failed (exit $TORCH_RC)**" >>"$REPORT"
+    [ -f "$TORCH_JSON" ] && echo "JSON: \`$TORCH_JSON\`" >>"$REPORT"
+fi
+
+echo
+echo "gpu-check: wrote $REPORT"
+if [ "$PARITY_RC" -ne 0 ]; then
+    echo "gpu-check: parity tests FAILED (exit $PARITY_RC)" >&2
+    exit 1
+fi
+echo "gpu-check: parity tests passed"
