@@ -14,6 +14,10 @@
 #      cp target/release/gpu-bench .dev/gpu-bin/
 #      cp "$(cargo test --release -p ps-worker --test cuda_parity --no-run 2>&1 \
 #            | sed -n 's/.*Executable .*(\(.*cuda_parity-[0-9a-f]*\)).*/\1/p' | head -n1)" .dev/gpu-bin/cuda_parity
+#      strip --strip-debug .dev/gpu-bin/gpu-bench .dev/gpu-bin/cuda_parity   # 35+38 MB -> 1+2 MB
+#
+#    (.dev/ is git-ignored: a tool that copies the work tree to the GPU host must be told to
+#    carry .dev/gpu-bin.)
 #
 # 2. Copy the repository (at least scripts/ and .dev/gpu-bin/) to the GPU host and run, from
 #    its root:
@@ -59,29 +63,35 @@ have_lib() { # is a library named $1* in the loader cache or on LD_LIBRARY_PATH?
     return 1
 }
 add_path() { [ -d "$1" ] && export LD_LIBRARY_PATH="$1${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"; }
-LIB_NOTE="loader cache"
+LIB_NOTE="libnvrtc and libcublas found by the loader"
 if ! have_lib libnvrtc.so || ! have_lib libcublas.so; then
-    LIB_NOTE="added to LD_LIBRARY_PATH:"
+    ADDED=""
     for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do
-        if [ -d "$d" ]; then add_path "$d"; LIB_NOTE="$LIB_NOTE $d"; break; fi
+        if [ -d "$d" ]; then add_path "$d"; ADDED="$ADDED $d"; break; fi
     done
     if ! have_lib libnvrtc.so || ! have_lib libcublas.so; then
-        # pip wheels (nvidia-cuda-nvrtc-cu12/13, nvidia-cublas-cu12/13), e.g. from a PyTorch install
+        # pip wheels (nvidia-cuda-nvrtc, nvidia-cublas; -cu12 or CUDA 13's nvidia/cu13), e.g. from PyTorch
         WHEEL_DIRS="$("$PYTHON" - <<'PY' 2>/dev/null
-import glob, os
+import os
 try:
     import nvidia
     roots = list(nvidia.__path__)
 except Exception:
     roots = []
 for r in roots:
-    for sub in ("cuda_nvrtc/lib", "cublas/lib", "cu13/lib"):
+    for sub in ("cu13/lib", "cuda_nvrtc/lib", "cublas/lib"):
         d = os.path.join(r, sub)
         if os.path.isdir(d):
             print(d)
 PY
 )"
-        for d in $WHEEL_DIRS; do add_path "$d"; LIB_NOTE="$LIB_NOTE $d"; done
+        for d in $WHEEL_DIRS; do add_path "$d"; ADDED="$ADDED $d"; done
+    fi
+    if have_lib libnvrtc.so && have_lib libcublas.so; then
+        LIB_NOTE="libnvrtc and libcublas found after adding to LD_LIBRARY_PATH:$ADDED"
+    else
+        LIB_NOTE="libnvrtc or libcublas NOT FOUND (searched the loader cache, LD_LIBRARY_PATH${ADDED:+,$ADDED}): the CUDA backend will report no GPU"
+        echo "gpu-check: warning: $LIB_NOTE" >&2
     fi
 fi
 

@@ -4,9 +4,10 @@
 nn.Linear layers with ReLU between them and a mean softmax cross-entropy, the same shapes and
 batch sizes as ps-worker's gpu-bench. TF32 is off (torch.backends.cuda.matmul.allow_tf32 =
 False, torch.backends.cudnn.allow_tf32 = False, float32 matmul precision "highest"). Each
-timed step copies the batch from (pageable) host memory, runs forward and backward, and reads
-the loss back with .item(), which synchronises, like gpu-bench's fwd+bwd column; the medians
-are over --steps steps after --warmup untimed ones. FLOPs are counted as 6*batch*sum(in*out).
+timed step runs forward and backward on a batch already on the GPU and reads the loss back
+with .item(), which synchronises, like gpu-bench's fwd+bwd column (whose batch is also on the
+device already); the medians are over --steps steps after --warmup untimed ones. FLOPs are
+counted as 6*batch*sum(in*out).
 
 Prints a markdown table; --json PATH also writes JSON. Exits 0 with one line when PyTorch or a
 CUDA GPU is missing.
@@ -58,12 +59,10 @@ def main() -> int:
         params = sum(p.numel() for p in model.parameters())
         macs = sum(a * b for a, b in zip(dims, dims[1:]))
         for n in batches:
-            x_host = torch.rand(n, dims[0])
-            y_host = torch.randint(0, dims[-1], (n,))
+            x = torch.rand(n, dims[0], device=dev)
+            y = torch.randint(0, dims[-1], (n,), device=dev)
 
-            def step():
-                x = x_host.to(dev)
-                y = y_host.to(dev)
+            def step(x=x, y=y):
                 model.zero_grad(set_to_none=True)
                 loss = F.cross_entropy(model(x), y, reduction="mean")
                 loss.backward()

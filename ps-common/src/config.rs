@@ -719,7 +719,7 @@ fn parse_optimizer(o: &RawOptimizer) -> Result<Optimizer, String> {
                     return Err(format!("[optimizer] {k} = {v}: expected 0 <= {k} < 1"));
                 }
             }
-            if !(o.eps > 0.0) {
+            if o.eps.is_nan() || o.eps <= 0.0 {
                 return Err(format!(
                     "[optimizer] eps = {}: expected a positive number",
                     o.eps

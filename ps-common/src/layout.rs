@@ -139,7 +139,7 @@ pub fn splitmix64(mut z: u64) -> u64 {
 
 /// A uniform number in [0, 1) that depends only on `(seed, counter)`.
 fn unit_f64(seed: u64, counter: u64) -> f64 {
-    let x = splitmix64(splitmix64(seed ^ 0x5EED_0F_1A17) ^ counter);
+    let x = splitmix64(splitmix64(seed ^ 0x005E_ED0F_1A17) ^ counter);
     (x >> 11) as f64 / (1u64 << 53) as f64
 }
 
@@ -147,7 +147,7 @@ fn group_thousands(n: usize) -> String {
     let s = n.to_string();
     let mut out = String::new();
     for (i, c) in s.chars().enumerate() {
-        if i > 0 && (s.len() - i) % 3 == 0 {
+        if i > 0 && (s.len() - i).is_multiple_of(3) {
             out.push(',');
         }
         out.push(c);
@@ -206,8 +206,8 @@ mod tests {
         assert!(all[..16 * 8 + 8].iter().all(|v| v.abs() <= bound1));
         assert!(all[16 * 8 + 8..].iter().all(|v| v.abs() <= bound2));
         assert!(
-            all[..16 * 8 + 8].iter().any(|v| v.abs() > bound2),
-            "layer-1 bound in use"
+            all[16 * 8 + 8..].iter().any(|v| v.abs() > bound1),
+            "layer 2 uses its own, wider bound"
         );
         assert_ne!(all, m.init_range(8, 0..m.num_params()));
         let mean = all.iter().sum::<f32>() / all.len() as f32;

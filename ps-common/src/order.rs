@@ -33,7 +33,7 @@ impl DataOrder {
     /// Steps in one epoch: `floor(N / B)`, or `ceil(N / B)` when the short last batch is kept.
     pub fn steps_per_epoch(&self) -> u64 {
         let full = self.n / self.global_batch;
-        let extra = usize::from(self.keep_last && self.n % self.global_batch != 0);
+        let extra = usize::from(self.keep_last && !self.n.is_multiple_of(self.global_batch));
         (full + extra) as u64
     }
 

@@ -62,7 +62,7 @@ impl TensorReceiver {
                 "chunk at offset {offset}: expected offset {have} (chunks must be contiguous and in order)"
             )));
         }
-        if data.len() % 4 != 0 {
+        if !data.len().is_multiple_of(4) {
             return Err(PsError::BadChunk(format!(
                 "chunk at offset {offset} holds {} bytes: expected a multiple of 4 (little-endian f32)",
                 data.len()

@@ -137,21 +137,32 @@ async fn watch_run(cfg: &Config, shard: &Arc<Shard>, all_left: &Notify) -> Outco
     let warn = Duration::from_secs_f64(cfg.server.barrier_warn_secs);
     let timeout = Duration::from_secs_f64(cfg.server.barrier_timeout_secs);
     let mut versions = shard.subscribe();
-    let mut tick = tokio::time::interval(Duration::from_millis(500));
+    let mut tick = tokio::time::interval(Duration::from_millis(100));
+    let mut warned: Option<(u64, Duration)> = None;
     while shard.version() < shard.total_steps {
         tokio::select! {
             _ = versions.changed() => {}
             _ = tick.tick() => {
-                if let Some((step, missing, waited)) = shard.overdue(warn) {
-                    if waited >= timeout {
-                        return Outcome::Failed(format!(
-                            "step {step}: no gradient from ranks {missing:?} after {:.0} s (barrier_timeout_secs = {})",
-                            waited.as_secs_f64(), cfg.server.barrier_timeout_secs
-                        ));
-                    }
+                let Some((step, missing, waited)) = shard.barrier_wait() else { continue };
+                if waited >= timeout {
+                    return Outcome::Failed(format!(
+                        "step {step}: no gradient from ranks {missing:?} after {:.1} s (barrier_timeout_secs = {})",
+                        waited.as_secs_f64(),
+                        cfg.server.barrier_timeout_secs
+                    ));
+                }
+                let due = match warned {
+                    Some((s, at)) if s == step => waited >= at + warn,
+                    _ => waited >= warn,
+                };
+                if due {
+                    warned = Some((step, waited));
                     tracing::warn!(
                         "shard {} step {step}: waiting {:.1} s for ranks {missing:?} ({} of {} in)",
-                        shard.index, waited.as_secs_f64(), shard.world - missing.len(), shard.world
+                        shard.index,
+                        waited.as_secs_f64(),
+                        shard.world - missing.len(),
+                        shard.world
                     );
                 }
             }
@@ -204,8 +215,12 @@ pub fn load_setup(
     config: &std::path::Path,
     index: usize,
     shard0: Option<String>,
+    data_dir: Option<std::path::PathBuf>,
 ) -> anyhow::Result<ShardSetup> {
-    let cfg = Config::load(config)?;
+    let mut cfg = Config::load(config)?;
+    if let Some(d) = data_dir {
+        cfg.data_dir = d;
+    }
     if index >= cfg.num_shards() {
         anyhow::bail!(
             "--shard {index}: expected a shard index in 0..{} ({} lists {} servers)",

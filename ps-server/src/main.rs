@@ -25,6 +25,9 @@ struct Cli {
     /// Write final weights and metrics here instead of the config's `[server] out_dir`.
     #[arg(long)]
     out_dir: Option<PathBuf>,
+    /// Dataset directory instead of the config's `[data] dir` (decides the number of steps).
+    #[arg(long)]
+    data_dir: Option<PathBuf>,
 }
 
 fn main() -> std::process::ExitCode {
@@ -53,7 +56,7 @@ fn main() -> std::process::ExitCode {
 }
 
 async fn serve(cli: Cli) -> anyhow::Result<Outcome> {
-    let mut setup = load_setup(&cli.config, cli.shard, cli.shard0)?;
+    let mut setup = load_setup(&cli.config, cli.shard, cli.shard0, cli.data_dir)?;
     if let Some(d) = cli.out_dir {
         setup.cfg.server.out_dir = d;
     }

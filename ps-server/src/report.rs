@@ -145,7 +145,7 @@ fn emit(cfg: &ReporterConfig, p: Pending, metrics: Option<&mut std::fs::File>) {
     let acc = f.correct as f64 / samples;
     let test_acc = (f.eval.1 > 0).then(|| f.eval.0 as f64 / f.eval.1 as f64);
     let last = f.step + 1 == cfg.total_steps;
-    if (f.step + 1) % cfg.log_every == 0 || f.step == 0 || last {
+    if (f.step + 1).is_multiple_of(cfg.log_every) || f.step == 0 || last {
         tracing::info!(
             "step {}/{} | loss {:.4} | train acc {:.2}% | grad norm {:.4} | lr {:.5} | workers {}/{} | samples {} | step {:.1} ms | barrier wait {:.1} ms (slowest rank {}) | apply {:.1} ms",
             f.step + 1,
@@ -193,7 +193,7 @@ async fn forward_to_shard0(cfg: ReporterConfig, mut rx: mpsc::UnboundedReceiver<
     let mut warned = false;
     while let Some(ev) = rx.recv().await {
         let Event::Local(f) = ev else { continue };
-        if (f.step + 1) % cfg.log_every == 0 || f.step + 1 == cfg.total_steps {
+        if (f.step + 1).is_multiple_of(cfg.log_every) || f.step + 1 == cfg.total_steps {
             tracing::info!(
                 "shard {} step {}/{} | step {:.1} ms | barrier wait {:.1} ms (slowest rank {}) | apply {:.1} ms",
                 cfg.shard,

@@ -110,8 +110,9 @@ impl ShardService {
             });
         }
         let mut rx = self.shard.subscribe();
-        let waited =
-            tokio::time::timeout(self.pull_timeout, rx.wait_for(|&v| v >= req.min_version)).await;
+        let shard = &self.shard;
+        let ready = rx.wait_for(|&v| v >= req.min_version || shard.failure().is_some());
+        let waited = tokio::time::timeout(self.pull_timeout, ready).await;
         if let Some(why) = self.shard.failure() {
             return Err(PsError::Unavailable(why));
         }

@@ -107,7 +107,6 @@ struct State {
     applying: bool,
     /// When the shard started waiting for the current step.
     waiting_since: Instant,
-    last_warn: Option<Instant>,
     /// Final test evaluation reported by each rank when it leaves.
     left: Vec<Option<(u64, u64)>>,
     failed: Option<String>,
@@ -154,7 +153,6 @@ impl Shard {
             previous_fp: vec![None; w],
             applying: false,
             waiting_since: Instant::now(),
-            last_warn: None,
             left: vec![None; w],
             failed: None,
         };
@@ -390,7 +388,6 @@ impl Shard {
             st.previous_fp = std::mem::replace(&mut st.current_fp, vec![None; self.world]);
             st.applying = false;
             st.waiting_since = now;
-            st.last_warn = None;
         }
         self.version_tx.send_replace(step + 1);
         figures
@@ -437,19 +434,13 @@ impl Shard {
         (sum, missing)
     }
 
-    /// The barrier's watch: while the current step has waited longer than `warn` since the
-    /// last warning, returns the ranks still missing and how long it has waited.
-    pub fn overdue(&self, warn: Duration) -> Option<(u64, Vec<usize>, Duration)> {
-        let mut st = self.lock();
+    /// The barrier's state while the current step waits: the step, the ranks still missing
+    /// and how long it has waited (None while applying, after the last step, or after failure).
+    pub fn barrier_wait(&self) -> Option<(u64, Vec<usize>, Duration)> {
+        let st = self.lock();
         if st.applying || st.version >= self.total_steps || st.failed.is_some() {
             return None;
         }
-        let waited = st.waiting_since.elapsed();
-        let since_warn = st.last_warn.map_or(waited, |t| t.elapsed());
-        if waited < warn || since_warn < warn {
-            return None;
-        }
-        st.last_warn = Some(Instant::now());
         let missing = st
             .current_fp
             .iter()
@@ -457,7 +448,7 @@ impl Shard {
             .filter(|(_, f)| f.is_none())
             .map(|(r, _)| r)
             .collect();
-        Some((st.version, missing, waited))
+        Some((st.version, missing, st.waiting_since.elapsed()))
     }
 }
 

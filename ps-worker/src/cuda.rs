@@ -13,7 +13,8 @@ use crate::backend::{Backend, BackendError, BackendResult, StepStats, check_shap
 use cudarc::cublas::sys::{cublasMath_t, cublasOperation_t};
 use cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig,
+    PushKernelArg,
 };
 use cudarc::nvrtc::{CompileError, CompileOptions, Ptx, compile_ptx_with_opts};
 use ps_common::config::LossReduction;
@@ -165,7 +166,11 @@ fn cuda_err<E: Display>(what: impl Display) -> impl FnOnce(E) -> BackendError {
 
 /// Collapses a multi-line message (a compiler log, a panic) onto one line.
 fn one_line(s: &str) -> String {
-    s.split('\n').map(str::trim_end).filter(|l| !l.is_empty()).collect::<Vec<_>>().join(" | ")
+    s.split('\n')
+        .map(str::trim_end)
+        .filter(|l| !l.is_empty())
+        .collect::<Vec<_>>()
+        .join(" | ")
 }
 
 /// Text of a caught panic.
@@ -186,13 +191,16 @@ fn check_driver() -> BackendResult<()> {
     // SAFETY: `is_culib_present` only tries `dlopen` on the candidate names and closes the
     // library again; it calls no CUDA function.
     if !unsafe { cudarc::driver::sys::is_culib_present() } {
-        return Err(BackendError::NoGpu("no CUDA driver found (libcuda.so.1 not loadable)".into()));
+        return Err(BackendError::NoGpu(
+            "no CUDA driver found (libcuda.so.1 not loadable)".into(),
+        ));
     }
     Ok(())
 }
 
-fn check_libraries() -> BackendResult<()> {
-    check_driver()?;
+/// NVRTC and cuBLAS (checked after the driver reported the devices, so that a machine with
+/// a driver but no device says so rather than that the toolkit is missing).
+fn check_toolkit_libraries() -> BackendResult<()> {
     // SAFETY: as above, a `dlopen` probe only.
     if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
         return Err(BackendError::NoGpu(
@@ -217,9 +225,14 @@ fn check_libraries() -> BackendResult<()> {
 pub fn device_count() -> BackendResult<usize> {
     check_driver()?;
     let r = catch_unwind(CudaContext::device_count).map_err(|p| {
-        BackendError::NoGpu(format!("CUDA driver found but it panicked on initialisation: {}", panic_text(&*p)))
+        BackendError::NoGpu(format!(
+            "CUDA driver found but it panicked on initialisation: {}",
+            panic_text(&*p)
+        ))
     })?;
-    let n = r.map_err(|e| BackendError::NoGpu(one_line(&format!("CUDA driver found but unusable: {e}"))))?;
+    let n = r.map_err(|e| {
+        BackendError::NoGpu(one_line(&format!("CUDA driver found but unusable: {e}")))
+    })?;
     Ok(usize::try_from(n).unwrap_or(0))
 }
 
@@ -268,6 +281,8 @@ pub struct CudaBackend {
     ordinal: usize,
     device_name: String,
     arch: String,
+    /// Rows of the batch now in the input buffer (see [`CudaBackend::upload_batch`]).
+    uploaded: usize,
 }
 
 impl std::fmt::Debug for CudaBackend {
@@ -289,12 +304,21 @@ fn compile_kernels(major: i32, minor: i32) -> BackendResult<(Ptx, String)> {
     let arch = format!("compute_{major}{minor}");
     let opts = |arch: Option<&str>| CompileOptions {
         name: Some("ps_worker_kernels.cu".into()),
-        options: arch.map(|a| vec![format!("--gpu-architecture={a}")]).unwrap_or_default(),
+        options: arch
+            .map(|a| vec![format!("--gpu-architecture={a}")])
+            .unwrap_or_default(),
         ..Default::default()
     };
     let describe = |e: CompileError| match e {
-        CompileError::CompileError { nvrtc, options, log } => {
-            format!("{nvrtc:?} with options {options:?}: {}", log.to_string_lossy())
+        CompileError::CompileError {
+            nvrtc,
+            options,
+            log,
+        } => {
+            format!(
+                "{nvrtc:?} with options {options:?}: {}",
+                log.to_string_lossy()
+            )
         }
         other => format!("{other:?}"),
     };
@@ -310,38 +334,101 @@ fn compile_kernels(major: i32, minor: i32) -> BackendResult<(Ptx, String)> {
     }
 }
 
-/// Row-major `C [rows_c, cols_c]`-style products through column-major sgemm: see the call sites.
-#[allow(clippy::too_many_arguments)]
+/// The cuBLAS (column-major) arguments of one row-major product of a layer. A row-major
+/// `[r, c]` matrix is the column-major `[c, r]` matrix (its transpose) with leading dimension
+/// `c`, so each row-major product `C = A·B` is computed as the column-major `Cᵀ = Bᵀ·Aᵀ`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct GemmShape {
+    transa: cublasOperation_t,
+    transb: cublasOperation_t,
+    m: usize,
+    n: usize,
+    k: usize,
+    lda: usize,
+    ldb: usize,
+    ldc: usize,
+}
+
+const OP_N: cublasOperation_t = cublasOperation_t::CUBLAS_OP_N;
+const OP_T: cublasOperation_t = cublasOperation_t::CUBLAS_OP_T;
+
+impl GemmShape {
+    /// Forward, `Z [rows, out] = X [rows, in] · Wᵀ` with `W [out, in]`: column-major
+    /// `Zᵀ [out, rows] = W · Xᵀ`; cuBLAS `A` = the weight (stored as Wᵀ [in, out], so `T`),
+    /// `B` = the input (stored as Xᵀ [in, rows], `N`), `C` = the output.
+    fn forward(rows: usize, fan_in: usize, fan_out: usize) -> Self {
+        Self {
+            transa: OP_T,
+            transb: OP_N,
+            m: fan_out,
+            n: rows,
+            k: fan_in,
+            lda: fan_in,
+            ldb: fan_in,
+            ldc: fan_out,
+        }
+    }
+
+    /// Weight gradient, `dW [out, in] = dZᵀ · X`: column-major `dWᵀ [in, out] = Xᵀ · dZ`;
+    /// `A` = the input (stored as Xᵀ [in, rows], `N`), `B` = dZ (stored as dZᵀ [out, rows],
+    /// so `T`), `C` = the weight gradient.
+    fn weight_grad(rows: usize, fan_in: usize, fan_out: usize) -> Self {
+        Self {
+            transa: OP_N,
+            transb: OP_T,
+            m: fan_in,
+            n: fan_out,
+            k: rows,
+            lda: fan_in,
+            ldb: fan_out,
+            ldc: fan_in,
+        }
+    }
+
+    /// Input gradient, `dX [rows, in] = dZ · W`: column-major `dXᵀ [in, rows] = Wᵀ · dZᵀ`;
+    /// `A` = the weight (stored as Wᵀ [in, out], `N`), `B` = dZ (stored as dZᵀ [out, rows], `N`),
+    /// `C` = the input gradient.
+    fn input_grad(rows: usize, fan_in: usize, fan_out: usize) -> Self {
+        Self {
+            transa: OP_N,
+            transb: OP_N,
+            m: fan_in,
+            n: rows,
+            k: fan_out,
+            lda: fan_in,
+            ldb: fan_out,
+            ldc: fan_in,
+        }
+    }
+}
+
+/// `C = op(A)·op(B)` (alpha 1, beta 0) in full FP32 on the handle's stream.
 fn sgemm<A: DevicePtr<f32>, B: DevicePtr<f32>, C: DevicePtrMut<f32>>(
     blas: &CudaBlas,
     what: &str,
-    (transa, transb): (cublasOperation_t, cublasOperation_t),
-    (m, n, k): (usize, usize, usize),
+    g: GemmShape,
     a: &A,
-    lda: usize,
     b: &B,
-    ldb: usize,
     c: &mut C,
-    ldc: usize,
 ) -> BackendResult<()> {
     // Sizes were checked against i32::MAX when the backend and its buffers were made.
     let i = |v: usize| v as i32;
     let cfg = GemmConfig {
-        transa,
-        transb,
-        m: i(m),
-        n: i(n),
-        k: i(k),
+        transa: g.transa,
+        transb: g.transb,
+        m: i(g.m),
+        n: i(g.n),
+        k: i(g.k),
         alpha: 1.0f32,
-        lda: i(lda),
-        ldb: i(ldb),
+        lda: i(g.lda),
+        ldb: i(g.ldb),
         beta: 0.0f32,
-        ldc: i(ldc),
+        ldc: i(g.ldc),
     };
     // SAFETY: the callers pass buffers of at least the sizes the configuration reads and writes
     // (`[rows, width]` buffers allocated for at least `rows` rows, weight and gradient views of
-    // exactly one layer's tensor), all on the handle's stream; alpha and beta are host values
-    // (the default host pointer mode).
+    // exactly one layer's tensor, as the `GemmShape` constructors describe), all on the handle's
+    // stream; alpha and beta are host values (the default host pointer mode).
     unsafe { blas.gemm(cfg, a, b, c) }.map_err(cuda_err(format_args!("cuBLAS sgemm for {what}")))
 }
 
@@ -351,21 +438,34 @@ fn grid(n: usize, per_block: usize) -> u32 {
 
 /// Element-wise kernels: 256 threads per block, grid-stride.
 fn cfg_elems(total: usize) -> LaunchConfig {
-    LaunchConfig { grid_dim: (grid(total, BLOCK as usize), 1, 1), block_dim: (BLOCK, 1, 1), shared_mem_bytes: 0 }
+    LaunchConfig {
+        grid_dim: (grid(total, BLOCK as usize), 1, 1),
+        block_dim: (BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    }
 }
 
 /// Row kernels: one warp per row, 8 warps per block.
 fn cfg_rows(rows: usize) -> LaunchConfig {
-    LaunchConfig { grid_dim: (grid(rows, (BLOCK / 32) as usize), 1, 1), block_dim: (BLOCK, 1, 1), shared_mem_bytes: 0 }
+    LaunchConfig {
+        grid_dim: (grid(rows, (BLOCK / 32) as usize), 1, 1),
+        block_dim: (BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    }
 }
 
 /// Column kernels: 32 columns by `BIAS_GRAD_ROWS` row strides per block.
 fn cfg_cols(cols: usize) -> LaunchConfig {
-    LaunchConfig { grid_dim: (grid(cols, 32), 1, 1), block_dim: (32, BIAS_GRAD_ROWS, 1), shared_mem_bytes: 0 }
+    LaunchConfig {
+        grid_dim: (grid(cols, 32), 1, 1),
+        block_dim: (32, BIAS_GRAD_ROWS, 1),
+        shared_mem_bytes: 0,
+    }
 }
 
 fn check_i32(what: &str, v: usize) -> BackendResult<i32> {
-    i32::try_from(v).map_err(|_| BackendError::Shape(format!("{what} = {v}: the CUDA backend needs < 2^31")))
+    i32::try_from(v)
+        .map_err(|_| BackendError::Shape(format!("{what} = {v}: the CUDA backend needs < 2^31")))
 }
 
 impl CudaBackend {
@@ -374,10 +474,13 @@ impl CudaBackend {
     /// `NoGpu` when the driver, NVRTC or cuBLAS is missing or the device does not exist;
     /// `Cuda` when a CUDA call fails. Never panics (a panic inside cudarc is caught).
     pub fn new(ordinal: usize, layout: MlpLayout) -> BackendResult<Self> {
-        check_libraries()?;
+        check_driver()?;
         match catch_unwind(AssertUnwindSafe(|| Self::init(ordinal, layout))) {
             Ok(r) => r,
-            Err(p) => Err(BackendError::NoGpu(format!("CUDA initialisation panicked: {}", panic_text(&*p)))),
+            Err(p) => Err(BackendError::NoGpu(format!(
+                "CUDA initialisation panicked: {}",
+                panic_text(&*p)
+            ))),
         }
     }
 
@@ -397,7 +500,10 @@ impl CudaBackend {
                 count - 1
             )));
         }
-        let ctx = CudaContext::new(ordinal).map_err(cuda_err(format_args!("creating the context of cuda:{ordinal}")))?;
+        check_toolkit_libraries()?;
+        let ctx = CudaContext::new(ordinal).map_err(cuda_err(format_args!(
+            "creating the context of cuda:{ordinal}"
+        )))?;
         // SAFETY: this backend uses exactly one stream for every allocation, copy, kernel and
         // cuBLAS call, so stream order alone orders all uses of its buffers and frees; the
         // per-buffer events cudarc records for multi-stream use are not needed. Host copies
@@ -407,13 +513,19 @@ impl CudaBackend {
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream().map_err(cuda_err("creating a stream"))?;
         let device_name = ctx.name().map_err(cuda_err("reading the device name"))?;
-        let (major, minor) = ctx.compute_capability().map_err(cuda_err("reading the compute capability"))?;
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(cuda_err("reading the compute capability"))?;
         let (ptx, arch) = compile_kernels(major, minor)?;
         let module = ctx.load_module(ptx).map_err(cuda_err(format_args!(
             "loading the NVRTC kernels ({arch}) into cuda:{ordinal} (an UNSUPPORTED_PTX_VERSION error means \
              libnvrtc is newer than the driver)"
         )))?;
-        let f = |name: &str| module.load_function(name).map_err(cuda_err(format_args!("loading kernel {name}")));
+        let f = |name: &str| {
+            module
+                .load_function(name)
+                .map_err(cuda_err(format_args!("loading kernel {name}")))
+        };
         let k = Kernels {
             bias_act: f("bias_act_f32")?,
             relu_backward: f("relu_backward_f32")?,
@@ -425,13 +537,24 @@ impl CudaBackend {
         // Full FP32: the default math mode never uses TF32 tensor cores for sgemm; set it
         // explicitly in case a later cuBLAS changes its default.
         // SAFETY: the handle is valid (just created) and owned by `blas`.
-        unsafe { cudarc::cublas::sys::cublasSetMathMode(*blas.handle(), cublasMath_t::CUBLAS_DEFAULT_MATH) }
-            .result()
-            .map_err(cuda_err("setting the cuBLAS math mode"))?;
+        unsafe {
+            cudarc::cublas::sys::cublasSetMathMode(
+                *blas.handle(),
+                cublasMath_t::CUBLAS_DEFAULT_MATH,
+            )
+        }
+        .result()
+        .map_err(cuda_err("setting the cuBLAS math mode"))?;
         let p = layout.num_params();
-        let weights = stream.alloc_zeros::<f32>(p).map_err(cuda_err(format_args!("allocating {p} weights")))?;
-        let grad = stream.alloc_zeros::<f32>(p).map_err(cuda_err(format_args!("allocating {p} gradients")))?;
-        let stats = stream.alloc_zeros::<f64>(2).map_err(cuda_err("allocating the statistics"))?;
+        let weights = stream
+            .alloc_zeros::<f32>(p)
+            .map_err(cuda_err(format_args!("allocating {p} weights")))?;
+        let grad = stream
+            .alloc_zeros::<f32>(p)
+            .map_err(cuda_err(format_args!("allocating {p} gradients")))?;
+        let stats = stream
+            .alloc_zeros::<f64>(2)
+            .map_err(cuda_err("allocating the statistics"))?;
         let mut me = Self {
             bufs: None,
             weights,
@@ -445,6 +568,7 @@ impl CudaBackend {
             ordinal,
             device_name,
             arch,
+            uploaded: 0,
         };
         me.self_test()?;
         Ok(me)
@@ -462,11 +586,14 @@ impl CudaBackend {
         let stats = self.forward_backward(&x, &[label], LossReduction::Mean, &mut g)?;
         let (_, b) = self.layout.layer(self.layout.num_layers() - 1);
         let want_loss = (classes as f64).ln();
-        let bias_ok = g[b].iter().enumerate().all(|(j, &v)| {
+        let bias_ok = g[b.clone()].iter().enumerate().all(|(j, &v)| {
             let want = 1.0 / classes as f32 - f32::from(u8::from(j == usize::from(label)));
             (v - want).abs() <= 1e-5
         });
-        if (stats.loss_sum - want_loss).abs() > 1e-4 * want_loss.max(1.0) || !bias_ok || g.iter().any(|v| !v.is_finite()) {
+        if (stats.loss_sum - want_loss).abs() > 1e-4 * want_loss.max(1.0)
+            || !bias_ok
+            || g.iter().any(|v| !v.is_finite())
+        {
             return Err(BackendError::Cuda(format!(
                 "self-test on cuda:{} failed: loss {} (expected {want_loss:.6}), last bias gradient {:?}",
                 self.ordinal,
@@ -503,13 +630,18 @@ impl CudaBackend {
     }
 
     fn bind(&self) -> BackendResult<()> {
-        self.ctx.bind_to_thread().map_err(cuda_err(format_args!("binding the context of cuda:{}", self.ordinal)))
+        self.ctx.bind_to_thread().map_err(cuda_err(format_args!(
+            "binding the context of cuda:{}",
+            self.ordinal
+        )))
     }
 
     /// Waits until all work queued on the backend's stream has finished.
     pub fn sync(&self) -> BackendResult<()> {
         self.bind()?;
-        self.stream.synchronize().map_err(cuda_err("synchronising the stream"))
+        self.stream
+            .synchronize()
+            .map_err(cuda_err("synchronising the stream"))
     }
 
     /// Makes the buffers hold at least `rows` rows (reallocates only to grow).
@@ -519,36 +651,75 @@ impl CudaBackend {
         }
         check_i32("the batch size", rows)?;
         self.bufs = None; // free the old buffers before allocating larger ones
+        self.uploaded = 0;
         let dims = &self.layout.dims;
         let s = &self.stream;
         let alloc = |len: usize, what: &str| {
-            s.alloc_zeros::<f32>(len).map_err(cuda_err(format_args!("allocating {what} ({len} floats, {rows} rows)")))
+            s.alloc_zeros::<f32>(len).map_err(cuda_err(format_args!(
+                "allocating {what} ({len} floats, {rows} rows)"
+            )))
         };
         let widest = dims.iter().copied().max().unwrap_or(1);
         let bufs = Buffers {
             rows,
             x: alloc(rows * dims[0], "the input batch")?,
-            labels: s.alloc_zeros::<u8>(rows).map_err(cuda_err("allocating the labels"))?,
-            acts: dims[1..].iter().map(|&d| alloc(rows * d, "activations")).collect::<BackendResult<_>>()?,
+            labels: s
+                .alloc_zeros::<u8>(rows)
+                .map_err(cuda_err("allocating the labels"))?,
+            acts: dims[1..]
+                .iter()
+                .map(|&d| alloc(rows * d, "activations"))
+                .collect::<BackendResult<_>>()?,
             scratch: alloc(rows * widest, "the backward scratch")?,
             row_loss: alloc(rows, "the row losses")?,
-            row_correct: s.alloc_zeros::<i32>(rows).map_err(cuda_err("allocating the row flags"))?,
+            row_correct: s
+                .alloc_zeros::<i32>(rows)
+                .map_err(cuda_err("allocating the row flags"))?,
         };
         self.bufs = Some(bufs);
         Ok(())
     }
 
-    /// Copies the batch to the device (buffers must hold `labels.len()` rows).
-    fn upload_batch(&mut self, x: &[f32], labels: &[u8]) -> BackendResult<()> {
-        let b = self.bufs.as_mut().expect("ensure_rows first");
-        self.stream.memcpy_htod(x, &mut b.x).map_err(cuda_err("copying the input batch to the device"))?;
-        self.stream.memcpy_htod(labels, &mut b.labels).map_err(cuda_err("copying the labels to the device"))
+    /// Copies a batch to the device, growing the buffers when needed (shapes unchecked).
+    fn upload_unchecked(&mut self, x: &[f32], labels: &[u8]) -> BackendResult<()> {
+        let n = labels.len();
+        self.uploaded = 0;
+        if n == 0 {
+            return Ok(());
+        }
+        self.ensure_rows(n)?;
+        let b = self.bufs.as_mut().expect("ensured");
+        self.stream
+            .memcpy_htod(x, &mut b.x)
+            .map_err(cuda_err("copying the input batch to the device"))?;
+        self.stream
+            .memcpy_htod(labels, &mut b.labels)
+            .map_err(cuda_err("copying the labels to the device"))?;
+        self.uploaded = n;
+        Ok(())
+    }
+
+    /// Copies a batch (`x` row-major `[n, inputs]`, `n` labels) into the device's input
+    /// buffers, growing them when needed, for [`CudaBackend::compute_uploaded`]. The copy
+    /// from pageable memory has left `x` and `labels` when this returns.
+    pub fn upload_batch(&mut self, x: &[f32], labels: &[u8]) -> BackendResult<()> {
+        check_shapes(&self.layout.dims, self.layout.num_params(), x, labels, None)?;
+        self.bind()?;
+        self.upload_unchecked(x, labels)
     }
 
     /// Queues the forward pass over the first `n` rows of the input buffer: the logits end
     /// in `acts[last]`, the hidden activations in the other `acts`.
     fn forward(&mut self, n: usize) -> BackendResult<()> {
-        let Self { bufs, weights, blas, k, stream, layout, .. } = self;
+        let Self {
+            bufs,
+            weights,
+            blas,
+            k,
+            stream,
+            layout,
+            ..
+        } = self;
         let b = bufs.as_mut().expect("ensure_rows first");
         let dims = &layout.dims;
         let layers = layout.num_layers();
@@ -558,19 +729,14 @@ impl CudaBackend {
             let (prev, rest) = b.acts.split_at_mut(l);
             let out = &mut rest[0];
             let input = if l == 0 { &b.x } else { &prev[l - 1] };
-            // Z [n, out] = X [n, in] · Wᵀ, computed as the column-major Zᵀ [out, n] = W · Xᵀ:
-            // W is stored as column-major Wᵀ [in, out] (transposed back: T), X as Xᵀ [in, n] (N).
+            let g = GemmShape::forward(n, fan_in, fan_out);
             sgemm(
                 blas,
                 "the forward product X·Wᵀ",
-                (cublasOperation_t::CUBLAS_OP_T, cublasOperation_t::CUBLAS_OP_N),
-                (fan_out, n, fan_in),
+                g,
                 &weights.slice(wr),
-                fan_in,
                 input,
-                fan_in,
                 out,
-                fan_out,
             )?;
             let bias = weights.slice(br);
             let (rows_i, cols_i, relu) = (n as i32, fan_out as i32, i32::from(l + 1 < layers));
@@ -587,7 +753,10 @@ impl CudaBackend {
                     .arg(&relu)
                     .launch(cfg_elems(n * fan_out))
             }
-            .map_err(cuda_err(format_args!("launching bias_act_f32 for layer {}", l + 1)))?;
+            .map_err(cuda_err(format_args!(
+                "launching bias_act_f32 for layer {}",
+                l + 1
+            )))?;
         }
         Ok(())
     }
@@ -595,7 +764,14 @@ impl CudaBackend {
     /// Queues the fused softmax cross-entropy on the logits of the first `n` rows (replacing
     /// them by `scale * (softmax - onehot)`) and the reduction into `stats`.
     fn loss_and_stats(&mut self, n: usize, scale: f32) -> BackendResult<()> {
-        let Self { bufs, stats, k, stream, layout, .. } = self;
+        let Self {
+            bufs,
+            stats,
+            k,
+            stream,
+            layout,
+            ..
+        } = self;
         let b = bufs.as_mut().expect("ensure_rows first");
         let classes = *layout.dims.last().expect("dims");
         let logits = b.acts.last_mut().expect("at least one layer");
@@ -617,7 +793,11 @@ impl CudaBackend {
                 .launch(cfg_rows(n))
         }
         .map_err(cuda_err("launching softmax_xent_f32"))?;
-        let one = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let one = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
         // SAFETY: reduce_stats_f32(const float* row_loss, const int* row_correct, int rows,
         // double* out): reads n entries of each row buffer, writes out[0..2] of `stats` (2
         // doubles); launched with exactly one block of 256 threads, the size of its shared arrays.
@@ -630,21 +810,38 @@ impl CudaBackend {
                 .arg(stats)
                 .launch(one)
         }
-        .map_err(cuda_err("launching reduce_stats_f32"))
+        .map_err(cuda_err("launching reduce_stats_f32"))?;
+        Ok(())
     }
 
     /// Downloads `[loss sum, correct]` (synchronises the stream).
     fn read_stats(&mut self) -> BackendResult<StepStats> {
         let mut host = [0.0f64; 2];
-        self.stream.memcpy_dtoh(&self.stats, &mut host).map_err(cuda_err("copying the loss and accuracy to the host"))?;
-        self.stream.synchronize().map_err(cuda_err("synchronising after the batch"))?;
-        Ok(StepStats { loss_sum: host[0], correct: host[1] as u64 })
+        self.stream
+            .memcpy_dtoh(&self.stats, &mut host)
+            .map_err(cuda_err("copying the loss and accuracy to the host"))?;
+        self.stream
+            .synchronize()
+            .map_err(cuda_err("synchronising after the batch"))?;
+        Ok(StepStats {
+            loss_sum: host[0],
+            correct: host[1] as u64,
+        })
     }
 
     /// Queues the backward pass for the first `n` rows: the last layer's dL/dz must already be
     /// in `acts[last]`. Writes every entry of the device gradient.
     fn backward(&mut self, n: usize) -> BackendResult<()> {
-        let Self { bufs, weights, grad, blas, k, stream, layout, .. } = self;
+        let Self {
+            bufs,
+            weights,
+            grad,
+            blas,
+            k,
+            stream,
+            layout,
+            ..
+        } = self;
         let b = bufs.as_mut().expect("ensure_rows first");
         let dims = &layout.dims;
         for l in (0..layout.num_layers()).rev() {
@@ -654,19 +851,14 @@ impl CudaBackend {
             let dz = &rest[0];
             {
                 let input = if l == 0 { &b.x } else { &prev[l - 1] };
-                // dW [out, in] = dZᵀ · X, computed as the column-major dWᵀ [in, out] = Xᵀ · dZ:
-                // X is stored as Xᵀ [in, n] (N), dZ as dZᵀ [out, n] (transposed back: T).
+                let g = GemmShape::weight_grad(n, fan_in, fan_out);
                 sgemm(
                     blas,
                     "the weight gradient dZᵀ·X",
-                    (cublasOperation_t::CUBLAS_OP_N, cublasOperation_t::CUBLAS_OP_T),
-                    (fan_in, fan_out, n),
+                    g,
                     input,
-                    fan_in,
                     dz,
-                    fan_out,
                     &mut grad.slice_mut(wr.clone()),
-                    fan_in,
                 )?;
             }
             let mut db = grad.slice_mut(br);
@@ -683,21 +875,19 @@ impl CudaBackend {
                     .arg(&cols_i)
                     .launch(cfg_cols(fan_out))
             }
-            .map_err(cuda_err(format_args!("launching bias_grad_f32 for layer {}", l + 1)))?;
+            .map_err(cuda_err(format_args!(
+                "launching bias_grad_f32 for layer {}",
+                l + 1
+            )))?;
             if l > 0 {
-                // dA [n, in] = dZ · W, computed as the column-major dAᵀ [in, n] = Wᵀ · dZᵀ:
-                // W is stored as Wᵀ [in, out] (N), dZ as dZᵀ [out, n] (N).
+                let g = GemmShape::input_grad(n, fan_in, fan_out);
                 sgemm(
                     blas,
                     "the input gradient dZ·W",
-                    (cublasOperation_t::CUBLAS_OP_N, cublasOperation_t::CUBLAS_OP_N),
-                    (fan_in, n, fan_out),
+                    g,
                     &weights.slice(wr),
-                    fan_in,
                     dz,
-                    fan_out,
                     &mut b.scratch,
-                    fan_in,
                 )?;
                 let total = n * fan_in;
                 let total_i = total as i64;
@@ -712,25 +902,27 @@ impl CudaBackend {
                         .arg(&total_i)
                         .launch(cfg_elems(total))
                 }
-                .map_err(cuda_err(format_args!("launching relu_backward_f32 for layer {l}")))?;
+                .map_err(cuda_err(format_args!(
+                    "launching relu_backward_f32 for layer {l}"
+                )))?;
             }
         }
         Ok(())
     }
 
-    /// Forward and backward on the device, leaving the gradient there (see
-    /// [`CudaBackend::download_gradient`]); returns the loss sum and correct count (which
-    /// synchronises with the device). [`Backend::forward_backward`] is this plus the download.
-    pub fn compute_gradient(&mut self, x: &[f32], labels: &[u8], reduction: LossReduction) -> BackendResult<StepStats> {
-        check_shapes(&self.layout.dims, self.layout.num_params(), x, labels, None)?;
+    /// Forward and backward on the batch last copied by [`CudaBackend::upload_batch`],
+    /// leaving the gradient on the device (see [`CudaBackend::download_gradient`]); returns
+    /// the loss sum and correct count, reading which synchronises with the device. An empty
+    /// batch zeroes the gradient. (`evaluate` replaces the uploaded batch by its last chunk.)
+    pub fn compute_uploaded(&mut self, reduction: LossReduction) -> BackendResult<StepStats> {
         self.bind()?;
-        let n = labels.len();
+        let n = self.uploaded;
         if n == 0 {
-            self.stream.memset_zeros(&mut self.grad).map_err(cuda_err("zeroing the gradient"))?;
+            self.stream
+                .memset_zeros(&mut self.grad)
+                .map_err(cuda_err("zeroing the gradient"))?;
             return Ok(StepStats::default());
         }
-        self.ensure_rows(n)?;
-        self.upload_batch(x, labels)?;
         self.forward(n)?;
         let scale = match reduction {
             LossReduction::Mean => 1.0 / n as f32,
@@ -741,12 +933,28 @@ impl CudaBackend {
         self.read_stats()
     }
 
+    /// [`CudaBackend::upload_batch`] then [`CudaBackend::compute_uploaded`]: forward and
+    /// backward with the gradient left on the device. [`Backend::forward_backward`] is this
+    /// plus [`CudaBackend::download_gradient`].
+    pub fn compute_gradient(
+        &mut self,
+        x: &[f32],
+        labels: &[u8],
+        reduction: LossReduction,
+    ) -> BackendResult<StepStats> {
+        self.upload_batch(x, labels)?;
+        self.compute_uploaded(reduction)
+    }
+
     /// Copies the device gradient into `grad` (length = number of parameters), one layer at a
     /// time, last layer first, then synchronises.
     pub fn download_gradient(&mut self, grad: &mut [f32]) -> BackendResult<()> {
         let p = self.layout.num_params();
         if grad.len() != p {
-            return Err(BackendError::Shape(format!("gradient buffer holds {}: expected {p}", grad.len())));
+            return Err(BackendError::Shape(format!(
+                "gradient buffer holds {}: expected {p}",
+                grad.len()
+            )));
         }
         self.bind()?;
         for l in (0..self.layout.num_layers()).rev() {
@@ -754,9 +962,14 @@ impl CudaBackend {
             let r = w.start..b.end;
             self.stream
                 .memcpy_dtoh(&self.grad.slice(r.clone()), &mut grad[r])
-                .map_err(cuda_err(format_args!("copying the gradient of layer {} to the host", l + 1)))?;
+                .map_err(cuda_err(format_args!(
+                    "copying the gradient of layer {} to the host",
+                    l + 1
+                )))?;
         }
-        self.stream.synchronize().map_err(cuda_err("synchronising after the gradient download"))
+        self.stream
+            .synchronize()
+            .map_err(cuda_err("synchronising after the gradient download"))
     }
 
     /// Benchmark helper: queues only the three sgemm calls per layer of a forward and backward
@@ -769,7 +982,14 @@ impl CudaBackend {
             return Ok(());
         }
         self.ensure_rows(rows)?;
-        let Self { bufs, weights, grad, blas, layout, .. } = self;
+        let Self {
+            bufs,
+            weights,
+            grad,
+            blas,
+            layout,
+            ..
+        } = self;
         let b = bufs.as_mut().expect("ensured");
         let dims = &layout.dims;
         let n = rows;
@@ -779,22 +999,32 @@ impl CudaBackend {
             let (prev, rest) = b.acts.split_at_mut(l);
             let out = &mut rest[0];
             let input = if l == 0 { &b.x } else { &prev[l - 1] };
-            let t = cublasOperation_t::CUBLAS_OP_T;
-            let nn = cublasOperation_t::CUBLAS_OP_N;
-            sgemm(blas, "bench forward", (t, nn), (fan_out, n, fan_in), &weights.slice(wr.clone()), fan_in, input, fan_in, out, fan_out)?;
+            let w = weights.slice(wr.clone());
+            sgemm(
+                blas,
+                "bench forward",
+                GemmShape::forward(n, fan_in, fan_out),
+                &w,
+                input,
+                out,
+            )?;
+            let g = GemmShape::weight_grad(n, fan_in, fan_out);
             sgemm(
                 blas,
                 "bench weight gradient",
-                (nn, t),
-                (fan_in, fan_out, n),
+                g,
                 input,
-                fan_in,
                 &*out,
-                fan_out,
-                &mut grad.slice_mut(wr.clone()),
-                fan_in,
+                &mut grad.slice_mut(wr),
             )?;
-            sgemm(blas, "bench input gradient", (nn, nn), (fan_in, n, fan_out), &weights.slice(wr), fan_in, &*out, fan_out, &mut b.scratch, fan_in)?;
+            sgemm(
+                blas,
+                "bench input gradient",
+                GemmShape::input_grad(n, fan_in, fan_out),
+                &w,
+                &*out,
+                &mut b.scratch,
+            )?;
         }
         Ok(())
     }
@@ -818,10 +1048,15 @@ impl Backend for CudaBackend {
     fn set_weights(&mut self, flat: &[f32]) -> BackendResult<()> {
         let p = self.layout.num_params();
         if flat.len() != p {
-            return Err(BackendError::Shape(format!("weights hold {}: expected {p}", flat.len())));
+            return Err(BackendError::Shape(format!(
+                "weights hold {}: expected {p}",
+                flat.len()
+            )));
         }
         self.bind()?;
-        self.stream.memcpy_htod(flat, &mut self.weights).map_err(cuda_err("copying the weights to the device"))
+        self.stream
+            .memcpy_htod(flat, &mut self.weights)
+            .map_err(cuda_err("copying the weights to the device"))
     }
 
     fn forward_backward(
@@ -831,7 +1066,13 @@ impl Backend for CudaBackend {
         reduction: LossReduction,
         grad: &mut [f32],
     ) -> BackendResult<StepStats> {
-        check_shapes(&self.layout.dims, self.layout.num_params(), x, labels, Some(grad))?;
+        check_shapes(
+            &self.layout.dims,
+            self.layout.num_params(),
+            x,
+            labels,
+            Some(grad),
+        )?;
         if labels.is_empty() {
             grad.fill(0.0);
             return Ok(StepStats::default());
@@ -850,8 +1091,7 @@ impl Backend for CudaBackend {
         for start in (0..n).step_by(EVAL_ROWS) {
             let end = (start + EVAL_ROWS).min(n);
             let rows = end - start;
-            self.ensure_rows(rows)?;
-            self.upload_batch(&x[start * inputs..end * inputs], &labels[start..end])?;
+            self.upload_unchecked(&x[start * inputs..end * inputs], &labels[start..end])?;
             self.forward(rows)?;
             self.loss_and_stats(rows, 0.0)?;
             correct += self.read_stats()?.correct;
@@ -866,8 +1106,17 @@ mod tests {
 
     #[test]
     fn kernel_source_has_every_entry_point_and_no_include() {
-        for name in ["bias_act_f32", "relu_backward_f32", "softmax_xent_f32", "bias_grad_f32", "reduce_stats_f32"] {
-            assert!(KERNELS.contains(&format!("extern \"C\" __global__ void {name}(")), "{name}");
+        for name in [
+            "bias_act_f32",
+            "relu_backward_f32",
+            "softmax_xent_f32",
+            "bias_grad_f32",
+            "reduce_stats_f32",
+        ] {
+            assert!(
+                KERNELS.contains(&format!("extern \"C\" __global__ void {name}(")),
+                "{name}"
+            );
         }
         assert!(!KERNELS.contains("#include"));
         assert!(KERNELS.contains(&format!("#define BIAS_GRAD_ROWS {BIAS_GRAD_ROWS}")));
@@ -888,6 +1137,142 @@ mod tests {
         assert_eq!(one_line("a\nb\r\n\nc\n"), "a | b | c");
         let e = cuda_err::<&str>("doing x")("bad\nthing");
         assert_eq!(e.to_string(), "cuda: doing x: bad | thing");
+    }
+
+    /// NVRTC needs no GPU, only the library: `pip install nvidia-cuda-nvrtc==13.0.*` and put
+    /// its `nvidia/cu13/lib` on LD_LIBRARY_PATH. `PS_PTX_OUT=DIR` also writes the PTX there
+    /// (for `ptxas --gpu-name sm_90`).
+    #[test]
+    #[ignore = "needs libnvrtc (a CUDA toolkit, or pip's nvidia-cuda-nvrtc on LD_LIBRARY_PATH): run with --ignored"]
+    fn nvrtc_compiles_the_kernels() {
+        // SAFETY: a dlopen probe only.
+        assert!(
+            unsafe { cudarc::nvrtc::sys::is_culib_present() },
+            "libnvrtc is not loadable"
+        );
+        for (major, minor) in [(9, 0), (8, 0), (12, 0)] {
+            let (ptx, arch) = compile_kernels(major, minor).unwrap();
+            assert_eq!(arch, format!("compute_{major}{minor}"));
+            let src = ptx.to_src();
+            assert!(
+                src.contains(&format!(".target sm_{major}{minor}")),
+                "{arch}"
+            );
+            for name in [
+                "bias_act_f32",
+                "relu_backward_f32",
+                "softmax_xent_f32",
+                "bias_grad_f32",
+                "reduce_stats_f32",
+            ] {
+                assert!(src.contains(&format!(".entry {name}(")), "{name} in {arch}");
+            }
+            if let Ok(dir) = std::env::var("PS_PTX_OUT") {
+                std::fs::write(format!("{dir}/kernels_{arch}.ptx"), &src).unwrap();
+            }
+        }
+        // An architecture this NVRTC does not know falls back to its default one.
+        let (_, arch) = compile_kernels(1, 0).unwrap();
+        assert_eq!(arch, "nvrtc default");
+    }
+
+    /// Column-major sgemm exactly as BLAS defines it (alpha 1, beta 0), on exact-size slices so
+    /// that any read or write outside a matrix panics.
+    fn sgemm_ref(g: GemmShape, a: &[f32], b: &[f32], c: &mut [f32]) {
+        let at = |i: usize, p: usize| {
+            if g.transa == OP_N {
+                a[i + p * g.lda]
+            } else {
+                a[p + i * g.lda]
+            }
+        };
+        let bt = |p: usize, j: usize| {
+            if g.transb == OP_N {
+                b[p + j * g.ldb]
+            } else {
+                b[j + p * g.ldb]
+            }
+        };
+        for j in 0..g.n {
+            for i in 0..g.m {
+                c[i + j * g.ldc] = (0..g.k).map(|p| at(i, p) * bt(p, j)).sum();
+            }
+        }
+    }
+
+    /// Row-major `[r, k] x [k, c]` with accessors.
+    fn matmul(
+        r: usize,
+        k: usize,
+        c: usize,
+        a: impl Fn(usize, usize) -> f32,
+        b: impl Fn(usize, usize) -> f32,
+    ) -> Vec<f32> {
+        let mut out = vec![0.0; r * c];
+        for i in 0..r {
+            for j in 0..c {
+                out[i * c + j] = (0..k).map(|p| a(i, p) * b(p, j)).sum();
+            }
+        }
+        out
+    }
+
+    /// The three GEMM configurations give the row-major products the backward pass needs.
+    #[test]
+    fn gemm_shapes_compute_the_row_major_products() {
+        let val = |seed: usize, len: usize| -> Vec<f32> {
+            (0..len)
+                .map(|i| (((i * 7 + seed * 13) % 17) as f32 - 8.0) / 8.0)
+                .collect()
+        };
+        for (rows, fan_in, fan_out) in [(1, 1, 1), (5, 3, 2), (3, 7, 4), (33, 13, 10)] {
+            let x = val(1, rows * fan_in); // [rows, in]
+            let w = val(2, fan_out * fan_in); // [out, in]
+            let dz = val(3, rows * fan_out); // [rows, out]
+
+            let mut z = vec![f32::NAN; rows * fan_out];
+            sgemm_ref(GemmShape::forward(rows, fan_in, fan_out), &w, &x, &mut z);
+            let want = matmul(
+                rows,
+                fan_in,
+                fan_out,
+                |i, p| x[i * fan_in + p],
+                |p, j| w[j * fan_in + p],
+            );
+            assert_eq!(z, want, "Z = X·Wᵀ for {rows}x{fan_in}->{fan_out}");
+
+            let mut dw = vec![f32::NAN; fan_out * fan_in];
+            sgemm_ref(
+                GemmShape::weight_grad(rows, fan_in, fan_out),
+                &x,
+                &dz,
+                &mut dw,
+            );
+            let want = matmul(
+                fan_out,
+                rows,
+                fan_in,
+                |i, p| dz[p * fan_out + i],
+                |p, j| x[p * fan_in + j],
+            );
+            assert_eq!(dw, want, "dW = dZᵀ·X for {rows}x{fan_in}->{fan_out}");
+
+            let mut dx = vec![f32::NAN; rows * fan_in];
+            sgemm_ref(
+                GemmShape::input_grad(rows, fan_in, fan_out),
+                &w,
+                &dz,
+                &mut dx,
+            );
+            let want = matmul(
+                rows,
+                fan_out,
+                fan_in,
+                |i, p| dz[i * fan_out + p],
+                |p, j| w[p * fan_in + j],
+            );
+            assert_eq!(dx, want, "dX = dZ·W for {rows}x{fan_in}->{fan_out}");
+        }
     }
 
     /// Without a GPU (this test passes either way): errors, never panics.

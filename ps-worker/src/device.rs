@@ -39,7 +39,11 @@ impl std::fmt::Display for DeviceSpec {
 /// Parses `cpu`, `cuda`, `cuda:N` or `auto` (ASCII case and surrounding blanks ignored).
 pub fn parse_spec(spec: &str) -> Result<DeviceSpec, BackendError> {
     let s = spec.trim().to_ascii_lowercase();
-    let bad = || BackendError::Shape(format!("device {spec:?}: expected cpu, cuda, cuda:N or auto"));
+    let bad = || {
+        BackendError::Shape(format!(
+            "device {spec:?}: expected cpu, cuda, cuda:N or auto"
+        ))
+    };
     match s.as_str() {
         "cpu" => Ok(DeviceSpec::Cpu),
         "cuda" => Ok(DeviceSpec::Cuda(None)),
@@ -49,14 +53,20 @@ pub fn parse_spec(spec: &str) -> Result<DeviceSpec, BackendError> {
             if n.is_empty() || !n.bytes().all(|b| b.is_ascii_digit()) {
                 return Err(bad());
             }
-            n.parse().map(|n| DeviceSpec::Cuda(Some(n))).map_err(|_| bad())
+            n.parse()
+                .map(|n| DeviceSpec::Cuda(Some(n)))
+                .map_err(|_| bad())
         }
     }
 }
 
 /// The CUDA backend of device `ordinal`, or of `local_rank % count` when `None`; with the
 /// reason for the choice.
-fn open_cuda(ordinal: Option<usize>, local_rank: usize, layout: &MlpLayout) -> Result<(CudaBackend, String), BackendError> {
+fn open_cuda(
+    ordinal: Option<usize>,
+    local_rank: usize,
+    layout: &MlpLayout,
+) -> Result<(CudaBackend, String), BackendError> {
     let (ordinal, why) = match ordinal {
         Some(n) => (n, "as requested".to_string()),
         None => {
@@ -67,7 +77,10 @@ fn open_cuda(ordinal: Option<usize>, local_rank: usize, layout: &MlpLayout) -> R
                 ));
             }
             let n = local_rank % count;
-            (n, format!("local rank {local_rank} of {count} visible GPU(s)"))
+            (
+                n,
+                format!("local rank {local_rank} of {count} visible GPU(s)"),
+            )
         }
     };
     let b = CudaBackend::new(ordinal, layout.clone())?;
@@ -127,14 +140,22 @@ mod tests {
         assert_eq!(parse_spec("cuda:0").unwrap(), DeviceSpec::Cuda(Some(0)));
         assert_eq!(parse_spec("cuda:13").unwrap(), DeviceSpec::Cuda(Some(13)));
         assert_eq!(parse_spec("auto").unwrap(), DeviceSpec::Auto);
-        assert_eq!("cuda:2".parse::<DeviceSpec>().unwrap().to_string(), "cuda:2");
+        assert_eq!(
+            "cuda:2".parse::<DeviceSpec>().unwrap().to_string(),
+            "cuda:2"
+        );
         for s in ["cuda:2", "cuda", "cpu", "auto"] {
             assert_eq!(parse_spec(s).unwrap().to_string(), s);
         }
-        for bad in ["", "gpu", "gpu:0", "cuda:", "cuda:-1", "cuda:+1", "cuda:x", "cuda:1:2", "tpu", "cpu:0"] {
+        for bad in [
+            "", "gpu", "gpu:0", "cuda:", "cuda:-1", "cuda:+1", "cuda:x", "cuda:1:2", "tpu", "cpu:0",
+        ] {
             let e = parse_spec(bad).unwrap_err();
             assert!(matches!(e, BackendError::Shape(_)), "{bad}: {e}");
-            assert_eq!(e.to_string(), format!("shape: device {bad:?}: expected cpu, cuda, cuda:N or auto"));
+            assert_eq!(
+                e.to_string(),
+                format!("shape: device {bad:?}: expected cpu, cuda, cuda:N or auto")
+            );
         }
         assert!(open_backend("tpu", 0, &MlpLayout::new(&[2, 2]), 1).is_err());
     }
@@ -144,9 +165,12 @@ mod tests {
         let layout = MlpLayout::new(&[4, 3, 2]);
         let (mut b, msg) = open_backend("cpu", 3, &layout, 2).unwrap();
         assert_eq!(msg, "device cpu: using cpu (2 matmul threads)");
-        b.set_weights(&layout.init_range(1, 0..layout.num_params())).unwrap();
+        b.set_weights(&layout.init_range(1, 0..layout.num_params()))
+            .unwrap();
         let mut g = vec![0.0; layout.num_params()];
-        let s = b.forward_backward(&[0.5; 8], &[0, 1], LossReduction::Mean, &mut g).unwrap();
+        let s = b
+            .forward_backward(&[0.5; 8], &[0, 1], LossReduction::Mean, &mut g)
+            .unwrap();
         assert!(s.loss_sum > 0.0 && g.iter().any(|&v| v != 0.0));
     }
 
@@ -182,7 +206,9 @@ mod tests {
             }
         }
         // An ordinal past the last device is always an error, with or without a GPU.
-        let e = open_backend("cuda:4096", 0, &layout, 1).err().expect("no machine has 4097 GPUs");
+        let e = open_backend("cuda:4096", 0, &layout, 1)
+            .err()
+            .expect("no machine has 4097 GPUs");
         let m = e.to_string();
         assert!(m.starts_with("no GPU") && !m.contains('\n'), "{m}");
     }

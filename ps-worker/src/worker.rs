@@ -160,7 +160,7 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
         pull_all(&mut clients, &ranges, t, &mut weights).await?;
         let t1 = Instant::now();
         backend.set_weights(&weights)?;
-        let eval = if cfg.eval_every > 0 && t > 0 && t % cfg.eval_every == 0 {
+        let eval = if cfg.eval_every > 0 && t > 0 && t.is_multiple_of(cfg.eval_every) {
             evaluate(backend.as_mut(), &test, &test_idx, &mut x, &mut y)?
         } else {
             (0, 0)

@@ -327,6 +327,30 @@ fn new_weights_other_threads_empty_batches_and_bad_shapes() {
             });
         });
     }
+    // Deterministic: the same batch twice gives the same bits, and the split API
+    // (upload_batch, compute_uploaded, download_gradient) the same as forward_backward.
+    let w = layout.init_range(9, 0..layout.num_params());
+    let (x, labels, _) = batch(&layout, &w, 70, 9);
+    cuda.set_weights(&w).unwrap();
+    let p = layout.num_params();
+    let (mut g1, mut g2, mut g3) = (vec![0.0f32; p], vec![0.0f32; p], vec![0.0f32; p]);
+    let s1 = cuda
+        .forward_backward(&x, &labels, LossReduction::Mean, &mut g1)
+        .unwrap();
+    let s2 = cuda
+        .forward_backward(&x, &labels, LossReduction::Mean, &mut g2)
+        .unwrap();
+    cuda.upload_batch(&x, &labels).unwrap();
+    let s3 = cuda.compute_uploaded(LossReduction::Mean).unwrap();
+    cuda.download_gradient(&mut g3).unwrap();
+    assert_eq!((s1, s1), (s2, s3));
+    let bits = |g: &[f32]| g.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&g1), bits(&g2), "two runs of the same batch differ");
+    assert_eq!(
+        bits(&g1),
+        bits(&g3),
+        "upload_batch + compute_uploaded + download_gradient differs"
+    );
     // The trait object is Send (the worker moves it into its compute thread).
     let boxed: Box<dyn Backend> = Box::new(cuda);
     let mut cuda = std::thread::spawn(move || boxed).join().unwrap();

@@ -1,1 +1,156 @@
-//! placeholder
+//! Helpers for the integration tests: write a config into a temporary directory, run a real
+//! cluster of `ps-server` and `ps-worker` processes on 127.0.0.1 (OS-chosen ports), read the
+//! weights the shards wrote, and run the single-process reference in this process.
+
+use ps_common::config::Config;
+use ps_common::idx::{Dataset, Split, load_split};
+use ps_common::launch::{LocalCluster, bin_dir};
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+use std::time::Duration;
+
+/// The shipped MNIST directory.
+pub fn mnist_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../data/mnist")
+}
+
+/// The MNIST training set, loaded once per test binary.
+pub fn mnist_train() -> &'static Dataset {
+    static TRAIN: OnceLock<Dataset> = OnceLock::new();
+    TRAIN.get_or_init(|| load_split(&mnist_dir(), Split::Train, 10).expect("shipped MNIST loads"))
+}
+
+/// What varies between the test configs.
+#[derive(Debug, Clone)]
+pub struct Spec {
+    /// Shards.
+    pub shards: usize,
+    /// Workers.
+    pub workers: usize,
+    /// Hidden widths.
+    pub hidden: Vec<usize>,
+    /// Global batch.
+    pub global_batch: usize,
+    /// Steps.
+    pub steps: u64,
+    /// "mean" or "sum".
+    pub loss: &'static str,
+    /// "sum", "mean" or "weighted".
+    pub aggregation: &'static str,
+    /// The `[optimizer]` table body.
+    pub optimizer: String,
+    /// Extra `[train]` lines.
+    pub train_extra: String,
+    /// Extra `[server]` lines.
+    pub server_extra: String,
+}
+
+impl Default for Spec {
+    fn default() -> Self {
+        Self {
+            shards: 2,
+            workers: 4,
+            hidden: vec![32],
+            global_batch: 32,
+            steps: 20,
+            loss: "mean",
+            aggregation: "mean",
+            optimizer: "kind = \"sgd\"\nlr = 0.1\nmomentum = 0.9".into(),
+            train_extra: String::new(),
+            server_extra: "barrier_timeout_secs = 120".into(),
+        }
+    }
+}
+
+impl Spec {
+    /// The TOML text of this spec (server addresses are placeholders: the tests bind port 0).
+    pub fn toml(&self, out_dir: &Path) -> String {
+        let servers: Vec<String> = (0..self.shards)
+            .map(|i| format!("\"127.0.0.1:{}\"", 1 + i))
+            .collect();
+        format!(
+            "[cluster]\nservers = [{}]\nworkers = {}\n\n[model]\nhidden = {:?}\n\n[data]\ndir = {:?}\n\n[train]\nseed = 7\nglobal_batch = {}\nsteps = {}\nloss_reduction = \"{}\"\naggregation = \"{}\"\nlog_every = 5\n{}\n\n[optimizer]\n{}\n\n[server]\nout_dir = {:?}\n{}\n",
+            servers.join(", "),
+            self.workers,
+            self.hidden,
+            mnist_dir().display().to_string(),
+            self.global_batch,
+            self.steps,
+            self.loss,
+            self.aggregation,
+            self.train_extra,
+            self.optimizer,
+            out_dir.display().to_string(),
+            self.server_extra,
+        )
+    }
+
+    /// Writes the config into `dir/config.toml` and returns its path and parsed form.
+    pub fn write(&self, dir: &Path) -> (PathBuf, Config) {
+        let path = dir.join("config.toml");
+        std::fs::write(&path, self.toml(&dir.join("out"))).expect("write config");
+        let cfg = Config::load(&path).unwrap_or_else(|e| panic!("test config is valid: {e}"));
+        (path, cfg)
+    }
+}
+
+/// How to start the workers.
+#[derive(Debug, Clone, Default)]
+pub struct Start {
+    /// Worker ranks in start order (default 0..W).
+    pub order: Option<Vec<usize>>,
+    /// Pause between starting two workers.
+    pub delay: Duration,
+}
+
+/// Runs a whole cluster for the config at `path` to completion; returns its output directory.
+/// Panics with the failing process's log on any failure.
+pub fn run_cluster(path: &Path, cfg: &Config, start: &Start) -> PathBuf {
+    let dir = path.parent().expect("config dir");
+    let mut cluster = LocalCluster::new(bin_dir(), path.to_path_buf(), Some(dir.join("logs")));
+    cluster
+        .start_servers(cfg.num_shards(), &[], Duration::from_secs(60))
+        .unwrap_or_else(|e| panic!("{e}"));
+    let order = start
+        .order
+        .clone()
+        .unwrap_or_else(|| (0..cfg.workers).collect());
+    for r in order {
+        cluster
+            .start_worker(r, cfg.workers, &[])
+            .unwrap_or_else(|e| panic!("{e}"));
+        std::thread::sleep(start.delay);
+    }
+    cluster
+        .wait(Duration::from_secs(300), &|| false)
+        .unwrap_or_else(|e| panic!("{e}"));
+    cfg.server.out_dir.clone()
+}
+
+/// The flat weights a finished cluster wrote.
+pub fn cluster_weights(cfg: &Config) -> Vec<f32> {
+    let (w, version) = ps_common::weights::read_shards(
+        &cfg.server.out_dir,
+        cfg.num_shards(),
+        cfg.layout().num_params(),
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        version,
+        cfg.total_steps(mnist_train().len()).unwrap(),
+        "shards at the last version"
+    );
+    w
+}
+
+/// The single-process reference's final weights for `cfg`.
+pub fn reference_weights(cfg: &Config) -> Vec<f32> {
+    ps_worker::reference::run_reference(cfg, mnist_train())
+        .expect("reference runs")
+        .weights
+}
+
+/// Largest relative difference (per tensor, see `ps_common::weights::max_rel_diff`).
+pub fn rel_diff(cfg: &Config, a: &[f32], b: &[f32]) -> f64 {
+    ps_common::weights::max_rel_diff(&cfg.layout(), a, b).0
+}

@@ -1,10 +1,10 @@
 //! gpu-bench: micro-benchmark of the CUDA backend.
 //!
-//! For each model and batch size: the forward+backward time per step with the gradient left
-//! on the device (batch upload, kernels, sgemm, reading the loss back), beside the same
-//! step's three sgemm calls per layer alone; the host-to-device weight upload and the
-//! device-to-host gradient download; and a full worker step (upload weights, forward+backward,
-//! download gradient). Medians over `--steps` timed steps after `--warmup` untimed ones, each
+//! For each model and batch size: the forward+backward time per step on a batch already on the
+//! device, with the gradient left there (kernels, sgemm, reading the loss back), beside the
+//! same step's three sgemm calls per layer alone; the host-to-device copies of the batch and
+//! of the weights and the device-to-host gradient download; and a full worker step (upload
+//! weights, upload batch, forward+backward, download gradient). Medians over `--steps` timed steps after `--warmup` untimed ones, each
 //! timed step ending with a stream synchronisation. FLOPs are counted as 6·batch·Σ(in·out)
 //! per step (forward, weight gradient and input gradient of every layer; a real step skips the
 //! first layer's input gradient but the count, like PyTorch's usual one, includes it).
@@ -123,6 +123,7 @@ struct Row {
     gflop: f64,
     step_ms: f64,
     gemm_ms: f64,
+    batch_ms: f64,
     htod_ms: f64,
     dtoh_ms: f64,
     full_ms: f64,
@@ -159,12 +160,16 @@ fn bench_model(
             .collect();
         b.set_weights(&w)?;
         let (warm, steps) = (a.warmup, a.steps);
+        b.upload_batch(&x, &labels)?;
         let step_ms = median_ms(warm, steps, || {
-            b.compute_gradient(&x, &labels, LossReduction::Mean)
-                .map(|_| ())
+            b.compute_uploaded(LossReduction::Mean).map(|_| ())
         })?;
         let gemm_ms = median_ms(warm, steps, || {
             b.gemm_only(n)?;
+            b.sync()
+        })?;
+        let batch_ms = median_ms(warm, steps, || {
+            b.upload_batch(&x, &labels)?;
             b.sync()
         })?;
         let htod_ms = median_ms(warm, steps, || {
@@ -188,6 +193,7 @@ fn bench_model(
             gflop: 6.0 * n as f64 * macs as f64 / 1e9,
             step_ms,
             gemm_ms,
+            batch_ms,
             htod_ms,
             dtoh_ms,
             full_ms,
@@ -199,13 +205,13 @@ fn bench_model(
 fn markdown(header: &str, rows: &[Row]) -> String {
     let mut s = format!("{header}\n\n");
     s.push_str(
-        "| model | params | batch | fwd+bwd ms | GFLOP/s | sgemm-only ms | sgemm GFLOP/s | fwd+bwd / sgemm | \
-         weights htod ms | htod GB/s | grad dtoh ms | dtoh GB/s | full step ms |\n",
+        "| model | params | batch | fwd+bwd ms | GFLOP/s | sgemm-only ms | sgemm GFLOP/s | sgemm share | \
+         batch htod ms | weights htod ms | htod GB/s | grad dtoh ms | dtoh GB/s | full step ms |\n",
     );
-    s.push_str("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+    s.push_str("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
     for r in rows {
         s.push_str(&format!(
-            "| {} | {} | {} | {:.3} | {:.0} | {:.3} | {:.0} | {:.0}% | {:.3} | {:.1} | {:.3} | {:.1} | {:.3} |\n",
+            "| {} | {} | {} | {:.3} | {:.0} | {:.3} | {:.0} | {:.0}% | {:.3} | {:.3} | {:.1} | {:.3} | {:.1} | {:.3} |\n",
             r.model,
             r.params,
             r.batch,
@@ -214,6 +220,7 @@ fn markdown(header: &str, rows: &[Row]) -> String {
             r.gemm_ms,
             r.rate(r.gemm_ms),
             100.0 * r.gemm_ms / r.step_ms,
+            r.batch_ms,
             r.htod_ms,
             r.gbps(r.htod_ms),
             r.dtoh_ms,
@@ -244,7 +251,7 @@ fn json(device: &str, arch: &str, a: &Args, rows: &[Row]) -> String {
         .map(|r| {
             format!(
                 "    {{\"model\": {}, \"params\": {}, \"batch\": {}, \"gflop_per_step\": {:.6}, \
-                 \"step_ms\": {:.6}, \"step_gflops\": {:.3}, \"sgemm_ms\": {:.6}, \"sgemm_gflops\": {:.3}, \
+                 \"step_ms\": {:.6}, \"step_gflops\": {:.3}, \"sgemm_ms\": {:.6}, \"sgemm_gflops\": {:.3}, \"batch_htod_ms\": {:.6}, \
                  \"weights_htod_ms\": {:.6}, \"weights_htod_gbps\": {:.3}, \"grad_dtoh_ms\": {:.6}, \
                  \"grad_dtoh_gbps\": {:.3}, \"full_step_ms\": {:.6}}}",
                 json_str(&r.model),
@@ -255,6 +262,7 @@ fn json(device: &str, arch: &str, a: &Args, rows: &[Row]) -> String {
                 r.rate(r.step_ms),
                 r.gemm_ms,
                 r.rate(r.gemm_ms),
+                r.batch_ms,
                 r.htod_ms,
                 r.gbps(r.htod_ms),
                 r.dtoh_ms,

@@ -20,6 +20,9 @@ struct Cli {
     /// Write final weights, metrics and worker logs here instead of `[server] out_dir`.
     #[arg(long)]
     out_dir: Option<PathBuf>,
+    /// Dataset directory instead of the config's `[data] dir`, for servers and workers.
+    #[arg(long)]
+    data_dir: Option<PathBuf>,
     /// After training, run the single-process reference and compare the weights.
     #[arg(long)]
     check_reference: bool,
@@ -54,7 +57,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
         libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
     }
-    let cfg = Config::load(&cli.config)?;
+    let mut cfg = Config::load(&cli.config)?;
+    if let Some(d) = &cli.data_dir {
+        cfg.data_dir = d.clone();
+    }
     let out_dir = cli
         .out_dir
         .clone()
@@ -68,10 +74,17 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     let started = Instant::now();
     let mut cluster = LocalCluster::new(bin_dir(), cli.config.clone(), None);
     cluster.worker_logs = Some(logs);
-    let server_args = vec!["--out-dir".to_string(), out_dir.display().to_string()];
+    let mut server_args = vec!["--out-dir".to_string(), out_dir.display().to_string()];
+    let mut worker_args = cli.worker_arg.clone();
+    if let Some(d) = &cli.data_dir {
+        for args in [&mut server_args, &mut worker_args] {
+            args.push("--data-dir".into());
+            args.push(d.display().to_string());
+        }
+    }
     cluster.start_servers(s, &server_args, Duration::from_secs(60))?;
     for r in 0..w {
-        cluster.start_worker(r, w, &cli.worker_arg)?;
+        cluster.start_worker(r, w, &worker_args)?;
     }
     cluster.wait(Duration::from_secs(cli.timeout_secs), &|| {
         INTERRUPTED.load(Ordering::SeqCst)

@@ -1,0 +1,241 @@
+//! A live `ps-server` process refuses every bad request with the expected status and a message
+//! that says what was expected, leaves its state untouched, and still completes a correct step.
+
+use ps_common::PROTOCOL_VERSION;
+use ps_common::launch::{LocalCluster, bin_dir};
+use ps_common::pb::parameter_server_client::ParameterServerClient;
+use ps_common::pb::{PullRequest, PushChunk, PushHeader, PushReply, RegisterRequest};
+use ps_common::wire::{TensorReceiver, chunks, f32_to_bytes};
+use ps_tests::Spec;
+use std::time::Duration;
+use tonic::Code;
+use tonic::transport::Channel;
+
+type Client = ParameterServerClient<Channel>;
+
+fn header(rank: u32, step: u64, len: usize) -> PushHeader {
+    PushHeader {
+        rank,
+        step,
+        samples: 8,
+        loss_sum: 10.0,
+        correct: 3,
+        len: len as u64,
+        eval_correct: 0,
+        eval_count: 0,
+    }
+}
+
+async fn push(c: &mut Client, h: PushHeader, values: &[f32]) -> Result<PushReply, tonic::Status> {
+    let bytes = f32_to_bytes(values);
+    let msgs: Vec<PushChunk> = chunks(&bytes, 4096)
+        .enumerate()
+        .map(|(i, (offset, data))| PushChunk {
+            header: (i == 0).then_some(h),
+            offset,
+            data,
+        })
+        .collect();
+    c.push(tokio_stream::iter(msgs))
+        .await
+        .map(|r| r.into_inner())
+}
+
+async fn pull(c: &mut Client, version: u64) -> Result<Vec<f32>, tonic::Status> {
+    let mut s = c
+        .pull(PullRequest {
+            min_version: version,
+            rank: 0,
+        })
+        .await?
+        .into_inner();
+    let first = s.message().await?.expect("a chunk");
+    let h = first.header.expect("header");
+    assert_eq!(h.version, version);
+    let mut rx = TensorReceiver::new(h.len as usize, false);
+    rx.push(first.offset, &first.data).unwrap();
+    while let Some(c) = s.message().await? {
+        rx.push(c.offset, &c.data).unwrap();
+    }
+    Ok(rx.finish().unwrap().0)
+}
+
+fn expect_err<T: std::fmt::Debug>(r: Result<T, tonic::Status>, code: Code, words: &str) {
+    let e = r.expect_err("expected a refusal");
+    assert_eq!(e.code(), code, "{e:?}");
+    assert!(
+        e.message().contains(words),
+        "message {:?} lacks {words:?}",
+        e.message()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn live_server_refuses_bad_pushes_and_still_steps() {
+    let spec = Spec {
+        shards: 1,
+        workers: 2,
+        hidden: vec![4],
+        steps: 2,
+        optimizer: "kind = \"sgd\"\nlr = 0.5".into(),
+        ..Spec::default()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let (path, cfg) = spec.write(dir.path());
+    let n = cfg.layout().num_params();
+    let mut cluster = LocalCluster::new(bin_dir(), path, Some(dir.path().join("logs")));
+    cluster
+        .start_servers(1, &[], Duration::from_secs(60))
+        .unwrap();
+    let mut c = Client::connect(format!("http://{}", cluster.addrs[0]))
+        .await
+        .unwrap();
+
+    let reg = |rank: u32| RegisterRequest {
+        protocol_version: PROTOCOL_VERSION,
+        rank,
+        world_size: 2,
+        num_params: n as u64,
+        shard: 0,
+        num_shards: 1,
+    };
+    expect_err(
+        c.register(RegisterRequest {
+            protocol_version: 99,
+            ..reg(0)
+        })
+        .await,
+        Code::FailedPrecondition,
+        "protocol version 99",
+    );
+    expect_err(
+        c.register(reg(5)).await,
+        Code::InvalidArgument,
+        "unknown rank 5: expected a rank in 0..2",
+    );
+    expect_err(
+        c.register(RegisterRequest {
+            world_size: 3,
+            ..reg(0)
+        })
+        .await,
+        Code::FailedPrecondition,
+        "world size mismatch",
+    );
+    expect_err(
+        c.register(RegisterRequest {
+            num_params: 5,
+            ..reg(0)
+        })
+        .await,
+        Code::FailedPrecondition,
+        "parameter count",
+    );
+    let g0: Vec<f32> = (0..n).map(|i| ((i % 13) as f32 - 6.0) * 0.01).collect();
+    let g1: Vec<f32> = (0..n).map(|i| ((i % 7) as f32 - 3.0) * 0.02).collect();
+    expect_err(
+        push(&mut c, header(0, 0, n), &g0).await,
+        Code::FailedPrecondition,
+        "has not registered",
+    );
+
+    let r = c.register(reg(0)).await.unwrap().into_inner();
+    assert_eq!(
+        (r.start, r.len, r.version, r.total_steps),
+        (0, n as u64, 0, 2)
+    );
+    c.register(reg(1)).await.unwrap();
+    let before = pull(&mut c, 0).await.unwrap();
+
+    expect_err(
+        push(&mut c, header(0, 0, 10), &g0[..10]).await,
+        Code::InvalidArgument,
+        &format!("expected {n} f32 values, got 10"),
+    );
+    expect_err(
+        push(&mut c, header(0, 0, n), &g0[..n - 1]).await,
+        Code::InvalidArgument,
+        &format!("expected {n} f32 values, got {}", n - 1),
+    );
+    let mut nan = g0.clone();
+    nan[17] = f32::NAN;
+    expect_err(
+        push(&mut c, header(0, 0, n), &nan).await,
+        Code::InvalidArgument,
+        "non-finite value NaN at index 17",
+    );
+    let mut inf = g0.clone();
+    inf[n - 1] = f32::INFINITY;
+    expect_err(
+        push(&mut c, header(0, 0, n), &inf).await,
+        Code::InvalidArgument,
+        "non-finite value inf",
+    );
+    expect_err(
+        push(&mut c, header(0, 3, n), &g0).await,
+        Code::FailedPrecondition,
+        "future step 3: this shard expects step 0",
+    );
+    expect_err(
+        push(&mut c, header(7, 0, n), &g0).await,
+        Code::InvalidArgument,
+        "unknown rank 7",
+    );
+    expect_err(
+        pull(&mut c, 9).await,
+        Code::OutOfRange,
+        "the run ends at version 2",
+    );
+    let bad_meta = PushHeader {
+        correct: 100,
+        ..header(0, 0, n)
+    };
+    expect_err(
+        push(&mut c, bad_meta, &g0).await,
+        Code::InvalidArgument,
+        "correct <= samples",
+    );
+
+    // none of that changed anything: a correct step still works
+    let r = push(&mut c, header(0, 0, n), &g0).await.unwrap();
+    assert_eq!((r.counted, r.ranks_in), (true, 1));
+    let r = push(&mut c, header(0, 0, n), &g0).await.unwrap();
+    assert_eq!(
+        (r.counted, r.ranks_in),
+        (false, 1),
+        "a retry is acknowledged, not counted twice"
+    );
+    expect_err(
+        push(&mut c, header(0, 0, n), &g1).await,
+        Code::AlreadyExists,
+        "rank 0 already pushed a different gradient for step 0",
+    );
+    let r = push(&mut c, header(1, 0, n), &g1).await.unwrap();
+    assert_eq!((r.counted, r.ranks_in), (true, 2));
+
+    let after = pull(&mut c, 1).await.unwrap();
+    for i in 0..n {
+        // mean aggregation of two ranks, then plain SGD with lr 0.5
+        let want = before[i] - 0.5 * (0.5 * g0[i] + 0.5 * g1[i]);
+        assert!(
+            (after[i] - want).abs() <= 1e-6 * want.abs().max(1.0),
+            "param {i}: {} vs {want}",
+            after[i]
+        );
+    }
+    expect_err(
+        push(&mut c, header(0, 0, n), &g1).await,
+        Code::FailedPrecondition,
+        "stale step 0: this shard already applied it and expects step 1",
+    );
+    let r = push(&mut c, header(0, 0, n), &g0).await.unwrap();
+    assert!(
+        !r.counted,
+        "a late retry of a counted gradient is acknowledged"
+    );
+    assert_eq!(
+        pull(&mut c, 1).await.unwrap(),
+        after,
+        "refusals and retries left the weights alone"
+    );
+}

@@ -1,0 +1,208 @@
+//! Real clusters on 127.0.0.1 against the single-process reference: the equivalences of
+//! DESIGN.md §2, bit-reproducibility whatever the start order, sharding independence, and
+//! convergence on the shipped MNIST.
+
+use ps_common::idx::{Split, load_split};
+use ps_tests::{Spec, Start, cluster_weights, mnist_dir, reference_weights, rel_diff, run_cluster};
+use ps_worker::backend::Backend;
+use std::time::Duration;
+
+/// Tolerance of every equivalence: float rounding only, after 20+ steps.
+const TOL: f64 = 1e-5;
+
+fn equivalence(spec: Spec) -> f64 {
+    let dir = tempfile::tempdir().unwrap();
+    let (path, cfg) = spec.write(dir.path());
+    run_cluster(&path, &cfg, &Start::default());
+    let got = cluster_weights(&cfg);
+    let want = reference_weights(&cfg);
+    let init = cfg.layout().init_range(cfg.seed, 0..got.len());
+    assert!(
+        rel_diff(&cfg, &init, &want) > 1e-3,
+        "training moved the weights"
+    );
+    let d = rel_diff(&cfg, &got, &want);
+    eprintln!(
+        "{}: {} -> largest relative weight difference {d:.3e}",
+        cfg.equivalence(),
+        spec.aggregation
+    );
+    d
+}
+
+#[test]
+fn a_mean_loss_mean_aggregation_equal_batches_equals_one_process() {
+    let d = equivalence(Spec {
+        global_batch: 32,
+        workers: 4,
+        steps: 25,
+        ..Spec::default()
+    });
+    assert!(d < TOL, "relative difference {d:.3e} >= {TOL:e}");
+}
+
+#[test]
+fn b_mean_loss_sum_aggregation_with_lr_over_w_equals_one_process_at_lr() {
+    // the cluster runs lr 0.1 / 4 with sum aggregation; the reference runs the config's
+    // equivalent single process, which is lr 0.1 (checked here, not assumed)
+    let spec = Spec {
+        aggregation: "sum",
+        optimizer: "kind = \"sgd\"\nlr = 0.025\nmomentum = 0.9".into(),
+        ..Spec::default()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let (_, cfg) = spec.write(dir.path());
+    let eq = cfg.equivalence();
+    assert!((eq.lr - 0.1).abs() < 1e-12 && eq.lr_is_scale, "{eq}");
+    let d = equivalence(spec);
+    assert!(d < TOL, "relative difference {d:.3e} >= {TOL:e}");
+}
+
+#[test]
+fn c_weighted_aggregation_with_uneven_batches_equals_one_process() {
+    let d = equivalence(Spec {
+        global_batch: 30,
+        aggregation: "weighted",
+        ..Spec::default()
+    });
+    assert!(d < TOL, "relative difference {d:.3e} >= {TOL:e}");
+}
+
+#[test]
+fn d_plain_mean_with_uneven_batches_is_biased() {
+    let d = equivalence(Spec {
+        global_batch: 30,
+        aggregation: "mean",
+        ..Spec::default()
+    });
+    assert!(
+        d > 10.0 * TOL,
+        "mean of means with batches 8,8,7,7 should differ: {d:.3e}"
+    );
+}
+
+#[test]
+fn sum_loss_sum_aggregation_and_adam_equal_one_process() {
+    let d = equivalence(Spec {
+        loss: "sum",
+        aggregation: "sum",
+        workers: 3,
+        global_batch: 24,
+        optimizer: "kind = \"adamw\"\nlr = 0.001\nweight_decay = 0.01".into(),
+        ..Spec::default()
+    });
+    assert!(d < TOL, "relative difference {d:.3e} >= {TOL:e}");
+}
+
+#[test]
+fn reruns_are_bit_identical_whatever_the_start_order() {
+    let spec = Spec {
+        workers: 3,
+        global_batch: 30,
+        steps: 20,
+        aggregation: "weighted",
+        ..Spec::default()
+    };
+    let mut results = Vec::new();
+    for start in [
+        Start {
+            order: Some(vec![0, 1, 2]),
+            delay: Duration::ZERO,
+        },
+        Start {
+            order: Some(vec![2, 0, 1]),
+            delay: Duration::from_millis(400),
+        },
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let (path, cfg) = spec.write(dir.path());
+        run_cluster(&path, &cfg, &start);
+        results.push(cluster_weights(&cfg));
+    }
+    let same = results[0]
+        .iter()
+        .zip(&results[1])
+        .all(|(a, b)| a.to_bits() == b.to_bits());
+    assert!(same, "weights differ between two runs of the same config");
+}
+
+#[test]
+fn one_and_three_shards_give_the_same_weights() {
+    let mut results = Vec::new();
+    let mut cfgs = Vec::new();
+    for shards in [1, 3] {
+        let spec = Spec {
+            shards,
+            workers: 2,
+            steps: 20,
+            ..Spec::default()
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let (path, cfg) = spec.write(dir.path());
+        run_cluster(&path, &cfg, &Start::default());
+        results.push(cluster_weights(&cfg));
+        cfgs.push(cfg);
+    }
+    let d = rel_diff(&cfgs[0], &results[1], &results[0]);
+    assert!(d < 1e-6, "1 vs 3 shards: {d:.3e}");
+}
+
+#[test]
+fn converges_on_mnist_and_logs_metrics() {
+    let spec = Spec {
+        shards: 2,
+        workers: 2,
+        hidden: vec![128],
+        global_batch: 64,
+        steps: 300,
+        optimizer: "kind = \"sgd\"\nlr = 0.1\nmomentum = 0.9".into(),
+        train_extra: "eval_every = 100".into(),
+        ..Spec::default()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let (path, cfg) = spec.write(dir.path());
+    run_cluster(&path, &cfg, &Start::default());
+    let weights = cluster_weights(&cfg);
+    let test = load_split(&mnist_dir(), Split::Test, 10).unwrap();
+    let mut cpu = ps_worker::cpu::CpuBackend::new(cfg.layout(), 1);
+    cpu.set_weights(&weights).unwrap();
+    let (mut x, mut y) = (Vec::new(), Vec::new());
+    test.gather(&(0..test.len() as u32).collect::<Vec<_>>(), &mut x, &mut y);
+    let acc = cpu.evaluate(&x, &y).unwrap() as f64 / test.len() as f64;
+    eprintln!("test accuracy after 300 steps: {:.2}%", acc * 100.0);
+    assert!(acc >= 0.90, "test accuracy {acc:.4} < 0.90 after 300 steps");
+
+    // one JSON line per step, losses falling, evaluations carried at steps 100 and 200
+    let text = std::fs::read_to_string(cfg.server.out_dir.join("metrics.jsonl")).unwrap();
+    let lines: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 300);
+    assert_eq!(lines[299]["step"], 300);
+    let mean_loss = |r: std::ops::Range<usize>| {
+        r.clone()
+            .map(|i| lines[i]["loss"].as_f64().unwrap())
+            .sum::<f64>()
+            / r.len() as f64
+    };
+    assert!(mean_loss(280..300) < 0.5 * mean_loss(0..20), "loss falls");
+    let evals: Vec<f64> = lines
+        .iter()
+        .filter_map(|l| l["test_acc_before_step"].as_f64())
+        .collect();
+    assert_eq!(evals.len(), 2, "evaluations at steps 100 and 200");
+    assert!(evals[1] > 0.85, "{evals:?}");
+    assert!(lines.iter().all(|l| l["workers"] == 2
+        && l["samples"] == 64
+        && l["grad_norm"].as_f64().unwrap() > 0.0));
+
+    // the server's log says what the run is equivalent to and shows the global line
+    let log = std::fs::read_to_string(dir.path().join("logs/shard-0.log")).unwrap();
+    assert!(
+        log.contains("equivalent to one process with batch 64, mean loss, lr 0.1"),
+        "{log}"
+    );
+    assert!(log.contains("step 300/300 | loss"), "{log}");
+    assert!(log.contains("final test accuracy"), "{log}");
+}
