@@ -14,6 +14,9 @@ pub enum BackendError {
     /// A CUDA call failed.
     #[error("cuda: {0}")]
     Cuda(String),
+    /// A device name that is not `cpu`, `cuda`, `cuda:N` or `auto`.
+    #[error("{0}")]
+    BadDevice(String),
     /// Inputs of the wrong size.
     #[error("shape: {0}")]
     Shape(String),

@@ -40,7 +40,7 @@ impl std::fmt::Display for DeviceSpec {
 pub fn parse_spec(spec: &str) -> Result<DeviceSpec, BackendError> {
     let s = spec.trim().to_ascii_lowercase();
     let bad = || {
-        BackendError::Shape(format!(
+        BackendError::BadDevice(format!(
             "device {spec:?}: expected cpu, cuda, cuda:N or auto"
         ))
     };
@@ -151,10 +151,10 @@ mod tests {
             "", "gpu", "gpu:0", "cuda:", "cuda:-1", "cuda:+1", "cuda:x", "cuda:1:2", "tpu", "cpu:0",
         ] {
             let e = parse_spec(bad).unwrap_err();
-            assert!(matches!(e, BackendError::Shape(_)), "{bad}: {e}");
+            assert!(matches!(e, BackendError::BadDevice(_)), "{bad}: {e}");
             assert_eq!(
                 e.to_string(),
-                format!("shape: device {bad:?}: expected cpu, cuda, cuda:N or auto")
+                format!("device {bad:?}: expected cpu, cuda, cuda:N or auto")
             );
         }
         assert!(open_backend("tpu", 0, &MlpLayout::new(&[2, 2]), 1).is_err());

@@ -5,6 +5,8 @@
 
 pub mod backend;
 pub mod cpu;
+pub mod cuda;
+pub mod device;
 pub mod env;
 pub mod reference;
 pub mod worker;

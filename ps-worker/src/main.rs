@@ -4,7 +4,6 @@ use anyhow::Context;
 use clap::Parser;
 use ps_common::config::Config;
 use ps_common::idx::{Split, load_split};
-use ps_worker::cpu::CpuBackend;
 use ps_worker::worker::{WorkerSetup, run_worker};
 use std::path::PathBuf;
 
@@ -106,10 +105,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         );
     }
     let device = cli.device.unwrap_or_else(|| cfg.worker.device.clone());
-    let backend: Box<dyn ps_worker::backend::Backend> = match device.as_str() {
-        "cpu" => Box::new(CpuBackend::new(cfg.layout(), threads)),
-        other => anyhow::bail!("device {other:?}: this build supports cpu"),
-    };
+    let (backend, chosen) =
+        ps_worker::device::open_backend(&device, place.local_rank, &cfg.layout(), threads)?;
+    tracing::info!("worker {}: {chosen}", place.rank);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()
