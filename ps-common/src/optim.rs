@@ -60,60 +60,73 @@ impl Optimizer {
     /// One update in place. params.len() == grad.len() == state length (assert_eq! is fine: callers validate lengths).
     pub fn step(&self, params: &mut [f32], grad: &[f32], state: &mut OptState, lr: f32) {
         assert_eq!(params.len(), grad.len(), "params and grad lengths differ");
+        let c = self.coeffs(state.steps, lr);
+        self.update_chunk(c, params, grad, &mut state.m, &mut state.v);
+        state.steps += 1;
+    }
+
+    /// The per-step scalars of the update after `steps_done` earlier steps, computed once so
+    /// that [`Optimizer::update_chunk`] can run on disjoint parts of a shard (on several cores)
+    /// with results identical to one [`Optimizer::step`] over the whole.
+    pub fn coeffs(&self, steps_done: u64, lr: f32) -> StepCoeffs {
         match *self {
             Optimizer::Sgd {
                 momentum,
                 nesterov,
                 weight_decay,
-            } => {
-                if momentum != 0.0 {
-                    assert_eq!(
-                        state.m.len(),
-                        params.len(),
-                        "momentum buffer length differs from params"
-                    );
-                    let c = SgdMomentumCoeffs {
-                        lr,
-                        weight_decay,
-                        momentum,
-                        nesterov,
-                        first: state.steps == 0,
-                    };
-                    sgd_momentum_chunk(params, grad, &mut state.m, c);
-                } else {
-                    sgd_plain_chunk(params, grad, lr, weight_decay);
-                }
-            }
+            } if momentum != 0.0 => StepCoeffs::Momentum(SgdMomentumCoeffs {
+                lr,
+                weight_decay,
+                momentum,
+                nesterov,
+                first: steps_done == 0,
+            }),
+            Optimizer::Sgd { weight_decay, .. } => StepCoeffs::Plain { lr, weight_decay },
             Optimizer::Adam {
                 beta1,
                 beta2,
                 eps,
                 weight_decay,
                 decoupled,
-            } => {
+            } => StepCoeffs::Adam(AdamCoeffs::new(
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+                decoupled,
+                lr,
+                steps_done + 1,
+            )),
+        }
+    }
+
+    /// Updates one part of a shard: `p`, `g` and the matching parts of the state buffers
+    /// (`m`, `v`: empty when the optimizer keeps none). Does not count the step.
+    pub fn update_chunk(
+        &self,
+        c: StepCoeffs,
+        p: &mut [f32],
+        g: &[f32],
+        m: &mut [f32],
+        v: &mut [f32],
+    ) {
+        assert_eq!(p.len(), g.len(), "params and grad lengths differ");
+        match c {
+            StepCoeffs::Plain { lr, weight_decay } => sgd_plain_chunk(p, g, lr, weight_decay),
+            StepCoeffs::Momentum(c) => {
                 assert_eq!(
-                    state.m.len(),
-                    params.len(),
-                    "Adam m length differs from params"
+                    m.len(),
+                    p.len(),
+                    "momentum buffer length differs from params"
                 );
-                assert_eq!(
-                    state.v.len(),
-                    params.len(),
-                    "Adam v length differs from params"
-                );
-                let c = AdamCoeffs::new(
-                    beta1,
-                    beta2,
-                    eps,
-                    weight_decay,
-                    decoupled,
-                    lr,
-                    state.steps + 1,
-                );
-                adam_chunk(params, grad, &mut state.m, &mut state.v, c);
+                sgd_momentum_chunk(p, g, m, c)
+            }
+            StepCoeffs::Adam(c) => {
+                assert_eq!(m.len(), p.len(), "Adam m length differs from params");
+                assert_eq!(v.len(), p.len(), "Adam v length differs from params");
+                adam_chunk(p, g, m, v, c)
             }
         }
-        state.steps += 1;
     }
 
     /// Human-readable summary, e.g. "sgd(momentum 0.9, nesterov, weight decay 0.0005)" or
@@ -161,6 +174,22 @@ impl Optimizer {
     }
 }
 
+/// The scalars of one optimizer step (see [`Optimizer::coeffs`]).
+#[derive(Debug, Clone, Copy)]
+pub enum StepCoeffs {
+    /// SGD without momentum.
+    Plain {
+        /// Learning rate.
+        lr: f32,
+        /// L2 weight decay.
+        weight_decay: f32,
+    },
+    /// SGD with momentum.
+    Momentum(SgdMomentumCoeffs),
+    /// Adam or AdamW.
+    Adam(AdamCoeffs),
+}
+
 /// Plain SGD (no momentum): d = g + wd*p; p -= lr*d.
 fn sgd_plain_chunk(p: &mut [f32], g: &[f32], lr: f32, weight_decay: f32) {
     for (p, &g) in p.iter_mut().zip(g) {
@@ -169,8 +198,9 @@ fn sgd_plain_chunk(p: &mut [f32], g: &[f32], lr: f32, weight_decay: f32) {
     }
 }
 
+/// SGD-with-momentum scalars.
 #[derive(Debug, Clone, Copy)]
-struct SgdMomentumCoeffs {
+pub struct SgdMomentumCoeffs {
     lr: f32,
     weight_decay: f32,
     momentum: f32,
@@ -199,7 +229,7 @@ fn sgd_momentum_chunk(p: &mut [f32], g: &[f32], buf: &mut [f32], c: SgdMomentumC
 
 /// Per-step scalars for Adam/AdamW, all in f32.
 #[derive(Debug, Clone, Copy)]
-struct AdamCoeffs {
+pub struct AdamCoeffs {
     /// Multiplier applied to p before the update (1 - lr*wd for AdamW, 1 for Adam).
     decay_factor: f32,
     /// L2 coefficient added to the gradient (wd for Adam, 0 for AdamW).

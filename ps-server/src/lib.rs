@@ -91,7 +91,9 @@ pub async fn run_shard(
     );
 
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+    // serve_with_incoming ignores the builder's tcp_nodelay: set it on the incoming sockets,
+    // or Nagle plus delayed ACKs adds ~40 ms to every push reply
+    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
     let serve = tonic::transport::Server::builder()
         .initial_stream_window_size(8 << 20)
         .initial_connection_window_size(16 << 20)

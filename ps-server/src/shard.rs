@@ -326,7 +326,7 @@ impl Shard {
 
     /// Aggregates `slots` (rank order), applies the optimizer and publishes the next version.
     /// Runs the arithmetic without holding the lock; call it from a blocking thread.
-    pub fn apply(&self, slots: Vec<Slot>) -> StepFigures {
+    pub fn apply(&self, mut slots: Vec<Slot>) -> StepFigures {
         let started = Instant::now();
         let (step, mut params, mut opt, waiting_since) = {
             let mut st = self.lock();
@@ -344,12 +344,55 @@ impl Shard {
                 Aggregation::Weighted => (f64::from(s.samples) / samples as f64) as f32,
             })
             .collect();
-        let mut g = vec![0f32; params.len()];
-        aggregate(&mut g, &slots, &coeffs);
-        let grad_sq_norm = g.iter().map(|&v| f64::from(v) * f64::from(v)).sum::<f64>();
         let lr = self.schedule.lr(step);
-        self.optimizer.step(&mut params, &g, &mut opt, lr as f32);
-        let snapshot = f32_to_bytes(&params);
+        let update = self.optimizer.coeffs(opt.steps, lr as f32);
+        // rank 0's buffer becomes the aggregate: no allocation on the hot path
+        let mut acc = std::mem::take(&mut slots[0].grad);
+        let mut snapshot = vec![0u8; params.len() * 4];
+        let len = params.len();
+        let parts = parts_for(len);
+        let chunk = len.div_ceil(parts).max(1);
+        let others: Vec<&[f32]> = slots[1..].iter().map(|s| s.grad.as_slice()).collect();
+        let opt_ref = &self.optimizer;
+        let pieces = acc
+            .chunks_mut(chunk)
+            .zip(params.chunks_mut(chunk))
+            .zip(split_parts(&mut opt.m, chunk, parts))
+            .zip(split_parts(&mut opt.v, chunk, parts))
+            .zip(snapshot.chunks_mut(chunk * 4))
+            .enumerate();
+        let step_part = |i: usize,
+                         g: &mut [f32],
+                         p: &mut [f32],
+                         m: &mut [f32],
+                         v: &mut [f32],
+                         out: &mut [u8]| {
+            let lo = i * chunk;
+            let rest: Vec<&[f32]> = others.iter().map(|o| &o[lo..lo + g.len()]).collect();
+            let sq = aggregate(g, coeffs[0], &rest, &coeffs[1..]);
+            opt_ref.update_chunk(update, p, g, m, v);
+            out.copy_from_slice(ps_common::wire::as_le_bytes(p));
+            sq
+        };
+        let grad_sq_norm: f64 = if parts == 1 {
+            pieces
+                .map(|(i, ((((g, p), m), v), out))| step_part(i, g, p, m, v, out))
+                .sum()
+        } else {
+            std::thread::scope(|scope| {
+                let handles: Vec<_> = pieces
+                    .map(|(i, ((((g, p), m), v), out))| {
+                        scope.spawn(move || step_part(i, g, p, m, v, out))
+                    })
+                    .collect();
+                handles
+                    .into_iter()
+                    .map(|h| h.join().expect("update thread"))
+                    .sum()
+            })
+        };
+        opt.steps += 1;
+        let snapshot = Bytes::from(snapshot);
 
         let first = slots
             .iter()
@@ -468,19 +511,42 @@ fn check_step(step: u64, version: u64) -> PsResult<()> {
     }
 }
 
-/// `g = Σ_r coeffs[r] * slots[r].grad`, summed in rank order (bit-reproducible whatever the
-/// arrival order), in straight-line loops over slices.
-fn aggregate(g: &mut [f32], slots: &[Slot], coeffs: &[f32]) {
-    for (slot, &c) in slots.iter().zip(coeffs) {
+/// `g = c0 * g + Σ_r cs[r] * others[r]`, summed in rank order (bit-reproducible whatever the
+/// arrival order and however the shard is split into parts), in straight-line loops over
+/// slices; returns the squared norm of the result.
+fn aggregate(g: &mut [f32], c0: f32, others: &[&[f32]], cs: &[f32]) -> f64 {
+    if c0 != 1.0 {
+        g.iter_mut().for_each(|a| *a *= c0);
+    }
+    for (o, &c) in others.iter().zip(cs) {
         if c == 1.0 {
-            for (a, &x) in g.iter_mut().zip(&slot.grad) {
-                *a += x;
-            }
+            g.iter_mut().zip(*o).for_each(|(a, &x)| *a += x);
         } else {
-            for (a, &x) in g.iter_mut().zip(&slot.grad) {
-                *a += c * x;
-            }
+            g.iter_mut().zip(*o).for_each(|(a, &x)| *a += c * x);
         }
+    }
+    g.iter().map(|&v| f64::from(v) * f64::from(v)).sum()
+}
+
+/// Below this many values a shard updates on one thread (spawning costs more than it saves).
+const PARALLEL_MIN: usize = 1 << 17;
+
+/// How many parts (threads) an update of `len` values uses.
+fn parts_for(len: usize) -> usize {
+    if len < PARALLEL_MIN {
+        return 1;
+    }
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    cores.min(len / (PARALLEL_MIN / 2)).clamp(1, 8)
+}
+
+/// `parts` mutable pieces of `v` of `chunk` values each, or `parts` empty slices when `v` is
+/// empty (an optimizer without that buffer).
+fn split_parts(v: &mut [f32], chunk: usize, parts: usize) -> Vec<&mut [f32]> {
+    if v.is_empty() {
+        (0..parts).map(|_| &mut [][..]).collect()
+    } else {
+        v.chunks_mut(chunk).collect()
     }
 }
 

@@ -54,6 +54,23 @@ pub trait Backend: Send {
         grad: &mut [f32],
     ) -> BackendResult<StepStats>;
 
+    /// Like [`Backend::forward_backward`], and calls `ready(start, &grad[start..], stats)` each
+    /// time the gradient from flat index `start` to the end is final: backward produces the
+    /// last layer first, so a worker can push the shards holding the end of the vector while
+    /// the earlier layers are still being computed. The default calls it once, at the end.
+    fn forward_backward_overlapped(
+        &mut self,
+        x: &[f32],
+        labels: &[u8],
+        reduction: LossReduction,
+        grad: &mut [f32],
+        ready: &mut dyn FnMut(usize, &[f32], StepStats),
+    ) -> BackendResult<StepStats> {
+        let stats = self.forward_backward(x, labels, reduction, grad)?;
+        ready(0, grad, stats);
+        Ok(stats)
+    }
+
     /// Number of correctly classified samples among `labels.len()` rows of `x`.
     fn evaluate(&mut self, x: &[f32], labels: &[u8]) -> BackendResult<u64>;
 }

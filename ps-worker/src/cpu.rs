@@ -112,11 +112,23 @@ impl Backend for CpuBackend {
         reduction: LossReduction,
         grad: &mut [f32],
     ) -> BackendResult<StepStats> {
+        self.forward_backward_overlapped(x, labels, reduction, grad, &mut |_, _, _| {})
+    }
+
+    fn forward_backward_overlapped(
+        &mut self,
+        x: &[f32],
+        labels: &[u8],
+        reduction: LossReduction,
+        grad: &mut [f32],
+        ready: &mut dyn FnMut(usize, &[f32], StepStats),
+    ) -> BackendResult<StepStats> {
         let dims = &self.layout.dims;
         check_shapes(dims, self.weights.len(), x, labels, Some(grad))?;
         let n = labels.len();
         if n == 0 {
             grad.fill(0.0);
+            ready(0, grad, StepStats::default());
             return Ok(StepStats::default());
         }
         let x = ArrayView2::from_shape((n, dims[0]), x).expect("checked");
@@ -130,6 +142,7 @@ impl Backend for CpuBackend {
         let stats = softmax_xent_grad(&mut dz, labels, scale);
         for l in (0..layers).rev() {
             let (wr, br) = self.layout.layer(l);
+            let start = wr.start;
             let input = if l == 0 { x } else { acts[l - 1].view() };
             {
                 let mut gw = ArrayViewMut2::from_shape((dims[l + 1], dims[l]), &mut grad[wr])
@@ -143,6 +156,7 @@ impl Backend for CpuBackend {
                     *g += v;
                 }
             }
+            ready(start, &grad[start..], stats);
             if l > 0 {
                 let (w, _) = self.weight(l);
                 let mut da = dz.dot(&w);

@@ -3,8 +3,9 @@
 //! of its slice of global batch `t`, and push each shard its part in parallel. At the end it
 //! evaluates the final weights on its slice of the test set and leaves.
 
-use crate::backend::Backend;
+use crate::backend::{Backend, StepStats};
 use anyhow::{Context, bail};
+use bytes::Bytes;
 use ps_common::PROTOCOL_VERSION;
 use ps_common::config::Config;
 use ps_common::idx::Dataset;
@@ -12,7 +13,7 @@ use ps_common::layout::{shard_ranges, split_even};
 use ps_common::order::BatchPlanner;
 use ps_common::pb::parameter_server_client::ParameterServerClient;
 use ps_common::pb::{LeaveRequest, PullRequest, PushChunk, PushHeader, RegisterRequest};
-use ps_common::wire::{MAX_MESSAGE_BYTES, TensorReceiver, chunks, f32_to_bytes};
+use ps_common::wire::{MAX_MESSAGE_BYTES, chunks, decode_chunk_into, f32_to_bytes};
 use std::ops::Range;
 use std::time::{Duration, Instant};
 use tonic::transport::{Channel, Endpoint};
@@ -56,6 +57,7 @@ pub async fn connect(addr: &str, timeout: Duration) -> anyhow::Result<Client> {
         .initial_stream_window_size(8 << 20)
         .initial_connection_window_size(16 << 20)
         .tcp_nodelay(true)
+        .max_frame_size((1 << 20) - 1)
         .connect_timeout(Duration::from_secs(5));
     let start = Instant::now();
     let mut delay = Duration::from_millis(50);
@@ -166,9 +168,7 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
             (0, 0)
         };
         train.gather(planner.worker_batch(t, rank, world), &mut x, &mut y);
-        let stats = backend.forward_backward(&x, &y, cfg.loss_reduction, &mut grad)?;
-        let t2 = Instant::now();
-        let header = PushHeader {
+        let header = |stats: StepStats| PushHeader {
             rank: rank as u32,
             step: t,
             samples: y.len() as u32,
@@ -178,7 +178,41 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
             eval_correct: eval.0,
             eval_count: eval.1,
         };
-        push_all(&mut clients, &ranges, header, &grad, chunk_bytes).await?;
+        // backward hands over the gradient last layer first: push each shard's range as soon as
+        // it is final, while the earlier layers are still being computed
+        let runtime = tokio::runtime::Handle::current();
+        let mut pushes = Vec::with_capacity(ranges.len());
+        let mut unsent = ranges.len();
+        tokio::task::block_in_place(|| {
+            backend.forward_backward_overlapped(
+                &x,
+                &y,
+                cfg.loss_reduction,
+                &mut grad,
+                &mut |start, tail, stats| {
+                    while unsent > 0 && ranges[unsent - 1].start >= start {
+                        unsent -= 1;
+                        let r = &ranges[unsent];
+                        let bytes = f32_to_bytes(&tail[r.start - start..r.end - start]);
+                        let h = PushHeader {
+                            len: r.len() as u64,
+                            ..header(stats)
+                        };
+                        pushes.push(runtime.spawn(push_one(
+                            clients[unsent].clone(),
+                            unsent,
+                            h,
+                            bytes,
+                            chunk_bytes,
+                        )));
+                    }
+                },
+            )
+        })?;
+        let t2 = Instant::now();
+        for p in pushes {
+            p.await.context("push task")??;
+        }
         let t3 = Instant::now();
         timing.steps += 1;
         timing.pull += t1 - t0;
@@ -222,58 +256,80 @@ fn evaluate(
     Ok((backend.evaluate(x, y)?, idx.len() as u64))
 }
 
-/// Pulls version `version` from every shard in parallel into `weights`.
+/// Pulls version `version` from every shard in parallel, decoding each chunk straight into
+/// its place in `weights`.
 pub async fn pull_all(
     clients: &mut [Client],
     ranges: &[Range<usize>],
     version: u64,
     weights: &mut [f32],
 ) -> anyhow::Result<()> {
-    let futs = clients.iter_mut().enumerate().map(|(s, c)| async move {
-        let mut stream = c
-            .pull(PullRequest {
-                min_version: version,
-                rank: 0,
-            })
-            .await
-            .map_err(|st| {
+    let mut parts = Vec::with_capacity(ranges.len());
+    let mut rest = weights;
+    for r in ranges {
+        let (part, tail) = rest.split_at_mut(r.len());
+        parts.push(part);
+        rest = tail;
+    }
+    let futs = clients
+        .iter_mut()
+        .zip(parts)
+        .enumerate()
+        .map(|(s, (c, dst))| async move {
+            let failed = |st: Status| {
                 anyhow::anyhow!(
                     "pull of version {version} from shard {s} failed: {}",
                     st.message()
                 )
-            })?
-            .into_inner();
-        let first = stream.message().await?.context("empty pull reply")?;
-        let h = first.header.context("pull reply without a header")?;
-        if h.version != version {
-            bail!(
-                "shard {s} is at version {} but this worker needs version {version}",
-                h.version
-            );
-        }
-        let mut rx = TensorReceiver::new(h.len as usize, false);
-        rx.push(first.offset, &first.data)?;
-        while let Some(c) = stream.message().await? {
-            rx.push(c.offset, &c.data)?;
-        }
-        Ok::<_, anyhow::Error>((s, rx.finish()?.0))
-    });
+            };
+            let mut stream = c
+                .pull(PullRequest {
+                    min_version: version,
+                    rank: 0,
+                })
+                .await
+                .map_err(failed)?
+                .into_inner();
+            let first = stream
+                .message()
+                .await
+                .map_err(failed)?
+                .context("empty pull reply")?;
+            let h = first
+                .header
+                .as_ref()
+                .context("pull reply without a header")?;
+            if h.version != version {
+                bail!(
+                    "shard {s} is at version {} but this worker needs version {version}",
+                    h.version
+                );
+            }
+            if h.len != dst.len() as u64 {
+                bail!("shard {s} holds {} values: expected {}", h.len, dst.len());
+            }
+            let mut filled = 0u64;
+            let mut chunk = Some(first);
+            while let Some(c) = chunk {
+                if c.offset != filled {
+                    bail!("shard {s}: chunk at offset {}, expected {filled}", c.offset);
+                }
+                decode_chunk_into(dst, c.offset, &c.data)?;
+                filled += (c.data.len() / 4) as u64;
+                chunk = stream.message().await.map_err(failed)?;
+            }
+            if filled != dst.len() as u64 {
+                bail!("shard {s} sent {filled} values: expected {}", dst.len());
+            }
+            Ok::<_, anyhow::Error>(())
+        });
     for r in futures::future::join_all(futs).await {
-        let (s, values) = r?;
-        if values.len() != ranges[s].len() {
-            bail!(
-                "shard {s} sent {} values: expected {}",
-                values.len(),
-                ranges[s].len()
-            );
-        }
-        weights[ranges[s].clone()].copy_from_slice(&values);
+        r?;
     }
     Ok(())
 }
 
-/// Pushes each shard its slice of `grad` in parallel, retrying transport failures (the server
-/// acknowledges a retry of a gradient it already counted without counting it twice).
+/// Pushes each shard its slice of `grad` in parallel (see [`push_one`]).
 pub async fn push_all(
     clients: &mut [Client],
     ranges: &[Range<usize>],
@@ -281,49 +337,55 @@ pub async fn push_all(
     grad: &[f32],
     chunk_bytes: usize,
 ) -> anyhow::Result<()> {
-    let futs = clients
-        .iter_mut()
-        .zip(ranges)
-        .enumerate()
-        .map(|(s, (c, r))| {
-            let bytes = f32_to_bytes(&grad[r.clone()]);
-            let header = PushHeader {
-                len: r.len() as u64,
-                ..header
-            };
-            async move {
-                let mut attempt = 0;
-                loop {
-                    let msgs: Vec<PushChunk> = chunks(&bytes, chunk_bytes)
-                        .enumerate()
-                        .map(|(i, (offset, data))| PushChunk {
-                            header: (i == 0).then_some(header),
-                            offset,
-                            data,
-                        })
-                        .collect();
-                    match c.push(tokio_stream::iter(msgs)).await {
-                        Ok(_) => return Ok(()),
-                        Err(st) if retryable(&st) && attempt < 5 => {
-                            attempt += 1;
-                            tracing::warn!(
-                                "push of step {} to shard {s} failed ({}); retry {attempt}",
-                                header.step,
-                                st.message()
-                            );
-                            tokio::time::sleep(Duration::from_millis(100 << attempt)).await;
-                        }
-                        Err(st) => bail!(
-                            "shard {s} refused the gradient of step {}: {}",
-                            header.step,
-                            st.message()
-                        ),
-                    }
-                }
-            }
-        });
+    let futs = clients.iter().zip(ranges).enumerate().map(|(s, (c, r))| {
+        let h = PushHeader {
+            len: r.len() as u64,
+            ..header
+        };
+        push_one(c.clone(), s, h, f32_to_bytes(&grad[r.clone()]), chunk_bytes)
+    });
     for r in futures::future::join_all(futs).await {
         r?;
     }
     Ok(())
+}
+
+/// Pushes one shard its gradient slice (`bytes`, little-endian f32) in chunks, retrying
+/// transport failures: the server acknowledges a retry of a gradient it already counted
+/// without counting it twice.
+pub async fn push_one(
+    mut client: Client,
+    shard: usize,
+    header: PushHeader,
+    bytes: Bytes,
+    chunk_bytes: usize,
+) -> anyhow::Result<()> {
+    let mut attempt = 0;
+    loop {
+        let msgs: Vec<PushChunk> = chunks(&bytes, chunk_bytes)
+            .enumerate()
+            .map(|(i, (offset, data))| PushChunk {
+                header: (i == 0).then_some(header),
+                offset,
+                data,
+            })
+            .collect();
+        match client.push(tokio_stream::iter(msgs)).await {
+            Ok(_) => return Ok(()),
+            Err(st) if retryable(&st) && attempt < 5 => {
+                attempt += 1;
+                tracing::warn!(
+                    "push of step {} to shard {shard} failed ({}); retry {attempt}",
+                    header.step,
+                    st.message()
+                );
+                tokio::time::sleep(Duration::from_millis(100 << attempt)).await;
+            }
+            Err(st) => bail!(
+                "shard {shard} refused the gradient of step {}: {}",
+                header.step,
+                st.message()
+            ),
+        }
+    }
 }
