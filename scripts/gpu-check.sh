@@ -15,6 +15,12 @@
 #      cp "$(cargo test --release -p ps-worker --test cuda_parity --no-run 2>&1 \
 #            | sed -n 's/.*Executable .*(\(.*cuda_parity-[0-9a-f]*\)).*/\1/p' | head -n1)" .dev/gpu-bin/cuda_parity
 #      strip --strip-debug .dev/gpu-bin/gpu-bench .dev/gpu-bin/cuda_parity   # 35+38 MB -> 1+2 MB
+#      # the distributed CUDA-workers-vs-reference test and the binaries it starts:
+#      cargo build --release --bins
+#      cp target/release/ps-server target/release/ps-worker .dev/gpu-bin/
+#      cp "$(cargo test --release -p ps-tests --test cluster_cuda --no-run 2>&1 \
+#            | sed -n 's/.*Executable .*(\(.*cluster_cuda-[0-9a-f]*\)).*/\1/p' | head -n1)" .dev/gpu-bin/cluster_cuda
+#      strip --strip-debug .dev/gpu-bin/ps-server .dev/gpu-bin/ps-worker .dev/gpu-bin/cluster_cuda
 #
 #    (.dev/ is git-ignored: a tool that copies the work tree to the GPU host must be told to
 #    carry .dev/gpu-bin.)
@@ -141,6 +147,17 @@ PARITY_RC=$?
 fenced "$TMP/parity"
 if [ "$PARITY_RC" -eq 0 ]; then echo "**parity: PASS**" >>"$REPORT"; else echo "**parity: FAIL (exit $PARITY_RC)**" >>"$REPORT"; fi
 
+section "Distributed run with CUDA workers vs the single-process reference"
+CLUSTER_RC=0
+if [ -x "$BIN_DIR/cluster_cuda" ] && [ -x "$BIN_DIR/ps-server" ] && [ -x "$BIN_DIR/ps-worker" ]; then
+    PS_DATA_DIR="$ROOT/data/mnist" run_to "$TMP/cluster" "$BIN_DIR/cluster_cuda" --ignored --test-threads=1 --nocapture
+    CLUSTER_RC=$?
+    fenced "$TMP/cluster"
+    if [ "$CLUSTER_RC" -eq 0 ]; then echo "**cluster: PASS**" >>"$REPORT"; else echo "**cluster: FAIL (exit $CLUSTER_RC)**" >>"$REPORT"; fi
+else
+    echo "not run: $BIN_DIR lacks cluster_cuda, ps-server or ps-worker (see the build steps)" | tee -a "$REPORT"
+fi
+
 section "gpu-bench (ps-worker CUDA backend)"
 run_to "$TMP/bench" "$BENCH" --device "$DEVICE" --steps "$STEPS" --warmup "$WARMUP" --json "$BENCH_JSON"
 BENCH_RC=$?
@@ -164,8 +181,8 @@ fi
 
 echo
 echo "gpu-check: wrote $REPORT"
-if [ "$PARITY_RC" -ne 0 ]; then
-    echo "gpu-check: parity tests FAILED (exit $PARITY_RC)" >&2
+if [ "$PARITY_RC" -ne 0 ] || [ "$CLUSTER_RC" -ne 0 ]; then
+    echo "gpu-check: GPU tests FAILED (parity exit $PARITY_RC, cluster exit $CLUSTER_RC)" >&2
     exit 1
 fi
 echo "gpu-check: parity tests passed"

@@ -78,53 +78,47 @@ pub fn chunks(bytes: &Bytes, chunk_bytes: usize) -> impl Iterator<Item = (u64, B
 #[derive(Debug)]
 pub struct TensorReceiver {
     values: Vec<f32>,
-    len: usize,
+    filled: usize,
     validate: bool,
 }
 
 impl TensorReceiver {
     /// Expects `len` values; `validate` checks finiteness and fingerprints (gradients).
     pub fn new(len: usize, validate: bool) -> Self {
+        Self::with_buffer(Vec::new(), len, validate)
+    }
+
+    /// Like [`TensorReceiver::new`], decoding into a recycled buffer (no allocation and no
+    /// page faults on the hot path when its capacity suffices).
+    pub fn with_buffer(mut values: Vec<f32>, len: usize, validate: bool) -> Self {
+        values.resize(len, 0.0);
         Self {
-            values: Vec::with_capacity(len),
-            len,
+            values,
+            filled: 0,
             validate,
         }
     }
 
     /// Appends one chunk that claims to start at value `offset` (a plain copy).
     pub fn push(&mut self, offset: u64, data: &[u8]) -> Result<(), PsError> {
-        let have = self.values.len();
-        if offset != have as u64 {
+        if offset != self.filled as u64 {
             return Err(PsError::BadChunk(format!(
-                "chunk at offset {offset}: expected offset {have} (chunks must be contiguous and in order)"
+                "chunk at offset {offset}: expected offset {} (chunks must be contiguous and in order)",
+                self.filled
             )));
         }
-        if !data.len().is_multiple_of(4) {
-            return Err(PsError::BadChunk(format!(
-                "chunk at offset {offset} holds {} bytes: expected a multiple of 4 (little-endian f32)",
-                data.len()
-            )));
-        }
-        let count = data.len() / 4;
-        if have + count > self.len {
-            return Err(PsError::WrongLength {
-                expected: self.len as u64,
-                got: (have + count) as u64,
-            });
-        }
-        self.values.resize(have + count, 0.0);
-        decode_le(&mut self.values[have..], data);
+        decode_chunk_into(&mut self.values, offset, data)?;
+        self.filled += data.len() / 4;
         Ok(())
     }
 
     /// The complete tensor and its fingerprint (0 when not validating), or the error saying
     /// how short it is or where the first non-finite value is.
     pub fn finish(self) -> Result<(Vec<f32>, u64), PsError> {
-        if self.values.len() != self.len {
+        if self.filled != self.values.len() {
             return Err(PsError::WrongLength {
-                expected: self.len as u64,
-                got: self.values.len() as u64,
+                expected: self.values.len() as u64,
+                got: self.filled as u64,
             });
         }
         let fp = if self.validate {
@@ -133,6 +127,24 @@ impl TensorReceiver {
             0
         };
         Ok((self.values, fp))
+    }
+
+    /// Gives the buffer back (after an error), for reuse.
+    pub fn into_buffer(self) -> Vec<f32> {
+        self.values
+    }
+}
+
+/// Encodes `values` into `buf`, reusing its allocation when nobody else holds it (a push
+/// buffer whose RPC has finished), else a fresh allocation.
+pub fn f32_to_bytes_reusing(values: &[f32], buf: Option<Bytes>) -> Bytes {
+    match buf.map(Bytes::try_into_mut) {
+        Some(Ok(mut b)) => {
+            b.clear();
+            b.extend_from_slice(as_le_bytes(values));
+            b.freeze()
+        }
+        _ => f32_to_bytes(values),
     }
 }
 

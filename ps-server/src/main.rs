@@ -31,6 +31,7 @@ struct Cli {
 }
 
 fn main() -> std::process::ExitCode {
+    ps_common::tune_allocator();
     ps_common::init_logging();
     let cli = Cli::parse();
     let rt = match tokio::runtime::Builder::new_multi_thread()

@@ -52,19 +52,11 @@ impl ShardService {
             .header
             .ok_or_else(|| PsError::BadChunk("first push chunk has no header".into()))?;
         self.shard.precheck(h.rank, h.step, h.len)?;
-        let mut rx = TensorReceiver::new(self.shard.len(), true);
-        rx.push(first.offset, &first.data)?;
-        while let Some(c) = stream
-            .message()
-            .await
-            .map_err(|s| PsError::BadChunk(format!("push stream broke: {}", s.message())))?
-        {
-            if c.header.is_some() {
-                return Err(PsError::BadChunk(
-                    "a second header in one push: expected one header, then data".into(),
-                ));
-            }
-            rx.push(c.offset, &c.data)?;
+        let mut rx = TensorReceiver::with_buffer(self.shard.take_buffer(), self.shard.len(), true);
+        let received = receive_rest(&mut rx, first.offset, &first.data, &mut stream).await;
+        if let Err(e) = received {
+            self.shard.return_buffer(rx.into_buffer());
+            return Err(e);
         }
         let (grad, fingerprint) = rx.finish()?;
         if h.eval_correct > h.eval_count {
@@ -137,6 +129,29 @@ impl ShardService {
             self.chunk_bytes,
         ))
     }
+}
+
+/// Receives the first chunk's data and every further chunk of a push into `rx`.
+async fn receive_rest(
+    rx: &mut TensorReceiver,
+    offset: u64,
+    data: &[u8],
+    stream: &mut Streaming<PushChunk>,
+) -> PsResult<()> {
+    rx.push(offset, data)?;
+    while let Some(c) = stream
+        .message()
+        .await
+        .map_err(|s| PsError::BadChunk(format!("push stream broke: {}", s.message())))?
+    {
+        if c.header.is_some() {
+            return Err(PsError::BadChunk(
+                "a second header in one push: expected one header, then data".into(),
+            ));
+        }
+        rx.push(c.offset, &c.data)?;
+    }
+    Ok(())
 }
 
 /// The chunks of one pull reply: zero-copy slices of the shared snapshot, the header on the first.

@@ -6,7 +6,7 @@
 //! the barrier-completing push moves the slots out, computes on a blocking thread, and puts
 //! the new parameters back.
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use ps_common::config::{Aggregation, Config};
 use ps_common::optim::{LrSchedule, OptState, Optimizer};
 use ps_common::wire::f32_to_bytes;
@@ -96,6 +96,10 @@ struct State {
     version: u64,
     /// Parameters of `version`, encoded once and shared by every pull.
     snapshot: Bytes,
+    /// The snapshot before it, kept to be recycled once no pull holds it any more.
+    previous_snapshot: Option<Bytes>,
+    /// Gradient buffers of earlier steps, recycled by pushes (no allocation per step).
+    spare: Vec<Vec<f32>>,
     /// Master copy (taken out while applying).
     params: Vec<f32>,
     opt: OptState,
@@ -145,6 +149,8 @@ impl Shard {
         let state = State {
             version: 0,
             snapshot: f32_to_bytes(&params),
+            previous_snapshot: None,
+            spare: Vec::new(),
             opt: cfg.optimizer.init_state(params.len()),
             params,
             registered: vec![false; w],
@@ -184,6 +190,19 @@ impl Shard {
     /// True for an empty shard (more shards than parameters).
     pub fn is_empty(&self) -> bool {
         self.range.is_empty()
+    }
+
+    /// A gradient buffer to receive a push into: a recycled one when available.
+    pub fn take_buffer(&self) -> Vec<f32> {
+        self.lock().spare.pop().unwrap_or_default()
+    }
+
+    /// Returns a buffer (of a refused push, or of an applied step) for reuse.
+    pub fn return_buffer(&self, buf: Vec<f32>) {
+        let mut st = self.lock();
+        if st.spare.len() < self.world + 1 {
+            st.spare.push(buf);
+        }
     }
 
     /// Current version.
@@ -328,11 +347,17 @@ impl Shard {
     /// Runs the arithmetic without holding the lock; call it from a blocking thread.
     pub fn apply(&self, mut slots: Vec<Slot>) -> StepFigures {
         let started = Instant::now();
-        let (step, mut params, mut opt, waiting_since) = {
+        let (step, mut params, mut opt, waiting_since, old_snapshot) = {
             let mut st = self.lock();
             let params = std::mem::take(&mut st.params);
             let opt = std::mem::take(&mut st.opt);
-            (st.version, params, opt, st.waiting_since)
+            (
+                st.version,
+                params,
+                opt,
+                st.waiting_since,
+                st.previous_snapshot.take(),
+            )
         };
         let samples: u64 = slots.iter().map(|s| u64::from(s.samples)).sum();
         let coeffs: Vec<f32> = slots
@@ -348,7 +373,11 @@ impl Shard {
         let update = self.optimizer.coeffs(opt.steps, lr as f32);
         // rank 0's buffer becomes the aggregate: no allocation on the hot path
         let mut acc = std::mem::take(&mut slots[0].grad);
-        let mut snapshot = vec![0u8; params.len() * 4];
+        // double buffering: the snapshot of two versions ago is free unless a slow pull holds it
+        let mut snapshot = match old_snapshot.map(Bytes::try_into_mut) {
+            Some(Ok(b)) if b.len() == params.len() * 4 => b,
+            _ => BytesMut::zeroed(params.len() * 4),
+        };
         let len = params.len();
         let parts = parts_for(len);
         let chunk = len.div_ceil(parts).max(1);
@@ -392,7 +421,7 @@ impl Shard {
             })
         };
         opt.steps += 1;
-        let snapshot = Bytes::from(snapshot);
+        let snapshot = snapshot.freeze();
 
         let first = slots
             .iter()
@@ -426,7 +455,9 @@ impl Shard {
             let mut st = self.lock();
             st.params = params;
             st.opt = opt;
-            st.snapshot = snapshot;
+            st.previous_snapshot = Some(std::mem::replace(&mut st.snapshot, snapshot));
+            st.spare.push(acc);
+            st.spare.extend(slots.into_iter().skip(1).map(|s| s.grad));
             st.version = step + 1;
             st.previous_fp = std::mem::replace(&mut st.current_fp, vec![None; self.world]);
             st.applying = false;

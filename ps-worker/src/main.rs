@@ -37,6 +37,7 @@ struct Cli {
 }
 
 fn main() -> std::process::ExitCode {
+    ps_common::tune_allocator();
     ps_common::init_logging();
     let cli = Cli::parse();
     match run(cli) {

@@ -13,7 +13,9 @@ use ps_common::layout::{shard_ranges, split_even};
 use ps_common::order::BatchPlanner;
 use ps_common::pb::parameter_server_client::ParameterServerClient;
 use ps_common::pb::{LeaveRequest, PullRequest, PushChunk, PushHeader, RegisterRequest};
-use ps_common::wire::{MAX_MESSAGE_BYTES, chunks, decode_chunk_into, f32_to_bytes};
+use ps_common::wire::{
+    MAX_MESSAGE_BYTES, chunks, decode_chunk_into, f32_to_bytes, f32_to_bytes_reusing,
+};
 use std::ops::Range;
 use std::time::{Duration, Instant};
 use tonic::transport::{Channel, Endpoint};
@@ -156,6 +158,8 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
     let (mut x, mut y) = (Vec::new(), Vec::new());
     let mut timing = Timing::default();
     let chunk_bytes = cfg.server.chunk_bytes;
+    // each shard's push buffer, reused from step to step once its RPC has released it
+    let mut push_bufs: Vec<Option<Bytes>> = vec![None; ranges.len()];
 
     for t in start_step..total {
         let t0 = Instant::now();
@@ -193,7 +197,10 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
                     while unsent > 0 && ranges[unsent - 1].start >= start {
                         unsent -= 1;
                         let r = &ranges[unsent];
-                        let bytes = f32_to_bytes(&tail[r.start - start..r.end - start]);
+                        let bytes = f32_to_bytes_reusing(
+                            &tail[r.start - start..r.end - start],
+                            push_bufs[unsent].take(),
+                        );
                         let h = PushHeader {
                             len: r.len() as u64,
                             ..header(stats)
@@ -211,7 +218,8 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
         })?;
         let t2 = Instant::now();
         for p in pushes {
-            p.await.context("push task")??;
+            let (shard, bytes) = p.await.context("push task")??;
+            push_bufs[shard] = Some(bytes);
         }
         let t3 = Instant::now();
         timing.steps += 1;
@@ -352,14 +360,14 @@ pub async fn push_all(
 
 /// Pushes one shard its gradient slice (`bytes`, little-endian f32) in chunks, retrying
 /// transport failures: the server acknowledges a retry of a gradient it already counted
-/// without counting it twice.
+/// without counting it twice. Returns the shard and the buffer, for reuse.
 pub async fn push_one(
     mut client: Client,
     shard: usize,
     header: PushHeader,
     bytes: Bytes,
     chunk_bytes: usize,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<(usize, Bytes)> {
     let mut attempt = 0;
     loop {
         let msgs: Vec<PushChunk> = chunks(&bytes, chunk_bytes)
@@ -371,7 +379,7 @@ pub async fn push_one(
             })
             .collect();
         match client.push(tokio_stream::iter(msgs)).await {
-            Ok(_) => return Ok(()),
+            Ok(_) => return Ok((shard, bytes)),
             Err(st) if retryable(&st) && attempt < 5 => {
                 attempt += 1;
                 tracing::warn!(

@@ -9,9 +9,12 @@ use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 use std::time::Duration;
 
-/// The shipped MNIST directory.
+/// The shipped MNIST directory (`PS_DATA_DIR` overrides it, for test executables copied to
+/// another machine, e.g. by scripts/gpu-check.sh).
 pub fn mnist_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../data/mnist")
+    std::env::var_os("PS_DATA_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../data/mnist"))
 }
 
 /// The MNIST training set, loaded once per test binary.
@@ -101,6 +104,8 @@ pub struct Start {
     pub order: Option<Vec<usize>>,
     /// Pause between starting two workers.
     pub delay: Duration,
+    /// Extra arguments for every worker (e.g. `--device=cuda`).
+    pub worker_args: Vec<String>,
 }
 
 /// Runs a whole cluster for the config at `path` to completion; returns its output directory.

@@ -108,10 +108,12 @@ fn reruns_are_bit_identical_whatever_the_start_order() {
         Start {
             order: Some(vec![0, 1, 2]),
             delay: Duration::ZERO,
+            ..Start::default()
         },
         Start {
             order: Some(vec![2, 0, 1]),
             delay: Duration::from_millis(400),
+            ..Start::default()
         },
     ] {
         let dir = tempfile::tempdir().unwrap();

@@ -1,0 +1,953 @@
+//! `deploy/` validated offline: the Kubernetes manifests and every config are checked against
+//! the config parser and the real binaries' `--help`, and the Slurm batch script is run on this
+//! machine: its config generation with made-up node names, and a whole job (2 shards, 2
+//! workers, a few steps on MNIST) with a stand-in `srun` that runs the tasks here. No Slurm,
+//! Kubernetes or Docker is needed.
+
+use ps_common::config::Config;
+use ps_common::launch::bin_dir;
+use serde_yaml::Value;
+use std::collections::{BTreeMap, BTreeSet};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("the workspace root")
+        .canonicalize()
+        .expect("canonical workspace root")
+}
+
+fn deploy() -> PathBuf {
+    repo().join("deploy")
+}
+
+fn sbatch() -> PathBuf {
+    deploy().join("slurm/ps-cluster.sbatch")
+}
+
+fn read(path: &Path) -> String {
+    std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// Every file under `dir`, recursively, sorted.
+fn files_under(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let mut todo = vec![dir.to_path_buf()];
+    while let Some(d) = todo.pop() {
+        for e in std::fs::read_dir(&d).unwrap_or_else(|e| panic!("{}: {e}", d.display())) {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                todo.push(p);
+            } else {
+                out.push(p);
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+fn rel(p: &Path) -> String {
+    p.strip_prefix(deploy()).unwrap_or(p).display().to_string()
+}
+
+// ---------------------------------------------------------------------------------------------
+// the binaries' flags
+
+/// The long flags `BIN --help` lists (`--config`, `--shard`, ...).
+fn help_flags(bin: &str) -> BTreeSet<String> {
+    let exe = bin_dir().join(bin);
+    let out = Command::new(&exe)
+        .arg("--help")
+        .output()
+        .unwrap_or_else(|e| {
+            panic!(
+                "{}: {e} (build the binaries first: cargo build --release --bins, or cargo test --workspace)",
+                exe.display()
+            )
+        });
+    assert!(out.status.success(), "{bin} --help: {:?}", out.status);
+    let text = String::from_utf8_lossy(&out.stdout);
+    let flags: BTreeSet<String> = text
+        .split(|c: char| !(c.is_ascii_alphanumeric() || c == '-'))
+        .filter(|w| w.starts_with("--") && w.len() > 2)
+        .map(str::to_string)
+        .collect();
+    assert!(
+        flags.contains("--config") && flags.contains("--help"),
+        "{bin} --help lists {flags:?}"
+    );
+    flags
+}
+
+/// The `--flag` names in a command line (`--x=y` counts as `--x`).
+fn flags_of(args: &[String]) -> Vec<String> {
+    args.iter()
+        .filter(|a| a.starts_with("--"))
+        .map(|a| a.split('=').next().unwrap().to_string())
+        .collect()
+}
+
+/// The value after `flag` in `args`.
+fn flag_value<'a>(args: &'a [String], flag: &str) -> &'a str {
+    let i = args
+        .iter()
+        .position(|a| a == flag)
+        .unwrap_or_else(|| panic!("{flag} missing from {args:?}"));
+    args.get(i + 1)
+        .unwrap_or_else(|| panic!("{flag} has no value in {args:?}"))
+}
+
+fn assert_flags_exist(what: &str, bin: &str, args: &[String]) {
+    let known = help_flags(bin);
+    for f in flags_of(args) {
+        assert!(
+            known.contains(&f),
+            "{what}: {bin} has no flag {f} (its --help lists {known:?}); command {args:?}"
+        );
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// YAML helpers
+
+/// The YAML documents of a manifest (separated by `---` lines).
+fn yaml_docs(path: &Path) -> Vec<Value> {
+    let text = read(path);
+    let mut docs = Vec::new();
+    let mut cur = String::new();
+    for line in text.lines().chain(std::iter::once("---")) {
+        if line.trim_end() == "---" {
+            let body = cur
+                .lines()
+                .any(|l| !l.trim().is_empty() && !l.trim_start().starts_with('#'));
+            if body {
+                let v: Value = serde_yaml::from_str(&cur).unwrap_or_else(|e| {
+                    panic!("{}: document {}: {e}\n{cur}", path.display(), docs.len())
+                });
+                docs.push(v);
+            }
+            cur.clear();
+        } else {
+            cur.push_str(line);
+            cur.push('\n');
+        }
+    }
+    docs
+}
+
+/// `v` at a dotted path; numeric segments index sequences.
+fn at<'a>(v: &'a Value, path: &str) -> &'a Value {
+    let mut cur = v;
+    for seg in path.split('.') {
+        let next = match seg.parse::<usize>() {
+            Ok(i) => cur.get(i),
+            Err(_) => cur.get(seg),
+        };
+        cur = next.unwrap_or_else(|| {
+            panic!(
+                "no {path} (missing {seg:?}) in\n{}",
+                serde_yaml::to_string(v).unwrap()
+            )
+        });
+    }
+    cur
+}
+
+fn text<'a>(v: &'a Value, path: &str) -> &'a str {
+    at(v, path)
+        .as_str()
+        .unwrap_or_else(|| panic!("{path}: expected a string, found {:?}", at(v, path)))
+}
+
+fn int(v: &Value, path: &str) -> u64 {
+    at(v, path)
+        .as_u64()
+        .unwrap_or_else(|| panic!("{path}: expected an integer, found {:?}", at(v, path)))
+}
+
+fn seq<'a>(v: &'a Value, path: &str) -> &'a Vec<Value> {
+    at(v, path)
+        .as_sequence()
+        .unwrap_or_else(|| panic!("{path}: expected a list, found {:?}", at(v, path)))
+}
+
+fn strings(v: &Value, path: &str) -> Vec<String> {
+    seq(v, path)
+        .iter()
+        .map(|x| {
+            x.as_str()
+                .unwrap_or_else(|| panic!("{path}: {x:?} is not a string"))
+                .to_string()
+        })
+        .collect()
+}
+
+/// A string-to-string mapping (labels, selectors).
+fn string_map(v: &Value, path: &str) -> BTreeMap<String, String> {
+    at(v, path)
+        .as_mapping()
+        .unwrap_or_else(|| panic!("{path}: expected a mapping"))
+        .iter()
+        .map(|(k, v)| {
+            (
+                k.as_str().unwrap().to_string(),
+                v.as_str().unwrap().to_string(),
+            )
+        })
+        .collect()
+}
+
+/// The config file the ConfigMap holds.
+fn config_toml(cm: &Value) -> &str {
+    at(cm, "data")
+        .get("config.toml")
+        .and_then(Value::as_str)
+        .expect("the ConfigMap's data has a config.toml string")
+}
+
+fn find<'a>(docs: &'a [Value], kind: &str, name: &str) -> &'a Value {
+    docs.iter()
+        .find(|d| text(d, "kind") == kind && text(d, "metadata.name") == name)
+        .unwrap_or_else(|| panic!("no {kind} {name} in deploy/k8s"))
+}
+
+/// The one container of a Job's pod template.
+fn container(job: &Value) -> &Value {
+    let cs = seq(job, "spec.template.spec.containers");
+    assert_eq!(cs.len(), 1, "one container per pod");
+    &cs[0]
+}
+
+/// Asserts that `--config` names a file mounted from ConfigMap `cm` (key = the file's name).
+fn assert_config_mounted(job: &Value, args: &[String], cm: &Value) {
+    let path = Path::new(flag_value(args, "--config"));
+    let dir = path.parent().unwrap().to_str().unwrap();
+    let key = path.file_name().unwrap().to_str().unwrap();
+    let mount = seq(container(job), "volumeMounts")
+        .iter()
+        .find(|m| text(m, "mountPath") == dir)
+        .unwrap_or_else(|| panic!("nothing mounted at {dir}"));
+    let volume = seq(job, "spec.template.spec.volumes")
+        .iter()
+        .find(|v| text(v, "name") == text(mount, "name"))
+        .expect("the mounted volume");
+    assert_eq!(
+        text(volume, "configMap.name"),
+        text(cm, "metadata.name"),
+        "{dir} is the ConfigMap"
+    );
+    assert!(
+        at(cm, "data").get(key).is_some(),
+        "the ConfigMap has key {key}"
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// processes
+
+/// A process group killed when dropped, so a failing test leaves nothing behind.
+struct Group(u32);
+
+impl Drop for Group {
+    fn drop(&mut self) {
+        // SAFETY: plain syscall on a process group this test created.
+        unsafe { libc::killpg(self.0 as i32, libc::SIGKILL) };
+    }
+}
+
+/// Runs `bash sbatch args` with exactly `env` (plus PATH), in its own process group, bounded.
+fn run_sbatch(
+    args: &[&Path],
+    env: &[(&str, String)],
+    dir: &Path,
+    limit: Duration,
+) -> (ExitStatus, String, String, Duration) {
+    let out = dir.join("sbatch.stdout");
+    let err = dir.join("sbatch.stderr");
+    let mut cmd = Command::new("bash");
+    cmd.arg(sbatch())
+        .args(args)
+        .env_clear()
+        .env("PATH", std::env::var("PATH").unwrap_or_default())
+        .current_dir(dir)
+        .stdin(Stdio::null())
+        .stdout(std::fs::File::create(&out).unwrap())
+        .stderr(std::fs::File::create(&err).unwrap())
+        .process_group(0);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let started = Instant::now();
+    let mut child = cmd.spawn().expect("bash runs");
+    let _group = Group(child.id());
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if started.elapsed() > limit {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!(
+                "the batch script ran past {limit:?}\nstdout:\n{}\nstderr:\n{}",
+                read(&out),
+                read(&err)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    (status, read(&out), read(&err), started.elapsed())
+}
+
+/// Writes an executable script.
+fn write_exe(path: &Path, body: &str) {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::write(path, body).unwrap();
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755)).unwrap();
+}
+
+/// A stand-in `srun`: logs its arguments, then runs the command here `--ntasks` times with
+/// Slurm's task variables, `--output` (with `%t`) as each task's log, forwarding TERM/INT.
+/// Every option must be written `--name=value` or `--flag`, as the batch script does.
+const FAKE_SRUN: &str = r#"#!/usr/bin/env bash
+set -u
+echo "$*" >>"$FAKE_SRUN_LOG"
+n=1 out=
+while [[ $# -gt 0 && $1 == -* ]]; do
+    case $1 in
+        --ntasks=*) n=${1#*=} ;;
+        --output=*) out=${1#*=} ;;
+        --*) ;;
+        *) echo "fake srun: unsupported option $1" >&2; exit 2 ;;
+    esac
+    shift
+done
+pids=()
+trap 'kill -TERM "${pids[@]}" 2>/dev/null' TERM INT
+for ((t = 0; t < n; t++)); do
+    if [[ -n $out ]]; then
+        SLURM_PROCID=$t SLURM_NTASKS=$n SLURM_LOCALID=$t "$@" >"${out//%t/$t}" 2>&1 &
+    else
+        SLURM_PROCID=$t SLURM_NTASKS=$n SLURM_LOCALID=$t "$@" &
+    fi
+    pids+=("$!")
+    echo "$!" >>"$FAKE_SRUN_PIDS"
+done
+rc=0
+for p in "${pids[@]}"; do
+    wait "$p"; s=$?
+    while kill -0 "$p" 2>/dev/null; do wait "$p"; s=$?; done
+    if ((s != 0 && rc == 0)); then rc=$s; fi
+done
+exit "$rc"
+"#;
+
+/// Two consecutive free TCP ports (PS_PORT and PS_PORT + 1).
+fn free_port_pair() -> u16 {
+    for _ in 0..100 {
+        let a = std::net::TcpListener::bind("0.0.0.0:0").unwrap();
+        let p = a.local_addr().unwrap().port();
+        if p < 65535 && std::net::TcpListener::bind(("0.0.0.0", p + 1)).is_ok() {
+            return p;
+        }
+    }
+    panic!("no two consecutive free ports");
+}
+
+// ---------------------------------------------------------------------------------------------
+// tests
+
+#[test]
+fn every_shell_script_parses() {
+    let scripts: Vec<PathBuf> = files_under(&deploy())
+        .into_iter()
+        .filter(|p| {
+            matches!(
+                p.extension().and_then(|e| e.to_str()),
+                Some("sh" | "sbatch" | "bash")
+            ) || read(p)
+                .lines()
+                .next()
+                .is_some_and(|l| l.starts_with("#!") && (l.contains("bash") || l.ends_with("/sh")))
+        })
+        .collect();
+    assert!(
+        scripts.contains(&sbatch()),
+        "found {:?}",
+        scripts.iter().map(|p| rel(p)).collect::<Vec<_>>()
+    );
+    for s in &scripts {
+        let out = Command::new("bash").arg("-n").arg(s).output().unwrap();
+        assert!(
+            out.status.success(),
+            "bash -n {}: {}",
+            rel(s),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    // the batch script: strict, bounded, and its ps-server/ps-worker flags exist
+    let body = read(&sbatch());
+    assert!(body.contains("\nset -euo pipefail\n"));
+    let directives: Vec<&str> = body.lines().filter(|l| l.starts_with("#SBATCH ")).collect();
+    assert!(
+        directives.iter().any(|l| l.starts_with("#SBATCH --time=")),
+        "bounded: {directives:?}"
+    );
+    assert!(directives.contains(&"#SBATCH --gpus-per-task=1"));
+    let mut launches = 0;
+    for (bin, needed) in [
+        ("ps-server", &["--config", "--shard", "--listen"][..]),
+        ("ps-worker", &["--config", "--device"][..]),
+    ] {
+        let marker = format!("\"$bin/{bin}\"");
+        let line = body
+            .lines()
+            .find(|l| l.contains(&marker))
+            .unwrap_or_else(|| panic!("the batch script starts no {bin}"));
+        let args: Vec<String> = line
+            .split_once(&marker)
+            .unwrap()
+            .1
+            .split_whitespace()
+            .map(str::to_string)
+            .collect();
+        assert_flags_exist("ps-cluster.sbatch", bin, &args);
+        for f in needed {
+            assert!(flags_of(&args).iter().any(|a| a == f), "{bin} {f}: {line}");
+        }
+        launches += 1;
+    }
+    assert_eq!(launches, 2);
+}
+
+#[test]
+fn every_toml_config_under_deploy_parses() {
+    let tomls: Vec<PathBuf> = files_under(&deploy())
+        .into_iter()
+        .filter(|p| p.extension().is_some_and(|e| e == "toml"))
+        .collect();
+    let names: Vec<String> = tomls.iter().map(|p| rel(p)).collect();
+    for expected in ["mnist.toml", "slurm/template.toml"] {
+        assert!(
+            names.iter().any(|n| n == expected),
+            "{expected} in {names:?}"
+        );
+    }
+    for p in &tomls {
+        let cfg = Config::load(p).unwrap_or_else(|e| panic!("{e}"));
+        assert!(cfg.num_shards() >= 1 && cfg.workers >= 1, "{}", rel(p));
+    }
+    let mnist_data = repo().join("data/mnist").canonicalize().unwrap();
+    let local = Config::load(&deploy().join("mnist.toml")).unwrap();
+    assert_eq!(local.servers, ["127.0.0.1:50051", "127.0.0.1:50052"]);
+    assert_eq!(local.workers, 2);
+    assert_eq!(local.data_dir.canonicalize().unwrap(), mnist_data);
+    let slurm = Config::load(&deploy().join("slurm/template.toml")).unwrap();
+    assert_eq!(slurm.data_dir.canonicalize().unwrap(), mnist_data);
+    assert!(
+        slurm.global_batch >= slurm.workers,
+        "the template runs as is"
+    );
+    // the Kubernetes config (embedded in the ConfigMap) parses too; checked in detail below
+    let docs = yaml_docs(&deploy().join("k8s/ps-cluster.yaml"));
+    let cm = find(&docs, "ConfigMap", "ps-config");
+    let cfg = Config::parse(config_toml(cm), Path::new("/etc/ps/config.toml"))
+        .unwrap_or_else(|e| panic!("the ConfigMap's config.toml: {e}"));
+    assert_eq!((cfg.num_shards(), cfg.workers), (2, 4));
+}
+
+#[test]
+fn kubernetes_manifests_are_consistent_with_the_config_and_the_binaries() {
+    let manifests: Vec<PathBuf> = files_under(&deploy().join("k8s"))
+        .into_iter()
+        .filter(|p| p.extension().is_some_and(|e| e == "yaml" || e == "yml"))
+        .collect();
+    let docs: Vec<Value> = manifests.iter().flat_map(|p| yaml_docs(p)).collect();
+    let kinds: BTreeSet<(String, String)> = docs
+        .iter()
+        .map(|d| {
+            assert!(
+                text(d, "apiVersion") == "v1" || text(d, "apiVersion") == "batch/v1",
+                "{d:?}"
+            );
+            (
+                text(d, "kind").to_string(),
+                text(d, "metadata.name").to_string(),
+            )
+        })
+        .collect();
+    let expected: BTreeSet<(String, String)> = [
+        ("Namespace", "ps"),
+        ("ConfigMap", "ps-config"),
+        ("Service", "ps-server"),
+        ("Job", "ps-server"),
+        ("Job", "ps-worker"),
+    ]
+    .iter()
+    .map(|(k, n)| (k.to_string(), n.to_string()))
+    .collect();
+    assert_eq!(kinds, expected);
+    assert_eq!(docs.len(), 5, "no duplicate objects");
+
+    let ns = text(find(&docs, "Namespace", "ps"), "metadata.name");
+    for d in docs.iter().filter(|d| text(d, "kind") != "Namespace") {
+        assert_eq!(text(d, "metadata.namespace"), ns, "{}", text(d, "kind"));
+    }
+    let cm = find(&docs, "ConfigMap", "ps-config");
+    let svc = find(&docs, "Service", "ps-server");
+    let shards = find(&docs, "Job", "ps-server");
+    let workers = find(&docs, "Job", "ps-worker");
+    let cfg = Config::parse(config_toml(cm), Path::new("/etc/ps/config.toml"))
+        .unwrap_or_else(|e| panic!("the ConfigMap's config.toml: {e}"));
+
+    // the headless Service selects the shard pods, and only them
+    assert_eq!(text(svc, "spec.clusterIP"), "None", "headless");
+    assert_eq!(
+        at(svc, "spec.publishNotReadyAddresses").as_bool(),
+        Some(true)
+    );
+    let selector = string_map(svc, "spec.selector");
+    let shard_labels = string_map(shards, "spec.template.metadata.labels");
+    let worker_labels = string_map(workers, "spec.template.metadata.labels");
+    assert!(!selector.is_empty());
+    assert!(
+        selector.iter().all(|(k, v)| shard_labels.get(k) == Some(v)),
+        "{selector:?} selects the shard pods {shard_labels:?}"
+    );
+    assert!(
+        !selector
+            .iter()
+            .all(|(k, v)| worker_labels.get(k) == Some(v)),
+        "{selector:?} must not select the worker pods {worker_labels:?}"
+    );
+    let svc_ports = seq(svc, "spec.ports");
+    assert_eq!(svc_ports.len(), 1);
+    let port = int(&svc_ports[0], "port");
+    assert_eq!(port, 50051);
+
+    // the shards: an Indexed Job of S pods named ps-server-<i> in the Service's subdomain
+    let s = cfg.num_shards() as u64;
+    assert_eq!(s, 2);
+    assert_eq!(text(shards, "spec.completionMode"), "Indexed");
+    assert_eq!(int(shards, "spec.completions"), s, "completions = S");
+    assert_eq!(int(shards, "spec.parallelism"), s, "all shards at once");
+    assert_eq!(int(shards, "spec.backoffLimit"), 0);
+    assert_eq!(text(shards, "spec.template.spec.restartPolicy"), "Never");
+    assert_eq!(
+        text(shards, "spec.template.spec.subdomain"),
+        text(svc, "metadata.name"),
+        "pod DNS names need subdomain = the headless Service"
+    );
+    let dns: Vec<String> = (0..s)
+        .map(|i| {
+            format!(
+                "{}-{i}.{}.{ns}.svc.cluster.local:{port}",
+                text(shards, "metadata.name"),
+                text(svc, "metadata.name")
+            )
+        })
+        .collect();
+    assert_eq!(cfg.servers, dns);
+    assert_eq!(
+        cfg.servers,
+        [
+            "ps-server-0.ps-server.ps.svc.cluster.local:50051",
+            "ps-server-1.ps-server.ps.svc.cluster.local:50051"
+        ]
+    );
+    let server = container(shards);
+    assert_eq!(text(server, "image"), "ps:latest");
+    let cmd = strings(server, "command");
+    assert_eq!(cmd[0], "ps-server");
+    assert_flags_exist("the ps-server Job", "ps-server", &cmd[1..]);
+    assert_config_mounted(shards, &cmd, cm);
+    assert_eq!(flag_value(&cmd, "--listen"), format!("0.0.0.0:{port}"));
+    // --shard: the pod's completion index, through the downward API and $(VAR) expansion
+    let shard_arg = flag_value(&cmd, "--shard");
+    let var = shard_arg
+        .strip_prefix("$(")
+        .and_then(|v| v.strip_suffix(')'))
+        .unwrap_or_else(|| panic!("--shard {shard_arg}: expected $(VAR)"));
+    let env = seq(server, "env")
+        .iter()
+        .find(|e| text(e, "name") == var)
+        .unwrap_or_else(|| panic!("no env {var}"));
+    assert_eq!(
+        text(env, "valueFrom.fieldRef.fieldPath"),
+        "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+    );
+    let cports = seq(server, "ports");
+    assert_eq!(int(&cports[0], "containerPort"), port);
+    assert_eq!(text(&cports[0], "name"), text(&svc_ports[0], "targetPort"));
+    assert!(
+        seq(server, "volumeMounts")
+            .iter()
+            .any(|m| Path::new(text(m, "mountPath")) == cfg.server.out_dir),
+        "[server] out_dir {} is a volume",
+        cfg.server.out_dir.display()
+    );
+
+    // the workers: an Indexed Job of W pods, rank = completion index, one GPU each
+    let w = cfg.workers as u64;
+    assert_eq!(w, 4);
+    assert_eq!(text(workers, "spec.completionMode"), "Indexed");
+    assert_eq!(int(workers, "spec.completions"), w, "completions = W");
+    assert_eq!(int(workers, "spec.parallelism"), w, "all workers at once");
+    assert_eq!(int(workers, "spec.backoffLimit"), 0);
+    assert_eq!(text(workers, "spec.template.spec.restartPolicy"), "Never");
+    let worker = container(workers);
+    assert_eq!(text(worker, "image"), "ps:latest");
+    let cmd = strings(worker, "command");
+    assert_eq!(cmd[0], "ps-worker");
+    assert_flags_exist("the ps-worker Job", "ps-worker", &cmd[1..]);
+    assert_config_mounted(workers, &cmd, cm);
+    assert_eq!(flag_value(&cmd, "--device"), "auto");
+    for f in ["--rank", "--world-size", "--servers"] {
+        assert!(
+            !cmd.iter().any(|a| a == f),
+            "{f}: rank comes from JOB_COMPLETION_INDEX, the rest from the config"
+        );
+    }
+    let gpus = at(worker, "resources.limits")
+        .get("nvidia.com/gpu")
+        .expect("an nvidia.com/gpu limit");
+    assert!(
+        gpus.as_u64() == Some(1) || gpus.as_str() == Some("1"),
+        "{gpus:?}"
+    );
+
+    // the image holds what the config names: the data at /opt/ps/data, binaries on PATH
+    let docker = read(&deploy().join("Dockerfile"));
+    assert!(docker.contains("cargo build --release --locked --bins"));
+    assert!(docker.contains("FROM ${RUNTIME_IMAGE}") && docker.contains("debian:bookworm-slim"));
+    assert!(docker.contains("target/release/ps-server target/release/ps-worker"));
+    assert!(docker.contains("COPY --from=build /out/ /usr/local/bin/"));
+    assert!(docker.contains("COPY data/ /opt/ps/data/"));
+    let in_repo = cfg.data_dir.strip_prefix("/opt/ps").unwrap();
+    assert!(
+        repo()
+            .join(in_repo)
+            .join("train-images-idx3-ubyte.gz")
+            .exists(),
+        "{} comes from the repository's {}",
+        cfg.data_dir.display(),
+        in_repo.display()
+    );
+}
+
+#[test]
+fn slurm_config_generation_gives_every_shard_its_node_and_port() {
+    let dir = tempfile::tempdir().unwrap();
+    let tmp = dir.path().canonicalize().unwrap();
+    let slurm_dir = deploy().join("slurm");
+    let template = slurm_dir.join("template.toml");
+
+    // the node list from a stand-in `scontrol show hostnames` (one name per line)
+    let bin = tmp.join("bin");
+    std::fs::create_dir(&bin).unwrap();
+    write_exe(
+        &bin.join("scontrol"),
+        "#!/bin/sh\n[ \"$*\" = 'show hostnames gpu[01-02]' ] || { echo \"scontrol $*\" >&2; exit 1; }\nprintf 'gpu01\\ngpu02\\n'\n",
+    );
+    let path = format!(
+        "{}:{}",
+        bin.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let job_dir = tmp.join("job");
+    let (st, out, err, _) = run_sbatch(
+        &[],
+        &[
+            ("PATH", path),
+            ("PS_GENERATE_ONLY", "1".into()),
+            ("SLURM_SUBMIT_DIR", repo().display().to_string()),
+            ("SLURM_JOB_ID", "77".into()),
+            ("SLURM_JOB_NODELIST", "gpu[01-02]".into()),
+            ("SLURM_NTASKS", "8".into()),
+            ("PS_JOB_DIR", job_dir.display().to_string()),
+        ],
+        &tmp,
+        Duration::from_secs(30),
+    );
+    assert!(st.success(), "{st:?}\n{out}\n{err}");
+    let generated = job_dir.join("config.toml");
+    assert_eq!(out.lines().last(), Some(generated.to_str().unwrap()));
+    let got = Config::load(&generated).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        got.servers,
+        ["gpu01:50051", "gpu02:50052"],
+        "one shard per node"
+    );
+    assert_eq!(got.workers, 8, "W = SLURM_NTASKS");
+    // everything else is the template's, relative paths resolved against the template's dir
+    let mut want = Config::load(&template).unwrap();
+    want.path = generated.clone();
+    want.servers = got.servers.clone();
+    want.workers = 8;
+    assert_eq!(got, want);
+    assert!(got.data_dir.is_absolute() && got.server.out_dir.is_absolute());
+    assert_eq!(
+        got.data_dir.canonicalize().unwrap(),
+        repo().join("data/mnist").canonicalize().unwrap()
+    );
+    assert_eq!(got.server.out_dir, slurm_dir.join("../../runs/slurm"));
+
+    // PS_NODES, more shards than nodes, another port; a template with a multi-line servers
+    // array, comments, an absolute data dir and a relative out_dir
+    let tdir = tmp.join("t");
+    std::fs::create_dir(&tdir).unwrap();
+    let custom = tdir.join("run.toml");
+    std::fs::write(
+        &custom,
+        format!(
+            "[cluster]   # the cluster\nservers = [\n  \"a:1\",  # first\n  \"b:2\",\n]\nworkers = 1\n\n[data]\ndir = {:?}\n\n[train]\nglobal_batch = 30\nsteps = 3\nloss_reduction = \"mean\"\naggregation = \"weighted\"\n\n[optimizer]\nkind = \"sgd\"\nlr = 0.1\n\n[server]\nout_dir = \"out\"\n",
+            repo().join("data/mnist").display().to_string()
+        ),
+    )
+    .unwrap();
+    let job_dir2 = tmp.join("job2");
+    let (st, out, err, _) = run_sbatch(
+        &[&custom],
+        &[
+            ("PS_GENERATE_ONLY", "1".into()),
+            ("PS_NODES", "n1 n2".into()),
+            ("PS_SHARDS", "3".into()),
+            ("PS_PORT", "6000".into()),
+            ("PS_WORKERS", "3".into()),
+            ("PS_JOB_DIR", job_dir2.display().to_string()),
+        ],
+        &tmp,
+        Duration::from_secs(30),
+    );
+    assert!(st.success(), "{st:?}\n{out}\n{err}");
+    assert!(
+        out.contains("3 shard(s) at n1:6000 n2:6001 n1:6002; 3 worker(s)"),
+        "{out}"
+    );
+    let got = Config::load(&job_dir2.join("config.toml")).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        got.servers,
+        ["n1:6000", "n2:6001", "n1:6002"],
+        "round-robin"
+    );
+    assert_eq!(got.workers, 3);
+    assert_eq!(got.global_batch, 30);
+    assert_eq!(got.data_dir, repo().join("data/mnist"), "absolute: kept");
+    assert_eq!(got.server.out_dir, tdir.canonicalize().unwrap().join("out"));
+
+    // refusals, each naming the problem
+    let refusals: [(&[(&str, &str)], &str); 4] = [
+        (&[("PS_NODES", "n1"), ("PS_SHARDS", "0")], "PS_SHARDS=0"),
+        (&[("PS_NODES", "n1")], "PS_WORKERS=unset"),
+        (&[("SLURM_NTASKS", "2")], "SLURM_JOB_NODELIST is not set"),
+        (
+            &[
+                ("PS_NODES", "n1"),
+                ("SLURM_NTASKS", "2"),
+                ("PS_PORT", "65535"),
+                ("PS_SHARDS", "2"),
+            ],
+            "exceed 65535",
+        ),
+    ];
+    for (env, msg) in refusals {
+        let mut env: Vec<(&str, String)> = env.iter().map(|(k, v)| (*k, v.to_string())).collect();
+        env.push(("PS_GENERATE_ONLY", "1".into()));
+        env.push(("PS_JOB_DIR", tmp.join("job3").display().to_string()));
+        let (st, _, err, _) = run_sbatch(&[&custom], &env, &tmp, Duration::from_secs(30));
+        assert_eq!(st.code(), Some(2), "{env:?}: {err}");
+        assert!(err.contains(msg), "{env:?}: {err}");
+    }
+    let no_workers = tdir.join("bad.toml");
+    std::fs::write(&no_workers, "[cluster]\nservers = [\"a:1\"]\n").unwrap();
+    let (st, _, err, _) = run_sbatch(
+        &[&no_workers],
+        &[
+            ("PS_GENERATE_ONLY", "1".into()),
+            ("PS_NODES", "n1".into()),
+            ("PS_WORKERS", "1".into()),
+            ("PS_JOB_DIR", tmp.join("job4").display().to_string()),
+        ],
+        &tmp,
+        Duration::from_secs(30),
+    );
+    assert!(!st.success());
+    assert!(
+        err.contains("no [cluster] servers and workers lines"),
+        "{err}"
+    );
+}
+
+/// A small config for a real job: 5 steps of a 784-16-10 MLP; placeholders in [cluster].
+fn small_template(dir: &Path, barrier_timeout: u32) -> PathBuf {
+    let path = dir.join("template.toml");
+    std::fs::write(
+        &path,
+        format!(
+            "[cluster]\nservers = [\"placeholder:1\"]\nworkers = 1\n\n[model]\nhidden = [16]\n\n[data]\ndir = {:?}\n\n[train]\nseed = 3\nglobal_batch = 32\nsteps = 5\nloss_reduction = \"mean\"\naggregation = \"mean\"\nlog_every = 1\n\n[optimizer]\nkind = \"sgd\"\nlr = 0.1\n\n[server]\nout_dir = \"out\"\nbarrier_timeout_secs = {barrier_timeout}\nlinger_secs = 5\n\n[worker]\nthreads = 1\nconnect_timeout_secs = 60\n",
+            repo().join("data/mnist").display().to_string()
+        ),
+    )
+    .unwrap();
+    path
+}
+
+/// The environment of a job on "node" 127.0.0.1 with 2 tasks and the stand-in srun.
+fn fake_job_env(tmp: &Path, port: u16) -> Vec<(&'static str, String)> {
+    let bin = tmp.join("bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    write_exe(&bin.join("srun"), FAKE_SRUN);
+    vec![
+        (
+            "PATH",
+            format!(
+                "{}:{}",
+                bin.display(),
+                std::env::var("PATH").unwrap_or_default()
+            ),
+        ),
+        ("FAKE_SRUN_LOG", tmp.join("srun.log").display().to_string()),
+        (
+            "FAKE_SRUN_PIDS",
+            tmp.join("srun.pids").display().to_string(),
+        ),
+        ("SLURM_SUBMIT_DIR", tmp.display().to_string()),
+        ("SLURM_JOB_ID", "4242".into()),
+        ("SLURM_NTASKS", "2".into()),
+        ("SLURM_CPUS_PER_TASK", "1".into()),
+        ("PS_NODES", "127.0.0.1".into()),
+        ("PS_SHARDS", "2".into()),
+        ("PS_SHARD_CPUS", "1".into()),
+        ("PS_PORT", port.to_string()),
+        ("PS_BIN", bin_dir().display().to_string()),
+    ]
+}
+
+#[test]
+fn slurm_job_runs_a_whole_cluster_with_a_stand_in_srun() {
+    let dir = tempfile::tempdir().unwrap();
+    let tmp = dir.path().canonicalize().unwrap();
+    let template = small_template(&tmp, 120);
+    let port = free_port_pair();
+    let (st, out, err, took) = run_sbatch(
+        &[&template],
+        &fake_job_env(&tmp, port),
+        &tmp,
+        Duration::from_secs(180),
+    );
+    let job = tmp.join("runs/slurm-4242");
+    let logs = |name: &str| std::fs::read_to_string(job.join(name)).unwrap_or_default();
+    assert!(
+        st.success(),
+        "{st:?} after {took:?}\nstdout:\n{out}\nstderr:\n{err}\nshard 0:\n{}\nworker 0:\n{}",
+        logs("shard-0.log"),
+        logs("worker-0.log")
+    );
+    assert!(out.contains(&format!(
+        "2 shard(s) at 127.0.0.1:{port} 127.0.0.1:{}; 2 worker(s)",
+        port + 1
+    )));
+    assert!(out.contains("ps-cluster: finished"), "{out}");
+    let cfg = Config::load(&job.join("config.toml")).unwrap();
+    assert_eq!(
+        cfg.servers,
+        [
+            format!("127.0.0.1:{port}"),
+            format!("127.0.0.1:{}", port + 1)
+        ]
+    );
+    assert!(
+        logs("shard-0.log").contains("training finished: 5 steps"),
+        "{}",
+        logs("shard-0.log")
+    );
+    for i in 0..2 {
+        let log = logs(&format!("shard-{i}.log"));
+        assert!(
+            log.contains(&format!("shard {i}: final weights (version 5) written to")),
+            "{log}"
+        );
+    }
+    for r in 0..2 {
+        let log = logs(&format!("worker-{r}.log"));
+        assert!(
+            log.contains(&format!("rank {r} of 2, local rank {r}, from slurm")),
+            "{log}"
+        );
+    }
+    for i in 0..2 {
+        assert!(
+            tmp.join(format!("out/shard-{i}.safetensors")).exists(),
+            "final weights of shard {i} in the template's out_dir"
+        );
+    }
+    // what was asked of srun (the shard steps start in the background: any order): each
+    // shard pinned to its node, the workers one GPU each
+    let calls = read(&tmp.join("srun.log"));
+    let calls: Vec<&str> = calls.lines().collect();
+    assert_eq!(calls.len(), 3, "{calls:?}");
+    let config = job.join("config.toml");
+    for i in 0..2u16 {
+        let shard = format!(
+            "/ps-server --config {} --shard {i} --listen 0.0.0.0:{}",
+            config.display(),
+            port + i
+        );
+        let call = calls
+            .iter()
+            .find(|c| c.ends_with(&shard))
+            .unwrap_or_else(|| panic!("no srun step runs ...{shard}: {calls:?}"));
+        assert!(
+            call.starts_with("--nodes=1 --ntasks=1 --nodelist=127.0.0.1 --overlap"),
+            "{call}"
+        );
+    }
+    let workers: Vec<&&str> = calls.iter().filter(|c| c.contains("/ps-worker ")).collect();
+    assert_eq!(workers.len(), 1, "one worker step: {calls:?}");
+    assert!(
+        workers[0]
+            .starts_with("--ntasks=2 --gpus-per-task=1 --cpus-per-task=1 --kill-on-bad-exit=1"),
+        "{}",
+        workers[0]
+    );
+    assert!(
+        workers[0].ends_with(&format!(
+            "/ps-worker --config {} --device auto",
+            config.display()
+        )),
+        "{}",
+        workers[0]
+    );
+}
+
+#[test]
+fn slurm_job_stops_the_shards_when_the_workers_fail() {
+    let dir = tempfile::tempdir().unwrap();
+    let tmp = dir.path().canonicalize().unwrap();
+    // a barrier timeout far beyond the bound below: only the script can end the shards early
+    let template = small_template(&tmp, 600);
+    let port = free_port_pair();
+    let mut env = fake_job_env(&tmp, port);
+    env.push(("PS_DEVICE", "no-such-device".into()));
+    let (st, out, err, took) = run_sbatch(&[&template], &env, &tmp, Duration::from_secs(60));
+    assert_eq!(st.code(), Some(1), "the workers' exit code\n{out}\n{err}");
+    assert!(took < Duration::from_secs(60), "bounded: {took:?}");
+    assert!(
+        err.contains("the workers failed (exit 1), stopping the shards"),
+        "{err}"
+    );
+    let worker = read(&tmp.join("runs/slurm-4242/worker-0.log"));
+    assert!(worker.contains("no-such-device"), "{worker}");
+    let pids = read(&tmp.join("srun.pids"));
+    let pids: Vec<i32> = pids.lines().map(|l| l.trim().parse().unwrap()).collect();
+    assert_eq!(pids.len(), 4, "2 shards + 2 workers");
+    for pid in pids {
+        // SAFETY: signal 0 only checks whether the process exists.
+        let alive = unsafe { libc::kill(pid, 0) } == 0;
+        assert!(!alive, "process {pid} still runs after the job ended");
+    }
+}
