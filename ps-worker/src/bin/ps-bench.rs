@@ -117,7 +117,7 @@ impl Plan {
                 agg_repeats: [9, 5],
                 copy_repeats: 9,
                 net_repeats: 7,
-                single_repeats: [20, 5],
+                single_repeats: [30, 7],
                 e2e_steps: [60, 20],
                 e2e_skip: [5, 3],
                 large_w4: true,
@@ -137,6 +137,10 @@ fn main() -> ExitCode {
     // section 3 is then timed on one thread. Child processes inherit it, and each ps-worker
     // overrides it with its own share of the cores before starting any thread.
     unsafe { std::env::set_var("MATMUL_NUM_THREADS", "1") };
+    // the same allocator settings as ps-server and ps-worker (still before any other thread),
+    // so that the in-process shard and client of sections 1 and 2 allocate as the real
+    // processes do
+    ps_common::tune_allocator();
     let cli = Cli::parse();
     match run(&cli) {
         Ok(true) => ExitCode::SUCCESS,
@@ -883,7 +887,7 @@ fn section_e2e(tmp: &Path, plan: &Plan, cores: usize) -> anyhow::Result<(Vec<Val
     let mut ok = true;
     for m in [SMALL, LARGE] {
         let i = Plan::idx(&m);
-        let (warmup, repeats) = (if i == 0 { 3 } else { 1 }, plan.single_repeats[i]);
+        let (warmup, repeats) = (if i == 0 { 5 } else { 2 }, plan.single_repeats[i]);
         let dir = tmp.join(format!("single-{}", m.name));
         let cfg = write_config(
             &dir.join("config.toml"),
