@@ -388,6 +388,71 @@ fn read_full(r: &mut impl Read, buf: &mut [u8]) -> io::Result<usize> {
 
 /// Lower level: read one IDX file (gzip detected by the 0x1f 0x8b magic, not by the extension) and return (dims, payload bytes) after checking the magic (must be unsigned byte type 0x08), that the dimension count matches `expected_dims`, and that the payload is exactly prod(dims) bytes (truncated or trailing data is an error saying which).
 pub fn read_idx(path: &Path, expected_dims: usize) -> Result<(Vec<usize>, Vec<u8>), IdxError> {
+    open_idx(path, expected_dims, false)
+}
+
+/// The dimensions in an IDX file's header, checked like [`read_idx`] does, without reading the
+/// payload (whose length is therefore not verified).
+pub fn read_idx_dims(path: &Path, expected_dims: usize) -> Result<Vec<usize>, IdxError> {
+    open_idx(path, expected_dims, true).map(|(dims, _)| dims)
+}
+
+/// The number of samples and of features per sample of a split, reading the labels (small,
+/// validated like [`load_split`]) and only the header of the images file: for processes that
+/// need the data order but not the images (the shards).
+pub fn split_shape(
+    dir: &Path,
+    split: Split,
+    num_classes: usize,
+) -> Result<(usize, usize), IdxError> {
+    let prefix = split.prefix();
+    let images_path = find_file(
+        dir,
+        &format!("{prefix}-images-idx3-ubyte"),
+        format!("{} images", split.name()),
+    )?;
+    let labels_path = find_file(
+        dir,
+        &format!("{prefix}-labels-idx1-ubyte"),
+        format!("{} labels", split.name()),
+    )?;
+    let idims = read_idx_dims(&images_path, 3)?;
+    let (ldims, labels) = read_idx(&labels_path, 1)?;
+    if idims[1] == 0 || idims[2] == 0 {
+        return Err(IdxError::EmptyImages {
+            path: images_path,
+            rows: idims[1],
+            cols: idims[2],
+        });
+    }
+    if idims[0] != ldims[0] {
+        return Err(IdxError::CountMismatch {
+            images_path,
+            labels_path,
+            images: idims[0],
+            labels: ldims[0],
+        });
+    }
+    if let Some((index, &label)) = labels
+        .iter()
+        .enumerate()
+        .find(|&(_, &l)| usize::from(l) >= num_classes)
+    {
+        return Err(IdxError::LabelOutOfRange {
+            path: labels_path,
+            label,
+            index,
+            num_classes,
+        });
+    }
+    Ok((idims[0], idims[1] * idims[2]))
+}
+
+fn open_idx(
+    path: &Path,
+    expected_dims: usize,
+    header_only: bool,
+) -> Result<(Vec<usize>, Vec<u8>), IdxError> {
     let file = File::open(path).map_err(|error| IdxError::Io {
         path: path.to_path_buf(),
         action: "open",
@@ -404,9 +469,15 @@ pub fn read_idx(path: &Path, expected_dims: usize) -> Result<(Vec<usize>, Vec<u8
         head.starts_with(&[0x1f, 0x8b])
     };
     if gzip {
-        read_idx_from(MultiGzDecoder::new(reader), path, true, expected_dims)
+        read_idx_from(
+            MultiGzDecoder::new(reader),
+            path,
+            true,
+            expected_dims,
+            header_only,
+        )
     } else {
-        read_idx_from(reader, path, false, expected_dims)
+        read_idx_from(reader, path, false, expected_dims, header_only)
     }
 }
 
@@ -415,6 +486,7 @@ fn read_idx_from(
     path: &Path,
     gzip: bool,
     expected_dims: usize,
+    header_only: bool,
 ) -> Result<(Vec<usize>, Vec<u8>), IdxError> {
     let read_err = |error: io::Error| {
         if gzip {
@@ -489,6 +561,9 @@ fn read_idx_from(
         }
     };
 
+    if header_only {
+        return Ok((dims, Vec::new()));
+    }
     let expected_usize = usize::try_from(expected).map_err(|_| IdxError::TooLarge {
         path: path.to_path_buf(),
         dims: dims.clone(),

@@ -231,23 +231,21 @@ pub fn load_setup(
             cfg.num_shards()
         );
     }
-    let train = ps_common::idx::load_split(
-        &cfg.data_dir,
-        ps_common::idx::Split::Train,
-        cfg.dims[cfg.dims.len() - 1],
-    )
-    .context("loading the training set")?;
-    if train.features() != cfg.dims[0] {
+    // the shard needs the number of samples (the data order) but not the images
+    let classes = cfg.dims[cfg.dims.len() - 1];
+    let (train_len, features) =
+        ps_common::idx::split_shape(&cfg.data_dir, ps_common::idx::Split::Train, classes)
+            .context("reading the training set's labels and header")?;
+    if features != cfg.dims[0] {
         anyhow::bail!(
-            "{}: images have {} pixels but [model] inputs = {}",
+            "{}: images have {features} pixels but [model] inputs = {}",
             cfg.data_dir.display(),
-            train.features(),
             cfg.dims[0]
         );
     }
     let shard0 = shard0.or_else(|| (index > 0).then(|| cfg.servers[0].clone()));
     Ok(ShardSetup {
-        train_len: train.len(),
+        train_len,
         cfg,
         index,
         shard0,
