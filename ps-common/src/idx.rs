@@ -610,12 +610,7 @@ mod tests {
     use std::io::Write;
 
     fn mnist_dir() -> PathBuf {
-        let rel = Path::new(env!("CARGO_MANIFEST_DIR")).join("../data/mnist");
-        if rel.is_dir() {
-            rel
-        } else {
-            PathBuf::from("/work/main/data/mnist")
-        }
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../data/mnist")
     }
 
     /// Builds an unsigned-byte IDX file with the given dims and payload.
@@ -658,6 +653,14 @@ mod tests {
             h[usize::from(l)] += 1;
         }
         h
+    }
+
+    #[test]
+    fn split_shape_reads_labels_and_header_only() {
+        assert_eq!(split_shape(&mnist_dir(), Split::Train, 10).unwrap(), (60000, 784));
+        assert_eq!(split_shape(&mnist_dir(), Split::Test, 10).unwrap(), (10000, 784));
+        let e = split_shape(&mnist_dir(), Split::Train, 5).unwrap_err().to_string();
+        assert!(e.contains("train-labels") && e.contains("expected 0..=4"), "{e}");
     }
 
     #[test]
