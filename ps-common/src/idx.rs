@@ -657,10 +657,21 @@ mod tests {
 
     #[test]
     fn split_shape_reads_labels_and_header_only() {
-        assert_eq!(split_shape(&mnist_dir(), Split::Train, 10).unwrap(), (60000, 784));
-        assert_eq!(split_shape(&mnist_dir(), Split::Test, 10).unwrap(), (10000, 784));
-        let e = split_shape(&mnist_dir(), Split::Train, 5).unwrap_err().to_string();
-        assert!(e.contains("train-labels") && e.contains("expected 0..=4"), "{e}");
+        assert_eq!(
+            split_shape(&mnist_dir(), Split::Train, 10).unwrap(),
+            (60000, 784)
+        );
+        assert_eq!(
+            split_shape(&mnist_dir(), Split::Test, 10).unwrap(),
+            (10000, 784)
+        );
+        let e = split_shape(&mnist_dir(), Split::Train, 5)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("train-labels") && e.contains("expected 0..=4"),
+            "{e}"
+        );
     }
 
     #[test]
