@@ -322,20 +322,51 @@ fn find_file(dir: &Path, stem: &str, what: String) -> Result<PathBuf, IdxError> 
 
 /// Loads `<dir>/<prefix>-images-idx3-ubyte[.gz]` and `<dir>/<prefix>-labels-idx1-ubyte[.gz]` (prefer the raw file if both exist), validates them, and checks every label < num_classes.
 pub fn load_split(dir: &Path, split: Split, num_classes: usize) -> Result<Dataset, IdxError> {
+    let (images_path, labels_path) = split_files(dir, split)?;
+    let (idims, images) = read_idx(&images_path, 3)?;
+    let (ldims, labels) = read_idx(&labels_path, 1)?;
+    check_split(
+        images_path,
+        labels_path,
+        &idims,
+        &ldims,
+        &labels,
+        num_classes,
+    )?;
+    Ok(Dataset {
+        images,
+        labels,
+        rows: idims[1],
+        cols: idims[2],
+    })
+}
+
+/// The images and labels files of a split.
+fn split_files(dir: &Path, split: Split) -> Result<(PathBuf, PathBuf), IdxError> {
     let prefix = split.prefix();
-    let images_path = find_file(
+    let images = find_file(
         dir,
         &format!("{prefix}-images-idx3-ubyte"),
         format!("{} images", split.name()),
     )?;
-    let labels_path = find_file(
+    let labels = find_file(
         dir,
         &format!("{prefix}-labels-idx1-ubyte"),
         format!("{} labels", split.name()),
     )?;
+    Ok((images, labels))
+}
 
-    let (idims, images) = read_idx(&images_path, 3)?;
-    let (ldims, labels) = read_idx(&labels_path, 1)?;
+/// Checks that a split's images are non-empty, that both files hold as many items, and that
+/// every label is below `num_classes`.
+fn check_split(
+    images_path: PathBuf,
+    labels_path: PathBuf,
+    idims: &[usize],
+    ldims: &[usize],
+    labels: &[u8],
+    num_classes: usize,
+) -> Result<(), IdxError> {
     let (n, rows, cols) = (idims[0], idims[1], idims[2]);
     if rows == 0 || cols == 0 {
         return Err(IdxError::EmptyImages {
@@ -364,12 +395,7 @@ pub fn load_split(dir: &Path, split: Split, num_classes: usize) -> Result<Datase
             num_classes,
         });
     }
-    Ok(Dataset {
-        images,
-        labels,
-        rows,
-        cols,
-    })
+    Ok(())
 }
 
 /// Reads into `buf` until it is full or the stream ends; returns the bytes read.
@@ -405,46 +431,17 @@ pub fn split_shape(
     split: Split,
     num_classes: usize,
 ) -> Result<(usize, usize), IdxError> {
-    let prefix = split.prefix();
-    let images_path = find_file(
-        dir,
-        &format!("{prefix}-images-idx3-ubyte"),
-        format!("{} images", split.name()),
-    )?;
-    let labels_path = find_file(
-        dir,
-        &format!("{prefix}-labels-idx1-ubyte"),
-        format!("{} labels", split.name()),
-    )?;
+    let (images_path, labels_path) = split_files(dir, split)?;
     let idims = read_idx_dims(&images_path, 3)?;
     let (ldims, labels) = read_idx(&labels_path, 1)?;
-    if idims[1] == 0 || idims[2] == 0 {
-        return Err(IdxError::EmptyImages {
-            path: images_path,
-            rows: idims[1],
-            cols: idims[2],
-        });
-    }
-    if idims[0] != ldims[0] {
-        return Err(IdxError::CountMismatch {
-            images_path,
-            labels_path,
-            images: idims[0],
-            labels: ldims[0],
-        });
-    }
-    if let Some((index, &label)) = labels
-        .iter()
-        .enumerate()
-        .find(|&(_, &l)| usize::from(l) >= num_classes)
-    {
-        return Err(IdxError::LabelOutOfRange {
-            path: labels_path,
-            label,
-            index,
-            num_classes,
-        });
-    }
+    check_split(
+        images_path,
+        labels_path,
+        &idims,
+        &ldims,
+        &labels,
+        num_classes,
+    )?;
     Ok((idims[0], idims[1] * idims[2]))
 }
 
