@@ -409,14 +409,19 @@ impl Shard {
         let grad_sq_norm: f64 = if parts == 1 {
             pieces.map(|(i, ((p, m), v))| step_part(i, p, m, v)).sum()
         } else {
+            // the calling thread takes the first part; one spawned thread per other part
             std::thread::scope(|scope| {
+                let mut pieces = pieces;
+                let (i0, ((p0, m0), v0)) = pieces.next().expect("at least one part");
                 let handles: Vec<_> = pieces
                     .map(|(i, ((p, m), v))| scope.spawn(move || step_part(i, p, m, v)))
                     .collect();
-                handles
-                    .into_iter()
-                    .map(|h| h.join().expect("update thread"))
-                    .sum()
+                let first = step_part(i0, p0, m0, v0);
+                first
+                    + handles
+                        .into_iter()
+                        .map(|h| h.join().expect("update thread"))
+                        .sum::<f64>()
             })
         };
         opt.steps += 1;
