@@ -52,13 +52,6 @@ impl ShardService {
             .header
             .ok_or_else(|| PsError::BadChunk("first push chunk has no header".into()))?;
         self.shard.precheck(h.rank, h.step, h.len)?;
-        let mut rx = TensorReceiver::with_buffer(self.shard.take_buffer(), self.shard.len(), true);
-        let received = receive_rest(&mut rx, first.offset, &first.data, &mut stream).await;
-        if let Err(e) = received {
-            self.shard.return_buffer(rx.into_buffer());
-            return Err(e);
-        }
-        let (grad, fingerprint) = rx.finish()?;
         if h.eval_correct > h.eval_count {
             return Err(PsError::BadChunk(format!(
                 "eval_correct {} > eval_count {}: expected at most as many correct as evaluated",
@@ -71,6 +64,13 @@ impl ShardService {
                 h.loss_sum, h.correct, h.samples
             )));
         }
+        let mut rx = TensorReceiver::with_buffer(self.shard.take_buffer(), self.shard.len(), true);
+        let received = receive_rest(&mut rx, first.offset, &first.data, &mut stream).await;
+        if let Err(e) = received {
+            self.shard.return_buffer(rx.into_buffer());
+            return Err(e);
+        }
+        let (grad, fingerprint) = rx.finish()?;
         let meta = PushMeta {
             rank: h.rank,
             step: h.step,
@@ -81,11 +81,11 @@ impl ShardService {
         };
         let (outcome, ready) = self.shard.accept(meta, grad, fingerprint)?;
         if let Some(slots) = ready {
-            let shard = self.shard.clone();
-            let figures = tokio::task::spawn_blocking(move || shard.apply(slots))
+            // the step is applied and reported even if this push's caller goes away meanwhile
+            let (shard, reporter) = (self.shard.clone(), self.reporter.clone());
+            tokio::task::spawn_blocking(move || reporter.step_done(shard.apply(slots)))
                 .await
                 .map_err(|e| PsError::Internal(format!("apply task failed: {e}")))?;
-            self.reporter.step_done(figures);
         }
         Ok(PushReply {
             counted: outcome.counted,
