@@ -71,7 +71,7 @@ pub async fn run_shard(
     let all_left = Arc::new(Notify::new());
     let svc = ShardService {
         shard: shard.clone(),
-        reporter,
+        reporter: reporter.clone(),
         pull_timeout: Duration::from_secs_f64(cfg.server.pull_timeout_secs),
         chunk_bytes: cfg.server.chunk_bytes,
         all_left: all_left.clone(),
@@ -106,7 +106,7 @@ pub async fn run_shard(
     let serve = tokio::spawn(serve);
 
     let outcome = tokio::select! {
-        o = watch_run(&cfg, &shard, &all_left) => o,
+        o = watch_run(&cfg, &shard, &all_left, &reporter) => o,
         _ = shutdown => Outcome::Interrupted,
     };
     match &outcome {
@@ -135,7 +135,12 @@ pub async fn run_shard(
 /// Waits for the end of the run while watching the barrier: logs the missing ranks of a step
 /// that waits too long, fails the run past the timeout, writes the final weights, and waits
 /// (bounded) for the workers to leave.
-async fn watch_run(cfg: &Config, shard: &Arc<Shard>, all_left: &Notify) -> Outcome {
+async fn watch_run(
+    cfg: &Config,
+    shard: &Arc<Shard>,
+    all_left: &Notify,
+    reporter: &Reporter,
+) -> Outcome {
     let warn = Duration::from_secs_f64(cfg.server.barrier_warn_secs);
     let timeout = Duration::from_secs_f64(cfg.server.barrier_timeout_secs);
     let mut versions = shard.subscribe();
@@ -192,6 +197,8 @@ async fn watch_run(cfg: &Config, shard: &Arc<Shard>, all_left: &Notify) -> Outco
         }
     })
     .await;
+    // every step's line is out (or sent to shard 0) before the closing line
+    reporter.flush().await;
     let ((correct, count), missing) = shard.final_eval();
     if left.is_err() {
         tracing::warn!(

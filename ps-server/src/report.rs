@@ -21,6 +21,8 @@ const REPORT_WAIT: Duration = Duration::from_secs(10);
 enum Event {
     Local(StepFigures),
     Remote(StepReport),
+    /// Emit everything still pending (the run is ending), then acknowledge.
+    Flush(tokio::sync::oneshot::Sender<()>),
 }
 
 /// The handle handlers use to hand over step figures.
@@ -61,6 +63,15 @@ impl Reporter {
         let _ = self.tx.send(Event::Local(f));
     }
 
+    /// Logs whatever is still waiting for other shards' reports, and waits (at most 2 s) until
+    /// it is written: called when the run ends.
+    pub async fn flush(&self) {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        if self.tx.send(Event::Flush(tx)).is_ok() {
+            let _ = tokio::time::timeout(Duration::from_secs(2), rx).await;
+        }
+    }
+
     /// Another shard reported a step (shard 0 only).
     pub fn remote_report(&self, r: StepReport) {
         let _ = self.tx.send(Event::Remote(r));
@@ -98,6 +109,15 @@ async fn run(cfg: ReporterConfig, mut rx: mpsc::UnboundedReceiver<Event>) {
             ev = rx.recv() => {
                 let Some(ev) = ev else { break };
                 let step = match ev {
+                    Event::Flush(done) => {
+                        for (_, p) in std::mem::take(&mut pending) {
+                            if p.local.is_some() {
+                                emit(&cfg, p, metrics.as_mut());
+                            }
+                        }
+                        let _ = done.send(());
+                        continue;
+                    }
                     Event::Local(f) => {
                         let step = f.step;
                         let p = pending.entry(step).or_default();
@@ -192,7 +212,15 @@ async fn forward_to_shard0(cfg: ReporterConfig, mut rx: mpsc::UnboundedReceiver<
     let mut client = None;
     let mut warned = false;
     while let Some(ev) = rx.recv().await {
-        let Event::Local(f) = ev else { continue };
+        let f = match ev {
+            Event::Local(f) => f,
+            // every earlier report has been sent: acknowledge
+            Event::Flush(done) => {
+                let _ = done.send(());
+                continue;
+            }
+            Event::Remote(_) => continue,
+        };
         if (f.step + 1).is_multiple_of(cfg.log_every) || f.step + 1 == cfg.total_steps {
             tracing::info!(
                 "shard {} step {}/{} | step {:.1} ms | barrier wait {:.1} ms (slowest rank {}) | apply {:.1} ms",
