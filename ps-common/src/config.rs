@@ -435,6 +435,17 @@ impl Config {
             )));
         }
         let wk = &raw.worker;
+        let device_ok = matches!(wk.device.as_str(), "cpu" | "cuda" | "auto")
+            || wk
+                .device
+                .strip_prefix("cuda:")
+                .is_some_and(|n| n.parse::<usize>().is_ok());
+        if !device_ok {
+            return Err(err(format!(
+                "[worker] device = {:?}: expected \"cpu\", \"cuda\", \"cuda:N\" or \"auto\"",
+                wk.device
+            )));
+        }
         if !(wk.connect_timeout_secs.is_finite() && wk.connect_timeout_secs > 0.0) {
             return Err(err(format!(
                 "[worker] connect_timeout_secs = {}: expected a positive number of seconds",
@@ -474,9 +485,6 @@ impl Config {
                 connect_timeout_secs: wk.connect_timeout_secs,
             },
         };
-        if let Decay::Cosine { total_steps: 0, .. } = cfg.schedule.decay {
-            // cosine without an explicit length runs over the whole run; filled in by `with_train_size`
-        }
         Ok(cfg)
     }
 
@@ -893,6 +901,10 @@ lr = 0.1
             .unwrap_err()
             .to_string();
         assert!(e.contains("[optimizer] lr = -1"), "{e}");
+        let e = parse(&format!("{GOOD}[worker]\ndevice = \"gpu0\"\n"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("[worker] device = \"gpu0\": expected"), "{e}");
         let e = parse("not toml [").unwrap_err().to_string();
         assert!(e.starts_with("/etc/ps/run.toml: "), "{e}");
     }
