@@ -42,6 +42,12 @@ pub trait Backend: Send {
     /// Loads the full flat parameter vector (PyTorch `state_dict` order), after each pull.
     fn set_weights(&mut self, flat: &[f32]) -> BackendResult<()>;
 
+    /// The backend's own host-side weight vector, when it has one that a pull can decode
+    /// into directly (saving [`Backend::set_weights`]'s copy); `None` for device backends.
+    fn host_weights(&mut self) -> Option<&mut [f32]> {
+        None
+    }
+
     /// Forward and backward on `labels.len()` samples whose features are the rows of `x`
     /// (row-major, `[n, inputs]`). Writes the gradient of the batch loss with `reduction`
     /// (`mean`: divided by n, `sum`: not) into `grad` (length = number of parameters).

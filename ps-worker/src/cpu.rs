@@ -105,6 +105,10 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn host_weights(&mut self) -> Option<&mut [f32]> {
+        Some(&mut self.weights)
+    }
+
     fn forward_backward(
         &mut self,
         x: &[f32],

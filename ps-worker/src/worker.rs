@@ -163,9 +163,13 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
 
     for t in start_step..total {
         let t0 = Instant::now();
-        pull_all(&mut clients, &ranges, t, &mut weights).await?;
+        if let Some(w) = backend.host_weights() {
+            pull_all(&mut clients, &ranges, t, w).await?;
+        } else {
+            pull_all(&mut clients, &ranges, t, &mut weights).await?;
+            backend.set_weights(&weights)?;
+        }
         let t1 = Instant::now();
-        backend.set_weights(&weights)?;
         let eval = if cfg.eval_every > 0 && t > 0 && t.is_multiple_of(cfg.eval_every) {
             evaluate(backend.as_mut(), &test, &test_idx, &mut x, &mut y)?
         } else {
