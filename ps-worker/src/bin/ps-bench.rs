@@ -31,8 +31,8 @@ use ps_common::PROTOCOL_VERSION;
 use ps_common::config::{Config, LossReduction};
 use ps_common::launch::{LocalCluster, bin_dir};
 use ps_common::pb::parameter_server_client::ParameterServerClient;
-use ps_common::pb::{PullRequest, PushChunk, PushHeader, RegisterRequest};
-use ps_common::wire::{MAX_MESSAGE_BYTES, TensorReceiver, chunks, f32_to_bytes};
+use ps_common::pb::{PullRequest, PushHeader, RegisterRequest};
+use ps_common::wire::{MAX_MESSAGE_BYTES, TensorReceiver, f32_to_bytes};
 use ps_server::shard::{PushMeta, Shard};
 use ps_server::{ShardSetup, run_shard};
 use ps_worker::backend::Backend;
@@ -586,7 +586,8 @@ async fn pull(c: &mut Client, version: u64) -> anyhow::Result<Vec<f32>> {
     Ok(rx.finish()?.0)
 }
 
-/// Pushes the already-encoded gradient `bytes` as step `step` of `rank`, in 1 MiB chunks.
+/// Pushes the already-encoded gradient `bytes` as step `step` of `rank`, in 1 MiB chunks,
+/// exactly as a worker does (`ps_worker::worker::push_one`).
 async fn push(c: &mut Client, rank: usize, step: u64, bytes: &Bytes) -> anyhow::Result<()> {
     let header = PushHeader {
         rank: rank as u32,
@@ -598,17 +599,7 @@ async fn push(c: &mut Client, rank: usize, step: u64, bytes: &Bytes) -> anyhow::
         eval_correct: 0,
         eval_count: 0,
     };
-    let msgs: Vec<PushChunk> = chunks(bytes, CHUNK_BYTES)
-        .enumerate()
-        .map(|(i, (offset, data))| PushChunk {
-            header: (i == 0).then_some(header),
-            offset,
-            data,
-        })
-        .collect();
-    c.push(tokio_stream::iter(msgs))
-        .await
-        .map_err(|s| anyhow::anyhow!("push of step {step} rank {rank} refused: {}", s.message()))?;
+    ps_worker::worker::push_one(c.clone(), 0, header, bytes.clone(), CHUNK_BYTES).await?;
     Ok(())
 }
 
