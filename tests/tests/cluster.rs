@@ -240,3 +240,24 @@ fn one_worker_is_bit_identical_to_one_process_across_epochs_and_schedules() {
         rel_diff(&cfg, &got, &want)
     );
 }
+
+#[test]
+fn weighted_aggregation_stays_exact_with_the_short_last_batch_kept() {
+    // N = 60000, B = 4096, keep_last: 14 full steps, then one of 2656 samples (886, 885, 885
+    // over 3 workers), then the next epoch
+    let spec = Spec {
+        workers: 3,
+        global_batch: 4096,
+        steps: 17,
+        aggregation: "weighted",
+        train_extra: "keep_last = true".into(),
+        ..Spec::default()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let (path, cfg) = spec.write(dir.path());
+    let order = cfg.data_order(60000);
+    assert_eq!((order.steps_per_epoch(), order.batch_len(14)), (15, 2656));
+    run_cluster(&path, &cfg, &Start::default());
+    let d = rel_diff(&cfg, &cluster_weights(&cfg), &reference_weights(&cfg));
+    assert!(d < TOL, "relative difference {d:.3e} >= {TOL:e}");
+}
