@@ -692,7 +692,7 @@ mod tests {
         let total: u64 = train.images.iter().map(|&p| u64::from(p)).sum();
         assert_eq!(total, 1_567_298_545);
 
-        let test = load_split(dir, Split::Test, 10).unwrap();
+        let test = load_split(&dir, Split::Test, 10).unwrap();
         assert_eq!(test.len(), 10000);
         assert_eq!((test.rows, test.cols), (28, 28));
         assert_eq!(test.labels[..5], [7, 2, 1, 0, 4]);
