@@ -32,6 +32,25 @@ pub enum LossReduction {
     Sum,
 }
 
+/// How tensors travel between workers and shards (`[cluster] transport`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Transport {
+    /// Tensors through shared memory (`/dev/shm`) when worker and shard share a host, verified
+    /// at registration; through gRPC otherwise. Control messages always go through gRPC.
+    Auto,
+    /// Every tensor through gRPC.
+    Grpc,
+}
+
+impl fmt::Display for Transport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Transport::Auto => "auto (shared memory on one host, else gRPC)",
+            Transport::Grpc => "gRPC",
+        })
+    }
+}
+
 /// How a shard combines the workers' gradients.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -85,6 +104,12 @@ struct RawConfig {
 struct RawCluster {
     servers: Vec<String>,
     workers: u32,
+    #[serde(default = "default_transport")]
+    transport: String,
+}
+
+fn default_transport() -> String {
+    "auto".into()
 }
 
 #[derive(Debug, Deserialize)]
@@ -269,6 +294,8 @@ pub struct Config {
     pub path: PathBuf,
     /// Shard addresses, shard `i` at `servers[i]`.
     pub servers: Vec<String>,
+    /// How tensors travel between workers and shards.
+    pub transport: Transport,
     /// `W`.
     pub workers: usize,
     /// Model layer widths, input first.
@@ -344,6 +371,15 @@ impl Config {
                 )));
             }
         }
+        let transport = match c.transport.as_str() {
+            "auto" => Transport::Auto,
+            "grpc" => Transport::Grpc,
+            other => {
+                return Err(err(format!(
+                    "[cluster] transport = {other:?}: expected \"auto\" (shared memory between processes on one host, gRPC otherwise) or \"grpc\""
+                )));
+            }
+        };
         if c.workers == 0 {
             return Err(err(
                 "[cluster] workers = 0: expected at least one worker".into()
@@ -457,6 +493,7 @@ impl Config {
             path: path.to_path_buf(),
             servers: c.servers.clone(),
             workers: w,
+            transport,
             dims,
             data_dir: resolve(&raw.data.dir),
             seed: t.seed,
@@ -601,11 +638,12 @@ impl Config {
             _ => unreachable!(),
         };
         format!(
-            "config {}: {} shards {:?}, {} workers; {}; data {}; seed {}; global batch {} ({}), per-worker batches {:?}; {stop}{}; loss reduction {}, aggregation {}; optimizer {}; lr {}; log every {} steps, eval every {}",
+            "config {}: {} shards {:?}, {} workers, transport {}; {}; data {}; seed {}; global batch {} ({}), per-worker batches {:?}; {stop}{}; loss reduction {}, aggregation {}; optimizer {}; lr {}; log every {} steps, eval every {}",
             self.path.display(),
             self.num_shards(),
             self.servers,
             self.workers,
+            self.transport,
             self.layout().describe(),
             self.data_dir.display(),
             self.seed,

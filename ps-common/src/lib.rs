@@ -10,6 +10,7 @@ pub mod launch;
 pub mod layout;
 pub mod optim;
 pub mod order;
+pub mod shm;
 pub mod weights;
 pub mod wire;
 

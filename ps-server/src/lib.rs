@@ -175,7 +175,10 @@ async fn watch_run(
             }
         }
     }
-    let (version, params) = shard.params();
+    let (version, params) = match shard.params() {
+        Ok(p) => p,
+        Err(e) => return Outcome::Failed(format!("cannot read the final weights: {e}")),
+    };
     match ps_common::weights::write_shard(
         &cfg.server.out_dir,
         shard.index,

@@ -11,7 +11,7 @@ use ps_common::pb::{
     LeaveReply, LeaveRequest, PullChunk, PullHeader, PullRequest, PushChunk, PushReply,
     RegisterReply, RegisterRequest, ReportReply, StepReport,
 };
-use ps_common::wire::{TensorReceiver, chunks};
+use ps_common::wire::{TensorReceiver, check_and_fingerprint, chunks};
 use ps_common::{PROTOCOL_VERSION, PsError, PsResult};
 use std::pin::Pin;
 use std::sync::Arc;
@@ -64,13 +64,18 @@ impl ShardService {
                 h.loss_sum, h.correct, h.samples
             )));
         }
-        let mut rx = TensorReceiver::with_buffer(self.shard.take_buffer(), self.shard.len(), true);
-        let received = receive_rest(&mut rx, first.offset, &first.data, &mut stream).await;
-        if let Err(e) = received {
-            self.shard.return_buffer(rx.into_buffer());
-            return Err(e);
-        }
-        let (grad, fingerprint) = rx.finish()?;
+        let (grad, fingerprint) = if h.shm {
+            self.receive_shm(h.rank, &first, &mut stream).await?
+        } else {
+            let mut rx =
+                TensorReceiver::with_buffer(self.shard.take_buffer(), self.shard.len(), true);
+            let received = receive_rest(&mut rx, first.offset, &first.data, &mut stream).await;
+            if let Err(e) = received {
+                self.shard.return_buffer(rx.into_buffer());
+                return Err(e);
+            }
+            rx.finish()?
+        };
         let meta = PushMeta {
             rank: h.rank,
             step: h.step,
@@ -91,6 +96,39 @@ impl ShardService {
             counted: outcome.counted,
             ranks_in: outcome.ranks_in,
         })
+    }
+
+    /// A push whose gradient is in the rank's shared-memory board: copied out into a shard
+    /// buffer, then validated like a received one (the worker cannot change what was checked).
+    async fn receive_shm(
+        &self,
+        rank: u32,
+        first: &PushChunk,
+        stream: &mut Streaming<PushChunk>,
+    ) -> PsResult<(Vec<f32>, u64)> {
+        let extra = !first.data.is_empty()
+            || stream
+                .message()
+                .await
+                .map_err(|s| PsError::BadChunk(format!("push stream broke: {}", s.message())))?
+                .is_some();
+        if extra {
+            return Err(PsError::BadChunk(
+                "a shared-memory push carried data chunks: expected the header alone".into(),
+            ));
+        }
+        let mut buf = self.shard.take_buffer();
+        let checked = self
+            .shard
+            .read_shm_grad(rank, &mut buf)
+            .and_then(|()| check_and_fingerprint(&buf));
+        match checked {
+            Ok(fp) => Ok((buf, fp)),
+            Err(e) => {
+                self.shard.return_buffer(buf);
+                Err(e)
+            }
+        }
     }
 
     async fn pull_inner(&self, req: PullRequest) -> PsResult<Vec<PullChunk>> {
@@ -120,6 +158,19 @@ impl ShardService {
             }
             Ok(Err(_)) => return Err(PsError::Unavailable("shard is shutting down".into())),
             Ok(Ok(_)) => {}
+        }
+        if req.shm && self.shard.has_board() {
+            // the worker copies the version out of the board (and checks it is still there)
+            return Ok(vec![PullChunk {
+                header: Some(PullHeader {
+                    version: self.shard.version(),
+                    start: self.shard.range.start as u64,
+                    len: self.shard.len() as u64,
+                    shm: true,
+                }),
+                offset: 0,
+                data: Bytes::new(),
+            }]);
         }
         let (version, snapshot) = self.shard.snapshot()?;
         Ok(pull_chunks(
@@ -169,6 +220,7 @@ pub fn pull_chunks(
                 version,
                 start,
                 len,
+                shm: false,
             }),
             offset,
             data,
@@ -209,13 +261,26 @@ impl ParameterServer for ShardService {
         mismatch("shard index", u64::from(r.shard), s.index as u64)?;
         mismatch("shard count", u64::from(r.num_shards), s.num_shards as u64)?;
         let version = s.register(r.rank)?;
-        tracing::debug!(shard = s.index, rank = r.rank, version, "worker registered");
+        let (shm_dir, shm_token) = if r.shared_memory {
+            s.offer_shm(r.rank)?.unwrap_or_default()
+        } else {
+            Default::default()
+        };
+        tracing::debug!(
+            shard = s.index,
+            rank = r.rank,
+            version,
+            shm_dir,
+            "worker registered"
+        );
         Ok(Response::new(RegisterReply {
             shard: s.index as u32,
             start: s.range.start as u64,
             len: s.len() as u64,
             version,
             total_steps: s.total_steps,
+            shm_dir,
+            shm_token,
         }))
     }
 

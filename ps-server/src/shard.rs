@@ -7,10 +7,13 @@
 //! the new parameters back.
 
 use bytes::Bytes;
+use ps_common::config::Transport;
 use ps_common::config::{Aggregation, Config};
-use ps_common::optim::{LrSchedule, OptState, Optimizer};
+use ps_common::optim::{LrSchedule, OptState, Optimizer, StepCoeffs};
+use ps_common::shm::{Board, BoardDir, grad_path, params_path, shm_root};
 use ps_common::{PsError, PsResult};
 use std::ops::Range;
+use std::path::Path;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 use tokio::sync::watch;
@@ -93,15 +96,13 @@ pub struct StepFigures {
 struct State {
     /// Steps applied: the next step expected.
     version: u64,
-    /// Parameters of `version`, shared by every pull without a copy (a view of `params`).
-    snapshot: Bytes,
-    /// The parameters of the version before, recycled as the next update's output once no
-    /// pull holds them any more (double buffering: the update reads one, writes the other).
-    spare_params: Option<Arc<Vec<f32>>>,
+    /// Parameters of `version` as bytes shared by every gRPC pull without a copy: always there
+    /// with heap storage (a view of it), made at the first gRPC pull of a version with a board.
+    snapshot: Option<(u64, Bytes)>,
     /// Gradient buffers of earlier steps, recycled by pushes (no allocation per step).
     spare: Vec<Vec<f32>>,
-    /// Parameters of `version`.
-    params: Arc<Vec<f32>>,
+    /// Where the parameters live.
+    store: Store,
     opt: OptState,
     registered: Vec<bool>,
     slots: Vec<Option<Slot>>,
@@ -114,6 +115,28 @@ struct State {
     /// Final test evaluation reported by each rank when it leaves.
     left: Vec<Option<(u64, u64)>>,
     failed: Option<String>,
+}
+
+/// The two versions of the parameters an update reads and writes (double buffering).
+#[derive(Debug)]
+enum Store {
+    /// In this process: the parameters of `version`, and those of the version before,
+    /// recycled as the next update's output once no pull holds them any more.
+    Heap {
+        params: Arc<Vec<f32>>,
+        spare: Option<Arc<Vec<f32>>>,
+    },
+    /// In the shared-memory board that co-located workers read (version `v` in slot `v % 2`).
+    Board(Arc<Board>),
+}
+
+/// The shard's side of the shared-memory data path: its directory and the ranks' gradient
+/// boards, made when a worker registers for them.
+#[derive(Debug)]
+struct ShmHost {
+    dir: BoardDir,
+    params: Arc<Board>,
+    grads: Mutex<Vec<Option<Arc<Board>>>>,
 }
 
 /// One shard of the model: its range of the flat vector, optimizer, schedule and barrier.
@@ -136,6 +159,7 @@ pub struct Shard {
     schedule: LrSchedule,
     state: Mutex<State>,
     version_tx: watch::Sender<u64>,
+    shm: Option<ShmHost>,
 }
 
 impl Shard {
@@ -144,15 +168,39 @@ impl Shard {
         let layout = cfg.layout();
         let range =
             ps_common::layout::shard_ranges(layout.num_params(), cfg.num_shards())[index].clone();
-        let params = Arc::new(layout.init_range(cfg.seed, range.clone()));
+        let init = layout.init_range(cfg.seed, range.clone());
         let w = cfg.workers;
+        let shm = match (cfg.transport, shm_root()) {
+            (Transport::Auto, Some(root)) => match ShmHost::create(root, index, &init, w) {
+                Ok(host) => Some(host),
+                Err(e) => {
+                    tracing::warn!(
+                        "shard {index}: no shared-memory data path ({e}); tensors go through gRPC"
+                    );
+                    None
+                }
+            },
+            _ => None,
+        };
+        let opt = cfg.optimizer.init_state(init.len());
+        let (store, snapshot) = match &shm {
+            Some(host) => (Store::Board(host.params.clone()), None),
+            None => {
+                let params = Arc::new(init);
+                let snapshot = Bytes::from_owner(SharedParams(params.clone()));
+                let store = Store::Heap {
+                    params,
+                    spare: None,
+                };
+                (store, Some((0, snapshot)))
+            }
+        };
         let state = State {
             version: 0,
-            snapshot: Bytes::from_owner(SharedParams(params.clone())),
-            spare_params: None,
+            snapshot,
             spare: Vec::new(),
-            opt: cfg.optimizer.init_state(params.len()),
-            params,
+            opt,
+            store,
             registered: vec![false; w],
             slots: (0..w).map(|_| None).collect(),
             current_fp: vec![None; w],
@@ -174,6 +222,7 @@ impl Shard {
             schedule: cfg.schedule_for(total_steps),
             state: Mutex::new(state),
             version_tx: watch::Sender::new(0),
+            shm,
         })
     }
 
@@ -347,16 +396,17 @@ impl Shard {
     /// Runs the arithmetic without holding the lock; call it from a blocking thread.
     pub fn apply(&self, slots: Vec<Slot>) -> StepFigures {
         let started = Instant::now();
-        let (step, current, spare, mut opt, waiting_since) = {
+        let (step, mut taken, mut opt, waiting_since) = {
             let mut st = self.lock();
             let opt = std::mem::take(&mut st.opt);
-            (
-                st.version,
-                st.params.clone(),
-                st.spare_params.take(),
-                opt,
-                st.waiting_since,
-            )
+            let taken = match &mut st.store {
+                Store::Heap { params, spare } => Store::Heap {
+                    params: params.clone(),
+                    spare: spare.take(),
+                },
+                Store::Board(b) => Store::Board(b.clone()),
+            };
+            (st.version, taken, opt, st.waiting_since)
         };
         let samples: u64 = slots.iter().map(|s| u64::from(s.samples)).sum();
         let coeffs: Vec<f32> = slots
@@ -370,64 +420,31 @@ impl Shard {
             .collect();
         let lr = self.schedule.lr(step);
         let update = self.optimizer.coeffs(opt.steps, lr as f32);
-        // double buffering: the parameters of two versions ago are free unless a slow pull
-        // still holds them
-        let len = current.len();
-        let mut params = match spare.map(Arc::try_unwrap) {
-            Some(Ok(v)) if v.len() == len => v,
-            _ => vec![0f32; len],
-        };
-        let parts = parts_for(len);
-        let chunk = len.div_ceil(parts).max(1);
         let grads: Vec<&[f32]> = slots.iter().map(|s| s.grad.as_slice()).collect();
-        let opt_ref = &self.optimizer;
-        let pieces = params
-            .chunks_mut(chunk)
-            .zip(split_parts(&mut opt.m, chunk, parts))
-            .zip(split_parts(&mut opt.v, chunk, parts))
-            .enumerate();
-        let step_part = |i: usize, p: &mut [f32], m: &mut [f32], v: &mut [f32]| {
-            // cache-sized blocks: aggregate into a block buffer, take its norm, copy the old
-            // parameters in and update them while the block is in L1/L2, so memory sees one
-            // read of every input and one write of the output (gradients are only read)
-            let mut sq = 0.0;
-            let mut g = vec![0f32; BLOCK.min(p.len())];
-            let mut at = 0;
-            while at < p.len() {
-                let end = (at + BLOCK).min(p.len());
-                let lo = i * chunk + at;
-                let gb = &mut g[..end - at];
-                sq += aggregate(gb, &grads, &coeffs, lo);
-                let pb = &mut p[at..end];
-                pb.copy_from_slice(&current[lo..lo + (end - at)]);
-                let (mb, vb) = (block_of(m, at, end), block_of(v, at, end));
-                opt_ref.update_chunk(update, pb, gb, mb, vb);
-                at = end;
+        let (grad_sq_norm, store) = match &mut taken {
+            Store::Heap { params, spare } => {
+                // the parameters of two versions ago are free unless a slow pull still holds them
+                let len = params.len();
+                let mut next = match spare.take().map(Arc::try_unwrap) {
+                    Some(Ok(v)) if v.len() == len => v,
+                    _ => vec![0f32; len],
+                };
+                let sq = self.update(&params[..], &mut next, &grads, &coeffs, update, &mut opt);
+                let next = Arc::new(next);
+                let snapshot = Bytes::from_owner(SharedParams(next.clone()));
+                let old = std::mem::replace(params, next);
+                (sq, Some((old, snapshot)))
             }
-            sq
-        };
-        let grad_sq_norm: f64 = if parts == 1 {
-            pieces.map(|(i, ((p, m), v))| step_part(i, p, m, v)).sum()
-        } else {
-            // the calling thread takes the first part; one spawned thread per other part
-            std::thread::scope(|scope| {
-                let mut pieces = pieces;
-                let (i0, ((p0, m0), v0)) = pieces.next().expect("at least one part");
-                let handles: Vec<_> = pieces
-                    .map(|(i, ((p, m), v))| scope.spawn(move || step_part(i, p, m, v)))
-                    .collect();
-                let first = step_part(i0, p0, m0, v0);
-                first
-                    + handles
-                        .into_iter()
-                        .map(|h| h.join().expect("update thread"))
-                        .sum::<f64>()
-            })
+            Store::Board(b) => {
+                // SAFETY: `applying` makes this the only update in flight, the only writer of
+                // the board in this process; other readers go through `read_version`.
+                let (current, next) = unsafe { b.update_slots(step + 1) };
+                let sq = self.update(current, next, &grads, &coeffs, update, &mut opt);
+                b.end_version(step + 1);
+                (sq, None)
+            }
         };
         opt.steps += 1;
-        drop(current);
-        let params = Arc::new(params);
-        let snapshot = Bytes::from_owner(SharedParams(params.clone()));
 
         let first = slots
             .iter()
@@ -459,9 +476,19 @@ impl Shard {
         };
         {
             let mut st = self.lock();
-            st.spare_params = Some(std::mem::replace(&mut st.params, params));
+            match (&mut st.store, taken, store) {
+                (
+                    Store::Heap { params, spare },
+                    Store::Heap { params: next, .. },
+                    Some((old, snap)),
+                ) => {
+                    *params = next;
+                    *spare = Some(old);
+                    st.snapshot = Some((step + 1, snap));
+                }
+                _ => st.snapshot = None,
+            }
             st.opt = opt;
-            st.snapshot = snapshot;
             st.spare.extend(slots.into_iter().map(|s| s.grad));
             st.version = step + 1;
             st.previous_fp = std::mem::replace(&mut st.current_fp, vec![None; self.world]);
@@ -472,19 +499,158 @@ impl Shard {
         figures
     }
 
-    /// The snapshot of the current parameters and its version.
-    pub fn snapshot(&self) -> PsResult<(u64, Bytes)> {
-        let st = self.lock();
-        if let Some(why) = &st.failed {
-            return Err(PsError::Unavailable(why.clone()));
+    /// `next = optimizer(current, Σ_r coeffs[r] · grads[r])` in one cache-blocked pass, split
+    /// across cores for large shards; returns the squared norm of the aggregated gradient.
+    fn update(
+        &self,
+        current: &[f32],
+        next: &mut [f32],
+        grads: &[&[f32]],
+        coeffs: &[f32],
+        update: StepCoeffs,
+        opt: &mut OptState,
+    ) -> f64 {
+        let len = current.len();
+        let parts = parts_for(len);
+        let chunk = len.div_ceil(parts).max(1);
+        let opt_ref = &self.optimizer;
+        let pieces = next
+            .chunks_mut(chunk)
+            .zip(split_parts(&mut opt.m, chunk, parts))
+            .zip(split_parts(&mut opt.v, chunk, parts))
+            .enumerate();
+        let step_part = |i: usize, p: &mut [f32], m: &mut [f32], v: &mut [f32]| {
+            // cache-sized blocks: aggregate into a block buffer, take its norm, copy the old
+            // parameters in and update them while the block is in L1/L2, so memory sees one
+            // read of every input and one write of the output (gradients are only read)
+            let mut sq = 0.0;
+            let mut g = vec![0f32; BLOCK.min(p.len())];
+            let mut at = 0;
+            while at < p.len() {
+                let end = (at + BLOCK).min(p.len());
+                let lo = i * chunk + at;
+                let gb = &mut g[..end - at];
+                sq += aggregate(gb, grads, coeffs, lo);
+                let pb = &mut p[at..end];
+                pb.copy_from_slice(&current[lo..lo + (end - at)]);
+                let (mb, vb) = (block_of(m, at, end), block_of(v, at, end));
+                opt_ref.update_chunk(update, pb, gb, mb, vb);
+                at = end;
+            }
+            sq
+        };
+        if parts == 1 {
+            return pieces.map(|(i, ((p, m), v))| step_part(i, p, m, v)).sum();
         }
-        Ok((st.version, st.snapshot.clone()))
+        // the calling thread takes the first part; one spawned thread per other part
+        std::thread::scope(|scope| {
+            let mut pieces = pieces;
+            let (i0, ((p0, m0), v0)) = pieces.next().expect("at least one part");
+            let handles: Vec<_> = pieces
+                .map(|(i, ((p, m), v))| scope.spawn(move || step_part(i, p, m, v)))
+                .collect();
+            let first = step_part(i0, p0, m0, v0);
+            first
+                + handles
+                    .into_iter()
+                    .map(|h| h.join().expect("update thread"))
+                    .sum::<f64>()
+        })
     }
 
-    /// A copy of the current parameters (for the final weights file).
-    pub fn params(&self) -> (u64, Vec<f32>) {
-        let st = self.lock();
-        (st.version, st.params.to_vec())
+    /// The current parameters as bytes for gRPC pulls, and their version: shared by every
+    /// pull of the version (with a board, copied out of it at the version's first gRPC pull).
+    pub fn snapshot(&self) -> PsResult<(u64, Bytes)> {
+        {
+            let st = self.lock();
+            if let Some(why) = &st.failed {
+                return Err(PsError::Unavailable(why.clone()));
+            }
+            match &st.snapshot {
+                Some((v, snap)) if *v == st.version => return Ok((*v, snap.clone())),
+                _ => {}
+            }
+        }
+        let (version, values) = self.params()?;
+        let snap = Bytes::from_owner(SharedParams(Arc::new(values)));
+        let mut st = self.lock();
+        if st.version == version {
+            st.snapshot = Some((version, snap.clone()));
+        }
+        Ok((version, snap))
+    }
+
+    /// A copy of the current parameters and their version (final weights, gRPC pulls).
+    pub fn params(&self) -> PsResult<(u64, Vec<f32>)> {
+        for _ in 0..100 {
+            let (version, board) = {
+                let st = self.lock();
+                match &st.store {
+                    Store::Heap { params, .. } => return Ok((st.version, params.to_vec())),
+                    Store::Board(b) => (st.version, b.clone()),
+                }
+            };
+            let mut values = vec![0f32; board.len()];
+            // fails only if two updates completed during the copy: then copy the newer one
+            if board.read_version(version, &mut values) {
+                return Ok((version, values));
+            }
+        }
+        Err(PsError::Unavailable(
+            "the parameters kept changing while being copied".into(),
+        ))
+    }
+
+    /// The shared-memory directory and token to offer `rank` on registration (creating its
+    /// gradient board on first use), or None when this shard serves through gRPC only.
+    pub fn offer_shm(&self, rank: u32) -> PsResult<Option<(String, u64)>> {
+        let r = self.check_rank(rank)?;
+        let Some(host) = &self.shm else {
+            return Ok(None);
+        };
+        let mut grads = host.grads.lock().unwrap_or_else(|p| p.into_inner());
+        if grads[r].is_none() {
+            let path = grad_path(host.dir.path(), rank);
+            match Board::create(&path, host.dir.token(), self.len(), 1) {
+                Ok(b) => grads[r] = Some(Arc::new(b)),
+                Err(e) => {
+                    tracing::warn!(
+                        "shard {}: cannot create {} ({e}); rank {rank} uses gRPC",
+                        self.index,
+                        path.display()
+                    );
+                    return Ok(None);
+                }
+            }
+        }
+        Ok(Some((
+            host.dir.path().display().to_string(),
+            host.dir.token(),
+        )))
+    }
+
+    /// True when pulls can be answered through the shared-memory board.
+    pub fn has_board(&self) -> bool {
+        self.shm.is_some()
+    }
+
+    /// Copies `rank`'s gradient out of its shared-memory board into `dst` (resized to the
+    /// shard's length); the copy is then validated like any received gradient.
+    pub fn read_shm_grad(&self, rank: u32, dst: &mut Vec<f32>) -> PsResult<()> {
+        let r = self.check_rank(rank)?;
+        let board = self
+            .shm
+            .as_ref()
+            .and_then(|h| h.grads.lock().unwrap_or_else(|p| p.into_inner())[r].clone());
+        let board = board.ok_or_else(|| {
+            PsError::BadChunk(format!(
+                "rank {rank} pushed through shared memory but has no board on shard {}: expected a registration with shared_memory = true first",
+                self.index
+            ))
+        })?;
+        dst.resize(board.len(), 0.0);
+        board.read(0, dst);
+        Ok(())
     }
 
     /// Records that `rank` left with its final evaluation; returns true when every rank has.
@@ -528,6 +694,24 @@ impl Shard {
             .map(|(r, _)| r)
             .collect();
         Some((st.version, missing, st.waiting_since.elapsed()))
+    }
+}
+
+impl ShmHost {
+    /// A fresh board directory with the parameters board holding version 0.
+    fn create(root: &Path, index: usize, init: &[f32], world: usize) -> std::io::Result<Self> {
+        let dir = BoardDir::create(root, index)?;
+        let mut params = Board::create(&params_path(dir.path()), dir.token(), init.len(), 2)?;
+        params.publish(0, init);
+        tracing::info!(
+            "shard {index}: shared-memory data path for workers on this host in {}",
+            dir.path().display()
+        );
+        Ok(Self {
+            dir,
+            params: Arc::new(params),
+            grads: Mutex::new(vec![None; world]),
+        })
     }
 }
 

@@ -8,15 +8,18 @@ use anyhow::{Context, bail};
 use bytes::Bytes;
 use ps_common::PROTOCOL_VERSION;
 use ps_common::config::Config;
+use ps_common::config::Transport;
 use ps_common::idx::Dataset;
 use ps_common::layout::{shard_ranges, split_even};
 use ps_common::order::BatchPlanner;
 use ps_common::pb::parameter_server_client::ParameterServerClient;
-use ps_common::pb::{LeaveRequest, PullRequest, PushChunk, PushHeader, RegisterRequest};
-use ps_common::wire::{
-    MAX_MESSAGE_BYTES, chunks, decode_chunk_into, f32_to_bytes, f32_to_bytes_reusing,
+use ps_common::pb::{
+    LeaveRequest, PullRequest, PushChunk, PushHeader, RegisterReply, RegisterRequest,
 };
+use ps_common::shm::{Board, grad_path, params_path};
+use ps_common::wire::{MAX_MESSAGE_BYTES, chunks, decode_chunk_into, f32_to_bytes_reusing};
 use std::ops::Range;
+use std::path::Path;
 use std::time::{Duration, Instant};
 use tonic::transport::{Channel, Endpoint};
 use tonic::{Code, Status};
@@ -108,6 +111,7 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
 
     // connect and register with every shard
     let mut clients = Vec::with_capacity(servers.len());
+    let mut links = Vec::with_capacity(servers.len());
     let mut start_step = u64::MAX;
     for (s, addr) in servers.iter().enumerate() {
         let mut c = connect(addr, connect_timeout).await?;
@@ -118,6 +122,7 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
             num_params: layout.num_params() as u64,
             shard: s as u32,
             num_shards: servers.len() as u32,
+            shared_memory: cfg.transport == Transport::Auto,
         };
         let begun = Instant::now();
         let reply = loop {
@@ -143,9 +148,14 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
         }
         start_step = start_step.min(reply.version);
         clients.push(c);
+        links.push(ShmLink::open(&reply, rank, s));
     }
+    let via: Vec<&str> = links
+        .iter()
+        .map(|l| if l.is_some() { "shared memory" } else { "gRPC" })
+        .collect();
     tracing::info!(
-        "worker {rank}/{world}: registered with {} shards, starting at step {start_step} of {total}, device {}",
+        "worker {rank}/{world}: registered with {} shards (tensors via {via:?}), starting at step {start_step} of {total}, device {}",
         servers.len(),
         backend.name()
     );
@@ -164,9 +174,9 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
     for t in start_step..total {
         let t0 = Instant::now();
         if let Some(w) = backend.host_weights() {
-            pull_all(&mut clients, &ranges, t, w).await?;
+            pull_all(&mut clients, &links, &ranges, t, w).await?;
         } else {
-            pull_all(&mut clients, &ranges, t, &mut weights).await?;
+            pull_all(&mut clients, &links, &ranges, t, &mut weights).await?;
             backend.set_weights(&weights)?;
         }
         let t1 = Instant::now();
@@ -185,6 +195,7 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
             len: 0,
             eval_correct: eval.0,
             eval_count: eval.1,
+            shm: false,
         };
         // backward hands over the gradient last layer first: push each shard's range as soon as
         // it is final, while the earlier layers are still being computed
@@ -201,12 +212,21 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
                     while unsent > 0 && ranges[unsent - 1].start >= start {
                         unsent -= 1;
                         let r = &ranges[unsent];
-                        let bytes = f32_to_bytes_reusing(
-                            &tail[r.start - start..r.end - start],
-                            push_bufs[unsent].take(),
-                        );
+                        let values = &tail[r.start - start..r.end - start];
+                        let (bytes, shm) = match &links[unsent] {
+                            // the board is free: the previous push's reply came back
+                            Some(link) => {
+                                link.grad.write(0, 0, values);
+                                (Bytes::new(), true)
+                            }
+                            None => (
+                                f32_to_bytes_reusing(values, push_bufs[unsent].take()),
+                                false,
+                            ),
+                        };
                         let h = PushHeader {
                             len: r.len() as u64,
+                            shm,
                             ..header(stats)
                         };
                         pushes.push(runtime.spawn(push_one(
@@ -233,7 +253,7 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
     }
 
     // final weights: evaluate this rank's slice of the test set and leave
-    pull_all(&mut clients, &ranges, total, &mut weights).await?;
+    pull_all(&mut clients, &links, &ranges, total, &mut weights).await?;
     backend.set_weights(&weights)?;
     let (correct, count) = evaluate(backend.as_mut(), &test, &test_idx, &mut x, &mut y)?;
     for (s, c) in clients.iter_mut().enumerate() {
@@ -268,10 +288,44 @@ fn evaluate(
     Ok((backend.evaluate(x, y)?, idx.len() as u64))
 }
 
-/// Pulls version `version` from every shard in parallel, decoding each chunk straight into
-/// its place in `weights`.
+/// A worker's shared-memory link to a shard on its host: the shard's parameters board and
+/// this rank's gradient board.
+pub struct ShmLink {
+    params: Board,
+    grad: Board,
+}
+
+impl ShmLink {
+    /// Opens the boards a registration reply offers; None (gRPC) when none is offered or they
+    /// cannot be opened with the reply's token (the shard is on another host), saying why.
+    pub fn open(reply: &RegisterReply, rank: usize, shard: usize) -> Option<Self> {
+        if reply.shm_dir.is_empty() {
+            return None;
+        }
+        let dir = Path::new(&reply.shm_dir);
+        let (token, len) = (reply.shm_token, reply.len as usize);
+        let opened = Board::open(&params_path(dir), token, len, 2).and_then(|params| {
+            let grad = Board::open(&grad_path(dir, rank as u32), token, len, 1)?;
+            Ok(Self { params, grad })
+        });
+        match opened {
+            Ok(link) => Some(link),
+            Err(why) => {
+                tracing::info!(
+                    "shard {shard}: shared memory not usable from here ({why}); using gRPC"
+                );
+                None
+            }
+        }
+    }
+}
+
+/// Pulls version `version` from every shard in parallel, each straight into its place in
+/// `weights`: copied out of the shard's board where there is a link, decoded from the gRPC
+/// chunks otherwise.
 pub async fn pull_all(
     clients: &mut [Client],
+    links: &[Option<ShmLink>],
     ranges: &[Range<usize>],
     version: u64,
     weights: &mut [f32],
@@ -287,53 +341,9 @@ pub async fn pull_all(
         .iter_mut()
         .zip(parts)
         .enumerate()
-        .map(|(s, (c, dst))| async move {
-            let failed = |st: Status| {
-                anyhow::anyhow!(
-                    "pull of version {version} from shard {s} failed: {}",
-                    st.message()
-                )
-            };
-            let mut stream = c
-                .pull(PullRequest {
-                    min_version: version,
-                    rank: 0,
-                })
-                .await
-                .map_err(failed)?
-                .into_inner();
-            let first = stream
-                .message()
-                .await
-                .map_err(failed)?
-                .context("empty pull reply")?;
-            let h = first
-                .header
-                .as_ref()
-                .context("pull reply without a header")?;
-            if h.version != version {
-                bail!(
-                    "shard {s} is at version {} but this worker needs version {version}",
-                    h.version
-                );
-            }
-            if h.len != dst.len() as u64 {
-                bail!("shard {s} holds {} values: expected {}", h.len, dst.len());
-            }
-            let mut filled = 0u64;
-            let mut chunk = Some(first);
-            while let Some(c) = chunk {
-                if c.offset != filled {
-                    bail!("shard {s}: chunk at offset {}, expected {filled}", c.offset);
-                }
-                decode_chunk_into(dst, c.offset, &c.data)?;
-                filled += (c.data.len() / 4) as u64;
-                chunk = stream.message().await.map_err(failed)?;
-            }
-            if filled != dst.len() as u64 {
-                bail!("shard {s} sent {filled} values: expected {}", dst.len());
-            }
-            Ok::<_, anyhow::Error>(())
+        .map(|(s, (c, dst))| {
+            let board = links.get(s).and_then(|l| l.as_ref()).map(|l| &l.params);
+            pull_one(c, s, version, dst, board)
         });
     for r in futures::future::join_all(futs).await {
         r?;
@@ -341,25 +351,78 @@ pub async fn pull_all(
     Ok(())
 }
 
-/// Pushes each shard its slice of `grad` in parallel (see [`push_one`]).
-pub async fn push_all(
-    clients: &mut [Client],
-    ranges: &[Range<usize>],
-    header: PushHeader,
-    grad: &[f32],
-    chunk_bytes: usize,
+/// Pulls version `version` of shard `s` into `dst`, through `board` when given (falling back
+/// to gRPC if the version changed during the copy).
+async fn pull_one(
+    c: &mut Client,
+    s: usize,
+    version: u64,
+    dst: &mut [f32],
+    board: Option<&Board>,
 ) -> anyhow::Result<()> {
-    let futs = clients.iter().zip(ranges).enumerate().map(|(s, (c, r))| {
-        let h = PushHeader {
-            len: r.len() as u64,
-            ..header
-        };
-        push_one(c.clone(), s, h, f32_to_bytes(&grad[r.clone()]), chunk_bytes)
-    });
-    for r in futures::future::join_all(futs).await {
-        r?;
+    let failed = |st: Status| {
+        anyhow::anyhow!(
+            "pull of version {version} from shard {s} failed: {}",
+            st.message()
+        )
+    };
+    let mut via_board = board.is_some();
+    loop {
+        let mut stream = c
+            .pull(PullRequest {
+                min_version: version,
+                rank: 0,
+                shm: via_board,
+            })
+            .await
+            .map_err(failed)?
+            .into_inner();
+        let first = stream
+            .message()
+            .await
+            .map_err(failed)?
+            .context("empty pull reply")?;
+        let h = first
+            .header
+            .as_ref()
+            .context("pull reply without a header")?;
+        if h.version != version {
+            bail!(
+                "shard {s} is at version {} but this worker needs version {version}",
+                h.version
+            );
+        }
+        if h.len != dst.len() as u64 {
+            bail!("shard {s} holds {} values: expected {}", h.len, dst.len());
+        }
+        if h.shm {
+            let board = board.filter(|_| via_board).with_context(|| {
+                format!("shard {s} answered through shared memory, which this pull did not ask for")
+            })?;
+            if board.read_version(version, dst) {
+                return Ok(());
+            }
+            tracing::warn!(
+                "shard {s}: version {version} left the shared-memory board during the copy; pulling it through gRPC"
+            );
+            via_board = false;
+            continue;
+        }
+        let mut filled = 0u64;
+        let mut chunk = Some(first);
+        while let Some(c) = chunk {
+            if c.offset != filled {
+                bail!("shard {s}: chunk at offset {}, expected {filled}", c.offset);
+            }
+            decode_chunk_into(dst, c.offset, &c.data)?;
+            filled += (c.data.len() / 4) as u64;
+            chunk = stream.message().await.map_err(failed)?;
+        }
+        if filled != dst.len() as u64 {
+            bail!("shard {s} sent {filled} values: expected {}", dst.len());
+        }
+        return Ok(());
     }
-    Ok(())
 }
 
 /// Pushes one shard its gradient slice (`bytes`, little-endian f32) in chunks, retrying

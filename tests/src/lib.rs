@@ -46,6 +46,8 @@ pub struct Spec {
     pub train_extra: String,
     /// Extra `[server]` lines.
     pub server_extra: String,
+    /// `[cluster] transport`: "auto" or "grpc".
+    pub transport: &'static str,
 }
 
 impl Default for Spec {
@@ -61,6 +63,7 @@ impl Default for Spec {
             optimizer: "kind = \"sgd\"\nlr = 0.1\nmomentum = 0.9".into(),
             train_extra: String::new(),
             server_extra: "barrier_timeout_secs = 120".into(),
+            transport: "auto",
         }
     }
 }
@@ -72,9 +75,10 @@ impl Spec {
             .map(|i| format!("\"127.0.0.1:{}\"", 1 + i))
             .collect();
         format!(
-            "[cluster]\nservers = [{}]\nworkers = {}\n\n[model]\nhidden = {:?}\n\n[data]\ndir = {:?}\n\n[train]\nseed = 7\nglobal_batch = {}\nsteps = {}\nloss_reduction = \"{}\"\naggregation = \"{}\"\nlog_every = 5\n{}\n\n[optimizer]\n{}\n\n[server]\nout_dir = {:?}\n{}\n",
+            "[cluster]\nservers = [{}]\nworkers = {}\ntransport = \"{}\"\n\n[model]\nhidden = {:?}\n\n[data]\ndir = {:?}\n\n[train]\nseed = 7\nglobal_batch = {}\nsteps = {}\nloss_reduction = \"{}\"\naggregation = \"{}\"\nlog_every = 5\n{}\n\n[optimizer]\n{}\n\n[server]\nout_dir = {:?}\n{}\n",
             servers.join(", "),
             self.workers,
+            self.transport,
             self.hidden,
             mnist_dir().display().to_string(),
             self.global_batch,

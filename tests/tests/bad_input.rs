@@ -23,6 +23,7 @@ fn header(rank: u32, step: u64, len: usize) -> PushHeader {
         len: len as u64,
         eval_correct: 0,
         eval_count: 0,
+        shm: false,
     }
 }
 
@@ -46,6 +47,7 @@ async fn pull(c: &mut Client, version: u64) -> Result<Vec<f32>, tonic::Status> {
         .pull(PullRequest {
             min_version: version,
             rank: 0,
+            shm: false,
         })
         .await?
         .into_inner();
@@ -98,6 +100,7 @@ async fn live_server_refuses_bad_pushes_and_still_steps() {
         num_params: n as u64,
         shard: 0,
         num_shards: 1,
+        shared_memory: false,
     };
     expect_err(
         c.register(RegisterRequest {
@@ -237,5 +240,129 @@ async fn live_server_refuses_bad_pushes_and_still_steps() {
         pull(&mut c, 1).await.unwrap(),
         after,
         "refusals and retries left the weights alone"
+    );
+}
+
+/// The shared-memory path against a live `ps-server`: a worker registered for it writes its
+/// gradient into its board and pushes the header alone; the shard validates its own copy
+/// exactly as a gRPC push (NaN, stray data chunks and boards never offered are refused), and
+/// a pull answered through the board gives the same numbers as one through gRPC.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shared_memory_pushes_are_validated_like_grpc_ones() {
+    use ps_common::shm::{Board, grad_path, params_path};
+    use std::path::Path;
+    let spec = Spec {
+        shards: 1,
+        workers: 2,
+        hidden: vec![4],
+        steps: 2,
+        optimizer: "kind = \"sgd\"\nlr = 0.5".into(),
+        ..Spec::default()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let (path, cfg) = spec.write(dir.path());
+    let n = cfg.layout().num_params();
+    let mut cluster = LocalCluster::new(bin_dir(), path, Some(dir.path().join("logs")));
+    cluster
+        .start_servers(1, &[], Duration::from_secs(60))
+        .unwrap();
+    let mut c = Client::connect(format!("http://{}", cluster.addrs[0]))
+        .await
+        .unwrap();
+    let reg = |rank: u32, shared_memory: bool| RegisterRequest {
+        protocol_version: PROTOCOL_VERSION,
+        rank,
+        world_size: 2,
+        num_params: n as u64,
+        shard: 0,
+        num_shards: 1,
+        shared_memory,
+    };
+    let r0 = c.register(reg(0, true)).await.unwrap().into_inner();
+    assert!(
+        !r0.shm_dir.is_empty(),
+        "a shard on this host offers shared memory"
+    );
+    let r1 = c.register(reg(1, false)).await.unwrap().into_inner();
+    assert!(r1.shm_dir.is_empty(), "not offered when not asked for");
+    let shm_dir = Path::new(&r0.shm_dir);
+    let grad = Board::open(&grad_path(shm_dir, 0), r0.shm_token, n, 1).unwrap();
+    let params = Board::open(&params_path(shm_dir), r0.shm_token, n, 2).unwrap();
+    assert!(
+        Board::open(&grad_path(shm_dir, 0), r0.shm_token ^ 1, n, 1).is_err(),
+        "a wrong token is refused"
+    );
+    let shm_header = |rank: u32| PushHeader {
+        shm: true,
+        ..header(rank, 0, n)
+    };
+    let before = pull(&mut c, 0).await.unwrap();
+    let mut board_copy = vec![0f32; n];
+    assert!(params.read_version(0, &mut board_copy));
+    assert_eq!(
+        board_copy, before,
+        "version 0 in the board and through gRPC"
+    );
+
+    let g0: Vec<f32> = (0..n).map(|i| ((i % 13) as f32 - 6.0) * 0.01).collect();
+    let g1: Vec<f32> = (0..n).map(|i| ((i % 7) as f32 - 3.0) * 0.02).collect();
+    let mut nan = g0.clone();
+    nan[5] = f32::NAN;
+    grad.write(0, 0, &nan);
+    expect_err(
+        push(&mut c, shm_header(0), &[]).await,
+        Code::InvalidArgument,
+        "non-finite value NaN at index 5",
+    );
+    grad.write(0, 0, &g0);
+    expect_err(
+        push(&mut c, shm_header(0), &g0).await,
+        Code::InvalidArgument,
+        "expected the header alone",
+    );
+    expect_err(
+        push(&mut c, shm_header(1), &[]).await,
+        Code::InvalidArgument,
+        "rank 1 pushed through shared memory but has no board",
+    );
+    let r = push(&mut c, shm_header(0), &[]).await.unwrap();
+    assert_eq!((r.counted, r.ranks_in), (true, 1));
+    // the shard copied the gradient at the push: later writes to the board change nothing
+    grad.write(0, 0, &g1);
+    let r = push(&mut c, header(1, 0, n), &g1).await.unwrap();
+    assert_eq!((r.counted, r.ranks_in), (true, 2));
+
+    let mut s = c
+        .pull(PullRequest {
+            min_version: 1,
+            rank: 0,
+            shm: true,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let h = s.message().await.unwrap().unwrap().header.unwrap();
+    assert!(h.shm && h.version == 1 && h.len == n as u64, "{h:?}");
+    assert!(
+        s.message().await.unwrap().is_none(),
+        "no data chunks follow"
+    );
+    assert!(params.read_version(1, &mut board_copy));
+    let after = pull(&mut c, 1).await.unwrap();
+    assert_eq!(
+        board_copy, after,
+        "the board and gRPC serve the same version 1"
+    );
+    for i in 0..n {
+        let want = before[i] - 0.5 * (0.5 * g0[i] + 0.5 * g1[i]);
+        assert!(
+            (after[i] - want).abs() <= 1e-6 * want.abs().max(1.0),
+            "param {i}: {} vs {want}",
+            after[i]
+        );
+    }
+    assert!(
+        !params.read_version(0, &mut board_copy) || board_copy == before,
+        "slot 0 still holds version 0 until version 2 is written"
     );
 }

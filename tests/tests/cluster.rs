@@ -128,6 +128,37 @@ fn reruns_are_bit_identical_whatever_the_start_order() {
     assert!(same, "weights differ between two runs of the same config");
 }
 
+/// The shared-memory data path and gRPC carry the same numbers: bit-identical weights. The
+/// worker logs say which path each shard used.
+#[test]
+fn shared_memory_and_grpc_transports_give_bit_identical_weights() {
+    let mut results = Vec::new();
+    for (transport, via) in [("auto", "shared memory"), ("grpc", "gRPC")] {
+        let spec = Spec {
+            workers: 2,
+            global_batch: 32,
+            steps: 15,
+            optimizer: "kind = \"adamw\"\nlr = 0.01\nweight_decay = 0.01".into(),
+            transport,
+            ..Spec::default()
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let (path, cfg) = spec.write(dir.path());
+        run_cluster(&path, &cfg, &Start::default());
+        results.push(cluster_weights(&cfg));
+        let log = std::fs::read_to_string(dir.path().join("logs/worker-1.log")).unwrap();
+        assert!(
+            log.contains(&format!("tensors via [\"{via}\", \"{via}\"]")),
+            "{transport}: worker log does not say {via}:\n{log}"
+        );
+    }
+    let same = results[0]
+        .iter()
+        .zip(&results[1])
+        .all(|(a, b)| a.to_bits() == b.to_bits());
+    assert!(same, "shared memory and gRPC runs differ");
+}
+
 #[test]
 fn one_and_three_shards_give_the_same_weights() {
     let mut results = Vec::new();

@@ -544,6 +544,7 @@ async fn register(c: &mut Client, cfg: &Config, rank: usize) -> anyhow::Result<u
             num_params: cfg.layout().num_params() as u64,
             shard: 0,
             num_shards: 1,
+            shared_memory: false,
         })
         .await
         .map_err(|s| anyhow::anyhow!("register refused: {}", s.message()))?;
@@ -569,6 +570,7 @@ async fn pull(c: &mut Client, version: u64) -> anyhow::Result<Vec<f32>> {
         .pull(PullRequest {
             min_version: version,
             rank: 0,
+            shm: false,
         })
         .await
         .map_err(|s| anyhow::anyhow!("pull of version {version} refused: {}", s.message()))?
@@ -598,6 +600,7 @@ async fn push(c: &mut Client, rank: usize, step: u64, bytes: &Bytes) -> anyhow::
         len: (bytes.len() / 4) as u64,
         eval_correct: 0,
         eval_count: 0,
+        shm: false,
     };
     ps_worker::worker::push_one(c.clone(), 0, header, bytes.clone(), CHUNK_BYTES).await?;
     Ok(())

@@ -1,0 +1,418 @@
+//! The shared-memory data path between a shard and the workers on its host (`[cluster]
+//! transport = "auto"`): gRPC still carries every request, its validation and its reply, but
+//! the tensors themselves are copied through files in `/dev/shm` instead of being serialised,
+//! sent through loopback TCP and parsed. Each shard owns a directory with
+//!
+//! - `params`: two slots of the shard's parameters. Version `v` is published in slot `v % 2`
+//!   under a sequence number (a seqlock): a reader copies the slot and then checks that the
+//!   sequence still says "version `v`, complete"; otherwise it pulls through gRPC instead.
+//! - `grad-<rank>`: one slot per rank. The worker writes its gradient there, then pushes a
+//!   header that says so; the shard copies it out into its own buffer and validates the copy
+//!   exactly as a gRPC push (a worker cannot change what was validated). The worker writes
+//!   again only after the push's reply, so the copy never races the next gradient.
+//!
+//! Every file starts with a header (magic, a random token sent on registration, the slot length)
+//! so that a worker on another host, or one that found a stale file, falls back to gRPC instead
+//! of reading the wrong memory.
+
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU64, Ordering, fence};
+
+/// "PSSHM" + format version.
+const MAGIC: u64 = u64::from_le_bytes(*b"PSSHM\0v1");
+/// Bytes before the first slot (one page: magic, token, length, slot count, sequences).
+const HEADER: usize = 4096;
+/// Byte offset of slot `k`'s sequence number in the header.
+const fn seq_offset(k: usize) -> usize {
+    64 + 64 * k
+}
+/// Most slots a board has (so that the sequences fit the header page).
+const MAX_SLOTS: usize = 8;
+
+/// A file in shared memory mapped into this process.
+#[derive(Debug)]
+struct Mapping {
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: the mapping is plain shared memory; access to the header goes through atomics and
+// access to the slots is coordinated by the protocol described in the module docs.
+unsafe impl Send for Mapping {}
+// SAFETY: as above.
+unsafe impl Sync for Mapping {}
+
+impl Mapping {
+    fn new(file: &File, len: usize) -> io::Result<Self> {
+        // SAFETY: a fresh shared mapping of `len` bytes of `file`, checked for failure.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                std::os::fd::AsRawFd::as_raw_fd(file),
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(Self {
+            ptr: NonNull::new(p.cast()).expect("mmap returned a null mapping"),
+            len,
+        })
+    }
+
+    fn atomic(&self, offset: usize) -> &AtomicU64 {
+        assert!(offset.is_multiple_of(8) && offset + 8 <= HEADER.min(self.len));
+        // SAFETY: in bounds and 8-byte aligned (mappings are page-aligned); AtomicU64 has the
+        // layout of u64 and the memory lives as long as `self`.
+        unsafe { &*self.ptr.as_ptr().add(offset).cast::<AtomicU64>() }
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: unmaps exactly what `new` mapped; no reference into it outlives `self`.
+        unsafe {
+            libc::munmap(self.ptr.as_ptr().cast(), self.len);
+        }
+    }
+}
+
+/// A shared-memory file of `slots` slots of `len` f32 values each, behind a checked header.
+#[derive(Debug)]
+pub struct Board {
+    map: Mapping,
+    len: usize,
+    slots: usize,
+    path: PathBuf,
+}
+
+fn slot_bytes(len: usize) -> usize {
+    (len * 4).div_ceil(4096) * 4096
+}
+
+impl Board {
+    /// Creates the file at `path` (it must not exist; mode 0600) and maps it.
+    pub fn create(path: &Path, token: u64, len: usize, slots: usize) -> io::Result<Self> {
+        assert!((1..=MAX_SLOTS).contains(&slots));
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(path)?;
+        let total = HEADER + slots * slot_bytes(len);
+        file.set_len(total as u64)?;
+        let map = Mapping::new(&file, total)?;
+        map.atomic(8).store(token, Ordering::Relaxed);
+        map.atomic(16).store(len as u64, Ordering::Relaxed);
+        map.atomic(24).store(slots as u64, Ordering::Relaxed);
+        // the magic last: a reader that sees it sees the rest of the header
+        map.atomic(0).store(MAGIC, Ordering::Release);
+        Ok(Self {
+            map,
+            len,
+            slots,
+            path: path.to_path_buf(),
+        })
+    }
+
+    /// Opens and maps the file at `path`, checking that it is a board of `slots` slots of `len`
+    /// values created with `token`; the error says what did not match.
+    pub fn open(path: &Path, token: u64, len: usize, slots: usize) -> Result<Self, String> {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)
+            .map_err(|e| format!("cannot open {}: {e}", path.display()))?;
+        let size = file
+            .metadata()
+            .map_err(|e| format!("cannot stat {}: {e}", path.display()))?
+            .len() as usize;
+        let total = HEADER + slots * slot_bytes(len);
+        if size != total {
+            return Err(format!(
+                "{} has {size} bytes: expected {total} ({slots} slots of {len} values)",
+                path.display()
+            ));
+        }
+        let map = Mapping::new(&file, total)
+            .map_err(|e| format!("cannot map {}: {e}", path.display()))?;
+        let got = [0, 8, 16, 24].map(|o| map.atomic(o).load(Ordering::Acquire));
+        if got != [MAGIC, token, len as u64, slots as u64] {
+            return Err(format!(
+                "{} is not this shard's board: header (magic, token, length, slots) = {got:x?}, expected {:x?} (another host's or a stale file?)",
+                path.display(),
+                [MAGIC, token, len as u64, slots as u64]
+            ));
+        }
+        Ok(Self {
+            map,
+            len,
+            slots,
+            path: path.to_path_buf(),
+        })
+    }
+
+    /// Values per slot.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True when the slots hold no values.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    fn slot_ptr(&self, k: usize) -> *mut f32 {
+        assert!(k < self.slots);
+        // SAFETY: slot k lies within the mapping (HEADER + slots * slot_bytes), page-aligned.
+        unsafe {
+            self.map
+                .ptr
+                .as_ptr()
+                .add(HEADER + k * slot_bytes(self.len))
+                .cast()
+        }
+    }
+
+    /// Copies slot `k` into `dst` (`dst.len()` must be the slot length). Another process may
+    /// write the slot meanwhile: callers either know it does not (gradients, ordered by the
+    /// push's reply) or check a sequence number afterwards (parameters, [`Board::read_version`]).
+    pub fn read(&self, k: usize, dst: &mut [f32]) {
+        assert_eq!(dst.len(), self.len, "board read: length mismatch");
+        // SAFETY: the slot holds `len` f32 values; `dst` is ours and does not overlap it.
+        unsafe { std::ptr::copy_nonoverlapping(self.slot_ptr(k), dst.as_mut_ptr(), self.len) }
+    }
+
+    /// Copies `src` into slot `k` at value `offset`.
+    pub fn write(&self, k: usize, offset: usize, src: &[f32]) {
+        assert!(offset + src.len() <= self.len, "board write out of range");
+        // SAFETY: in bounds of slot k; `src` is ours and does not overlap the mapping.
+        unsafe {
+            std::ptr::copy_nonoverlapping(src.as_ptr(), self.slot_ptr(k).add(offset), src.len())
+        }
+    }
+
+    /// Starts publishing `version` in slot `version % 2` and gives the slot to write into;
+    /// readers that look now see "being written" and go to gRPC. Needs `&mut self`, so this
+    /// process holds no other view of the board while the slice lives.
+    pub fn begin_version(&mut self, version: u64) -> &mut [f32] {
+        let k = (version % 2) as usize;
+        self.map
+            .atomic(seq_offset(k))
+            .store(2 * version + 1, Ordering::Relaxed);
+        fence(Ordering::Release);
+        // SAFETY: the slot's `len` values, borrowed mutably through `&mut self`.
+        unsafe { std::slice::from_raw_parts_mut(self.slot_ptr(k), self.len) }
+    }
+
+    /// Starts publishing `version` (as [`Board::begin_version`]) and returns the slot of
+    /// `version - 1` to read the current values from, and the slot of `version` to write: a
+    /// double-buffered update in place in shared memory.
+    ///
+    /// # Safety
+    /// The caller is this process's only writer of the board, and holds neither slice past
+    /// [`Board::end_version`]; other readers in this process use [`Board::read_version`] only
+    /// (which detects a concurrent write instead of returning torn values).
+    #[allow(clippy::mut_from_ref)] // exclusivity is the caller's contract, as documented
+    pub unsafe fn update_slots(&self, version: u64) -> (&[f32], &mut [f32]) {
+        assert!(version >= 1 && self.slots >= 2);
+        let (src, dst) = (((version - 1) % 2) as usize, (version % 2) as usize);
+        self.map
+            .atomic(seq_offset(dst))
+            .store(2 * version + 1, Ordering::Relaxed);
+        fence(Ordering::Release);
+        // SAFETY: two distinct slots of `len` values each; exclusivity per the contract above.
+        unsafe {
+            (
+                std::slice::from_raw_parts(self.slot_ptr(src), self.len),
+                std::slice::from_raw_parts_mut(self.slot_ptr(dst), self.len),
+            )
+        }
+    }
+
+    /// Marks `version` complete in its slot (after [`Board::begin_version`] and the writes).
+    pub fn end_version(&self, version: u64) {
+        let k = (version % 2) as usize;
+        self.map
+            .atomic(seq_offset(k))
+            .store(2 * version + 2, Ordering::Release);
+    }
+
+    /// Publishes `values` as `version` in one go.
+    pub fn publish(&mut self, version: u64, values: &[f32]) {
+        self.begin_version(version).copy_from_slice(values);
+        self.end_version(version);
+    }
+
+    /// Copies version `version` into `dst` if its slot holds that version, complete, before
+    /// and after the copy; false otherwise (the caller pulls through gRPC instead).
+    pub fn read_version(&self, version: u64, dst: &mut [f32]) -> bool {
+        let k = (version % 2) as usize;
+        let seq = self.map.atomic(seq_offset(k));
+        if seq.load(Ordering::Acquire) != 2 * version + 2 {
+            return false;
+        }
+        self.read(k, dst);
+        fence(Ordering::Acquire);
+        seq.load(Ordering::Relaxed) == 2 * version + 2
+    }
+}
+
+/// A directory of boards in `/dev/shm`, removed when dropped.
+#[derive(Debug)]
+pub struct BoardDir {
+    path: PathBuf,
+    token: u64,
+}
+
+/// The tmpfs where boards live; None where there is none (then only gRPC is offered).
+pub fn shm_root() -> Option<&'static Path> {
+    let p = Path::new("/dev/shm");
+    p.is_dir().then_some(p)
+}
+
+impl BoardDir {
+    /// Creates `<root>/ps-shard<index>-pid<pid>-<token>` with a fresh random token, after
+    /// removing the directories of shard processes that no longer exist (killed ones).
+    pub fn create(root: &Path, index: usize) -> io::Result<Self> {
+        remove_stale(root);
+        let token = random_token();
+        let path = root.join(format!(
+            "ps-shard{index}-pid{}-{token:016x}",
+            std::process::id()
+        ));
+        std::fs::DirBuilder::new()
+            .mode(0o700)
+            .create(&path)
+            .map_err(|e| io::Error::new(e.kind(), format!("{}: {e}", path.display())))?;
+        Ok(Self { path, token })
+    }
+
+    /// The directory.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The token every board in it carries.
+    pub fn token(&self) -> u64 {
+        self.token
+    }
+}
+
+impl Drop for BoardDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.path);
+    }
+}
+
+/// The parameters board of a shard in `dir`.
+pub fn params_path(dir: &Path) -> PathBuf {
+    dir.join("params")
+}
+
+/// Rank `rank`'s gradient board in `dir`.
+pub fn grad_path(dir: &Path, rank: u32) -> PathBuf {
+    dir.join(format!("grad-{rank}"))
+}
+
+fn random_token() -> u64 {
+    use std::hash::{BuildHasher, Hash, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    std::process::id().hash(&mut h);
+    std::time::SystemTime::now().hash(&mut h);
+    h.finish() | 1
+}
+
+/// Removes `ps-shard*-pid<P>-*` directories under `root` whose process `P` is gone.
+fn remove_stale(root: &Path) {
+    let Ok(entries) = std::fs::read_dir(root) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some(pid) = name
+            .to_str()
+            .filter(|n| n.starts_with("ps-shard"))
+            .and_then(|n| n.split("-pid").nth(1))
+            .and_then(|rest| rest.split('-').next())
+            .and_then(|p| p.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if !Path::new(&format!("/proc/{pid}")).exists() {
+            let _ = std::fs::remove_dir_all(e.path());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn boards_roundtrip_and_check_their_header() {
+        let root = std::env::temp_dir().join(format!("ps-shm-test-{}", std::process::id()));
+        std::fs::create_dir_all(&root).unwrap();
+        let dir = BoardDir::create(&root, 3).unwrap();
+        let path = params_path(dir.path());
+        let mut w = Board::create(&path, dir.token(), 1000, 2).unwrap();
+        let r = Board::open(&path, dir.token(), 1000, 2).unwrap();
+        let v: Vec<f32> = (0..1000).map(|i| i as f32).collect();
+        let mut out = vec![0f32; 1000];
+        assert!(!r.read_version(0, &mut out), "nothing published yet");
+        w.publish(0, &v);
+        assert!(r.read_version(0, &mut out));
+        assert_eq!(out, v);
+        assert!(
+            !r.read_version(2, &mut out),
+            "slot 0 holds version 0, not 2"
+        );
+        let s = w.begin_version(2);
+        s[0] = 7.0;
+        assert!(!r.read_version(2, &mut out), "being written");
+        assert!(
+            !r.read_version(0, &mut out),
+            "version 0 is being overwritten"
+        );
+        w.end_version(2);
+        assert!(r.read_version(2, &mut out));
+        assert_eq!(out[0], 7.0);
+        // wrong token, length or slot count: refused with the reason
+        let e = Board::open(&path, dir.token() ^ 2, 1000, 2).unwrap_err();
+        assert!(e.contains("not this shard's board"), "{e}");
+        let e = Board::open(&path, dir.token(), 999, 2).unwrap_err();
+        assert!(e.contains("expected"), "{e}");
+        assert!(Board::open(&grad_path(dir.path(), 0), dir.token(), 10, 1).is_err());
+        // a gradient board: written by one side, read by the other
+        let g = Board::create(&grad_path(dir.path(), 1), dir.token(), 5, 1).unwrap();
+        let g2 = Board::open(g.path(), dir.token(), 5, 1).unwrap();
+        g2.write(0, 2, &[1.0, 2.0, 3.0]);
+        let mut back = [0f32; 5];
+        g.read(0, &mut back);
+        assert_eq!(back, [0.0, 0.0, 1.0, 2.0, 3.0]);
+        let p = dir.path().to_path_buf();
+        drop((w, r, g, g2, dir));
+        assert!(!p.exists(), "the directory goes with its owner");
+        // a directory of a process that no longer exists is removed by the next creation
+        let stale = root.join("ps-shard0-pid4294967294-00000000000000ff");
+        std::fs::create_dir(&stale).unwrap();
+        let d = BoardDir::create(&root, 0).unwrap();
+        assert!(!stale.exists());
+        drop(d);
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+}
