@@ -101,7 +101,9 @@ impl Optimizer {
     }
 
     /// Updates one part of a shard: `p`, `g` and the matching parts of the state buffers
-    /// (`m`, `v`: empty when the optimizer keeps none). Does not count the step.
+    /// (`m`, `v`: empty when the optimizer keeps none). Does not count the step. Inlined into
+    /// its callers, so that one compiled with `#[target_feature]` vectorises it with them.
+    #[inline(always)]
     pub fn update_chunk(
         &self,
         c: StepCoeffs,
@@ -191,6 +193,7 @@ pub enum StepCoeffs {
 }
 
 /// Plain SGD (no momentum): d = g + wd*p; p -= lr*d.
+#[inline(always)] // so that callers compiled for wider vectors (the shard's update) get them
 fn sgd_plain_chunk(p: &mut [f32], g: &[f32], lr: f32, weight_decay: f32) {
     for (p, &g) in p.iter_mut().zip(g) {
         let d = g + weight_decay * *p;
@@ -211,6 +214,7 @@ pub struct SgdMomentumCoeffs {
 
 /// SGD with momentum (dampening 0), optionally Nesterov. `nesterov` and `first` are loop
 /// invariant, so the branches below become selects / get unswitched.
+#[inline(always)] // so that callers compiled for wider vectors (the shard's update) get them
 fn sgd_momentum_chunk(p: &mut [f32], g: &[f32], buf: &mut [f32], c: SgdMomentumCoeffs) {
     let SgdMomentumCoeffs {
         lr,
@@ -281,6 +285,7 @@ impl AdamCoeffs {
 /// Adam / AdamW element update (PyTorch formulation):
 /// g += l2*p; p *= decay_factor; m = b1*m + (1-b1)*g; v = b2*v + (1-b2)*g*g;
 /// p -= step_size * m / (sqrt(v)/sqrt(bc2) + eps).
+#[inline(always)] // so that callers compiled for wider vectors (the shard's update) get them
 fn adam_chunk(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], c: AdamCoeffs) {
     for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
         let g = g + c.l2 * *p;

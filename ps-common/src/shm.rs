@@ -197,6 +197,14 @@ impl Board {
         unsafe { std::ptr::copy_nonoverlapping(self.slot_ptr(k), dst.as_mut_ptr(), self.len) }
     }
 
+    /// Runs `f` on a view of slot `k`. Another process may write the slot meanwhile: only for
+    /// slots the protocol says are quiet (a gradient between its push and the push's reply),
+    /// and `f` should copy what it reads rather than trust it twice.
+    pub fn with_slot<R>(&self, k: usize, f: impl FnOnce(&[f32]) -> R) -> R {
+        // SAFETY: the slot holds `len` f32 values inside the mapping, which outlives the call.
+        f(unsafe { std::slice::from_raw_parts(self.slot_ptr(k), self.len) })
+    }
+
     /// Copies `src` into slot `k` at value `offset`.
     pub fn write(&self, k: usize, offset: usize, src: &[f32]) {
         assert!(offset + src.len() <= self.len, "board write out of range");

@@ -11,7 +11,7 @@ use ps_common::pb::{
     LeaveReply, LeaveRequest, PullChunk, PullHeader, PullRequest, PushChunk, PushReply,
     RegisterReply, RegisterRequest, ReportReply, StepReport,
 };
-use ps_common::wire::{TensorReceiver, check_and_fingerprint, chunks};
+use ps_common::wire::{TensorReceiver, chunks};
 use ps_common::{PROTOCOL_VERSION, PsError, PsResult};
 use std::pin::Pin;
 use std::sync::Arc;
@@ -118,11 +118,7 @@ impl ShardService {
             ));
         }
         let mut buf = self.shard.take_buffer();
-        let checked = self
-            .shard
-            .read_shm_grad(rank, &mut buf)
-            .and_then(|()| check_and_fingerprint(&buf));
-        match checked {
+        match self.shard.read_shm_grad(rank, &mut buf) {
             Ok(fp) => Ok((buf, fp)),
             Err(e) => {
                 self.shard.return_buffer(buf);

@@ -11,6 +11,7 @@ use ps_common::config::Transport;
 use ps_common::config::{Aggregation, Config};
 use ps_common::optim::{LrSchedule, OptState, Optimizer, StepCoeffs};
 use ps_common::shm::{Board, BoardDir, grad_path, params_path, shm_root};
+use ps_common::wire::copy_check_and_fingerprint;
 use ps_common::{PsError, PsResult};
 use std::ops::Range;
 use std::path::Path;
@@ -135,7 +136,6 @@ enum Store {
 #[derive(Debug)]
 struct ShmHost {
     dir: BoardDir,
-    params: Arc<Board>,
     grads: Mutex<Vec<Option<Arc<Board>>>>,
 }
 
@@ -171,8 +171,11 @@ impl Shard {
         let init = layout.init_range(cfg.seed, range.clone());
         let w = cfg.workers;
         let shm = match (cfg.transport, shm_root()) {
-            (Transport::Auto, Some(root)) => match ShmHost::create(root, index, &init, w) {
-                Ok(host) => Some(host),
+            (Transport::Auto, Some(root)) => match BoardDir::create(root, index) {
+                Ok(dir) => Some(ShmHost {
+                    dir,
+                    grads: Mutex::new(vec![None; w]),
+                }),
                 Err(e) => {
                     tracing::warn!(
                         "shard {index}: no shared-memory data path ({e}); tensors go through gRPC"
@@ -183,17 +186,11 @@ impl Shard {
             _ => None,
         };
         let opt = cfg.optimizer.init_state(init.len());
-        let (store, snapshot) = match &shm {
-            Some(host) => (Store::Board(host.params.clone()), None),
-            None => {
-                let params = Arc::new(init);
-                let snapshot = Bytes::from_owner(SharedParams(params.clone()));
-                let store = Store::Heap {
-                    params,
-                    spare: None,
-                };
-                (store, Some((0, snapshot)))
-            }
+        let params = Arc::new(init);
+        let snapshot = Some((0, Bytes::from_owner(SharedParams(params.clone()))));
+        let store = Store::Heap {
+            params,
+            spare: None,
         };
         let state = State {
             version: 0,
@@ -513,32 +510,20 @@ impl Shard {
         let len = current.len();
         let parts = parts_for(len);
         let chunk = len.div_ceil(parts).max(1);
-        let opt_ref = &self.optimizer;
         let pieces = next
             .chunks_mut(chunk)
             .zip(split_parts(&mut opt.m, chunk, parts))
             .zip(split_parts(&mut opt.v, chunk, parts))
             .enumerate();
-        let step_part = |i: usize, p: &mut [f32], m: &mut [f32], v: &mut [f32]| {
-            // cache-sized blocks: aggregate into a block buffer, take its norm, copy the old
-            // parameters in and update them while the block is in L1/L2, so memory sees one
-            // read of every input and one write of the output (gradients are only read)
-            let mut sq = 0.0;
-            let mut g = vec![0f32; BLOCK.min(p.len())];
-            let mut at = 0;
-            while at < p.len() {
-                let end = (at + BLOCK).min(p.len());
-                let lo = i * chunk + at;
-                let gb = &mut g[..end - at];
-                sq += aggregate(gb, grads, coeffs, lo);
-                let pb = &mut p[at..end];
-                pb.copy_from_slice(&current[lo..lo + (end - at)]);
-                let (mb, vb) = (block_of(m, at, end), block_of(v, at, end));
-                opt_ref.update_chunk(update, pb, gb, mb, vb);
-                at = end;
-            }
-            sq
+        let part = Part {
+            optimizer: &self.optimizer,
+            update,
+            current,
+            grads,
+            coeffs,
         };
+        let step_part =
+            |i: usize, p: &mut [f32], m: &mut [f32], v: &mut [f32]| part.run(i * chunk, p, m, v);
         if parts == 1 {
             return pieces.map(|(i, ((p, m), v))| step_part(i, p, m, v)).sum();
         }
@@ -601,42 +586,68 @@ impl Shard {
         ))
     }
 
-    /// The shared-memory directory and token to offer `rank` on registration (creating its
-    /// gradient board on first use), or None when this shard serves through gRPC only.
+    /// The shared-memory directory and token to offer `rank` on registration, or None when
+    /// this shard serves through gRPC only. The first offer moves the parameters into the
+    /// shared-memory board (updates then read and write it there); each rank's gradient board
+    /// is made at its first offer.
     pub fn offer_shm(&self, rank: u32) -> PsResult<Option<(String, u64)>> {
         let r = self.check_rank(rank)?;
         let Some(host) = &self.shm else {
             return Ok(None);
         };
-        let mut grads = host.grads.lock().unwrap_or_else(|p| p.into_inner());
-        if grads[r].is_none() {
-            let path = grad_path(host.dir.path(), rank);
-            match Board::create(&path, host.dir.token(), self.len(), 1) {
-                Ok(b) => grads[r] = Some(Arc::new(b)),
-                Err(e) => {
-                    tracing::warn!(
-                        "shard {}: cannot create {} ({e}); rank {rank} uses gRPC",
-                        self.index,
-                        path.display()
+        let (dir, token) = (host.dir.path(), host.dir.token());
+        let fail = |what: &Path, e: std::io::Error| {
+            tracing::warn!(
+                "shard {}: cannot create {} ({e}); rank {rank} uses gRPC",
+                self.index,
+                what.display()
+            );
+            Ok(None)
+        };
+        {
+            let mut st = self.lock();
+            if let Store::Heap { params, .. } = &st.store {
+                if st.applying {
+                    tracing::info!(
+                        "shard {}: rank {rank} registered during an update; it uses gRPC",
+                        self.index
                     );
                     return Ok(None);
                 }
+                let path = params_path(dir);
+                let mut board = match Board::create(&path, token, self.len(), 2) {
+                    Ok(b) => b,
+                    Err(e) => return fail(&path, e),
+                };
+                board.publish(st.version, params);
+                st.store = Store::Board(Arc::new(board));
+                tracing::info!(
+                    "shard {}: parameters in shared memory for the workers on this host ({})",
+                    self.index,
+                    dir.display()
+                );
             }
         }
-        Ok(Some((
-            host.dir.path().display().to_string(),
-            host.dir.token(),
-        )))
+        let mut grads = host.grads.lock().unwrap_or_else(|p| p.into_inner());
+        if grads[r].is_none() {
+            let path = grad_path(dir, rank);
+            match Board::create(&path, token, self.len(), 1) {
+                Ok(b) => grads[r] = Some(Arc::new(b)),
+                Err(e) => return fail(&path, e),
+            }
+        }
+        Ok(Some((dir.display().to_string(), token)))
     }
 
     /// True when pulls can be answered through the shared-memory board.
     pub fn has_board(&self) -> bool {
-        self.shm.is_some()
+        matches!(self.lock().store, Store::Board(_))
     }
 
     /// Copies `rank`'s gradient out of its shared-memory board into `dst` (resized to the
-    /// shard's length); the copy is then validated like any received gradient.
-    pub fn read_shm_grad(&self, rank: u32, dst: &mut Vec<f32>) -> PsResult<()> {
+    /// shard's length), validating and fingerprinting the copy on the way, like any received
+    /// gradient (what the worker writes afterwards changes nothing); returns the fingerprint.
+    pub fn read_shm_grad(&self, rank: u32, dst: &mut Vec<f32>) -> PsResult<u64> {
         let r = self.check_rank(rank)?;
         let board = self
             .shm
@@ -649,8 +660,7 @@ impl Shard {
             ))
         })?;
         dst.resize(board.len(), 0.0);
-        board.read(0, dst);
-        Ok(())
+        board.with_slot(0, |src| copy_check_and_fingerprint(src, dst))
     }
 
     /// Records that `rank` left with its final evaluation; returns true when every rank has.
@@ -697,24 +707,6 @@ impl Shard {
     }
 }
 
-impl ShmHost {
-    /// A fresh board directory with the parameters board holding version 0.
-    fn create(root: &Path, index: usize, init: &[f32], world: usize) -> std::io::Result<Self> {
-        let dir = BoardDir::create(root, index)?;
-        let mut params = Board::create(&params_path(dir.path()), dir.token(), init.len(), 2)?;
-        params.publish(0, init);
-        tracing::info!(
-            "shard {index}: shared-memory data path for workers on this host in {}",
-            dir.path().display()
-        );
-        Ok(Self {
-            dir,
-            params: Arc::new(params),
-            grads: Mutex::new(vec![None; world]),
-        })
-    }
-}
-
 /// The parameters of one version as little-endian bytes, owned by the `Bytes` that pulls share.
 struct SharedParams(Arc<Vec<f32>>);
 
@@ -740,9 +732,60 @@ fn check_step(step: u64, version: u64) -> PsResult<()> {
     }
 }
 
+/// What every part of one update shares.
+struct Part<'a> {
+    optimizer: &'a Optimizer,
+    update: StepCoeffs,
+    current: &'a [f32],
+    grads: &'a [&'a [f32]],
+    coeffs: &'a [f32],
+}
+
+impl Part<'_> {
+    /// Updates `p` (values `lo..lo + p.len()` of the shard) and its optimizer state; returns
+    /// the squared norm of that part of the aggregated gradient. Uses AVX2 where the CPU has
+    /// it (decided at run time): element-wise IEEE operations, so the numbers are the same.
+    fn run(&self, lo: usize, p: &mut [f32], m: &mut [f32], v: &mut [f32]) -> f64 {
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx2") {
+            // SAFETY: the CPU supports AVX2, checked just above.
+            return unsafe { self.run_avx2(lo, p, m, v) };
+        }
+        self.run_portable(lo, p, m, v)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    unsafe fn run_avx2(&self, lo: usize, p: &mut [f32], m: &mut [f32], v: &mut [f32]) -> f64 {
+        self.run_portable(lo, p, m, v)
+    }
+
+    /// Cache-sized blocks: aggregate into a block buffer, take its norm, copy the old
+    /// parameters in and update them while the block is in L1/L2, so memory sees one read of
+    /// every input and one write of the output (gradients are only read).
+    #[inline(always)]
+    fn run_portable(&self, lo: usize, p: &mut [f32], m: &mut [f32], v: &mut [f32]) -> f64 {
+        let mut sq = 0.0;
+        let mut g = vec![0f32; BLOCK.min(p.len())];
+        let mut at = 0;
+        while at < p.len() {
+            let end = (at + BLOCK).min(p.len());
+            let gb = &mut g[..end - at];
+            sq += aggregate(gb, self.grads, self.coeffs, lo + at);
+            let pb = &mut p[at..end];
+            pb.copy_from_slice(&self.current[lo + at..lo + end]);
+            let (mb, vb) = (block_of(m, at, end), block_of(v, at, end));
+            self.optimizer.update_chunk(self.update, pb, gb, mb, vb);
+            at = end;
+        }
+        sq
+    }
+}
+
 /// `g = Σ_r cs[r] * grads[r][lo..lo + g.len()]`, summed in rank order (bit-reproducible
 /// whatever the arrival order and however the shard is split into blocks), in straight-line
 /// loops over slices; returns the squared norm of the result.
+#[inline(always)]
 fn aggregate(g: &mut [f32], grads: &[&[f32]], cs: &[f32], lo: usize) -> f64 {
     let n = g.len();
     for (r, (src, &c)) in grads.iter().zip(cs).enumerate() {
@@ -759,6 +802,7 @@ fn aggregate(g: &mut [f32], grads: &[&[f32]], cs: &[f32], lo: usize) -> f64 {
 
 /// Σ v² in f64, over eight independent lanes so that it vectorises (a single running sum is a
 /// chain of dependent adds, slower than the rest of the update together).
+#[inline(always)]
 fn sum_of_squares(g: &[f32]) -> f64 {
     let mut lanes = [0f64; 8];
     let mut blocks = g.chunks_exact(8);
@@ -779,6 +823,7 @@ fn sum_of_squares(g: &[f32]) -> f64 {
 const BLOCK: usize = 8192;
 
 /// `v[at..end]`, or an empty slice for an optimizer buffer that does not exist.
+#[inline(always)]
 fn block_of(v: &mut [f32], at: usize, end: usize) -> &mut [f32] {
     if v.is_empty() { v } else { &mut v[at..end] }
 }
