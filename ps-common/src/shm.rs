@@ -109,7 +109,24 @@ impl Board {
             .mode(0o600)
             .open(path)?;
         let total = HEADER + slots * slot_bytes(len);
-        file.set_len(total as u64)?;
+        // reserve the pages now: a sparse file on a full tmpfs (Docker's 64 MB /dev/shm) would
+        // kill the first process that touches a missing page with SIGBUS; this fails instead
+        // SAFETY: plain system call on a file descriptor we own.
+        let rc = unsafe {
+            libc::posix_fallocate(
+                std::os::fd::AsRawFd::as_raw_fd(&file),
+                0,
+                total as libc::off_t,
+            )
+        };
+        if rc != 0 {
+            let _ = std::fs::remove_file(path);
+            let e = io::Error::from_raw_os_error(rc);
+            return Err(io::Error::new(
+                e.kind(),
+                format!("cannot reserve {total} bytes: {e}"),
+            ));
+        }
         let map = Mapping::new(&file, total)?;
         map.atomic(8).store(token, Ordering::Relaxed);
         map.atomic(16).store(len as u64, Ordering::Relaxed);
@@ -287,9 +304,10 @@ pub struct BoardDir {
     token: u64,
 }
 
-/// The tmpfs where boards live; None where there is none (then only gRPC is offered).
-pub fn shm_root() -> Option<&'static Path> {
-    let p = Path::new("/dev/shm");
+/// The tmpfs where boards live: `$PS_SHM_DIR` if set, else `/dev/shm`; None where it is not a
+/// directory (then only gRPC is offered).
+pub fn shm_root() -> Option<PathBuf> {
+    let p = std::env::var_os("PS_SHM_DIR").map_or_else(|| PathBuf::from("/dev/shm"), PathBuf::from);
     p.is_dir().then_some(p)
 }
 

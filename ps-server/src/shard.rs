@@ -171,7 +171,7 @@ impl Shard {
         let init = layout.init_range(cfg.seed, range.clone());
         let w = cfg.workers;
         let shm = match (cfg.transport, shm_root()) {
-            (Transport::Auto, Some(root)) => match BoardDir::create(root, index) {
+            (Transport::Auto, Some(root)) => match BoardDir::create(&root, index) {
                 Ok(dir) => Some(ShmHost {
                     dir,
                     grads: Mutex::new(vec![None; w]),
