@@ -130,10 +130,35 @@ impl LocalCluster {
         extra: &[String],
         timeout: Duration,
     ) -> Result<(), LaunchError> {
-        let run_dir =
-            std::env::temp_dir().join(format!("ps-launch-{}-{}", std::process::id(), unique()));
-        std::fs::create_dir_all(&run_dir)
-            .map_err(|e| LaunchError(format!("{}: {e}", run_dir.display())))?;
+        // a directory nobody used before: a stale address file of an earlier launcher with the
+        // same pid would send the workers to a dead port
+        let run_dir = loop {
+            let nanos = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.subsec_nanos());
+            let d = std::env::temp_dir().join(format!(
+                "ps-launch-{}-{}-{nanos}",
+                std::process::id(),
+                unique()
+            ));
+            match std::fs::create_dir(&d) {
+                Ok(()) => break d,
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
+                Err(e) => return Err(LaunchError(format!("{}: {e}", d.display()))),
+            }
+        };
+        let started = self.spawn_servers(num_shards, extra, timeout, &run_dir);
+        let _ = std::fs::remove_dir_all(&run_dir);
+        started
+    }
+
+    fn spawn_servers(
+        &mut self,
+        num_shards: usize,
+        extra: &[String],
+        timeout: Duration,
+        run_dir: &Path,
+    ) -> Result<(), LaunchError> {
         for shard in 0..num_shards {
             let name = format!("shard {shard}");
             let addr_file = run_dir.join(format!("shard-{shard}.addr"));

@@ -51,3 +51,15 @@ pub fn init_logging() {
         .with_writer(std::io::stderr)
         .try_init();
 }
+
+/// Resolves at the first SIGINT (Ctrl-C) or SIGTERM (a launcher stopping its children).
+pub async fn shutdown_signal() {
+    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+        Ok(s) => s,
+        Err(_) => return std::future::pending().await,
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+}

@@ -1,19 +1,23 @@
 //! The shared-memory data path between a shard and the workers on its host (`[cluster]
-//! transport = "auto"`): gRPC still carries every request, its validation and its reply, but
-//! the tensors themselves are copied through files in `/dev/shm` instead of being serialised,
-//! sent through loopback TCP and parsed. Each shard owns a directory with
+//! transport = "auto"`): gRPC still carries every request, its checks and its reply, but the
+//! tensors are not serialised, sent through loopback TCP and parsed; they are read where they
+//! lie, in files in `/dev/shm` (`$PS_SHM_DIR`):
 //!
-//! - `params`: two slots of the shard's parameters. Version `v` is published in slot `v % 2`
-//!   under a sequence number (a seqlock): a reader copies the slot and then checks that the
-//!   sequence still says "version `v`, complete"; otherwise it pulls through gRPC instead.
-//! - `grad-<rank>`: one slot per rank. The worker writes its gradient there, then pushes a
-//!   header that says so; the shard copies it out into its own buffer and validates the copy
-//!   exactly as a gRPC push (a worker cannot change what was validated). The worker writes
-//!   again only after the push's reply, so the copy never races the next gradient.
+//! - the shard's `params` board: two slots of the shard's parameters, which the update reads
+//!   and writes in place (double buffering). Version `v` is in slot `v % 2` under a sequence
+//!   number (a seqlock): a worker copies the slot and then checks that the sequence still says
+//!   "version `v`, complete"; otherwise it pulls that version through gRPC instead.
+//! - each worker's `grad` board: one slot of the whole flat gradient, which its backward pass
+//!   writes directly. A push names the step and says "in shared memory"; the shard checks its
+//!   range in place (finite values, fingerprint) and aggregates from it. The worker writes the
+//!   board again only after it has pulled the next version, that is after every shard applied
+//!   the step: a worker that breaks this rule corrupts its own gradient, exactly as if it had
+//!   pushed wrong values.
 //!
-//! Every file starts with a header (magic, a random token sent on registration, the slot length)
-//! so that a worker on another host, or one that found a stale file, falls back to gRPC instead
-//! of reading the wrong memory.
+//! Every file starts with a header (magic, a random token exchanged on registration, the slot
+//! length), so that a process on another host, or one that finds a stale file, falls back to
+//! gRPC instead of reading the wrong memory. Directories carry the owner's pid; a new owner
+//! removes those whose process is gone.
 
 use std::fs::{File, OpenOptions};
 use std::io;
@@ -206,29 +210,27 @@ impl Board {
     }
 
     /// Copies slot `k` into `dst` (`dst.len()` must be the slot length). Another process may
-    /// write the slot meanwhile: callers either know it does not (gradients, ordered by the
-    /// push's reply) or check a sequence number afterwards (parameters, [`Board::read_version`]).
+    /// write the slot meanwhile: [`Board::read_version`] checks the sequence number afterwards.
     pub fn read(&self, k: usize, dst: &mut [f32]) {
         assert_eq!(dst.len(), self.len, "board read: length mismatch");
         // SAFETY: the slot holds `len` f32 values; `dst` is ours and does not overlap it.
         unsafe { std::ptr::copy_nonoverlapping(self.slot_ptr(k), dst.as_mut_ptr(), self.len) }
     }
 
-    /// Runs `f` on a view of slot `k`. Another process may write the slot meanwhile: only for
-    /// slots the protocol says are quiet (a gradient between its push and the push's reply),
-    /// and `f` should copy what it reads rather than trust it twice.
-    pub fn with_slot<R>(&self, k: usize, f: impl FnOnce(&[f32]) -> R) -> R {
-        // SAFETY: the slot holds `len` f32 values inside the mapping, which outlives the call.
-        f(unsafe { std::slice::from_raw_parts(self.slot_ptr(k), self.len) })
+    /// Slot `k`, for this process to write (the other processes read it by the protocol).
+    pub fn slot_mut(&mut self, k: usize) -> &mut [f32] {
+        // SAFETY: the slot's `len` values, borrowed mutably through `&mut self`.
+        unsafe { std::slice::from_raw_parts_mut(self.slot_ptr(k), self.len) }
     }
 
-    /// Copies `src` into slot `k` at value `offset`.
-    pub fn write(&self, k: usize, offset: usize, src: &[f32]) {
-        assert!(offset + src.len() <= self.len, "board write out of range");
-        // SAFETY: in bounds of slot k; `src` is ours and does not overlap the mapping.
-        unsafe {
-            std::ptr::copy_nonoverlapping(src.as_ptr(), self.slot_ptr(k).add(offset), src.len())
-        }
+    /// Slot `k`, read in place.
+    ///
+    /// # Safety
+    /// No process may write the slot while the slice lives (the protocol in the module docs
+    /// says when that holds); a writer that breaks it makes the values change under the reader.
+    pub unsafe fn slot(&self, k: usize) -> &[f32] {
+        // SAFETY: the slot's `len` values inside the mapping, which outlives `&self`.
+        unsafe { std::slice::from_raw_parts(self.slot_ptr(k), self.len) }
     }
 
     /// Starts publishing `version` in slot `version % 2` and gives the slot to write into;
@@ -312,15 +314,13 @@ pub fn shm_root() -> Option<PathBuf> {
 }
 
 impl BoardDir {
-    /// Creates `<root>/ps-shard<index>-pid<pid>-<token>` with a fresh random token, after
-    /// removing the directories of shard processes that no longer exist (killed ones).
-    pub fn create(root: &Path, index: usize) -> io::Result<Self> {
+    /// Creates `<root>/ps-<name>-pid<pid>-<token>` (`name` is e.g. `shard0` or `worker3`)
+    /// with a fresh random token, after removing the directories of processes that no longer
+    /// exist (killed ones).
+    pub fn create(root: &Path, name: &str) -> io::Result<Self> {
         remove_stale(root);
         let token = random_token();
-        let path = root.join(format!(
-            "ps-shard{index}-pid{}-{token:016x}",
-            std::process::id()
-        ));
+        let path = root.join(format!("ps-{name}-pid{}-{token:016x}", std::process::id()));
         std::fs::DirBuilder::new()
             .mode(0o700)
             .create(&path)
@@ -350,9 +350,9 @@ pub fn params_path(dir: &Path) -> PathBuf {
     dir.join("params")
 }
 
-/// Rank `rank`'s gradient board in `dir`.
-pub fn grad_path(dir: &Path, rank: u32) -> PathBuf {
-    dir.join(format!("grad-{rank}"))
+/// A worker's gradient board in `dir`.
+pub fn grad_path(dir: &Path) -> PathBuf {
+    dir.join("grad")
 }
 
 fn random_token() -> u64 {
@@ -363,7 +363,7 @@ fn random_token() -> u64 {
     h.finish() | 1
 }
 
-/// Removes `ps-shard*-pid<P>-*` directories under `root` whose process `P` is gone.
+/// Removes `ps-*-pid<P>-*` directories under `root` whose process `P` is gone.
 fn remove_stale(root: &Path) {
     let Ok(entries) = std::fs::read_dir(root) else {
         return;
@@ -372,7 +372,7 @@ fn remove_stale(root: &Path) {
         let name = e.file_name();
         let Some(pid) = name
             .to_str()
-            .filter(|n| n.starts_with("ps-shard"))
+            .filter(|n| n.starts_with("ps-"))
             .and_then(|n| n.split("-pid").nth(1))
             .and_then(|rest| rest.split('-').next())
             .and_then(|p| p.parse::<u32>().ok())
@@ -393,7 +393,7 @@ mod tests {
     fn boards_roundtrip_and_check_their_header() {
         let root = std::env::temp_dir().join(format!("ps-shm-test-{}", std::process::id()));
         std::fs::create_dir_all(&root).unwrap();
-        let dir = BoardDir::create(&root, 3).unwrap();
+        let dir = BoardDir::create(&root, "shard3").unwrap();
         let path = params_path(dir.path());
         let mut w = Board::create(&path, dir.token(), 1000, 2).unwrap();
         let r = Board::open(&path, dir.token(), 1000, 2).unwrap();
@@ -422,21 +422,23 @@ mod tests {
         assert!(e.contains("not this shard's board"), "{e}");
         let e = Board::open(&path, dir.token(), 999, 2).unwrap_err();
         assert!(e.contains("expected"), "{e}");
-        assert!(Board::open(&grad_path(dir.path(), 0), dir.token(), 10, 1).is_err());
+        assert!(Board::open(&grad_path(dir.path()), dir.token(), 10, 1).is_err());
         // a gradient board: written by one side, read by the other
-        let g = Board::create(&grad_path(dir.path(), 1), dir.token(), 5, 1).unwrap();
+        let mut g = Board::create(&grad_path(dir.path()), dir.token(), 5, 1).unwrap();
         let g2 = Board::open(g.path(), dir.token(), 5, 1).unwrap();
-        g2.write(0, 2, &[1.0, 2.0, 3.0]);
+        g.slot_mut(0)[2..].copy_from_slice(&[1.0, 2.0, 3.0]);
         let mut back = [0f32; 5];
-        g.read(0, &mut back);
+        g2.read(0, &mut back);
         assert_eq!(back, [0.0, 0.0, 1.0, 2.0, 3.0]);
+        // SAFETY: nothing writes the board meanwhile.
+        assert_eq!(unsafe { g2.slot(0) }, &back);
         let p = dir.path().to_path_buf();
         drop((w, r, g, g2, dir));
         assert!(!p.exists(), "the directory goes with its owner");
         // a directory of a process that no longer exists is removed by the next creation
         let stale = root.join("ps-shard0-pid4294967294-00000000000000ff");
         std::fs::create_dir(&stale).unwrap();
-        let d = BoardDir::create(&root, 0).unwrap();
+        let d = BoardDir::create(&root, "worker0").unwrap();
         assert!(!stale.exists());
         drop(d);
         std::fs::remove_dir_all(&root).unwrap();

@@ -151,80 +151,37 @@ pub fn f32_to_bytes_reusing(values: &[f32], buf: Option<Bytes>) -> Bytes {
 /// Rejects NaN and infinities and returns a 64-bit fingerprint of the values' bits, in one
 /// pass of eight independent lanes over blocks of eight values (near memory speed).
 pub fn check_and_fingerprint(values: &[f32]) -> Result<u64, PsError> {
-    let mut fp = Fingerprint::new();
-    fp.update(values);
-    fp.finish(values)
-}
-
-/// [`check_and_fingerprint`] of `src` while copying it into `dst` (same length): block by
-/// block, each block checked while it is in L1, so memory sees one read and one write.
-pub fn copy_check_and_fingerprint(src: &[f32], dst: &mut [f32]) -> Result<u64, PsError> {
-    assert_eq!(
-        src.len(),
-        dst.len(),
-        "copy_check_and_fingerprint: length mismatch"
-    );
-    const BLOCK: usize = 4096; // a multiple of 8: the lanes see the same blocks as in one pass
-    let mut fp = Fingerprint::new();
-    for (s, d) in src.chunks(BLOCK).zip(dst.chunks_mut(BLOCK)) {
-        d.copy_from_slice(s);
-        fp.update(d);
-    }
-    fp.finish(dst)
-}
-
-/// The state of [`check_and_fingerprint`]: eight lanes and a "saw a non-finite value" flag.
-struct Fingerprint {
-    lanes: [u64; 8],
-    bad: u32,
-}
-
-impl Fingerprint {
     const EXP: u32 = 0x7f80_0000;
     const K: u64 = 0x9E37_79B9_7F4A_7C15;
-
-    fn new() -> Self {
-        Self {
-            lanes: [0xcbf2_9ce4_8422_2325u64; 8],
-            bad: 0,
-        }
-    }
-
-    /// Feeds `values`; every call but the last must pass a multiple of eight values.
-    fn update(&mut self, values: &[f32]) {
-        let mut blocks = values.chunks_exact(8);
-        for block in &mut blocks {
-            for (lane, v) in self.lanes.iter_mut().zip(block) {
-                let bits = v.to_bits();
-                self.bad |= u32::from(bits & Self::EXP == Self::EXP);
-                *lane = (*lane ^ u64::from(bits)).wrapping_mul(Self::K);
-            }
-        }
-        for (lane, v) in self.lanes.iter_mut().zip(blocks.remainder()) {
+    let mut lanes = [0xcbf2_9ce4_8422_2325u64; 8];
+    let mut bad = 0u32;
+    let mut blocks = values.chunks_exact(8);
+    for block in &mut blocks {
+        for (lane, v) in lanes.iter_mut().zip(block) {
             let bits = v.to_bits();
-            self.bad |= u32::from(bits & Self::EXP == Self::EXP);
-            *lane = (*lane ^ u64::from(bits)).wrapping_mul(Self::K);
+            bad |= u32::from(bits & EXP == EXP);
+            *lane = (*lane ^ u64::from(bits)).wrapping_mul(K);
         }
     }
-
-    /// The fingerprint of `values` (all of them fed through `update`), or the error naming the
-    /// first non-finite one.
-    fn finish(self, values: &[f32]) -> Result<u64, PsError> {
-        if self.bad != 0 {
-            let (index, value) = values
-                .iter()
-                .enumerate()
-                .find(|(_, v)| !v.is_finite())
-                .expect("a non-finite value");
-            return Err(PsError::NonFinite {
-                index: index as u64,
-                value: *value,
-            });
-        }
-        Ok(self.lanes.iter().fold(values.len() as u64, |h, &l| {
-            (h ^ l).wrapping_mul(Self::K).rotate_left(29)
-        }))
+    for (lane, v) in lanes.iter_mut().zip(blocks.remainder()) {
+        let bits = v.to_bits();
+        bad |= u32::from(bits & EXP == EXP);
+        *lane = (*lane ^ u64::from(bits)).wrapping_mul(K);
     }
+    if bad != 0 {
+        let (index, value) = values
+            .iter()
+            .enumerate()
+            .find(|(_, v)| !v.is_finite())
+            .expect("a non-finite value");
+        return Err(PsError::NonFinite {
+            index: index as u64,
+            value: *value,
+        });
+    }
+    Ok(lanes.iter().fold(values.len() as u64, |h, &l| {
+        (h ^ l).wrapping_mul(K).rotate_left(29)
+    }))
 }
 
 #[cfg(test)]
@@ -288,19 +245,5 @@ mod tests {
             })
         ));
         assert_eq!(chunks(&Bytes::new(), 8).count(), 1);
-        // the copying variant agrees with the plain one, across its block boundaries
-        let v: Vec<f32> = (0..10_001).map(|i| (i as f32).sin()).collect();
-        let mut dst = vec![0f32; v.len()];
-        assert_eq!(
-            copy_check_and_fingerprint(&v, &mut dst).unwrap(),
-            check_and_fingerprint(&v).unwrap()
-        );
-        assert_eq!(dst, v);
-        let mut w = v.clone();
-        w[9000] = f32::NEG_INFINITY;
-        assert!(matches!(
-            copy_check_and_fingerprint(&w, &mut dst),
-            Err(PsError::NonFinite { index: 9000, .. })
-        ));
     }
 }

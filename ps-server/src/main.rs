@@ -80,16 +80,5 @@ async fn serve(cli: Cli) -> anyhow::Result<Outcome> {
         std::fs::write(&tmp, format!("{}\n", listener.local_addr()?))?;
         std::fs::rename(&tmp, f)?;
     }
-    run_shard(setup, listener, shutdown_signal()).await
-}
-
-async fn shutdown_signal() {
-    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-        Ok(s) => s,
-        Err(_) => return std::future::pending().await,
-    };
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = term.recv() => {}
-    }
+    run_shard(setup, listener, ps_common::shutdown_signal()).await
 }

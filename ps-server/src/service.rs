@@ -3,7 +3,7 @@
 //! [`PsError`]s turned into statuses in one place (`ps_common::error`).
 
 use crate::report::Reporter;
-use crate::shard::{PushMeta, Shard};
+use crate::shard::{Grad, PushMeta, Shard};
 use bytes::Bytes;
 use futures::Stream;
 use ps_common::pb::parameter_server_server::ParameterServer;
@@ -74,7 +74,8 @@ impl ShardService {
                 self.shard.return_buffer(rx.into_buffer());
                 return Err(e);
             }
-            rx.finish()?
+            let (grad, fp) = rx.finish()?;
+            (Grad::Owned(grad), fp)
         };
         let meta = PushMeta {
             rank: h.rank,
@@ -98,14 +99,13 @@ impl ShardService {
         })
     }
 
-    /// A push whose gradient is in the rank's shared-memory board: copied out into a shard
-    /// buffer, then validated like a received one (the worker cannot change what was checked).
+    /// A push whose gradient is in the rank's shared-memory board: checked there in place.
     async fn receive_shm(
         &self,
         rank: u32,
         first: &PushChunk,
         stream: &mut Streaming<PushChunk>,
-    ) -> PsResult<(Vec<f32>, u64)> {
+    ) -> PsResult<(Grad, u64)> {
         let extra = !first.data.is_empty()
             || stream
                 .message()
@@ -117,14 +117,7 @@ impl ShardService {
                 "a shared-memory push carried data chunks: expected the header alone".into(),
             ));
         }
-        let mut buf = self.shard.take_buffer();
-        match self.shard.read_shm_grad(rank, &mut buf) {
-            Ok(fp) => Ok((buf, fp)),
-            Err(e) => {
-                self.shard.return_buffer(buf);
-                Err(e)
-            }
-        }
+        self.shard.shm_grad(rank)
     }
 
     async fn pull_inner(&self, req: PullRequest) -> PsResult<Vec<PullChunk>> {
@@ -262,6 +255,8 @@ impl ParameterServer for ShardService {
         } else {
             Default::default()
         };
+        let grad_shm = !r.grad_file.is_empty()
+            && s.attach_grad(r.rank, std::path::Path::new(&r.grad_file), r.grad_token)?;
         tracing::debug!(
             shard = s.index,
             rank = r.rank,
@@ -277,6 +272,7 @@ impl ParameterServer for ShardService {
             total_steps: s.total_steps,
             shm_dir,
             shm_token,
+            grad_shm,
         }))
     }
 

@@ -10,8 +10,8 @@ use bytes::Bytes;
 use ps_common::config::Transport;
 use ps_common::config::{Aggregation, Config};
 use ps_common::optim::{LrSchedule, OptState, Optimizer, StepCoeffs};
-use ps_common::shm::{Board, BoardDir, grad_path, params_path, shm_root};
-use ps_common::wire::copy_check_and_fingerprint;
+use ps_common::shm::{Board, BoardDir, params_path, shm_root};
+use ps_common::wire::check_and_fingerprint;
 use ps_common::{PsError, PsResult};
 use std::ops::Range;
 use std::path::Path;
@@ -19,11 +19,20 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 use tokio::sync::watch;
 
+/// Where a rank's gradient slice for the current step lies.
+#[derive(Debug)]
+pub enum Grad {
+    /// Received through gRPC into a shard buffer.
+    Owned(Vec<f32>),
+    /// In the shard's range of the rank's shared-memory gradient board (checked in place).
+    Board(Arc<Board>),
+}
+
 /// One rank's gradient for the current step.
 #[derive(Debug)]
 pub struct Slot {
     /// The gradient slice.
-    pub grad: Vec<f32>,
+    pub grad: Grad,
     /// Fingerprint of its bytes (to recognise retries).
     pub fingerprint: u64,
     /// `b_r`.
@@ -131,11 +140,12 @@ enum Store {
     Board(Arc<Board>),
 }
 
-/// The shard's side of the shared-memory data path: its directory and the ranks' gradient
-/// boards, made when a worker registers for them.
+/// The shard's side of the shared-memory data path.
 #[derive(Debug)]
 struct ShmHost {
+    /// The directory of the parameters board.
     dir: BoardDir,
+    /// Each rank's gradient board (the worker's file), once opened.
     grads: Mutex<Vec<Option<Arc<Board>>>>,
 }
 
@@ -171,18 +181,20 @@ impl Shard {
         let init = layout.init_range(cfg.seed, range.clone());
         let w = cfg.workers;
         let shm = match (cfg.transport, shm_root()) {
-            (Transport::Auto, Some(root)) => match BoardDir::create(&root, index) {
-                Ok(dir) => Some(ShmHost {
-                    dir,
-                    grads: Mutex::new(vec![None; w]),
-                }),
-                Err(e) => {
-                    tracing::warn!(
-                        "shard {index}: no shared-memory data path ({e}); tensors go through gRPC"
-                    );
-                    None
+            (Transport::Auto, Some(root)) => {
+                match BoardDir::create(&root, &format!("shard{index}")) {
+                    Ok(dir) => Some(ShmHost {
+                        dir,
+                        grads: Mutex::new(vec![None; w]),
+                    }),
+                    Err(e) => {
+                        tracing::warn!(
+                            "shard {index}: no shared-memory data path ({e}); tensors go through gRPC"
+                        );
+                        None
+                    }
                 }
-            },
+            }
             _ => None,
         };
         let opt = cfg.optimizer.init_state(init.len());
@@ -317,7 +329,7 @@ impl Shard {
     pub fn accept(
         &self,
         meta: PushMeta,
-        grad: Vec<f32>,
+        grad: Grad,
         fingerprint: u64,
     ) -> PsResult<(PushOutcome, Option<Vec<Slot>>)> {
         let r = self.check_rank(meta.rank)?;
@@ -417,7 +429,15 @@ impl Shard {
             .collect();
         let lr = self.schedule.lr(step);
         let update = self.optimizer.coeffs(opt.steps, lr as f32);
-        let grads: Vec<&[f32]> = slots.iter().map(|s| s.grad.as_slice()).collect();
+        let grads: Vec<&[f32]> = slots
+            .iter()
+            .map(|s| match &s.grad {
+                Grad::Owned(v) => v.as_slice(),
+                // SAFETY: the worker writes its board again only after pulling the version this
+                // update makes (module docs of ps_common::shm); the Arc keeps it mapped.
+                Grad::Board(b) => unsafe { &b.slot(0)[self.range.clone()] },
+            })
+            .collect();
         let (grad_sq_norm, store) = match &mut taken {
             Store::Heap { params, spare } => {
                 // the parameters of two versions ago are free unless a slow pull still holds them
@@ -486,7 +506,11 @@ impl Shard {
                 _ => st.snapshot = None,
             }
             st.opt = opt;
-            st.spare.extend(slots.into_iter().map(|s| s.grad));
+            st.spare
+                .extend(slots.into_iter().filter_map(|s| match s.grad {
+                    Grad::Owned(v) => Some(v),
+                    Grad::Board(_) => None,
+                }));
             st.version = step + 1;
             st.previous_fp = std::mem::replace(&mut st.current_fp, vec![None; self.world]);
             st.applying = false;
@@ -586,57 +610,67 @@ impl Shard {
         ))
     }
 
-    /// The shared-memory directory and token to offer `rank` on registration, or None when
-    /// this shard serves through gRPC only. The first offer moves the parameters into the
-    /// shared-memory board (updates then read and write it there); each rank's gradient board
-    /// is made at its first offer.
+    /// The shared-memory directory and token to offer `rank` on registration for its pulls,
+    /// or None when this shard serves through gRPC only. The first offer moves the parameters
+    /// into the shared-memory board (updates then read and write them there).
     pub fn offer_shm(&self, rank: u32) -> PsResult<Option<(String, u64)>> {
-        let r = self.check_rank(rank)?;
+        self.check_rank(rank)?;
         let Some(host) = &self.shm else {
             return Ok(None);
         };
         let (dir, token) = (host.dir.path(), host.dir.token());
-        let fail = |what: &Path, e: std::io::Error| {
-            tracing::warn!(
-                "shard {}: cannot create {} ({e}); rank {rank} uses gRPC",
-                self.index,
-                what.display()
-            );
-            Ok(None)
-        };
-        {
-            let mut st = self.lock();
-            if let Store::Heap { params, .. } = &st.store {
-                if st.applying {
-                    tracing::info!(
-                        "shard {}: rank {rank} registered during an update; it uses gRPC",
-                        self.index
+        let mut st = self.lock();
+        if let Store::Heap { params, .. } = &st.store {
+            if st.applying {
+                tracing::info!(
+                    "shard {}: rank {rank} registered during an update; it pulls through gRPC",
+                    self.index
+                );
+                return Ok(None);
+            }
+            let path = params_path(dir);
+            let mut board = match Board::create(&path, token, self.len(), 2) {
+                Ok(b) => b,
+                Err(e) => {
+                    tracing::warn!(
+                        "shard {}: cannot create {} ({e}); workers pull through gRPC",
+                        self.index,
+                        path.display()
                     );
                     return Ok(None);
                 }
-                let path = params_path(dir);
-                let mut board = match Board::create(&path, token, self.len(), 2) {
-                    Ok(b) => b,
-                    Err(e) => return fail(&path, e),
-                };
-                board.publish(st.version, params);
-                st.store = Store::Board(Arc::new(board));
-                tracing::info!(
-                    "shard {}: parameters in shared memory for the workers on this host ({})",
-                    self.index,
-                    dir.display()
-                );
-            }
-        }
-        let mut grads = host.grads.lock().unwrap_or_else(|p| p.into_inner());
-        if grads[r].is_none() {
-            let path = grad_path(dir, rank);
-            match Board::create(&path, token, self.len(), 1) {
-                Ok(b) => grads[r] = Some(Arc::new(b)),
-                Err(e) => return fail(&path, e),
-            }
+            };
+            board.publish(st.version, params);
+            st.store = Store::Board(Arc::new(board));
+            tracing::info!(
+                "shard {}: parameters in shared memory for the workers on this host ({})",
+                self.index,
+                dir.display()
+            );
         }
         Ok(Some((dir.display().to_string(), token)))
+    }
+
+    /// Opens `rank`'s gradient board (a file it made, of the whole model's length, with
+    /// `token` in its header); true when this shard will read the rank's pushes there. A file
+    /// this shard cannot open (the worker is on another host) means gRPC pushes.
+    pub fn attach_grad(&self, rank: u32, file: &Path, token: u64) -> PsResult<bool> {
+        let r = self.check_rank(rank)?;
+        let Some(host) = &self.shm else {
+            return Ok(false);
+        };
+        let board = match Board::open(file, token, self.num_params, 1) {
+            Ok(b) => Arc::new(b),
+            Err(why) => {
+                tracing::info!(
+                    "shard {}: rank {rank} pushes through gRPC: its gradient board is not usable here ({why})",
+                    self.index
+                );
+                return Ok(false);
+            }
+        };
+        host.grads.lock().unwrap_or_else(|p| p.into_inner())[r] = Some(board);
+        Ok(true)
     }
 
     /// True when pulls can be answered through the shared-memory board.
@@ -644,10 +678,9 @@ impl Shard {
         matches!(self.lock().store, Store::Board(_))
     }
 
-    /// Copies `rank`'s gradient out of its shared-memory board into `dst` (resized to the
-    /// shard's length), validating and fingerprinting the copy on the way, like any received
-    /// gradient (what the worker writes afterwards changes nothing); returns the fingerprint.
-    pub fn read_shm_grad(&self, rank: u32, dst: &mut Vec<f32>) -> PsResult<u64> {
+    /// `rank`'s gradient for a push that says it is in shared memory: the rank's board, once
+    /// its range is checked in place (finite values) and fingerprinted like a received one.
+    pub fn shm_grad(&self, rank: u32) -> PsResult<(Grad, u64)> {
         let r = self.check_rank(rank)?;
         let board = self
             .shm
@@ -655,12 +688,14 @@ impl Shard {
             .and_then(|h| h.grads.lock().unwrap_or_else(|p| p.into_inner())[r].clone());
         let board = board.ok_or_else(|| {
             PsError::BadChunk(format!(
-                "rank {rank} pushed through shared memory but has no board on shard {}: expected a registration with shared_memory = true first",
+                "rank {rank} pushed through shared memory but shard {} has no gradient board of it: expected a registration with a grad_file first",
                 self.index
             ))
         })?;
-        dst.resize(board.len(), 0.0);
-        board.with_slot(0, |src| copy_check_and_fingerprint(src, dst))
+        // SAFETY: the worker does not write its board between its push and the update that
+        // uses it (module docs of ps_common::shm).
+        let fp = check_and_fingerprint(unsafe { &board.slot(0)[self.range.clone()] })?;
+        Ok((Grad::Board(board), fp))
     }
 
     /// Records that `rank` left with its final evaluation; returns true when every rank has.

@@ -113,13 +113,14 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         .worker_threads(1)
         .enable_all()
         .build()?;
-    rt.block_on(run_worker(WorkerSetup {
-        cfg,
-        servers,
-        rank: place.rank,
-        train,
-        test,
-        backend,
-    }))?;
-    Ok(())
+    let rank = place.rank;
+    rt.block_on(async {
+        tokio::select! {
+            done = run_worker(WorkerSetup { cfg, servers, rank, train, test, backend }) => done.map(drop),
+            // dropping the run removes this worker's shared-memory board
+            () = ps_common::shutdown_signal() => {
+                anyhow::bail!("worker {rank}: interrupted (SIGINT or SIGTERM)")
+            }
+        }
+    })
 }

@@ -16,7 +16,7 @@ use ps_common::pb::parameter_server_client::ParameterServerClient;
 use ps_common::pb::{
     LeaveRequest, PullRequest, PushChunk, PushHeader, RegisterReply, RegisterRequest,
 };
-use ps_common::shm::{Board, grad_path, params_path};
+use ps_common::shm::{Board, BoardDir, grad_path, params_path, shm_root};
 use ps_common::wire::{MAX_MESSAGE_BYTES, chunks, decode_chunk_into, f32_to_bytes_reusing};
 use std::ops::Range;
 use std::path::Path;
@@ -109,6 +109,16 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
     let ranges = shard_ranges(layout.num_params(), servers.len());
     let connect_timeout = Duration::from_secs_f64(cfg.worker.connect_timeout_secs);
 
+    // the gradient lives in a shared-memory board that the shards on this host read in place
+    // (where /dev/shm allows), else on the heap
+    let mut grad_board = match cfg.transport {
+        Transport::Auto => grad_board(rank, layout.num_params()),
+        Transport::Grpc => None,
+    };
+    let (grad_file, grad_token) = grad_board.as_ref().map_or_else(Default::default, |(d, b)| {
+        (b.path().display().to_string(), d.token())
+    });
+
     // connect and register with every shard
     let mut clients = Vec::with_capacity(servers.len());
     let mut links = Vec::with_capacity(servers.len());
@@ -123,10 +133,12 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
             shard: s as u32,
             num_shards: servers.len() as u32,
             shared_memory: cfg.transport == Transport::Auto,
+            grad_file: grad_file.clone(),
+            grad_token,
         };
         let begun = Instant::now();
         let reply = loop {
-            match c.register(req).await {
+            match c.register(req.clone()).await {
                 Ok(r) => break r.into_inner(),
                 Err(st) if retryable(&st) && begun.elapsed() < connect_timeout => {
                     tokio::time::sleep(Duration::from_millis(200)).await
@@ -148,12 +160,9 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
         }
         start_step = start_step.min(reply.version);
         clients.push(c);
-        links.push(ShmLink::open(&reply, rank, s));
+        links.push(ShmLink::open(&reply, s));
     }
-    let via: Vec<&str> = links
-        .iter()
-        .map(|l| if l.is_some() { "shared memory" } else { "gRPC" })
-        .collect();
+    let via: Vec<&str> = links.iter().map(ShmLink::describe).collect();
     tracing::info!(
         "worker {rank}/{world}: registered with {} shards (tensors via {via:?}), starting at step {start_step} of {total}, device {}",
         servers.len(),
@@ -164,7 +173,14 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
     let test_slice = split_even(test.len(), world)[rank].clone();
     let test_idx: Vec<u32> = (test_slice.start as u32..test_slice.end as u32).collect();
     let mut weights = vec![0f32; layout.num_params()];
-    let mut grad = vec![0f32; layout.num_params()];
+    let mut heap_grad = Vec::new();
+    let grad: &mut [f32] = match &mut grad_board {
+        Some((_, board)) => board.slot_mut(0),
+        None => {
+            heap_grad.resize(layout.num_params(), 0.0);
+            &mut heap_grad
+        }
+    };
     let (mut x, mut y) = (Vec::new(), Vec::new());
     let mut timing = Timing::default();
     let chunk_bytes = cfg.server.chunk_bytes;
@@ -207,22 +223,19 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
                 &x,
                 &y,
                 cfg.loss_reduction,
-                &mut grad,
+                grad,
                 &mut |start, tail, stats| {
                     while unsent > 0 && ranges[unsent - 1].start >= start {
                         unsent -= 1;
                         let r = &ranges[unsent];
                         let values = &tail[r.start - start..r.end - start];
-                        let (bytes, shm) = match &links[unsent] {
-                            // the board is free: the previous push's reply came back
-                            Some(link) => {
-                                link.grad.write(0, 0, values);
-                                (Bytes::new(), true)
-                            }
-                            None => (
-                                f32_to_bytes_reusing(values, push_bufs[unsent].take()),
-                                false,
-                            ),
+                        // the shard reads the range in this worker's gradient board, or
+                        // receives a copy through gRPC
+                        let shm = links[unsent].grad;
+                        let bytes = if shm {
+                            Bytes::new()
+                        } else {
+                            f32_to_bytes_reusing(values, push_bufs[unsent].take())
                         };
                         let h = PushHeader {
                             len: r.len() as u64,
@@ -288,34 +301,62 @@ fn evaluate(
     Ok((backend.evaluate(x, y)?, idx.len() as u64))
 }
 
-/// A worker's shared-memory link to a shard on its host: the shard's parameters board and
-/// this rank's gradient board.
+/// Creates this worker's gradient board (the whole flat gradient) in `/dev/shm`; None, saying
+/// why, where that is not possible (the shards then receive gradients through gRPC).
+fn grad_board(rank: usize, len: usize) -> Option<(BoardDir, Board)> {
+    let root = shm_root()?;
+    let made = BoardDir::create(&root, &format!("worker{rank}")).and_then(|dir| {
+        let board = Board::create(&grad_path(dir.path()), dir.token(), len, 1)?;
+        Ok((dir, board))
+    });
+    match made {
+        Ok(b) => Some(b),
+        Err(e) => {
+            tracing::info!(
+                "worker {rank}: no shared-memory gradient board ({e}); pushing through gRPC"
+            );
+            None
+        }
+    }
+}
+
+/// What a worker shares with one shard through memory: the shard's parameters board (pulls)
+/// and whether the shard reads this worker's gradient board (pushes).
+#[derive(Default)]
 pub struct ShmLink {
-    params: Board,
-    grad: Board,
+    params: Option<Board>,
+    grad: bool,
 }
 
 impl ShmLink {
-    /// Opens the boards a registration reply offers; None (gRPC) when none is offered or they
-    /// cannot be opened with the reply's token (the shard is on another host), saying why.
-    pub fn open(reply: &RegisterReply, rank: usize, shard: usize) -> Option<Self> {
-        if reply.shm_dir.is_empty() {
-            return None;
+    /// The link a registration reply offers. The parameters board is opened with the reply's
+    /// token; one that cannot be (the shard is on another host) means gRPC pulls, said once.
+    pub fn open(reply: &RegisterReply, shard: usize) -> Self {
+        let params = (!reply.shm_dir.is_empty())
+            .then(|| {
+                let path = params_path(Path::new(&reply.shm_dir));
+                Board::open(&path, reply.shm_token, reply.len as usize, 2)
+                    .map_err(|why| {
+                        tracing::info!(
+                            "shard {shard}: shared memory not usable from here ({why}); pulling through gRPC"
+                        )
+                    })
+                    .ok()
+            })
+            .flatten();
+        Self {
+            params,
+            grad: reply.grad_shm,
         }
-        let dir = Path::new(&reply.shm_dir);
-        let (token, len) = (reply.shm_token, reply.len as usize);
-        let opened = Board::open(&params_path(dir), token, len, 2).and_then(|params| {
-            let grad = Board::open(&grad_path(dir, rank as u32), token, len, 1)?;
-            Ok(Self { params, grad })
-        });
-        match opened {
-            Ok(link) => Some(link),
-            Err(why) => {
-                tracing::info!(
-                    "shard {shard}: shared memory not usable from here ({why}); using gRPC"
-                );
-                None
-            }
+    }
+
+    /// "shared memory", "gRPC", or which way each direction goes.
+    pub fn describe(&self) -> &'static str {
+        match (self.params.is_some(), self.grad) {
+            (true, true) => "shared memory",
+            (false, false) => "gRPC",
+            (true, false) => "pull shared memory, push gRPC",
+            (false, true) => "pull gRPC, push shared memory",
         }
     }
 }
@@ -325,7 +366,7 @@ impl ShmLink {
 /// chunks otherwise.
 pub async fn pull_all(
     clients: &mut [Client],
-    links: &[Option<ShmLink>],
+    links: &[ShmLink],
     ranges: &[Range<usize>],
     version: u64,
     weights: &mut [f32],
@@ -342,7 +383,7 @@ pub async fn pull_all(
         .zip(parts)
         .enumerate()
         .map(|(s, (c, dst))| {
-            let board = links.get(s).and_then(|l| l.as_ref()).map(|l| &l.params);
+            let board = links.get(s).and_then(|l| l.params.as_ref());
             pull_one(c, s, version, dst, board)
         });
     for r in futures::future::join_all(futs).await {

@@ -101,6 +101,8 @@ async fn live_server_refuses_bad_pushes_and_still_steps() {
         shard: 0,
         num_shards: 1,
         shared_memory: false,
+        grad_file: String::new(),
+        grad_token: 0,
     };
     expect_err(
         c.register(RegisterRequest {
@@ -243,13 +245,14 @@ async fn live_server_refuses_bad_pushes_and_still_steps() {
     );
 }
 
-/// The shared-memory path against a live `ps-server`: a worker registered for it writes its
-/// gradient into its board and pushes the header alone; the shard validates its own copy
-/// exactly as a gRPC push (NaN, stray data chunks and boards never offered are refused), and
-/// a pull answered through the board gives the same numbers as one through gRPC.
+/// The shared-memory path against a live `ps-server`, with this test as the worker: it makes
+/// its gradient board, registers it, writes its gradient there and pushes the header alone; the
+/// shard checks the values in place exactly as a gRPC push (NaN, stray data chunks, boards it
+/// does not have and boards with the wrong token are refused), and a pull answered through the
+/// shard's parameters board gives the same numbers as one through gRPC.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shared_memory_pushes_are_validated_like_grpc_ones() {
-    use ps_common::shm::{Board, grad_path, params_path};
+    use ps_common::shm::{Board, BoardDir, grad_path, params_path, shm_root};
     use std::path::Path;
     let spec = Spec {
         shards: 1,
@@ -269,29 +272,48 @@ async fn shared_memory_pushes_are_validated_like_grpc_ones() {
     let mut c = Client::connect(format!("http://{}", cluster.addrs[0]))
         .await
         .unwrap();
-    let reg = |rank: u32, shared_memory: bool| RegisterRequest {
+    let root = shm_root().expect("/dev/shm on the test machine");
+    let board_dir = BoardDir::create(&root, "test-worker0").unwrap();
+    let mut grad = Board::create(&grad_path(board_dir.path()), board_dir.token(), n, 1).unwrap();
+    let reg = |rank: u32, token: u64| RegisterRequest {
         protocol_version: PROTOCOL_VERSION,
         rank,
         world_size: 2,
         num_params: n as u64,
         shard: 0,
         num_shards: 1,
-        shared_memory,
+        shared_memory: token != 0,
+        grad_file: grad.path().display().to_string(),
+        grad_token: token,
     };
-    let r0 = c.register(reg(0, true)).await.unwrap().into_inner();
+    let r = c
+        .register(reg(0, board_dir.token() ^ 4))
+        .await
+        .unwrap()
+        .into_inner();
     assert!(
-        !r0.shm_dir.is_empty(),
-        "a shard on this host offers shared memory"
+        !r.grad_shm,
+        "a board with another token (another host's) is not used"
     );
-    let r1 = c.register(reg(1, false)).await.unwrap().into_inner();
-    assert!(r1.shm_dir.is_empty(), "not offered when not asked for");
-    let shm_dir = Path::new(&r0.shm_dir);
-    let grad = Board::open(&grad_path(shm_dir, 0), r0.shm_token, n, 1).unwrap();
-    let params = Board::open(&params_path(shm_dir), r0.shm_token, n, 2).unwrap();
+    let r0 = c
+        .register(reg(0, board_dir.token()))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(r0.grad_shm && !r0.shm_dir.is_empty(), "{r0:?}");
+    let r1 = c
+        .register(RegisterRequest {
+            grad_file: String::new(),
+            ..reg(1, 0)
+        })
+        .await
+        .unwrap()
+        .into_inner();
     assert!(
-        Board::open(&grad_path(shm_dir, 0), r0.shm_token ^ 1, n, 1).is_err(),
-        "a wrong token is refused"
+        r1.shm_dir.is_empty() && !r1.grad_shm,
+        "not offered when not asked for"
     );
+    let params = Board::open(&params_path(Path::new(&r0.shm_dir)), r0.shm_token, n, 2).unwrap();
     let shm_header = |rank: u32| PushHeader {
         shm: true,
         ..header(rank, 0, n)
@@ -306,15 +328,14 @@ async fn shared_memory_pushes_are_validated_like_grpc_ones() {
 
     let g0: Vec<f32> = (0..n).map(|i| ((i % 13) as f32 - 6.0) * 0.01).collect();
     let g1: Vec<f32> = (0..n).map(|i| ((i % 7) as f32 - 3.0) * 0.02).collect();
-    let mut nan = g0.clone();
-    nan[5] = f32::NAN;
-    grad.write(0, 0, &nan);
+    grad.slot_mut(0).copy_from_slice(&g0);
+    grad.slot_mut(0)[5] = f32::NAN;
     expect_err(
         push(&mut c, shm_header(0), &[]).await,
         Code::InvalidArgument,
         "non-finite value NaN at index 5",
     );
-    grad.write(0, 0, &g0);
+    grad.slot_mut(0).copy_from_slice(&g0);
     expect_err(
         push(&mut c, shm_header(0), &g0).await,
         Code::InvalidArgument,
@@ -323,12 +344,16 @@ async fn shared_memory_pushes_are_validated_like_grpc_ones() {
     expect_err(
         push(&mut c, shm_header(1), &[]).await,
         Code::InvalidArgument,
-        "rank 1 pushed through shared memory but has no board",
+        "rank 1 pushed through shared memory but shard 0 has no gradient board of it",
     );
     let r = push(&mut c, shm_header(0), &[]).await.unwrap();
     assert_eq!((r.counted, r.ranks_in), (true, 1));
-    // the shard copied the gradient at the push: later writes to the board change nothing
-    grad.write(0, 0, &g1);
+    let r = push(&mut c, shm_header(0), &[]).await.unwrap();
+    assert_eq!(
+        (r.counted, r.ranks_in),
+        (false, 1),
+        "a retry is acknowledged"
+    );
     let r = push(&mut c, header(1, 0, n), &g1).await.unwrap();
     assert_eq!((r.counted, r.ranks_in), (true, 2));
 
@@ -362,7 +387,7 @@ async fn shared_memory_pushes_are_validated_like_grpc_ones() {
         );
     }
     assert!(
-        !params.read_version(0, &mut board_copy) || board_copy == before,
-        "slot 0 still holds version 0 until version 2 is written"
+        !params.read_version(2, &mut board_copy),
+        "version 2 does not exist yet"
     );
 }

@@ -32,6 +32,7 @@ use ps_common::config::{Config, LossReduction};
 use ps_common::launch::{LocalCluster, bin_dir};
 use ps_common::pb::parameter_server_client::ParameterServerClient;
 use ps_common::pb::{PullRequest, PushHeader, RegisterRequest};
+use ps_common::shm::{Board, BoardDir, grad_path};
 use ps_common::wire::{MAX_MESSAGE_BYTES, TensorReceiver, f32_to_bytes};
 use ps_server::shard::{PushMeta, Shard};
 use ps_server::{ShardSetup, run_shard};
@@ -345,22 +346,35 @@ fn bench_aggregation(
         &config_text(1, w, m, ENDLESS, &dir.join("out")),
     )?;
     let shard = Shard::new(&cfg, 0, ENDLESS);
+    // as workers on this host do: each has a gradient board that the shard reads in place,
+    // and the shard's parameters move into its shared-memory board
+    let root = ps_common::shm::shm_root().context("no /dev/shm: the bench mirrors local runs")?;
+    let mut boards = Vec::new();
     for r in 0..w {
+        let d = BoardDir::create(&root, &format!("bench-worker{r}"))?;
+        let b = Board::create(&grad_path(d.path()), d.token(), shard.num_params, 1)?;
         shard.register(r as u32)?;
-        // as the registration of a worker on this host does: the update then runs in the
-        // shared-memory board that such workers pull from
-        shard.offer_shm(r as u32)?;
+        shard
+            .offer_shm(r as u32)?
+            .context("the shard offers no shared memory")?;
+        if !shard.attach_grad(r as u32, b.path(), d.token())? {
+            bail!("the shard could not open the gradient board of rank {r}");
+        }
+        boards.push((d, b));
     }
     let len = shard.len();
     let bytes = w * len * 4;
     let (mut apply_s, mut step_s) = (Vec::new(), Vec::new());
     for rep in 0..=repeats {
-        // fresh gradients (accept takes ownership), written now so that their pages exist
-        let grads: Vec<Vec<f32>> = (0..w).map(|r| vec![1e-4 * (r + 1) as f32; len]).collect();
+        // the workers' backward passes write their gradients
+        for (r, (_, b)) in boards.iter_mut().enumerate() {
+            b.slot_mut(0)
+                .fill(1e-4 * (r + 1) as f32 + rep as f32 * 1e-7);
+        }
         let step = shard.version();
         let t0 = Instant::now();
         let mut ready = None;
-        for (r, g) in grads.into_iter().enumerate() {
+        for r in 0..w {
             let meta = PushMeta {
                 rank: r as u32,
                 step,
@@ -369,7 +383,8 @@ fn bench_aggregation(
                 correct: 0,
                 eval: (0, 0),
             };
-            let (_, slots) = shard.accept(meta, g, (rep as u64) << 8 | r as u64)?;
+            let (g, fingerprint) = shard.shm_grad(r as u32)?;
+            let (_, slots) = shard.accept(meta, g, fingerprint)?;
             if slots.is_some() {
                 ready = slots;
             }
@@ -424,7 +439,7 @@ fn bench_copy(n: usize, repeats: usize) -> Vec<f64> {
 
 fn table_aggregation(rows: &[Value]) -> String {
     let mut s = String::from(
-        "## 1. Aggregation + optimizer update (in process, one shard, S = 1, mean, plain SGD, parameters in the shared-memory board as with workers on the same host)\n\n\
+        "## 1. Aggregation + optimizer update (in process, one shard, S = 1, mean, plain SGD, parameters and gradients in shared-memory boards as with workers on the same host)\n\n\
          | model | W | shard params | gradient bytes in | apply ms | aggregation+update GB/s | memcpy ms (same bytes) | memcpy GB/s | ratio |\n\
          |---|---|---|---|---|---|---|---|---|\n",
     );
@@ -548,6 +563,8 @@ async fn register(c: &mut Client, cfg: &Config, rank: usize) -> anyhow::Result<u
             shard: 0,
             num_shards: 1,
             shared_memory: false,
+            grad_file: String::new(),
+            grad_token: 0,
         })
         .await
         .map_err(|s| anyhow::anyhow!("register refused: {}", s.message()))?;
