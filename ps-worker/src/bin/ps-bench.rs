@@ -2,8 +2,9 @@
 //! measured in the same run on the same machine.
 //!
 //! 1. **Aggregation + optimizer update**, in process: `Shard::accept` for W ranks, then
-//!    `Shard::apply` (mean of the W gradients in rank order, plain SGD, new snapshot), for one
-//!    shard (S = 1) of each model. Figure: gradient bytes consumed per second,
+//!    `Shard::apply` (mean of the W gradients in rank order, plain SGD), for one shard (S = 1)
+//!    of each model, set up as with workers on the same host: the gradients in the ranks'
+//!    shared-memory boards, the parameters in the shard's. Figure: gradient bytes consumed per second,
 //!    `W · len · 4 / (time of apply)`, beside a plain `copy_from_slice` of the same number of
 //!    bytes between two preallocated `Vec<f32>`.
 //! 2. **Push and pull through the real gRPC service**: a shard of the large model served by
@@ -13,6 +14,8 @@
 //!    then pushed untimed to complete the step. Also push + apply with W = 1 (what a lone
 //!    worker waits for). Beside a raw tokio TCP transfer of the same bytes over 127.0.0.1 into
 //!    a preallocated buffer (the sink acknowledges with one byte once it has everything).
+//!    Then the same pull and push through shared memory (`[cluster] transport = "auto"` with
+//!    workers on the shard's host): gRPC carries the header, the tensor stays in the boards.
 //! 3. **End-to-end training** with real `ps-server` and `ps-worker` processes (`LocalCluster`)
 //!    on the shipped MNIST, batch 64 per worker, plain SGD: median `step_ms` of shard 0's
 //!    `metrics.jsonl` after skipping the first steps, steps/s and samples/s; beside the same
@@ -32,7 +35,7 @@ use ps_common::config::{Config, LossReduction};
 use ps_common::launch::{LocalCluster, bin_dir};
 use ps_common::pb::parameter_server_client::ParameterServerClient;
 use ps_common::pb::{PullRequest, PushHeader, RegisterRequest};
-use ps_common::shm::{Board, BoardDir, grad_path};
+use ps_common::shm::{Board, BoardDir, grad_path, params_path};
 use ps_common::wire::{MAX_MESSAGE_BYTES, TensorReceiver, f32_to_bytes};
 use ps_server::shard::{PushMeta, Shard};
 use ps_server::{ShardSetup, run_shard};
@@ -608,6 +611,75 @@ async fn pull(c: &mut Client, version: u64) -> anyhow::Result<Vec<f32>> {
     Ok(rx.finish()?.0)
 }
 
+/// Registers `rank` for shared memory with its gradient board `board`.
+async fn register_shm(
+    c: &mut Client,
+    cfg: &Config,
+    rank: usize,
+    board: &Board,
+    token: u64,
+) -> anyhow::Result<ps_common::pb::RegisterReply> {
+    let reply = c
+        .register(RegisterRequest {
+            protocol_version: PROTOCOL_VERSION,
+            rank: rank as u32,
+            world_size: cfg.workers as u32,
+            num_params: cfg.layout().num_params() as u64,
+            shard: 0,
+            num_shards: 1,
+            shared_memory: true,
+            grad_file: board.path().display().to_string(),
+            grad_token: token,
+        })
+        .await
+        .map_err(|s| anyhow::anyhow!("register refused: {}", s.message()))?;
+    Ok(reply.into_inner())
+}
+
+/// Pulls version `version` through the shared-memory board into `w`, as the worker does.
+async fn pull_shm(
+    c: &mut Client,
+    version: u64,
+    params: &Board,
+    w: &mut [f32],
+) -> anyhow::Result<()> {
+    let mut stream = c
+        .pull(PullRequest {
+            min_version: version,
+            rank: 0,
+            shm: true,
+        })
+        .await
+        .map_err(|s| anyhow::anyhow!("pull of version {version} refused: {}", s.message()))?
+        .into_inner();
+    let h = stream
+        .message()
+        .await?
+        .and_then(|c| c.header)
+        .context("pull reply without a header")?;
+    if !h.shm || h.version != version || !params.read_version(version, w) {
+        bail!("version {version} not served through shared memory: {h:?}");
+    }
+    Ok(())
+}
+
+/// Pushes step `step` of `rank` as "in the gradient board", as the worker does.
+async fn push_shm(c: &Client, rank: usize, step: u64, len: usize) -> anyhow::Result<()> {
+    let header = PushHeader {
+        rank: rank as u32,
+        step,
+        samples: BATCH as u32,
+        loss_sum: 1.0,
+        correct: 0,
+        len: len as u64,
+        eval_correct: 0,
+        eval_count: 0,
+        shm: true,
+    };
+    ps_worker::worker::push_one(c.clone(), 0, header, Bytes::new(), CHUNK_BYTES).await?;
+    Ok(())
+}
+
 /// Pushes the already-encoded gradient `bytes` as step `step` of `rank`, in 1 MiB chunks,
 /// exactly as a worker does (`ps_worker::worker::push_one`).
 async fn push(c: &mut Client, rank: usize, step: u64, bytes: &Bytes) -> anyhow::Result<()> {
@@ -698,6 +770,51 @@ fn section_transfer(tmp: &Path, plan: &Plan) -> anyhow::Result<Vec<Value>> {
     })?;
     shard2.stop()?;
 
+    // W = 2 again, through shared memory as workers on this host do: the pull answers with a
+    // header and the worker copies the version out of the shard's board; the push sends a
+    // header and the shard checks the values in place in the worker's gradient board
+    let shard3 = InProcShard::start(cfg2.clone())?;
+    let root = ps_common::shm::shm_root().context("no /dev/shm for the shared-memory rows")?;
+    let (pull_shm_s, push_shm_s) = client_rt.block_on(async {
+        let mut links = Vec::new();
+        for r in 0..2 {
+            let d = BoardDir::create(&root, &format!("bench-worker{r}"))?;
+            let mut b = Board::create(&grad_path(d.path()), d.token(), len, 1)?;
+            b.slot_mut(0).fill(1e-6);
+            let mut c = connect(shard3.addr).await?;
+            let reply = register_shm(&mut c, &cfg2, r, &b, d.token()).await?;
+            if !reply.grad_shm || reply.shm_dir.is_empty() {
+                bail!("the in-process shard offered no shared memory: {reply:?}");
+            }
+            links.push((c, d, b, reply));
+        }
+        let reply = &links[0].3;
+        let params = Board::open(
+            &params_path(Path::new(&reply.shm_dir)),
+            reply.shm_token,
+            len,
+            2,
+        )
+        .map_err(|e| anyhow::anyhow!(e))?;
+        let mut w = vec![0f32; len];
+        let (mut pull_s, mut push_s) = (Vec::new(), Vec::new());
+        for t in 0..=reps as u64 {
+            wait_version(&mut links[0].0, &cfg2, t).await?;
+            let t0 = Instant::now();
+            pull_shm(&mut links[0].0, t, &params, &mut w).await?;
+            let t1 = Instant::now();
+            push_shm(&links[0].0, 0, t, len).await?;
+            let t2 = Instant::now();
+            push_shm(&links[1].0, 1, t, len).await?;
+            if t > 0 {
+                pull_s.push((t1 - t0).as_secs_f64());
+                push_s.push((t2 - t1).as_secs_f64());
+            }
+        }
+        Ok::<_, anyhow::Error>((pull_s, push_s))
+    })?;
+    shard3.stop()?;
+
     let tcp_s = tcp_baseline(&client_rt, nbytes, reps)?;
     drop(client_rt);
 
@@ -733,6 +850,18 @@ fn section_transfer(tmp: &Path, plan: &Plan) -> anyhow::Result<Vec<Value>> {
             "step t, W = 1: the reply comes after the aggregation and SGD update",
             &push_apply_s,
             push_apply,
+        ),
+        row(
+            "pull (shared memory)",
+            "as pull, W = 2: header through gRPC, the version copied out of the shard's board",
+            &pull_shm_s,
+            median(&pull_shm_s),
+        ),
+        row(
+            "push (shared memory)",
+            "as push: header through gRPC, the shard checks the worker's board in place",
+            &push_shm_s,
+            median(&push_shm_s),
         ),
         row(
             "raw TCP",
@@ -801,7 +930,7 @@ fn tcp_baseline(
 
 fn table_transfer(rows: &[Value]) -> String {
     let mut s = String::from(
-        "## 2. Push and pull through the gRPC service (in process, 127.0.0.1, large model, S = 1)\n\n\
+        "## 2. Push and pull through the gRPC service (in process, 127.0.0.1, large model, S = 1; the shared-memory rows move only a header through gRPC, so their ratio to TCP is not a like-for-like one)\n\n\
          | transfer | what exactly | bytes | ms | GB/s | raw TCP GB/s (same bytes) | ratio |\n\
          |---|---|---|---|---|---|---|\n",
     );
