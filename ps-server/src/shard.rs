@@ -532,13 +532,12 @@ impl Shard {
         opt: &mut OptState,
     ) -> f64 {
         let len = current.len();
-        let parts = parts_for(len);
-        let chunk = len.div_ceil(parts).max(1);
-        let pieces = next
-            .chunks_mut(chunk)
-            .zip(split_parts(&mut opt.m, chunk, parts))
-            .zip(split_parts(&mut opt.v, chunk, parts))
-            .enumerate();
+        let threads = parts_for(len);
+        // several pieces per thread, taken from a shared queue: a helper thread that starts
+        // late (the other core is busy) leaves its pieces to the others instead of making
+        // every one wait for it
+        let pieces = if threads == 1 { 1 } else { 4 * threads };
+        let chunk = len.div_ceil(pieces).max(1);
         let part = Part {
             optimizer: &self.optimizer,
             update,
@@ -546,25 +545,37 @@ impl Shard {
             grads,
             coeffs,
         };
-        let step_part =
-            |i: usize, p: &mut [f32], m: &mut [f32], v: &mut [f32]| part.run(i * chunk, p, m, v);
-        if parts == 1 {
-            return pieces.map(|(i, ((p, m), v))| step_part(i, p, m, v)).sum();
-        }
-        // the calling thread takes the first part; one spawned thread per other part
-        std::thread::scope(|scope| {
-            let mut pieces = pieces;
-            let (i0, ((p0, m0), v0)) = pieces.next().expect("at least one part");
-            let handles: Vec<_> = pieces
-                .map(|(i, ((p, m), v))| scope.spawn(move || step_part(i, p, m, v)))
-                .collect();
-            let first = step_part(i0, p0, m0, v0);
-            first
-                + handles
-                    .into_iter()
-                    .map(|h| h.join().expect("update thread"))
-                    .sum::<f64>()
-        })
+        let queue = Mutex::new(
+            next.chunks_mut(chunk)
+                .zip(split_parts(&mut opt.m, chunk, pieces))
+                .zip(split_parts(&mut opt.v, chunk, pieces))
+                .enumerate(),
+        );
+        let work = || {
+            let mut done = Vec::new();
+            loop {
+                let piece = queue.lock().unwrap_or_else(|p| p.into_inner()).next();
+                let Some((i, ((p, m), v))) = piece else {
+                    return done;
+                };
+                done.push((i, part.run(i * chunk, p, m, v)));
+            }
+        };
+        let mut sqs = if threads == 1 {
+            work()
+        } else {
+            std::thread::scope(|scope| {
+                let helpers: Vec<_> = (1..threads).map(|_| scope.spawn(work)).collect();
+                let mut all = work();
+                for h in helpers {
+                    all.extend(h.join().expect("update thread"));
+                }
+                all
+            })
+        };
+        // summed in piece order: the logged norm does not depend on which thread took what
+        sqs.sort_by_key(|&(i, _)| i);
+        sqs.iter().map(|&(_, sq)| sq).sum()
     }
 
     /// The current parameters as bytes for gRPC pulls, and their version: shared by every
@@ -866,7 +877,7 @@ fn block_of(v: &mut [f32], at: usize, end: usize) -> &mut [f32] {
 /// Below this many values a shard updates on one thread (spawning costs more than it saves).
 const PARALLEL_MIN: usize = 1 << 17;
 
-/// How many parts (threads) an update of `len` values uses.
+/// How many threads an update of `len` values uses.
 fn parts_for(len: usize) -> usize {
     if len < PARALLEL_MIN {
         return 1;
@@ -875,11 +886,11 @@ fn parts_for(len: usize) -> usize {
     cores.min(len / (PARALLEL_MIN / 2)).clamp(1, 8)
 }
 
-/// `parts` mutable pieces of `v` of `chunk` values each, or `parts` empty slices when `v` is
+/// `pieces` mutable pieces of `v` of `chunk` values each, or `pieces` empty slices when `v` is
 /// empty (an optimizer without that buffer).
-fn split_parts(v: &mut [f32], chunk: usize, parts: usize) -> Vec<&mut [f32]> {
+fn split_parts(v: &mut [f32], chunk: usize, pieces: usize) -> Vec<&mut [f32]> {
     if v.is_empty() {
-        (0..parts).map(|_| &mut [][..]).collect()
+        (0..pieces).map(|_| &mut [][..]).collect()
     } else {
         v.chunks_mut(chunk).collect()
     }
