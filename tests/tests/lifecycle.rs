@@ -80,15 +80,21 @@ fn ctrl_c_on_the_launcher_leaves_no_process_behind() {
         );
         std::thread::sleep(Duration::from_millis(50));
     }
-    let ours = || -> Vec<String> {
+    let ours_with_pids = || -> Vec<(String, String)> {
         let needle = path.display().to_string();
         std::fs::read_dir("/proc")
             .unwrap()
-            .filter_map(|e| std::fs::read(e.ok()?.path().join("cmdline")).ok())
-            .map(|c| String::from_utf8_lossy(&c).replace('\0', " "))
-            .filter(|c| c.contains(&needle))
+            .filter_map(|e| {
+                let e = e.ok()?;
+                let c = std::fs::read(e.path().join("cmdline")).ok()?;
+                Some((e.file_name().to_string_lossy().into_owned(), c))
+            })
+            .map(|(pid, c)| (pid, String::from_utf8_lossy(&c).replace('\0', " ")))
+            .filter(|(_, c)| c.contains(&needle))
             .collect()
     };
+    let ours = || -> Vec<String> { ours_with_pids().into_iter().map(|(_, c)| c).collect() };
+    let pids: Vec<String> = ours_with_pids().into_iter().map(|(p, _)| p).collect();
     assert_eq!(
         ours().len(),
         5,
@@ -116,6 +122,19 @@ fn ctrl_c_on_the_launcher_leaves_no_process_behind() {
     );
     std::thread::sleep(Duration::from_millis(200));
     assert!(ours().is_empty(), "left behind: {:?}", ours());
+    // nor their shared-memory boards: shards and workers remove them when stopped
+    if let Some(root) = ps_common::shm::shm_root() {
+        let left: Vec<String> = std::fs::read_dir(&root)
+            .unwrap()
+            .filter_map(|e| e.ok()?.file_name().into_string().ok())
+            .filter(|n| pids.iter().any(|p| n.contains(&format!("-pid{p}-"))))
+            .collect();
+        assert!(
+            left.is_empty(),
+            "boards left in {}: {left:?}",
+            root.display()
+        );
+    }
 }
 
 #[test]
