@@ -62,18 +62,9 @@ async fn pull(c: &mut Client, version: u64) -> Result<Vec<f32>, tonic::Status> {
     Ok(rx.finish().unwrap().0)
 }
 
-fn expect_err<T: std::fmt::Debug>(r: Result<T, tonic::Status>, code: Code, words: &str) {
-    let e = r.expect_err("expected a refusal");
-    assert_eq!(e.code(), code, "{e:?}");
-    assert!(
-        e.message().contains(words),
-        "message {:?} lacks {words:?}",
-        e.message()
-    );
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn live_server_refuses_bad_pushes_and_still_steps() {
+/// A live one-shard server for W = 2 (plain SGD, lr 0.5), a client, and the parameter count;
+/// keep the directory and the cluster alive while testing.
+async fn one_shard() -> (tempfile::TempDir, LocalCluster, Client, usize) {
     let spec = Spec {
         shards: 1,
         workers: 2,
@@ -89,9 +80,25 @@ async fn live_server_refuses_bad_pushes_and_still_steps() {
     cluster
         .start_servers(1, &[], Duration::from_secs(60))
         .unwrap();
-    let mut c = Client::connect(format!("http://{}", cluster.addrs[0]))
+    let c = Client::connect(format!("http://{}", cluster.addrs[0]))
         .await
         .unwrap();
+    (dir, cluster, c, n)
+}
+
+fn expect_err<T: std::fmt::Debug>(r: Result<T, tonic::Status>, code: Code, words: &str) {
+    let e = r.expect_err("expected a refusal");
+    assert_eq!(e.code(), code, "{e:?}");
+    assert!(
+        e.message().contains(words),
+        "message {:?} lacks {words:?}",
+        e.message()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn live_server_refuses_bad_pushes_and_still_steps() {
+    let (_dir, _cluster, mut c, n) = one_shard().await;
 
     let reg = |rank: u32| RegisterRequest {
         protocol_version: PROTOCOL_VERSION,
@@ -254,24 +261,7 @@ async fn live_server_refuses_bad_pushes_and_still_steps() {
 async fn shared_memory_pushes_are_validated_like_grpc_ones() {
     use ps_common::shm::{Board, BoardDir, grad_path, params_path, shm_root};
     use std::path::Path;
-    let spec = Spec {
-        shards: 1,
-        workers: 2,
-        hidden: vec![4],
-        steps: 2,
-        optimizer: "kind = \"sgd\"\nlr = 0.5".into(),
-        ..Spec::default()
-    };
-    let dir = tempfile::tempdir().unwrap();
-    let (path, cfg) = spec.write(dir.path());
-    let n = cfg.layout().num_params();
-    let mut cluster = LocalCluster::new(bin_dir(), path, Some(dir.path().join("logs")));
-    cluster
-        .start_servers(1, &[], Duration::from_secs(60))
-        .unwrap();
-    let mut c = Client::connect(format!("http://{}", cluster.addrs[0]))
-        .await
-        .unwrap();
+    let (_dir, _cluster, mut c, n) = one_shard().await;
     let root = shm_root().expect("/dev/shm on the test machine");
     let board_dir = BoardDir::create(&root, "test-worker0").unwrap();
     let mut grad = Board::create(&grad_path(board_dir.path()), board_dir.token(), n, 1).unwrap();

@@ -35,12 +35,13 @@ use ps_common::config::{Config, LossReduction};
 use ps_common::launch::{LocalCluster, bin_dir};
 use ps_common::pb::parameter_server_client::ParameterServerClient;
 use ps_common::pb::{PullRequest, PushHeader, RegisterRequest};
-use ps_common::shm::{Board, BoardDir, grad_path, params_path};
+use ps_common::shm::{Board, BoardDir, grad_path};
 use ps_common::wire::{MAX_MESSAGE_BYTES, TensorReceiver, f32_to_bytes};
 use ps_server::shard::{PushMeta, Shard};
 use ps_server::{ShardSetup, run_shard};
 use ps_worker::backend::Backend;
 use ps_worker::cpu::CpuBackend;
+use ps_worker::worker::{ShmLink, pull_all};
 use serde_json::{Value, json};
 use std::fmt::Write as _;
 use std::future::Future;
@@ -557,6 +558,17 @@ async fn connect(addr: SocketAddr) -> anyhow::Result<Client> {
 
 /// Registers `rank` (idempotent); returns the shard's version.
 async fn register(c: &mut Client, cfg: &Config, rank: usize) -> anyhow::Result<u64> {
+    Ok(register_with(c, cfg, rank, None).await?.version)
+}
+
+/// Registers `rank`, for shared memory with its gradient board when `board` (and its token)
+/// is given, as a worker on the shard's host does.
+async fn register_with(
+    c: &mut Client,
+    cfg: &Config,
+    rank: usize,
+    board: Option<(&Board, u64)>,
+) -> anyhow::Result<ps_common::pb::RegisterReply> {
     let reply = c
         .register(RegisterRequest {
             protocol_version: PROTOCOL_VERSION,
@@ -565,13 +577,13 @@ async fn register(c: &mut Client, cfg: &Config, rank: usize) -> anyhow::Result<u
             num_params: cfg.layout().num_params() as u64,
             shard: 0,
             num_shards: 1,
-            shared_memory: false,
-            grad_file: String::new(),
-            grad_token: 0,
+            shared_memory: board.is_some(),
+            grad_file: board.map_or_else(String::new, |(b, _)| b.path().display().to_string()),
+            grad_token: board.map_or(0, |(_, t)| t),
         })
         .await
         .map_err(|s| anyhow::anyhow!("register refused: {}", s.message()))?;
-    Ok(reply.into_inner().version)
+    Ok(reply.into_inner())
 }
 
 /// Waits until the shard has applied `version` steps (polling with registrations, which are
@@ -609,58 +621,6 @@ async fn pull(c: &mut Client, version: u64) -> anyhow::Result<Vec<f32>> {
         rx.push(ch.offset, &ch.data)?;
     }
     Ok(rx.finish()?.0)
-}
-
-/// Registers `rank` for shared memory with its gradient board `board`.
-async fn register_shm(
-    c: &mut Client,
-    cfg: &Config,
-    rank: usize,
-    board: &Board,
-    token: u64,
-) -> anyhow::Result<ps_common::pb::RegisterReply> {
-    let reply = c
-        .register(RegisterRequest {
-            protocol_version: PROTOCOL_VERSION,
-            rank: rank as u32,
-            world_size: cfg.workers as u32,
-            num_params: cfg.layout().num_params() as u64,
-            shard: 0,
-            num_shards: 1,
-            shared_memory: true,
-            grad_file: board.path().display().to_string(),
-            grad_token: token,
-        })
-        .await
-        .map_err(|s| anyhow::anyhow!("register refused: {}", s.message()))?;
-    Ok(reply.into_inner())
-}
-
-/// Pulls version `version` through the shared-memory board into `w`, as the worker does.
-async fn pull_shm(
-    c: &mut Client,
-    version: u64,
-    params: &Board,
-    w: &mut [f32],
-) -> anyhow::Result<()> {
-    let mut stream = c
-        .pull(PullRequest {
-            min_version: version,
-            rank: 0,
-            shm: true,
-        })
-        .await
-        .map_err(|s| anyhow::anyhow!("pull of version {version} refused: {}", s.message()))?
-        .into_inner();
-    let h = stream
-        .message()
-        .await?
-        .and_then(|c| c.header)
-        .context("pull reply without a header")?;
-    if !h.shm || h.version != version || !params.read_version(version, w) {
-        bail!("version {version} not served through shared memory: {h:?}");
-    }
-    Ok(())
 }
 
 /// Pushes step `step` of `rank` as "in the gradient board", as the worker does.
@@ -782,30 +742,24 @@ fn section_transfer(tmp: &Path, plan: &Plan) -> anyhow::Result<Vec<Value>> {
             let mut b = Board::create(&grad_path(d.path()), d.token(), len, 1)?;
             b.slot_mut(0).fill(1e-6);
             let mut c = connect(shard3.addr).await?;
-            let reply = register_shm(&mut c, &cfg2, r, &b, d.token()).await?;
-            if !reply.grad_shm || reply.shm_dir.is_empty() {
+            let reply = register_with(&mut c, &cfg2, r, Some((&b, d.token()))).await?;
+            let link = ShmLink::open(&reply, 0);
+            if link.describe() != "shared memory" {
                 bail!("the in-process shard offered no shared memory: {reply:?}");
             }
-            links.push((c, d, b, reply));
+            links.push(([c], link, d, b));
         }
-        let reply = &links[0].3;
-        let params = Board::open(
-            &params_path(Path::new(&reply.shm_dir)),
-            reply.shm_token,
-            len,
-            2,
-        )
-        .map_err(|e| anyhow::anyhow!(e))?;
         let mut w = vec![0f32; len];
         let (mut pull_s, mut push_s) = (Vec::new(), Vec::new());
         for t in 0..=reps as u64 {
-            wait_version(&mut links[0].0, &cfg2, t).await?;
+            wait_version(&mut links[0].0[0], &cfg2, t).await?;
             let t0 = Instant::now();
-            pull_shm(&mut links[0].0, t, &params, &mut w).await?;
+            let (clients, link, _, _) = &mut links[0];
+            pull_all(clients, std::slice::from_ref(link), &[0..len], t, &mut w).await?;
             let t1 = Instant::now();
-            push_shm(&links[0].0, 0, t, len).await?;
+            push_shm(&links[0].0[0], 0, t, len).await?;
             let t2 = Instant::now();
-            push_shm(&links[1].0, 1, t, len).await?;
+            push_shm(&links[1].0[0], 1, t, len).await?;
             if t > 0 {
                 pull_s.push((t1 - t0).as_secs_f64());
                 push_s.push((t2 - t1).as_secs_f64());
