@@ -755,7 +755,8 @@ fn section_transfer(tmp: &Path, plan: &Plan) -> anyhow::Result<Vec<Value>> {
             wait_version(&mut links[0].0[0], &cfg2, t).await?;
             let t0 = Instant::now();
             let (clients, link, _, _) = &mut links[0];
-            let range = std::slice::from_ref(&(0..len));
+            let whole = 0..len;
+            let range = std::slice::from_ref(&whole);
             pull_all(clients, std::slice::from_ref(link), range, t, &mut w).await?;
             let t1 = Instant::now();
             push_shm(&links[0].0[0], 0, t, len).await?;
