@@ -1,7 +1,9 @@
 //! The worker's loop: register with every shard (retrying with backoff, so start order does not
 //! matter), then for each step pull every shard's version `t` in parallel, compute the gradient
 //! of its slice of global batch `t`, and push each shard its part in parallel. At the end it
-//! evaluates the final weights on its slice of the test set and leaves.
+//! evaluates the final weights on its slice of the test set and leaves. With shards on the
+//! same host, tensors go through shared-memory boards and only headers through gRPC
+//! (`ps_common::shm`); each shard and direction falls back to gRPC on its own.
 
 use crate::backend::{Backend, StepStats};
 use anyhow::{Context, bail};
