@@ -97,6 +97,26 @@ struct RawConfig {
     server: RawServer,
     #[serde(default)]
     worker: RawWorker,
+    #[serde(default)]
+    checkpoint: RawCheckpoint,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct RawCheckpoint {
+    every: u64,
+    keep: usize,
+    dir: Option<PathBuf>,
+}
+
+impl Default for RawCheckpoint {
+    fn default() -> Self {
+        Self {
+            every: 0,
+            keep: 2,
+            dir: None,
+        }
+    }
 }
 
 #[derive(Debug, Deserialize)]
@@ -259,6 +279,17 @@ impl Default for RawWorker {
     }
 }
 
+/// Checkpoints: every shard writes its parameters and optimizer state every `every` steps.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CheckpointConfig {
+    /// Steps between checkpoints; 0 writes none (the final weights are always written).
+    pub every: u64,
+    /// Checkpoints kept per shard (older ones are deleted once a newer one is complete).
+    pub keep: usize,
+    /// Where they go; None: `<out_dir>/checkpoints` (following an `--out-dir` override).
+    pub dir: Option<PathBuf>,
+}
+
 /// Per-shard server settings.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ServerConfig {
@@ -330,6 +361,8 @@ pub struct Config {
     pub server: ServerConfig,
     /// Worker settings.
     pub worker: WorkerConfig,
+    /// Checkpoint settings.
+    pub checkpoint: CheckpointConfig,
 }
 
 impl Config {
@@ -489,6 +522,14 @@ impl Config {
             )));
         }
 
+        let ck = &raw.checkpoint;
+        if ck.keep == 0 {
+            return Err(err(
+                "[checkpoint] keep = 0: expected at least 1 (the newest checkpoint is what a resume needs)"
+                    .into(),
+            ));
+        }
+
         let cfg = Config {
             path: path.to_path_buf(),
             servers: c.servers.clone(),
@@ -521,8 +562,21 @@ impl Config {
                 threads: wk.threads,
                 connect_timeout_secs: wk.connect_timeout_secs,
             },
+            checkpoint: CheckpointConfig {
+                every: ck.every,
+                keep: ck.keep,
+                dir: ck.dir.as_deref().map(resolve),
+            },
         };
         Ok(cfg)
+    }
+
+    /// The directory of the shards' checkpoints.
+    pub fn checkpoint_dir(&self) -> PathBuf {
+        self.checkpoint
+            .dir
+            .clone()
+            .unwrap_or_else(|| self.server.out_dir.join("checkpoints"))
     }
 
     /// The model's layout.
@@ -638,7 +692,7 @@ impl Config {
             _ => unreachable!(),
         };
         format!(
-            "config {}: {} shards {:?}, {} workers, transport {}; {}; data {}; seed {}; global batch {} ({}), per-worker batches {:?}; {stop}{}; loss reduction {}, aggregation {}; optimizer {}; lr {}; log every {} steps, eval every {}",
+            "config {}: {} shards {:?}, {} workers, transport {}; {}; data {}; seed {}; global batch {} ({}), per-worker batches {:?}; {stop}{}; loss reduction {}, aggregation {}; optimizer {}; lr {}; log every {} steps, eval every {}; {}",
             self.path.display(),
             self.num_shards(),
             self.servers,
@@ -668,6 +722,16 @@ impl Config {
                 "run (at the end only)".to_string()
             } else {
                 format!("{} steps", self.eval_every)
+            },
+            if self.checkpoint.every == 0 {
+                "no checkpoints".to_string()
+            } else {
+                format!(
+                    "checkpoint every {} steps in {} (keep {})",
+                    self.checkpoint.every,
+                    self.checkpoint_dir().display(),
+                    self.checkpoint.keep
+                )
             },
         )
     }
@@ -943,6 +1007,20 @@ lr = 0.1
             .unwrap_err()
             .to_string();
         assert!(e.contains("[worker] device = \"gpu0\": expected"), "{e}");
+        let e = parse(&format!("{GOOD}[checkpoint]\nevery = 10\nkeep = 0\n"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("[checkpoint] keep = 0: expected at least 1"),
+            "{e}"
+        );
+        let e = parse(&GOOD.replace("workers = 4", "workers = 4\ntransport = \"tcp\""))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("[cluster] transport = \"tcp\": expected"), "{e}");
+        let c = parse(&format!("{GOOD}[checkpoint]\nevery = 10\n")).unwrap();
+        assert_eq!(c.checkpoint_dir(), c.server.out_dir.join("checkpoints"));
+        assert!(c.describe().contains("checkpoint every 10 steps"));
         let e = parse("not toml [").unwrap_err().to_string();
         assert!(e.starts_with("/etc/ps/run.toml: "), "{e}");
     }

@@ -3,11 +3,13 @@
 //! aggregates (`sum`, `mean` or sample-`weighted`) in fixed rank order, applies the optimizer,
 //! and serves the new version to pulls. Shard 0 also logs the cluster-wide convergence line.
 
+pub mod checkpoint;
 pub mod report;
 pub mod service;
 pub mod shard;
 
 use anyhow::Context;
+use checkpoint::{Identity, Saved};
 use ps_common::config::Config;
 use ps_common::pb::parameter_server_server::ParameterServerServer;
 use ps_common::wire::MAX_MESSAGE_BYTES;
@@ -42,6 +44,8 @@ pub struct ShardSetup {
     pub train_len: usize,
     /// Shard 0's address, for shards > 0 to report to.
     pub shard0: Option<String>,
+    /// The checkpoint to start from ([`load_checkpoint`]), instead of the initial weights.
+    pub resume_from: Option<Saved>,
 }
 
 /// Serves shard `setup.index` on `listener` until the run ends or `shutdown` resolves; writes
@@ -56,9 +60,11 @@ pub async fn run_shard(
         index,
         train_len,
         shard0,
+        resume_from,
     } = setup;
     let total_steps = cfg.total_steps(train_len)?;
-    let shard = Shard::new(&cfg, index, total_steps);
+    let resumed = resume_from.is_some();
+    let shard = Shard::starting_from(&cfg, index, total_steps, resume_from);
     let reporter = Reporter::spawn(ReporterConfig {
         shard: index,
         num_shards: cfg.num_shards(),
@@ -66,6 +72,7 @@ pub async fn run_shard(
         total_steps,
         log_every: cfg.log_every,
         metrics_file: (index == 0).then(|| cfg.server.out_dir.join("metrics.jsonl")),
+        append_metrics: resumed,
         shard0,
     });
     let all_left = Arc::new(Notify::new());
@@ -130,6 +137,35 @@ pub async fn run_shard(
         _ => {}
     }
     Ok(outcome)
+}
+
+/// The state shard `index` resumes from: the newest version of which every shard has a
+/// checkpoint in the config's checkpoint directory; the error says what is missing or wrong.
+pub fn load_checkpoint(cfg: &Config, index: usize, train_len: usize) -> anyhow::Result<Saved> {
+    let total_steps = cfg.total_steps(train_len)?;
+    let dir = cfg.checkpoint_dir();
+    let s = cfg.num_shards();
+    let version = checkpoint::latest_common(&dir, s).ok_or_else(|| {
+        anyhow::anyhow!(
+            "--resume: no version that all {s} shards have a checkpoint of in {} (expected files shard-<i>-of-{s}-v<version>.safetensors; [checkpoint] every must be set for a run to write them)",
+            dir.display()
+        )
+    })?;
+    if version > total_steps {
+        anyhow::bail!(
+            "--resume: the checkpoints in {} are at version {version}, past the end of this run ({total_steps} steps)",
+            dir.display()
+        );
+    }
+    let range = Shard::range_of(cfg, index);
+    let fresh = cfg.optimizer.init_state(range.len());
+    let saved = checkpoint::read(&dir, &Identity::of(cfg, index, range), version, &fresh)
+        .map_err(|e| anyhow::anyhow!("--resume: {e}"))?;
+    tracing::info!(
+        "shard {index}: resuming at version {version} from {}",
+        checkpoint::file(&dir, index, s, version).display()
+    );
+    Ok(saved)
 }
 
 /// Waits for the end of the run while watching the barrier: logs the missing ranks of a step
@@ -259,5 +295,6 @@ pub fn load_setup(
         cfg,
         index,
         shard0,
+        resume_from: None,
     })
 }

@@ -1,7 +1,7 @@
 //! `ps-server --config FILE --shard I`: one shard of the parameter server.
 
 use clap::Parser;
-use ps_server::{Outcome, load_setup, run_shard};
+use ps_server::{Outcome, load_checkpoint, load_setup, run_shard};
 use std::path::PathBuf;
 
 #[derive(Parser, Debug)]
@@ -28,6 +28,9 @@ struct Cli {
     /// Dataset directory instead of the config's `[data] dir` (decides the number of steps).
     #[arg(long)]
     data_dir: Option<PathBuf>,
+    /// Start from the newest checkpoint version that every shard has (see `[checkpoint]`).
+    #[arg(long)]
+    resume: bool,
 }
 
 fn main() -> std::process::ExitCode {
@@ -60,6 +63,10 @@ async fn serve(cli: Cli) -> anyhow::Result<Outcome> {
     let mut setup = load_setup(&cli.config, cli.shard, cli.shard0, cli.data_dir)?;
     if let Some(d) = cli.out_dir {
         setup.cfg.server.out_dir = d;
+    }
+    if cli.resume {
+        // before listening: a shard that cannot resume never looks ready to a launcher
+        setup.resume_from = Some(load_checkpoint(&setup.cfg, setup.index, setup.train_len)?);
     }
     if setup.index == 0 {
         tracing::info!("{}", setup.cfg.describe());

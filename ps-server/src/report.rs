@@ -46,6 +46,8 @@ pub struct ReporterConfig {
     pub log_every: u64,
     /// Shard 0's metrics file.
     pub metrics_file: Option<PathBuf>,
+    /// Append to it (a resumed run) instead of starting it afresh.
+    pub append_metrics: bool,
     /// Shard 0's address (for shards > 0).
     pub shard0: Option<String>,
 }
@@ -96,7 +98,12 @@ async fn run(cfg: ReporterConfig, mut rx: mpsc::UnboundedReceiver<Event>) {
             if let Some(d) = p.parent() {
                 std::fs::create_dir_all(d)?;
             }
-            std::fs::File::create(p)
+            std::fs::OpenOptions::new()
+                .create(true)
+                .write(true)
+                .append(cfg.append_metrics)
+                .truncate(!cfg.append_metrics)
+                .open(p)
         };
         open()
             .map_err(|e| tracing::warn!("cannot write metrics file {}: {e}", p.display()))

@@ -89,9 +89,12 @@ impl ShardService {
         if let Some(slots) = ready {
             // the step is applied and reported even if this push's caller goes away meanwhile
             let (shard, reporter) = (self.shard.clone(), self.reporter.clone());
-            tokio::task::spawn_blocking(move || reporter.step_done(shard.apply(slots)))
-                .await
-                .map_err(|e| PsError::Internal(format!("apply task failed: {e}")))?;
+            tokio::task::spawn_blocking(move || {
+                reporter.step_done(shard.apply(slots));
+                shard.checkpoint_if_due();
+            })
+            .await
+            .map_err(|e| PsError::Internal(format!("apply task failed: {e}")))?;
         }
         Ok(PushReply {
             counted: outcome.counted,

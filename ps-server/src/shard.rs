@@ -6,6 +6,7 @@
 //! the barrier-completing push moves the slots out, computes on a blocking thread, and puts
 //! the new parameters back.
 
+use crate::checkpoint::{self, Identity, Saved};
 use bytes::Bytes;
 use ps_common::config::Transport;
 use ps_common::config::{Aggregation, Config};
@@ -170,15 +171,47 @@ pub struct Shard {
     state: Mutex<State>,
     version_tx: watch::Sender<u64>,
     shm: Option<ShmHost>,
+    checkpoint: Option<CheckpointPlan>,
+}
+
+/// When and where this shard writes checkpoints.
+#[derive(Debug)]
+struct CheckpointPlan {
+    every: u64,
+    keep: usize,
+    dir: std::path::PathBuf,
+    id: Identity,
 }
 
 impl Shard {
     /// Builds shard `index` of `cfg` for a run of `total_steps`, with initial weights from the seed.
     pub fn new(cfg: &Config, index: usize, total_steps: u64) -> Arc<Self> {
+        Self::starting_from(cfg, index, total_steps, None)
+    }
+
+    /// The range of the flat vector that shard `index` of `cfg` holds.
+    pub fn range_of(cfg: &Config, index: usize) -> Range<usize> {
+        ps_common::layout::shard_ranges(cfg.layout().num_params(), cfg.num_shards())[index].clone()
+    }
+
+    /// Like [`Shard::new`], but from `saved` (a checkpoint) when given: its version, parameters
+    /// and optimizer state.
+    pub fn starting_from(
+        cfg: &Config,
+        index: usize,
+        total_steps: u64,
+        saved: Option<Saved>,
+    ) -> Arc<Self> {
         let layout = cfg.layout();
-        let range =
-            ps_common::layout::shard_ranges(layout.num_params(), cfg.num_shards())[index].clone();
-        let init = layout.init_range(cfg.seed, range.clone());
+        let range = Self::range_of(cfg, index);
+        let (version, init, opt) = match saved {
+            Some(s) => (s.version, s.params, s.opt),
+            None => {
+                let init = layout.init_range(cfg.seed, range.clone());
+                let opt = cfg.optimizer.init_state(init.len());
+                (0, init, opt)
+            }
+        };
         let w = cfg.workers;
         let shm = match (cfg.transport, shm_root()) {
             (Transport::Auto, Some(root)) => {
@@ -197,15 +230,14 @@ impl Shard {
             }
             _ => None,
         };
-        let opt = cfg.optimizer.init_state(init.len());
         let params = Arc::new(init);
-        let snapshot = Some((0, Bytes::from_owner(SharedParams(params.clone()))));
+        let snapshot = Some((version, Bytes::from_owner(SharedParams(params.clone()))));
         let store = Store::Heap {
             params,
             spare: None,
         };
         let state = State {
-            version: 0,
+            version,
             snapshot,
             spare: Vec::new(),
             opt,
@@ -230,8 +262,14 @@ impl Shard {
             optimizer: cfg.optimizer.clone(),
             schedule: cfg.schedule_for(total_steps),
             state: Mutex::new(state),
-            version_tx: watch::Sender::new(0),
+            version_tx: watch::Sender::new(version),
             shm,
+            checkpoint: (cfg.checkpoint.every > 0).then(|| CheckpointPlan {
+                every: cfg.checkpoint.every,
+                keep: cfg.checkpoint.keep,
+                dir: cfg.checkpoint_dir(),
+                id: Identity::of(cfg, index, Self::range_of(cfg, index)),
+            }),
         })
     }
 
@@ -707,6 +745,45 @@ impl Shard {
         // uses it (module docs of ps_common::shm).
         let fp = check_and_fingerprint(unsafe { &board.slot(0)[self.range.clone()] })?;
         Ok((Grad::Board(board), fp))
+    }
+
+    /// Writes a checkpoint of the current version if one is due (every `[checkpoint] every`
+    /// steps). Call it right after [`Shard::apply`], before the barrier-completing push is
+    /// answered: the next update cannot start before that push's worker pushes again, so the
+    /// state copied here is the version's. A failed write is logged, and training goes on.
+    pub fn checkpoint_if_due(&self) {
+        let Some(plan) = &self.checkpoint else {
+            return;
+        };
+        let version = self.version();
+        if version == 0 || !version.is_multiple_of(plan.every) {
+            return;
+        }
+        let started = Instant::now();
+        let opt = self.lock().opt.clone();
+        let written = self
+            .params()
+            .map_err(|e| e.to_string())
+            .and_then(|(v, params)| {
+                let saved = Saved {
+                    version: v,
+                    params,
+                    opt,
+                };
+                checkpoint::write(&plan.dir, &plan.id, &saved, plan.keep)
+            });
+        match written {
+            Ok(path) => tracing::info!(
+                "shard {}: checkpoint of version {version} written to {} in {:.0} ms",
+                self.index,
+                path.display(),
+                started.elapsed().as_secs_f64() * 1e3
+            ),
+            Err(e) => tracing::error!(
+                "shard {}: checkpoint of version {version} not written: {e}",
+                self.index
+            ),
+        }
     }
 
     /// Records that `rank` left with its final evaluation; returns true when every rank has.

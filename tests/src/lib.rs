@@ -48,6 +48,8 @@ pub struct Spec {
     pub server_extra: String,
     /// `[cluster] transport`: "auto" or "grpc".
     pub transport: &'static str,
+    /// More TOML at the end (e.g. a `[checkpoint]` table).
+    pub extra: String,
 }
 
 impl Default for Spec {
@@ -64,6 +66,7 @@ impl Default for Spec {
             train_extra: String::new(),
             server_extra: "barrier_timeout_secs = 120".into(),
             transport: "auto",
+            extra: String::new(),
         }
     }
 }
@@ -75,7 +78,7 @@ impl Spec {
             .map(|i| format!("\"127.0.0.1:{}\"", 1 + i))
             .collect();
         format!(
-            "[cluster]\nservers = [{}]\nworkers = {}\ntransport = \"{}\"\n\n[model]\nhidden = {:?}\n\n[data]\ndir = {:?}\n\n[train]\nseed = 7\nglobal_batch = {}\nsteps = {}\nloss_reduction = \"{}\"\naggregation = \"{}\"\nlog_every = 5\n{}\n\n[optimizer]\n{}\n\n[server]\nout_dir = {:?}\n{}\n",
+            "[cluster]\nservers = [{}]\nworkers = {}\ntransport = \"{}\"\n\n[model]\nhidden = {:?}\n\n[data]\ndir = {:?}\n\n[train]\nseed = 7\nglobal_batch = {}\nsteps = {}\nloss_reduction = \"{}\"\naggregation = \"{}\"\nlog_every = 5\n{}\n\n[optimizer]\n{}\n\n[server]\nout_dir = {:?}\n{}\n\n{}\n",
             servers.join(", "),
             self.workers,
             self.transport,
@@ -89,6 +92,7 @@ impl Spec {
             self.optimizer,
             out_dir.display().to_string(),
             self.server_extra,
+            self.extra,
         )
     }
 
@@ -110,6 +114,8 @@ pub struct Start {
     pub delay: Duration,
     /// Extra arguments for every worker (e.g. `--device=cuda`).
     pub worker_args: Vec<String>,
+    /// Extra arguments for every server (e.g. `--resume`).
+    pub server_args: Vec<String>,
 }
 
 /// Runs a whole cluster for the config at `path` to completion; returns its output directory.
@@ -118,7 +124,11 @@ pub fn run_cluster(path: &Path, cfg: &Config, start: &Start) -> PathBuf {
     let dir = path.parent().expect("config dir");
     let mut cluster = LocalCluster::new(bin_dir(), path.to_path_buf(), Some(dir.join("logs")));
     cluster
-        .start_servers(cfg.num_shards(), &[], Duration::from_secs(60))
+        .start_servers(
+            cfg.num_shards(),
+            &start.server_args,
+            Duration::from_secs(60),
+        )
         .unwrap_or_else(|e| panic!("{e}"));
     let order = start
         .order
@@ -126,7 +136,7 @@ pub fn run_cluster(path: &Path, cfg: &Config, start: &Start) -> PathBuf {
         .unwrap_or_else(|| (0..cfg.workers).collect());
     for r in order {
         cluster
-            .start_worker(r, cfg.workers, &[])
+            .start_worker(r, cfg.workers, &start.worker_args)
             .unwrap_or_else(|e| panic!("{e}"));
         std::thread::sleep(start.delay);
     }

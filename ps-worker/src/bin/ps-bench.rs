@@ -504,6 +504,7 @@ impl InProcShard {
                 index: 0,
                 train_len: 60_000,
                 shard0: None,
+                resume_from: None,
             };
             run_shard(setup, listener, async {
                 let _ = rx.await;

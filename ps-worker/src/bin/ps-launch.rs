@@ -1,7 +1,9 @@
 //! `ps-launch --config FILE`: runs a whole cluster on this machine (S shards and W workers as
 //! processes on 127.0.0.1), shows the servers' convergence log, and stops everything at the end
-//! or on Ctrl-C. `--check-reference` then runs the single-process reference and prints the
-//! largest relative weight difference.
+//! or on Ctrl-C. At the end it merges the shards' weights into `model.safetensors` (PyTorch
+//! names and shapes). `--resume` continues from the newest common checkpoint;
+//! `--check-reference` then runs the single-process reference and prints the largest relative
+//! weight difference; `--export` only merges the shards of a run that ran elsewhere.
 
 use anyhow::Context;
 use clap::Parser;
@@ -32,6 +34,12 @@ struct Cli {
     /// Extra arguments for every worker (e.g. `--device=auto`).
     #[arg(long, allow_hyphen_values = true)]
     worker_arg: Vec<String>,
+    /// Continue from the newest checkpoint that every shard has (`[checkpoint]`).
+    #[arg(long)]
+    resume: bool,
+    /// Do not train: merge the shard files of the output directory into `model.safetensors`.
+    #[arg(long, conflicts_with_all = ["resume", "check_reference"])]
+    export: bool,
 }
 
 static INTERRUPTED: AtomicBool = AtomicBool::new(false);
@@ -65,6 +73,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         .out_dir
         .clone()
         .unwrap_or_else(|| cfg.server.out_dir.clone());
+    if cli.export {
+        return export(&cfg, &out_dir);
+    }
     let logs = out_dir.join("logs");
     let (s, w) = (cfg.num_shards(), cfg.workers);
     eprintln!(
@@ -82,6 +93,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             args.push(d.display().to_string());
         }
     }
+    if cli.resume {
+        server_args.push("--resume".into());
+    }
     cluster.start_servers(s, &server_args, Duration::from_secs(60))?;
     for r in 0..w {
         cluster.start_worker(r, w, &worker_args)?;
@@ -94,6 +108,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         started.elapsed().as_secs_f64(),
         out_dir.display()
     );
+    export(&cfg, &out_dir)?;
     if cli.check_reference {
         let (diff, tensor) = ps_worker::reference::compare_with_reference(&cfg, &out_dir)
             .context("reference check")?;
@@ -102,5 +117,26 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             cfg.equivalence()
         );
     }
+    Ok(())
+}
+
+/// Merges the final shard files of `out_dir` into `out_dir/model.safetensors`, with the
+/// PyTorch names and shapes (`fc1.weight [out, in]`, ...), which `torch`/`safetensors` load.
+fn export(cfg: &Config, out_dir: &std::path::Path) -> anyhow::Result<()> {
+    let layout = cfg.layout();
+    let (flat, version) =
+        ps_common::weights::read_shards(out_dir, cfg.num_shards(), layout.num_params())?;
+    let path = out_dir.join("model.safetensors");
+    let meta = [
+        ("version".to_string(), version.to_string()),
+        ("model".to_string(), layout.describe()),
+    ]
+    .into();
+    ps_common::weights::write_model(&path, &layout, &flat, &meta)?;
+    eprintln!(
+        "ps-launch: {} at version {version} written to {}",
+        layout.describe(),
+        path.display()
+    );
     Ok(())
 }

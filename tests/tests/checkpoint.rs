@@ -1,0 +1,169 @@
+//! Checkpoints and resume with real processes: a run stopped and resumed from its checkpoints
+//! ends with bit-identical weights to a run that was never interrupted; the shards agree on
+//! the newest version they all have; a resume without checkpoints, or from another model's,
+//! is refused with a message that says what was expected; `ps-launch --export` merges the
+//! shards into one PyTorch-named `model.safetensors`.
+
+use ps_common::launch::{LocalCluster, bin_dir};
+use ps_tests::{Spec, Start, cluster_weights, run_cluster};
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+const CHECKPOINTS: &str = "[checkpoint]\nevery = 5\nkeep = 2";
+
+fn spec(steps: u64) -> Spec {
+    Spec {
+        shards: 2,
+        workers: 2,
+        global_batch: 32,
+        steps,
+        optimizer: "kind = \"adam\"\nlr = 0.01".into(),
+        extra: CHECKPOINTS.into(),
+        ..Spec::default()
+    }
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+fn resume() -> Start {
+    Start {
+        server_args: vec!["--resume".into()],
+        ..Start::default()
+    }
+}
+
+#[test]
+fn a_resumed_run_equals_an_uninterrupted_one_bit_for_bit() {
+    let straight = {
+        let dir = tempfile::tempdir().unwrap();
+        let (path, cfg) = spec(20).write(dir.path());
+        run_cluster(&path, &cfg, &Start::default());
+        cluster_weights(&cfg)
+    };
+
+    // the same run, stopped after 12 steps (checkpoints at versions 5 and 10), then resumed
+    let dir = tempfile::tempdir().unwrap();
+    let (path, cfg) = spec(12).write(dir.path());
+    run_cluster(&path, &cfg, &Start::default());
+    let ck = cfg.checkpoint_dir();
+    let mut names: Vec<String> = std::fs::read_dir(&ck)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    names.sort();
+    assert_eq!(
+        names,
+        [
+            "shard-0-of-2-v00000005.safetensors",
+            "shard-0-of-2-v00000010.safetensors",
+            "shard-1-of-2-v00000005.safetensors",
+            "shard-1-of-2-v00000010.safetensors",
+        ],
+        "every 5 steps, the 2 newest kept"
+    );
+    let backup = dir.path().join("checkpoints-at-12");
+    copy_dir(&ck, &backup);
+    let (path, cfg) = spec(20).write(dir.path());
+    run_cluster(&path, &cfg, &resume());
+    let log = std::fs::read_to_string(dir.path().join("logs/shard-0.log")).unwrap();
+    assert!(log.contains("resuming at version 10"), "{log}");
+    let worker = std::fs::read_to_string(dir.path().join("logs/worker-0.log")).unwrap();
+    assert!(worker.contains("starting at step 10 of 20"), "{worker}");
+    assert_eq!(
+        bits(&cluster_weights(&cfg)),
+        bits(&straight),
+        "resumed at 10 (Adam state restored) vs straight"
+    );
+    // the metrics file goes on: steps 1..12 of the first part, then 11..20
+    let metrics = std::fs::read_to_string(cfg.server.out_dir.join("metrics.jsonl")).unwrap();
+    assert_eq!(metrics.lines().count(), 22, "{metrics}");
+
+    // back to the checkpoints after 12 steps, but shard 1 lost its newest one: both shards
+    // resume from 5, the newest version they share
+    std::fs::remove_dir_all(&ck).unwrap();
+    copy_dir(&backup, &ck);
+    std::fs::remove_file(ck.join("shard-1-of-2-v00000010.safetensors")).unwrap();
+    run_cluster(&path, &cfg, &resume());
+    let log = std::fs::read_to_string(dir.path().join("logs/shard-1.log")).unwrap();
+    assert!(log.contains("resuming at version 5"), "{log}");
+    assert_eq!(
+        bits(&cluster_weights(&cfg)),
+        bits(&straight),
+        "resumed at 5"
+    );
+
+    // ps-launch --export: one file with PyTorch names, the same numbers
+    let out = Command::new(bin_dir().join("ps-launch"))
+        .arg("--config")
+        .arg(&path)
+        .arg("--export")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let model = ps_common::weights::read_model(
+        &cfg.server.out_dir.join("model.safetensors"),
+        &cfg.layout(),
+    )
+    .unwrap();
+    assert_eq!(bits(&model), bits(&straight));
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+    }
+}
+
+/// Starts shard 0 of `path` with `--resume` and returns its exit code and log.
+fn failed_resume(path: &Path, dir: &Path) -> (Option<i32>, String) {
+    let mut cluster = LocalCluster::new(bin_dir(), path.to_path_buf(), Some(dir.join("logs")));
+    let e = cluster
+        .start_servers(1, &["--resume".into()], Duration::from_secs(60))
+        .expect_err("the shard refuses to start");
+    let code = cluster.servers[0].status.and_then(|s| s.code());
+    (code, e.to_string())
+}
+
+#[test]
+fn a_resume_without_usable_checkpoints_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let one_shard = |hidden: Vec<usize>, optimizer: &str| Spec {
+        shards: 1,
+        workers: 1,
+        steps: 5,
+        hidden,
+        optimizer: optimizer.into(),
+        extra: CHECKPOINTS.into(),
+        ..Spec::default()
+    };
+    let (path, _) = one_shard(vec![8], "kind = \"sgd\"\nlr = 0.1").write(dir.path());
+    let (code, log) = failed_resume(&path, dir.path());
+    assert_eq!(code, Some(2), "{log}");
+    assert!(
+        log.contains("no version that all 1 shards have a checkpoint of"),
+        "{log}"
+    );
+
+    // a checkpoint written by a run with momentum: its state does not fit plain SGD
+    let (path, cfg) =
+        one_shard(vec![8], "kind = \"sgd\"\nlr = 0.1\nmomentum = 0.9").write(dir.path());
+    run_cluster(&path, &cfg, &Start::default());
+    let (path, _) = one_shard(vec![8], "kind = \"sgd\"\nlr = 0.1").write(dir.path());
+    let (code, log) = failed_resume(&path, dir.path());
+    assert_eq!(code, Some(2), "{log}");
+    assert!(
+        log.contains("metadata optimizer = \"sgd(momentum 0.9)\": expected \"sgd\""),
+        "{log}"
+    );
+    // another model (its range no longer matches)
+    let (path, _) =
+        one_shard(vec![9], "kind = \"sgd\"\nlr = 0.1\nmomentum = 0.9").write(dir.path());
+    let (code, log) = failed_resume(&path, dir.path());
+    assert_eq!(code, Some(2), "{log}");
+    assert!(log.contains("metadata end"), "{log}");
+}
