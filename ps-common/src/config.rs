@@ -126,6 +126,7 @@ struct RawCluster {
     workers: u32,
     #[serde(default = "default_transport")]
     transport: String,
+    token_file: Option<PathBuf>,
 }
 
 fn default_transport() -> String {
@@ -327,6 +328,8 @@ pub struct Config {
     pub servers: Vec<String>,
     /// How tensors travel between workers and shards.
     pub transport: Transport,
+    /// The shared token every request must carry (`[cluster] token_file`), if any.
+    pub token: Option<crate::auth::Token>,
     /// `W`.
     pub workers: usize,
     /// Model layer widths, input first.
@@ -412,6 +415,13 @@ impl Config {
                     "[cluster] transport = {other:?}: expected \"auto\" (shared memory between processes on one host, gRPC otherwise) or \"grpc\""
                 )));
             }
+        };
+        let token = match &c.token_file {
+            Some(f) => Some(
+                crate::auth::Token::read(&resolve(f))
+                    .map_err(|e| err(format!("[cluster] token_file: {e}")))?,
+            ),
+            None => None,
         };
         if c.workers == 0 {
             return Err(err(
@@ -535,6 +545,7 @@ impl Config {
             servers: c.servers.clone(),
             workers: w,
             transport,
+            token,
             dims,
             data_dir: resolve(&raw.data.dir),
             seed: t.seed,
@@ -692,12 +703,17 @@ impl Config {
             _ => unreachable!(),
         };
         format!(
-            "config {}: {} shards {:?}, {} workers, transport {}; {}; data {}; seed {}; global batch {} ({}), per-worker batches {:?}; {stop}{}; loss reduction {}, aggregation {}; optimizer {}; lr {}; log every {} steps, eval every {}; {}",
+            "config {}: {} shards {:?}, {} workers, transport {}, {}; {}; data {}; seed {}; global batch {} ({}), per-worker batches {:?}; {stop}{}; loss reduction {}, aggregation {}; optimizer {}; lr {}; log every {} steps, eval every {}; {}",
             self.path.display(),
             self.num_shards(),
             self.servers,
             self.workers,
             self.transport,
+            if self.token.is_some() {
+                "shared token required"
+            } else {
+                "no authentication"
+            },
             self.layout().describe(),
             self.data_dir.display(),
             self.seed,

@@ -99,6 +99,9 @@ pub enum PsError {
     /// A bug or an I/O failure on the server side.
     #[error("internal error: {0}")]
     Internal(String),
+    /// The request lacks the cluster's shared token, or carries another.
+    #[error("unauthenticated {0}")]
+    Unauthenticated(String),
 }
 
 impl PsError {
@@ -118,6 +121,7 @@ impl PsError {
             PsError::Timeout(_) => Code::DeadlineExceeded,
             PsError::Unavailable(_) => Code::Unavailable,
             PsError::Internal(_) => Code::Internal,
+            PsError::Unauthenticated(_) => Code::Unauthenticated,
         }
     }
 }

@@ -3,6 +3,7 @@
 //! the optimizers, the wire format of tensors, the typed errors and their gRPC status codes,
 //! and the helpers that start server and worker processes.
 
+pub mod auth;
 pub mod config;
 pub mod error;
 pub mod idx;

@@ -74,6 +74,7 @@ pub async fn run_shard(
         metrics_file: (index == 0).then(|| cfg.server.out_dir.join("metrics.jsonl")),
         append_metrics: resumed,
         shard0,
+        token: cfg.token.clone(),
     });
     let all_left = Arc::new(Notify::new());
     let svc = ShardService {
@@ -83,9 +84,12 @@ pub async fn run_shard(
         chunk_bytes: cfg.server.chunk_bytes,
         all_left: all_left.clone(),
     };
-    let server = ParameterServerServer::new(svc)
-        .max_decoding_message_size(MAX_MESSAGE_BYTES)
-        .max_encoding_message_size(MAX_MESSAGE_BYTES);
+    let server = tonic::service::interceptor::InterceptedService::new(
+        ParameterServerServer::new(svc)
+            .max_decoding_message_size(MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(MAX_MESSAGE_BYTES),
+        ps_common::auth::CheckToken::new(cfg.token.as_ref(), index),
+    );
     tracing::info!(
         "shard {index}/{}: parameters {}..{} ({} values) of {}, {} steps, listening on {}",
         cfg.num_shards(),

@@ -5,6 +5,7 @@
 //! and timing, and reports to shard 0.
 
 use crate::shard::StepFigures;
+use ps_common::auth::AddToken;
 use ps_common::pb::StepReport;
 use ps_common::pb::parameter_server_client::ParameterServerClient;
 use serde_json::json;
@@ -50,6 +51,8 @@ pub struct ReporterConfig {
     pub append_metrics: bool,
     /// Shard 0's address (for shards > 0).
     pub shard0: Option<String>,
+    /// The cluster's token, for the reports to shard 0.
+    pub token: Option<ps_common::auth::Token>,
 }
 
 impl Reporter {
@@ -250,9 +253,15 @@ async fn forward_to_shard0(cfg: ReporterConfig, mut rx: mpsc::UnboundedReceiver<
         };
         let Some(addr) = &cfg.shard0 else { continue };
         if client.is_none() {
-            client = ParameterServerClient::connect(format!("http://{addr}"))
-                .await
-                .ok();
+            let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+                .ok()
+                .map(|e| e.connect_timeout(Duration::from_secs(5)));
+            client = match endpoint {
+                Some(e) => e.connect().await.ok().map(|ch| {
+                    ParameterServerClient::with_interceptor(ch, AddToken::new(cfg.token.as_ref()))
+                }),
+                None => None,
+            };
         }
         let sent = match client.as_mut() {
             Some(c) => c

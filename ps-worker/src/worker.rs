@@ -23,10 +23,10 @@ use ps_common::wire::{MAX_MESSAGE_BYTES, chunks, decode_chunk_into, f32_to_bytes
 use std::ops::Range;
 use std::path::Path;
 use std::time::{Duration, Instant};
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Endpoint;
 use tonic::{Code, Status};
 
-type Client = ParameterServerClient<Channel>;
+use ps_common::auth::{AddToken, Client, Token};
 
 /// Everything a worker needs.
 pub struct WorkerSetup {
@@ -57,8 +57,13 @@ pub struct Timing {
     pub push: Duration,
 }
 
-/// Opens a channel to `addr` with the flow-control windows sized for large tensors.
-pub async fn connect(addr: &str, timeout: Duration) -> anyhow::Result<Client> {
+/// Opens a channel to `addr` with the flow-control windows sized for large tensors; every
+/// request carries `token` when there is one.
+pub async fn connect(
+    addr: &str,
+    timeout: Duration,
+    token: Option<&Token>,
+) -> anyhow::Result<Client> {
     let endpoint = Endpoint::from_shared(format!("http://{addr}"))
         .with_context(|| format!("bad server address {addr:?}: expected host:port"))?
         .initial_stream_window_size(8 << 20)
@@ -71,9 +76,11 @@ pub async fn connect(addr: &str, timeout: Duration) -> anyhow::Result<Client> {
     loop {
         match endpoint.connect().await {
             Ok(ch) => {
-                return Ok(ParameterServerClient::new(ch)
-                    .max_decoding_message_size(MAX_MESSAGE_BYTES)
-                    .max_encoding_message_size(MAX_MESSAGE_BYTES));
+                return Ok(
+                    ParameterServerClient::with_interceptor(ch, AddToken::new(token))
+                        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+                        .max_encoding_message_size(MAX_MESSAGE_BYTES),
+                );
             }
             Err(e) if start.elapsed() < timeout => {
                 tracing::debug!("connecting to {addr}: {e}; retrying in {delay:?}");
@@ -126,7 +133,7 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
     let mut links = Vec::with_capacity(servers.len());
     let mut start_step = u64::MAX;
     for (s, addr) in servers.iter().enumerate() {
-        let mut c = connect(addr, connect_timeout).await?;
+        let mut c = connect(addr, connect_timeout, cfg.token.as_ref()).await?;
         let req = RegisterRequest {
             protocol_version: PROTOCOL_VERSION,
             rank: rank as u32,

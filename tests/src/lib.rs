@@ -50,6 +50,8 @@ pub struct Spec {
     pub transport: &'static str,
     /// More TOML at the end (e.g. a `[checkpoint]` table).
     pub extra: String,
+    /// Extra `[cluster]` lines.
+    pub cluster_extra: String,
 }
 
 impl Default for Spec {
@@ -67,6 +69,7 @@ impl Default for Spec {
             server_extra: "barrier_timeout_secs = 120".into(),
             transport: "auto",
             extra: String::new(),
+            cluster_extra: String::new(),
         }
     }
 }
@@ -78,10 +81,11 @@ impl Spec {
             .map(|i| format!("\"127.0.0.1:{}\"", 1 + i))
             .collect();
         format!(
-            "[cluster]\nservers = [{}]\nworkers = {}\ntransport = \"{}\"\n\n[model]\nhidden = {:?}\n\n[data]\ndir = {:?}\n\n[train]\nseed = 7\nglobal_batch = {}\nsteps = {}\nloss_reduction = \"{}\"\naggregation = \"{}\"\nlog_every = 5\n{}\n\n[optimizer]\n{}\n\n[server]\nout_dir = {:?}\n{}\n\n{}\n",
+            "[cluster]\nservers = [{}]\nworkers = {}\ntransport = \"{}\"\n{}\n\n[model]\nhidden = {:?}\n\n[data]\ndir = {:?}\n\n[train]\nseed = 7\nglobal_batch = {}\nsteps = {}\nloss_reduction = \"{}\"\naggregation = \"{}\"\nlog_every = 5\n{}\n\n[optimizer]\n{}\n\n[server]\nout_dir = {:?}\n{}\n\n{}\n",
             servers.join(", "),
             self.workers,
             self.transport,
+            self.cluster_extra,
             self.hidden,
             mnist_dir().display().to_string(),
             self.global_batch,

@@ -51,9 +51,9 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::{Duration, Instant, SystemTime};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Endpoint;
 
-type Client = ParameterServerClient<Channel>;
+use ps_common::auth::{AddToken, Client};
 
 /// Streamed chunk size, as the worker and the server use by default.
 const CHUNK_BYTES: usize = 1 << 20;
@@ -552,9 +552,11 @@ async fn connect(addr: SocketAddr) -> anyhow::Result<Client> {
         .connect()
         .await
         .with_context(|| format!("connecting to the in-process shard at {addr}"))?;
-    Ok(ParameterServerClient::new(ch)
-        .max_decoding_message_size(MAX_MESSAGE_BYTES)
-        .max_encoding_message_size(MAX_MESSAGE_BYTES))
+    Ok(
+        ParameterServerClient::with_interceptor(ch, AddToken::default())
+            .max_decoding_message_size(MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(MAX_MESSAGE_BYTES),
+    )
 }
 
 /// Registers `rank` (idempotent); returns the shard's version.

@@ -1,0 +1,170 @@
+//! The cluster's shared token (`[cluster] token_file`): every worker request and every
+//! shard-to-shard report carries `authorization: Bearer <token>`, and a shard refuses a request
+//! without it, or with another, as `UNAUTHENTICATED` (compared in constant time; logged with the
+//! peer's address, never with the token). Without a token file nothing is checked: keep such a
+//! cluster on loopback or a trusted network.
+
+use crate::error::PsError;
+use crate::pb::parameter_server_client::ParameterServerClient;
+use std::fmt;
+use std::path::Path;
+use std::sync::Arc;
+use tonic::metadata::AsciiMetadataValue;
+use tonic::service::Interceptor;
+use tonic::service::interceptor::InterceptedService;
+use tonic::transport::Channel;
+use tonic::{Request, Status};
+
+/// A client of a shard, with the cluster's token on every request.
+pub type Client = ParameterServerClient<InterceptedService<Channel, AddToken>>;
+
+/// The shared token, kept out of `Debug` output and logs.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Token(Arc<str>);
+
+impl fmt::Debug for Token {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Token(<redacted>)")
+    }
+}
+
+impl Token {
+    /// Reads the token from `path` (surrounding whitespace trimmed); the error says what was
+    /// expected, never what the file holds.
+    pub fn read(path: &Path) -> Result<Self, String> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| format!("cannot read the token file {}: {e}", path.display()))?;
+        let t = text.trim();
+        if t.len() < 16 || !t.bytes().all(|b| b.is_ascii_graphic()) {
+            return Err(format!(
+                "token file {}: expected one token of at least 16 printable ASCII characters without spaces (e.g. `openssl rand -hex 32`)",
+                path.display()
+            ));
+        }
+        Ok(Self(t.into()))
+    }
+
+    fn header(&self) -> String {
+        format!("Bearer {}", self.0)
+    }
+}
+
+/// Client side: adds the token to every request (nothing without one).
+#[derive(Clone, Debug, Default)]
+pub struct AddToken(Option<AsciiMetadataValue>);
+
+impl AddToken {
+    /// Adds `token`, if any.
+    pub fn new(token: Option<&Token>) -> Self {
+        Self(token.map(|t| {
+            t.header()
+                .parse()
+                .expect("a token of printable ASCII is a valid header value")
+        }))
+    }
+}
+
+impl Interceptor for AddToken {
+    fn call(&mut self, mut req: Request<()>) -> Result<Request<()>, Status> {
+        if let Some(v) = &self.0 {
+            req.metadata_mut().insert("authorization", v.clone());
+        }
+        Ok(req)
+    }
+}
+
+/// Server side: refuses every request that does not carry the token (accepts all without one).
+#[derive(Clone, Debug, Default)]
+pub struct CheckToken {
+    expected: Option<Arc<[u8]>>,
+    shard: usize,
+}
+
+impl CheckToken {
+    /// The check of shard `shard` for `token`, if any.
+    pub fn new(token: Option<&Token>, shard: usize) -> Self {
+        Self {
+            expected: token.map(|t| t.header().into_bytes().into()),
+            shard,
+        }
+    }
+}
+
+impl Interceptor for CheckToken {
+    fn call(&mut self, req: Request<()>) -> Result<Request<()>, Status> {
+        let Some(expected) = &self.expected else {
+            return Ok(req);
+        };
+        let got = req
+            .metadata()
+            .get("authorization")
+            .map_or(&[][..], |v| v.as_bytes());
+        if constant_time_eq(got, expected) {
+            return Ok(req);
+        }
+        let peer = req
+            .remote_addr()
+            .map_or_else(|| "an unknown peer".to_string(), |a| a.to_string());
+        let what = if got.is_empty() {
+            "without a token"
+        } else {
+            "with a wrong token"
+        };
+        tracing::warn!("shard {}: refused a request from {peer} {what}", self.shard);
+        Err(PsError::Unauthenticated(format!(
+            "request {what}: expected the cluster's shared token (`authorization: Bearer <token>`, from [cluster] token_file)"
+        ))
+        .into())
+    }
+}
+
+/// `a == b`, in a time that depends on the lengths only, not on where they differ.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    let mut diff = u8::from(a.len() != b.len());
+    for (i, &y) in b.iter().enumerate() {
+        diff |= a.get(i).copied().unwrap_or(0) ^ y;
+    }
+    diff == 0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tokens_are_checked_redacted_and_validated() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("token");
+        std::fs::write(&p, "0123456789abcdef0123\n").unwrap();
+        let t = Token::read(&p).unwrap();
+        assert_eq!(format!("{t:?}"), "Token(<redacted>)");
+        std::fs::write(&p, "short").unwrap();
+        let e = Token::read(&p).unwrap_err();
+        assert!(e.contains("at least 16") && !e.contains("short"), "{e}");
+        std::fs::write(&p, "has a space in the middle!").unwrap();
+        assert!(Token::read(&p).is_err());
+        assert!(Token::read(&dir.path().join("missing")).is_err());
+
+        let mut add = AddToken::new(Some(&t));
+        let mut check = CheckToken::new(Some(&t), 0);
+        let req = add.call(Request::new(())).unwrap();
+        assert!(check.call(req).is_ok());
+        let e = check.call(Request::new(())).unwrap_err();
+        assert_eq!(e.code(), tonic::Code::Unauthenticated);
+        assert!(e.message().contains("without a token"), "{e:?}");
+        std::fs::write(&p, "0123456789abcdef0124").unwrap();
+        let other = Token::read(&p).unwrap();
+        let req = AddToken::new(Some(&other)).call(Request::new(())).unwrap();
+        let e = check.call(req).unwrap_err();
+        assert!(
+            e.message().contains("wrong token") && !e.message().contains("0123"),
+            "{e:?}"
+        );
+        // no token configured: nothing is checked
+        assert!(CheckToken::new(None, 0).call(Request::new(())).is_ok());
+        assert!(constant_time_eq(b"abc", b"abc"));
+        assert!(!constant_time_eq(b"abc", b"abd"));
+        assert!(!constant_time_eq(b"ab", b"abc"));
+        assert!(!constant_time_eq(b"abcd", b"abc"));
+    }
+}
