@@ -247,6 +247,7 @@ struct RawServer {
     pull_timeout_secs: f64,
     linger_secs: f64,
     chunk_bytes: usize,
+    metrics_addrs: Vec<String>,
 }
 
 impl Default for RawServer {
@@ -258,6 +259,7 @@ impl Default for RawServer {
             pull_timeout_secs: 600.0,
             linger_secs: 30.0,
             chunk_bytes: crate::wire::DEFAULT_CHUNK_BYTES,
+            metrics_addrs: Vec::new(),
         }
     }
 }
@@ -306,6 +308,8 @@ pub struct ServerConfig {
     pub linger_secs: f64,
     /// Payload bytes per streamed chunk.
     pub chunk_bytes: usize,
+    /// Where shard `i` serves Prometheus metrics (`GET /metrics`): none, or one per shard.
+    pub metrics_addrs: Vec<String>,
 }
 
 /// Per-worker settings.
@@ -513,6 +517,13 @@ impl Config {
                 crate::wire::MAX_MESSAGE_BYTES / 2
             )));
         }
+        if !s.metrics_addrs.is_empty() && s.metrics_addrs.len() != c.servers.len() {
+            return Err(err(format!(
+                "[server] metrics_addrs has {} addresses: expected none or one per shard ({})",
+                s.metrics_addrs.len(),
+                c.servers.len()
+            )));
+        }
         let wk = &raw.worker;
         let device_ok = matches!(wk.device.as_str(), "cpu" | "cuda" | "auto")
             || wk
@@ -567,6 +578,7 @@ impl Config {
                 pull_timeout_secs: s.pull_timeout_secs,
                 linger_secs: s.linger_secs,
                 chunk_bytes: s.chunk_bytes,
+                metrics_addrs: s.metrics_addrs.clone(),
             },
             worker: WorkerConfig {
                 device: wk.device.clone(),

@@ -4,6 +4,7 @@
 //! and serves the new version to pulls. Shard 0 also logs the cluster-wide convergence line.
 
 pub mod checkpoint;
+pub mod exporter;
 pub mod report;
 pub mod service;
 pub mod shard;
@@ -46,6 +47,8 @@ pub struct ShardSetup {
     pub shard0: Option<String>,
     /// The checkpoint to start from ([`load_checkpoint`]), instead of the initial weights.
     pub resume_from: Option<Saved>,
+    /// Serve `GET /metrics` (Prometheus) on this address (`host:0` picks a free port).
+    pub metrics_listen: Option<String>,
 }
 
 /// Serves shard `setup.index` on `listener` until the run ends or `shutdown` resolves; writes
@@ -61,6 +64,7 @@ pub async fn run_shard(
         train_len,
         shard0,
         resume_from,
+        metrics_listen,
     } = setup;
     let total_steps = cfg.total_steps(train_len)?;
     let resumed = resume_from.is_some();
@@ -77,12 +81,27 @@ pub async fn run_shard(
         token: cfg.token.clone(),
     });
     let all_left = Arc::new(Notify::new());
+    let metrics = Arc::new(exporter::Metrics::new(index, total_steps, shard.version()));
+    let exporter = match &metrics_listen {
+        Some(addr) => {
+            let l = TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("cannot listen for /metrics on {addr}"))?;
+            tracing::info!(
+                "shard {index}: Prometheus metrics on http://{}/metrics",
+                l.local_addr()?
+            );
+            Some(tokio::spawn(exporter::serve(l, metrics.clone())))
+        }
+        None => None,
+    };
     let svc = ShardService {
         shard: shard.clone(),
         reporter: reporter.clone(),
         pull_timeout: Duration::from_secs_f64(cfg.server.pull_timeout_secs),
         chunk_bytes: cfg.server.chunk_bytes,
         all_left: all_left.clone(),
+        metrics,
     };
     let server = tonic::service::interceptor::InterceptedService::new(
         ParameterServerServer::new(svc)
@@ -133,6 +152,9 @@ pub async fn run_shard(
             );
             shard.fail("the shard was interrupted".into());
         }
+    }
+    if let Some(e) = exporter {
+        e.abort();
     }
     let _ = stop_tx.send(());
     match tokio::time::timeout(Duration::from_secs(5), serve).await {
@@ -294,11 +316,13 @@ pub fn load_setup(
         );
     }
     let shard0 = shard0.or_else(|| (index > 0).then(|| cfg.servers[0].clone()));
+    let cfg_metrics = cfg.server.metrics_addrs.get(index).cloned();
     Ok(ShardSetup {
         train_len,
         cfg,
         index,
         shard0,
         resume_from: None,
+        metrics_listen: cfg_metrics,
     })
 }

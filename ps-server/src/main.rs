@@ -31,6 +31,10 @@ struct Cli {
     /// Start from the newest checkpoint version that every shard has (see `[checkpoint]`).
     #[arg(long)]
     resume: bool,
+    /// Serve Prometheus metrics on `GET /metrics` here (instead of `[server] metrics_addrs[I]`;
+    /// `127.0.0.1:0` picks a free port, logged).
+    #[arg(long)]
+    metrics_listen: Option<String>,
 }
 
 fn main() -> std::process::ExitCode {
@@ -63,6 +67,9 @@ async fn serve(cli: Cli) -> anyhow::Result<Outcome> {
     let mut setup = load_setup(&cli.config, cli.shard, cli.shard0, cli.data_dir)?;
     if let Some(d) = cli.out_dir {
         setup.cfg.server.out_dir = d;
+    }
+    if cli.metrics_listen.is_some() {
+        setup.metrics_listen = cli.metrics_listen;
     }
     if cli.resume {
         // before listening: a shard that cannot resume never looks ready to a launcher

@@ -2,6 +2,7 @@
 //! that shards send to shard 0. Handlers validate and delegate to [`Shard`]; errors are
 //! [`PsError`]s turned into statuses in one place (`ps_common::error`).
 
+use crate::exporter::Metrics;
 use crate::report::Reporter;
 use crate::shard::{Grad, PushMeta, Shard};
 use bytes::Bytes;
@@ -32,6 +33,8 @@ pub struct ShardService {
     pub chunk_bytes: usize,
     /// Notified when every worker has left after the last step.
     pub all_left: Arc<Notify>,
+    /// What `GET /metrics` shows.
+    pub metrics: Arc<Metrics>,
 }
 
 impl ShardService {
@@ -89,8 +92,11 @@ impl ShardService {
         if let Some(slots) = ready {
             // the step is applied and reported even if this push's caller goes away meanwhile
             let (shard, reporter) = (self.shard.clone(), self.reporter.clone());
+            let metrics = self.metrics.clone();
             tokio::task::spawn_blocking(move || {
-                reporter.step_done(shard.apply(slots));
+                let figures = shard.apply(slots);
+                metrics.step(&figures);
+                reporter.step_done(figures);
                 shard.checkpoint_if_due();
             })
             .await
@@ -284,8 +290,12 @@ impl ParameterServer for ShardService {
         request: Request<Streaming<PushChunk>>,
     ) -> Result<Response<PushReply>, Status> {
         match self.push_inner(request.into_inner()).await {
-            Ok(r) => Ok(Response::new(r)),
+            Ok(r) => {
+                self.metrics.accepted();
+                Ok(Response::new(r))
+            }
             Err(e) => {
+                self.metrics.refused(e.code());
                 tracing::warn!(shard = self.shard.index, "push refused: {e}");
                 Err(e.into())
             }

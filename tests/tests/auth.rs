@@ -83,5 +83,8 @@ async fn requests_without_the_token_are_refused() {
     cluster.kill_all();
     let log = std::fs::read_to_string(dir.path().join("logs/shard-0.log")).unwrap();
     assert!(log.contains("refused a request from 127.0.0.1"), "{log}");
-    assert!(!log.contains(TOKEN), "the token leaked into the log:\n{log}");
+    assert!(
+        !log.contains(TOKEN),
+        "the token leaked into the log:\n{log}"
+    );
 }

@@ -65,6 +65,11 @@ async fn pull(c: &mut Client, version: u64) -> Result<Vec<f32>, tonic::Status> {
 /// A live one-shard server for W = 2 (plain SGD, lr 0.5), a client, and the parameter count;
 /// keep the directory and the cluster alive while testing.
 async fn one_shard() -> (tempfile::TempDir, LocalCluster, Client, usize) {
+    one_shard_with(&[]).await
+}
+
+/// [`one_shard`] with extra arguments for the server.
+async fn one_shard_with(args: &[String]) -> (tempfile::TempDir, LocalCluster, Client, usize) {
     let spec = Spec {
         shards: 1,
         workers: 2,
@@ -78,7 +83,7 @@ async fn one_shard() -> (tempfile::TempDir, LocalCluster, Client, usize) {
     let n = cfg.layout().num_params();
     let mut cluster = LocalCluster::new(bin_dir(), path, Some(dir.path().join("logs")));
     cluster
-        .start_servers(1, &[], Duration::from_secs(60))
+        .start_servers(1, args, Duration::from_secs(60))
         .unwrap();
     let c = Client::connect(format!("http://{}", cluster.addrs[0]))
         .await
@@ -380,4 +385,93 @@ async fn shared_memory_pushes_are_validated_like_grpc_ones() {
         !params.read_version(2, &mut board_copy),
         "version 2 does not exist yet"
     );
+}
+
+/// `GET path` on `addr`; the status line and the body.
+async fn http_get(addr: &str, path: &str) -> (String, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut sock = tokio::net::TcpStream::connect(addr).await.unwrap();
+    sock.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let mut text = String::new();
+    sock.read_to_string(&mut text).await.unwrap();
+    let (head, body) = text.split_once("\r\n\r\n").unwrap();
+    (head.lines().next().unwrap().to_string(), body.to_string())
+}
+
+/// The value of the sample `name{shard="0"<labels>}` in a Prometheus text exposition.
+fn sample(body: &str, name_and_labels: &str) -> f64 {
+    body.lines()
+        .find_map(|l| l.strip_prefix(name_and_labels)?.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no sample {name_and_labels} in:\n{body}"))
+}
+
+/// The shard's Prometheus endpoint: version, last step's loss and accuracy, accepted and
+/// refused pushes by code, as a live shard applies a step.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prometheus_metrics_follow_the_shard() {
+    let (dir, _cluster, mut c, n) =
+        one_shard_with(&["--metrics-listen".into(), "127.0.0.1:0".into()]).await;
+    let log_path = dir.path().join("logs/shard-0.log");
+    let t0 = std::time::Instant::now();
+    let addr = loop {
+        let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+        if let Some(rest) = log.split("Prometheus metrics on http://").nth(1) {
+            break rest.split('/').next().unwrap().to_string();
+        }
+        assert!(t0.elapsed() < Duration::from_secs(20), "no metrics address in:\n{log}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let (status, body) = http_get(&addr, "/metrics").await;
+    assert_eq!(status, "HTTP/1.1 200 OK");
+    assert_eq!(sample(&body, "ps_version{shard=\"0\"}"), 0.0);
+    assert_eq!(sample(&body, "ps_total_steps{shard=\"0\"}"), 2.0);
+    assert!(!body.contains("ps_loss"), "no step yet:\n{body}");
+    assert_eq!(http_get(&addr, "/").await.0, "HTTP/1.1 404 Not Found");
+
+    for rank in 0..2 {
+        c.register(RegisterRequest {
+            protocol_version: PROTOCOL_VERSION,
+            rank,
+            world_size: 2,
+            num_params: n as u64,
+            shard: 0,
+            num_shards: 1,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    }
+    let g = vec![0.01f32; n];
+    let mut nan = g.clone();
+    nan[3] = f32::NAN;
+    expect_err(
+        push(&mut c, header(0, 0, n), &nan).await,
+        Code::InvalidArgument,
+        "non-finite",
+    );
+    expect_err(
+        push(&mut c, header(0, 4, n), &g).await,
+        Code::FailedPrecondition,
+        "future step",
+    );
+    push(&mut c, header(0, 0, n), &g).await.unwrap();
+    push(&mut c, header(1, 0, n), &g).await.unwrap();
+    pull(&mut c, 1).await.unwrap();
+    let (_, body) = http_get(&addr, "/metrics").await;
+    assert_eq!(sample(&body, "ps_version{shard=\"0\"}"), 1.0);
+    // each push says 8 samples, loss sum 10 and 3 correct (see `header`)
+    assert_eq!(sample(&body, "ps_loss{shard=\"0\"}"), 20.0 / 16.0);
+    assert_eq!(sample(&body, "ps_train_accuracy{shard=\"0\"}"), 6.0 / 16.0);
+    assert_eq!(sample(&body, "ps_samples_total{shard=\"0\"}"), 16.0);
+    assert_eq!(sample(&body, "ps_workers_in{shard=\"0\"}"), 2.0);
+    assert_eq!(
+        sample(&body, "ps_pushes_total{shard=\"0\",outcome=\"accepted\"}"),
+        2.0
+    );
+    for code in ["InvalidArgument", "FailedPrecondition"] {
+        let key = format!("ps_pushes_total{{shard=\"0\",outcome=\"refused\",code=\"{code}\"}}");
+        assert_eq!(sample(&body, &key), 1.0, "{body}");
+    }
 }

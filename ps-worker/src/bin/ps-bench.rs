@@ -505,6 +505,7 @@ impl InProcShard {
                 train_len: 60_000,
                 shard0: None,
                 resume_from: None,
+                metrics_listen: None,
             };
             run_shard(setup, listener, async {
                 let _ = rx.await;

@@ -37,8 +37,11 @@ struct Cli {
     /// Continue from the newest checkpoint that every shard has (`[checkpoint]`).
     #[arg(long)]
     resume: bool,
+    /// Serve each shard's Prometheus metrics on a free 127.0.0.1 port (logged by each shard).
+    #[arg(long)]
+    metrics: bool,
     /// Do not train: merge the shard files of the output directory into `model.safetensors`.
-    #[arg(long, conflicts_with_all = ["resume", "check_reference"])]
+    #[arg(long, conflicts_with_all = ["resume", "check_reference", "metrics"])]
     export: bool,
 }
 
@@ -95,6 +98,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     }
     if cli.resume {
         server_args.push("--resume".into());
+    }
+    if cli.metrics {
+        server_args.extend(["--metrics-listen".into(), "127.0.0.1:0".into()]);
     }
     cluster.start_servers(s, &server_args, Duration::from_secs(60))?;
     for r in 0..w {
