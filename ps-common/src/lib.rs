@@ -11,6 +11,7 @@ pub mod launch;
 pub mod layout;
 pub mod optim;
 pub mod order;
+pub mod plot;
 pub mod shm;
 pub mod weights;
 pub mod wire;

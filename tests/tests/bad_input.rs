@@ -420,7 +420,10 @@ async fn prometheus_metrics_follow_the_shard() {
         if let Some(rest) = log.split("Prometheus metrics on http://").nth(1) {
             break rest.split('/').next().unwrap().to_string();
         }
-        assert!(t0.elapsed() < Duration::from_secs(20), "no metrics address in:\n{log}");
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "no metrics address in:\n{log}"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
     let (status, body) = http_get(&addr, "/metrics").await;

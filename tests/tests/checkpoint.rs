@@ -2,7 +2,7 @@
 //! ends with bit-identical weights to a run that was never interrupted; the shards agree on
 //! the newest version they all have; a resume without checkpoints, or from another model's,
 //! is refused with a message that says what was expected; `ps-launch --export` merges the
-//! shards into one PyTorch-named `model.safetensors`.
+//! shards into one PyTorch-named `model.safetensors` and draws `curves.svg`.
 
 use ps_common::launch::{LocalCluster, bin_dir};
 use ps_tests::{Spec, Start, cluster_weights, run_cluster};
@@ -109,6 +109,8 @@ fn a_resumed_run_equals_an_uninterrupted_one_bit_for_bit() {
     )
     .unwrap();
     assert_eq!(bits(&model), bits(&straight));
+    let svg = std::fs::read_to_string(cfg.server.out_dir.join("curves.svg")).unwrap();
+    assert_eq!(svg.matches("<polyline").count(), 2, "loss and accuracy curves");
 }
 
 fn copy_dir(from: &Path, to: &Path) {

@@ -1,7 +1,7 @@
 //! `ps-launch --config FILE`: runs a whole cluster on this machine (S shards and W workers as
 //! processes on 127.0.0.1), shows the servers' convergence log, and stops everything at the end
 //! or on Ctrl-C. At the end it merges the shards' weights into `model.safetensors` (PyTorch
-//! names and shapes). `--resume` continues from the newest common checkpoint;
+//! names and shapes) and draws the loss and accuracy curves into `curves.svg`. `--resume` continues from the newest common checkpoint;
 //! `--check-reference` then runs the single-process reference and prints the largest relative
 //! weight difference; `--export` only merges the shards of a run that ran elsewhere.
 
@@ -40,7 +40,8 @@ struct Cli {
     /// Serve each shard's Prometheus metrics on a free 127.0.0.1 port (logged by each shard).
     #[arg(long)]
     metrics: bool,
-    /// Do not train: merge the shard files of the output directory into `model.safetensors`.
+    /// Do not train: merge the shard files of the output directory into `model.safetensors`
+    /// and draw `curves.svg` from its `metrics.jsonl`.
     #[arg(long, conflicts_with_all = ["resume", "check_reference", "metrics"])]
     export: bool,
 }
@@ -127,7 +128,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
 }
 
 /// Merges the final shard files of `out_dir` into `out_dir/model.safetensors`, with the
-/// PyTorch names and shapes (`fc1.weight [out, in]`, ...), which `torch`/`safetensors` load.
+/// PyTorch names and shapes (`fc1.weight [out, in]`, ...), which `torch`/`safetensors` load,
+/// and draws the loss and accuracy curves of its `metrics.jsonl` into `curves.svg`.
 fn export(cfg: &Config, out_dir: &std::path::Path) -> anyhow::Result<()> {
     let layout = cfg.layout();
     let (flat, version) =
@@ -144,5 +146,20 @@ fn export(cfg: &Config, out_dir: &std::path::Path) -> anyhow::Result<()> {
         layout.describe(),
         path.display()
     );
+    let metrics = out_dir.join("metrics.jsonl");
+    match std::fs::read_to_string(&metrics) {
+        Ok(text) => {
+            let title = format!("{}: {}", cfg.path.display(), layout.describe());
+            let svg = ps_common::plot::curves_svg(&text, &title)
+                .map_err(|e| anyhow::anyhow!("{}: {e}", metrics.display()))?;
+            let plot = out_dir.join("curves.svg");
+            std::fs::write(&plot, svg).with_context(|| plot.display().to_string())?;
+            eprintln!("ps-launch: loss and accuracy curves in {}", plot.display());
+        }
+        Err(e) => eprintln!(
+            "ps-launch: no curves: cannot read {} ({e})",
+            metrics.display()
+        ),
+    }
     Ok(())
 }

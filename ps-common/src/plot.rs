@@ -1,0 +1,264 @@
+//! The loss and accuracy curves of a run as a self-contained SVG, drawn from shard 0's
+//! `metrics.jsonl` (one JSON object per step: `step`, `loss`, `train_acc`, and
+//! `test_acc_before_step` when the workers evaluated). No plotting library: two panels of
+//! polylines, axes with a few ticks, steps averaged into at most 1000 points per curve.
+
+use serde_json::Value;
+use std::fmt::Write as _;
+
+/// One panel's series: a name, a colour and its points.
+struct Series {
+    name: &'static str,
+    colour: &'static str,
+    points: Vec<(f64, f64)>,
+    dots: bool,
+}
+
+/// The curves of `metrics` (the text of a metrics.jsonl) as an SVG document titled `title`;
+/// an error names the first line that is not a step record.
+pub fn curves_svg(metrics: &str, title: &str) -> Result<String, String> {
+    let (mut loss, mut train, mut test) = (Vec::new(), Vec::new(), Vec::new());
+    for (i, line) in metrics
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+    {
+        let v: Value =
+            serde_json::from_str(line).map_err(|e| format!("line {}: not JSON ({e})", i + 1))?;
+        let num = |k: &str| v.get(k).and_then(Value::as_f64);
+        let step = num("step").ok_or_else(|| format!("line {}: no \"step\"", i + 1))?;
+        if let Some(l) = num("loss").filter(|l| l.is_finite()) {
+            loss.push((step, l));
+        }
+        if let Some(a) = num("train_acc") {
+            train.push((step, a));
+        }
+        if let Some(a) = num("test_acc_before_step") {
+            test.push((step, a));
+        }
+    }
+    if loss.is_empty() {
+        return Err(
+            "no step with a loss: expected metrics.jsonl lines with \"step\" and \"loss\"".into(),
+        );
+    }
+    let panels = [
+        (
+            "training loss",
+            vec![Series {
+                name: "loss (mean over the global batch)",
+                colour: "#1f77b4",
+                points: downsample(&loss, 1000),
+                dots: false,
+            }],
+        ),
+        (
+            "accuracy",
+            vec![
+                Series {
+                    name: "train (global batch)",
+                    colour: "#ff7f0e",
+                    points: downsample(&train, 1000),
+                    dots: false,
+                },
+                Series {
+                    name: "test",
+                    colour: "#2ca02c",
+                    points: test,
+                    dots: true,
+                },
+            ],
+        ),
+    ];
+    let (w, panel_h, top) = (900.0, 300.0, 40.0);
+    let mut svg = String::new();
+    let _ = write!(
+        svg,
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{}" font-family="sans-serif" font-size="12">"#,
+        top + 2.0 * panel_h
+    );
+    let _ = write!(
+        svg,
+        r#"<rect width="100%" height="100%" fill="white"/><text x="{}" y="24" text-anchor="middle" font-size="15">{}</text>"#,
+        w / 2.0,
+        escape(title)
+    );
+    let x_max = loss.last().map_or(1.0, |p| p.0).max(1.0);
+    for (i, (label, series)) in panels.iter().enumerate() {
+        let y0 = top + i as f64 * panel_h;
+        draw_panel(&mut svg, label, series, y0, w, panel_h, x_max);
+    }
+    svg.push_str("</svg>\n");
+    Ok(svg)
+}
+
+fn draw_panel(
+    svg: &mut String,
+    label: &str,
+    series: &[Series],
+    y0: f64,
+    w: f64,
+    h: f64,
+    x_max: f64,
+) {
+    let (left, right, pad_top, pad_bottom) = (70.0, 20.0, 20.0, 40.0);
+    let (pw, ph) = (w - left - right, h - pad_top - pad_bottom);
+    let ys = series.iter().flat_map(|s| s.points.iter().map(|p| p.1));
+    let (mut lo, mut hi) = ys.fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), y| {
+        (a.min(y), b.max(y))
+    });
+    if !lo.is_finite() {
+        (lo, hi) = (0.0, 1.0);
+    }
+    if hi - lo < 1e-12 {
+        hi = lo + 1.0;
+    }
+    // non-negative curves start at 0
+    lo = lo.min(0.0);
+    let px = |x: f64| left + pw * x / x_max;
+    let py = |y: f64| y0 + pad_top + ph * (1.0 - (y - lo) / (hi - lo));
+    let _ = write!(
+        svg,
+        r##"<rect x="{left}" y="{}" width="{pw}" height="{ph}" fill="none" stroke="#888"/><text x="{}" y="{}" text-anchor="middle" transform="rotate(-90 {} {})">{label}</text>"##,
+        y0 + pad_top,
+        18.0,
+        y0 + pad_top + ph / 2.0,
+        18.0,
+        y0 + pad_top + ph / 2.0,
+    );
+    for k in 0..=4 {
+        let y = lo + (hi - lo) * f64::from(k) / 4.0;
+        let x = x_max * f64::from(k) / 4.0;
+        let _ = write!(
+            svg,
+            r##"<text x="{}" y="{}" text-anchor="end">{}</text><text x="{}" y="{}" text-anchor="middle">{}</text>"##,
+            left - 6.0,
+            py(y) + 4.0,
+            tick(y),
+            px(x),
+            y0 + pad_top + ph + 16.0,
+            x.round()
+        );
+    }
+    let _ = write!(
+        svg,
+        r#"<text x="{}" y="{}" text-anchor="middle">step</text>"#,
+        left + pw / 2.0,
+        y0 + pad_top + ph + 32.0
+    );
+    for (i, s) in series.iter().enumerate() {
+        if s.dots {
+            for &(x, y) in &s.points {
+                let _ = write!(
+                    svg,
+                    r#"<circle cx="{:.1}" cy="{:.1}" r="3.5" fill="{}"/>"#,
+                    px(x),
+                    py(y),
+                    s.colour
+                );
+            }
+        } else if !s.points.is_empty() {
+            let pts: Vec<String> = s
+                .points
+                .iter()
+                .map(|&(x, y)| format!("{:.1},{:.1}", px(x), py(y)))
+                .collect();
+            let _ = write!(
+                svg,
+                r#"<polyline fill="none" stroke="{}" stroke-width="1.5" points="{}"/>"#,
+                s.colour,
+                pts.join(" ")
+            );
+        }
+        let _ = write!(
+            svg,
+            r#"<rect x="{}" y="{}" width="12" height="3" fill="{}"/><text x="{}" y="{}">{}</text>"#,
+            left + pw - 230.0,
+            y0 + pad_top + 14.0 + 16.0 * i as f64,
+            s.colour,
+            left + pw - 212.0,
+            y0 + pad_top + 18.0 + 16.0 * i as f64,
+            escape(s.name)
+        );
+    }
+}
+
+/// At most `max` points: consecutive points averaged in equal groups.
+fn downsample(points: &[(f64, f64)], max: usize) -> Vec<(f64, f64)> {
+    if points.len() <= max {
+        return points.to_vec();
+    }
+    points
+        .chunks(points.len().div_ceil(max))
+        .map(|c| {
+            let n = c.len() as f64;
+            (
+                c.iter().map(|p| p.0).sum::<f64>() / n,
+                c.iter().map(|p| p.1).sum::<f64>() / n,
+            )
+        })
+        .collect()
+}
+
+fn tick(v: f64) -> String {
+    if v.abs() >= 100.0 {
+        format!("{v:.0}")
+    } else if v.abs() >= 1.0 {
+        format!("{v:.2}")
+    } else {
+        format!("{v:.3}")
+    }
+}
+
+fn escape(s: &str) -> String {
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn curves_from_metrics_lines() {
+        let mut text = String::new();
+        for step in 1..=3000 {
+            let mut line = serde_json::json!({
+                "step": step, "loss": 2.3 / f64::from(step).sqrt(), "train_acc": 0.5
+            });
+            if step % 1000 == 1 {
+                line["test_acc_before_step"] = serde_json::json!(0.9);
+            }
+            text.push_str(&format!("{line}\n"));
+        }
+        let svg = curves_svg(&text, "a <run>").unwrap();
+        assert!(svg.starts_with("<svg") && svg.ends_with("</svg>\n"));
+        assert!(svg.contains("a &lt;run&gt;"));
+        assert_eq!(
+            svg.matches("<polyline").count(),
+            2,
+            "loss and train accuracy"
+        );
+        assert_eq!(svg.matches("<circle").count(), 3, "three evaluations");
+        let points = svg
+            .split("points=\"")
+            .nth(1)
+            .unwrap()
+            .split('"')
+            .next()
+            .unwrap();
+        assert_eq!(
+            points.split(' ').count(),
+            1000,
+            "3000 steps averaged into 1000 points"
+        );
+        let e = curves_svg("{\"loss\": 1}\n", "x").unwrap_err();
+        assert!(e.contains("line 1: no \"step\""), "{e}");
+        assert!(
+            curves_svg("", "x")
+                .unwrap_err()
+                .contains("no step with a loss")
+        );
+    }
+}
