@@ -1,8 +1,13 @@
-//! The cluster's shared token (`[cluster] token_file`): every worker request and every
-//! shard-to-shard report carries `authorization: Bearer <token>`, and a shard refuses a request
-//! without it, or with another, as `UNAUTHENTICATED` (compared in constant time; logged with the
-//! peer's address, never with the token). Without a token file nothing is checked: keep such a
-//! cluster on loopback or a trusted network.
+//! Security between the processes of a cluster:
+//! - the shared token (`[cluster] token_file`): every worker request and every shard-to-shard
+//!   report carries `authorization: Bearer <token>`, and a shard refuses a request without it,
+//!   or with another, as `UNAUTHENTICATED` (compared in constant time; logged with the peer's
+//!   address, never with the token);
+//! - TLS (`[cluster] tls_cert`, `tls_key`, `tls_ca`, rustls): shards present the certificate,
+//!   and workers and reporting shards check it against the CA and the shard's name.
+//!
+//! Without either nothing is checked or encrypted: keep such a cluster on loopback or a trusted
+//! network.
 
 use crate::error::PsError;
 use crate::pb::parameter_server_client::ParameterServerClient;
@@ -12,7 +17,9 @@ use std::sync::Arc;
 use tonic::metadata::AsciiMetadataValue;
 use tonic::service::Interceptor;
 use tonic::service::interceptor::InterceptedService;
-use tonic::transport::Channel;
+use tonic::transport::{
+    Certificate, Channel, ClientTlsConfig, Endpoint, Identity, ServerTlsConfig,
+};
 use tonic::{Request, Status};
 
 /// A client of a shard, with the cluster's token on every request.
@@ -46,6 +53,98 @@ impl Token {
 
     fn header(&self) -> String {
         format!("Bearer {}", self.0)
+    }
+}
+
+/// The PEM files of `[cluster] tls_*`, read once (the key stays out of `Debug` output).
+#[derive(Clone, PartialEq, Eq)]
+pub struct TlsFiles {
+    cert: Arc<[u8]>,
+    key: Arc<[u8]>,
+    ca: Arc<[u8]>,
+    domain: Option<String>,
+}
+
+impl fmt::Debug for TlsFiles {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TlsFiles")
+            .field("domain", &self.domain)
+            .finish_non_exhaustive()
+    }
+}
+
+impl TlsFiles {
+    /// Reads the shards' certificate chain, its key and the CA (all PEM); `domain` is the name
+    /// clients check the certificate against (default: each shard address's host).
+    pub fn read(
+        cert: &Path,
+        key: &Path,
+        ca: &Path,
+        domain: Option<String>,
+    ) -> Result<Self, String> {
+        let pem = |p: &Path, what: &str| -> Result<Arc<[u8]>, String> {
+            let b =
+                std::fs::read(p).map_err(|e| format!("cannot read {what} {}: {e}", p.display()))?;
+            if !b.windows(11).any(|w| w == b"-----BEGIN ") {
+                return Err(format!(
+                    "{what} {}: expected PEM (-----BEGIN ...)",
+                    p.display()
+                ));
+            }
+            Ok(b.into())
+        };
+        Ok(Self {
+            cert: pem(cert, "certificate")?,
+            key: pem(key, "private key")?,
+            ca: pem(ca, "CA certificate")?,
+            domain,
+        })
+    }
+
+    /// The shard side: its certificate and key.
+    pub fn server(&self) -> ServerTlsConfig {
+        ServerTlsConfig::new().identity(Identity::from_pem(&*self.cert, &*self.key))
+    }
+}
+
+/// How a process reaches a shard: the token to add, and TLS to use.
+#[derive(Clone, Debug, Default)]
+pub struct ClientSecurity {
+    token: Option<Token>,
+    tls: Option<TlsFiles>,
+}
+
+impl ClientSecurity {
+    /// What `[cluster]` asks for.
+    pub fn new(token: Option<Token>, tls: Option<TlsFiles>) -> Self {
+        Self { token, tls }
+    }
+
+    /// The endpoint of the shard at `addr` (`host:port`): `https` with the CA and the name to
+    /// check when TLS is on, `http` otherwise.
+    pub fn endpoint(&self, addr: &str) -> Result<Endpoint, String> {
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        let e = Endpoint::from_shared(format!("{scheme}://{addr}"))
+            .map_err(|e| format!("bad server address {addr:?}: expected host:port ({e})"))?;
+        let Some(tls) = &self.tls else {
+            return Ok(e);
+        };
+        let host = addr.rsplit_once(':').map_or(addr, |(h, _)| h);
+        let domain = tls
+            .domain
+            .clone()
+            .unwrap_or_else(|| host.trim_matches(['[', ']']).to_string());
+        e.tls_config(
+            ClientTlsConfig::new()
+                .ca_certificate(Certificate::from_pem(&*tls.ca))
+                .domain_name(domain),
+        )
+        .map_err(|e| format!("TLS set-up for {addr}: {e}"))
+    }
+
+    /// The interceptor that adds the token.
+    pub fn interceptor(&self) -> AddToken {
+        AddToken::new(self.token.as_ref())
     }
 }
 

@@ -127,6 +127,10 @@ struct RawCluster {
     #[serde(default = "default_transport")]
     transport: String,
     token_file: Option<PathBuf>,
+    tls_cert: Option<PathBuf>,
+    tls_key: Option<PathBuf>,
+    tls_ca: Option<PathBuf>,
+    tls_domain: Option<String>,
 }
 
 fn default_transport() -> String {
@@ -334,6 +338,8 @@ pub struct Config {
     pub transport: Transport,
     /// The shared token every request must carry (`[cluster] token_file`), if any.
     pub token: Option<crate::auth::Token>,
+    /// TLS between every process (`[cluster] tls_cert`, `tls_key`, `tls_ca`), if set.
+    pub tls: Option<crate::auth::TlsFiles>,
     /// `W`.
     pub workers: usize,
     /// Model layer widths, input first.
@@ -426,6 +432,30 @@ impl Config {
                     .map_err(|e| err(format!("[cluster] token_file: {e}")))?,
             ),
             None => None,
+        };
+        let tls = match (&c.tls_cert, &c.tls_key, &c.tls_ca) {
+            (None, None, None) => {
+                if c.tls_domain.is_some() {
+                    return Err(err(
+                        "[cluster] tls_domain without tls_cert, tls_key and tls_ca".into(),
+                    ));
+                }
+                None
+            }
+            (Some(cert), Some(key), Some(ca)) => Some(
+                crate::auth::TlsFiles::read(
+                    &resolve(cert),
+                    &resolve(key),
+                    &resolve(ca),
+                    c.tls_domain.clone(),
+                )
+                .map_err(|e| err(format!("[cluster] tls: {e}")))?,
+            ),
+            _ => {
+                return Err(err(
+                    "[cluster] tls_cert, tls_key, tls_ca: expected all three (every shard presents the certificate, every process checks it against the CA) or none".into(),
+                ));
+            }
         };
         if c.workers == 0 {
             return Err(err(
@@ -557,6 +587,7 @@ impl Config {
             workers: w,
             transport,
             token,
+            tls,
             dims,
             data_dir: resolve(&raw.data.dir),
             seed: t.seed,
@@ -592,6 +623,11 @@ impl Config {
             },
         };
         Ok(cfg)
+    }
+
+    /// How this config's processes reach a shard (token and TLS).
+    pub fn client_security(&self) -> crate::auth::ClientSecurity {
+        crate::auth::ClientSecurity::new(self.token.clone(), self.tls.clone())
     }
 
     /// The directory of the shards' checkpoints.
@@ -721,10 +757,11 @@ impl Config {
             self.servers,
             self.workers,
             self.transport,
-            if self.token.is_some() {
-                "shared token required"
-            } else {
-                "no authentication"
+            match (self.token.is_some(), self.tls.is_some()) {
+                (true, true) => "TLS, shared token required",
+                (true, false) => "shared token required, no TLS",
+                (false, true) => "TLS, no token",
+                (false, false) => "no authentication, no TLS",
             },
             self.layout().describe(),
             self.data_dir.display(),
@@ -1046,6 +1083,20 @@ lr = 0.1
             .unwrap_err()
             .to_string();
         assert!(e.contains("[cluster] transport = \"tcp\": expected"), "{e}");
+        let e = parse(&GOOD.replace("workers = 4", "workers = 4\ntls_cert = \"c.pem\""))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("expected all three"), "{e}");
+        let e = parse(&GOOD.replace(
+            "workers = 4",
+            "workers = 4\ntls_cert = \"c\"\ntls_key = \"k\"\ntls_ca = \"a\"",
+        ))
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("[cluster] tls: cannot read certificate /etc/ps/c"),
+            "{e}"
+        );
         let c = parse(&format!("{GOOD}[checkpoint]\nevery = 10\n")).unwrap();
         assert_eq!(c.checkpoint_dir(), c.server.out_dir.join("checkpoints"));
         assert!(c.describe().contains("checkpoint every 10 steps"));

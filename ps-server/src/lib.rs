@@ -78,7 +78,7 @@ pub async fn run_shard(
         metrics_file: (index == 0).then(|| cfg.server.out_dir.join("metrics.jsonl")),
         append_metrics: resumed,
         shard0,
-        token: cfg.token.clone(),
+        security: cfg.client_security(),
     });
     let all_left = Arc::new(Notify::new());
     let metrics = Arc::new(exporter::Metrics::new(index, total_steps, shard.version()));
@@ -124,7 +124,13 @@ pub async fn run_shard(
     // serve_with_incoming ignores the builder's tcp_nodelay: set it on the incoming sockets,
     // or Nagle plus delayed ACKs adds ~40 ms to every push reply
     let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
-    let serve = tonic::transport::Server::builder()
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(tls) = &cfg.tls {
+        builder = builder
+            .tls_config(tls.server())
+            .context("TLS: the certificate or key in [cluster] tls_cert / tls_key")?;
+    }
+    let serve = builder
         .initial_stream_window_size(8 << 20)
         .initial_connection_window_size(16 << 20)
         .max_frame_size((1 << 20) - 1)

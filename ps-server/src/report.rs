@@ -5,7 +5,6 @@
 //! and timing, and reports to shard 0.
 
 use crate::shard::StepFigures;
-use ps_common::auth::AddToken;
 use ps_common::pb::StepReport;
 use ps_common::pb::parameter_server_client::ParameterServerClient;
 use serde_json::json;
@@ -51,8 +50,8 @@ pub struct ReporterConfig {
     pub append_metrics: bool,
     /// Shard 0's address (for shards > 0).
     pub shard0: Option<String>,
-    /// The cluster's token, for the reports to shard 0.
-    pub token: Option<ps_common::auth::Token>,
+    /// How to reach shard 0 (token, TLS).
+    pub security: ps_common::auth::ClientSecurity,
 }
 
 impl Reporter {
@@ -253,14 +252,18 @@ async fn forward_to_shard0(cfg: ReporterConfig, mut rx: mpsc::UnboundedReceiver<
         };
         let Some(addr) = &cfg.shard0 else { continue };
         if client.is_none() {
-            let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
-                .ok()
+            let endpoint = cfg
+                .security
+                .endpoint(addr)
                 .map(|e| e.connect_timeout(Duration::from_secs(5)));
             client = match endpoint {
-                Some(e) => e.connect().await.ok().map(|ch| {
-                    ParameterServerClient::with_interceptor(ch, AddToken::new(cfg.token.as_ref()))
+                Ok(e) => e.connect().await.ok().map(|ch| {
+                    ParameterServerClient::with_interceptor(ch, cfg.security.interceptor())
                 }),
-                None => None,
+                Err(e) => {
+                    tracing::warn!("shard {}: {e}", cfg.shard);
+                    None
+                }
             };
         }
         let sent = match client.as_mut() {

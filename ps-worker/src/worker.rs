@@ -23,10 +23,9 @@ use ps_common::wire::{MAX_MESSAGE_BYTES, chunks, decode_chunk_into, f32_to_bytes
 use std::ops::Range;
 use std::path::Path;
 use std::time::{Duration, Instant};
-use tonic::transport::Endpoint;
 use tonic::{Code, Status};
 
-use ps_common::auth::{AddToken, Client, Token};
+use ps_common::auth::{Client, ClientSecurity};
 
 /// Everything a worker needs.
 pub struct WorkerSetup {
@@ -57,15 +56,16 @@ pub struct Timing {
     pub push: Duration,
 }
 
-/// Opens a channel to `addr` with the flow-control windows sized for large tensors; every
-/// request carries `token` when there is one.
+/// Opens a channel to `addr` with the flow-control windows sized for large tensors, with TLS
+/// and the token on every request when the config asks for them.
 pub async fn connect(
     addr: &str,
     timeout: Duration,
-    token: Option<&Token>,
+    security: &ClientSecurity,
 ) -> anyhow::Result<Client> {
-    let endpoint = Endpoint::from_shared(format!("http://{addr}"))
-        .with_context(|| format!("bad server address {addr:?}: expected host:port"))?
+    let endpoint = security
+        .endpoint(addr)
+        .map_err(anyhow::Error::msg)?
         .initial_stream_window_size(8 << 20)
         .initial_connection_window_size(16 << 20)
         .tcp_nodelay(true)
@@ -77,7 +77,7 @@ pub async fn connect(
         match endpoint.connect().await {
             Ok(ch) => {
                 return Ok(
-                    ParameterServerClient::with_interceptor(ch, AddToken::new(token))
+                    ParameterServerClient::with_interceptor(ch, security.interceptor())
                         .max_decoding_message_size(MAX_MESSAGE_BYTES)
                         .max_encoding_message_size(MAX_MESSAGE_BYTES),
                 );
@@ -129,11 +129,12 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
     });
 
     // connect and register with every shard
+    let security = cfg.client_security();
     let mut clients = Vec::with_capacity(servers.len());
     let mut links = Vec::with_capacity(servers.len());
     let mut start_step = u64::MAX;
     for (s, addr) in servers.iter().enumerate() {
-        let mut c = connect(addr, connect_timeout, cfg.token.as_ref()).await?;
+        let mut c = connect(addr, connect_timeout, &security).await?;
         let req = RegisterRequest {
             protocol_version: PROTOCOL_VERSION,
             rank: rank as u32,

@@ -1,7 +1,8 @@
-//! The shared token (`[cluster] token_file`) with real processes: a cluster whose config names
-//! one trains normally (workers and the shard-to-shard reports carry it); a request without it
-//! or with another is refused as UNAUTHENTICATED, and the shard logs the refusal without the
-//! token.
+//! The shared token (`[cluster] token_file`) and TLS (`tls_cert`, `tls_key`, `tls_ca`) with
+//! real processes: a cluster whose config names them trains normally (workers and the
+//! shard-to-shard reports carry the token over TLS); a request without the token or with
+//! another is refused as UNAUTHENTICATED, and the shard logs the refusal without the token; a
+//! client without TLS, or trusting another CA, cannot talk to a TLS shard.
 
 use ps_common::PROTOCOL_VERSION;
 use ps_common::launch::{LocalCluster, bin_dir};
@@ -86,5 +87,102 @@ async fn requests_without_the_token_are_refused() {
     assert!(
         !log.contains(TOKEN),
         "the token leaked into the log:\n{log}"
+    );
+}
+
+fn tls_dir() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("data/tls")
+}
+
+fn tls_spec() -> Spec {
+    let d = tls_dir();
+    Spec {
+        cluster_extra: format!(
+            "token_file = \"token\"\ntls_cert = {:?}\ntls_key = {:?}\ntls_ca = {:?}",
+            d.join("shard.pem").display().to_string(),
+            d.join("shard.key").display().to_string(),
+            d.join("ca.pem").display().to_string(),
+        ),
+        ..spec()
+    }
+}
+
+#[test]
+fn a_cluster_with_tls_and_a_token_trains() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("token"), TOKEN).unwrap();
+    let (path, cfg) = tls_spec().write(dir.path());
+    run_cluster(&path, &cfg, &Start::default());
+    assert_eq!(cluster_weights(&cfg).len(), cfg.layout().num_params());
+    let log0 = std::fs::read_to_string(dir.path().join("logs/shard-0.log")).unwrap();
+    assert!(log0.contains("TLS, shared token required"), "{log0}");
+    let log1 = std::fs::read_to_string(dir.path().join("logs/shard-1.log")).unwrap();
+    assert!(!log1.contains("report to shard 0 failed"), "{log1}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tls_shard_refuses_plain_text_and_unknown_cas() {
+    use tonic::transport::{Certificate, ClientTlsConfig, Endpoint};
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("token"), TOKEN).unwrap();
+    let (path, _) = tls_spec().write(dir.path());
+    let mut cluster = LocalCluster::new(bin_dir(), path, Some(dir.path().join("logs")));
+    cluster
+        .start_servers(1, &[], Duration::from_secs(60))
+        .unwrap();
+    let addr = cluster.addrs[0].clone();
+    let register = |ch| async move {
+        let mut c = ParameterServerClient::new(ch);
+        let mut req = tonic::Request::new(RegisterRequest {
+            protocol_version: PROTOCOL_VERSION,
+            rank: 0,
+            world_size: 2,
+            num_params: 25_450,
+            shard: 0,
+            num_shards: 2,
+            ..Default::default()
+        });
+        req.metadata_mut()
+            .insert("authorization", format!("Bearer {TOKEN}").parse().unwrap());
+        c.register(req).await
+    };
+    let tls = |ca: &str| {
+        ClientTlsConfig::new()
+            .ca_certificate(Certificate::from_pem(
+                std::fs::read(tls_dir().join(ca)).unwrap(),
+            ))
+            .domain_name("127.0.0.1")
+    };
+    let https = Endpoint::from_shared(format!("https://{addr}")).unwrap();
+    // the right CA: registered
+    let ch = https
+        .clone()
+        .tls_config(tls("ca.pem"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    assert_eq!(register(ch).await.unwrap().into_inner().version, 0);
+    // another CA: the handshake fails
+    let other = https
+        .tls_config(tls("other-ca.pem"))
+        .unwrap()
+        .connect()
+        .await;
+    assert!(
+        other.is_err(),
+        "a certificate of an unknown CA was accepted"
+    );
+    // plain text: no gRPC answer
+    let plain = Endpoint::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect_timeout(Duration::from_secs(5));
+    let refused = match plain.connect().await {
+        Err(_) => true,
+        Ok(ch) => register(ch).await.is_err(),
+    };
+    assert!(
+        refused,
+        "a plain-text client got an answer from a TLS shard"
     );
 }

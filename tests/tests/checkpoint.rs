@@ -110,7 +110,11 @@ fn a_resumed_run_equals_an_uninterrupted_one_bit_for_bit() {
     .unwrap();
     assert_eq!(bits(&model), bits(&straight));
     let svg = std::fs::read_to_string(cfg.server.out_dir.join("curves.svg")).unwrap();
-    assert_eq!(svg.matches("<polyline").count(), 2, "loss and accuracy curves");
+    assert_eq!(
+        svg.matches("<polyline").count(),
+        2,
+        "loss and accuracy curves"
+    );
 }
 
 fn copy_dir(from: &Path, to: &Path) {
