@@ -99,6 +99,18 @@ pub enum PsError {
     /// A bug or an I/O failure on the server side.
     #[error("internal error: {0}")]
     Internal(String),
+    /// An exact pull of a version the shard no longer holds.
+    #[error(
+        "version {asked} is gone: shard {shard} is at version {current} and holds only it and the one before"
+    )]
+    VersionGone {
+        /// The version asked for.
+        asked: u64,
+        /// The shard.
+        shard: usize,
+        /// Its current version.
+        current: u64,
+    },
     /// The request lacks the cluster's shared token, or carries another.
     #[error("unauthenticated {0}")]
     Unauthenticated(String),
@@ -117,7 +129,7 @@ impl PsError {
             | PsError::NonFinite { .. }
             | PsError::BadChunk(_) => Code::InvalidArgument,
             PsError::Conflict { .. } => Code::AlreadyExists,
-            PsError::VersionOutOfRange { .. } => Code::OutOfRange,
+            PsError::VersionOutOfRange { .. } | PsError::VersionGone { .. } => Code::OutOfRange,
             PsError::Timeout(_) => Code::DeadlineExceeded,
             PsError::Unavailable(_) => Code::Unavailable,
             PsError::Internal(_) => Code::Internal,

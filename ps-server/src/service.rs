@@ -157,6 +157,15 @@ impl ShardService {
             Ok(Err(_)) => return Err(PsError::Unavailable("shard is shutting down".into())),
             Ok(Ok(_)) => {}
         }
+        if req.exact && req.min_version < self.shard.version() {
+            let (version, snapshot) = self.shard.previous(req.min_version)?;
+            return Ok(pull_chunks(
+                version,
+                self.shard.range.start as u64,
+                &snapshot,
+                self.chunk_bytes,
+            ));
+        }
         if req.shm && self.shard.has_board() {
             // the worker copies the version out of the board (and checks it is still there)
             return Ok(vec![PullChunk {

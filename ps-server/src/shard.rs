@@ -638,6 +638,39 @@ impl Shard {
         Ok((version, snap))
     }
 
+    /// The parameters of `version` when it is the one before the current version and this
+    /// shard still holds it (the other half of its double buffer), for a restarted worker that
+    /// redoes that step; [`PsError::VersionGone`] otherwise.
+    pub fn previous(&self, version: u64) -> PsResult<(u64, Bytes)> {
+        let gone = |current| PsError::VersionGone {
+            asked: version,
+            shard: self.index,
+            current,
+        };
+        let st = self.lock();
+        if version + 1 != st.version || st.applying {
+            return Err(gone(st.version));
+        }
+        match &st.store {
+            Store::Heap {
+                spare: Some(prev), ..
+            } if prev.len() == self.len() => {
+                Ok((version, Bytes::from_owner(SharedParams(prev.clone()))))
+            }
+            Store::Heap { .. } => Err(gone(st.version)),
+            Store::Board(b) => {
+                let b = b.clone();
+                drop(st);
+                let mut values = vec![0f32; b.len()];
+                if b.read_version(version, &mut values) {
+                    Ok((version, Bytes::from_owner(SharedParams(Arc::new(values)))))
+                } else {
+                    Err(gone(self.version()))
+                }
+            }
+        }
+    }
+
     /// A copy of the current parameters and their version (final weights, gRPC pulls).
     pub fn params(&self) -> PsResult<(u64, Vec<f32>)> {
         for _ in 0..100 {

@@ -132,7 +132,7 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
     let security = cfg.client_security();
     let mut clients = Vec::with_capacity(servers.len());
     let mut links = Vec::with_capacity(servers.len());
-    let mut start_step = u64::MAX;
+    let mut versions = Vec::with_capacity(servers.len());
     for (s, addr) in servers.iter().enumerate() {
         let mut c = connect(addr, connect_timeout, &security).await?;
         let req = RegisterRequest {
@@ -168,9 +168,20 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
                 ranges[s]
             );
         }
-        start_step = start_step.min(reply.version);
+        versions.push(reply.version);
         clients.push(c);
         links.push(ShmLink::open(&reply, s));
+    }
+    // a worker restarted after pushing step t to some shards but not all finds those shards at
+    // version t + 1 (no shard can be further ahead: the others wait for this rank at step t);
+    // it redoes step t from version t, which those shards still hold, and pushes only to the
+    // shards that have not applied it
+    let start_step = versions.iter().copied().min().unwrap_or(0);
+    let ahead: Vec<bool> = versions.iter().map(|&v| v > start_step).collect();
+    if ahead.iter().any(|&a| a) {
+        tracing::warn!(
+            "worker {rank}: shards are at versions {versions:?}: redoing step {start_step} from version {start_step}, pushing only to the shards that have not applied it"
+        );
     }
     let via: Vec<&str> = links.iter().map(ShmLink::describe).collect();
     tracing::info!(
@@ -197,12 +208,15 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
     // each shard's push buffer, reused from step to step once its RPC has released it
     let mut push_bufs: Vec<Option<Bytes>> = vec![None; ranges.len()];
 
+    let up_to_date = vec![false; ranges.len()];
     for t in start_step..total {
         let t0 = Instant::now();
+        // only the first step can find shards ahead
+        let skip = if t == start_step { &ahead } else { &up_to_date };
         if let Some(w) = backend.host_weights() {
-            pull_all(&mut clients, &links, &ranges, t, w).await?;
+            pull_all(&mut clients, &links, &ranges, t, skip, w).await?;
         } else {
-            pull_all(&mut clients, &links, &ranges, t, &mut weights).await?;
+            pull_all(&mut clients, &links, &ranges, t, skip, &mut weights).await?;
             backend.set_weights(&weights)?;
         }
         let t1 = Instant::now();
@@ -237,6 +251,9 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
                 &mut |start, tail, stats| {
                     while unsent > 0 && ranges[unsent - 1].start >= start {
                         unsent -= 1;
+                        if skip[unsent] {
+                            continue; // this shard applied step t already
+                        }
                         let r = &ranges[unsent];
                         let values = &tail[r.start - start..r.end - start];
                         // the shard reads the range in this worker's gradient board, or
@@ -276,7 +293,15 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
     }
 
     // final weights: evaluate this rank's slice of the test set and leave
-    pull_all(&mut clients, &links, &ranges, total, &mut weights).await?;
+    pull_all(
+        &mut clients,
+        &links,
+        &ranges,
+        total,
+        &up_to_date,
+        &mut weights,
+    )
+    .await?;
     backend.set_weights(&weights)?;
     let (correct, count) = evaluate(backend.as_mut(), &test, &test_idx, &mut x, &mut y)?;
     for (s, c) in clients.iter_mut().enumerate() {
@@ -373,12 +398,14 @@ impl ShmLink {
 
 /// Pulls version `version` from every shard in parallel, each straight into its place in
 /// `weights`: copied out of the shard's board where there is a link, decoded from the gRPC
-/// chunks otherwise.
+/// chunks otherwise. From the shards marked in `previous` (already one version further) it
+/// pulls exactly `version`, through gRPC.
 pub async fn pull_all(
     clients: &mut [Client],
     links: &[ShmLink],
     ranges: &[Range<usize>],
     version: u64,
+    previous: &[bool],
     weights: &mut [f32],
 ) -> anyhow::Result<()> {
     let mut parts = Vec::with_capacity(ranges.len());
@@ -393,8 +420,12 @@ pub async fn pull_all(
         .zip(parts)
         .enumerate()
         .map(|(s, (c, dst))| {
-            let board = links.get(s).and_then(|l| l.params.as_ref());
-            pull_one(c, s, version, dst, board)
+            let exact = previous.get(s).copied().unwrap_or(false);
+            let board = links
+                .get(s)
+                .and_then(|l| l.params.as_ref())
+                .filter(|_| !exact);
+            pull_one(c, s, version, dst, board, exact)
         });
     for r in futures::future::join_all(futs).await {
         r?;
@@ -403,13 +434,15 @@ pub async fn pull_all(
 }
 
 /// Pulls version `version` of shard `s` into `dst`, through `board` when given (falling back
-/// to gRPC if the version changed during the copy).
+/// to gRPC if the version changed during the copy); `exact` asks for that version even if the
+/// shard is one further.
 async fn pull_one(
     c: &mut Client,
     s: usize,
     version: u64,
     dst: &mut [f32],
     board: Option<&Board>,
+    exact: bool,
 ) -> anyhow::Result<()> {
     let failed = |st: Status| {
         anyhow::anyhow!(
@@ -424,6 +457,7 @@ async fn pull_one(
                 min_version: version,
                 rank: 0,
                 shm: via_board,
+                exact,
             })
             .await
             .map_err(failed)?

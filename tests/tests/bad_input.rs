@@ -48,6 +48,7 @@ async fn pull(c: &mut Client, version: u64) -> Result<Vec<f32>, tonic::Status> {
             min_version: version,
             rank: 0,
             shm: false,
+            exact: false,
         })
         .await?
         .into_inner();
@@ -357,6 +358,7 @@ async fn shared_memory_pushes_are_validated_like_grpc_ones() {
             min_version: 1,
             rank: 0,
             shm: true,
+            exact: false,
         })
         .await
         .unwrap()

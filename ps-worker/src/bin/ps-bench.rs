@@ -610,6 +610,7 @@ async fn pull(c: &mut Client, version: u64) -> anyhow::Result<Vec<f32>> {
             min_version: version,
             rank: 0,
             shm: false,
+            exact: false,
         })
         .await
         .map_err(|s| anyhow::anyhow!("pull of version {version} refused: {}", s.message()))?
@@ -761,7 +762,15 @@ fn section_transfer(tmp: &Path, plan: &Plan) -> anyhow::Result<Vec<Value>> {
             let (clients, link, _, _) = &mut links[0];
             let whole = 0..len;
             let range = std::slice::from_ref(&whole);
-            pull_all(clients, std::slice::from_ref(link), range, t, &mut w).await?;
+            pull_all(
+                clients,
+                std::slice::from_ref(link),
+                range,
+                t,
+                &[false],
+                &mut w,
+            )
+            .await?;
             let t1 = Instant::now();
             push_shm(&links[0].0[0], 0, t, len).await?;
             let t2 = Instant::now();
