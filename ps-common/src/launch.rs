@@ -68,6 +68,11 @@ pub struct LocalCluster {
     pub addrs: Vec<String>,
     /// Worker processes.
     pub workers: Vec<Proc>,
+    /// How many times [`LocalCluster::wait`] may start a failed worker again (same rank and
+    /// arguments) instead of stopping the run; 0: the first failure stops everything.
+    pub worker_restarts: usize,
+    /// Each worker's (rank, world, extra arguments), to start it again.
+    worker_args: Vec<(usize, usize, Vec<String>)>,
 }
 
 impl LocalCluster {
@@ -81,6 +86,8 @@ impl LocalCluster {
             servers: Vec::new(),
             addrs: Vec::new(),
             workers: Vec::new(),
+            worker_restarts: 0,
+            worker_args: Vec::new(),
         }
     }
 
@@ -229,6 +236,18 @@ impl LocalCluster {
         world: usize,
         extra: &[String],
     ) -> Result<(), LaunchError> {
+        let proc = self.spawn_worker(rank, world, extra)?;
+        self.workers.push(proc);
+        self.worker_args.push((rank, world, extra.to_vec()));
+        Ok(())
+    }
+
+    fn spawn_worker(
+        &self,
+        rank: usize,
+        world: usize,
+        extra: &[String],
+    ) -> Result<Proc, LaunchError> {
         let name = format!("worker {rank}");
         let (mut cmd, log) = self.command("ps-worker", &name, self.worker_logs.as_deref())?;
         cmd.arg("--rank")
@@ -240,13 +259,36 @@ impl LocalCluster {
         let child = cmd
             .spawn()
             .map_err(|e| LaunchError(format!("cannot start {name}: {e}")))?;
-        self.workers.push(Proc {
+        Ok(Proc {
             name,
             child,
             log,
             status: None,
-        });
-        Ok(())
+        })
+    }
+
+    /// Starts failed worker `i` again if the restart budget allows: its log so far is kept as
+    /// `<log>.<n>` (n = restarts so far). True when it was restarted.
+    fn restart_worker(&mut self, i: usize) -> Result<bool, LaunchError> {
+        if self.worker_restarts == 0 || i >= self.worker_args.len() {
+            return Ok(false);
+        }
+        self.worker_restarts -= 1;
+        let old = &self.workers[i];
+        eprintln!(
+            "ps-launch: {} failed with {}; starting it again ({} restart(s) left){}",
+            old.name,
+            old.status.map_or("?".to_string(), |s| s.to_string()),
+            self.worker_restarts,
+            old.log_tail(5)
+        );
+        if let Some(log) = &old.log {
+            let n = (1..).find(|n| !log.with_extension(format!("log.{n}")).exists());
+            let _ = std::fs::rename(log, log.with_extension(format!("log.{}", n.unwrap_or(1))));
+        }
+        let (rank, world, extra) = self.worker_args[i].clone();
+        self.workers[i] = self.spawn_worker(rank, world, &extra)?;
+        Ok(true)
     }
 
     /// Waits until every process has exited, at most `timeout`. The first failure stops the
@@ -259,6 +301,18 @@ impl LocalCluster {
     ) -> Result<(), LaunchError> {
         let start = Instant::now();
         loop {
+            // a failed worker may be started again (it rejoins at the shards' step)
+            for i in 0..self.workers.len() {
+                let p = &mut self.workers[i];
+                if p.status.is_none()
+                    && let Ok(Some(s)) = p.child.try_wait()
+                {
+                    p.status = Some(s);
+                    if !s.success() {
+                        self.restart_worker(i)?;
+                    }
+                }
+            }
             let mut running = Vec::new();
             for p in self.servers.iter_mut().chain(self.workers.iter_mut()) {
                 if p.status.is_none() {

@@ -364,3 +364,74 @@ fn a_worker_that_died_between_its_pushes_redoes_the_step() {
         .all(|(a, b)| a.to_bits() == b.to_bits());
     assert!(same, "weights differ from the uninterrupted run");
 }
+
+/// `ps-launch --restart-workers 1`: a worker killed mid-run is started again by the launcher,
+/// and the run ends with the weights of an uninterrupted one.
+#[test]
+fn the_launcher_restarts_a_failed_worker() {
+    let spec = Spec {
+        shards: 2,
+        workers: 2,
+        hidden: vec![256],
+        global_batch: 64,
+        steps: 300,
+        ..Spec::default()
+    };
+    let straight = {
+        let dir = tempfile::tempdir().unwrap();
+        let (path, cfg) = spec.write(dir.path());
+        run_cluster(&path, &cfg, &Start::default());
+        ps_tests::cluster_weights(&cfg)
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let (path, cfg) = spec.write(dir.path());
+    let err_log = std::fs::File::create(dir.path().join("launch.log")).unwrap();
+    let mut launcher = Command::new(bin_dir().join("ps-launch"))
+        .arg("--config")
+        .arg(&path)
+        .args(["--restart-workers", "1"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(err_log)
+        .spawn()
+        .unwrap();
+    let metrics = cfg.server.out_dir.join("metrics.jsonl");
+    let t0 = Instant::now();
+    while std::fs::read_to_string(&metrics).map_or(0, |s| s.lines().count()) < 100 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "training did not start"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let needle = path.display().to_string();
+    let worker1 = std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|e| {
+            let e = e.ok()?;
+            let pid: i32 = e.file_name().to_str()?.parse().ok()?;
+            let cmd = std::fs::read(e.path().join("cmdline")).ok()?;
+            let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
+            (cmd.contains("ps-worker") && cmd.contains(&needle) && cmd.contains("--rank 1 "))
+                .then_some(pid)
+        })
+        .next()
+        .expect("worker 1 runs");
+    // SAFETY: kill(2) on a process this test's launcher started.
+    unsafe { libc::kill(worker1, libc::SIGKILL) };
+    let status = launcher.wait().unwrap();
+    let log = std::fs::read_to_string(dir.path().join("launch.log")).unwrap();
+    assert!(status.success(), "{log}");
+    assert!(
+        log.contains(
+            "worker 1 failed with signal: 9 (SIGKILL); starting it again (0 restart(s) left)"
+        ),
+        "{log}"
+    );
+    let after = ps_tests::cluster_weights(&cfg);
+    let same = after
+        .iter()
+        .zip(&straight)
+        .all(|(a, b)| a.to_bits() == b.to_bits());
+    assert!(same, "weights differ after the restart");
+}

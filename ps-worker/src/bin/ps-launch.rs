@@ -40,6 +40,10 @@ struct Cli {
     /// Serve each shard's Prometheus metrics on a free 127.0.0.1 port (logged by each shard).
     #[arg(long)]
     metrics: bool,
+    /// Start a failed worker again, up to this many times in all, instead of stopping the run
+    /// (it rejoins at the shards' step; the result is the same as without the failure).
+    #[arg(long, default_value_t = 0)]
+    restart_workers: usize,
     /// Do not train: merge the shard files of the output directory into `model.safetensors`
     /// and draw `curves.svg` from its `metrics.jsonl`.
     #[arg(long, conflicts_with_all = ["resume", "check_reference", "metrics"])]
@@ -89,6 +93,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     let started = Instant::now();
     let mut cluster = LocalCluster::new(bin_dir(), cli.config.clone(), None);
     cluster.worker_logs = Some(logs);
+    cluster.worker_restarts = cli.restart_workers;
     let mut server_args = vec!["--out-dir".to_string(), out_dir.display().to_string()];
     let mut worker_args = cli.worker_arg.clone();
     if let Some(d) = &cli.data_dir {
