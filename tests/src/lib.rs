@@ -177,3 +177,23 @@ pub fn reference_weights(cfg: &Config) -> Vec<f32> {
 pub fn rel_diff(cfg: &Config, a: &[f32], b: &[f32]) -> f64 {
     ps_common::weights::max_rel_diff(&cfg.layout(), a, b).0
 }
+
+/// The final weights of an uninterrupted run of `spec` (in a temporary directory).
+pub fn uninterrupted_weights(spec: &Spec) -> Vec<f32> {
+    let dir = tempfile::tempdir().expect("temporary directory");
+    let (path, cfg) = spec.write(dir.path());
+    run_cluster(&path, &cfg, &Start::default());
+    cluster_weights(&cfg)
+}
+
+/// Panics with `what` unless `a` and `b` hold the same bits.
+pub fn assert_bit_identical(a: &[f32], b: &[f32], what: &str) {
+    assert_eq!(a.len(), b.len(), "{what}: lengths differ");
+    if let Some(i) = a
+        .iter()
+        .zip(b)
+        .position(|(x, y)| x.to_bits() != y.to_bits())
+    {
+        panic!("{what}: first difference at {i}: {} vs {}", a[i], b[i]);
+    }
+}

@@ -24,10 +24,6 @@ fn spec(steps: u64) -> Spec {
     }
 }
 
-fn bits(v: &[f32]) -> Vec<u32> {
-    v.iter().map(|x| x.to_bits()).collect()
-}
-
 fn resume() -> Start {
     Start {
         server_args: vec!["--resume".into()],
@@ -37,12 +33,7 @@ fn resume() -> Start {
 
 #[test]
 fn a_resumed_run_equals_an_uninterrupted_one_bit_for_bit() {
-    let straight = {
-        let dir = tempfile::tempdir().unwrap();
-        let (path, cfg) = spec(20).write(dir.path());
-        run_cluster(&path, &cfg, &Start::default());
-        cluster_weights(&cfg)
-    };
+    let straight = ps_tests::uninterrupted_weights(&spec(20));
 
     // the same run, stopped after 12 steps (checkpoints at versions 5 and 10), then resumed
     let dir = tempfile::tempdir().unwrap();
@@ -72,10 +63,10 @@ fn a_resumed_run_equals_an_uninterrupted_one_bit_for_bit() {
     assert!(log.contains("resuming at version 10"), "{log}");
     let worker = std::fs::read_to_string(dir.path().join("logs/worker-0.log")).unwrap();
     assert!(worker.contains("starting at step 10 of 20"), "{worker}");
-    assert_eq!(
-        bits(&cluster_weights(&cfg)),
-        bits(&straight),
-        "resumed at 10 (Adam state restored) vs straight"
+    ps_tests::assert_bit_identical(
+        &cluster_weights(&cfg),
+        &straight,
+        "resumed at 10 (Adam state restored) vs straight",
     );
     // the metrics file goes on: steps 1..12 of the first part, then 11..20
     let metrics = std::fs::read_to_string(cfg.server.out_dir.join("metrics.jsonl")).unwrap();
@@ -89,11 +80,7 @@ fn a_resumed_run_equals_an_uninterrupted_one_bit_for_bit() {
     run_cluster(&path, &cfg, &resume());
     let log = std::fs::read_to_string(dir.path().join("logs/shard-1.log")).unwrap();
     assert!(log.contains("resuming at version 5"), "{log}");
-    assert_eq!(
-        bits(&cluster_weights(&cfg)),
-        bits(&straight),
-        "resumed at 5"
-    );
+    ps_tests::assert_bit_identical(&cluster_weights(&cfg), &straight, "resumed at 5");
 
     // ps-launch --export: one file with PyTorch names, the same numbers
     let out = Command::new(bin_dir().join("ps-launch"))
@@ -108,7 +95,7 @@ fn a_resumed_run_equals_an_uninterrupted_one_bit_for_bit() {
         &cfg.layout(),
     )
     .unwrap();
-    assert_eq!(bits(&model), bits(&straight));
+    ps_tests::assert_bit_identical(&model, &straight, "model.safetensors");
     let svg = std::fs::read_to_string(cfg.server.out_dir.join("curves.svg")).unwrap();
     assert_eq!(
         svg.matches("<polyline").count(),

@@ -173,12 +173,7 @@ fn a_worker_killed_and_restarted_mid_run_changes_nothing() {
         steps: 400,
         ..Spec::default()
     };
-    let straight = {
-        let dir = tempfile::tempdir().unwrap();
-        let (path, cfg) = spec.write(dir.path());
-        ps_tests::run_cluster(&path, &cfg, &Start::default());
-        ps_tests::cluster_weights(&cfg)
-    };
+    let straight = ps_tests::uninterrupted_weights(&spec);
 
     let dir = tempfile::tempdir().unwrap();
     let (path, cfg) = spec.write(dir.path());
@@ -223,12 +218,11 @@ fn a_worker_killed_and_restarted_mid_run_changes_nothing() {
         .wait(Duration::from_secs(120), &|| false)
         .unwrap_or_else(|e| panic!("{e}"));
     eprintln!("restarts that found the shards a version apart: {redone} of 4");
-    let resumed = ps_tests::cluster_weights(&cfg);
-    let same = resumed
-        .iter()
-        .zip(&straight)
-        .all(|(a, b)| a.to_bits() == b.to_bits());
-    assert!(same, "weights differ after the restarts");
+    ps_tests::assert_bit_identical(
+        &ps_tests::cluster_weights(&cfg),
+        &straight,
+        "weights differ after the restarts",
+    );
 }
 
 /// What the random kills above rarely hit, made on purpose: rank 1 pushed step 0 to shard 1
@@ -252,12 +246,7 @@ fn a_worker_that_died_between_its_pushes_redoes_the_step() {
         transport: "grpc",
         ..Spec::default()
     };
-    let straight = {
-        let dir = tempfile::tempdir().unwrap();
-        let (path, cfg) = spec.write(dir.path());
-        ps_tests::run_cluster(&path, &cfg, &Start::default());
-        ps_tests::cluster_weights(&cfg)
-    };
+    let straight = ps_tests::uninterrupted_weights(&spec);
     let dir = tempfile::tempdir().unwrap();
     let (path, cfg) = spec.write(dir.path());
     let mut cluster = LocalCluster::new(bin_dir(), path, Some(dir.path().join("logs")));
@@ -357,12 +346,11 @@ fn a_worker_that_died_between_its_pushes_redoes_the_step() {
         log.contains("shards are at versions [0, 1]: redoing step 0"),
         "{log}"
     );
-    let after = ps_tests::cluster_weights(&cfg);
-    let same = after
-        .iter()
-        .zip(&straight)
-        .all(|(a, b)| a.to_bits() == b.to_bits());
-    assert!(same, "weights differ from the uninterrupted run");
+    ps_tests::assert_bit_identical(
+        &ps_tests::cluster_weights(&cfg),
+        &straight,
+        "weights differ from the uninterrupted run",
+    );
 }
 
 /// `ps-launch --restart-workers 1`: a worker killed mid-run is started again by the launcher,
@@ -377,12 +365,7 @@ fn the_launcher_restarts_a_failed_worker() {
         steps: 300,
         ..Spec::default()
     };
-    let straight = {
-        let dir = tempfile::tempdir().unwrap();
-        let (path, cfg) = spec.write(dir.path());
-        run_cluster(&path, &cfg, &Start::default());
-        ps_tests::cluster_weights(&cfg)
-    };
+    let straight = ps_tests::uninterrupted_weights(&spec);
     let dir = tempfile::tempdir().unwrap();
     let (path, cfg) = spec.write(dir.path());
     let err_log = std::fs::File::create(dir.path().join("launch.log")).unwrap();
@@ -428,10 +411,9 @@ fn the_launcher_restarts_a_failed_worker() {
         ),
         "{log}"
     );
-    let after = ps_tests::cluster_weights(&cfg);
-    let same = after
-        .iter()
-        .zip(&straight)
-        .all(|(a, b)| a.to_bits() == b.to_bits());
-    assert!(same, "weights differ after the restart");
+    ps_tests::assert_bit_identical(
+        &ps_tests::cluster_weights(&cfg),
+        &straight,
+        "weights differ after the restart",
+    );
 }
