@@ -252,6 +252,7 @@ struct RawServer {
     linger_secs: f64,
     chunk_bytes: usize,
     metrics_addrs: Vec<String>,
+    barrier_policy: String,
 }
 
 impl Default for RawServer {
@@ -264,6 +265,7 @@ impl Default for RawServer {
             linger_secs: 30.0,
             chunk_bytes: crate::wire::DEFAULT_CHUNK_BYTES,
             metrics_addrs: Vec::new(),
+            barrier_policy: "fail".into(),
         }
     }
 }
@@ -314,6 +316,18 @@ pub struct ServerConfig {
     pub chunk_bytes: usize,
     /// Where shard `i` serves Prometheus metrics (`GET /metrics`): none, or one per shard.
     pub metrics_addrs: Vec<String>,
+    /// What a shard does when a step's barrier times out.
+    pub barrier_policy: BarrierPolicy,
+}
+
+/// What a shard does when a step's barrier times out (`[server] barrier_policy`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BarrierPolicy {
+    /// Fail the run loudly (exit 1; waiting workers are told why).
+    Fail,
+    /// Apply the step with the ranks that pushed and stop waiting for the others until they
+    /// register or push again (elastic membership; the run no longer equals one process).
+    Continue,
 }
 
 /// Per-worker settings.
@@ -547,6 +561,15 @@ impl Config {
                 crate::wire::MAX_MESSAGE_BYTES / 2
             )));
         }
+        let barrier_policy = match s.barrier_policy.as_str() {
+            "fail" => BarrierPolicy::Fail,
+            "continue" => BarrierPolicy::Continue,
+            other => {
+                return Err(err(format!(
+                    "[server] barrier_policy = {other:?}: expected \"fail\" (stop the run when a step times out) or \"continue\" (go on without the ranks that did not push)"
+                )));
+            }
+        };
         if !s.metrics_addrs.is_empty() && s.metrics_addrs.len() != c.servers.len() {
             return Err(err(format!(
                 "[server] metrics_addrs has {} addresses: expected none or one per shard ({})",
@@ -610,6 +633,7 @@ impl Config {
                 linger_secs: s.linger_secs,
                 chunk_bytes: s.chunk_bytes,
                 metrics_addrs: s.metrics_addrs.clone(),
+                barrier_policy,
             },
             worker: WorkerConfig {
                 device: wk.device.clone(),
@@ -729,6 +753,12 @@ impl Config {
             }
             (LossReduction::Sum, Aggregation::Weighted) => unreachable!("rejected by validation"),
         };
+        if self.server.barrier_policy == BarrierPolicy::Continue {
+            warnings.push(format!(
+                "barrier_policy \"continue\": a step whose barrier times out ({} s) goes on without the ranks that did not push; from then on the run no longer equals the single-process one",
+                self.server.barrier_timeout_secs
+            ));
+        }
         let lr_is_scale =
             matches!(self.optimizer, Optimizer::Sgd { weight_decay, .. } if weight_decay == 0.0);
         Equivalence {

@@ -11,7 +11,7 @@ pub mod shard;
 
 use anyhow::Context;
 use checkpoint::{Identity, Saved};
-use ps_common::config::Config;
+use ps_common::config::{BarrierPolicy, Config};
 use ps_common::pb::parameter_server_server::ParameterServerServer;
 use ps_common::wire::MAX_MESSAGE_BYTES;
 use report::{Reporter, ReporterConfig};
@@ -103,6 +103,7 @@ pub async fn run_shard(
         all_left: all_left.clone(),
         metrics,
     };
+    let watcher = svc.clone();
     let server = tonic::service::interceptor::InterceptedService::new(
         ParameterServerServer::new(svc)
             .max_decoding_message_size(MAX_MESSAGE_BYTES)
@@ -142,7 +143,7 @@ pub async fn run_shard(
     let serve = tokio::spawn(serve);
 
     let outcome = tokio::select! {
-        o = watch_run(&cfg, &shard, &all_left, &reporter) => o,
+        o = watch_run(&cfg, &watcher) => o,
         _ = shutdown => Outcome::Interrupted,
     };
     match &outcome {
@@ -203,12 +204,8 @@ pub fn load_checkpoint(cfg: &Config, index: usize, train_len: usize) -> anyhow::
 /// Waits for the end of the run while watching the barrier: logs the missing ranks of a step
 /// that waits too long, fails the run past the timeout, writes the final weights, and waits
 /// (bounded) for the workers to leave.
-async fn watch_run(
-    cfg: &Config,
-    shard: &Arc<Shard>,
-    all_left: &Notify,
-    reporter: &Reporter,
-) -> Outcome {
+async fn watch_run(cfg: &Config, svc: &ShardService) -> Outcome {
+    let (shard, all_left, reporter) = (&svc.shard, &*svc.all_left, &svc.reporter);
     let warn = Duration::from_secs_f64(cfg.server.barrier_warn_secs);
     let timeout = Duration::from_secs_f64(cfg.server.barrier_timeout_secs);
     let mut versions = shard.subscribe();
@@ -219,6 +216,20 @@ async fn watch_run(
             _ = versions.changed() => {}
             _ = tick.tick() => {
                 let Some((step, missing, waited)) = shard.barrier_wait() else { continue };
+                if waited >= timeout && cfg.server.barrier_policy == BarrierPolicy::Continue {
+                    if let Some((slots, left_out)) = shard.continue_without_missing() {
+                        tracing::warn!(
+                            "shard {} step {step}: no gradient from ranks {left_out:?} after {:.1} s: going on with the {} that pushed (barrier_policy = \"continue\"); they are not waited for until they come back, and the run no longer equals one process",
+                            shard.index,
+                            waited.as_secs_f64(),
+                            slots.len()
+                        );
+                        if let Err(e) = svc.complete_step(slots).await {
+                            return Outcome::Failed(e.to_string());
+                        }
+                        continue;
+                    }
+                }
                 if waited >= timeout {
                     return Outcome::Failed(format!(
                         "step {step}: no gradient from ranks {missing:?} after {:.1} s (barrier_timeout_secs = {})",

@@ -4,7 +4,7 @@
 
 use crate::exporter::Metrics;
 use crate::report::Reporter;
-use crate::shard::{Grad, PushMeta, Shard};
+use crate::shard::{Grad, PushMeta, Shard, Slot};
 use bytes::Bytes;
 use futures::Stream;
 use ps_common::pb::parameter_server_server::ParameterServer;
@@ -90,22 +90,28 @@ impl ShardService {
         };
         let (outcome, ready) = self.shard.accept(meta, grad, fingerprint)?;
         if let Some(slots) = ready {
-            // the step is applied and reported even if this push's caller goes away meanwhile
-            let (shard, reporter) = (self.shard.clone(), self.reporter.clone());
-            let metrics = self.metrics.clone();
-            tokio::task::spawn_blocking(move || {
-                let figures = shard.apply(slots);
-                metrics.step(&figures);
-                reporter.step_done(figures);
-                shard.checkpoint_if_due();
-            })
-            .await
-            .map_err(|e| PsError::Internal(format!("apply task failed: {e}")))?;
+            self.complete_step(slots).await?;
         }
         Ok(PushReply {
             counted: outcome.counted,
             ranks_in: outcome.ranks_in,
         })
+    }
+
+    /// Applies a step whose barrier is complete (or given up on), on a blocking thread, then
+    /// reports it, updates the metrics and writes a checkpoint when one is due. It runs to the
+    /// end even if the caller that triggered it goes away.
+    pub async fn complete_step(&self, slots: Vec<Slot>) -> PsResult<()> {
+        let (shard, reporter) = (self.shard.clone(), self.reporter.clone());
+        let metrics = self.metrics.clone();
+        tokio::task::spawn_blocking(move || {
+            let figures = shard.apply(slots);
+            metrics.step(&figures);
+            reporter.step_done(figures);
+            shard.checkpoint_if_due();
+        })
+        .await
+        .map_err(|e| PsError::Internal(format!("apply task failed: {e}")))
     }
 
     /// A push whose gradient is in the rank's shared-memory board: checked there in place.

@@ -32,6 +32,8 @@ pub enum Grad {
 /// One rank's gradient for the current step.
 #[derive(Debug)]
 pub struct Slot {
+    /// The rank it came from.
+    pub rank: u32,
     /// The gradient slice.
     pub grad: Grad,
     /// Fingerprint of its bytes (to recognise retries).
@@ -116,6 +118,11 @@ struct State {
     store: Store,
     opt: OptState,
     registered: Vec<bool>,
+    /// Ranks the barrier no longer waits for (`barrier_policy = "continue"` dropped them after a
+    /// timeout) until they register or push again.
+    absent: Vec<bool>,
+    /// Ranks the last step went on without: their late push of it is acknowledged, not counted.
+    dropped: Vec<bool>,
     slots: Vec<Option<Slot>>,
     /// Fingerprints of this step's gradients (kept while applying) and of the previous step's.
     current_fp: Vec<Option<u64>>,
@@ -243,6 +250,8 @@ impl Shard {
             opt,
             store,
             registered: vec![false; w],
+            absent: vec![false; w],
+            dropped: vec![false; w],
             slots: (0..w).map(|_| None).collect(),
             current_fp: vec![None; w],
             previous_fp: vec![None; w],
@@ -339,6 +348,7 @@ impl Shard {
         let r = self.check_rank(rank)?;
         let mut st = self.lock();
         st.registered[r] = true;
+        st.absent[r] = false;
         Ok(st.version)
     }
 
@@ -378,6 +388,18 @@ impl Shard {
         check_step(meta.step, st.version)?;
         let ranks_in = |st: &State| st.current_fp.iter().filter(|f| f.is_some()).count() as u32;
         if meta.step + 1 == st.version {
+            if st.dropped[r] {
+                // the step went on without this rank (barrier timeout, policy "continue"): its
+                // late gradient is acknowledged and not counted; it takes part again from now
+                st.absent[r] = false;
+                return Ok((
+                    PushOutcome {
+                        counted: false,
+                        ranks_in: ranks_in(&st),
+                    },
+                    None,
+                ));
+            }
             // a retry of the step just applied: acknowledged only if it is the same gradient
             return if st.previous_fp[r] == Some(fingerprint) {
                 Ok((
@@ -414,6 +436,7 @@ impl Shard {
         }
         st.current_fp[r] = Some(fingerprint);
         st.slots[r] = Some(Slot {
+            rank: meta.rank,
             grad,
             fingerprint,
             samples: meta.samples,
@@ -422,18 +445,17 @@ impl Shard {
             eval: meta.eval,
             arrived: Instant::now(),
         });
+        st.absent[r] = false;
         let n = ranks_in(&st);
         let outcome = PushOutcome {
             counted: true,
             ranks_in: n,
         };
-        if n as usize == self.world && !st.applying {
+        let complete = (0..self.world).all(|q| st.absent[q] || st.current_fp[q].is_some());
+        if complete && !st.applying {
             st.applying = true;
-            let slots = st
-                .slots
-                .iter_mut()
-                .map(|s| s.take().expect("all ranks in"))
-                .collect();
+            st.dropped = st.absent.clone();
+            let slots = st.slots.iter_mut().filter_map(Option::take).collect();
             return Ok((outcome, Some(slots)));
         }
         Ok((outcome, None))
@@ -460,7 +482,7 @@ impl Shard {
             .iter()
             .map(|s| match self.aggregation {
                 Aggregation::Sum => 1.0,
-                Aggregation::Mean => 1.0 / self.world as f32,
+                Aggregation::Mean => 1.0 / slots.len() as f32,
                 Aggregation::Weighted if samples == 0 => 0.0,
                 Aggregation::Weighted => (f64::from(s.samples) / samples as f64) as f32,
             })
@@ -508,8 +530,7 @@ impl Shard {
             .expect("at least one rank");
         let (last_rank, last) = slots
             .iter()
-            .enumerate()
-            .map(|(r, s)| (r, s.arrived))
+            .map(|s| (s.rank, s.arrived))
             .max_by_key(|&(_, t)| t)
             .expect("at least one rank");
         let now = Instant::now();
@@ -523,7 +544,7 @@ impl Shard {
             workers_in: slots.len() as u32,
             step_ms: ms(now - waiting_since),
             barrier_wait_ms: ms(last - first),
-            slowest_rank: last_rank as u32,
+            slowest_rank: last_rank,
             apply_ms: ms(now - started),
             eval: slots
                 .iter()
@@ -856,10 +877,31 @@ impl Shard {
             .current_fp
             .iter()
             .enumerate()
-            .filter(|(_, f)| f.is_none())
+            .filter(|&(r, f)| f.is_none() && !st.absent[r])
             .map(|(r, _)| r)
             .collect();
         Some((st.version, missing, st.waiting_since.elapsed()))
+    }
+
+    /// The barrier policy "continue": the current step goes on with the ranks that pushed, and
+    /// the barrier stops waiting for the others until they register or push again. Returns
+    /// the slots to apply and the ranks left out, or None when no rank pushed (nothing to go
+    /// on with) or an update already runs.
+    pub fn continue_without_missing(&self) -> Option<(Vec<Slot>, Vec<usize>)> {
+        let mut st = self.lock();
+        if st.applying || st.failed.is_some() || st.slots.iter().all(Option::is_none) {
+            return None;
+        }
+        let missing: Vec<usize> = (0..self.world)
+            .filter(|&r| st.current_fp[r].is_none())
+            .collect();
+        for &r in &missing {
+            st.absent[r] = true;
+        }
+        st.dropped = st.absent.clone();
+        st.applying = true;
+        let slots = st.slots.iter_mut().filter_map(Option::take).collect();
+        Some((slots, missing))
     }
 }
 

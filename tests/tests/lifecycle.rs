@@ -417,3 +417,59 @@ fn the_launcher_restarts_a_failed_worker() {
         "weights differ after the restart",
     );
 }
+
+/// `barrier_policy = "continue"`: with rank 1 absent, step 0 goes on with rank 0 alone after
+/// the timeout (said in the log), the following steps do not wait for rank 1, and once it
+/// starts it takes part again until the end.
+#[test]
+fn barrier_policy_continue_goes_on_without_a_missing_rank_until_it_comes_back() {
+    let spec = Spec {
+        shards: 1,
+        workers: 2,
+        hidden: vec![256],
+        steps: 1500,
+        server_extra:
+            "barrier_warn_secs = 0.5\nbarrier_timeout_secs = 1.5\nbarrier_policy = \"continue\""
+                .into(),
+        ..Spec::default()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let (path, cfg) = spec.write(dir.path());
+    let mut cluster = LocalCluster::new(bin_dir(), path, Some(dir.path().join("logs")));
+    cluster
+        .start_servers(1, &[], Duration::from_secs(60))
+        .unwrap();
+    cluster.start_worker(0, 2, &[]).unwrap();
+    let shard_log = dir.path().join("logs/shard-0.log");
+    let t0 = Instant::now();
+    loop {
+        let log = std::fs::read_to_string(&shard_log).unwrap_or_default();
+        if log.contains("step 0: no gradient from ranks [1] after") {
+            assert!(log.contains("going on with the 1 that pushed"), "{log}");
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "no continue:\n{log}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    cluster.start_worker(1, 2, &[]).unwrap();
+    cluster
+        .wait(Duration::from_secs(120), &|| false)
+        .unwrap_or_else(|e| panic!("{e}"));
+    let log = std::fs::read_to_string(&shard_log).unwrap();
+    assert!(log.contains("training finished: 1500 steps"), "{log}");
+    let workers: Vec<u64> = std::fs::read_to_string(cfg.server.out_dir.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["workers"]
+                .as_u64()
+                .unwrap()
+        })
+        .collect();
+    assert_eq!(workers.len(), 1500);
+    assert_eq!(workers[0], 1, "step 0 went on with rank 0 alone");
+    assert_eq!(workers[1499], 2, "rank 1 took part again: {workers:?}");
+}
