@@ -216,8 +216,10 @@ async fn watch_run(cfg: &Config, svc: &ShardService) -> Outcome {
             _ = versions.changed() => {}
             _ = tick.tick() => {
                 let Some((step, missing, waited)) = shard.barrier_wait() else { continue };
-                if waited >= timeout && cfg.server.barrier_policy == BarrierPolicy::Continue {
-                    if let Some((slots, left_out)) = shard.continue_without_missing() {
+                if waited >= timeout
+                    && cfg.server.barrier_policy == BarrierPolicy::Continue
+                    && let Some((slots, left_out)) = shard.continue_without_missing()
+                {
                         tracing::warn!(
                             "shard {} step {step}: no gradient from ranks {left_out:?} after {:.1} s: going on with the {} that pushed (barrier_policy = \"continue\"); they are not waited for until they come back, and the run no longer equals one process",
                             shard.index,
@@ -228,7 +230,6 @@ async fn watch_run(cfg: &Config, svc: &ShardService) -> Outcome {
                             return Outcome::Failed(e.to_string());
                         }
                         continue;
-                    }
                 }
                 if waited >= timeout {
                     return Outcome::Failed(format!(

@@ -343,13 +343,15 @@ impl Shard {
         }
     }
 
-    /// Records a worker's registration; returns the current version.
+    /// Records a worker's registration; returns the step it joins at: the current version, or
+    /// the next one while an update runs (that step is settled without this rank, or with the
+    /// gradient its predecessor pushed).
     pub fn register(&self, rank: u32) -> PsResult<u64> {
         let r = self.check_rank(rank)?;
         let mut st = self.lock();
         st.registered[r] = true;
         st.absent[r] = false;
-        Ok(st.version)
+        Ok(st.version + u64::from(st.applying))
     }
 
     /// Checks a push header before its data is received: rank, registration, length, and a
