@@ -175,8 +175,14 @@ impl Metrics {
 /// Answers `GET /metrics` on `listener` until the task is dropped.
 pub async fn serve(listener: TcpListener, metrics: std::sync::Arc<Metrics>) {
     loop {
-        let Ok((mut sock, _)) = listener.accept().await else {
-            continue;
+        let mut sock = match listener.accept().await {
+            Ok((sock, _)) => sock,
+            Err(e) => {
+                // e.g. out of file descriptors: do not spin
+                tracing::debug!("metrics listener: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
         };
         let metrics = metrics.clone();
         tokio::spawn(async move {
