@@ -1,7 +1,9 @@
 //! The parameter-server shard: it owns one contiguous range of the model's flat parameter
 //! vector and its optimizer state, runs a BSP barrier per step over every worker's gradient,
 //! aggregates (`sum`, `mean` or sample-`weighted`) in fixed rank order, applies the optimizer,
-//! and serves the new version to pulls. Shard 0 also logs the cluster-wide convergence line.
+//! and serves the new version to pulls (through gRPC, or a shared-memory board for workers on
+//! its host). Shard 0 also logs the cluster-wide convergence line. Every shard writes
+//! checkpoints, resumes from them, and can serve Prometheus metrics.
 
 pub mod checkpoint;
 pub mod exporter;
