@@ -375,7 +375,12 @@ impl LrSchedule {
                 total_steps,
                 min_lr,
             } => {
-                let mut s = format!("cosine {base} -> {min_lr} over {total_steps} steps");
+                let mut s = if total_steps == 0 {
+                    // resolved from the data set's size when the shard starts
+                    format!("cosine {base} -> {min_lr} over the whole run")
+                } else {
+                    format!("cosine {base} -> {min_lr} over {total_steps} steps")
+                };
                 if w > 0 {
                     s.push_str(&format!(" including {w} warmup steps"));
                 }

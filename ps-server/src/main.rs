@@ -75,6 +75,9 @@ async fn serve(cli: Cli) -> anyhow::Result<Outcome> {
         // before listening: a shard that cannot resume never looks ready to a launcher
         setup.resume_from = Some(load_checkpoint(&setup.cfg, setup.index, setup.train_len)?);
     }
+    // a cosine schedule spans the run, whose length the data set decides: say it in steps
+    let total = setup.cfg.total_steps(setup.train_len)?;
+    setup.cfg.schedule = setup.cfg.schedule_for(total);
     if setup.index == 0 {
         tracing::info!("{}", setup.cfg.describe());
         let eq = setup.cfg.equivalence();
