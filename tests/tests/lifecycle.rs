@@ -257,23 +257,22 @@ fn a_worker_that_died_between_its_pushes_redoes_the_step() {
     let n = layout.num_params();
     let ranges = shard_ranges(n, 2);
     let rt = tokio::runtime::Runtime::new().unwrap();
+    let as_rank_1 = |shard: u32| RegisterRequest {
+        protocol_version: ps_common::PROTOCOL_VERSION,
+        rank: 1,
+        world_size: 2,
+        num_params: n as u64,
+        shard,
+        num_shards: 2,
+        ..Default::default()
+    };
     let mut clients = rt.block_on(async {
         let mut cs = Vec::new();
         for (s, addr) in cluster.addrs.iter().enumerate() {
             let mut c = connect(addr, Duration::from_secs(10), &ClientSecurity::default())
                 .await
                 .unwrap();
-            c.register(RegisterRequest {
-                protocol_version: ps_common::PROTOCOL_VERSION,
-                rank: 1,
-                world_size: 2,
-                num_params: n as u64,
-                shard: s as u32,
-                num_shards: 2,
-                ..Default::default()
-            })
-            .await
-            .unwrap();
+            c.register(as_rank_1(s as u32)).await.unwrap();
             cs.push(c);
         }
         cs
@@ -316,15 +315,7 @@ fn a_worker_that_died_between_its_pushes_redoes_the_step() {
     cluster.start_worker(0, 2, &[]).unwrap();
     let t0 = Instant::now();
     while rt
-        .block_on(clients[1].register(RegisterRequest {
-            protocol_version: ps_common::PROTOCOL_VERSION,
-            rank: 1,
-            world_size: 2,
-            num_params: n as u64,
-            shard: 1,
-            num_shards: 2,
-            ..Default::default()
-        }))
+        .block_on(clients[1].register(as_rank_1(1)))
         .unwrap()
         .into_inner()
         .version
