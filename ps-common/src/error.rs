@@ -51,6 +51,16 @@ pub enum PsError {
         /// The step the shard expects.
         expected: u64,
     },
+    /// A push for a step that is not a step of the run (`0..total_steps`).
+    #[error(
+        "step {step} is not a step of this run: expected a step in 0..{total_steps} (the run has {total_steps} steps)"
+    )]
+    StepOutOfRange {
+        /// The step pushed.
+        step: u64,
+        /// Steps of the run.
+        total_steps: u64,
+    },
     /// A second, different gradient for a step from the same rank.
     #[error(
         "rank {rank} already pushed a different gradient for step {step}: a retry must resend the same values"
@@ -129,7 +139,9 @@ impl PsError {
             | PsError::NonFinite { .. }
             | PsError::BadChunk(_) => Code::InvalidArgument,
             PsError::Conflict { .. } => Code::AlreadyExists,
-            PsError::VersionOutOfRange { .. } | PsError::VersionGone { .. } => Code::OutOfRange,
+            PsError::VersionOutOfRange { .. }
+            | PsError::VersionGone { .. }
+            | PsError::StepOutOfRange { .. } => Code::OutOfRange,
             PsError::Timeout(_) => Code::DeadlineExceeded,
             PsError::Unavailable(_) => Code::Unavailable,
             PsError::Internal(_) => Code::Internal,

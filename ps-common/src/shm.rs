@@ -24,7 +24,7 @@ use std::io;
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicU64, Ordering, fence};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering, fence};
 
 /// "PSSHM" + format version.
 const MAGIC: u64 = u64::from_le_bytes(*b"PSSHM\0v1");
@@ -210,11 +210,31 @@ impl Board {
     }
 
     /// Copies slot `k` into `dst` (`dst.len()` must be the slot length). Another process may
-    /// write the slot meanwhile: [`Board::read_version`] checks the sequence number afterwards.
+    /// write the slot meanwhile (then [`Board::read_version`] discards the copy by the sequence
+    /// number), so the copy is made of relaxed atomic loads of aligned 8-byte words: a racing
+    /// write can give a torn copy, never undefined behaviour as a plain copy would.
     pub fn read(&self, k: usize, dst: &mut [f32]) {
         assert_eq!(dst.len(), self.len, "board read: length mismatch");
-        // SAFETY: the slot holds `len` f32 values; `dst` is ours and does not overlap it.
-        unsafe { std::ptr::copy_nonoverlapping(self.slot_ptr(k), dst.as_mut_ptr(), self.len) }
+        let src = self.slot_ptr(k);
+        let words = self.len / 2;
+        // SAFETY: the slot starts page-aligned and holds `len` f32 values, so its first
+        // `len / 2` 8-byte words lie inside it, aligned; atomics have the layout of the plain
+        // integers, and the mapping outlives `&self`. Only atomic loads read it here.
+        let (pairs, last) = unsafe {
+            (
+                std::slice::from_raw_parts(src.cast::<AtomicU64>(), words),
+                (self.len % 2 == 1).then(|| &*src.add(self.len - 1).cast::<AtomicU32>()),
+            )
+        };
+        let mut out = dst.chunks_exact_mut(2);
+        for (d, w) in (&mut out).zip(pairs) {
+            let b = w.load(Ordering::Relaxed).to_ne_bytes();
+            d[0] = f32::from_ne_bytes([b[0], b[1], b[2], b[3]]);
+            d[1] = f32::from_ne_bytes([b[4], b[5], b[6], b[7]]);
+        }
+        if let (Some(d), Some(w)) = (out.into_remainder().first_mut(), last) {
+            *d = f32::from_bits(w.load(Ordering::Relaxed));
+        }
     }
 
     /// Slot `k`, for this process to write (the other processes read it by the protocol).

@@ -13,15 +13,16 @@ pub mod shard;
 
 use anyhow::Context;
 use checkpoint::{Identity, Saved};
-use ps_common::config::{BarrierPolicy, Config};
+use ps_common::config::Config;
 use ps_common::pb::parameter_server_server::ParameterServerServer;
 use ps_common::wire::MAX_MESSAGE_BYTES;
 use report::{Reporter, ReporterConfig};
 use service::ShardService;
 use shard::Shard;
+use shard::barrier::Verdict;
 use std::future::Future;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tokio::net::TcpListener;
 use tokio::sync::Notify;
 
@@ -203,58 +204,47 @@ pub fn load_checkpoint(cfg: &Config, index: usize, train_len: usize) -> anyhow::
     Ok(saved)
 }
 
-/// Waits for the end of the run while watching the barrier: logs the missing ranks of a step
-/// that waits too long, fails the run past the timeout, writes the final weights, and waits
-/// (bounded) for the workers to leave.
+/// Waits for the end of the run while acting on the barrier's verdicts (log the missing
+/// ranks, fail the run, or go on without them), then writes the final weights and waits
+/// (bounded) for the workers to leave. A run the shard failed (an update refused) ends here too.
 async fn watch_run(cfg: &Config, svc: &ShardService) -> Outcome {
     let (shard, all_left, reporter) = (&svc.shard, &*svc.all_left, &svc.reporter);
-    let warn = Duration::from_secs_f64(cfg.server.barrier_warn_secs);
-    let timeout = Duration::from_secs_f64(cfg.server.barrier_timeout_secs);
     let mut versions = shard.subscribe();
     let mut tick = tokio::time::interval(Duration::from_millis(100));
-    let mut warned: Option<(u64, Duration)> = None;
     while shard.version() < shard.total_steps {
+        if let Some(why) = shard.failure() {
+            return Outcome::Failed(why);
+        }
         tokio::select! {
             _ = versions.changed() => {}
-            _ = tick.tick() => {
-                let Some((step, missing, waited)) = shard.barrier_wait() else { continue };
-                if waited >= timeout
-                    && cfg.server.barrier_policy == BarrierPolicy::Continue
-                    && let Some((slots, left_out)) = shard.continue_without_missing()
-                {
-                        tracing::warn!(
-                            "shard {} step {step}: no gradient from ranks {left_out:?} after {:.1} s: going on with the {} that pushed (barrier_policy = \"continue\"); they are not waited for until they come back, and the run no longer equals one process",
-                            shard.index,
-                            waited.as_secs_f64(),
-                            slots.len()
-                        );
-                        if let Err(e) = svc.complete_step(slots).await {
-                            return Outcome::Failed(e.to_string());
-                        }
-                        continue;
-                }
-                if waited >= timeout {
+            _ = tick.tick() => match shard.poll_barrier(Instant::now()) {
+                Verdict::Idle | Verdict::Waiting { warn: false, .. } => {}
+                Verdict::Waiting { step, missing, waited, warn: true } => tracing::warn!(
+                    "shard {} step {step}: waiting {:.1} s for ranks {missing:?} ({} of {} in)",
+                    shard.index,
+                    waited.as_secs_f64(),
+                    shard.world - missing.len(),
+                    shard.world
+                ),
+                Verdict::Fail { step, missing, waited } => {
                     return Outcome::Failed(format!(
                         "step {step}: no gradient from ranks {missing:?} after {:.1} s (barrier_timeout_secs = {})",
                         waited.as_secs_f64(),
                         cfg.server.barrier_timeout_secs
                     ));
                 }
-                let due = match warned {
-                    Some((s, at)) if s == step => waited >= at + warn,
-                    _ => waited >= warn,
-                };
-                if due {
-                    warned = Some((step, waited));
+                Verdict::Continue { step, slots, left_out, waited } => {
                     tracing::warn!(
-                        "shard {} step {step}: waiting {:.1} s for ranks {missing:?} ({} of {} in)",
+                        "shard {} step {step}: no gradient from ranks {left_out:?} after {:.1} s: going on with the {} that pushed (barrier_policy = \"continue\"); they are not waited for until they come back, and the run no longer equals one process",
                         shard.index,
                         waited.as_secs_f64(),
-                        shard.world - missing.len(),
-                        shard.world
+                        slots.len()
                     );
+                    if let Err(e) = svc.complete_step(slots).await {
+                        return Outcome::Failed(e.to_string());
+                    }
                 }
-            }
+            },
         }
     }
     let (version, params) = match shard.params() {

@@ -100,18 +100,20 @@ impl ShardService {
 
     /// Applies a step whose barrier is complete (or given up on), on a blocking thread, then
     /// reports it, updates the metrics and writes a checkpoint when one is due. It runs to the
-    /// end even if the caller that triggered it goes away.
+    /// end even if the caller that triggered it goes away. An update that finds a non-finite
+    /// gradient value fails the run ([`Shard::apply`]).
     pub async fn complete_step(&self, slots: Vec<Slot>) -> PsResult<()> {
         let (shard, reporter) = (self.shard.clone(), self.reporter.clone());
         let metrics = self.metrics.clone();
         tokio::task::spawn_blocking(move || {
-            let figures = shard.apply(slots);
+            let figures = shard.apply(slots)?;
             metrics.step(&figures);
             reporter.step_done(figures);
             shard.checkpoint_if_due();
+            Ok(())
         })
         .await
-        .map_err(|e| PsError::Internal(format!("apply task failed: {e}")))
+        .map_err(|e| PsError::Internal(format!("apply task failed: {e}")))?
     }
 
     /// A push whose gradient is in the rank's shared-memory board: checked there in place.

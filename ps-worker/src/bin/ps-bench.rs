@@ -395,7 +395,7 @@ fn bench_aggregation(
         }
         let slots = ready.context("the last accept did not complete the barrier")?;
         let t1 = Instant::now();
-        black_box(shard.apply(slots));
+        black_box(shard.apply(slots)?);
         let t2 = Instant::now();
         if rep > 0 {
             apply_s.push((t2 - t1).as_secs_f64());

@@ -1,0 +1,568 @@
+//! The BSP barrier of one shard: which ranks take part, each rank's gradient slot for the step
+//! being gathered, the fingerprints that tell an identical retry (acknowledged, not counted)
+//! from a conflicting one (refused), and the timeout with its policy (`[server]
+//! barrier_policy`: fail the run, or go on without the ranks that did not push).
+//!
+//! It holds no parameters and does no arithmetic: [`Barrier::accept`] hands the slots out once
+//! the step is complete, the caller applies them and calls [`Barrier::finish`]; the caller
+//! asks [`Barrier::poll`] what the policy says while a step waits.
+
+use super::Slot;
+use ps_common::config::BarrierPolicy;
+use ps_common::{PsError, PsResult};
+use std::time::{Duration, Instant};
+
+/// When the barrier warns and gives up, and what it does then.
+#[derive(Debug, Clone, Copy)]
+pub struct Rules {
+    /// Log the missing ranks after this long, and again every this long.
+    pub warn: Duration,
+    /// Apply the policy after this long.
+    pub timeout: Duration,
+    /// Fail the run, or continue without the missing ranks.
+    pub policy: BarrierPolicy,
+}
+
+/// What became of an accepted push.
+#[derive(Debug)]
+pub enum Accepted {
+    /// Counted for the step; the barrier waits for more.
+    Counted {
+        /// Ranks in for the step now.
+        ranks_in: u32,
+    },
+    /// The same gradient again (this step, or the step just applied): acknowledged only.
+    Retry {
+        /// Ranks in for the step the retry is of.
+        ranks_in: u32,
+    },
+    /// A push of the step that went on without this rank: acknowledged, not counted; the rank
+    /// takes part again from now on.
+    Late {
+        /// Ranks in for the current step.
+        ranks_in: u32,
+    },
+    /// Counted, and it completed the step: the slots to apply, in rank order.
+    Complete {
+        /// Ranks in.
+        ranks_in: u32,
+        /// The gradients.
+        slots: Vec<Slot>,
+    },
+}
+
+impl Accepted {
+    /// True when the gradient was counted for the step.
+    pub fn counted(&self) -> bool {
+        matches!(self, Accepted::Counted { .. } | Accepted::Complete { .. })
+    }
+
+    /// Ranks in for the step.
+    pub fn ranks_in(&self) -> u32 {
+        match *self {
+            Accepted::Counted { ranks_in }
+            | Accepted::Retry { ranks_in }
+            | Accepted::Late { ranks_in }
+            | Accepted::Complete { ranks_in, .. } => ranks_in,
+        }
+    }
+}
+
+/// What the policy says about the step being gathered.
+#[derive(Debug)]
+pub enum Verdict {
+    /// No step waits (an update runs, the run is over).
+    Idle,
+    /// Keep waiting for `missing`; `warn` is true when it is time to log them.
+    Waiting {
+        /// The step.
+        step: u64,
+        /// Ranks not in yet.
+        missing: Vec<usize>,
+        /// Since the previous step was applied.
+        waited: Duration,
+        /// Log now.
+        warn: bool,
+    },
+    /// The timeout passed under `barrier_policy = "fail"` (or with nothing to go on with).
+    Fail {
+        /// The step.
+        step: u64,
+        /// Ranks not in.
+        missing: Vec<usize>,
+        /// Since the previous step was applied.
+        waited: Duration,
+    },
+    /// The timeout passed under `barrier_policy = "continue"`: apply these slots; the ranks
+    /// left out are not waited for until they register or push again.
+    Continue {
+        /// The step.
+        step: u64,
+        /// The gradients that came in, in rank order.
+        slots: Vec<Slot>,
+        /// Ranks left out.
+        left_out: Vec<usize>,
+        /// Since the previous step was applied.
+        waited: Duration,
+    },
+}
+
+/// The barrier of one shard (see the module docs).
+#[derive(Debug)]
+pub struct Barrier {
+    world: usize,
+    /// The step being gathered: the shard's version.
+    step: u64,
+    total_steps: u64,
+    rules: Rules,
+    registered: Vec<bool>,
+    /// Ranks the barrier no longer waits for (dropped by "continue") until they come back.
+    absent: Vec<bool>,
+    /// Ranks the last step went on without: their late push of it is acknowledged only.
+    dropped: Vec<bool>,
+    slots: Vec<Option<Slot>>,
+    /// Fingerprints of this step's gradients (kept while applying) and of the previous step's.
+    current_fp: Vec<Option<u64>>,
+    previous_fp: Vec<Option<u64>>,
+    applying: bool,
+    /// Since when the current step waits.
+    waiting_since: Instant,
+    /// When (after `waiting_since`) the current step's missing ranks were last logged.
+    warned: Option<Duration>,
+}
+
+impl Barrier {
+    /// A barrier of `world` ranks gathering `step` of a run of `total_steps`.
+    pub fn new(world: usize, step: u64, total_steps: u64, rules: Rules, now: Instant) -> Self {
+        Self {
+            world,
+            step,
+            total_steps,
+            rules,
+            registered: vec![false; world],
+            absent: vec![false; world],
+            dropped: vec![false; world],
+            slots: (0..world).map(|_| None).collect(),
+            current_fp: vec![None; world],
+            previous_fp: vec![None; world],
+            applying: false,
+            waiting_since: now,
+            warned: None,
+        }
+    }
+
+    /// The step being gathered (the shard's version).
+    pub fn step(&self) -> u64 {
+        self.step
+    }
+
+    /// True while the slots handed out by a complete step are being applied.
+    pub fn applying(&self) -> bool {
+        self.applying
+    }
+
+    /// Since when the current step waits.
+    pub fn waiting_since(&self) -> Instant {
+        self.waiting_since
+    }
+
+    /// True when `rank` (a known rank) has registered.
+    pub fn registered(&self, rank: u32) -> bool {
+        self.registered.get(rank as usize).copied().unwrap_or(false)
+    }
+
+    /// `rank` as an index, or [`PsError::UnknownRank`].
+    pub fn rank(&self, rank: u32) -> PsResult<usize> {
+        if (rank as usize) < self.world {
+            Ok(rank as usize)
+        } else {
+            Err(PsError::UnknownRank {
+                rank,
+                world: self.world as u32,
+            })
+        }
+    }
+
+    /// Records `rank`'s registration (it takes part again if it was dropped); returns the step
+    /// it joins at: the current one, or the next while an update runs.
+    pub fn register(&mut self, rank: u32) -> PsResult<u64> {
+        let r = self.rank(rank)?;
+        self.registered[r] = true;
+        self.absent[r] = false;
+        Ok(self.step + u64::from(self.applying))
+    }
+
+    /// Checks that `rank` may push `step` now: a known, registered rank, the step being
+    /// gathered or, as a retry, the one before, and a step of the run (`0..total_steps`).
+    pub fn check(&self, rank: u32, step: u64) -> PsResult<usize> {
+        let r = self.rank(rank)?;
+        if !self.registered[r] {
+            return Err(PsError::NotRegistered(rank));
+        }
+        if step > self.step {
+            Err(PsError::FutureStep {
+                step,
+                expected: self.step,
+            })
+        } else if step + 1 < self.step {
+            Err(PsError::StaleStep {
+                step,
+                expected: self.step,
+            })
+        } else if step >= self.total_steps {
+            // the version is at most total_steps: this is a push of step total_steps once
+            // the run is over, which would make a version past the end
+            Err(PsError::StepOutOfRange {
+                step,
+                total_steps: self.total_steps,
+            })
+        } else {
+            Ok(r)
+        }
+    }
+
+    fn ranks_in(&self) -> u32 {
+        self.current_fp.iter().filter(|f| f.is_some()).count() as u32
+    }
+
+    /// Takes `slot`, a complete, validated gradient of `slot.rank` for `step` (checked as in
+    /// [`Barrier::check`]): counts it, or recognises a retry or a late push; a different
+    /// gradient for a step the rank already pushed is [`PsError::Conflict`].
+    pub fn accept(&mut self, step: u64, slot: Slot) -> PsResult<Accepted> {
+        let r = self.check(slot.rank, step)?;
+        if step + 1 == self.step {
+            if self.dropped[r] {
+                // the step went on without this rank (barrier timeout, policy "continue")
+                self.absent[r] = false;
+                return Ok(Accepted::Late {
+                    ranks_in: self.ranks_in(),
+                });
+            }
+            // a retry of the step just applied: acknowledged only if it is the same gradient
+            return if self.previous_fp[r] == Some(slot.fingerprint) {
+                Ok(Accepted::Retry {
+                    ranks_in: self.world as u32,
+                })
+            } else {
+                Err(PsError::StaleStep {
+                    step,
+                    expected: self.step,
+                })
+            };
+        }
+        match self.current_fp[r] {
+            Some(fp) if fp == slot.fingerprint => {
+                return Ok(Accepted::Retry {
+                    ranks_in: self.ranks_in(),
+                });
+            }
+            Some(_) => {
+                return Err(PsError::Conflict {
+                    rank: slot.rank,
+                    step,
+                });
+            }
+            None => {}
+        }
+        self.current_fp[r] = Some(slot.fingerprint);
+        self.slots[r] = Some(slot);
+        self.absent[r] = false;
+        let ranks_in = self.ranks_in();
+        let complete = (0..self.world).all(|q| self.absent[q] || self.current_fp[q].is_some());
+        if complete && !self.applying {
+            Ok(Accepted::Complete {
+                ranks_in,
+                slots: self.hand_out(),
+            })
+        } else {
+            Ok(Accepted::Counted { ranks_in })
+        }
+    }
+
+    /// Starts applying: the slots in rank order; the ranks absent now are those the step goes
+    /// on without.
+    fn hand_out(&mut self) -> Vec<Slot> {
+        self.applying = true;
+        self.dropped = self.absent.clone();
+        self.slots.iter_mut().filter_map(Option::take).collect()
+    }
+
+    /// The step handed out was applied: gather the next one from `now`.
+    pub fn finish(&mut self, now: Instant) {
+        self.step += 1;
+        self.previous_fp = std::mem::replace(&mut self.current_fp, vec![None; self.world]);
+        self.applying = false;
+        self.waiting_since = now;
+        self.warned = None;
+    }
+
+    /// The policy's verdict on the step being gathered at `now`. A "continue" verdict hands the
+    /// slots out (as a complete step does): apply them and call [`Barrier::finish`].
+    pub fn poll(&mut self, now: Instant) -> Verdict {
+        if self.applying || self.step >= self.total_steps {
+            return Verdict::Idle;
+        }
+        let waited = now.saturating_duration_since(self.waiting_since);
+        let step = self.step;
+        let missing: Vec<usize> = (0..self.world)
+            .filter(|&r| self.current_fp[r].is_none() && !self.absent[r])
+            .collect();
+        if waited >= self.rules.timeout {
+            if self.rules.policy == BarrierPolicy::Continue
+                && self.slots.iter().any(Option::is_some)
+            {
+                let left_out: Vec<usize> = (0..self.world)
+                    .filter(|&r| self.current_fp[r].is_none())
+                    .collect();
+                for &r in &left_out {
+                    self.absent[r] = true;
+                }
+                return Verdict::Continue {
+                    step,
+                    slots: self.hand_out(),
+                    left_out,
+                    waited,
+                };
+            }
+            return Verdict::Fail {
+                step,
+                missing,
+                waited,
+            };
+        }
+        let warn = match self.warned {
+            Some(at) => waited >= at + self.rules.warn,
+            None => waited >= self.rules.warn,
+        };
+        if warn {
+            self.warned = Some(waited);
+        }
+        Verdict::Waiting {
+            step,
+            missing,
+            waited,
+            warn,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::Grad;
+    use super::*;
+
+    fn rules(policy: BarrierPolicy) -> Rules {
+        Rules {
+            warn: Duration::from_secs(5),
+            timeout: Duration::from_secs(30),
+            policy,
+        }
+    }
+
+    fn slot(rank: u32, fingerprint: u64, at: Instant) -> Slot {
+        Slot {
+            rank,
+            grad: Grad::Owned(vec![rank as f32]),
+            fingerprint,
+            samples: 1,
+            loss_sum: 0.0,
+            correct: 0,
+            eval: (0, 0),
+            arrived: at,
+        }
+    }
+
+    fn barrier(world: usize, policy: BarrierPolicy) -> (Barrier, Instant) {
+        let t = Instant::now();
+        let mut b = Barrier::new(world, 0, 10, rules(policy), t);
+        for r in 0..world as u32 {
+            assert_eq!(b.register(r).unwrap(), 0);
+        }
+        (b, t)
+    }
+
+    fn ranks(slots: &[Slot]) -> Vec<u32> {
+        slots.iter().map(|s| s.rank).collect()
+    }
+
+    #[test]
+    fn counts_then_completes_in_rank_order_then_recognises_retries() {
+        let (mut b, t) = barrier(3, BarrierPolicy::Fail);
+        let a = b.accept(0, slot(2, 20, t)).unwrap();
+        assert!(matches!(a, Accepted::Counted { ranks_in: 1 }), "{a:?}");
+        let a = b.accept(0, slot(2, 20, t)).unwrap();
+        assert!(
+            matches!(a, Accepted::Retry { ranks_in: 1 }) && !a.counted(),
+            "{a:?}"
+        );
+        b.accept(0, slot(0, 0, t)).unwrap();
+        let a = b.accept(0, slot(1, 10, t)).unwrap();
+        assert!(a.counted() && a.ranks_in() == 3);
+        let Accepted::Complete { slots, .. } = a else {
+            panic!("{a:?}")
+        };
+        assert_eq!(ranks(&slots), [0, 1, 2]);
+        assert!(b.applying());
+        assert!(matches!(b.poll(t + Duration::from_secs(99)), Verdict::Idle));
+        // a retry while the step is applied, then after it
+        assert!(matches!(
+            b.accept(0, slot(1, 10, t)).unwrap(),
+            Accepted::Retry { ranks_in: 3 }
+        ));
+        assert_eq!(
+            b.register(0).unwrap(),
+            1,
+            "joins at the step after the one applied"
+        );
+        b.finish(t);
+        assert_eq!(b.step(), 1);
+        assert!(matches!(
+            b.accept(0, slot(1, 10, t)).unwrap(),
+            Accepted::Retry { ranks_in: 3 }
+        ));
+        // a different gradient for the step just applied is stale
+        let e = b.accept(0, slot(1, 11, t)).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                PsError::StaleStep {
+                    step: 0,
+                    expected: 1
+                }
+            ),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn refuses_conflicts_unknown_unregistered_and_steps_outside_the_window_or_the_run() {
+        let t = Instant::now();
+        let mut b = Barrier::new(2, 9, 10, rules(BarrierPolicy::Fail), t);
+        assert!(matches!(b.check(0, 9), Err(PsError::NotRegistered(0))));
+        assert!(matches!(
+            b.register(2),
+            Err(PsError::UnknownRank { rank: 2, world: 2 })
+        ));
+        b.register(0).unwrap();
+        b.register(1).unwrap();
+        b.accept(9, slot(0, 1, t)).unwrap();
+        let e = b.accept(9, slot(0, 2, t)).unwrap_err();
+        assert!(matches!(e, PsError::Conflict { rank: 0, step: 9 }), "{e}");
+        assert_eq!(b.check(1, 8).unwrap(), 1, "the step before, as a retry");
+        assert!(matches!(
+            b.check(1, 7),
+            Err(PsError::StaleStep {
+                step: 7,
+                expected: 9
+            })
+        ));
+        let Accepted::Complete { .. } = b.accept(9, slot(1, 3, t)).unwrap() else {
+            panic!()
+        };
+        b.finish(t);
+        assert_eq!(b.step(), 10);
+        // the run has 10 steps: step 10 never is one, whatever the version
+        let e = b.accept(10, slot(1, 3, t)).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                PsError::StepOutOfRange {
+                    step: 10,
+                    total_steps: 10
+                }
+            ),
+            "{e}"
+        );
+        assert!(matches!(
+            b.check(0, 10),
+            Err(PsError::StepOutOfRange { .. })
+        ));
+        assert!(matches!(
+            b.check(0, u64::MAX),
+            Err(PsError::FutureStep { .. })
+        ));
+        assert_eq!(b.step(), 10, "nothing changed");
+        // the last step's retry is still acknowledged
+        assert!(matches!(
+            b.accept(9, slot(1, 3, t)).unwrap(),
+            Accepted::Retry { .. }
+        ));
+        assert!(matches!(b.poll(t), Verdict::Idle), "the run is over");
+    }
+
+    #[test]
+    fn warns_then_fails_after_the_timeout() {
+        let (mut b, t) = barrier(3, BarrierPolicy::Fail);
+        b.accept(0, slot(1, 1, t)).unwrap();
+        let at = |s: u64| t + Duration::from_secs(s);
+        let v = b.poll(at(1));
+        assert!(
+            matches!(&v, Verdict::Waiting { step: 0, missing, warn: false, .. } if missing == &[0, 2]),
+            "{v:?}"
+        );
+        assert!(matches!(b.poll(at(6)), Verdict::Waiting { warn: true, .. }));
+        assert!(
+            matches!(b.poll(at(7)), Verdict::Waiting { warn: false, .. }),
+            "once per interval"
+        );
+        assert!(matches!(
+            b.poll(at(11)),
+            Verdict::Waiting { warn: true, .. }
+        ));
+        let v = b.poll(at(30));
+        assert!(
+            matches!(&v, Verdict::Fail { step: 0, missing, .. } if missing == &[0, 2]),
+            "{v:?}"
+        );
+        assert_eq!(b.step(), 0);
+    }
+
+    #[test]
+    fn continue_policy_drops_the_missing_ranks_until_they_come_back() {
+        let (mut b, t) = barrier(3, BarrierPolicy::Continue);
+        let at = |s: u64| t + Duration::from_secs(s);
+        // nobody pushed: nothing to go on with, the run fails
+        assert!(matches!(b.poll(at(31)), Verdict::Fail { .. }));
+        b.accept(0, slot(1, 1, t)).unwrap();
+        let v = b.poll(at(31));
+        let Verdict::Continue {
+            step: 0,
+            slots,
+            left_out,
+            ..
+        } = v
+        else {
+            panic!("{v:?}")
+        };
+        assert_eq!((ranks(&slots), left_out), (vec![1], vec![0, 2]));
+        b.finish(at(31));
+        // step 1 waits for rank 1 only: it completes the step alone
+        let v = b.poll(at(32));
+        assert!(
+            matches!(&v, Verdict::Waiting { step: 1, missing, .. } if missing == &[1]),
+            "{v:?}"
+        );
+        // rank 0's late push of step 0 is acknowledged, not counted, and brings it back
+        let a = b.accept(0, slot(0, 7, t)).unwrap();
+        assert!(
+            matches!(a, Accepted::Late { ranks_in: 0 }) && !a.counted(),
+            "{a:?}"
+        );
+        let v = b.poll(at(32));
+        assert!(
+            matches!(&v, Verdict::Waiting { missing, .. } if missing == &[0, 1]),
+            "{v:?}"
+        );
+        // rank 2 comes back by registering
+        b.register(2).unwrap();
+        b.accept(1, slot(0, 8, t)).unwrap();
+        assert!(matches!(
+            b.accept(1, slot(1, 9, t)).unwrap(),
+            Accepted::Counted { ranks_in: 2 }
+        ));
+        let Accepted::Complete { slots, .. } = b.accept(1, slot(2, 9, t)).unwrap() else {
+            panic!()
+        };
+        assert_eq!(ranks(&slots), [0, 1, 2]);
+    }
+}

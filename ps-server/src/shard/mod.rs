@@ -1,0 +1,679 @@
+//! One shard of the model, as a small facade over parts with one job each:
+//!
+//! - [`barrier`]: which ranks take part, their gradient slots for the step being gathered,
+//!   retries and conflicts, the timeout and its policy;
+//! - [`store`]: the parameters of the current and previous versions (heap or shared-memory
+//!   board), updated by begin / commit;
+//! - [`update`]: the fused aggregation + optimizer update, a pure function over slices;
+//! - [`shm`]: the shard's side of the shared-memory data path.
+//!
+//! The facade: [`Shard::register`], [`Shard::precheck`] and [`Shard::accept`] (push),
+//! [`Shard::apply`] (step), [`Shard::snapshot`] / [`Shard::previous`] / [`Shard::params`]
+//! (pull), [`Shard::poll_barrier`] (what the barrier policy says while a step waits).
+//!
+//! Locking: one std `Mutex<State>`, never held across an `.await` nor during the arithmetic;
+//! the barrier-completing push takes the slots out, computes on a blocking thread, and commits
+//! the new version.
+
+pub mod barrier;
+pub mod shm;
+pub mod store;
+pub mod update;
+
+use crate::checkpoint::{self, Identity, Saved};
+use barrier::{Accepted, Barrier, Rules, Verdict};
+use bytes::Bytes;
+use ps_common::config::{Aggregation, Config, Transport};
+use ps_common::optim::{LrSchedule, OptState, Optimizer};
+use ps_common::shm::{Board, shm_root};
+use ps_common::wire::check_and_fingerprint;
+use ps_common::{PsError, PsResult};
+use shm::ShmHost;
+use std::ops::Range;
+use std::path::Path;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+use store::{Previous, Source, Store};
+use tokio::sync::watch;
+use update::{Simd, UpdateInputs, fused_update, threads_for};
+
+/// Where a rank's gradient slice for the current step lies.
+#[derive(Debug)]
+pub enum Grad {
+    /// Received through gRPC into a shard buffer.
+    Owned(Vec<f32>),
+    /// In the shard's range of the rank's shared-memory gradient board (checked in place at
+    /// push time, and for finiteness again by the update that reads it).
+    Board(Arc<Board>),
+}
+
+/// One rank's gradient for the current step.
+#[derive(Debug)]
+pub struct Slot {
+    /// The rank it came from.
+    pub rank: u32,
+    /// The gradient slice.
+    pub grad: Grad,
+    /// Fingerprint of its bytes (to recognise retries).
+    pub fingerprint: u64,
+    /// `b_r`.
+    pub samples: u32,
+    /// Sum of per-sample losses.
+    pub loss_sum: f64,
+    /// Correct predictions.
+    pub correct: u64,
+    /// Test-set evaluation carried with the push (correct, count).
+    pub eval: (u64, u64),
+    /// When it arrived.
+    pub arrived: Instant,
+}
+
+/// What a push carries besides the gradient.
+#[derive(Debug, Clone, Copy)]
+pub struct PushMeta {
+    /// Rank.
+    pub rank: u32,
+    /// Step.
+    pub step: u64,
+    /// `b_r`.
+    pub samples: u32,
+    /// Sum of per-sample losses.
+    pub loss_sum: f64,
+    /// Correct predictions.
+    pub correct: u64,
+    /// Evaluation (correct, count).
+    pub eval: (u64, u64),
+}
+
+/// The outcome of an accepted push.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PushOutcome {
+    /// False for an idempotent retry of a gradient already counted.
+    pub counted: bool,
+    /// Ranks in for the step now.
+    pub ranks_in: u32,
+}
+
+/// Figures of one completed step on this shard.
+#[derive(Debug, Clone)]
+pub struct StepFigures {
+    /// The step that was applied (version is now `step + 1`).
+    pub step: u64,
+    /// Squared norm of this shard's slice of the aggregated gradient.
+    pub grad_sq_norm: f64,
+    /// Learning rate used.
+    pub lr: f64,
+    /// Σ b_r.
+    pub samples: u64,
+    /// Σ loss sums.
+    pub loss_sum: f64,
+    /// Σ correct.
+    pub correct: u64,
+    /// Workers whose gradient went in.
+    pub workers_in: u32,
+    /// Time from the previous version bump to this one.
+    pub step_ms: f64,
+    /// Time from the first to the last arrival.
+    pub barrier_wait_ms: f64,
+    /// Rank that arrived last.
+    pub slowest_rank: u32,
+    /// Time spent aggregating and updating.
+    pub apply_ms: f64,
+    /// Test-set evaluation summed over ranks (correct, count), when carried.
+    pub eval: (u64, u64),
+}
+
+#[derive(Debug)]
+struct State {
+    /// The barrier; its step is the shard's version.
+    barrier: Barrier,
+    /// The parameters.
+    store: Store,
+    opt: OptState,
+    /// Gradient buffers of earlier steps, recycled by pushes (no allocation per step).
+    spare: Vec<Vec<f32>>,
+    /// Final test evaluation reported by each rank when it leaves.
+    left: Vec<Option<(u64, u64)>>,
+    failed: Option<String>,
+}
+
+/// One shard of the model: its range of the flat vector, optimizer, schedule and barrier.
+#[derive(Debug)]
+pub struct Shard {
+    /// Shard index.
+    pub index: usize,
+    /// Its range of the flat parameter vector.
+    pub range: Range<usize>,
+    /// W.
+    pub world: usize,
+    /// Total parameter count of the model.
+    pub num_params: usize,
+    /// Number of shards.
+    pub num_shards: usize,
+    /// Steps of the run.
+    pub total_steps: u64,
+    aggregation: Aggregation,
+    optimizer: Optimizer,
+    schedule: LrSchedule,
+    state: Mutex<State>,
+    version_tx: watch::Sender<u64>,
+    shm: Option<ShmHost>,
+    checkpoint: Option<CheckpointPlan>,
+}
+
+/// When and where this shard writes checkpoints.
+#[derive(Debug)]
+struct CheckpointPlan {
+    every: u64,
+    keep: usize,
+    dir: std::path::PathBuf,
+    id: Identity,
+}
+
+impl Shard {
+    /// Builds shard `index` of `cfg` for a run of `total_steps`, with initial weights from the seed.
+    pub fn new(cfg: &Config, index: usize, total_steps: u64) -> Arc<Self> {
+        Self::starting_from(cfg, index, total_steps, None)
+    }
+
+    /// The range of the flat vector that shard `index` of `cfg` holds.
+    pub fn range_of(cfg: &Config, index: usize) -> Range<usize> {
+        ps_common::layout::shard_ranges(cfg.layout().num_params(), cfg.num_shards())[index].clone()
+    }
+
+    /// Like [`Shard::new`], but from `saved` (a checkpoint) when given: its version, parameters
+    /// and optimizer state.
+    pub fn starting_from(
+        cfg: &Config,
+        index: usize,
+        total_steps: u64,
+        saved: Option<Saved>,
+    ) -> Arc<Self> {
+        let layout = cfg.layout();
+        let range = Self::range_of(cfg, index);
+        let (version, init, opt) = match saved {
+            Some(s) => (s.version, s.params, s.opt),
+            None => {
+                let init = layout.init_range(cfg.seed, range.clone());
+                let opt = cfg.optimizer.init_state(init.len());
+                (0, init, opt)
+            }
+        };
+        let w = cfg.workers;
+        let shm = match (cfg.transport, shm_root()) {
+            (Transport::Auto, Some(root)) => ShmHost::create(&root, index, w),
+            _ => None,
+        };
+        let rules = Rules {
+            warn: Duration::from_secs_f64(cfg.server.barrier_warn_secs),
+            timeout: Duration::from_secs_f64(cfg.server.barrier_timeout_secs),
+            policy: cfg.server.barrier_policy,
+        };
+        let state = State {
+            barrier: Barrier::new(w, version, total_steps, rules, Instant::now()),
+            store: Store::heap(version, init),
+            opt,
+            spare: Vec::new(),
+            left: vec![None; w],
+            failed: None,
+        };
+        Arc::new(Self {
+            index,
+            range,
+            world: w,
+            num_params: layout.num_params(),
+            num_shards: cfg.num_shards(),
+            total_steps,
+            aggregation: cfg.aggregation,
+            optimizer: cfg.optimizer.clone(),
+            schedule: cfg.schedule_for(total_steps),
+            state: Mutex::new(state),
+            version_tx: watch::Sender::new(version),
+            shm,
+            checkpoint: (cfg.checkpoint.every > 0).then(|| CheckpointPlan {
+                every: cfg.checkpoint.every,
+                keep: cfg.checkpoint.keep,
+                dir: cfg.checkpoint_dir(),
+                id: Identity::of(cfg, index, Self::range_of(cfg, index)),
+            }),
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // a panic while holding the lock would be a bug; keep serving with the data as it is
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Length of the shard's slice.
+    pub fn len(&self) -> usize {
+        self.range.len()
+    }
+
+    /// True for an empty shard (more shards than parameters).
+    pub fn is_empty(&self) -> bool {
+        self.range.is_empty()
+    }
+
+    /// A gradient buffer to receive a push into: a recycled one when available.
+    pub fn take_buffer(&self) -> Vec<f32> {
+        self.lock().spare.pop().unwrap_or_default()
+    }
+
+    /// Returns a buffer (of a refused push, or of an applied step) for reuse.
+    pub fn return_buffer(&self, buf: Vec<f32>) {
+        let mut st = self.lock();
+        if st.spare.len() < self.world + 1 {
+            st.spare.push(buf);
+        }
+    }
+
+    /// Current version.
+    pub fn version(&self) -> u64 {
+        *self.version_tx.borrow()
+    }
+
+    /// A receiver that sees every version bump.
+    pub fn subscribe(&self) -> watch::Receiver<u64> {
+        self.version_tx.subscribe()
+    }
+
+    /// Marks the run failed: pulls and pushes are refused from now on.
+    pub fn fail(&self, why: String) {
+        self.lock().failed = Some(why);
+        // wake pulls (and the run's watcher) so they see the failure
+        self.version_tx.send_modify(|_| {});
+    }
+
+    /// Why the run failed, if it did.
+    pub fn failure(&self) -> Option<String> {
+        self.lock().failed.clone()
+    }
+
+    /// Records a worker's registration; returns the step it joins at: the current version, or
+    /// the next one while an update runs (that step is settled without this rank, or with the
+    /// gradient its predecessor pushed).
+    pub fn register(&self, rank: u32) -> PsResult<u64> {
+        self.lock().barrier.register(rank)
+    }
+
+    /// Checks a push header before its data is received: rank, registration, length, and a
+    /// step of the run that can still be accepted (the current one, or the previous one as a
+    /// retry).
+    pub fn precheck(&self, rank: u32, step: u64, len: u64) -> PsResult<()> {
+        let st = self.lock();
+        st.barrier.rank(rank)?;
+        if let Some(why) = &st.failed {
+            return Err(PsError::Unavailable(why.clone()));
+        }
+        if !st.barrier.registered(rank) {
+            return Err(PsError::NotRegistered(rank));
+        }
+        if len != self.len() as u64 {
+            return Err(PsError::WrongLength {
+                expected: self.len() as u64,
+                got: len,
+            });
+        }
+        st.barrier.check(rank, step).map(drop)
+    }
+
+    /// Counts a complete, validated gradient. Returns the outcome and, when this push completed
+    /// the barrier, the slots to aggregate (in rank order) with [`Shard::apply`].
+    pub fn accept(
+        &self,
+        meta: PushMeta,
+        grad: Grad,
+        fingerprint: u64,
+    ) -> PsResult<(PushOutcome, Option<Vec<Slot>>)> {
+        let mut st = self.lock();
+        st.barrier.rank(meta.rank)?;
+        if let Some(why) = &st.failed {
+            return Err(PsError::Unavailable(why.clone()));
+        }
+        let slot = Slot {
+            rank: meta.rank,
+            grad,
+            fingerprint,
+            samples: meta.samples,
+            loss_sum: meta.loss_sum,
+            correct: meta.correct,
+            eval: meta.eval,
+            arrived: Instant::now(),
+        };
+        let accepted = st.barrier.accept(meta.step, slot)?;
+        let outcome = PushOutcome {
+            counted: accepted.counted(),
+            ranks_in: accepted.ranks_in(),
+        };
+        match accepted {
+            Accepted::Complete { slots, .. } => Ok((outcome, Some(slots))),
+            _ => Ok((outcome, None)),
+        }
+    }
+
+    /// The barrier policy's verdict on the step being gathered at `now` ([`Verdict::Idle`]
+    /// once the run failed). A [`Verdict::Continue`] carries slots for [`Shard::apply`].
+    pub fn poll_barrier(&self, now: Instant) -> Verdict {
+        let mut st = self.lock();
+        if st.failed.is_some() {
+            return Verdict::Idle;
+        }
+        st.barrier.poll(now)
+    }
+
+    /// Aggregates `slots` (rank order), applies the optimizer and publishes the next version.
+    /// Runs the arithmetic without holding the lock; call it from a blocking thread.
+    ///
+    /// A gradient value that is not finite when the update reads it (only a shared-memory
+    /// gradient can be: its worker wrote its board after the push was checked, against the
+    /// protocol) stops the update: nothing is published, the current version stays as it was,
+    /// and the run fails with [`PsError::Unavailable`] naming the rank, the step and the
+    /// value. The rank's push was already acknowledged, so it would never send a correct one;
+    /// going on without it would silently change the run. The optimizer state in memory may
+    /// be partly advanced, but a failed run never uses or saves it.
+    pub fn apply(&self, slots: Vec<Slot>) -> PsResult<StepFigures> {
+        let started = Instant::now();
+        let (step, mut pending, mut opt, waiting_since) = {
+            let mut st = self.lock();
+            let step = st.barrier.step();
+            let opt = std::mem::take(&mut st.opt);
+            let pending = st.store.begin(step + 1);
+            (step, pending, opt, st.barrier.waiting_since())
+        };
+        let samples: Vec<u32> = slots.iter().map(|s| s.samples).collect();
+        let coeffs = update::coefficients(self.aggregation, &samples);
+        let lr = self.schedule.lr(step);
+        let grads: Vec<&[f32]> = slots
+            .iter()
+            .map(|s| match &s.grad {
+                Grad::Owned(v) => v.as_slice(),
+                // SAFETY: the Arc keeps the board mapped. The worker writes its board again
+                // only after pulling the version this update makes (ps_common::shm); one that
+                // breaks this can only change the values read, which are checked for
+                // finiteness right where they are used.
+                Grad::Board(b) => unsafe { &b.slot(0)[self.range.clone()] },
+            })
+            .collect();
+        let (current, next) = pending.buffers();
+        let inputs = UpdateInputs {
+            optimizer: &self.optimizer,
+            step: self.optimizer.coeffs(opt.steps, lr as f32),
+            current,
+            grads: &grads,
+            coeffs: &coeffs,
+            threads: threads_for(current.len()),
+            simd: Simd::Auto,
+        };
+        let grad_sq_norm = match fused_update(inputs, next, &mut opt.m, &mut opt.v) {
+            Ok(sq) => sq,
+            Err(bad) => {
+                let why = format!(
+                    "step {step}: rank {}'s gradient holds {} at index {} of shard {}'s range when the update reads it, although its push was checked: its shared-memory board was written after the push was accepted; the step is not applied (the shard stays at version {step}) and the run stops",
+                    slots[bad.source].rank, bad.value, bad.index, self.index
+                );
+                tracing::error!("shard {}: {why}", self.index);
+                {
+                    let mut st = self.lock();
+                    st.store.abandon(pending);
+                    st.opt = opt;
+                    st.failed = Some(why.clone());
+                }
+                self.version_tx.send_modify(|_| {});
+                return Err(PsError::Unavailable(why));
+            }
+        };
+        opt.steps += 1;
+
+        let first = slots
+            .iter()
+            .map(|s| s.arrived)
+            .min()
+            .expect("at least one rank");
+        let (last_rank, last) = slots
+            .iter()
+            .map(|s| (s.rank, s.arrived))
+            .max_by_key(|&(_, t)| t)
+            .expect("at least one rank");
+        let now = Instant::now();
+        let figures = StepFigures {
+            step,
+            grad_sq_norm,
+            lr,
+            samples: samples.iter().map(|&s| u64::from(s)).sum(),
+            loss_sum: slots.iter().map(|s| s.loss_sum).sum(),
+            correct: slots.iter().map(|s| s.correct).sum(),
+            workers_in: slots.len() as u32,
+            step_ms: ms(now - waiting_since),
+            barrier_wait_ms: ms(last - first),
+            slowest_rank: last_rank,
+            apply_ms: ms(now - started),
+            eval: slots
+                .iter()
+                .fold((0, 0), |a, s| (a.0 + s.eval.0, a.1 + s.eval.1)),
+        };
+        {
+            let mut st = self.lock();
+            st.store.commit(pending);
+            st.opt = opt;
+            st.spare
+                .extend(slots.into_iter().filter_map(|s| match s.grad {
+                    Grad::Owned(v) => Some(v),
+                    Grad::Board(_) => None,
+                }));
+            st.barrier.finish(now);
+        }
+        self.version_tx.send_replace(step + 1);
+        Ok(figures)
+    }
+
+    /// The current parameters as bytes for gRPC pulls, and their version: shared by every
+    /// pull of the version (with a board, copied out of it at the version's first gRPC pull).
+    pub fn snapshot(&self) -> PsResult<(u64, Bytes)> {
+        {
+            let st = self.lock();
+            if let Some(why) = &st.failed {
+                return Err(PsError::Unavailable(why.clone()));
+            }
+            if let Some(snap) = st.store.snapshot(st.barrier.step()) {
+                return Ok((st.barrier.step(), snap));
+            }
+        }
+        let (version, values) = self.params()?;
+        let snap = store::shared_bytes(Arc::new(values));
+        let mut st = self.lock();
+        if st.barrier.step() == version {
+            st.store.keep_snapshot(version, snap.clone());
+        }
+        Ok((version, snap))
+    }
+
+    /// The parameters of `version` when it is the one before the current version and this
+    /// shard still holds it (the other half of its double buffer), for a restarted worker that
+    /// redoes that step; [`PsError::VersionGone`] otherwise.
+    pub fn previous(&self, version: u64) -> PsResult<(u64, Bytes)> {
+        let gone = |current| PsError::VersionGone {
+            asked: version,
+            shard: self.index,
+            current,
+        };
+        let st = self.lock();
+        if version + 1 != st.barrier.step() || st.barrier.applying() {
+            return Err(gone(st.barrier.step()));
+        }
+        match st.store.previous(self.len()) {
+            Some(Previous::Bytes(b)) => Ok((version, b)),
+            None => Err(gone(st.barrier.step())),
+            Some(Previous::Board(b)) => {
+                drop(st);
+                match Source::Board(b).read(version) {
+                    Some(values) => Ok((version, store::shared_bytes(Arc::new(values)))),
+                    None => Err(gone(self.version())),
+                }
+            }
+        }
+    }
+
+    /// A copy of the current parameters and their version (final weights, gRPC pulls).
+    pub fn params(&self) -> PsResult<(u64, Vec<f32>)> {
+        for _ in 0..100 {
+            let (version, source) = {
+                let st = self.lock();
+                (st.barrier.step(), st.store.source())
+            };
+            // fails only if two updates completed during the copy: then copy the newer one
+            if let Some(values) = source.read(version) {
+                return Ok((version, values));
+            }
+        }
+        Err(PsError::Unavailable(
+            "the parameters kept changing while being copied".into(),
+        ))
+    }
+
+    /// The shared-memory directory and token to offer `rank` on registration for its pulls,
+    /// or None when this shard serves through gRPC only. The first offer moves the parameters
+    /// into the shared-memory board (updates then read and write them there).
+    pub fn offer_shm(&self, rank: u32) -> PsResult<Option<(String, u64)>> {
+        let mut st = self.lock();
+        st.barrier.rank(rank)?;
+        let Some(host) = &self.shm else {
+            return Ok(None);
+        };
+        if !st.store.is_board() {
+            if st.barrier.applying() {
+                tracing::info!(
+                    "shard {}: rank {rank} registered during an update; it pulls through gRPC",
+                    self.index
+                );
+                return Ok(None);
+            }
+            let board = match host.create_params_board(self.len()) {
+                Ok(b) => b,
+                Err(e) => {
+                    tracing::warn!("shard {}: {e}; workers pull through gRPC", self.index);
+                    return Ok(None);
+                }
+            };
+            let version = st.barrier.step();
+            st.store.move_to_board(board, version);
+            tracing::info!(
+                "shard {}: parameters in shared memory for the workers on this host ({})",
+                self.index,
+                host.dir().display()
+            );
+        }
+        Ok(Some((host.dir().display().to_string(), host.token())))
+    }
+
+    /// Opens `rank`'s gradient board (a file it made, of the whole model's length, with
+    /// `token` in its header); true when this shard will read the rank's pushes there. A file
+    /// this shard cannot open (the worker is on another host) means gRPC pushes.
+    pub fn attach_grad(&self, rank: u32, file: &Path, token: u64) -> PsResult<bool> {
+        let r = self.lock().barrier.rank(rank)?;
+        let Some(host) = &self.shm else {
+            return Ok(false);
+        };
+        match host.attach(r, file, token, self.num_params) {
+            Ok(()) => Ok(true),
+            Err(why) => {
+                tracing::info!(
+                    "shard {}: rank {rank} pushes through gRPC: its gradient board is not usable here ({why})",
+                    self.index
+                );
+                Ok(false)
+            }
+        }
+    }
+
+    /// True when pulls can be answered through the shared-memory board.
+    pub fn has_board(&self) -> bool {
+        self.lock().store.is_board()
+    }
+
+    /// `rank`'s gradient for a push that says it is in shared memory: the rank's board, once
+    /// its range is checked in place (finite values) and fingerprinted like a received one.
+    pub fn shm_grad(&self, rank: u32) -> PsResult<(Grad, u64)> {
+        let r = self.lock().barrier.rank(rank)?;
+        let board = self.shm.as_ref().and_then(|h| h.grad(r));
+        let board = board.ok_or_else(|| {
+            PsError::BadChunk(format!(
+                "rank {rank} pushed through shared memory but shard {} has no gradient board of it: expected a registration with a grad_file first",
+                self.index
+            ))
+        })?;
+        // SAFETY: the board stays mapped while `board` lives. The worker does not write it
+        // between its push and the update that uses it (ps_common::shm); one that does only
+        // changes the values read here, and the update checks them again where it uses them.
+        let fp = check_and_fingerprint(unsafe { &board.slot(0)[self.range.clone()] })?;
+        Ok((Grad::Board(board), fp))
+    }
+
+    /// Writes a checkpoint of the current version if one is due (every `[checkpoint] every`
+    /// steps). Call it right after [`Shard::apply`], before the barrier-completing push is
+    /// answered: the next update cannot start before that push's worker pushes again, so the
+    /// state copied here is the version's. A failed write is logged, and training goes on.
+    pub fn checkpoint_if_due(&self) {
+        let Some(plan) = &self.checkpoint else {
+            return;
+        };
+        let version = self.version();
+        if version == 0 || !version.is_multiple_of(plan.every) {
+            return;
+        }
+        let started = Instant::now();
+        let opt = self.lock().opt.clone();
+        let written = self
+            .params()
+            .map_err(|e| e.to_string())
+            .and_then(|(v, params)| {
+                let saved = Saved {
+                    version: v,
+                    params,
+                    opt,
+                };
+                checkpoint::write(&plan.dir, &plan.id, &saved, plan.keep)
+            });
+        match written {
+            Ok(path) => tracing::info!(
+                "shard {}: checkpoint of version {version} written to {} in {:.0} ms",
+                self.index,
+                path.display(),
+                started.elapsed().as_secs_f64() * 1e3
+            ),
+            Err(e) => tracing::error!(
+                "shard {}: checkpoint of version {version} not written: {e}",
+                self.index
+            ),
+        }
+    }
+
+    /// Records that `rank` left with its final evaluation; returns true when every rank has.
+    pub fn leave(&self, rank: u32, eval: (u64, u64)) -> PsResult<bool> {
+        let mut st = self.lock();
+        let r = st.barrier.rank(rank)?;
+        st.left[r] = Some(eval);
+        Ok(st.left.iter().all(Option::is_some))
+    }
+
+    /// Final evaluation summed over the ranks that left, and the ranks that did not.
+    pub fn final_eval(&self) -> ((u64, u64), Vec<usize>) {
+        let st = self.lock();
+        let sum = st
+            .left
+            .iter()
+            .flatten()
+            .fold((0, 0), |a, e| (a.0 + e.0, a.1 + e.1));
+        let missing = st
+            .left
+            .iter()
+            .enumerate()
+            .filter(|(_, e)| e.is_none())
+            .map(|(r, _)| r)
+            .collect();
+        (sum, missing)
+    }
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
