@@ -169,7 +169,8 @@ async fn pushes_past_the_end_of_the_run_are_refused_on_both_paths() {
         n,
         mut grad,
         params,
-        ..
+        _dir: _keep_dir,
+        _board_dir: _keep_board_dir,
     } = live().await;
     for step in 0..2 {
         let (g0, g1) = grads(n, step);
@@ -219,7 +220,8 @@ async fn a_gradient_board_written_after_its_push_never_reaches_the_weights() {
         n,
         mut grad,
         params,
-        ..
+        _dir: _keep_dir,
+        _board_dir: _keep_board_dir,
     } = live().await;
     let (_, before) = pull(&mut c, 0).await.unwrap();
     let (g0, g1) = grads(n, 0);
