@@ -13,6 +13,51 @@ use std::collections::BTreeMap;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 
+/// When and where a shard writes checkpoints (`[checkpoint] every` > 0).
+#[derive(Debug)]
+pub struct Plan {
+    every: u64,
+    keep: usize,
+    dir: PathBuf,
+    id: Identity,
+}
+
+impl Plan {
+    /// The plan of shard `index` of `cfg` (its range of the flat vector), or None when the
+    /// config writes no checkpoints.
+    pub fn of(cfg: &Config, index: usize, range: Range<usize>) -> Option<Self> {
+        (cfg.checkpoint.every > 0).then(|| Self {
+            every: cfg.checkpoint.every,
+            keep: cfg.checkpoint.keep,
+            dir: cfg.checkpoint_dir(),
+            id: Identity::of(cfg, index, range),
+        })
+    }
+
+    /// True when `version` is one to checkpoint.
+    pub fn due(&self, version: u64) -> bool {
+        version > 0 && version.is_multiple_of(self.every)
+    }
+
+    /// Writes `saved` and prunes older checkpoints; logs the outcome (a failed write is
+    /// logged, and training goes on).
+    pub fn write_logged(&self, version: u64, saved: Result<Saved, String>) {
+        let started = std::time::Instant::now();
+        let shard = self.id.shard;
+        let written = saved.and_then(|s| write(&self.dir, &self.id, &s, self.keep));
+        match written {
+            Ok(path) => tracing::info!(
+                "shard {shard}: checkpoint of version {version} written to {} in {:.0} ms",
+                path.display(),
+                started.elapsed().as_secs_f64() * 1e3
+            ),
+            Err(e) => {
+                tracing::error!("shard {shard}: checkpoint of version {version} not written: {e}")
+            }
+        }
+    }
+}
+
 /// A shard's state at a version, as written to and read from a checkpoint.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Saved {

@@ -4,6 +4,15 @@
 //! and serves the new version to pulls (through gRPC, or a shared-memory board for workers on
 //! its host). Shard 0 also logs the cluster-wide convergence line. Every shard writes
 //! checkpoints, resumes from them, and can serve Prometheus metrics.
+//!
+//! Where each concept lives:
+//! - [`shard`]: the shard as a facade (register, push, step, pull) over
+//!   [`shard::barrier`] (slots, retries, conflicts, timeout policy), [`shard::store`]
+//!   (parameters of two versions, heap or shared memory), [`shard::update`] (the fused
+//!   aggregation + optimizer update) and [`shard::shm`] (the shared-memory side);
+//! - [`service`]: the gRPC handlers; [`run_shard`] serves them and acts on the barrier's verdicts;
+//! - [`report`]: the per-step log line and the reports to shard 0; [`exporter`]: `/metrics`;
+//! - [`checkpoint`]: writing, pruning and resuming from checkpoints.
 
 pub mod checkpoint;
 pub mod exporter;

@@ -20,7 +20,7 @@ pub mod shm;
 pub mod store;
 pub mod update;
 
-use crate::checkpoint::{self, Identity, Saved};
+use crate::checkpoint::{self, Saved};
 use barrier::{Accepted, Barrier, Rules, Verdict};
 use bytes::Bytes;
 use ps_common::config::{Aggregation, Config, Transport};
@@ -158,16 +158,7 @@ pub struct Shard {
     state: Mutex<State>,
     version_tx: watch::Sender<u64>,
     shm: Option<ShmHost>,
-    checkpoint: Option<CheckpointPlan>,
-}
-
-/// When and where this shard writes checkpoints.
-#[derive(Debug)]
-struct CheckpointPlan {
-    every: u64,
-    keep: usize,
-    dir: std::path::PathBuf,
-    id: Identity,
+    checkpoint: Option<checkpoint::Plan>,
 }
 
 impl Shard {
@@ -230,12 +221,7 @@ impl Shard {
             state: Mutex::new(state),
             version_tx: watch::Sender::new(version),
             shm,
-            checkpoint: (cfg.checkpoint.every > 0).then(|| CheckpointPlan {
-                every: cfg.checkpoint.every,
-                keep: cfg.checkpoint.keep,
-                dir: cfg.checkpoint_dir(),
-                id: Identity::of(cfg, index, Self::range_of(cfg, index)),
-            }),
+            checkpoint: checkpoint::Plan::of(cfg, index, Self::range_of(cfg, index)),
         })
     }
 
@@ -617,34 +603,19 @@ impl Shard {
             return;
         };
         let version = self.version();
-        if version == 0 || !version.is_multiple_of(plan.every) {
+        if !plan.due(version) {
             return;
         }
-        let started = Instant::now();
         let opt = self.lock().opt.clone();
-        let written = self
+        let saved = self
             .params()
-            .map_err(|e| e.to_string())
-            .and_then(|(v, params)| {
-                let saved = Saved {
-                    version: v,
-                    params,
-                    opt,
-                };
-                checkpoint::write(&plan.dir, &plan.id, &saved, plan.keep)
-            });
-        match written {
-            Ok(path) => tracing::info!(
-                "shard {}: checkpoint of version {version} written to {} in {:.0} ms",
-                self.index,
-                path.display(),
-                started.elapsed().as_secs_f64() * 1e3
-            ),
-            Err(e) => tracing::error!(
-                "shard {}: checkpoint of version {version} not written: {e}",
-                self.index
-            ),
-        }
+            .map(|(version, params)| Saved {
+                version,
+                params,
+                opt,
+            })
+            .map_err(|e| e.to_string());
+        plan.write_logged(version, saved);
     }
 
     /// Records that `rank` left with its final evaluation; returns true when every rank has.
