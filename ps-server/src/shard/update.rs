@@ -441,7 +441,7 @@ mod tests {
             }
         }
         // an aggregate that overflows from finite inputs is not an input error (as before)
-        let big = vec![vec![3e38f32; 10], vec![3e38f32; 10]];
+        let big = [vec![3e38f32; 10], vec![3e38f32; 10]];
         let opt = Optimizer::Sgd {
             momentum: 0.0,
             nesterov: false,
