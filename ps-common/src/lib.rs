@@ -5,6 +5,7 @@
 //! that start server and worker processes.
 
 pub mod auth;
+pub mod client;
 pub mod config;
 pub mod error;
 pub mod idx;
