@@ -296,11 +296,16 @@ impl ShardClient {
             let mut chunk = Some(first);
             while let Some(c) = chunk {
                 if c.offset != filled {
-                    return Err(self.bad(format!("chunk at offset {}, expected {filled}", c.offset)));
+                    return Err(
+                        self.bad(format!("chunk at offset {}, expected {filled}", c.offset))
+                    );
                 }
                 decode_chunk_into(dst, c.offset, &c.data).map_err(|e| self.bad(e.to_string()))?;
                 filled += (c.data.len() / 4) as u64;
-                chunk = stream.message().await.map_err(refused(self.shard, what.clone()))?;
+                chunk = stream
+                    .message()
+                    .await
+                    .map_err(refused(self.shard, what.clone()))?;
             }
             if filled != dst.len() as u64 {
                 return Err(self.bad(format!("sent {filled} values: expected {}", dst.len())));
@@ -323,7 +328,10 @@ impl ShardClient {
             .push(tokio_stream::iter(msgs))
             .await
             .map(|r| r.into_inner())
-            .map_err(refused(self.shard, format!("the gradient of step {}", header.step)))
+            .map_err(refused(
+                self.shard,
+                format!("the gradient of step {}", header.step),
+            ))
     }
 
     /// [`ShardClient::push`], made again after a retryable failure (up to [`PUSH_RETRIES`]

@@ -336,4 +336,3 @@ fn grad_board(rank: usize, len: usize) -> Option<(BoardDir, Board)> {
         }
     }
 }
-

@@ -299,18 +299,12 @@ async fn shared_memory_pushes_are_validated_like_grpc_ones() {
         grad_file: grad.path().display().to_string(),
         grad_token: token,
     };
-    let r = c
-        .register(reg(0, board_dir.token() ^ 4))
-        .await
-        .unwrap();
+    let r = c.register(reg(0, board_dir.token() ^ 4)).await.unwrap();
     assert!(
         !r.grad_shm,
         "a board with another token (another host's) is not used"
     );
-    let r0 = c
-        .register(reg(0, board_dir.token()))
-        .await
-        .unwrap();
+    let r0 = c.register(reg(0, board_dir.token())).await.unwrap();
     assert!(r0.grad_shm && !r0.shm_dir.is_empty(), "{r0:?}");
     let r1 = c
         .register(RegisterRequest {

@@ -234,11 +234,11 @@ fn a_worker_killed_and_restarted_mid_run_changes_nothing() {
 #[test]
 fn a_worker_that_died_between_its_pushes_redoes_the_step() {
     use ps_common::auth::ClientSecurity;
+    use ps_common::client::ShardClient;
     use ps_common::layout::shard_ranges;
     use ps_common::order::BatchPlanner;
     use ps_common::pb::{PushHeader, RegisterRequest};
     use ps_worker::backend::Backend;
-    use ps_common::client::ShardClient;
     let spec = Spec {
         shards: 2,
         workers: 2,
