@@ -409,3 +409,90 @@ impl ShmLink {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::PsError;
+
+    #[test]
+    fn retryable_only_where_the_same_call_can_succeed() {
+        let refused = |e: PsError| refused(0, "x".into())(e.into());
+        assert!(refused(PsError::Unavailable("stopping".into())).is_retryable());
+        assert!(
+            refused(PsError::Unavailable("stopping".into()))
+                .to_string()
+                .starts_with("shard 0 refused x: stopping")
+        );
+        for e in [
+            PsError::NonFinite {
+                index: 1,
+                value: f32::NAN,
+            },
+            PsError::StaleStep {
+                step: 1,
+                expected: 2,
+            },
+            PsError::Conflict { rank: 0, step: 1 },
+            PsError::Timeout("barrier".into()),
+            PsError::Unauthenticated("request".into()),
+        ] {
+            let code = e.code();
+            let e = refused(e);
+            assert!(!e.is_retryable(), "{e}");
+            assert_eq!(e.code(), Some(code));
+        }
+        let transport = refused(0, "x".into())(Status::unknown("connection reset"));
+        assert!(transport.is_retryable());
+        let bad = ClientError::BadReply {
+            shard: 1,
+            message: "empty pull reply".into(),
+        };
+        assert!(!bad.is_retryable() && bad.code().is_none());
+        assert_eq!(bad.to_string(), "shard 1: empty pull reply");
+    }
+
+    #[test]
+    fn push_chunks_carry_the_header_once_and_offsets_in_values() {
+        let h = PushHeader {
+            step: 3,
+            len: 5,
+            ..Default::default()
+        };
+        let bytes = crate::wire::f32_to_bytes(&[1.0, 2.0, 3.0, 4.0, 5.0]);
+        let msgs = push_chunks(h, &bytes, 8);
+        assert_eq!(msgs.len(), 3);
+        assert_eq!(msgs[0].header, Some(h));
+        assert!(msgs[1..].iter().all(|m| m.header.is_none()));
+        let offsets: Vec<u64> = msgs.iter().map(|m| m.offset).collect();
+        assert_eq!(offsets, [0, 2, 4]);
+        assert_eq!(msgs[2].data.len(), 4);
+        let alone = push_chunks(h, &Bytes::new(), 8);
+        assert_eq!(alone.len(), 1, "a header alone (shared memory) is one chunk");
+        assert!(alone[0].data.is_empty() && alone[0].header.is_some());
+    }
+
+    #[tokio::test]
+    async fn an_unreachable_shard_is_said_after_the_patience() {
+        // a port nobody listens on: bind, read the port, close
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let addr = format!("127.0.0.1:{port}");
+        let t0 = Instant::now();
+        let e = ShardClient::connect(
+            2,
+            &addr,
+            &ClientSecurity::default(),
+            Duration::from_millis(300),
+        )
+        .await
+        .unwrap_err();
+        assert!(t0.elapsed() >= Duration::from_millis(300), "retried until the patience ran out");
+        assert!(matches!(e, ClientError::Unreachable { .. }), "{e}");
+        assert!(e.to_string().starts_with(&format!("cannot reach shard at {addr}")), "{e}");
+        assert!(e.is_retryable());
+    }
+}
