@@ -45,6 +45,9 @@ pub enum ClientError {
         /// The last connection error.
         reason: String,
     },
+    /// The address (or the TLS set-up for it) is unusable: trying again cannot help.
+    #[error("{0}")]
+    BadAddress(String),
     /// The shard (or the transport) answered a call with an error status.
     #[error("shard {shard} refused {what}: {}", status.message())]
     Refused {
@@ -91,12 +94,12 @@ impl ClientError {
     }
 
     /// Whether the same call may succeed later: an unreachable shard, or a refusal with a
-    /// retryable code ([`is_retryable_code`]); never a malformed reply.
+    /// retryable code ([`is_retryable_code`]); never a bad address or a malformed reply.
     pub fn is_retryable(&self) -> bool {
         match self {
             ClientError::Unreachable { .. } => true,
             ClientError::Refused { status, .. } => is_retryable_code(status.code()),
-            ClientError::BadReply { .. } => false,
+            ClientError::BadAddress(_) | ClientError::BadReply { .. } => false,
         }
     }
 }
@@ -159,7 +162,7 @@ impl ShardClient {
             reason,
         };
         let start = Instant::now();
-        let endpoint = endpoint(addr, security).map_err(|e| unreachable(e, start))?;
+        let endpoint = endpoint(addr, security).map_err(ClientError::BadAddress)?;
         let mut delay = Duration::from_millis(50);
         loop {
             match endpoint.connect().await {
@@ -468,7 +471,11 @@ mod tests {
         assert_eq!(offsets, [0, 2, 4]);
         assert_eq!(msgs[2].data.len(), 4);
         let alone = push_chunks(h, &Bytes::new(), 8);
-        assert_eq!(alone.len(), 1, "a header alone (shared memory) is one chunk");
+        assert_eq!(
+            alone.len(),
+            1,
+            "a header alone (shared memory) is one chunk"
+        );
         assert!(alone[0].data.is_empty() && alone[0].header.is_some());
     }
 
@@ -490,9 +497,23 @@ mod tests {
         )
         .await
         .unwrap_err();
-        assert!(t0.elapsed() >= Duration::from_millis(300), "retried until the patience ran out");
+        assert!(
+            t0.elapsed() >= Duration::from_millis(300),
+            "retried until the patience ran out"
+        );
         assert!(matches!(e, ClientError::Unreachable { .. }), "{e}");
-        assert!(e.to_string().starts_with(&format!("cannot reach shard at {addr}")), "{e}");
+        assert!(
+            e.to_string()
+                .starts_with(&format!("cannot reach shard at {addr}")),
+            "{e}"
+        );
         assert!(e.is_retryable());
+        let e = ShardClient::connect(0, "no port", &ClientSecurity::default(), Duration::ZERO)
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(e, ClientError::BadAddress(_)) && !e.is_retryable(),
+            "{e}"
+        );
     }
 }
