@@ -49,11 +49,12 @@ pub enum ClientError {
     #[error("{0}")]
     BadAddress(String),
     /// The shard (or the transport) answered a call with an error status.
-    #[error("shard {shard} refused {what}: {}", status.message())]
+    #[error("{what}: {}", status.message())]
     Refused {
         /// The shard's index.
         shard: usize,
-        /// The call: "registration", "the gradient of step 3", ...
+        /// The failed call, with the shard: "shard 0 refused registration", "pull of version 3
+        /// from shard 0 failed", ...
         what: String,
         /// The status, with the code mapped from the server's `PsError`.
         status: Status,
@@ -211,7 +212,10 @@ impl ShardClient {
 
     /// Registers once (registration is idempotent: it also tells the shard's version).
     pub async fn register(&mut self, req: RegisterRequest) -> Result<RegisterReply, ClientError> {
-        let refused = refused(self.shard, "registration".into());
+        let refused = refused(
+            self.shard,
+            format!("shard {} refused registration", self.shard),
+        );
         self.rpc
             .register(req)
             .await
@@ -251,7 +255,7 @@ impl ShardClient {
         let s = self.shard;
         let mut via_board = board.is_some();
         loop {
-            let what = format!("the pull of version {version}");
+            let what = format!("pull of version {version} from shard {s} failed");
             let mut stream = self
                 .rpc
                 .pull(PullRequest {
@@ -333,7 +337,10 @@ impl ShardClient {
             .map(|r| r.into_inner())
             .map_err(refused(
                 self.shard,
-                format!("the gradient of step {}", header.step),
+                format!(
+                    "shard {} refused the gradient of step {}",
+                    self.shard, header.step
+                ),
             ))
     }
 
@@ -365,7 +372,7 @@ impl ShardClient {
 
     /// Leaves, reporting this rank's share of the final evaluation.
     pub async fn leave(&mut self, req: LeaveRequest) -> Result<(), ClientError> {
-        let refused = refused(self.shard, "leave".into());
+        let refused = refused(self.shard, format!("shard {}: leave refused", self.shard));
         self.rpc.leave(req).await.map(drop).map_err(refused)
     }
 }
@@ -420,7 +427,7 @@ mod tests {
 
     #[test]
     fn retryable_only_where_the_same_call_can_succeed() {
-        let refused = |e: PsError| refused(0, "x".into())(e.into());
+        let refused = |e: PsError| refused(0, "shard 0 refused x".into())(e.into());
         assert!(refused(PsError::Unavailable("stopping".into())).is_retryable());
         assert!(
             refused(PsError::Unavailable("stopping".into()))
