@@ -427,10 +427,10 @@ mod tests {
 
     #[test]
     fn retryable_only_where_the_same_call_can_succeed() {
-        let refused = |e: PsError| refused(0, "shard 0 refused x".into())(e.into());
-        assert!(refused(PsError::Unavailable("stopping".into())).is_retryable());
+        let refusal = |e: PsError| refused(0, "shard 0 refused x".into())(e.into());
+        assert!(refusal(PsError::Unavailable("stopping".into())).is_retryable());
         assert!(
-            refused(PsError::Unavailable("stopping".into()))
+            refusal(PsError::Unavailable("stopping".into()))
                 .to_string()
                 .starts_with("shard 0 refused x: stopping")
         );
@@ -448,7 +448,7 @@ mod tests {
             PsError::Unauthenticated("request".into()),
         ] {
             let code = e.code();
-            let e = refused(e);
+            let e = refusal(e);
             assert!(!e.is_retryable(), "{e}");
             assert_eq!(e.code(), Some(code));
         }
