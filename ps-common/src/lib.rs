@@ -1,10 +1,11 @@
 //! Everything ps-server and ps-worker agree on: the config file, the model's flat parameter
 //! layout and its split into shards, the initial weights, the data files and the data order,
-//! the optimizers, the wire format of tensors and the shared-memory boards, the shared token
-//! and TLS, the typed errors and their gRPC status codes, the loss-curve plot, and the helpers
-//! that start server and worker processes.
+//! the optimizers, the wire format of tensors and the shared-memory boards, the client of a
+//! shard (`client`), the shared token and TLS, the typed errors and their gRPC status codes,
+//! the loss-curve plot, and the helpers that start server and worker processes.
 
 pub mod auth;
+pub mod client;
 pub mod config;
 pub mod error;
 pub mod idx;

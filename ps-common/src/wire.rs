@@ -9,7 +9,10 @@ compile_error!(
 );
 use bytes::Bytes;
 
-/// Default payload per chunk: 1 MiB streams well over HTTP/2 (DEPENDENCIES.md §3).
+/// Default payload per chunk: 1 MiB streams well over HTTP/2: a chunk is about one frame of
+/// [`crate::client::MAX_FRAME_BYTES`], eight fit in the stream window
+/// ([`crate::client::STREAM_WINDOW_BYTES`]), and gRPC's per-message cost is negligible beside
+/// it, while a whole tensor in one message would be copied and held at once on both sides.
 pub const DEFAULT_CHUNK_BYTES: usize = 1 << 20;
 
 /// Largest gRPC message either side accepts; chunks stay far below it.

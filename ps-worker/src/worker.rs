@@ -9,23 +9,17 @@ use crate::backend::{Backend, StepStats};
 use anyhow::{Context, bail};
 use bytes::Bytes;
 use ps_common::PROTOCOL_VERSION;
+use ps_common::client::{ShardClient, ShmLink};
 use ps_common::config::Config;
 use ps_common::config::Transport;
 use ps_common::idx::Dataset;
 use ps_common::layout::{shard_ranges, split_even};
 use ps_common::order::BatchPlanner;
-use ps_common::pb::parameter_server_client::ParameterServerClient;
-use ps_common::pb::{
-    LeaveRequest, PullRequest, PushChunk, PushHeader, RegisterReply, RegisterRequest,
-};
-use ps_common::shm::{Board, BoardDir, grad_path, params_path, shm_root};
-use ps_common::wire::{MAX_MESSAGE_BYTES, chunks, decode_chunk_into, f32_to_bytes_reusing};
+use ps_common::pb::{LeaveRequest, PushHeader, RegisterRequest};
+use ps_common::shm::{Board, BoardDir, grad_path, shm_root};
+use ps_common::wire::f32_to_bytes_reusing;
 use std::ops::Range;
-use std::path::Path;
 use std::time::{Duration, Instant};
-use tonic::{Code, Status};
-
-use ps_common::auth::{Client, ClientSecurity};
 
 /// Everything a worker needs.
 pub struct WorkerSetup {
@@ -56,50 +50,17 @@ pub struct Timing {
     pub push: Duration,
 }
 
-/// Opens a channel to `addr` with the flow-control windows sized for large tensors, with TLS
-/// and the token on every request when the config asks for them.
-pub async fn connect(
-    addr: &str,
-    timeout: Duration,
-    security: &ClientSecurity,
-) -> anyhow::Result<Client> {
-    let endpoint = security
-        .endpoint(addr)
-        .map_err(anyhow::Error::msg)?
-        .initial_stream_window_size(8 << 20)
-        .initial_connection_window_size(16 << 20)
-        .tcp_nodelay(true)
-        .max_frame_size((1 << 20) - 1)
-        .connect_timeout(Duration::from_secs(5));
-    let start = Instant::now();
-    let mut delay = Duration::from_millis(50);
-    loop {
-        match endpoint.connect().await {
-            Ok(ch) => {
-                return Ok(
-                    ParameterServerClient::with_interceptor(ch, security.interceptor())
-                        .max_decoding_message_size(MAX_MESSAGE_BYTES)
-                        .max_encoding_message_size(MAX_MESSAGE_BYTES),
-                );
-            }
-            Err(e) if start.elapsed() < timeout => {
-                tracing::debug!("connecting to {addr}: {e}; retrying in {delay:?}");
-                tokio::time::sleep(delay).await;
-                delay = (delay * 2).min(Duration::from_secs(2));
-            }
-            Err(e) => bail!(
-                "cannot reach shard at {addr} after {:.0} s: {e}",
-                timeout.as_secs_f64()
-            ),
-        }
-    }
-}
-
-fn retryable(s: &Status) -> bool {
-    matches!(
-        s.code(),
-        Code::Unavailable | Code::Unknown | Code::Cancelled
-    )
+/// One shard as this worker sees it: the connection, the shard's range of the flat parameter
+/// vector, what goes through shared memory, and the push buffer.
+struct Peer {
+    client: ShardClient,
+    range: Range<usize>,
+    link: ShmLink,
+    /// The shard had already applied the step this worker starts at (this worker replaces one
+    /// that died between its pushes): it is pulled exactly that version and not pushed to.
+    ahead: bool,
+    /// The gradient bytes of the last push through gRPC, reused once its RPC has released them.
+    push_buf: Option<Bytes>,
 }
 
 /// Runs the worker to the end of the training run; returns its timing.
@@ -115,8 +76,6 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
     let layout = cfg.layout();
     let world = cfg.workers;
     let total = cfg.total_steps(train.len())?;
-    let ranges = shard_ranges(layout.num_params(), servers.len());
-    let connect_timeout = Duration::from_secs_f64(cfg.worker.connect_timeout_secs);
 
     // the gradient lives in a shared-memory board that the shards on this host read in place
     // (where /dev/shm allows), else on the heap
@@ -124,66 +83,8 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
         Transport::Auto => grad_board(rank, layout.num_params()),
         Transport::Grpc => None,
     };
-    let (grad_file, grad_token) = grad_board.as_ref().map_or_else(Default::default, |(d, b)| {
-        (b.path().display().to_string(), d.token())
-    });
-
-    // connect and register with every shard
-    let security = cfg.client_security();
-    let mut clients = Vec::with_capacity(servers.len());
-    let mut links = Vec::with_capacity(servers.len());
-    let mut versions = Vec::with_capacity(servers.len());
-    for (s, addr) in servers.iter().enumerate() {
-        let mut c = connect(addr, connect_timeout, &security).await?;
-        let req = RegisterRequest {
-            protocol_version: PROTOCOL_VERSION,
-            rank: rank as u32,
-            world_size: world as u32,
-            num_params: layout.num_params() as u64,
-            shard: s as u32,
-            num_shards: servers.len() as u32,
-            shared_memory: cfg.transport == Transport::Auto,
-            grad_file: grad_file.clone(),
-            grad_token,
-        };
-        let begun = Instant::now();
-        let reply = loop {
-            match c.register(req.clone()).await {
-                Ok(r) => break r.into_inner(),
-                Err(st) if retryable(&st) && begun.elapsed() < connect_timeout => {
-                    tokio::time::sleep(Duration::from_millis(200)).await
-                }
-                Err(st) => bail!("shard {s} at {addr} refused registration: {}", st.message()),
-            }
-        };
-        if reply.start != ranges[s].start as u64
-            || reply.len != ranges[s].len() as u64
-            || reply.total_steps != total
-        {
-            bail!(
-                "shard {s} at {addr} holds {}..{} of a {}-step run; this worker expects {:?} of a {total}-step run (same config?)",
-                reply.start,
-                reply.start + reply.len,
-                reply.total_steps,
-                ranges[s]
-            );
-        }
-        versions.push(reply.version);
-        clients.push(c);
-        links.push(ShmLink::open(&reply, s));
-    }
-    // a worker restarted after pushing step t to some shards but not all finds those shards at
-    // version t + 1 (no shard can be further ahead: the others wait for this rank at step t);
-    // it redoes step t from version t, which those shards still hold, and pushes only to the
-    // shards that have not applied it
-    let start_step = versions.iter().copied().min().unwrap_or(0);
-    let ahead: Vec<bool> = versions.iter().map(|&v| v > start_step).collect();
-    if ahead.iter().any(|&a| a) {
-        tracing::warn!(
-            "worker {rank}: shards are at versions {versions:?}: redoing step {start_step} from version {start_step}, pushing only to the shards that have not applied it"
-        );
-    }
-    let via: Vec<&str> = links.iter().map(ShmLink::describe).collect();
+    let (mut peers, start_step) = register_all(&cfg, &servers, rank, total, &grad_board).await?;
+    let via: Vec<&str> = peers.iter().map(|p| p.link.describe()).collect();
     tracing::info!(
         "worker {rank}/{world}: registered with {} shards (tensors via {via:?}), starting at step {start_step} of {total}, device {}",
         servers.len(),
@@ -205,18 +106,13 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
     let (mut x, mut y) = (Vec::new(), Vec::new());
     let mut timing = Timing::default();
     let chunk_bytes = cfg.server.chunk_bytes;
-    // each shard's push buffer, reused from step to step once its RPC has released it
-    let mut push_bufs: Vec<Option<Bytes>> = vec![None; ranges.len()];
 
-    let up_to_date = vec![false; ranges.len()];
     for t in start_step..total {
         let t0 = Instant::now();
-        // only the first step can find shards ahead
-        let skip = if t == start_step { &ahead } else { &up_to_date };
         if let Some(w) = backend.host_weights() {
-            pull_all(&mut clients, &links, &ranges, t, skip, w).await?;
+            pull_all(&mut peers, t, w).await?;
         } else {
-            pull_all(&mut clients, &links, &ranges, t, skip, &mut weights).await?;
+            pull_all(&mut peers, t, &mut weights).await?;
             backend.set_weights(&weights)?;
         }
         let t1 = Instant::now();
@@ -240,8 +136,8 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
         // backward hands over the gradient last layer first: push each shard's range as soon as
         // it is final, while the earlier layers are still being computed
         let runtime = tokio::runtime::Handle::current();
-        let mut pushes = Vec::with_capacity(ranges.len());
-        let mut unsent = ranges.len();
+        let mut pushes = Vec::with_capacity(peers.len());
+        let mut unsent = peers.len();
         tokio::task::block_in_place(|| {
             backend.forward_backward_overlapped(
                 &x,
@@ -249,42 +145,43 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
                 cfg.loss_reduction,
                 grad,
                 &mut |start, tail, stats| {
-                    while unsent > 0 && ranges[unsent - 1].start >= start {
+                    while unsent > 0 && peers[unsent - 1].range.start >= start {
                         unsent -= 1;
-                        if skip[unsent] {
+                        let s = unsent;
+                        let peer = &mut peers[s];
+                        if peer.ahead {
                             continue; // this shard applied step t already
                         }
-                        let r = &ranges[unsent];
-                        let values = &tail[r.start - start..r.end - start];
+                        let r = &peer.range;
                         // the shard reads the range in this worker's gradient board, or
                         // receives a copy through gRPC
-                        let shm = links[unsent].grad;
-                        let bytes = if shm {
+                        let bytes = if peer.link.grad {
                             Bytes::new()
                         } else {
-                            f32_to_bytes_reusing(values, push_bufs[unsent].take())
+                            let values = &tail[r.start - start..r.end - start];
+                            f32_to_bytes_reusing(values, peer.push_buf.take())
                         };
                         let h = PushHeader {
                             len: r.len() as u64,
-                            shm,
+                            shm: peer.link.grad,
                             ..header(stats)
                         };
-                        pushes.push(runtime.spawn(push_one(
-                            clients[unsent].clone(),
-                            unsent,
-                            h,
-                            bytes,
-                            chunk_bytes,
-                        )));
+                        let client = peer.client.clone();
+                        pushes.push(runtime.spawn(async move {
+                            client.push_retrying(h, &bytes, chunk_bytes).await?;
+                            Ok::<_, anyhow::Error>((s, bytes))
+                        }));
                     }
                 },
             )
         })?;
         let t2 = Instant::now();
         for p in pushes {
-            let (shard, bytes) = p.await.context("push task")??;
-            push_bufs[shard] = Some(bytes);
+            let (s, bytes) = p.await.context("push task")??;
+            peers[s].push_buf = Some(bytes);
         }
+        // only the first step can find shards ahead
+        peers.iter_mut().for_each(|p| p.ahead = false);
         let t3 = Instant::now();
         timing.steps += 1;
         timing.pull += t1 - t0;
@@ -293,25 +190,18 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
     }
 
     // final weights: evaluate this rank's slice of the test set and leave
-    pull_all(
-        &mut clients,
-        &links,
-        &ranges,
-        total,
-        &up_to_date,
-        &mut weights,
-    )
-    .await?;
+    peers.iter_mut().for_each(|p| p.ahead = false);
+    pull_all(&mut peers, total, &mut weights).await?;
     backend.set_weights(&weights)?;
     let (correct, count) = evaluate(backend.as_mut(), &test, &test_idx, &mut x, &mut y)?;
-    for (s, c) in clients.iter_mut().enumerate() {
-        c.leave(LeaveRequest {
-            rank: rank as u32,
-            eval_correct: correct,
-            eval_count: count,
-        })
-        .await
-        .map_err(|st| anyhow::anyhow!("shard {s}: leave refused: {}", st.message()))?;
+    for p in &mut peers {
+        p.client
+            .leave(LeaveRequest {
+                rank: rank as u32,
+                eval_correct: correct,
+                eval_count: count,
+            })
+            .await?;
     }
     let per = |d: Duration| d.as_secs_f64() * 1e3 / timing.steps.max(1) as f64;
     tracing::info!(
@@ -323,6 +213,98 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
         100.0 * correct as f64 / count.max(1) as f64
     );
     Ok(timing)
+}
+
+/// Connects and registers with every shard (each retrying for `[worker] connect_timeout_secs`,
+/// so that start order does not matter), checks that each holds the range and run length this
+/// worker expects, and returns the shards with the step to start at.
+///
+/// A worker restarted after pushing step t to some shards but not all finds those shards at
+/// version t + 1 (no shard can be further ahead: the others wait for this rank at step t); it
+/// redoes step t from version t, which those shards still hold, and pushes only to the shards
+/// that have not applied it: they are marked `ahead`.
+async fn register_all(
+    cfg: &Config,
+    servers: &[String],
+    rank: usize,
+    total: u64,
+    grad_board: &Option<(BoardDir, Board)>,
+) -> anyhow::Result<(Vec<Peer>, u64)> {
+    let num_params = cfg.layout().num_params();
+    let ranges = shard_ranges(num_params, servers.len());
+    let connect_timeout = Duration::from_secs_f64(cfg.worker.connect_timeout_secs);
+    let (grad_file, grad_token) = grad_board.as_ref().map_or_else(Default::default, |(d, b)| {
+        (b.path().display().to_string(), d.token())
+    });
+    let security = cfg.client_security();
+    let mut peers = Vec::with_capacity(servers.len());
+    let mut versions = Vec::with_capacity(servers.len());
+    for ((s, addr), range) in servers.iter().enumerate().zip(ranges) {
+        let mut client = ShardClient::connect(s, addr, &security, connect_timeout).await?;
+        let req = RegisterRequest {
+            protocol_version: PROTOCOL_VERSION,
+            rank: rank as u32,
+            world_size: cfg.workers as u32,
+            num_params: num_params as u64,
+            shard: s as u32,
+            num_shards: servers.len() as u32,
+            shared_memory: cfg.transport == Transport::Auto,
+            grad_file: grad_file.clone(),
+            grad_token,
+        };
+        let reply = client
+            .register_retrying(req, connect_timeout)
+            .await
+            .with_context(|| format!("registering with shard {s} at {addr}"))?;
+        if reply.start != range.start as u64
+            || reply.len != range.len() as u64
+            || reply.total_steps != total
+        {
+            bail!(
+                "shard {s} at {addr} holds {}..{} of a {}-step run; this worker expects {range:?} of a {total}-step run (same config?)",
+                reply.start,
+                reply.start + reply.len,
+                reply.total_steps,
+            );
+        }
+        versions.push(reply.version);
+        peers.push(Peer {
+            client,
+            range,
+            link: ShmLink::open(&reply, s),
+            ahead: false,
+            push_buf: None,
+        });
+    }
+    let start_step = versions.iter().copied().min().unwrap_or(0);
+    for (p, &v) in peers.iter_mut().zip(&versions) {
+        p.ahead = v > start_step;
+    }
+    if peers.iter().any(|p| p.ahead) {
+        tracing::warn!(
+            "worker {rank}: shards are at versions {versions:?}: redoing step {start_step} from version {start_step}, pushing only to the shards that have not applied it"
+        );
+    }
+    Ok((peers, start_step))
+}
+
+/// Pulls version `version` from every shard in parallel, each straight into its range of
+/// `weights`: copied out of the shard's board where there is a link, decoded from the gRPC
+/// chunks otherwise. From the shards marked `ahead` (already one version further) it pulls
+/// exactly `version`, through gRPC.
+async fn pull_all(peers: &mut [Peer], version: u64, weights: &mut [f32]) -> anyhow::Result<()> {
+    let mut rest = weights;
+    let mut futs = Vec::with_capacity(peers.len());
+    for p in peers.iter_mut() {
+        let (dst, tail) = rest.split_at_mut(p.range.len());
+        rest = tail;
+        let board = p.link.params.as_ref().filter(|_| !p.ahead);
+        futs.push(p.client.pull_into(version, p.ahead, board, dst));
+    }
+    for r in futures::future::join_all(futs).await {
+        r?;
+    }
+    Ok(())
 }
 
 fn evaluate(
@@ -351,201 +333,6 @@ fn grad_board(rank: usize, len: usize) -> Option<(BoardDir, Board)> {
                 "worker {rank}: no shared-memory gradient board ({e}); pushing through gRPC"
             );
             None
-        }
-    }
-}
-
-/// What a worker shares with one shard through memory: the shard's parameters board (pulls)
-/// and whether the shard reads this worker's gradient board (pushes).
-#[derive(Default)]
-pub struct ShmLink {
-    params: Option<Board>,
-    grad: bool,
-}
-
-impl ShmLink {
-    /// The link a registration reply offers. The parameters board is opened with the reply's
-    /// token; one that cannot be (the shard is on another host) means gRPC pulls, said once.
-    pub fn open(reply: &RegisterReply, shard: usize) -> Self {
-        let params = (!reply.shm_dir.is_empty())
-            .then(|| {
-                let path = params_path(Path::new(&reply.shm_dir));
-                Board::open(&path, reply.shm_token, reply.len as usize, 2)
-                    .map_err(|why| {
-                        tracing::info!(
-                            "shard {shard}: shared memory not usable from here ({why}); pulling through gRPC"
-                        )
-                    })
-                    .ok()
-            })
-            .flatten();
-        Self {
-            params,
-            grad: reply.grad_shm,
-        }
-    }
-
-    /// "shared memory", "gRPC", or which way each direction goes.
-    pub fn describe(&self) -> &'static str {
-        match (self.params.is_some(), self.grad) {
-            (true, true) => "shared memory",
-            (false, false) => "gRPC",
-            (true, false) => "pull shared memory, push gRPC",
-            (false, true) => "pull gRPC, push shared memory",
-        }
-    }
-}
-
-/// Pulls version `version` from every shard in parallel, each straight into its place in
-/// `weights`: copied out of the shard's board where there is a link, decoded from the gRPC
-/// chunks otherwise. From the shards marked in `previous` (already one version further) it
-/// pulls exactly `version`, through gRPC.
-pub async fn pull_all(
-    clients: &mut [Client],
-    links: &[ShmLink],
-    ranges: &[Range<usize>],
-    version: u64,
-    previous: &[bool],
-    weights: &mut [f32],
-) -> anyhow::Result<()> {
-    let mut parts = Vec::with_capacity(ranges.len());
-    let mut rest = weights;
-    for r in ranges {
-        let (part, tail) = rest.split_at_mut(r.len());
-        parts.push(part);
-        rest = tail;
-    }
-    let futs = clients
-        .iter_mut()
-        .zip(parts)
-        .enumerate()
-        .map(|(s, (c, dst))| {
-            let exact = previous.get(s).copied().unwrap_or(false);
-            let board = links
-                .get(s)
-                .and_then(|l| l.params.as_ref())
-                .filter(|_| !exact);
-            pull_one(c, s, version, dst, board, exact)
-        });
-    for r in futures::future::join_all(futs).await {
-        r?;
-    }
-    Ok(())
-}
-
-/// Pulls version `version` of shard `s` into `dst`, through `board` when given (falling back
-/// to gRPC if the version changed during the copy); `exact` asks for that version even if the
-/// shard is one further.
-async fn pull_one(
-    c: &mut Client,
-    s: usize,
-    version: u64,
-    dst: &mut [f32],
-    board: Option<&Board>,
-    exact: bool,
-) -> anyhow::Result<()> {
-    let failed = |st: Status| {
-        anyhow::anyhow!(
-            "pull of version {version} from shard {s} failed: {}",
-            st.message()
-        )
-    };
-    let mut via_board = board.is_some();
-    loop {
-        let mut stream = c
-            .pull(PullRequest {
-                min_version: version,
-                rank: 0,
-                shm: via_board,
-                exact,
-            })
-            .await
-            .map_err(failed)?
-            .into_inner();
-        let first = stream
-            .message()
-            .await
-            .map_err(failed)?
-            .context("empty pull reply")?;
-        let h = first
-            .header
-            .as_ref()
-            .context("pull reply without a header")?;
-        if h.version != version {
-            bail!(
-                "shard {s} is at version {} but this worker needs version {version}",
-                h.version
-            );
-        }
-        if h.len != dst.len() as u64 {
-            bail!("shard {s} holds {} values: expected {}", h.len, dst.len());
-        }
-        if h.shm {
-            let board = board.filter(|_| via_board).with_context(|| {
-                format!("shard {s} answered through shared memory, which this pull did not ask for")
-            })?;
-            if board.read_version(version, dst) {
-                return Ok(());
-            }
-            tracing::warn!(
-                "shard {s}: version {version} left the shared-memory board during the copy; pulling it through gRPC"
-            );
-            via_board = false;
-            continue;
-        }
-        let mut filled = 0u64;
-        let mut chunk = Some(first);
-        while let Some(c) = chunk {
-            if c.offset != filled {
-                bail!("shard {s}: chunk at offset {}, expected {filled}", c.offset);
-            }
-            decode_chunk_into(dst, c.offset, &c.data)?;
-            filled += (c.data.len() / 4) as u64;
-            chunk = stream.message().await.map_err(failed)?;
-        }
-        if filled != dst.len() as u64 {
-            bail!("shard {s} sent {filled} values: expected {}", dst.len());
-        }
-        return Ok(());
-    }
-}
-
-/// Pushes one shard its gradient slice (`bytes`, little-endian f32) in chunks, retrying
-/// transport failures: the server acknowledges a retry of a gradient it already counted
-/// without counting it twice. Returns the shard and the buffer, for reuse.
-pub async fn push_one(
-    mut client: Client,
-    shard: usize,
-    header: PushHeader,
-    bytes: Bytes,
-    chunk_bytes: usize,
-) -> anyhow::Result<(usize, Bytes)> {
-    let mut attempt = 0;
-    loop {
-        let msgs: Vec<PushChunk> = chunks(&bytes, chunk_bytes)
-            .enumerate()
-            .map(|(i, (offset, data))| PushChunk {
-                header: (i == 0).then_some(header),
-                offset,
-                data,
-            })
-            .collect();
-        match client.push(tokio_stream::iter(msgs)).await {
-            Ok(_) => return Ok((shard, bytes)),
-            Err(st) if retryable(&st) && attempt < 5 => {
-                attempt += 1;
-                tracing::warn!(
-                    "push of step {} to shard {shard} failed ({}); retry {attempt}",
-                    header.step,
-                    st.message()
-                );
-                tokio::time::sleep(Duration::from_millis(100 << attempt)).await;
-            }
-            Err(st) => bail!(
-                "shard {shard} refused the gradient of step {}: {}",
-                header.step,
-                st.message()
-            ),
         }
     }
 }

@@ -2,16 +2,16 @@
 //! that says what was expected, leaves its state untouched, and still completes a correct step.
 
 use ps_common::PROTOCOL_VERSION;
+use ps_common::auth::ClientSecurity;
+use ps_common::client::{ClientError, ShardClient};
 use ps_common::launch::{LocalCluster, bin_dir};
-use ps_common::pb::parameter_server_client::ParameterServerClient;
-use ps_common::pb::{PullRequest, PushChunk, PushHeader, PushReply, RegisterRequest};
-use ps_common::wire::{TensorReceiver, chunks, f32_to_bytes};
+use ps_common::pb::{PullRequest, PushHeader, PushReply, RegisterRequest};
+use ps_common::wire::{TensorReceiver, f32_to_bytes};
 use ps_tests::Spec;
 use std::time::Duration;
 use tonic::Code;
-use tonic::transport::Channel;
 
-type Client = ParameterServerClient<Channel>;
+type Client = ShardClient;
 
 fn header(rank: u32, step: u64, len: usize) -> PushHeader {
     PushHeader {
@@ -27,26 +27,18 @@ fn header(rank: u32, step: u64, len: usize) -> PushHeader {
     }
 }
 
-async fn push(c: &mut Client, h: PushHeader, values: &[f32]) -> Result<PushReply, tonic::Status> {
-    let bytes = f32_to_bytes(values);
-    let msgs: Vec<PushChunk> = chunks(&bytes, 4096)
-        .enumerate()
-        .map(|(i, (offset, data))| PushChunk {
-            header: (i == 0).then_some(h),
-            offset,
-            data,
-        })
-        .collect();
-    c.push(tokio_stream::iter(msgs))
-        .await
-        .map(|r| r.into_inner())
+/// Pushes `values` under header `h` whatever they are (the header's length is not checked
+/// against them: the shard must refuse the mismatches), in 4 KiB chunks, once.
+async fn push(c: &mut Client, h: PushHeader, values: &[f32]) -> Result<PushReply, ClientError> {
+    c.push(h, &f32_to_bytes(values), 4096).await
 }
 
+/// Pulls through the raw stream, checking every chunk with a `TensorReceiver`.
 async fn pull(c: &mut Client, version: u64) -> Result<Vec<f32>, tonic::Status> {
     let mut s = c
+        .rpc()
         .pull(PullRequest {
             min_version: version,
-            rank: 0,
             shm: false,
             exact: false,
         })
@@ -86,20 +78,45 @@ async fn one_shard_with(args: &[String]) -> (tempfile::TempDir, LocalCluster, Cl
     cluster
         .start_servers(1, args, Duration::from_secs(60))
         .unwrap();
-    let c = Client::connect(format!("http://{}", cluster.addrs[0]))
-        .await
-        .unwrap();
+    let c = Client::connect(
+        0,
+        &cluster.addrs[0],
+        &ClientSecurity::default(),
+        Duration::from_secs(10),
+    )
+    .await
+    .unwrap();
     (dir, cluster, c, n)
 }
 
-fn expect_err<T: std::fmt::Debug>(r: Result<T, tonic::Status>, code: Code, words: &str) {
-    let e = r.expect_err("expected a refusal");
+/// A refusal: a raw status or a [`ClientError::Refused`], with `code` and `words` in the
+/// shard's message.
+fn expect_err<T: std::fmt::Debug, E: Into<Refusal>>(r: Result<T, E>, code: Code, words: &str) {
+    let Refusal(e) = r.map_err(Into::into).expect_err("expected a refusal");
     assert_eq!(e.code(), code, "{e:?}");
     assert!(
         e.message().contains(words),
         "message {:?} lacks {words:?}",
         e.message()
     );
+}
+
+/// The status of a refusal, whichever way it came.
+struct Refusal(tonic::Status);
+
+impl From<tonic::Status> for Refusal {
+    fn from(s: tonic::Status) -> Self {
+        Refusal(s)
+    }
+}
+
+impl From<ClientError> for Refusal {
+    fn from(e: ClientError) -> Self {
+        match e {
+            ClientError::Refused { status, .. } => Refusal(status),
+            other => panic!("expected a refusal from the shard, got {other}"),
+        }
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -157,7 +174,7 @@ async fn live_server_refuses_bad_pushes_and_still_steps() {
         "has not registered",
     );
 
-    let r = c.register(reg(0)).await.unwrap().into_inner();
+    let r = c.register(reg(0)).await.unwrap();
     assert_eq!(
         (r.start, r.len, r.version, r.total_steps),
         (0, n as u64, 0, 2)
@@ -282,20 +299,12 @@ async fn shared_memory_pushes_are_validated_like_grpc_ones() {
         grad_file: grad.path().display().to_string(),
         grad_token: token,
     };
-    let r = c
-        .register(reg(0, board_dir.token() ^ 4))
-        .await
-        .unwrap()
-        .into_inner();
+    let r = c.register(reg(0, board_dir.token() ^ 4)).await.unwrap();
     assert!(
         !r.grad_shm,
         "a board with another token (another host's) is not used"
     );
-    let r0 = c
-        .register(reg(0, board_dir.token()))
-        .await
-        .unwrap()
-        .into_inner();
+    let r0 = c.register(reg(0, board_dir.token())).await.unwrap();
     assert!(r0.grad_shm && !r0.shm_dir.is_empty(), "{r0:?}");
     let r1 = c
         .register(RegisterRequest {
@@ -303,8 +312,7 @@ async fn shared_memory_pushes_are_validated_like_grpc_ones() {
             ..reg(1, 0)
         })
         .await
-        .unwrap()
-        .into_inner();
+        .unwrap();
     assert!(
         r1.shm_dir.is_empty() && !r1.grad_shm,
         "not offered when not asked for"
@@ -354,9 +362,9 @@ async fn shared_memory_pushes_are_validated_like_grpc_ones() {
     assert_eq!((r.counted, r.ranks_in), (true, 2));
 
     let mut s = c
+        .rpc()
         .pull(PullRequest {
             min_version: 1,
-            rank: 0,
             shm: true,
             exact: false,
         })

@@ -234,11 +234,11 @@ fn a_worker_killed_and_restarted_mid_run_changes_nothing() {
 #[test]
 fn a_worker_that_died_between_its_pushes_redoes_the_step() {
     use ps_common::auth::ClientSecurity;
+    use ps_common::client::ShardClient;
     use ps_common::layout::shard_ranges;
     use ps_common::order::BatchPlanner;
     use ps_common::pb::{PushHeader, RegisterRequest};
     use ps_worker::backend::Backend;
-    use ps_worker::worker::{ShmLink, connect, pull_all, push_one};
     let spec = Spec {
         shards: 2,
         workers: 2,
@@ -269,9 +269,10 @@ fn a_worker_that_died_between_its_pushes_redoes_the_step() {
     let mut clients = rt.block_on(async {
         let mut cs = Vec::new();
         for (s, addr) in cluster.addrs.iter().enumerate() {
-            let mut c = connect(addr, Duration::from_secs(10), &ClientSecurity::default())
-                .await
-                .unwrap();
+            let mut c =
+                ShardClient::connect(s, addr, &ClientSecurity::default(), Duration::from_secs(10))
+                    .await
+                    .unwrap();
             c.register(as_rank_1(s as u32)).await.unwrap();
             cs.push(c);
         }
@@ -279,16 +280,10 @@ fn a_worker_that_died_between_its_pushes_redoes_the_step() {
     });
     // rank 1's step 0, as its worker computes it
     let mut w = vec![0f32; n];
-    let links: Vec<ShmLink> = (0..2).map(|_| ShmLink::default()).collect();
-    rt.block_on(pull_all(
-        &mut clients,
-        &links,
-        &ranges,
-        0,
-        &[false, false],
-        &mut w,
-    ))
-    .unwrap();
+    for (c, r) in clients.iter_mut().zip(&ranges) {
+        rt.block_on(c.pull_into(0, false, None, &mut w[r.clone()]))
+            .unwrap();
+    }
     let train = ps_tests::mnist_train();
     let mut planner = BatchPlanner::new(cfg.data_order(train.len()));
     let (mut x, mut y) = (Vec::new(), Vec::new());
@@ -309,7 +304,7 @@ fn a_worker_that_died_between_its_pushes_redoes_the_step() {
         ..Default::default()
     };
     let bytes = ps_common::wire::f32_to_bytes(&grad[ranges[1].clone()]);
-    rt.block_on(push_one(clients[1].clone(), 1, header, bytes, 1 << 20))
+    rt.block_on(clients[1].push_retrying(header, &bytes, 1 << 20))
         .unwrap();
     // ... and dies. Rank 0 runs; shard 1 completes step 0 and waits at 1, shard 0 waits at 0
     cluster.start_worker(0, 2, &[]).unwrap();
@@ -317,7 +312,6 @@ fn a_worker_that_died_between_its_pushes_redoes_the_step() {
     while rt
         .block_on(clients[1].register(as_rank_1(1)))
         .unwrap()
-        .into_inner()
         .version
         < 1
     {

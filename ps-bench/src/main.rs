@@ -31,17 +31,17 @@ use anyhow::{Context, bail};
 use bytes::Bytes;
 use clap::Parser;
 use ps_common::PROTOCOL_VERSION;
+use ps_common::auth::ClientSecurity;
+use ps_common::client::{ShardClient, ShmLink};
 use ps_common::config::{Config, LossReduction};
 use ps_common::launch::{LocalCluster, bin_dir};
-use ps_common::pb::parameter_server_client::ParameterServerClient;
-use ps_common::pb::{PullRequest, PushHeader, RegisterRequest};
+use ps_common::pb::{PushHeader, RegisterRequest};
 use ps_common::shm::{Board, BoardDir, grad_path};
-use ps_common::wire::{MAX_MESSAGE_BYTES, TensorReceiver, f32_to_bytes};
+use ps_common::wire::f32_to_bytes;
 use ps_server::shard::{PushMeta, Shard};
 use ps_server::{ShardSetup, run_shard};
 use ps_worker::backend::Backend;
 use ps_worker::cpu::CpuBackend;
-use ps_worker::worker::{ShmLink, pull_all};
 use serde_json::{Value, json};
 use std::fmt::Write as _;
 use std::future::Future;
@@ -51,9 +51,8 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::{Duration, Instant, SystemTime};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tonic::transport::Endpoint;
 
-use ps_common::auth::{AddToken, Client};
+type Client = ShardClient;
 
 /// Streamed chunk size, as the worker and the server use by default.
 const CHUNK_BYTES: usize = 1 << 20;
@@ -542,22 +541,16 @@ impl Drop for InProcShard {
     }
 }
 
-/// A client with the worker's channel settings.
+/// The worker's client of the in-process shard (one attempt: the shard is listening already).
 async fn connect(addr: SocketAddr) -> anyhow::Result<Client> {
-    let ch = Endpoint::from_shared(format!("http://{addr}"))?
-        .initial_stream_window_size(8 << 20)
-        .initial_connection_window_size(16 << 20)
-        .tcp_nodelay(true)
-        .max_frame_size((1 << 20) - 1)
-        .connect_timeout(Duration::from_secs(5))
-        .connect()
-        .await
-        .with_context(|| format!("connecting to the in-process shard at {addr}"))?;
-    Ok(
-        ParameterServerClient::with_interceptor(ch, AddToken::default())
-            .max_decoding_message_size(MAX_MESSAGE_BYTES)
-            .max_encoding_message_size(MAX_MESSAGE_BYTES),
+    ShardClient::connect(
+        0,
+        &addr.to_string(),
+        &ClientSecurity::default(),
+        Duration::ZERO,
     )
+    .await
+    .with_context(|| format!("connecting to the in-process shard at {addr}"))
 }
 
 /// Registers `rank` (idempotent); returns the shard's version.
@@ -573,21 +566,19 @@ async fn register_with(
     rank: usize,
     board: Option<(&Board, u64)>,
 ) -> anyhow::Result<ps_common::pb::RegisterReply> {
-    let reply = c
-        .register(RegisterRequest {
-            protocol_version: PROTOCOL_VERSION,
-            rank: rank as u32,
-            world_size: cfg.workers as u32,
-            num_params: cfg.layout().num_params() as u64,
-            shard: 0,
-            num_shards: 1,
-            shared_memory: board.is_some(),
-            grad_file: board.map_or_else(String::new, |(b, _)| b.path().display().to_string()),
-            grad_token: board.map_or(0, |(_, t)| t),
-        })
-        .await
-        .map_err(|s| anyhow::anyhow!("register refused: {}", s.message()))?;
-    Ok(reply.into_inner())
+    c.register(RegisterRequest {
+        protocol_version: PROTOCOL_VERSION,
+        rank: rank as u32,
+        world_size: cfg.workers as u32,
+        num_params: cfg.layout().num_params() as u64,
+        shard: 0,
+        num_shards: 1,
+        shared_memory: board.is_some(),
+        grad_file: board.map_or_else(String::new, |(b, _)| b.path().display().to_string()),
+        grad_token: board.map_or(0, |(_, t)| t),
+    })
+    .await
+    .context("register")
 }
 
 /// Waits until the shard has applied `version` steps (polling with registrations, which are
@@ -603,29 +594,12 @@ async fn wait_version(c: &mut Client, cfg: &Config, version: u64) -> anyhow::Res
     Ok(())
 }
 
-/// Pulls version `version` into a new vector, as the worker does (chunks checked and decoded).
-async fn pull(c: &mut Client, version: u64) -> anyhow::Result<Vec<f32>> {
-    let mut stream = c
-        .pull(PullRequest {
-            min_version: version,
-            rank: 0,
-            shm: false,
-            exact: false,
-        })
-        .await
-        .map_err(|s| anyhow::anyhow!("pull of version {version} refused: {}", s.message()))?
-        .into_inner();
-    let first = stream.message().await?.context("empty pull reply")?;
-    let h = first.header.context("pull reply without a header")?;
-    if h.version != version {
-        bail!("pulled version {} instead of {version}", h.version);
-    }
-    let mut rx = TensorReceiver::new(h.len as usize, false);
-    rx.push(first.offset, &first.data)?;
-    while let Some(ch) = stream.message().await? {
-        rx.push(ch.offset, &ch.data)?;
-    }
-    Ok(rx.finish()?.0)
+/// Pulls version `version` into a new vector through gRPC, as the worker does (chunks checked
+/// and decoded in place).
+async fn pull(c: &mut Client, version: u64, len: usize) -> anyhow::Result<Vec<f32>> {
+    let mut w = vec![0f32; len];
+    c.pull_into(version, false, None, &mut w).await?;
+    Ok(w)
 }
 
 /// Pushes step `step` of `rank` as "in the gradient board", as the worker does.
@@ -641,12 +615,12 @@ async fn push_shm(c: &Client, rank: usize, step: u64, len: usize) -> anyhow::Res
         eval_count: 0,
         shm: true,
     };
-    ps_worker::worker::push_one(c.clone(), 0, header, Bytes::new(), CHUNK_BYTES).await?;
+    c.push_retrying(header, &Bytes::new(), CHUNK_BYTES).await?;
     Ok(())
 }
 
 /// Pushes the already-encoded gradient `bytes` as step `step` of `rank`, in 1 MiB chunks,
-/// exactly as a worker does (`ps_worker::worker::push_one`).
+/// exactly as a worker does (`ShardClient::push_retrying`).
 async fn push(c: &mut Client, rank: usize, step: u64, bytes: &Bytes) -> anyhow::Result<()> {
     let header = PushHeader {
         rank: rank as u32,
@@ -659,7 +633,7 @@ async fn push(c: &mut Client, rank: usize, step: u64, bytes: &Bytes) -> anyhow::
         eval_count: 0,
         shm: false,
     };
-    ps_worker::worker::push_one(c.clone(), 0, header, bytes.clone(), CHUNK_BYTES).await?;
+    c.push_retrying(header, bytes, CHUNK_BYTES).await?;
     Ok(())
 }
 
@@ -695,7 +669,7 @@ fn section_transfer(tmp: &Path, plan: &Plan) -> anyhow::Result<Vec<Value>> {
         for t in 0..=reps as u64 {
             wait_version(&mut c, &cfg1, t).await?;
             let t0 = Instant::now();
-            let w = pull(&mut c, t).await?;
+            let w = pull(&mut c, t, len).await?;
             let t1 = Instant::now();
             if w.len() != len {
                 bail!("pulled {} values: expected {len}", w.len());
@@ -752,29 +726,19 @@ fn section_transfer(tmp: &Path, plan: &Plan) -> anyhow::Result<Vec<Value>> {
             if link.describe() != "shared memory" {
                 bail!("the in-process shard offered no shared memory: {reply:?}");
             }
-            links.push(([c], link, d, b));
+            links.push((c, link, d, b));
         }
         let mut w = vec![0f32; len];
         let (mut pull_s, mut push_s) = (Vec::new(), Vec::new());
         for t in 0..=reps as u64 {
-            wait_version(&mut links[0].0[0], &cfg2, t).await?;
+            wait_version(&mut links[0].0, &cfg2, t).await?;
             let t0 = Instant::now();
-            let (clients, link, _, _) = &mut links[0];
-            let whole = 0..len;
-            let range = std::slice::from_ref(&whole);
-            pull_all(
-                clients,
-                std::slice::from_ref(link),
-                range,
-                t,
-                &[false],
-                &mut w,
-            )
-            .await?;
+            let (c, link, _, _) = &mut links[0];
+            c.pull_into(t, false, link.params.as_ref(), &mut w).await?;
             let t1 = Instant::now();
-            push_shm(&links[0].0[0], 0, t, len).await?;
+            push_shm(&links[0].0, 0, t, len).await?;
             let t2 = Instant::now();
-            push_shm(&links[1].0[0], 1, t, len).await?;
+            push_shm(&links[1].0, 1, t, len).await?;
             if t > 0 {
                 pull_s.push((t1 - t0).as_secs_f64());
                 push_s.push((t2 - t1).as_secs_f64());

@@ -1,0 +1,526 @@
+//! The client half of the wire contract, written once for the worker, the tests and ps-bench:
+//! [`ShardClient`] connects to one shard (flow-control windows and frame size sized for large
+//! tensors, TLS and the token as `[cluster]` asks), registers, pulls a version straight into a
+//! buffer (through the shard's shared-memory board or gRPC chunks), pushes a gradient (chunked
+//! through gRPC, or a header alone when the gradient is in shared memory) and leaves. A refusal
+//! is a [`ClientError`] that says whether trying again can help.
+//!
+//! Tests that send malformed messages on purpose use the lower level: [`ShardClient::rpc`] (the
+//! generated client) and [`push_chunks`] (any header over any bytes).
+
+use crate::auth::{Client, ClientSecurity};
+use crate::pb::parameter_server_client::ParameterServerClient;
+use crate::pb::{
+    LeaveRequest, PullRequest, PushChunk, PushHeader, PushReply, RegisterReply, RegisterRequest,
+};
+use crate::shm::{Board, params_path};
+use crate::wire::{MAX_MESSAGE_BYTES, chunks, decode_chunk_into};
+use bytes::Bytes;
+use std::path::Path;
+use std::time::{Duration, Instant};
+use tonic::transport::Endpoint;
+use tonic::{Code, Status};
+
+/// HTTP/2 stream window: a whole 1 MiB chunk, several times over, is in flight per stream.
+pub const STREAM_WINDOW_BYTES: u32 = 8 << 20;
+/// HTTP/2 connection window: two streams' windows (a pull and a push may overlap).
+pub const CONNECTION_WINDOW_BYTES: u32 = 16 << 20;
+/// Largest HTTP/2 frame (the protocol's maximum is 2^24 - 1; 1 MiB - 1 carries a chunk in one).
+pub const MAX_FRAME_BYTES: u32 = (1 << 20) - 1;
+/// Bound on one TCP (and TLS) connection attempt.
+pub const CONNECT_ATTEMPT: Duration = Duration::from_secs(5);
+/// Transport failures a push survives before it gives up (backoff 200 ms, 400 ms, ... 3.2 s).
+pub const PUSH_RETRIES: u32 = 5;
+
+/// Why a call to a shard did not succeed.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// No connection could be made before the deadline.
+    #[error("cannot reach shard at {addr} after {waited_secs:.0} s: {reason}")]
+    Unreachable {
+        /// The shard's address.
+        addr: String,
+        /// How long the client kept trying.
+        waited_secs: f64,
+        /// The last connection error.
+        reason: String,
+    },
+    /// The address (or the TLS set-up for it) is unusable: trying again cannot help.
+    #[error("{0}")]
+    BadAddress(String),
+    /// The shard (or the transport) answered a call with an error status.
+    #[error("{what}: {}", status.message())]
+    Refused {
+        /// The shard's index.
+        shard: usize,
+        /// The failed call, with the shard: "shard 0 refused registration", "pull of version 3
+        /// from shard 0 failed", ...
+        what: String,
+        /// The status, with the code mapped from the server's `PsError`.
+        status: Status,
+    },
+    /// The shard answered, but not as the contract says (or not what this client expects).
+    #[error("shard {shard}: {message}")]
+    BadReply {
+        /// The shard's index.
+        shard: usize,
+        /// What was wrong.
+        message: String,
+    },
+}
+
+fn refused(shard: usize, what: String) -> impl FnOnce(Status) -> ClientError {
+    move |status| ClientError::Refused {
+        shard,
+        what,
+        status,
+    }
+}
+
+/// Whether a call that failed with `code` may succeed if made again unchanged: the shard
+/// stopping or not yet serving (`Unavailable`, see `PsError::Unavailable`) and transport
+/// failures that tonic reports as `Unknown` or `Cancelled` (a connection reset mid-stream).
+/// Every other code is a refusal of the request itself (`PsError::code`), the same each time.
+pub fn is_retryable_code(code: Code) -> bool {
+    matches!(code, Code::Unavailable | Code::Unknown | Code::Cancelled)
+}
+
+impl ClientError {
+    /// The status code of a refusal (None for the other errors).
+    pub fn code(&self) -> Option<Code> {
+        match self {
+            ClientError::Refused { status, .. } => Some(status.code()),
+            _ => None,
+        }
+    }
+
+    /// Whether the same call may succeed later: an unreachable shard, or a refusal with a
+    /// retryable code ([`is_retryable_code`]); never a bad address or a malformed reply.
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            ClientError::Unreachable { .. } => true,
+            ClientError::Refused { status, .. } => is_retryable_code(status.code()),
+            ClientError::BadAddress(_) | ClientError::BadReply { .. } => false,
+        }
+    }
+}
+
+/// The endpoint of the shard at `addr` with the flow-control windows and frame size used by
+/// every client of the project, TLS when `security` has it.
+pub fn endpoint(addr: &str, security: &ClientSecurity) -> Result<Endpoint, String> {
+    Ok(security
+        .endpoint(addr)?
+        .initial_stream_window_size(STREAM_WINDOW_BYTES)
+        .initial_connection_window_size(CONNECTION_WINDOW_BYTES)
+        .tcp_nodelay(true)
+        .max_frame_size(MAX_FRAME_BYTES)
+        .connect_timeout(CONNECT_ATTEMPT))
+}
+
+/// The chunks of one push: `header` on the first, then `bytes` (little-endian f32) in
+/// `chunk_bytes` pieces with their offsets; one chunk with no data when `bytes` is empty. The
+/// header is not checked against the data: tests build malformed pushes with it.
+pub fn push_chunks(header: PushHeader, bytes: &Bytes, chunk_bytes: usize) -> Vec<PushChunk> {
+    chunks(bytes, chunk_bytes)
+        .enumerate()
+        .map(|(i, (offset, data))| PushChunk {
+            header: (i == 0).then_some(header),
+            offset,
+            data,
+        })
+        .collect()
+}
+
+/// A connection to one shard (cheap to clone: clones share the HTTP/2 connection).
+#[derive(Clone)]
+pub struct ShardClient {
+    shard: usize,
+    addr: String,
+    rpc: Client,
+}
+
+impl std::fmt::Debug for ShardClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShardClient")
+            .field("shard", &self.shard)
+            .field("addr", &self.addr)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ShardClient {
+    /// Connects to shard `shard` at `addr` (`host:port`), retrying with backoff (50 ms doubling
+    /// to 2 s) for up to `patience`, so that workers may start before their shards.
+    pub async fn connect(
+        shard: usize,
+        addr: &str,
+        security: &ClientSecurity,
+        patience: Duration,
+    ) -> Result<Self, ClientError> {
+        let unreachable = |reason: String, start: Instant| ClientError::Unreachable {
+            addr: addr.to_string(),
+            waited_secs: start.elapsed().as_secs_f64().max(patience.as_secs_f64()),
+            reason,
+        };
+        let start = Instant::now();
+        let endpoint = endpoint(addr, security).map_err(ClientError::BadAddress)?;
+        let mut delay = Duration::from_millis(50);
+        loop {
+            match endpoint.connect().await {
+                Ok(ch) => {
+                    let rpc = ParameterServerClient::with_interceptor(ch, security.interceptor())
+                        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+                        .max_encoding_message_size(MAX_MESSAGE_BYTES);
+                    return Ok(Self {
+                        shard,
+                        addr: addr.to_string(),
+                        rpc,
+                    });
+                }
+                Err(e) if start.elapsed() < patience => {
+                    tracing::debug!("connecting to {addr}: {e}; retrying in {delay:?}");
+                    tokio::time::sleep(delay).await;
+                    delay = (delay * 2).min(Duration::from_secs(2));
+                }
+                Err(e) => return Err(unreachable(e.to_string(), start)),
+            }
+        }
+    }
+
+    /// The shard's index.
+    pub fn shard(&self) -> usize {
+        self.shard
+    }
+
+    /// The shard's address.
+    pub fn addr(&self) -> &str {
+        &self.addr
+    }
+
+    /// The generated gRPC client, for requests this type does not make (malformed ones, in
+    /// tests).
+    pub fn rpc(&mut self) -> &mut Client {
+        &mut self.rpc
+    }
+
+    fn bad(&self, message: String) -> ClientError {
+        ClientError::BadReply {
+            shard: self.shard,
+            message,
+        }
+    }
+
+    /// Registers once (registration is idempotent: it also tells the shard's version).
+    pub async fn register(&mut self, req: RegisterRequest) -> Result<RegisterReply, ClientError> {
+        let refused = refused(
+            self.shard,
+            format!("shard {} refused registration", self.shard),
+        );
+        self.rpc
+            .register(req)
+            .await
+            .map(|r| r.into_inner())
+            .map_err(refused)
+    }
+
+    /// Registers, trying again every 200 ms for up to `patience` while the refusal is
+    /// retryable (a shard still starting up).
+    pub async fn register_retrying(
+        &mut self,
+        req: RegisterRequest,
+        patience: Duration,
+    ) -> Result<RegisterReply, ClientError> {
+        let begun = Instant::now();
+        loop {
+            match self.register(req.clone()).await {
+                Err(e) if e.is_retryable() && begun.elapsed() < patience => {
+                    tokio::time::sleep(Duration::from_millis(200)).await
+                }
+                r => return r,
+            }
+        }
+    }
+
+    /// Pulls version `version` into `dst` (exactly the shard's length), through `board` (the
+    /// shard's parameters board) when given, falling back to gRPC if the version left the board
+    /// during the copy; through gRPC chunks, decoded in place, otherwise. `exact` asks for that
+    /// version even if the shard is one further (a restarted worker redoing a step).
+    pub async fn pull_into(
+        &mut self,
+        version: u64,
+        exact: bool,
+        board: Option<&Board>,
+        dst: &mut [f32],
+    ) -> Result<(), ClientError> {
+        let s = self.shard;
+        let mut via_board = board.is_some();
+        loop {
+            let what = format!("pull of version {version} from shard {s} failed");
+            let mut stream = self
+                .rpc
+                .pull(PullRequest {
+                    min_version: version,
+                    shm: via_board,
+                    exact,
+                })
+                .await
+                .map_err(refused(self.shard, what.clone()))?
+                .into_inner();
+            let first = stream
+                .message()
+                .await
+                .map_err(refused(self.shard, what.clone()))?
+                .ok_or_else(|| self.bad("empty pull reply".into()))?;
+            let h = first
+                .header
+                .as_ref()
+                .ok_or_else(|| self.bad("pull reply without a header".into()))?;
+            if h.version != version {
+                return Err(self.bad(format!(
+                    "at version {} but this worker needs version {version}",
+                    h.version
+                )));
+            }
+            if h.len != dst.len() as u64 {
+                return Err(self.bad(format!("holds {} values: expected {}", h.len, dst.len())));
+            }
+            if h.shm {
+                let board = board.filter(|_| via_board).ok_or_else(|| {
+                    self.bad(
+                        "answered through shared memory, which this pull did not ask for".into(),
+                    )
+                })?;
+                if board.read_version(version, dst) {
+                    return Ok(());
+                }
+                tracing::warn!(
+                    "shard {s}: version {version} left the shared-memory board during the copy; pulling it through gRPC"
+                );
+                via_board = false;
+                continue;
+            }
+            let mut filled = 0u64;
+            let mut chunk = Some(first);
+            while let Some(c) = chunk {
+                if c.offset != filled {
+                    return Err(
+                        self.bad(format!("chunk at offset {}, expected {filled}", c.offset))
+                    );
+                }
+                decode_chunk_into(dst, c.offset, &c.data).map_err(|e| self.bad(e.to_string()))?;
+                filled += (c.data.len() / 4) as u64;
+                chunk = stream
+                    .message()
+                    .await
+                    .map_err(refused(self.shard, what.clone()))?;
+            }
+            if filled != dst.len() as u64 {
+                return Err(self.bad(format!("sent {filled} values: expected {}", dst.len())));
+            }
+            return Ok(());
+        }
+    }
+
+    /// Pushes once: `header`, then `bytes` (the gradient slice, little-endian f32; empty when
+    /// `header.shm` says the gradient is in this worker's board) in `chunk_bytes` chunks.
+    pub async fn push(
+        &self,
+        header: PushHeader,
+        bytes: &Bytes,
+        chunk_bytes: usize,
+    ) -> Result<PushReply, ClientError> {
+        let msgs = push_chunks(header, bytes, chunk_bytes);
+        self.rpc
+            .clone()
+            .push(tokio_stream::iter(msgs))
+            .await
+            .map(|r| r.into_inner())
+            .map_err(refused(
+                self.shard,
+                format!(
+                    "shard {} refused the gradient of step {}",
+                    self.shard, header.step
+                ),
+            ))
+    }
+
+    /// [`ShardClient::push`], made again after a retryable failure (up to [`PUSH_RETRIES`]
+    /// times, with backoff): the shard acknowledges a retry of a gradient it already counted
+    /// without counting it twice.
+    pub async fn push_retrying(
+        &self,
+        header: PushHeader,
+        bytes: &Bytes,
+        chunk_bytes: usize,
+    ) -> Result<PushReply, ClientError> {
+        let mut attempt = 0;
+        loop {
+            match self.push(header, bytes, chunk_bytes).await {
+                Err(e) if e.is_retryable() && attempt < PUSH_RETRIES => {
+                    attempt += 1;
+                    tracing::warn!(
+                        "push of step {} to shard {} failed ({e}); retry {attempt}",
+                        header.step,
+                        self.shard
+                    );
+                    tokio::time::sleep(Duration::from_millis(100 << attempt)).await;
+                }
+                r => return r,
+            }
+        }
+    }
+
+    /// Leaves, reporting this rank's share of the final evaluation.
+    pub async fn leave(&mut self, req: LeaveRequest) -> Result<(), ClientError> {
+        let refused = refused(self.shard, format!("shard {}: leave refused", self.shard));
+        self.rpc.leave(req).await.map(drop).map_err(refused)
+    }
+}
+
+/// What a worker shares with one shard through memory: the shard's parameters board (pulls)
+/// and whether the shard reads this worker's gradient board (pushes).
+#[derive(Debug, Default)]
+pub struct ShmLink {
+    /// The shard's parameters board, where this process can open it.
+    pub params: Option<Board>,
+    /// The shard reads this worker's gradient board: pushes send the header alone.
+    pub grad: bool,
+}
+
+impl ShmLink {
+    /// The link a registration reply offers. The parameters board is opened with the reply's
+    /// token; one that cannot be (the shard is on another host) means gRPC pulls, said once.
+    pub fn open(reply: &RegisterReply, shard: usize) -> Self {
+        let params = (!reply.shm_dir.is_empty())
+            .then(|| {
+                let path = params_path(Path::new(&reply.shm_dir));
+                Board::open(&path, reply.shm_token, reply.len as usize, 2)
+                    .map_err(|why| {
+                        tracing::info!(
+                            "shard {shard}: shared memory not usable from here ({why}); pulling through gRPC"
+                        )
+                    })
+                    .ok()
+            })
+            .flatten();
+        Self {
+            params,
+            grad: reply.grad_shm,
+        }
+    }
+
+    /// "shared memory", "gRPC", or which way each direction goes.
+    pub fn describe(&self) -> &'static str {
+        match (self.params.is_some(), self.grad) {
+            (true, true) => "shared memory",
+            (false, false) => "gRPC",
+            (true, false) => "pull shared memory, push gRPC",
+            (false, true) => "pull gRPC, push shared memory",
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::PsError;
+
+    #[test]
+    fn retryable_only_where_the_same_call_can_succeed() {
+        let refusal = |e: PsError| refused(0, "shard 0 refused x".into())(e.into());
+        assert!(refusal(PsError::Unavailable("stopping".into())).is_retryable());
+        assert!(
+            refusal(PsError::Unavailable("stopping".into()))
+                .to_string()
+                .starts_with("shard 0 refused x: stopping")
+        );
+        for e in [
+            PsError::NonFinite {
+                index: 1,
+                value: f32::NAN,
+            },
+            PsError::StaleStep {
+                step: 1,
+                expected: 2,
+            },
+            PsError::Conflict { rank: 0, step: 1 },
+            PsError::Timeout("barrier".into()),
+            PsError::Unauthenticated("request".into()),
+        ] {
+            let code = e.code();
+            let e = refusal(e);
+            assert!(!e.is_retryable(), "{e}");
+            assert_eq!(e.code(), Some(code));
+        }
+        let transport = refused(0, "x".into())(Status::unknown("connection reset"));
+        assert!(transport.is_retryable());
+        let bad = ClientError::BadReply {
+            shard: 1,
+            message: "empty pull reply".into(),
+        };
+        assert!(!bad.is_retryable() && bad.code().is_none());
+        assert_eq!(bad.to_string(), "shard 1: empty pull reply");
+    }
+
+    #[test]
+    fn push_chunks_carry_the_header_once_and_offsets_in_values() {
+        let h = PushHeader {
+            step: 3,
+            len: 5,
+            ..Default::default()
+        };
+        let bytes = crate::wire::f32_to_bytes(&[1.0, 2.0, 3.0, 4.0, 5.0]);
+        let msgs = push_chunks(h, &bytes, 8);
+        assert_eq!(msgs.len(), 3);
+        assert_eq!(msgs[0].header, Some(h));
+        assert!(msgs[1..].iter().all(|m| m.header.is_none()));
+        let offsets: Vec<u64> = msgs.iter().map(|m| m.offset).collect();
+        assert_eq!(offsets, [0, 2, 4]);
+        assert_eq!(msgs[2].data.len(), 4);
+        let alone = push_chunks(h, &Bytes::new(), 8);
+        assert_eq!(
+            alone.len(),
+            1,
+            "a header alone (shared memory) is one chunk"
+        );
+        assert!(alone[0].data.is_empty() && alone[0].header.is_some());
+    }
+
+    #[tokio::test]
+    async fn an_unreachable_shard_is_said_after_the_patience() {
+        // a port nobody listens on: bind, read the port, close
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let addr = format!("127.0.0.1:{port}");
+        let t0 = Instant::now();
+        let e = ShardClient::connect(
+            2,
+            &addr,
+            &ClientSecurity::default(),
+            Duration::from_millis(300),
+        )
+        .await
+        .unwrap_err();
+        assert!(
+            t0.elapsed() >= Duration::from_millis(300),
+            "retried until the patience ran out"
+        );
+        assert!(matches!(e, ClientError::Unreachable { .. }), "{e}");
+        assert!(
+            e.to_string()
+                .starts_with(&format!("cannot reach shard at {addr}")),
+            "{e}"
+        );
+        assert!(e.is_retryable());
+        let e = ShardClient::connect(0, "no port", &ClientSecurity::default(), Duration::ZERO)
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(e, ClientError::BadAddress(_)) && !e.is_retryable(),
+            "{e}"
+        );
+    }
+}
