@@ -1,18 +1,16 @@
 //! Everything ps-server and ps-worker agree on: the config file, the model's flat parameter
 //! layout and its split into shards, the initial weights, the data files and the data order,
 //! the optimizers, the wire format of tensors and the shared-memory boards, the shared token
-//! and TLS, the typed errors and their gRPC status codes, the loss-curve plot, and the helpers
-//! that start server and worker processes.
+//! and TLS, and the typed errors and their gRPC status codes. (The process launcher and the
+//! loss-curve plot live in the `ps-launch` crate.)
 
 pub mod auth;
 pub mod config;
 pub mod error;
 pub mod idx;
-pub mod launch;
 pub mod layout;
 pub mod optim;
 pub mod order;
-pub mod plot;
 pub mod shm;
 pub mod weights;
 pub mod wire;

@@ -2,10 +2,10 @@
 //! that says what was expected, leaves its state untouched, and still completes a correct step.
 
 use ps_common::PROTOCOL_VERSION;
-use ps_common::launch::{LocalCluster, bin_dir};
 use ps_common::pb::parameter_server_client::ParameterServerClient;
 use ps_common::pb::{PullRequest, PushChunk, PushHeader, PushReply, RegisterRequest};
 use ps_common::wire::{TensorReceiver, chunks, f32_to_bytes};
+use ps_launch::{LocalCluster, bin_dir};
 use ps_tests::Spec;
 use std::time::Duration;
 use tonic::Code;

@@ -4,7 +4,7 @@
 //! is refused with a message that says what was expected; `ps-launch --export` merges the
 //! shards into one PyTorch-named `model.safetensors` and draws `curves.svg`.
 
-use ps_common::launch::{LocalCluster, bin_dir};
+use ps_launch::{LocalCluster, bin_dir};
 use ps_tests::{Spec, Start, cluster_weights, run_cluster};
 use std::path::Path;
 use std::process::Command;

@@ -1,7 +1,7 @@
 //! No silent hang, no orphan: a barrier missing a rank says which one and then fails the run
 //! loudly; Ctrl-C on the launcher stops every server and worker it started.
 
-use ps_common::launch::{LocalCluster, bin_dir};
+use ps_launch::{LocalCluster, bin_dir};
 use ps_tests::{Spec, Start, run_cluster};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};

@@ -32,7 +32,12 @@ use bytes::Bytes;
 use clap::Parser;
 use ps_common::PROTOCOL_VERSION;
 use ps_common::config::{Config, LossReduction};
-use ps_common::launch::{LocalCluster, bin_dir};
+// the launcher moved to the ps-launch crate, which depends on ps-worker: until ps-bench has its
+// own crate (and depends on ps-launch), it compiles the launcher's module in
+#[allow(dead_code)]
+#[path = "../../../ps-launch/src/launch.rs"]
+mod launch;
+use launch::{LocalCluster, bin_dir};
 use ps_common::pb::parameter_server_client::ParameterServerClient;
 use ps_common::pb::{PullRequest, PushHeader, RegisterRequest};
 use ps_common::shm::{Board, BoardDir, grad_path};

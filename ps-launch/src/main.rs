@@ -8,7 +8,7 @@
 use anyhow::Context;
 use clap::Parser;
 use ps_common::config::Config;
-use ps_common::launch::{LocalCluster, bin_dir};
+use ps_launch::{LocalCluster, bin_dir};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -155,7 +155,7 @@ fn export(cfg: &Config, out_dir: &std::path::Path) -> anyhow::Result<()> {
     match std::fs::read_to_string(&metrics) {
         Ok(text) => {
             let title = format!("{}: {}", cfg.path.display(), layout.describe());
-            let svg = ps_common::plot::curves_svg(&text, &title)
+            let svg = ps_launch::plot::curves_svg(&text, &title)
                 .map_err(|e| anyhow::anyhow!("{}: {e}", metrics.display()))?;
             let plot = out_dir.join("curves.svg");
             std::fs::write(&plot, svg).with_context(|| plot.display().to_string())?;
