@@ -36,6 +36,10 @@ pub fn curves_svg(metrics: &str, title: &str) -> Result<String, String> {
         if let Some(a) = num("test_acc_before_step") {
             test.push((step, a));
         }
+        // the closing line: the final evaluation, after the last step
+        if let Some(a) = num("test_acc") {
+            test.push((step, a));
+        }
     }
     if loss.is_empty() {
         return Err(

@@ -69,6 +69,7 @@ const ENDLESS: u64 = 1_000_000;
 
 #[derive(Parser, Debug)]
 #[command(
+    name = "ps-bench",
     version,
     about = "Benchmark of the parameter server: aggregation, gRPC transfer, end-to-end steps, memory"
 )]
