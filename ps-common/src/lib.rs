@@ -1,7 +1,7 @@
 //! Everything ps-server and ps-worker agree on: the config file, the model's flat parameter
 //! layout and its split into shards, the initial weights, the data files and the data order,
 //! the optimizers, the wire format of tensors and the shared-memory boards, the shared token
-//! and TLS, and the typed errors and their gRPC status codes. (The process launcher and the
+//! and TLS (and connection errors in words, `neterr`), and the typed errors and their gRPC status codes. (The process launcher and the
 //! loss-curve plot live in the `ps-launch` crate.)
 
 pub mod auth;
@@ -9,6 +9,7 @@ pub mod config;
 pub mod error;
 pub mod idx;
 pub mod layout;
+pub mod neterr;
 pub mod optim;
 pub mod order;
 pub mod shm;

@@ -88,8 +88,9 @@ pub async fn connect(
                 delay = (delay * 2).min(Duration::from_secs(2));
             }
             Err(e) => bail!(
-                "cannot reach shard at {addr} after {:.0} s: {e}",
-                timeout.as_secs_f64()
+                "cannot reach shard at {addr} after {:.0} s: {}",
+                timeout.as_secs_f64(),
+                ps_common::neterr::explain(&e, security.uses_tls())
             ),
         }
     }
@@ -153,7 +154,10 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
                 Err(st) if retryable(&st) && begun.elapsed() < connect_timeout => {
                     tokio::time::sleep(Duration::from_millis(200)).await
                 }
-                Err(st) => bail!("shard {s} at {addr} refused registration: {}", st.message()),
+                Err(st) => bail!(
+                    "shard {s} at {addr} refused registration: {}",
+                    ps_common::neterr::explain(&st, security.uses_tls())
+                ),
             }
         };
         if reply.start != ranges[s].start as u64

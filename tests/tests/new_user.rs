@@ -219,3 +219,54 @@ fn a_shard_outside_loopback_without_a_token_warns() {
         );
     }
 }
+
+/// A worker without TLS against a TLS shard, and a TLS worker against a plain shard: the
+/// worker's error says "TLS expected", not only "h2 protocol error".
+#[test]
+fn a_tls_mismatch_says_tls_expected() {
+    let tls = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("data/tls");
+    let tls_lines = format!(
+        "tls_cert = {:?}\ntls_key = {:?}\ntls_ca = {:?}",
+        tls.join("shard.pem").display().to_string(),
+        tls.join("shard.key").display().to_string(),
+        tls.join("ca.pem").display().to_string(),
+    );
+    for (shard_tls, worker_tls) in [(true, false), (false, true)] {
+        let dir = tempfile::tempdir().unwrap();
+        let spec = |tls_on: bool| Spec {
+            shards: 1,
+            workers: 1,
+            cluster_extra: if tls_on {
+                tls_lines.clone()
+            } else {
+                String::new()
+            },
+            extra: "[worker]\nconnect_timeout_secs = 2".into(),
+            ..small()
+        };
+        let sdir = dir.path().join("shard");
+        let wdir = dir.path().join("worker");
+        std::fs::create_dir_all(&sdir).unwrap();
+        std::fs::create_dir_all(&wdir).unwrap();
+        let (spath, _) = spec(shard_tls).write(&sdir);
+        let (wpath, _) = spec(worker_tls).write(&wdir);
+        let mut cluster =
+            ps_launch::LocalCluster::new(bin_dir(), spath, Some(dir.path().join("logs")));
+        cluster
+            .start_servers(1, &[], Duration::from_secs(60))
+            .unwrap_or_else(|e| panic!("{e}"));
+        let out = Command::new(bin_dir().join("ps-worker"))
+            .arg("--config")
+            .arg(&wpath)
+            .args(["--rank", "0", "--servers", &cluster.addrs[0]])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "shard TLS {shard_tls}: {err}");
+        assert!(
+            err.contains("TLS expected"),
+            "shard TLS {shard_tls}, worker TLS {worker_tls}: {err}"
+        );
+        cluster.kill_all();
+    }
+}
