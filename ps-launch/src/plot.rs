@@ -245,6 +245,14 @@ mod tests {
             "loss and train accuracy"
         );
         assert_eq!(svg.matches("<circle").count(), 3, "three evaluations");
+        // shard 0's closing line: the final evaluation is one more point
+        let closing = "{\"step\": 3000, \"final\": true, \"test_acc\": 0.95}\n";
+        let with_final = curves_svg(&format!("{text}{closing}"), "a <run>").unwrap();
+        assert_eq!(
+            with_final.matches("<circle").count(),
+            4,
+            "and the final one"
+        );
         let points = svg
             .split("points=\"")
             .nth(1)
