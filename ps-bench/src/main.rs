@@ -34,10 +34,10 @@ use ps_common::PROTOCOL_VERSION;
 use ps_common::auth::ClientSecurity;
 use ps_common::client::{ShardClient, ShmLink};
 use ps_common::config::{Config, LossReduction};
-use ps_common::launch::{LocalCluster, bin_dir};
 use ps_common::pb::{PushHeader, RegisterRequest};
 use ps_common::shm::{Board, BoardDir, grad_path};
 use ps_common::wire::f32_to_bytes;
+use ps_launch::{LocalCluster, bin_dir};
 use ps_server::shard::{PushMeta, Shard};
 use ps_server::{ShardSetup, run_shard};
 use ps_worker::backend::Backend;
@@ -63,6 +63,8 @@ const ENDLESS: u64 = 1_000_000;
 
 #[derive(Parser, Debug)]
 #[command(
+    name = "ps-bench",
+    version,
     about = "Benchmark of the parameter server: aggregation, gRPC transfer, end-to-end steps, memory"
 )]
 struct Cli {

@@ -120,6 +120,11 @@ impl ClientSecurity {
         Self { token, tls }
     }
 
+    /// Whether connections use TLS.
+    pub fn uses_tls(&self) -> bool {
+        self.tls.is_some()
+    }
+
     /// The endpoint of the shard at `addr` (`host:port`): `https` with the CA and the name to
     /// check when TLS is on, `http` otherwise.
     pub fn endpoint(&self, addr: &str) -> Result<Endpoint, String> {

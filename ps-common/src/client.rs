@@ -137,6 +137,8 @@ pub struct ShardClient {
     shard: usize,
     addr: String,
     rpc: Client,
+    /// Whether this client speaks TLS (to word a TLS mismatch).
+    tls: bool,
 }
 
 impl std::fmt::Debug for ShardClient {
@@ -175,6 +177,7 @@ impl ShardClient {
                         shard,
                         addr: addr.to_string(),
                         rpc,
+                        tls: security.uses_tls(),
                     });
                 }
                 Err(e) if start.elapsed() < patience => {
@@ -182,7 +185,10 @@ impl ShardClient {
                     tokio::time::sleep(delay).await;
                     delay = (delay * 2).min(Duration::from_secs(2));
                 }
-                Err(e) => return Err(unreachable(e.to_string(), start)),
+                Err(e) => {
+                    let reason = crate::neterr::explain(&e, security.uses_tls());
+                    return Err(unreachable(reason, start));
+                }
             }
         }
     }
@@ -216,11 +222,16 @@ impl ShardClient {
             self.shard,
             format!("shard {} refused registration", self.shard),
         );
+        let tls = self.tls;
         self.rpc
             .register(req)
             .await
             .map(|r| r.into_inner())
-            .map_err(refused)
+            // A TLS mismatch shows up here as an h2 protocol error: say "TLS expected" instead.
+            .map_err(|st| {
+                let words = crate::neterr::explain(&st, tls);
+                refused(Status::new(st.code(), words))
+            })
     }
 
     /// Registers, trying again every 200 ms for up to `patience` while the refusal is

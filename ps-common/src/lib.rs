@@ -1,19 +1,19 @@
 //! Everything ps-server and ps-worker agree on: the config file, the model's flat parameter
 //! layout and its split into shards, the initial weights, the data files and the data order,
 //! the optimizers, the wire format of tensors and the shared-memory boards, the client of a
-//! shard (`client`), the shared token and TLS, the typed errors and their gRPC status codes,
-//! the loss-curve plot, and the helpers that start server and worker processes.
+//! shard (`client`), the shared token and TLS (and connection errors in words, `neterr`), and
+//! the typed errors and their gRPC status codes. (The process launcher and the loss-curve
+//! plot live in the `ps-launch` crate; the benchmarks in `ps-bench`.)
 
 pub mod auth;
 pub mod client;
 pub mod config;
 pub mod error;
 pub mod idx;
-pub mod launch;
 pub mod layout;
+pub mod neterr;
 pub mod optim;
 pub mod order;
-pub mod plot;
 pub mod shm;
 pub mod weights;
 pub mod wire;

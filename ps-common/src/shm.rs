@@ -16,8 +16,9 @@
 //!
 //! Every file starts with a header (magic, a random token exchanged on registration, the slot
 //! length), so that a process on another host, or one that finds a stale file, falls back to
-//! gRPC instead of reading the wrong memory. Directories carry the owner's pid; a new owner
-//! removes those whose process is gone.
+//! gRPC instead of reading the wrong memory. The owner of a directory holds a `flock` on its
+//! `owner.lock` while it lives; a new owner removes the directories whose lock is free (the pid
+//! in the name is for people: it means nothing in another PID namespace).
 
 use std::fs::{File, OpenOptions};
 use std::io;
@@ -319,12 +320,20 @@ impl Board {
     }
 }
 
-/// A directory of boards in `/dev/shm`, removed when dropped.
+/// A directory of boards in `/dev/shm`, removed when dropped. Its owner holds an exclusive
+/// `flock` on `<dir>/owner.lock` for as long as it lives: the kernel drops the lock when the
+/// process dies (however it dies), and a lock is seen from every PID namespace that shares the
+/// tmpfs (Docker `--ipc=host`), where the owner's pid is not.
 #[derive(Debug)]
 pub struct BoardDir {
     path: PathBuf,
     token: u64,
+    /// Holds the owner lock; closed (lock released) when dropped.
+    _lock: File,
 }
+
+/// The owner lock's name inside a board directory.
+const OWNER_LOCK: &str = "owner.lock";
 
 /// The tmpfs where boards live: `$PS_SHM_DIR` if set, else `/dev/shm`; None where it is not a
 /// directory (then only gRPC is offered).
@@ -335,17 +344,35 @@ pub fn shm_root() -> Option<PathBuf> {
 
 impl BoardDir {
     /// Creates `<root>/ps-<name>-pid<pid>-<token>` (`name` is e.g. `shard0` or `worker3`)
-    /// with a fresh random token, after removing the directories of processes that no longer
-    /// exist (killed ones).
+    /// with a fresh random token and takes its owner lock, after removing the directories whose
+    /// owner lock nobody holds (their owners died).
     pub fn create(root: &Path, name: &str) -> io::Result<Self> {
         remove_stale(root);
         let token = random_token();
         let path = root.join(format!("ps-{name}-pid{}-{token:016x}", std::process::id()));
+        let err =
+            |p: &Path, e: io::Error| io::Error::new(e.kind(), format!("{}: {e}", p.display()));
         std::fs::DirBuilder::new()
             .mode(0o700)
             .create(&path)
-            .map_err(|e| io::Error::new(e.kind(), format!("{}: {e}", path.display())))?;
-        Ok(Self { path, token })
+            .map_err(|e| err(&path, e))?;
+        // locked under a temporary name, then renamed: `owner.lock` exists only while locked,
+        // so another process's `remove_stale` never sees it free while its owner lives
+        let tmp = path.join("owner.lock.tmp");
+        let lock = OpenOptions::new()
+            .create(true)
+            .write(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(&tmp)
+            .map_err(|e| err(&tmp, e))?;
+        try_lock(&lock).map_err(|e| err(&tmp, e))?;
+        std::fs::rename(&tmp, path.join(OWNER_LOCK)).map_err(|e| err(&tmp, e))?;
+        Ok(Self {
+            path,
+            token,
+            _lock: lock,
+        })
     }
 
     /// The directory.
@@ -383,24 +410,57 @@ fn random_token() -> u64 {
     h.finish() | 1
 }
 
-/// Removes `ps-*-pid<P>-*` directories under `root` whose process `P` is gone.
-fn remove_stale(root: &Path) {
+/// Takes an exclusive `flock` on `f` without waiting; `WouldBlock` when another open file holds it.
+fn try_lock(f: &File) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: flock(2) on a file descriptor this `File` owns.
+    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+/// How old a board directory without an owner lock must be before it counts as abandoned:
+/// creating one takes microseconds; older ones are from a version without owner locks, or from
+/// an owner that died between `mkdir` and taking the lock.
+const UNLOCKED_GRACE: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// Removes the `ps-*-pid*` board directories under `root` whose owner lock nobody holds: the
+/// lock, not the pid in the name, decides, because a process in another PID namespace (a
+/// container sharing `/dev/shm`) cannot see the owner's pid but does see its lock.
+pub fn remove_stale(root: &Path) {
     let Ok(entries) = std::fs::read_dir(root) else {
         return;
     };
     for e in entries.flatten() {
         let name = e.file_name();
-        let Some(pid) = name
+        let ours = name
             .to_str()
-            .filter(|n| n.starts_with("ps-"))
-            .and_then(|n| n.split("-pid").nth(1))
-            .and_then(|rest| rest.split('-').next())
-            .and_then(|p| p.parse::<u32>().ok())
-        else {
+            .is_some_and(|n| n.starts_with("ps-") && n.contains("-pid"));
+        if !ours || !e.file_type().is_ok_and(|t| t.is_dir()) {
             continue;
-        };
-        if !Path::new(&format!("/proc/{pid}")).exists() {
-            let _ = std::fs::remove_dir_all(e.path());
+        }
+        let dir = e.path();
+        match File::open(dir.join(OWNER_LOCK)) {
+            // held while we hold it: its owner is gone and cannot come back
+            Ok(f) => {
+                if try_lock(&f).is_ok() {
+                    let _ = std::fs::remove_dir_all(&dir);
+                }
+            }
+            Err(err) if err.kind() == io::ErrorKind::NotFound => {
+                let old = e
+                    .metadata()
+                    .and_then(|m| m.modified())
+                    .ok()
+                    .and_then(|t| t.elapsed().ok())
+                    .is_some_and(|age| age > UNLOCKED_GRACE);
+                if old {
+                    let _ = std::fs::remove_dir_all(&dir);
+                }
+            }
+            Err(_) => {}
         }
     }
 }
@@ -456,11 +516,61 @@ mod tests {
         drop((w, r, g, g2, dir));
         assert!(!p.exists(), "the directory goes with its owner");
         // a directory of a process that no longer exists is removed by the next creation
+        // (an old one without an owner lock, after the grace period)
         let stale = root.join("ps-shard0-pid4294967294-00000000000000ff");
         std::fs::create_dir(&stale).unwrap();
         let d = BoardDir::create(&root, "worker0").unwrap();
+        assert!(
+            stale.exists(),
+            "a fresh directory without a lock may be being created"
+        );
+        let old = std::time::SystemTime::now() - 2 * UNLOCKED_GRACE;
+        File::open(&stale).unwrap().set_modified(old).unwrap();
+        remove_stale(&root);
         assert!(!stale.exists());
         drop(d);
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+
+    /// The owner lock decides, not the pid in the name: a directory named after a pid this
+    /// process cannot see (as from another PID namespace) survives while its lock is held by a
+    /// live process, and goes once that process has died.
+    #[test]
+    fn staleness_follows_the_owner_lock_across_pid_namespaces() {
+        let root = std::env::temp_dir().join(format!("ps-shm-lock-{}", std::process::id()));
+        std::fs::create_dir_all(&root).unwrap();
+        let foreign = root.join("ps-shard1-pid4294967293-00000000000000aa");
+        std::fs::create_dir(&foreign).unwrap();
+        std::fs::write(foreign.join("params"), b"board").unwrap();
+        let lock_path = foreign.join(OWNER_LOCK);
+        std::fs::write(&lock_path, b"").unwrap();
+        // a live owner in another process: flock(1) holds the lock while it sleeps
+        let mut owner = std::process::Command::new("flock")
+            .args(["-x", "-o"])
+            .arg(&lock_path)
+            .args(["sleep", "30"])
+            .spawn()
+            .expect("flock(1) from util-linux");
+        let held = std::time::Instant::now();
+        while try_lock(&File::open(&lock_path).unwrap()).is_ok() {
+            assert!(
+                held.elapsed().as_secs() < 10,
+                "flock(1) never took the lock"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        let mine = BoardDir::create(&root, "worker1").unwrap();
+        assert!(foreign.join("params").exists(), "live owner: kept");
+        remove_stale(&root);
+        assert!(foreign.exists(), "live owner: kept");
+        assert!(mine.path().exists(), "our own directory is locked by us");
+        // the owner dies: the kernel releases its lock, the next creation removes the directory
+        owner.kill().unwrap();
+        owner.wait().unwrap();
+        let other = BoardDir::create(&root, "worker2").unwrap();
+        assert!(!foreign.exists(), "dead owner: removed");
+        assert!(mine.path().exists() && other.path().exists());
+        drop((mine, other));
         std::fs::remove_dir_all(&root).unwrap();
     }
 }

@@ -297,6 +297,13 @@ async fn watch_run(cfg: &Config, svc: &ShardService) -> Outcome {
             shard.total_steps,
             100.0 * correct as f64 / count as f64
         );
+        let metrics = cfg.server.out_dir.join("metrics.jsonl");
+        if let Err(e) = report::append_final_eval(&metrics, shard.total_steps, correct, count) {
+            tracing::warn!(
+                "cannot append the final evaluation to {}: {e}",
+                metrics.display()
+            );
+        }
     } else if shard.index == 0 {
         tracing::info!("training finished: {} steps", shard.total_steps);
     }

@@ -92,9 +92,16 @@ async fn serve(cli: Cli) -> anyhow::Result<Outcome> {
     let listener = tokio::net::TcpListener::bind(&addr)
         .await
         .map_err(|e| anyhow::anyhow!("cannot listen on {addr}: {e}"))?;
+    let bound = listener.local_addr()?;
+    if !bound.ip().is_loopback() && setup.cfg.token.is_none() {
+        tracing::warn!(
+            "shard {} listens on {bound}, outside loopback, without a token: anyone who can reach this port can register, push gradients and read the weights; set [cluster] token_file (and TLS: tls_cert, tls_key, tls_ca)",
+            setup.index
+        );
+    }
     if let Some(f) = &cli.addr_file {
         let tmp = f.with_extension("tmp");
-        std::fs::write(&tmp, format!("{}\n", listener.local_addr()?))?;
+        std::fs::write(&tmp, format!("{bound}\n"))?;
         std::fs::rename(&tmp, f)?;
     }
     run_shard(setup, listener, ps_common::shutdown_signal()).await

@@ -285,3 +285,22 @@ async fn forward_to_shard0(cfg: ReporterConfig, mut rx: mpsc::UnboundedReceiver<
         }
     }
 }
+
+/// Appends shard 0's closing line to `metrics.jsonl`: the final test evaluation of the workers
+/// that left, `{"step": steps, "final": true, "test_acc": ..., "test_correct": ..., "test_count": ...}`.
+pub fn append_final_eval(
+    path: &std::path::Path,
+    steps: u64,
+    correct: u64,
+    count: u64,
+) -> std::io::Result<()> {
+    let line = json!({
+        "step": steps, "final": true, "test_acc": correct as f64 / count.max(1) as f64,
+        "test_correct": correct, "test_count": count,
+    });
+    let mut f = std::fs::OpenOptions::new()
+        .append(true)
+        .create(true)
+        .open(path)?;
+    writeln!(f, "{line}")
+}

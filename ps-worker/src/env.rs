@@ -3,6 +3,8 @@
 
 use std::collections::HashMap;
 
+const WORLD_FLAG: &str = "flags (--world-size)";
+
 /// A worker's place in the job and where it was read from.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Placement {
@@ -12,8 +14,11 @@ pub struct Placement {
     pub world: Option<usize>,
     /// Rank on this host (picks the GPU).
     pub local_rank: usize,
-    /// "flags", "torchrun (RANK/WORLD_SIZE/LOCAL_RANK)", ...
+    /// "flags", "torchrun (RANK/WORLD_SIZE/LOCAL_RANK)", ...: where the rank came from.
     pub source: &'static str,
+    /// Where the world size came from ("flags (--world-size)", "torchrun (WORLD_SIZE)", ...);
+    /// None when no source states one (then it is the config's `[cluster] workers`).
+    pub world_source: Option<&'static str>,
 }
 
 /// Resolves the placement from flags first, then `env` (pass `std::env::vars().collect()`).
@@ -38,29 +43,40 @@ pub fn resolve(
             world,
             local_rank: local_rank.unwrap_or(0),
             source: "flags (--rank)",
+            world_source: world.map(|_| WORLD_FLAG),
         });
     }
-    let sources: [(&str, &str, &str, &'static str); 2] = [
+    let sources: [(&str, &str, &str, &'static str, &'static str); 2] = [
         (
             "RANK",
             "WORLD_SIZE",
             "LOCAL_RANK",
             "torchrun (RANK/WORLD_SIZE/LOCAL_RANK)",
+            "torchrun (WORLD_SIZE)",
         ),
         (
             "SLURM_PROCID",
             "SLURM_NTASKS",
             "SLURM_LOCALID",
             "slurm (SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID)",
+            "slurm (SLURM_NTASKS)",
         ),
     ];
-    for (r, w, l, source) in sources {
+    for (r, w, l, source, world_env) in sources {
         if let Some(rank) = get(r)? {
+            let (world, world_source) = match world {
+                Some(n) => (Some(n), Some(WORLD_FLAG)),
+                None => {
+                    let n = get(w)?;
+                    (n, n.map(|_| world_env))
+                }
+            };
             return Ok(Placement {
                 rank,
-                world: world.or(get(w)?),
+                world,
                 local_rank: local_rank.or(get(l)?).unwrap_or(0),
                 source,
+                world_source,
             });
         }
     }
@@ -70,6 +86,7 @@ pub fn resolve(
             world,
             local_rank: local_rank.unwrap_or(0),
             source: "kubernetes (JOB_COMPLETION_INDEX)",
+            world_source: world.map(|_| WORLD_FLAG),
         });
     }
     Err("no rank: pass --rank R, or run under torchrun (RANK), Slurm (SLURM_PROCID) or a Kubernetes Indexed Job (JOB_COMPLETION_INDEX)".into())
@@ -97,6 +114,15 @@ mod tests {
         let p = resolve(None, None, None, &e).unwrap();
         assert_eq!((p.rank, p.world, p.local_rank), (3, Some(4), 1));
         assert!(p.source.starts_with("torchrun"));
+        assert_eq!(p.world_source, Some("torchrun (WORLD_SIZE)"));
+        // the world size's own source, not the rank's: --world-size with a rank from torchrun
+        let p = resolve(None, Some(6), None, &e).unwrap();
+        assert_eq!(p.world_source, Some("flags (--world-size)"));
+        assert!(p.source.starts_with("torchrun"));
+        let p = resolve(Some(1), None, None, &e).unwrap();
+        assert_eq!(p.world_source, None, "--rank alone states no world size");
+        let p = resolve(Some(1), Some(3), None, &e).unwrap();
+        assert_eq!(p.world_source, Some("flags (--world-size)"));
         let p = resolve(Some(2), Some(4), None, &e).unwrap();
         assert_eq!((p.rank, p.world, p.source), (2, Some(4), "flags (--rank)"));
         let p = resolve(

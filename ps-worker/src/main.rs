@@ -61,7 +61,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     if world != cfg.workers {
         anyhow::bail!(
             "world size {world} (from {}) differs from [cluster] workers = {} in {}",
-            place.source,
+            place.world_source.unwrap_or("the environment"),
             cfg.workers,
             cli.config.display()
         );
@@ -74,11 +74,12 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         );
     }
     tracing::info!(
-        "worker {}: rank {} of {world}, local rank {}, from {}",
+        "worker {}: rank {} of {world}, local rank {}, from {}; world size from {}",
         place.rank,
         place.rank,
         place.local_rank,
-        place.source
+        place.source,
+        place.world_source.unwrap_or("[cluster] workers")
     );
     let servers = cli.servers.unwrap_or_else(|| cfg.servers.clone());
     if servers.len() != cfg.num_shards() {

@@ -4,7 +4,7 @@
 
 use ps_common::config::Config;
 use ps_common::idx::{Dataset, Split, load_split};
-use ps_common::launch::{LocalCluster, bin_dir};
+use ps_launch::{LocalCluster, bin_dir};
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 use std::time::Duration;

@@ -4,9 +4,9 @@
 use ps_common::PROTOCOL_VERSION;
 use ps_common::auth::ClientSecurity;
 use ps_common::client::{ClientError, ShardClient};
-use ps_common::launch::{LocalCluster, bin_dir};
 use ps_common::pb::{PullRequest, PushHeader, PushReply, RegisterRequest};
 use ps_common::wire::{TensorReceiver, f32_to_bytes};
+use ps_launch::{LocalCluster, bin_dir};
 use ps_tests::Spec;
 use std::time::Duration;
 use tonic::Code;

@@ -4,7 +4,7 @@
 //! is refused with a message that says what was expected; `ps-launch --export` merges the
 //! shards into one PyTorch-named `model.safetensors` and draws `curves.svg`.
 
-use ps_common::launch::{LocalCluster, bin_dir};
+use ps_launch::{LocalCluster, bin_dir};
 use ps_tests::{Spec, Start, cluster_weights, run_cluster};
 use std::path::Path;
 use std::process::Command;
@@ -70,7 +70,10 @@ fn a_resumed_run_equals_an_uninterrupted_one_bit_for_bit() {
     );
     // the metrics file goes on: steps 1..12 of the first part, then 11..20
     let metrics = std::fs::read_to_string(cfg.server.out_dir.join("metrics.jsonl")).unwrap();
-    assert_eq!(metrics.lines().count(), 22, "{metrics}");
+    let step_lines = metrics.lines().filter(|l| !l.contains("\"final\"")).count();
+    assert_eq!(step_lines, 22, "{metrics}");
+    // and each part's closing line: shard 0's final evaluation
+    assert_eq!(metrics.lines().count(), 24, "{metrics}");
 
     // back to the checkpoints after 12 steps, but shard 1 lost its newest one: both shards
     // resume from 5, the newest version they share

@@ -207,10 +207,16 @@ fn converges_on_mnist_and_logs_metrics() {
 
     // one JSON line per step, losses falling, evaluations carried at steps 100 and 200
     let text = std::fs::read_to_string(cfg.server.out_dir.join("metrics.jsonl")).unwrap();
-    let lines: Vec<serde_json::Value> = text
+    // (the last line is shard 0's final evaluation)
+    let mut lines: Vec<serde_json::Value> = text
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
+    let last = lines.pop().unwrap();
+    assert_eq!(
+        (&last["final"], &last["step"]),
+        (&serde_json::json!(true), &serde_json::json!(300))
+    );
     assert_eq!(lines.len(), 300);
     assert_eq!(lines[299]["step"], 300);
     let mean_loss = |r: std::ops::Range<usize>| {

@@ -5,7 +5,7 @@
 //! Kubernetes or Docker is needed.
 
 use ps_common::config::Config;
-use ps_common::launch::bin_dir;
+use ps_launch::bin_dir;
 use serde_yaml::Value;
 use std::collections::{BTreeMap, BTreeSet};
 use std::os::unix::process::CommandExt;

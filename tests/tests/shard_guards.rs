@@ -4,11 +4,11 @@
 //! caught by the update that reads it: the step is not applied and the run stops loudly.
 
 use ps_common::PROTOCOL_VERSION;
-use ps_common::launch::{LocalCluster, bin_dir};
 use ps_common::pb::parameter_server_client::ParameterServerClient;
 use ps_common::pb::{PullRequest, PushChunk, PushHeader, PushReply, RegisterRequest};
 use ps_common::shm::{Board, BoardDir, grad_path, params_path, shm_root};
 use ps_common::wire::{TensorReceiver, chunks, f32_to_bytes};
+use ps_launch::{LocalCluster, bin_dir};
 use ps_tests::Spec;
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -57,7 +57,6 @@ async fn pull(c: &mut Client, version: u64) -> Result<(u64, Vec<f32>), tonic::St
     let mut s = c
         .pull(PullRequest {
             min_version: version,
-            rank: 0,
             shm: false,
             exact: false,
         })

@@ -53,6 +53,10 @@ fn parse_args() -> Result<Args, String> {
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
+        if flag == "-V" || flag == "--version" {
+            println!("gpu-bench {}", env!("CARGO_PKG_VERSION"));
+            std::process::exit(0);
+        }
         if flag == "-h" || flag == "--help" {
             return Err(USAGE.to_string());
         }

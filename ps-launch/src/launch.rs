@@ -393,3 +393,91 @@ fn unique() -> u64 {
     static N: AtomicU64 = AtomicU64::new(0);
     N.fetch_add(1, Ordering::Relaxed)
 }
+
+/// `p` with `.` and `dir/..` removed lexically (`deploy/../runs/mnist` becomes `runs/mnist`),
+/// for messages a person reads.
+pub fn tidy(p: &Path) -> PathBuf {
+    use std::path::Component;
+    let mut out: Vec<Component> = Vec::new();
+    for c in p.components() {
+        match c {
+            Component::CurDir => {}
+            Component::ParentDir => match out.last() {
+                Some(Component::Normal(_)) => {
+                    out.pop();
+                }
+                Some(Component::RootDir) => {}
+                _ => out.push(c),
+            },
+            _ => out.push(c),
+        }
+    }
+    if out.is_empty() {
+        return PathBuf::from(".");
+    }
+    out.iter().collect()
+}
+
+/// What a run writes into its output directory; a new run moves an earlier run's copies aside.
+pub const RUN_OUTPUTS: [&str; 5] = [
+    "model.safetensors",
+    "curves.svg",
+    "metrics.jsonl",
+    "logs",
+    "checkpoints",
+];
+
+/// Moves the outputs of an earlier run in `out_dir` (those of [`RUN_OUTPUTS`] and the shard
+/// files `shard-*.safetensors`) into a new `out_dir/previous-<unix seconds>/`, so the directory
+/// holds one run's story. Returns that directory, or None when there was nothing to move.
+pub fn move_previous_run(out_dir: &Path) -> std::io::Result<Option<PathBuf>> {
+    let Ok(entries) = std::fs::read_dir(out_dir) else {
+        return Ok(None);
+    };
+    let mut found = Vec::new();
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some(n) = name.to_str() else { continue };
+        let shard_file = n.starts_with("shard-") && n.ends_with(".safetensors");
+        if shard_file || RUN_OUTPUTS.contains(&n) {
+            found.push(e.path());
+        }
+    }
+    if found.is_empty() {
+        return Ok(None);
+    }
+    found.sort();
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let mut dest = out_dir.join(format!("previous-{secs}"));
+    let mut n = 1;
+    while dest.exists() {
+        n += 1;
+        dest = out_dir.join(format!("previous-{secs}-{n}"));
+    }
+    std::fs::create_dir(&dest)?;
+    for p in found {
+        if let Some(name) = p.file_name() {
+            std::fs::rename(&p, dest.join(name))?;
+        }
+    }
+    Ok(Some(dest))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tidy_removes_dot_and_dotdot() {
+        assert_eq!(
+            tidy(Path::new("deploy/../runs/mnist")),
+            Path::new("runs/mnist")
+        );
+        assert_eq!(tidy(Path::new("./a/./b/")), Path::new("a/b"));
+        assert_eq!(tidy(Path::new("/x/../y")), Path::new("/y"));
+        assert_eq!(tidy(Path::new("../up/z")), Path::new("../up/z"));
+        assert_eq!(tidy(Path::new("a/..")), Path::new("."));
+    }
+}

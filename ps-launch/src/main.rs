@@ -2,13 +2,16 @@
 //! processes on 127.0.0.1), shows the servers' convergence log, and stops everything at the end
 //! or on Ctrl-C. At the end it merges the shards' weights into `model.safetensors` (PyTorch
 //! names and shapes) and draws the loss and accuracy curves into `curves.svg`. `--resume` continues from the newest common checkpoint;
-//! `--check-reference` then runs the single-process reference and prints the largest relative
-//! weight difference; `--export` only merges the shards of a run that ran elsewhere.
+//! `--check-reference` then compares with the single-process reference (see [`check`]);
+//! `--export` only merges the shards of a run that ran elsewhere. The summary (where the
+//! weights, the curves and the reference result are) goes to stdout; logs go to stderr.
+
+mod check;
 
 use anyhow::Context;
 use clap::Parser;
 use ps_common::config::Config;
-use ps_common::launch::{LocalCluster, bin_dir};
+use ps_launch::launch::{LocalCluster, bin_dir, move_previous_run, tidy};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -50,6 +53,10 @@ struct Cli {
     export: bool,
 }
 
+/// How the model's inputs are made from image bytes (`ps_common::idx::Dataset::gather`), stored
+/// in `model.safetensors` so whoever loads the weights feeds them the same numbers.
+pub const INPUT_SCALING: &str = "x = pixel / 255 (uint8 image bytes to float32 in [0, 1], the image flattened row by row, no mean/std normalisation)";
+
 static INTERRUPTED: AtomicBool = AtomicBool::new(false);
 
 extern "C" fn on_signal(_: libc::c_int) {
@@ -77,12 +84,24 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     if let Some(d) = &cli.data_dir {
         cfg.data_dir = d.clone();
     }
-    let out_dir = cli
-        .out_dir
-        .clone()
-        .unwrap_or_else(|| cfg.server.out_dir.clone());
+    let out_dir = tidy(
+        &cli.out_dir
+            .clone()
+            .unwrap_or_else(|| cfg.server.out_dir.clone()),
+    );
     if cli.export {
         return export(&cfg, &out_dir);
+    }
+    // a new run's folder tells one story: the previous run's files move aside (not on --resume,
+    // which continues that run)
+    if !cli.resume
+        && let Some(prev) = move_previous_run(&out_dir).context("moving the previous run aside")?
+    {
+        println!(
+            "ps-launch: the previous run's files in {} moved to {}",
+            out_dir.display(),
+            prev.display()
+        );
     }
     let logs = out_dir.join("logs");
     let (s, w) = (cfg.num_shards(), cfg.workers);
@@ -109,25 +128,30 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         server_args.extend(["--metrics-listen".into(), "127.0.0.1:0".into()]);
     }
     cluster.start_servers(s, &server_args, Duration::from_secs(60))?;
+    eprintln!(
+        "ps-launch: the config's server addresses ({}) replaced by free ports on this machine: {}",
+        cfg.servers.join(", "),
+        cluster.addrs.join(", ")
+    );
     for r in 0..w {
         cluster.start_worker(r, w, &worker_args)?;
     }
     cluster.wait(Duration::from_secs(cli.timeout_secs), &|| {
         INTERRUPTED.load(Ordering::SeqCst)
     })?;
-    eprintln!(
-        "ps-launch: cluster finished in {:.1} s; weights in {}",
+    println!(
+        "ps-launch: cluster finished in {:.1} s; outputs in {}",
         started.elapsed().as_secs_f64(),
         out_dir.display()
     );
     export(&cfg, &out_dir)?;
     if cli.check_reference {
-        let (diff, tensor) = ps_worker::reference::compare_with_reference(&cfg, &out_dir)
+        let report = check::check_reference(&cfg, &cli.config, &out_dir, cli.data_dir.as_deref())
             .context("reference check")?;
-        eprintln!(
-            "ps-launch: {}; largest relative weight difference to the single-process run: {diff:.3e} (in {tensor})",
-            cfg.equivalence()
-        );
+        print!("{report}");
+        if !report.agrees() {
+            anyhow::bail!("the cluster run does not agree with the single-process reference");
+        }
     }
     Ok(())
 }
@@ -143,11 +167,12 @@ fn export(cfg: &Config, out_dir: &std::path::Path) -> anyhow::Result<()> {
     let meta = [
         ("version".to_string(), version.to_string()),
         ("model".to_string(), layout.describe()),
+        ("input_scaling".to_string(), INPUT_SCALING.to_string()),
     ]
     .into();
     ps_common::weights::write_model(&path, &layout, &flat, &meta)?;
-    eprintln!(
-        "ps-launch: {} at version {version} written to {}",
+    println!(
+        "ps-launch: weights ({}, version {version}) in {}",
         layout.describe(),
         path.display()
     );
@@ -155,11 +180,11 @@ fn export(cfg: &Config, out_dir: &std::path::Path) -> anyhow::Result<()> {
     match std::fs::read_to_string(&metrics) {
         Ok(text) => {
             let title = format!("{}: {}", cfg.path.display(), layout.describe());
-            let svg = ps_common::plot::curves_svg(&text, &title)
+            let svg = ps_launch::plot::curves_svg(&text, &title)
                 .map_err(|e| anyhow::anyhow!("{}: {e}", metrics.display()))?;
             let plot = out_dir.join("curves.svg");
             std::fs::write(&plot, svg).with_context(|| plot.display().to_string())?;
-            eprintln!("ps-launch: loss and accuracy curves in {}", plot.display());
+            println!("ps-launch: loss and accuracy curves in {}", plot.display());
         }
         Err(e) => eprintln!(
             "ps-launch: no curves: cannot read {} ({e})",

@@ -36,6 +36,10 @@ pub fn curves_svg(metrics: &str, title: &str) -> Result<String, String> {
         if let Some(a) = num("test_acc_before_step") {
             test.push((step, a));
         }
+        // the closing line: the final evaluation, after the last step
+        if let Some(a) = num("test_acc") {
+            test.push((step, a));
+        }
     }
     if loss.is_empty() {
         return Err(
@@ -241,6 +245,14 @@ mod tests {
             "loss and train accuracy"
         );
         assert_eq!(svg.matches("<circle").count(), 3, "three evaluations");
+        // shard 0's closing line: the final evaluation is one more point
+        let closing = "{\"step\": 3000, \"final\": true, \"test_acc\": 0.95}\n";
+        let with_final = curves_svg(&format!("{text}{closing}"), "a <run>").unwrap();
+        assert_eq!(
+            with_final.matches("<circle").count(),
+            4,
+            "and the final one"
+        );
         let points = svg
             .split("points=\"")
             .nth(1)

@@ -1,0 +1,272 @@
+//! What a new user meets (issue 17): ps-launch's summary on stdout, tidy paths, the note on
+//! replaced ports, a previous run moved aside, the final evaluation in metrics.jsonl, the input
+//! scaling in model.safetensors, `--check-reference`'s report and verdict, `--version` on every
+//! binary, the world size's source in errors, and the shard's warning without a token.
+
+use ps_launch::bin_dir;
+use ps_tests::Spec;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn small() -> Spec {
+    Spec {
+        shards: 2,
+        workers: 2,
+        steps: 12,
+        ..Spec::default()
+    }
+}
+
+fn launch(config: &std::path::Path, out_dir: &str) -> (String, String) {
+    let out = Command::new(bin_dir().join("ps-launch"))
+        .arg("--config")
+        .arg(config)
+        .args(["--out-dir", out_dir, "--check-reference"])
+        .output()
+        .expect("ps-launch runs");
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout).to_string(),
+        String::from_utf8_lossy(&out.stderr).to_string(),
+    );
+    assert!(
+        out.status.success(),
+        "ps-launch failed:\n{stdout}\n{stderr}"
+    );
+    (stdout, stderr)
+}
+
+#[test]
+fn a_launch_reads_right_and_a_second_one_moves_the_first_aside() {
+    let dir = tempfile::tempdir().unwrap();
+    let (path, _cfg) = small().write(dir.path());
+    let out = dir.path().join("out");
+    // an untidy path, as `deploy/../runs/mnist` would be
+    let untidy = format!("{}/sub/../out", dir.path().display());
+    let (stdout, stderr) = launch(&path, &untidy);
+    let tidy = out.display().to_string();
+    // the summary on stdout, with tidy paths; the logs on stderr
+    assert!(stdout.contains("ps-launch: weights ("), "{stdout}");
+    assert!(
+        stdout.contains(&format!("in {tidy}/model.safetensors")),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains(&format!("curves in {tidy}/curves.svg")),
+        "{stdout}"
+    );
+    assert!(!stdout.contains("/../"), "{stdout}");
+    assert!(
+        !stdout.contains(" INFO "),
+        "no log lines on stdout: {stdout}"
+    );
+    assert!(stderr.contains("INFO"), "logs on stderr: {stderr}");
+    assert!(
+        stderr.contains("replaced by free ports on this machine: 127.0.0.1:"),
+        "{stderr}"
+    );
+    // the reference check: both comparisons, side by side, a verdict
+    assert!(stdout.contains("after 1 step(s):"), "{stdout}");
+    let early: f64 = stdout
+        .lines()
+        .find(|l| l.contains("after 1 step(s):"))
+        .and_then(|l| l.split("difference ").nth(1))
+        .and_then(|r| r.split(' ').next())
+        .and_then(|x| x.parse().ok())
+        .unwrap_or_else(|| panic!("early difference in {stdout}"));
+    assert!(early < 1e-5, "early-step difference {early}");
+    assert!(stdout.contains("after 12 steps:"), "{stdout}");
+    assert!(stdout.contains("final loss"), "{stdout}");
+    assert!(stdout.contains("test accuracy"), "{stdout}");
+    assert!(stdout.contains("why they drift"), "{stdout}");
+    assert!(stdout.contains("verdict: the runs agree"), "{stdout}");
+    // metrics.jsonl ends with the final evaluation, equal to what the shard logged
+    let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    let last: serde_json::Value = serde_json::from_str(metrics.lines().last().unwrap()).unwrap();
+    assert_eq!(last["final"], true, "{last}");
+    assert_eq!(last["step"], 12);
+    assert_eq!(last["test_count"], 10000);
+    let acc = last["test_acc"].as_f64().unwrap();
+    assert!(acc > 0.5 && acc <= 1.0, "{acc}");
+    let logged = format!("final test accuracy {:.2}%", acc * 100.0);
+    assert!(stderr.contains(&logged), "{logged} in the log");
+    // the model file states the input scaling
+    let bytes = std::fs::read(out.join("model.safetensors")).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let scaling = header["__metadata__"]["input_scaling"].as_str().unwrap();
+    assert!(scaling.contains("pixel / 255"), "{scaling}");
+    // a second run in the same folder: the first run's files move aside, said on stdout
+    let (stdout2, _) = launch(&path, &tidy);
+    let prev = std::fs::read_dir(&out)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| {
+            p.file_name()
+                .is_some_and(|n| n.to_string_lossy().starts_with("previous-"))
+        })
+        .expect("a previous-* folder");
+    assert!(
+        stdout2.contains(&format!("moved to {}", prev.display())),
+        "{stdout2}"
+    );
+    for f in [
+        "model.safetensors",
+        "curves.svg",
+        "metrics.jsonl",
+        "shard-0.safetensors",
+        "shard-1.safetensors",
+    ] {
+        assert!(prev.join(f).exists(), "{f} moved aside");
+        assert!(out.join(f).exists(), "{f} of the new run");
+    }
+    let new_metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    assert_eq!(
+        new_metrics
+            .lines()
+            .filter(|l| l.contains("\"final\""))
+            .count(),
+        1,
+        "one run's story"
+    );
+}
+
+#[test]
+fn every_binary_answers_version() {
+    for bin in [
+        "ps-server",
+        "ps-worker",
+        "ps-launch",
+        "ps-bench",
+        "gpu-bench",
+    ] {
+        let out = Command::new(bin_dir().join(bin))
+            .arg("--version")
+            .output()
+            .unwrap_or_else(|e| panic!("{bin}: {e}"));
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{bin} --version");
+        assert_eq!(
+            text.trim(),
+            format!("{bin} {}", env!("CARGO_PKG_VERSION")),
+            "{bin}"
+        );
+    }
+}
+
+#[test]
+fn a_world_size_error_names_its_own_source() {
+    let dir = tempfile::tempdir().unwrap();
+    let (path, _) = small().write(dir.path());
+    let out = Command::new(bin_dir().join("ps-worker"))
+        .arg("--config")
+        .arg(&path)
+        .args(["--rank", "0", "--world-size", "3"])
+        .env_remove("RANK")
+        .env_remove("WORLD_SIZE")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("world size 3 (from flags (--world-size)) differs from [cluster] workers = 2"),
+        "{err}"
+    );
+    // a rank from torchrun's environment and the world size from it too
+    let out = Command::new(bin_dir().join("ps-worker"))
+        .arg("--config")
+        .arg(&path)
+        .env("RANK", "0")
+        .env("WORLD_SIZE", "5")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("world size 5 (from torchrun (WORLD_SIZE))"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_shard_outside_loopback_without_a_token_warns() {
+    let dir = tempfile::tempdir().unwrap();
+    let (path, _) = small().write(dir.path());
+    for (listen, warns) in [("0.0.0.0:0", true), ("127.0.0.1:0", false)] {
+        let addr = dir.path().join("addr");
+        let _ = std::fs::remove_file(&addr);
+        let log = dir.path().join("shard.log");
+        let mut shard = Command::new(bin_dir().join("ps-server"))
+            .arg("--config")
+            .arg(&path)
+            .args(["--shard", "0", "--listen", listen, "--addr-file"])
+            .arg(&addr)
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap();
+        let start = Instant::now();
+        while !addr.exists() {
+            assert!(start.elapsed() < Duration::from_secs(30), "shard listens");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        shard.kill().unwrap();
+        shard.wait().unwrap();
+        let text = std::fs::read_to_string(&log).unwrap();
+        assert_eq!(
+            text.contains("outside loopback, without a token"),
+            warns,
+            "{listen}: {text}"
+        );
+    }
+}
+
+/// A worker without TLS against a TLS shard, and a TLS worker against a plain shard: the
+/// worker's error says "TLS expected", not only "h2 protocol error".
+#[test]
+fn a_tls_mismatch_says_tls_expected() {
+    let tls = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("data/tls");
+    let tls_lines = format!(
+        "tls_cert = {:?}\ntls_key = {:?}\ntls_ca = {:?}",
+        tls.join("shard.pem").display().to_string(),
+        tls.join("shard.key").display().to_string(),
+        tls.join("ca.pem").display().to_string(),
+    );
+    for (shard_tls, worker_tls) in [(true, false), (false, true)] {
+        let dir = tempfile::tempdir().unwrap();
+        let spec = |tls_on: bool| Spec {
+            shards: 1,
+            workers: 1,
+            cluster_extra: if tls_on {
+                tls_lines.clone()
+            } else {
+                String::new()
+            },
+            extra: "[worker]\nconnect_timeout_secs = 2".into(),
+            ..small()
+        };
+        let sdir = dir.path().join("shard");
+        let wdir = dir.path().join("worker");
+        std::fs::create_dir_all(&sdir).unwrap();
+        std::fs::create_dir_all(&wdir).unwrap();
+        let (spath, _) = spec(shard_tls).write(&sdir);
+        let (wpath, _) = spec(worker_tls).write(&wdir);
+        let mut cluster =
+            ps_launch::LocalCluster::new(bin_dir(), spath, Some(dir.path().join("logs")));
+        cluster
+            .start_servers(1, &[], Duration::from_secs(60))
+            .unwrap_or_else(|e| panic!("{e}"));
+        let out = Command::new(bin_dir().join("ps-worker"))
+            .arg("--config")
+            .arg(&wpath)
+            .args(["--rank", "0", "--servers", &cluster.addrs[0]])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "shard TLS {shard_tls}: {err}");
+        assert!(
+            err.contains("TLS expected"),
+            "shard TLS {shard_tls}, worker TLS {worker_tls}: {err}"
+        );
+        cluster.kill_all();
+    }
+}
