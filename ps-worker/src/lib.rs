@@ -4,6 +4,8 @@
 //! distributed run equals one process.
 
 pub mod backend;
+pub mod model;
+pub mod ops;
 pub mod cpu;
 pub mod cuda;
 pub mod device;
