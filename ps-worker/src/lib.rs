@@ -4,12 +4,12 @@
 //! distributed run equals one process.
 
 pub mod backend;
-pub mod model;
-pub mod ops;
 pub mod cpu;
 pub mod cuda;
 pub mod device;
 pub mod env;
+pub mod model;
+pub mod ops;
 pub mod reference;
 pub mod worker;
 

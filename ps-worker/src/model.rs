@@ -125,8 +125,11 @@ impl<D: Device> Mlp<D> {
             };
             let w = Mat::new(D::view(&self.weights, wr), fan_out, fan_in).t();
             let z = &mut rest[0];
-            self.dev
-                .gemm(Mat::new(input, n, fan_in), w, D::view_mut(z, 0..n * fan_out))?;
+            self.dev.gemm(
+                Mat::new(input, n, fan_in),
+                w,
+                D::view_mut(z, 0..n * fan_out),
+            )?;
             self.dev.bias_act(
                 D::view_mut(z, 0..n * fan_out),
                 D::view(&self.weights, br),
@@ -272,7 +275,9 @@ impl<D: Device> Backend for Mlp<D> {
             }
             Some(mut buf) => {
                 let result = self
-                    .backward(n, D::view_mut(&mut buf, 0..num_params), &mut |_, _, _| Ok(()))
+                    .backward(n, D::view_mut(&mut buf, 0..num_params), &mut |_, _, _| {
+                        Ok(())
+                    })
                     .and_then(|()| self.dev.download(D::view(&buf, 0..num_params), grad));
                 self.grad = Some(buf);
                 result?;
