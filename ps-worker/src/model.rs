@@ -147,7 +147,7 @@ impl<D: Device> Mlp<D> {
         &mut self,
         n: usize,
         mut grad: D::ViewMut<'_>,
-        ready: &mut dyn FnMut(&mut D, usize, &mut D::ViewMut<'_>) -> BackendResult<()>,
+        ready: &mut dyn FnMut(&D, usize, &D::ViewMut<'_>),
     ) -> BackendResult<()> {
         let dims = &self.layout.dims;
         let layers = self.layout.num_layers();
@@ -180,7 +180,7 @@ impl<D: Device> Mlp<D> {
             };
             self.dev
                 .bias_grad(dz, n, fan_out, D::sub_mut(&mut grad, br))?;
-            ready(&mut self.dev, start, &mut grad)?;
+            ready(&self.dev, start, &grad);
             if l > 0 {
                 let dz = if l + 1 == layers {
                     D::view(&self.acts[l], 0..n * fan_out)
@@ -270,14 +270,11 @@ impl<D: Device> Backend for Mlp<D> {
                 self.backward(n, view, &mut |_, start, g| {
                     let g = D::host_of(g).expect("host view");
                     ready(start, &g[start..], stats);
-                    Ok(())
                 })?;
             }
             Some(mut buf) => {
                 let result = self
-                    .backward(n, D::view_mut(&mut buf, 0..num_params), &mut |_, _, _| {
-                        Ok(())
-                    })
+                    .backward(n, D::view_mut(&mut buf, 0..num_params), &mut |_, _, _| {})
                     .and_then(|()| self.dev.download(D::view(&buf, 0..num_params), grad));
                 self.grad = Some(buf);
                 result?;
