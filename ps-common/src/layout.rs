@@ -1,21 +1,54 @@
-//! The model as a list of named tensors in PyTorch `state_dict` order, flattened into one
-//! `f32` vector; the split of that vector into shards; and the initial weights, a pure
-//! function of the seed and the flat index so every shard initialises its own range.
+//! The model as a list of named tensor specs in PyTorch `state_dict` order, flattened into one
+//! `f32` vector ([`ModelSpec`]); the split of that vector into shards; and the initial weights,
+//! a pure function of the seed and the flat index so every shard initialises its own range.
+//! [`MlpLayout`] is the built-in MLP: its widths plus the [`ModelSpec`] it produces.
 
-use std::ops::Range;
+use std::ops::{Deref, Range};
+
+/// How a tensor's initial values are made. Every random draw is keyed by `(seed, flat index)`,
+/// so any range of the flat vector can be initialised alone (each shard does its own).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Init {
+    /// All zeros.
+    Zeros,
+    /// PyTorch's default `nn.Linear` init for weights and biases: U(-1/sqrt(fan_in),
+    /// 1/sqrt(fan_in)).
+    LinearUniform {
+        /// Inputs of the layer the tensor belongs to.
+        fan_in: usize,
+    },
+}
+
+impl Init {
+    /// Value of flat element `index` under `seed`.
+    pub fn value(&self, seed: u64, index: usize) -> f32 {
+        match self {
+            Init::Zeros => 0.0,
+            Init::LinearUniform { fan_in } => {
+                let bound = 1.0 / (*fan_in as f64).sqrt();
+                ((2.0 * unit_f64(seed, index as u64) - 1.0) * bound) as f32
+            }
+        }
+    }
+}
 
 /// One named tensor of the flat parameter vector.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Tensor {
+pub struct TensorSpec {
     /// PyTorch name, e.g. `fc1.weight`.
     pub name: String,
-    /// PyTorch shape: `[out, in]` for a weight, `[out]` for a bias.
+    /// PyTorch shape: `[out, in]` for a linear weight, `[out]` for a bias.
     pub shape: Vec<usize>,
     /// Offset of the first element in the flat vector.
     pub offset: usize,
+    /// Its initial values.
+    pub init: Init,
 }
 
-impl Tensor {
+/// The former name of [`TensorSpec`].
+pub type Tensor = TensorSpec;
+
+impl TensorSpec {
     /// Number of elements.
     pub fn numel(&self) -> usize {
         self.shape.iter().product()
@@ -26,14 +59,78 @@ impl Tensor {
     }
 }
 
+/// A model's parameters: named tensors laid end to end, in order, in one flat `f32` vector.
+/// Weights files, shard initialisation, checkpoints, export and the reference run all read it.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct ModelSpec {
+    /// The tensors in flat order; each starts where the previous one ends.
+    pub tensors: Vec<TensorSpec>,
+}
+
+impl ModelSpec {
+    /// The spec of `(name, shape, init)` tensors laid out in the given order.
+    pub fn new(tensors: impl IntoIterator<Item = (String, Vec<usize>, Init)>) -> Self {
+        let mut offset = 0;
+        let tensors = tensors
+            .into_iter()
+            .map(|(name, shape, init)| {
+                let t = TensorSpec {
+                    name,
+                    shape,
+                    offset,
+                    init,
+                };
+                offset += t.numel();
+                t
+            })
+            .collect();
+        Self { tensors }
+    }
+
+    /// Total parameter count.
+    pub fn num_params(&self) -> usize {
+        self.tensors.last().map_or(0, |t| t.offset + t.numel())
+    }
+
+    /// The tensor called `name`.
+    pub fn tensor(&self, name: &str) -> Option<&TensorSpec> {
+        self.tensors.iter().find(|t| t.name == name)
+    }
+
+    /// The flat ranges of `num_shards` shards (see [`shard_ranges`]).
+    pub fn shard_ranges(&self, num_shards: usize) -> Vec<Range<usize>> {
+        shard_ranges(self.num_params(), num_shards)
+    }
+
+    /// Initial value of every parameter in `range`, each tensor by its [`Init`].
+    pub fn init_range(&self, seed: u64, range: Range<usize>) -> Vec<f32> {
+        let mut out = Vec::with_capacity(range.len());
+        for t in &self.tensors {
+            let r = t.range();
+            let (lo, hi) = (r.start.max(range.start), r.end.min(range.end));
+            out.extend((lo..hi).map(|i| t.init.value(seed, i)));
+        }
+        out
+    }
+}
+
 /// A multi-layer perceptron `dims[0] -> dims[1] -> ... -> dims[n]` with ReLU between layers,
 /// laid out as PyTorch's `nn.Sequential` of `nn.Linear` would name it (`fc1`, `fc2`, ...).
+/// Dereferences to its [`ModelSpec`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MlpLayout {
     /// Layer widths, input first, classes last.
     pub dims: Vec<usize>,
-    /// `fc{i}.weight`, `fc{i}.bias` for each layer in order.
-    pub tensors: Vec<Tensor>,
+    /// `fc{i}.weight` `[out, in]`, `fc{i}.bias` `[out]` for each layer in order, both with
+    /// PyTorch's `nn.Linear` init.
+    pub spec: ModelSpec,
+}
+
+impl Deref for MlpLayout {
+    type Target = ModelSpec;
+    fn deref(&self) -> &ModelSpec {
+        &self.spec
+    }
 }
 
 impl MlpLayout {
@@ -43,34 +140,27 @@ impl MlpLayout {
             dims.len() >= 2,
             "an MLP needs at least an input and an output width"
         );
-        let mut tensors = Vec::with_capacity(2 * (dims.len() - 1));
-        let mut offset = 0;
-        for (i, w) in dims.windows(2).enumerate() {
+        let spec = ModelSpec::new(dims.windows(2).enumerate().flat_map(|(i, w)| {
             let (fan_in, fan_out) = (w[0], w[1]);
-            for (suffix, shape) in [("weight", vec![fan_out, fan_in]), ("bias", vec![fan_out])] {
-                let t = Tensor {
-                    name: format!("fc{}.{suffix}", i + 1),
-                    shape,
-                    offset,
-                };
-                offset += t.numel();
-                tensors.push(t);
-            }
-        }
+            let init = Init::LinearUniform { fan_in };
+            [
+                (
+                    format!("fc{}.weight", i + 1),
+                    vec![fan_out, fan_in],
+                    init.clone(),
+                ),
+                (format!("fc{}.bias", i + 1), vec![fan_out], init),
+            ]
+        }));
         Self {
             dims: dims.to_vec(),
-            tensors,
+            spec,
         }
     }
 
     /// Number of linear layers.
     pub fn num_layers(&self) -> usize {
         self.dims.len() - 1
-    }
-
-    /// Total parameter count.
-    pub fn num_params(&self) -> usize {
-        self.tensors.last().map_or(0, |t| t.offset + t.numel())
     }
 
     /// Ranges of the weight and the bias of layer `l` (0-based).
@@ -86,24 +176,6 @@ impl MlpLayout {
             dims.join("-"),
             group_thousands(self.num_params())
         )
-    }
-
-    /// Initial value of every parameter in `range`: PyTorch's default `nn.Linear` init
-    /// distribution, U(-1/sqrt(fan_in), 1/sqrt(fan_in)) for weights and biases, drawn from a
-    /// counter-based generator keyed by `(seed, flat index)`.
-    pub fn init_range(&self, seed: u64, range: Range<usize>) -> Vec<f32> {
-        let mut out = Vec::with_capacity(range.len());
-        for (t, fan_in) in self
-            .tensors
-            .iter()
-            .zip(self.dims.iter().flat_map(|&d| [d, d]))
-        {
-            let r = t.range();
-            let (lo, hi) = (r.start.max(range.start), r.end.min(range.end));
-            let bound = 1.0 / (fan_in as f64).sqrt();
-            out.extend((lo..hi).map(|i| ((2.0 * unit_f64(seed, i as u64) - 1.0) * bound) as f32));
-        }
-        out
     }
 }
 
@@ -185,6 +257,28 @@ mod tests {
     }
 
     #[test]
+    fn a_spec_lays_tensors_end_to_end() {
+        let s = ModelSpec::new([
+            (
+                "a".to_string(),
+                vec![2, 3],
+                Init::LinearUniform { fan_in: 3 },
+            ),
+            ("b".to_string(), vec![4], Init::Zeros),
+        ]);
+        assert_eq!(s.num_params(), 10);
+        assert_eq!(s.tensor("b").unwrap().range(), 6..10);
+        assert!(s.tensor("c").is_none());
+        let v = s.init_range(1, 4..10);
+        assert_eq!(v.len(), 6);
+        assert!(v[2..].iter().all(|&x| x == 0.0) && v[..2].iter().all(|&x| x != 0.0));
+        assert_eq!(s.shard_ranges(3), [0..4, 4..7, 7..10]);
+        let m = MlpLayout::new(&[3, 2]);
+        assert_eq!(m.tensors[0].init, Init::LinearUniform { fan_in: 3 });
+        assert_eq!(m.spec.tensors[1].name, "fc1.bias");
+    }
+
+    #[test]
     fn shards_cover_everything_evenly() {
         let r = shard_ranges(10, 3);
         assert_eq!(r, [0..4, 4..7, 7..10]);
@@ -210,6 +304,12 @@ mod tests {
             "layer 2 uses its own, wider bound"
         );
         assert_ne!(all, m.init_range(8, 0..m.num_params()));
+        // the values of the original formula, bit for bit
+        for (i, v) in all.iter().enumerate() {
+            let fan_in = if i < 16 * 8 + 8 { 16.0f64 } else { 8.0 };
+            let old = ((2.0 * unit_f64(7, i as u64) - 1.0) * (1.0 / fan_in.sqrt())) as f32;
+            assert_eq!(v.to_bits(), old.to_bits(), "index {i}");
+        }
         let mean = all.iter().sum::<f32>() / all.len() as f32;
         assert!(mean.abs() < 0.05, "mean {mean}");
     }

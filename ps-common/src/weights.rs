@@ -4,7 +4,7 @@
 //! with its start and end in the metadata. Also the weight comparison the tests and the
 //! reference command use.
 
-use crate::layout::MlpLayout;
+use crate::layout::ModelSpec;
 use serde_json::{Map, Value, json};
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -240,11 +240,11 @@ pub fn read_shards(
 /// Writes a whole model with PyTorch names and shapes.
 pub fn write_model(
     path: &Path,
-    layout: &MlpLayout,
+    spec: &ModelSpec,
     flat: &[f32],
     meta: &BTreeMap<String, String>,
 ) -> Result<(), WeightsError> {
-    let tensors: Vec<(&str, &[usize], &[f32])> = layout
+    let tensors: Vec<(&str, &[usize], &[f32])> = spec
         .tensors
         .iter()
         .map(|t| (t.name.as_str(), t.shape.as_slice(), &flat[t.range()]))
@@ -253,7 +253,7 @@ pub fn write_model(
 }
 
 /// Reads a whole model written by [`write_model`] (or PyTorch) into the flat layout.
-pub fn read_model(path: &Path, layout: &MlpLayout) -> Result<Vec<f32>, WeightsError> {
+pub fn read_model(path: &Path, layout: &ModelSpec) -> Result<Vec<f32>, WeightsError> {
     let (tensors, _) = read_safetensors(path)?;
     let mut flat = vec![0f32; layout.num_params()];
     for t in &layout.tensors {
@@ -278,7 +278,7 @@ pub fn read_model(path: &Path, layout: &MlpLayout) -> Result<Vec<f32>, WeightsEr
 /// The largest relative difference between two weight vectors, per tensor:
 /// `max_i |a_i - b_i| / max_i |b_i|` (the largest deviation relative to the tensor's largest
 /// weight), and the tensor where it occurs.
-pub fn max_rel_diff(layout: &MlpLayout, a: &[f32], b: &[f32]) -> (f64, String) {
+pub fn max_rel_diff(layout: &ModelSpec, a: &[f32], b: &[f32]) -> (f64, String) {
     let mut worst = (0.0f64, String::new());
     for t in &layout.tensors {
         let r = t.range();
@@ -299,7 +299,7 @@ pub fn max_rel_diff(layout: &MlpLayout, a: &[f32], b: &[f32]) -> (f64, String) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::layout::shard_ranges;
+    use crate::layout::{MlpLayout, shard_ranges};
 
     #[test]
     fn model_and_shards_roundtrip() {

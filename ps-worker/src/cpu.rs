@@ -1,219 +1,225 @@
-//! The CPU backend: ndarray matrix products (matrixmultiply, threaded) over views of the flat
-//! parameter vector, so weights and gradients are never copied into separate tensors.
+//! The CPU device: ndarray matrix products (matrixmultiply, threaded) over slices of host
+//! memory, so the model's weights and gradients are ranges of the flat vectors themselves,
+//! never copied into separate tensors. [`CpuBackend`] is the MLP on it.
 
-use crate::backend::{Backend, BackendResult, StepStats, check_shapes};
+use crate::backend::{BackendError, BackendResult, StepStats};
+use crate::model::Mlp;
+use crate::ops::{Device, Mat};
 use ndarray::linalg::general_mat_mul;
-use ndarray::{Array2, ArrayView2, ArrayViewMut2, Axis, s};
-use ps_common::config::LossReduction;
+use ndarray::{ArrayView2, ArrayViewMut2};
 use ps_common::layout::MlpLayout;
+use std::ops::Range;
 
 /// Rows per forward pass when evaluating, to bound memory.
 const EVAL_ROWS: usize = 2048;
 
-/// The MLP on the CPU.
-#[derive(Debug, Clone)]
-pub struct CpuBackend {
-    layout: MlpLayout,
-    weights: Vec<f32>,
+/// The host CPU as a [`Device`]; `threads` is only reported (matrixmultiply reads
+/// `MATMUL_NUM_THREADS` once per process).
+#[derive(Debug, Clone, Copy)]
+pub struct CpuDevice {
     threads: usize,
 }
 
+impl CpuDevice {
+    /// The CPU, reporting `threads` matmul threads.
+    pub fn new(threads: usize) -> Self {
+        Self { threads }
+    }
+}
+
+/// The MLP on the CPU.
+pub type CpuBackend = Mlp<CpuDevice>;
+
 impl CpuBackend {
-    /// A backend for `layout`; `threads` is only reported (matrixmultiply reads
-    /// `MATMUL_NUM_THREADS` once per process).
+    /// The MLP of `layout` on the CPU; `threads` is only reported.
     pub fn new(layout: MlpLayout, threads: usize) -> Self {
-        let weights = vec![0.0; layout.num_params()];
-        Self {
-            layout,
-            weights,
-            threads,
-        }
-    }
-
-    fn weight(&self, l: usize) -> (ArrayView2<'_, f32>, &[f32]) {
-        let (w, b) = self.layout.layer(l);
-        let (fan_out, fan_in) = (self.layout.dims[l + 1], self.layout.dims[l]);
-        let wv =
-            ArrayView2::from_shape((fan_out, fan_in), &self.weights[w]).expect("layout matches");
-        (wv, &self.weights[b])
-    }
-
-    /// Forward pass; returns the post-ReLU activations of each hidden layer and the logits.
-    fn forward(&self, x: ArrayView2<'_, f32>) -> Vec<Array2<f32>> {
-        let layers = self.layout.num_layers();
-        let mut outs: Vec<Array2<f32>> = Vec::with_capacity(layers);
-        for l in 0..layers {
-            let (w, b) = self.weight(l);
-            let input = if l == 0 { x } else { outs[l - 1].view() };
-            let mut z = input.dot(&w.t());
-            let relu = l + 1 < layers;
-            for mut row in z.rows_mut() {
-                for (v, bias) in row.iter_mut().zip(b) {
-                    let t = *v + bias;
-                    *v = if relu { t.max(0.0) } else { t };
-                }
-            }
-            outs.push(z);
-        }
-        outs
+        Mlp::on(layout, CpuDevice::new(threads)).expect("host allocation does not fail")
     }
 }
 
-/// Softmax cross-entropy of each row of `logits` against `labels`: replaces `logits` by
-/// `scale * (softmax - onehot)` and returns (loss sum, correct count).
-fn softmax_xent_grad(logits: &mut Array2<f32>, labels: &[u8], scale: f32) -> StepStats {
-    let mut stats = StepStats::default();
-    for (mut row, &y) in logits.rows_mut().into_iter().zip(labels) {
-        let y = usize::from(y);
-        let (mut arg, mut max) = (0, f32::NEG_INFINITY);
-        for (j, &v) in row.iter().enumerate() {
-            if v > max {
-                (arg, max) = (j, v);
-            }
-        }
-        stats.correct += u64::from(arg == y);
-        let mut sum = 0.0f32;
-        for v in row.iter_mut() {
-            *v = (*v - max).exp();
-            sum += *v;
-        }
-        // loss = log(sum exp(z - max)) - (z_y - max)
-        stats.loss_sum += f64::from(sum.ln() - (row[y].ln()));
-        let inv = 1.0 / sum;
-        for v in row.iter_mut() {
-            *v *= inv * scale;
-        }
-        row[y] -= scale;
-    }
-    stats
+fn view2(data: &[f32], rows: usize, cols: usize) -> BackendResult<ArrayView2<'_, f32>> {
+    ArrayView2::from_shape((rows, cols), data)
+        .map_err(|e| BackendError::Shape(format!("[{rows}, {cols}] over {}: {e}", data.len())))
 }
 
-impl Backend for CpuBackend {
+/// Index of the largest value (the first on ties; NaN never wins).
+fn argmax(row: &[f32]) -> usize {
+    let (mut arg, mut max) = (0, f32::NEG_INFINITY);
+    for (j, &v) in row.iter().enumerate() {
+        if v > max {
+            (arg, max) = (j, v);
+        }
+    }
+    arg
+}
+
+impl Device for CpuDevice {
+    type Buf = Vec<f32>;
+    type View<'a> = &'a [f32];
+    type ViewMut<'a> = &'a mut [f32];
+
     fn name(&self) -> String {
         format!("cpu ({} matmul threads)", self.threads)
     }
 
-    fn set_weights(&mut self, flat: &[f32]) -> BackendResult<()> {
-        if flat.len() != self.weights.len() {
-            return Err(crate::backend::BackendError::Shape(format!(
-                "weights hold {}: expected {}",
-                flat.len(),
-                self.weights.len()
-            )));
-        }
-        self.weights.copy_from_slice(flat);
+    fn alloc(&mut self, len: usize) -> BackendResult<Vec<f32>> {
+        Ok(vec![0.0; len])
+    }
+
+    fn view(buf: &Vec<f32>, r: Range<usize>) -> &[f32] {
+        &buf[r]
+    }
+
+    fn view_mut(buf: &mut Vec<f32>, r: Range<usize>) -> &mut [f32] {
+        &mut buf[r]
+    }
+
+    fn sub_mut<'a, 'b: 'a>(v: &'a mut &'b mut [f32], r: Range<usize>) -> &'a mut [f32] {
+        &mut v[r]
+    }
+
+    fn host_view_mut(host: &mut [f32]) -> Option<&mut [f32]> {
+        Some(host)
+    }
+
+    fn host_of<'a>(v: &'a &mut [f32]) -> Option<&'a [f32]> {
+        Some(v)
+    }
+
+    fn host_buf(buf: &mut Vec<f32>) -> Option<&mut [f32]> {
+        Some(buf)
+    }
+
+    fn upload(&mut self, src: &[f32], dst: &mut [f32]) -> BackendResult<()> {
+        dst.copy_from_slice(src);
         Ok(())
     }
 
-    fn host_weights(&mut self) -> Option<&mut [f32]> {
-        Some(&mut self.weights)
+    fn download(&mut self, src: &[f32], dst: &mut [f32]) -> BackendResult<()> {
+        dst.copy_from_slice(src);
+        Ok(())
     }
 
-    fn forward_backward(
-        &mut self,
-        x: &[f32],
-        labels: &[u8],
-        reduction: LossReduction,
-        grad: &mut [f32],
-    ) -> BackendResult<StepStats> {
-        self.forward_backward_overlapped(x, labels, reduction, grad, &mut |_, _, _| {})
-    }
-
-    fn forward_backward_overlapped(
-        &mut self,
-        x: &[f32],
-        labels: &[u8],
-        reduction: LossReduction,
-        grad: &mut [f32],
-        ready: &mut dyn FnMut(usize, &[f32], StepStats),
-    ) -> BackendResult<StepStats> {
-        let dims = &self.layout.dims;
-        check_shapes(dims, self.weights.len(), x, labels, Some(grad))?;
-        let n = labels.len();
-        if n == 0 {
-            grad.fill(0.0);
-            ready(0, grad, StepStats::default());
-            return Ok(StepStats::default());
+    fn gemm(&mut self, a: Mat<&[f32]>, b: Mat<&[f32]>, c: &mut [f32]) -> BackendResult<()> {
+        let (m, k) = a.dim();
+        let (k2, n) = b.dim();
+        if k != k2 {
+            return Err(BackendError::Shape(format!(
+                "product of [{m}, {k}] and [{k2}, {n}]"
+            )));
         }
-        let x = ArrayView2::from_shape((n, dims[0]), x).expect("checked");
-        let mut acts = self.forward(x);
-        let layers = self.layout.num_layers();
-        let scale = match reduction {
-            LossReduction::Mean => 1.0 / n as f32,
-            LossReduction::Sum => 1.0,
-        };
-        let mut dz = acts.pop().expect("at least one layer");
-        let stats = softmax_xent_grad(&mut dz, labels, scale);
-        for l in (0..layers).rev() {
-            let (wr, br) = self.layout.layer(l);
-            let start = wr.start;
-            let input = if l == 0 { x } else { acts[l - 1].view() };
-            {
-                let mut gw = ArrayViewMut2::from_shape((dims[l + 1], dims[l]), &mut grad[wr])
-                    .expect("layout matches");
-                general_mat_mul(1.0, &dz.t(), &input, 0.0, &mut gw);
+        let av = view2(a.data, a.rows, a.cols)?;
+        let bv = view2(b.data, b.rows, b.cols)?;
+        let (av, bv) = (
+            if a.t { av.reversed_axes() } else { av },
+            if b.t { bv.reversed_axes() } else { bv },
+        );
+        let mut cv = ArrayViewMut2::from_shape((m, n), c)
+            .map_err(|e| BackendError::Shape(format!("product [{m}, {n}]: {e}")))?;
+        general_mat_mul(1.0, &av, &bv, 0.0, &mut cv);
+        Ok(())
+    }
+
+    fn bias_act(
+        &mut self,
+        z: &mut [f32],
+        bias: &[f32],
+        _rows: usize,
+        cols: usize,
+        relu: bool,
+    ) -> BackendResult<()> {
+        for row in z.chunks_exact_mut(cols) {
+            for (v, b) in row.iter_mut().zip(bias) {
+                let t = *v + b;
+                *v = if relu { t.max(0.0) } else { t };
             }
-            let gb = &mut grad[br];
-            gb.fill(0.0);
-            for row in dz.rows() {
-                for (g, v) in gb.iter_mut().zip(row) {
-                    *g += v;
-                }
+        }
+        Ok(())
+    }
+
+    fn relu_backward(&mut self, d: &mut [f32], act: &[f32]) -> BackendResult<()> {
+        for (d, &a) in d.iter_mut().zip(act) {
+            if a <= 0.0 {
+                *d = 0.0;
             }
-            ready(start, &grad[start..], stats);
-            if l > 0 {
-                let (w, _) = self.weight(l);
-                let mut da = dz.dot(&w);
-                da.zip_mut_with(&acts[l - 1], |d, &a| {
-                    if a <= 0.0 {
-                        *d = 0.0;
-                    }
-                });
-                dz = da;
+        }
+        Ok(())
+    }
+
+    fn softmax_xent(
+        &mut self,
+        logits: &mut [f32],
+        labels: &[u8],
+        cols: usize,
+        scale: f32,
+    ) -> BackendResult<StepStats> {
+        let mut stats = StepStats::default();
+        for (row, &y) in logits.chunks_exact_mut(cols).zip(labels) {
+            let y = usize::from(y);
+            let arg = argmax(row);
+            let max = if row[arg] > f32::NEG_INFINITY {
+                row[arg]
+            } else {
+                f32::NEG_INFINITY
+            };
+            stats.correct += u64::from(arg == y);
+            let mut sum = 0.0f32;
+            for v in row.iter_mut() {
+                *v = (*v - max).exp();
+                sum += *v;
             }
+            // loss = log(sum exp(z - max)) - (z_y - max)
+            stats.loss_sum += f64::from(sum.ln() - (row[y].ln()));
+            let inv = 1.0 / sum;
+            for v in row.iter_mut() {
+                *v *= inv * scale;
+            }
+            row[y] -= scale;
         }
         Ok(stats)
     }
 
-    fn evaluate(&mut self, x: &[f32], labels: &[u8]) -> BackendResult<u64> {
-        let dims = &self.layout.dims;
-        check_shapes(dims, self.weights.len(), x, labels, None)?;
-        let n = labels.len();
-        let x = ArrayView2::from_shape((n, dims[0]), x).expect("checked");
-        let mut correct = 0;
-        for start in (0..n).step_by(EVAL_ROWS) {
-            let end = (start + EVAL_ROWS).min(n);
-            let logits = self
-                .forward(x.slice(s![start..end, ..]))
-                .pop()
-                .expect("layers");
-            for (row, &y) in logits.axis_iter(Axis(0)).zip(&labels[start..end]) {
-                let arg = row
-                    .iter()
-                    .enumerate()
-                    .fold(
-                        (0, f32::NEG_INFINITY),
-                        |m, (j, &v)| if v > m.1 { (j, v) } else { m },
-                    )
-                    .0;
-                correct += u64::from(arg == usize::from(y));
+    fn bias_grad(
+        &mut self,
+        dz: &[f32],
+        _rows: usize,
+        cols: usize,
+        out: &mut [f32],
+    ) -> BackendResult<()> {
+        out.fill(0.0);
+        for row in dz.chunks_exact(cols) {
+            for (g, v) in out.iter_mut().zip(row) {
+                *g += v;
             }
         }
-        Ok(correct)
+        Ok(())
+    }
+
+    fn count_correct(&mut self, logits: &[f32], labels: &[u8], cols: usize) -> BackendResult<u64> {
+        Ok(logits
+            .chunks_exact(cols)
+            .zip(labels)
+            .filter(|&(row, &y)| argmax(row) == usize::from(y))
+            .count() as u64)
+    }
+
+    fn eval_rows(&self) -> usize {
+        EVAL_ROWS
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::Backend;
+    use ps_common::config::LossReduction;
 
     /// Loss of the whole batch in f64, for finite differences.
-    fn loss(b: &CpuBackend, x: &[f32], labels: &[u8]) -> f64 {
-        let n = labels.len();
-        let xv = ArrayView2::from_shape((n, b.layout.dims[0]), x).unwrap();
-        let logits = b.forward(xv).pop().unwrap();
+    fn loss(b: &mut CpuBackend, x: &[f32], labels: &[u8]) -> f64 {
+        let logits = b.logits(x).unwrap();
+        let classes = b.layout().dims.last().copied().unwrap();
         let mut total = 0.0;
-        for (row, &y) in logits.rows().into_iter().zip(labels) {
+        for (row, &y) in logits.chunks(classes).zip(labels) {
             let m = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max) as f64;
             let lse = row.iter().map(|&v| (v as f64 - m).exp()).sum::<f64>().ln() + m;
             total += lse - row[usize::from(y)] as f64;
@@ -235,7 +241,7 @@ mod tests {
         let stats = b
             .forward_backward(&x, &labels, LossReduction::Sum, &mut g)
             .unwrap();
-        assert!((stats.loss_sum - loss(&b, &x, &labels)).abs() < 1e-4);
+        assert!((stats.loss_sum - loss(&mut b, &x, &labels)).abs() < 1e-4);
         // seed 17 keeps every pre-activation farther than eps from a ReLU kink (seed 3 does not)
         let eps = 1e-3f32;
         let mut worst = 0.0f64;
@@ -243,10 +249,10 @@ mod tests {
             let mut wp = w.clone();
             wp[i] += eps;
             b.set_weights(&wp).unwrap();
-            let lp = loss(&b, &x, &labels);
+            let lp = loss(&mut b, &x, &labels);
             wp[i] -= 2.0 * eps;
             b.set_weights(&wp).unwrap();
-            let lm = loss(&b, &x, &labels);
+            let lm = loss(&mut b, &x, &labels);
             let fd = (lp - lm) / (2.0 * eps as f64);
             worst = worst.max((fd - g[i] as f64).abs());
         }

@@ -8,6 +8,8 @@ pub mod cpu;
 pub mod cuda;
 pub mod device;
 pub mod env;
+pub mod model;
+pub mod ops;
 pub mod reference;
 pub mod worker;
 

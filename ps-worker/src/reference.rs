@@ -1,5 +1,6 @@
 //! The single-process reference: the same model code and optimizer, batch `B`, the same data
-//! order, no network. A distributed run must end at its weights (DESIGN.md §2).
+//! order, no network. A distributed run must end at its weights, bit for bit with one
+//! worker.
 
 use crate::backend::Backend;
 use crate::cpu::CpuBackend;
