@@ -12,6 +12,7 @@ pub mod launch;
 pub mod layout;
 pub mod optim;
 pub mod order;
+pub mod plan;
 pub mod plot;
 pub mod shm;
 pub mod weights;
