@@ -438,6 +438,15 @@ pub fn plan(req: &Request) -> Result<Plan, PlanError> {
     let _ = write!(out, "[optimizer]\n{}", lines.optimizer);
     comment(&mut out, &format!("why: {why}."));
     state(&mut out, &eq);
+    if !eq.warnings.is_empty() && eq.grad_scale != 1.0 {
+        comment(
+            &mut out,
+            &format!(
+                "(the lr above, {lr}, already compensates this: the run is the recipe at lr {})",
+                t.lr
+            ),
+        );
+    }
     if t.loss == LossReduction::Sum && scale_ok && req.aggregation.is_none() {
         comment(
             &mut out,
@@ -457,15 +466,21 @@ pub fn plan(req: &Request) -> Result<Plan, PlanError> {
 }
 
 fn not_scale(o: &Optimizer, loss: &str, agg: &str, w: usize, use_agg: &str) -> PlanError {
+    let factor = if agg == "sum" {
+        format!("multiplies the gradient by {w}")
+    } else {
+        format!("divides the gradient by {w}")
+    };
     PlanError::NotExact(format!(
-        "loss \"{loss}\" with aggregation \"{agg}\" scales the gradient by {w} (or 1/{w}), and with {} a gradient scale is not an lr scale (weight decay or Adam's normalisation): no lr makes it exact; use aggregation \"{use_agg}\" (the default plan)",
+        "loss \"{loss}\" with aggregation \"{agg}\" {factor}, and with {} a gradient scale is not an lr scale (weight decay or Adam's normalisation): no lr makes it exact; use aggregation \"{use_agg}\" (the default plan)",
         o.describe()
     ))
 }
 
 /// The server's statement and warnings, as comments.
 fn state(out: &mut String, eq: &Equivalence) {
-    comment(out, &format!("ps-server will print: {eq}"));
+    // one line, whatever its length: this is the line to look for in the server's log
+    let _ = writeln!(out, "# ps-server will print: {eq}");
     for w in &eq.warnings {
         comment(out, &format!("warning: {w}"));
     }
@@ -490,7 +505,14 @@ fn plan_grown(req: &Request, t: &Target, mut out: String) -> Result<Plan, PlanEr
     let w = req.shape.workers;
     let b = match r.source {
         Source::Ddp(_) => r.batch,
-        _ => t.batch,
+        Source::DataParallel(g) if r.batch % g == 0 => r.batch / g,
+        Source::DataParallel(g) => {
+            return Err(PlanError::BadInput(format!(
+                "--keep-per-worker-batch with --data-parallel {g}: the batch {} does not split evenly over {g} GPUs, so there is no per-GPU batch to keep",
+                r.batch
+            )));
+        }
+        Source::Single => t.batch,
     };
     let (aggregation, lr) = match t.loss {
         LossReduction::Mean => (Aggregation::Mean, t.lr),
