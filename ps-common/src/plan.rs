@@ -143,9 +143,7 @@ fn validate(r: &Recipe) -> Result<(), PlanError> {
             weight_decay,
         } => {
             if !(0.0..1.0).contains(&momentum) {
-                return bad(format!(
-                    "--momentum {momentum}: expected 0 <= momentum < 1"
-                ));
+                return bad(format!("--momentum {momentum}: expected 0 <= momentum < 1"));
             }
             if nesterov && momentum == 0.0 {
                 return bad("--nesterov needs --momentum > 0".into());
@@ -229,7 +227,10 @@ pub struct Plan {
 }
 
 fn fmt_list(v: &[usize]) -> String {
-    v.iter().map(usize::to_string).collect::<Vec<_>>().join(", ")
+    v.iter()
+        .map(usize::to_string)
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// The `[optimizer]` lines for `o` with learning rate `lr` (defaults left out).
@@ -551,7 +552,9 @@ fn plan_grown(req: &Request, t: &Target, mut out: String) -> Result<Plan, PlanEr
             "what changes: each step averages {global} samples instead of {} ({k} times as many, so less gradient noise per step); an epoch has {k} times fewer steps, so the same number of epochs makes {k} times fewer updates.{}",
             t.batch,
             if t.loss == LossReduction::Sum {
-                format!(" With a sum loss the gradient itself grows {k} times: at the same lr every step is about {k} times larger.")
+                format!(
+                    " With a sum loss the gradient itself grows {k} times: at the same lr every step is about {k} times larger."
+                )
             } else {
                 String::new()
             }

@@ -23,7 +23,11 @@ struct Cli {
     #[arg(long, required_unless_present = "config")]
     batch: Option<usize>,
     /// The recipe's learning rate.
-    #[arg(long, required_unless_present = "config", allow_negative_numbers = true)]
+    #[arg(
+        long,
+        required_unless_present = "config",
+        allow_negative_numbers = true
+    )]
     lr: Option<f64>,
     /// The recipe's loss reduction.
     #[arg(long, value_enum, required_unless_present = "config")]
