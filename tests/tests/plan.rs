@@ -374,3 +374,21 @@ fn bad_input_exits_2_with_the_reason() {
         (0, concat!("ps-plan ", env!("CARGO_PKG_VERSION")))
     );
 }
+
+#[test]
+fn the_readme_example_is_what_the_binary_prints() {
+    let readme =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md")).unwrap();
+    let cmd = "--batch 16 --lr 0.01 --loss mean --momentum 0.9 --nodes 2 --gpus-per-node 2";
+    let start = format!("$ target/release/ps-plan {cmd}\n");
+    let at = readme
+        .find(&start)
+        .expect("README shows the 2 nodes x 2 GPUs example")
+        + start.len();
+    let shown = &readme[at..at + readme[at..].find("```").unwrap()];
+    assert_eq!(
+        shown,
+        plan_ok(cmd),
+        "README example differs from the output"
+    );
+}
