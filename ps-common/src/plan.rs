@@ -506,7 +506,7 @@ fn plan_grown(req: &Request, t: &Target, mut out: String) -> Result<Plan, PlanEr
     let w = req.shape.workers;
     let b = match r.source {
         Source::Ddp(_) => r.batch,
-        Source::DataParallel(g) if r.batch % g == 0 => r.batch / g,
+        Source::DataParallel(g) if r.batch.is_multiple_of(g) => r.batch / g,
         Source::DataParallel(g) => {
             return Err(PlanError::BadInput(format!(
                 "--keep-per-worker-batch with --data-parallel {g}: the batch {} does not split evenly over {g} GPUs, so there is no per-GPU batch to keep",
