@@ -385,6 +385,13 @@ pub fn plan(req: &Request) -> Result<Plan, PlanError> {
                 fmt_list(&split)
             )));
         }
+        (LossReduction::Mean, Some(Aggregation::Sum)) if uneven => {
+            return Err(PlanError::NotExact(format!(
+                "aggregation \"sum\" of mean-loss gradients with batch {} over {w} workers (slices {}) weights the samples of smaller slices more: not exactly the recipe; use aggregation \"weighted\" (the default plan)",
+                t.batch,
+                fmt_list(&split)
+            )));
+        }
         (LossReduction::Mean, Some(Aggregation::Sum)) => {
             if !scale_ok {
                 return Err(not_scale(&r.optimizer, "mean", "sum", w, "mean\" or \"weighted"));
@@ -643,7 +650,9 @@ pub fn explain(cfg: &Config) -> String {
                 workers: cfg.workers,
                 nodes: None,
             },
-            aggregation: None,
+            // a short last batch is split unevenly: only weighted stays exact
+            aggregation: (cfg.keep_last && cfg.loss_reduction == LossReduction::Mean)
+                .then_some(Aggregation::Weighted),
             keep_per_worker_batch: false,
         };
         if let Ok(p) = plan(&req) {
@@ -744,6 +753,27 @@ mod tests {
         let e = plan(&req(16, 0.0, LossReduction::Mean, 4)).unwrap_err();
         assert_eq!(e.to_string(), "--lr 0: expected a positive number");
         assert!(Shape::workers(0).is_err() && Shape::nodes(2, 0).is_err());
+    }
+
+    #[test]
+    fn explain_suggests_weighted_for_a_kept_short_batch() {
+        let text = "[cluster]\nservers = [\"127.0.0.1:1\"]\nworkers = 2\n[data]\ndir = \".\"\n[train]\nglobal_batch = 64\nsteps = 5\nkeep_last = true\nloss_reduction = \"mean\"\naggregation = \"mean\"\n[optimizer]\nkind = \"sgd\"\nlr = 0.1\n";
+        let cfg = Config::parse(text, Path::new("k.toml")).unwrap();
+        let out = explain(&cfg);
+        assert!(out.contains("approximately (not exactly)"), "{out}");
+        assert!(out.contains("\naggregation = \"weighted\"\n"), "{out}");
+        parses_as_toml(&out);
+        let mut r = req(30, 0.1, LossReduction::Mean, 4);
+        r.aggregation = Some(Aggregation::Sum);
+        assert!(matches!(plan(&r), Err(PlanError::NotExact(m)) if m.contains("8, 8, 7, 7")));
+        let mut r = req(30, 0.1, LossReduction::Mean, 4);
+        r.recipe.source = Source::DataParallel(4);
+        r.keep_per_worker_batch = true;
+        assert!(
+            matches!(plan(&r), Err(PlanError::BadInput(m)) if m.contains("does not split evenly"))
+        );
+        r.recipe.batch = 32;
+        assert!(plan(&r).unwrap().text.contains("per_worker_batch = 8 "));
     }
 
     #[test]
