@@ -14,6 +14,7 @@ pub mod layout;
 pub mod neterr;
 pub mod optim;
 pub mod order;
+pub mod plan;
 pub mod shm;
 pub mod weights;
 pub mod wire;

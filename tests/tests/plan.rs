@@ -1,0 +1,394 @@
+//! `ps-plan`, run as a process: the questions users arrive with (issue 12), the printed config
+//! lines, and that those lines, merged into a real config, train a real cluster to the weights
+//! of the single-process recipe (computed separately, not from the planned config).
+
+use ps_common::config::Config;
+use ps_launch::bin_dir;
+use ps_tests::{Spec, Start, cluster_weights, reference_weights, rel_diff, run_cluster};
+use std::process::Command;
+
+/// Float rounding only, after 20 steps (as in cluster.rs).
+const TOL: f64 = 1e-5;
+
+/// Runs `ps-plan ARGS`: (exit code, stdout, stderr).
+fn ps_plan(args: &str) -> (i32, String, String) {
+    let exe = bin_dir().join("ps-plan");
+    let out = Command::new(&exe)
+        .args(args.split_whitespace())
+        .output()
+        .unwrap_or_else(|e| {
+            panic!(
+                "{}: {e} (build the binaries first: cargo build --release --bins)",
+                exe.display()
+            )
+        });
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// `ps-plan ARGS` that must succeed: its stdout.
+fn plan_ok(args: &str) -> String {
+    let (rc, out, err) = ps_plan(args);
+    assert_eq!(rc, 0, "ps-plan {args}: exit {rc}\n{err}");
+    out
+}
+
+fn assert_lines(out: &str, lines: &[&str]) {
+    for l in lines {
+        assert!(
+            out.lines().any(|x| x == *l),
+            "missing line {l:?} in:\n{out}"
+        );
+    }
+}
+
+/// The `key = value` lines of a TOML snippet per section (comments and comment lines dropped).
+fn snippet_lines(snippet: &str) -> Vec<(String, String, String)> {
+    let mut section = String::new();
+    let mut out = Vec::new();
+    for line in snippet.lines() {
+        let line = line.split(" #").next().unwrap().trim();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        if line.starts_with('[') {
+            section = line.to_string();
+        } else {
+            let key = line.split('=').next().unwrap().trim().to_string();
+            out.push((section.clone(), key, line.to_string()));
+        }
+    }
+    out
+}
+
+/// `base` with every line of `snippet` put into its section (replacing that key; the batch keys
+/// replace each other, and an `[optimizer]` in the snippet replaces the whole table).
+fn merge(base: &str, snippet: &str) -> String {
+    let lines = snippet_lines(snippet);
+    let mut out = Vec::new();
+    let mut section = String::new();
+    for line in base.lines() {
+        let t = line.trim();
+        if t.starts_with('[') {
+            section = t.to_string();
+            out.push(line.to_string());
+            out.extend(
+                lines
+                    .iter()
+                    .filter(|(s, _, _)| *s == section)
+                    .map(|(_, _, l)| l.clone()),
+            );
+            continue;
+        }
+        let key = t.split('=').next().unwrap().trim();
+        let replaced = lines.iter().any(|(s, k, _)| {
+            *s == section
+                && (k == key
+                    || section == "[optimizer]"
+                    || (k.ends_with("_batch") && key.ends_with("_batch")))
+        });
+        if !replaced {
+            out.push(line.to_string());
+        }
+    }
+    out.join("\n") + "\n"
+}
+
+/// The planned lines merged into a small test config (2 shards, MLP 784-32-10, 20 steps), run
+/// as a real cluster; compared with the recipe run in one process (`recipe`: W = 1). Returns
+/// the largest relative weight difference.
+fn planned_cluster_equals_recipe(planned: &str, recipe: Spec) -> f64 {
+    let dir = tempfile::tempdir().unwrap();
+    let base = Spec::default().toml(&dir.path().join("out"));
+    let text = merge(&base, planned);
+    let path = dir.path().join("config.toml");
+    std::fs::write(&path, &text).unwrap();
+    let cfg = Config::load(&path).unwrap_or_else(|e| panic!("{e}\n{text}"));
+    run_cluster(&path, &cfg, &Start::default());
+    let got = cluster_weights(&cfg);
+
+    // the recipe itself: one worker, so the reference is the recipe with no rescaling at all
+    let rdir = tempfile::tempdir().unwrap();
+    let (_, rcfg) = Spec {
+        workers: 1,
+        shards: 1,
+        ..recipe
+    }
+    .write(rdir.path());
+    let eq = rcfg.equivalence();
+    assert!(eq.exact && eq.grad_scale == 1.0, "recipe config: {eq}");
+    let want = reference_weights(&rcfg);
+    let init = cfg.layout().init_range(cfg.seed, 0..got.len());
+    assert!(
+        rel_diff(&cfg, &init, &want) > 1e-3,
+        "training moved the weights"
+    );
+    let d = rel_diff(&cfg, &got, &want);
+    eprintln!(
+        "planned config ({}) vs the recipe: largest relative weight difference {d:.3e}",
+        cfg.equivalence()
+    );
+    d
+}
+
+#[test]
+fn batch_16_lr_001_on_one_gpu_to_2_nodes_x_2_gpus() {
+    let out =
+        plan_ok("--batch 16 --lr 0.01 --loss mean --momentum 0.9 --nodes 2 --gpus-per-node 2");
+    assert_lines(
+        &out,
+        &[
+            "[cluster]",
+            "workers = 4",
+            "global_batch = 16    # per-worker batches 4, 4, 4, 4",
+            "loss_reduction = \"mean\"",
+            "aggregation = \"mean\"",
+            "kind = \"sgd\"",
+            "lr = 0.01",
+            "momentum = 0.9",
+            "# ps-server will print: equivalent to one process with batch 16, mean loss, lr 0.01",
+        ],
+    );
+    let d = planned_cluster_equals_recipe(
+        &out,
+        Spec {
+            global_batch: 16,
+            optimizer: "kind = \"sgd\"\nlr = 0.01\nmomentum = 0.9".into(),
+            ..Spec::default()
+        },
+    );
+    assert!(d < TOL, "relative difference {d:.3e} >= {TOL:e}");
+}
+
+#[test]
+fn uneven_batch_30_over_4_workers_is_weighted_8_8_7_7() {
+    let out = plan_ok("--batch 30 --lr 0.1 --loss mean --momentum 0.9 --workers 4");
+    assert_lines(
+        &out,
+        &[
+            "global_batch = 30    # per-worker batches 8, 8, 7, 7",
+            "aggregation = \"weighted\"",
+            "lr = 0.1",
+            "# ps-server will print: equivalent to one process with batch 30, mean loss, lr 0.1",
+        ],
+    );
+    assert!(out.contains("the slices are 8, 8, 7, 7"), "{out}");
+    let d = planned_cluster_equals_recipe(
+        &out,
+        Spec {
+            global_batch: 30,
+            ..Spec::default()
+        },
+    );
+    assert!(d < TOL, "relative difference {d:.3e} >= {TOL:e}");
+}
+
+#[test]
+fn sum_loss_with_mean_aggregation_multiplies_the_lr_by_w() {
+    let out =
+        plan_ok("--batch 16 --lr 0.002 --loss sum --momentum 0.9 --workers 2 --aggregation mean");
+    assert_lines(
+        &out,
+        &[
+            "workers = 2",
+            "loss_reduction = \"sum\"",
+            "aggregation = \"mean\"",
+            "lr = 0.004",
+            "# ps-server will print: equivalent to one process with batch 16, sum loss, lr 0.002",
+        ],
+    );
+    let d = planned_cluster_equals_recipe(
+        &out,
+        Spec {
+            global_batch: 16,
+            loss: "sum",
+            optimizer: "kind = \"sgd\"\nlr = 0.002\nmomentum = 0.9".into(),
+            ..Spec::default()
+        },
+    );
+    assert!(d < TOL, "relative difference {d:.3e} >= {TOL:e}");
+
+    // without --aggregation, a sum loss plans sum aggregation at the recipe's lr; with AdamW a
+    // gradient scale is not an lr scale, so forcing mean aggregation is refused
+    let out = plan_ok("--batch 16 --lr 0.002 --loss sum --workers 2");
+    assert_lines(&out, &["aggregation = \"sum\"", "lr = 0.002"]);
+    let (rc, _, err) = ps_plan(
+        "--batch 16 --lr 0.002 --loss sum --workers 2 --aggregation mean --optimizer adamw --weight-decay 0.01",
+    );
+    assert_eq!(rc, 2, "{err}");
+    assert!(err.contains("a gradient scale is not an lr scale"), "{err}");
+}
+
+#[test]
+fn dataparallel_summing_on_4_gpus_is_one_process_with_the_dataloader_batch() {
+    let out = plan_ok("--batch 64 --lr 0.1 --loss mean --data-parallel 4 --workers 4");
+    assert_lines(
+        &out,
+        &[
+            "global_batch = 64    # per-worker batches 16, 16, 16, 16",
+            "aggregation = \"mean\"",
+            "lr = 0.1",
+            "# ps-server will print: equivalent to one process with batch 64, mean loss, lr 0.1",
+        ],
+    );
+    assert!(out.contains("IS the gradient of that one loss"), "{out}");
+    // copying DataParallel's summing into the config is what the explanation catches
+    let dir = tempfile::tempdir().unwrap();
+    let (path, _) = Spec {
+        global_batch: 64,
+        aggregation: "sum",
+        optimizer: "kind = \"sgd\"\nlr = 0.1".into(),
+        ..Spec::default()
+    }
+    .write(dir.path());
+    let out = plan_ok(&format!("--config {}", path.display()));
+    assert_lines(
+        &out,
+        &[
+            "# ps-server will print: equivalent to one process with batch 64, mean loss, lr 0.4",
+            "aggregation = \"mean\"",
+            "lr = 0.1",
+        ],
+    );
+    assert!(
+        out.contains(
+            "# warning: loss_reduction \"mean\" with aggregation \"sum\" makes the gradient 4 times"
+        ),
+        "{out}"
+    );
+    // the DDP recipe with AdamW: 2 processes of 8 are one process with batch 16
+    let out = plan_ok(
+        "--batch 8 --lr 0.001 --loss mean --ddp 2 --optimizer adamw --weight-decay 0.01 --workers 4",
+    );
+    assert_lines(
+        &out,
+        &[
+            "global_batch = 16    # per-worker batches 4, 4, 4, 4",
+            "kind = \"adamw\"",
+            "weight_decay = 0.01",
+            "# ps-server will print: equivalent to one process with batch 16, mean loss, lr 0.001",
+        ],
+    );
+}
+
+#[test]
+fn keep_per_worker_batch_states_the_bigger_run_and_labels_the_heuristic() {
+    let out = plan_ok(
+        "--batch 32 --lr 0.1 --loss mean --momentum 0.9 --workers 4 --keep-per-worker-batch",
+    );
+    assert_lines(
+        &out,
+        &[
+            "per_worker_batch = 32    # global batch 128",
+            "lr = 0.1",
+            "# ps-server will print: equivalent to one process with batch 128, mean loss, lr 0.1",
+            "# [optimizer] lr = 0.4",
+        ],
+    );
+    assert!(out.contains("This is NOT the recipe"), "{out}");
+    assert!(out.contains("HEURISTIC, not an equivalence"), "{out}");
+    let out = plan_ok(
+        "--batch 32 --lr 0.001 --loss mean --optimizer adam --workers 4 --keep-per-worker-batch",
+    );
+    assert_lines(&out, &["# [optimizer] lr = 0.002"]);
+}
+
+#[test]
+fn an_existing_config_is_explained() {
+    let out = plan_ok(&format!(
+        "--config {}/../deploy/mnist.toml",
+        env!("CARGO_MANIFEST_DIR")
+    ));
+    assert_lines(
+        &out,
+        &["# ps-server will print: equivalent to one process with batch 128, mean loss, lr 0.1"],
+    );
+    // uneven mean: not exact, and the fix is weighted
+    let dir = tempfile::tempdir().unwrap();
+    let (path, _) = Spec {
+        global_batch: 30,
+        ..Spec::default()
+    }
+    .write(dir.path());
+    let out = plan_ok(&format!("--config {}", path.display()));
+    assert_lines(
+        &out,
+        &[
+            "# ps-server will print: approximately (not exactly) equivalent to one process with batch 30, mean loss, lr 0.1",
+            "aggregation = \"weighted\"",
+        ],
+    );
+}
+
+#[test]
+fn bad_input_exits_2_with_the_reason() {
+    for (args, words) in [
+        (
+            "--batch 3 --lr 0.1 --loss mean --workers 4",
+            "batch 3 over 4 workers: expected at least one sample per worker",
+        ),
+        (
+            "--batch 16 --lr 0 --loss mean --workers 4",
+            "--lr 0: expected a positive number",
+        ),
+        (
+            "--batch 16 --lr -0.1 --loss mean --workers 4",
+            "--lr -0.1: expected a positive number",
+        ),
+        (
+            "--batch 16 --lr 0.1 --loss avg --workers 4",
+            "invalid value 'avg' for '--loss <LOSS>'",
+        ),
+        (
+            "--batch 16 --lr 0.1 --loss mean --workers 0",
+            "--workers 0: expected at least one worker",
+        ),
+        (
+            "--batch 16 --lr 0.1 --loss mean --nodes 2 --gpus-per-node 0",
+            "--nodes 2 --gpus-per-node 0: expected at least one node",
+        ),
+        (
+            "--batch 30 --lr 0.1 --loss mean --workers 4 --aggregation mean",
+            "weights the samples of smaller slices more",
+        ),
+        (
+            "--batch 16 --lr 0.1 --loss mean --workers 2 --optimizer adam --momentum 0.9",
+            "--momentum/--nesterov are SGD settings",
+        ),
+        (
+            "--config /nonexistent.toml",
+            "/nonexistent.toml: cannot read",
+        ),
+    ] {
+        let (rc, out, err) = ps_plan(args);
+        assert_eq!(rc, 2, "ps-plan {args}: exit {rc}\n{out}{err}");
+        assert!(out.is_empty(), "ps-plan {args} printed a plan: {out}");
+        assert!(err.contains(words), "ps-plan {args}: {err}");
+    }
+    let (rc, out, _) = ps_plan("--version");
+    assert_eq!(
+        (rc, out.trim()),
+        (0, concat!("ps-plan ", env!("CARGO_PKG_VERSION")))
+    );
+}
+
+#[test]
+fn the_readme_example_is_what_the_binary_prints() {
+    let readme =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md")).unwrap();
+    let cmd = "--batch 16 --lr 0.01 --loss mean --momentum 0.9 --nodes 2 --gpus-per-node 2";
+    let start = format!("$ target/release/ps-plan {cmd}\n");
+    let at = readme
+        .find(&start)
+        .expect("README shows the 2 nodes x 2 GPUs example")
+        + start.len();
+    let shown = &readme[at..at + readme[at..].find("```").unwrap()];
+    assert_eq!(
+        shown,
+        plan_ok(cmd),
+        "README example differs from the output"
+    );
+}
