@@ -113,14 +113,14 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
         mut backend,
     } = setup;
     let layout = cfg.layout();
-    let world = cfg.workers;
+    let world = cfg.cluster.workers;
     let total = cfg.total_steps(train.len())?;
     let ranges = shard_ranges(layout.num_params(), servers.len());
     let connect_timeout = Duration::from_secs_f64(cfg.worker.connect_timeout_secs);
 
     // the gradient lives in a shared-memory board that the shards on this host read in place
     // (where /dev/shm allows), else on the heap
-    let mut grad_board = match cfg.transport {
+    let mut grad_board = match cfg.cluster.transport {
         Transport::Auto => grad_board(rank, layout.num_params()),
         Transport::Grpc => None,
     };
@@ -142,7 +142,7 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
             num_params: layout.num_params() as u64,
             shard: s as u32,
             num_shards: servers.len() as u32,
-            shared_memory: cfg.transport == Transport::Auto,
+            shared_memory: cfg.cluster.transport == Transport::Auto,
             grad_file: grad_file.clone(),
             grad_token,
         };
@@ -220,7 +220,7 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
             backend.set_weights(&weights)?;
         }
         let t1 = Instant::now();
-        let eval = if cfg.eval_every > 0 && t > 0 && t.is_multiple_of(cfg.eval_every) {
+        let eval = if cfg.train.eval_every > 0 && t > 0 && t.is_multiple_of(cfg.train.eval_every) {
             evaluate(backend.as_mut(), &test, &test_idx, &mut x, &mut y)?
         } else {
             (0, 0)
@@ -246,7 +246,7 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
             backend.forward_backward_overlapped(
                 &x,
                 &y,
-                cfg.loss_reduction,
+                cfg.train.loss_reduction,
                 grad,
                 &mut |start, tail, stats| {
                     while unsent > 0 && ranges[unsent - 1].start >= start {

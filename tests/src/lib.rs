@@ -137,10 +137,10 @@ pub fn run_cluster(path: &Path, cfg: &Config, start: &Start) -> PathBuf {
     let order = start
         .order
         .clone()
-        .unwrap_or_else(|| (0..cfg.workers).collect());
+        .unwrap_or_else(|| (0..cfg.cluster.workers).collect());
     for r in order {
         cluster
-            .start_worker(r, cfg.workers, &start.worker_args)
+            .start_worker(r, cfg.cluster.workers, &start.worker_args)
             .unwrap_or_else(|e| panic!("{e}"));
         std::thread::sleep(start.delay);
     }

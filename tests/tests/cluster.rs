@@ -16,7 +16,7 @@ fn equivalence(spec: Spec) -> f64 {
     run_cluster(&path, &cfg, &Start::default());
     let got = cluster_weights(&cfg);
     let want = reference_weights(&cfg);
-    let init = cfg.layout().init_range(cfg.seed, 0..got.len());
+    let init = cfg.layout().init_range(cfg.train.seed, 0..got.len());
     assert!(
         rel_diff(&cfg, &init, &want) > 1e-3,
         "training moved the weights"

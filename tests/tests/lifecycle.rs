@@ -21,7 +21,7 @@ fn a_missing_rank_is_named_then_the_barrier_times_out() {
     cluster
         .start_servers(1, &[], Duration::from_secs(60))
         .unwrap();
-    cluster.start_worker(0, cfg.workers, &[]).unwrap();
+    cluster.start_worker(0, cfg.cluster.workers, &[]).unwrap();
     let started = Instant::now();
     let err = cluster
         .wait(Duration::from_secs(60), &|| false)
@@ -297,7 +297,7 @@ fn a_worker_that_died_between_its_pushes_redoes_the_step() {
     backend.set_weights(&w).unwrap();
     let mut grad = vec![0f32; n];
     let stats = backend
-        .forward_backward(&x, &y, cfg.loss_reduction, &mut grad)
+        .forward_backward(&x, &y, cfg.train.loss_reduction, &mut grad)
         .unwrap();
     let header = PushHeader {
         rank: 1,

@@ -7,7 +7,7 @@
 
 use anyhow::Context;
 use clap::Parser;
-use ps_common::config::Config;
+use ps_common::config::{Config, Overrides};
 use ps_common::launch::{LocalCluster, bin_dir};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -73,19 +73,17 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
         libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
     }
-    let mut cfg = Config::load(&cli.config)?;
-    if let Some(d) = &cli.data_dir {
-        cfg.data_dir = d.clone();
-    }
-    let out_dir = cli
-        .out_dir
-        .clone()
-        .unwrap_or_else(|| cfg.server.out_dir.clone());
+    let overrides = Overrides {
+        data_dir: cli.data_dir.clone(),
+        out_dir: cli.out_dir.clone(),
+    };
+    let cfg = Config::load_with(&cli.config, &overrides)?;
+    let out_dir = cfg.server.out_dir.clone();
     if cli.export {
         return export(&cfg, &out_dir);
     }
     let logs = out_dir.join("logs");
-    let (s, w) = (cfg.num_shards(), cfg.workers);
+    let (s, w) = (cfg.num_shards(), cfg.cluster.workers);
     eprintln!(
         "ps-launch: {s} shards and {w} workers on 127.0.0.1; worker logs in {}",
         logs.display()
