@@ -372,7 +372,11 @@ fn overrides_replace_file_values_before_validation() {
     assert_eq!(c.data.dir, Path::new("rel/data"));
     assert_eq!(c.server.out_dir, Path::new("/tmp/out"));
     assert_eq!(c.checkpoint_dir(), Path::new("/tmp/out/checkpoints"));
-    assert!(c.describe().contains("; data rel/data; "), "{}", c.describe());
+    assert!(
+        c.describe().contains("; data rel/data; "),
+        "{}",
+        c.describe()
+    );
     // without overrides: the file's values, relative to the file
     let c = parse(GOOD).unwrap();
     assert_eq!(c.server.out_dir, Path::new("/etc/ps/runs/default"));
