@@ -6,10 +6,12 @@ use serde::de::Error as _;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use std::fmt;
 
-/// An enum read from one string key: `[section] key = "name"`.
+/// An enum read from one string key: `[section] key = "name"`. An unknown name is refused
+/// as `[section] key = "x": expected ...`; with `$say_variant` (the two kinds serde read
+/// before, whose message tools and tests match) as `... "x": unknown variant `x`, expected ...`.
 macro_rules! kind_enum {
     (
-        $(#[$m:meta])* $name:ident, $key:literal, $help:literal,
+        $(#[$m:meta])* $name:ident, $key:literal, $help:literal, $say_variant:literal,
         { $( $(#[$vm:meta])* $var:ident = $s:literal ),+ $(,)? }
     ) => {
         $(#[$m])*
@@ -32,7 +34,11 @@ macro_rules! kind_enum {
             fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
                 let s = String::deserialize(d)?;
                 Self::from_name(&s).ok_or_else(|| {
-                    D::Error::custom(format!("{} = {s:?}: expected {}", $key, $help))
+                    D::Error::custom(if $say_variant {
+                        format!("{} = {s:?}: unknown variant `{s}`, expected {}", $key, $help)
+                    } else {
+                        format!("{} = {s:?}: expected {}", $key, $help)
+                    })
                 })
             }
         }
@@ -47,7 +53,7 @@ macro_rules! kind_enum {
 
 kind_enum!(
     /// How a worker reduces the per-sample losses of its slice (`[train] loss_reduction`).
-    LossReduction, "[train] loss_reduction", "\"mean\" or \"sum\"", {
+    LossReduction, "[train] loss_reduction", "\"mean\" or \"sum\"", true, {
         /// `g_r = (1/b_r) Σ ∇ℓ_i`
         Mean = "mean",
         /// `g_r = Σ ∇ℓ_i`
@@ -57,7 +63,7 @@ kind_enum!(
 
 kind_enum!(
     /// How a shard combines the workers' gradients (`[train] aggregation`).
-    Aggregation, "[train] aggregation", "\"sum\", \"mean\" or \"weighted\"", {
+    Aggregation, "[train] aggregation", "\"sum\", \"mean\" or \"weighted\"", true, {
         /// `G = Σ_r g_r`
         Sum = "sum",
         /// `G = (1/W) Σ_r g_r`
@@ -70,7 +76,7 @@ kind_enum!(
 kind_enum!(
     /// How tensors travel between workers and shards (`[cluster] transport`).
     Transport, "[cluster] transport",
-    "\"auto\" (shared memory between processes on one host, gRPC otherwise) or \"grpc\"", {
+    "\"auto\" (shared memory between processes on one host, gRPC otherwise) or \"grpc\"", false, {
         /// Tensors through shared memory (`/dev/shm`) when worker and shard share a host,
         /// verified at registration; through gRPC otherwise. Control messages always go
         /// through gRPC.
@@ -83,7 +89,7 @@ kind_enum!(
 kind_enum!(
     /// What a shard does when a step's barrier times out (`[server] barrier_policy`).
     BarrierPolicy, "[server] barrier_policy",
-    "\"fail\" (stop the run when a step times out) or \"continue\" (go on without the ranks that did not push)", {
+    "\"fail\" (stop the run when a step times out) or \"continue\" (go on without the ranks that did not push)", false, {
         /// Fail the run loudly (exit 1; waiting workers are told why).
         Fail = "fail",
         /// Apply the step with the ranks that pushed and stop waiting for the others until
@@ -95,7 +101,7 @@ kind_enum!(
 
 kind_enum!(
     /// The optimizer family (`[optimizer] kind`).
-    OptimizerKind, "[optimizer] kind", "\"sgd\", \"adam\" or \"adamw\"", {
+    OptimizerKind, "[optimizer] kind", "\"sgd\", \"adam\" or \"adamw\"", false, {
         /// SGD with optional (Nesterov) momentum.
         Sgd = "sgd",
         /// Adam, weight decay added to the gradient.
@@ -107,7 +113,7 @@ kind_enum!(
 
 kind_enum!(
     /// The learning-rate decay (`[schedule] kind`).
-    ScheduleKind, "[schedule] kind", "\"constant\", \"step\" or \"cosine\"", {
+    ScheduleKind, "[schedule] kind", "\"constant\", \"step\" or \"cosine\"", false, {
         /// The base lr throughout.
         Constant = "constant",
         /// Times `gamma` every `step_size` steps.

@@ -335,12 +335,12 @@ fn kinds_are_serde_enums_with_the_accepted_names_in_the_error() {
         (
             "aggregation = \"weighted\"",
             "aggregation = \"median\"",
-            "[train] aggregation = \"median\": expected \"sum\", \"mean\" or \"weighted\"",
+            "[train] aggregation = \"median\": unknown variant `median`, expected \"sum\", \"mean\" or \"weighted\"",
         ),
         (
             "loss_reduction = \"mean\"",
             "loss_reduction = \"max\"",
-            "[train] loss_reduction = \"max\": expected \"mean\" or \"sum\"",
+            "[train] loss_reduction = \"max\": unknown variant `max`, expected \"mean\" or \"sum\"",
         ),
     ] {
         let e = refused(&GOOD.replace(from, to));
@@ -380,6 +380,11 @@ fn overrides_replace_file_values_before_validation() {
     // without overrides: the file's values, relative to the file
     let c = parse(GOOD).unwrap();
     assert_eq!(c.server.out_dir, Path::new("/etc/ps/runs/default"));
+    // the override markers are not keys of the file
+    let e = refused(&GOOD.replace("[data]", "[data]\ndir_as_given = true"));
+    assert!(e.contains("unknown field `dir_as_given`"), "{e}");
+    let e = refused(&with_server("out_dir_as_given = true"));
+    assert!(e.contains("unknown field `out_dir_as_given`"), "{e}");
 }
 
 #[test]
