@@ -571,7 +571,7 @@ async fn register_with(
     c.register(RegisterRequest {
         protocol_version: PROTOCOL_VERSION,
         rank: rank as u32,
-        world_size: cfg.workers as u32,
+        world_size: cfg.cluster.workers as u32,
         num_params: cfg.layout().num_params() as u64,
         shard: 0,
         num_shards: 1,
@@ -922,7 +922,7 @@ fn single_process(cfg: &Config, repeats: usize, warmup: usize) -> anyhow::Result
     let n = layout.num_params();
     let optimizer = &cfg.optimizer;
     let lr = cfg.schedule.lr(0) as f32;
-    let mut params = layout.init_range(cfg.seed, 0..n);
+    let mut params = layout.init_range(cfg.train.seed, 0..n);
     let mut state = optimizer.init_state(n);
     let mut backend = CpuBackend::new(layout, 1);
     // synthetic pixels in [0, 1] (the cost does not depend on the data)

@@ -36,11 +36,15 @@ impl fmt::Debug for Token {
 }
 
 impl Token {
-    /// Reads the token from `path` (surrounding whitespace trimmed); the error says what was
-    /// expected, never what the file holds.
+    /// Reads the token from `path` (surrounding whitespace trimmed), at most
+    /// [`MAX_TOKEN_FILE_BYTES`](crate::config::limits::MAX_TOKEN_FILE_BYTES) bytes: a larger
+    /// or endless file (`/dev/zero`) is refused, never read without bound. The error says what
+    /// was expected, never what the file holds.
     pub fn read(path: &Path) -> Result<Self, String> {
-        let text = std::fs::read_to_string(path)
+        let max = crate::config::limits::MAX_TOKEN_FILE_BYTES;
+        let bytes = crate::config::limits::read_bounded(path, max)
             .map_err(|e| format!("cannot read the token file {}: {e}", path.display()))?;
+        let text = String::from_utf8_lossy(&bytes);
         let t = text.trim();
         if t.len() < 16 || !t.bytes().all(|b| b.is_ascii_graphic()) {
             return Err(format!(
@@ -84,7 +88,8 @@ impl TlsFiles {
     ) -> Result<Self, String> {
         let pem = |p: &Path, what: &str| -> Result<Arc<[u8]>, String> {
             let b =
-                std::fs::read(p).map_err(|e| format!("cannot read {what} {}: {e}", p.display()))?;
+                crate::config::limits::read_bounded(p, crate::config::limits::MAX_PEM_FILE_BYTES)
+                    .map_err(|e| format!("cannot read {what} {}: {e}", p.display()))?;
             if !b.windows(11).any(|w| w == b"-----BEGIN ") {
                 return Err(format!(
                     "{what} {}: expected PEM (-----BEGIN ...)",

@@ -619,17 +619,17 @@ pub fn explain(cfg: &Config) -> String {
         &format!(
             "{}: {} worker{}, global batch {}{} (per-worker batches {}), loss_reduction \"{}\", aggregation \"{}\", {}, lr {}",
             cfg.path.display(),
-            cfg.workers,
-            plural(cfg.workers),
-            cfg.global_batch,
-            if cfg.batch_from_per_worker {
+            cfg.cluster.workers,
+            plural(cfg.cluster.workers),
+            cfg.train.global_batch,
+            if cfg.train.batch_from_per_worker {
                 " from per_worker_batch"
             } else {
                 ""
             },
             fmt_list(&split),
-            cfg.loss_reduction,
-            cfg.aggregation,
+            cfg.train.loss_reduction,
+            cfg.train.aggregation,
             cfg.optimizer.describe(),
             cfg.schedule.base_lr
         ),
@@ -640,18 +640,18 @@ pub fn explain(cfg: &Config) -> String {
         // what the user most likely meant: one process at the config's own lr
         let req = Request {
             recipe: Recipe {
-                batch: cfg.global_batch,
+                batch: cfg.train.global_batch,
                 lr: cfg.schedule.base_lr,
-                loss: cfg.loss_reduction,
+                loss: cfg.train.loss_reduction,
                 optimizer: cfg.optimizer.clone(),
                 source: Source::Single,
             },
             shape: Shape {
-                workers: cfg.workers,
+                workers: cfg.cluster.workers,
                 nodes: None,
             },
             // a short last batch is split unevenly: only weighted stays exact
-            aggregation: (cfg.keep_last && cfg.loss_reduction == LossReduction::Mean)
+            aggregation: (cfg.train.keep_last && cfg.train.loss_reduction == LossReduction::Mean)
                 .then_some(Aggregation::Weighted),
             keep_per_worker_batch: false,
         };
@@ -660,7 +660,7 @@ pub fn explain(cfg: &Config) -> String {
                 &mut out,
                 &format!(
                     "if you meant one process with batch {}, {} loss, lr {} (this config's own lr), use instead:",
-                    cfg.global_batch, cfg.loss_reduction, cfg.schedule.base_lr
+                    cfg.train.global_batch, cfg.train.loss_reduction, cfg.schedule.base_lr
                 ),
             );
             for l in p.text.lines().filter(|l| !l.starts_with('#')) {

@@ -117,9 +117,9 @@ pub fn check_reference(
     data_dir: Option<&Path>,
 ) -> anyhow::Result<Report> {
     let layout = cfg.layout();
-    let classes = cfg.dims[cfg.dims.len() - 1];
-    let train = load_split(&cfg.data_dir, Split::Train, classes)?;
-    let test = load_split(&cfg.data_dir, Split::Test, classes)?;
+    let classes = cfg.model.dims[cfg.model.dims.len() - 1];
+    let train = load_split(&cfg.data.dir, Split::Train, classes)?;
+    let test = load_split(&cfg.data.dir, Split::Test, classes)?;
     // the whole run
     let (cluster, version) =
         ps_common::weights::read_shards(out_dir, cfg.num_shards(), layout.num_params())?;
@@ -178,7 +178,7 @@ fn early_config(
     std::fs::write(&path, doc.to_string()).with_context(|| path.display().to_string())?;
     let mut cfg = Config::load(&path);
     if let (Ok(c), Some(d)) = (&mut cfg, data_dir) {
-        c.data_dir = d.to_path_buf();
+        c.data.dir = d.to_path_buf();
     }
     match cfg {
         Ok(c) => Ok((path, c)),
@@ -207,8 +207,8 @@ fn run_early(
         }
     }
     cluster.start_servers(cfg.num_shards(), &args, Duration::from_secs(60))?;
-    for r in 0..cfg.workers {
-        cluster.start_worker(r, cfg.workers, &worker_args)?;
+    for r in 0..cfg.cluster.workers {
+        cluster.start_worker(r, cfg.cluster.workers, &worker_args)?;
     }
     cluster.wait(Duration::from_secs(600), &|| false)?;
     let (w, _) = ps_common::weights::read_shards(dir, cfg.num_shards(), cfg.layout().num_params())?;

@@ -82,7 +82,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     }
     let mut cfg = Config::load(&cli.config)?;
     if let Some(d) = &cli.data_dir {
-        cfg.data_dir = d.clone();
+        cfg.data.dir = d.clone();
     }
     let out_dir = tidy(
         &cli.out_dir
@@ -104,7 +104,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         );
     }
     let logs = out_dir.join("logs");
-    let (s, w) = (cfg.num_shards(), cfg.workers);
+    let (s, w) = (cfg.num_shards(), cfg.cluster.workers);
     eprintln!(
         "ps-launch: {s} shards and {w} workers on 127.0.0.1; worker logs in {}",
         logs.display()
@@ -130,7 +130,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     cluster.start_servers(s, &server_args, Duration::from_secs(60))?;
     eprintln!(
         "ps-launch: the config's server addresses ({}) replaced by free ports on this machine: {}",
-        cfg.servers.join(", "),
+        cfg.cluster.servers.join(", "),
         cluster.addrs.join(", ")
     );
     for r in 0..w {

@@ -84,9 +84,9 @@ pub async fn run_shard(
     let reporter = Reporter::spawn(ReporterConfig {
         shard: index,
         num_shards: cfg.num_shards(),
-        world: cfg.workers,
+        world: cfg.cluster.workers,
         total_steps,
-        log_every: cfg.log_every,
+        log_every: cfg.train.log_every,
         metrics_file: (index == 0).then(|| cfg.server.out_dir.join("metrics.jsonl")),
         append_metrics: resumed,
         shard0,
@@ -120,7 +120,7 @@ pub async fn run_shard(
         ParameterServerServer::new(svc)
             .max_decoding_message_size(MAX_MESSAGE_BYTES)
             .max_encoding_message_size(MAX_MESSAGE_BYTES),
-        ps_common::auth::CheckToken::new(cfg.token.as_ref(), index),
+        ps_common::auth::CheckToken::new(cfg.cluster.token.as_ref(), index),
     );
     tracing::info!(
         "shard {index}/{}: parameters {}..{} ({} values) of {}, {} steps, listening on {}",
@@ -138,7 +138,7 @@ pub async fn run_shard(
     // or Nagle plus delayed ACKs adds ~40 ms to every push reply
     let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
     let mut builder = tonic::transport::Server::builder();
-    if let Some(tls) = &cfg.tls {
+    if let Some(tls) = &cfg.cluster.tls {
         builder = builder
             .tls_config(tls.server())
             .context("TLS: the certificate or key in [cluster] tls_cert / tls_key")?;
@@ -310,17 +310,15 @@ async fn watch_run(cfg: &Config, svc: &ShardService) -> Outcome {
     Outcome::Finished
 }
 
-/// Loads and checks the config and the training set a shard needs; the error names the file.
+/// Loads and checks the config (with the command line's `overrides`) and the training set a
+/// shard needs; the error names the file.
 pub fn load_setup(
     config: &std::path::Path,
     index: usize,
     shard0: Option<String>,
-    data_dir: Option<std::path::PathBuf>,
+    overrides: &ps_common::config::Overrides,
 ) -> anyhow::Result<ShardSetup> {
-    let mut cfg = Config::load(config)?;
-    if let Some(d) = data_dir {
-        cfg.data_dir = d;
-    }
+    let cfg = Config::load_with(config, overrides)?;
     if index >= cfg.num_shards() {
         anyhow::bail!(
             "--shard {index}: expected a shard index in 0..{} ({} lists {} servers)",
@@ -330,18 +328,18 @@ pub fn load_setup(
         );
     }
     // the shard needs the number of samples (the data order) but not the images
-    let classes = cfg.dims[cfg.dims.len() - 1];
+    let classes = cfg.model.dims[cfg.model.dims.len() - 1];
     let (train_len, features) =
-        ps_common::idx::split_shape(&cfg.data_dir, ps_common::idx::Split::Train, classes)
+        ps_common::idx::split_shape(&cfg.data.dir, ps_common::idx::Split::Train, classes)
             .context("reading the training set's labels and header")?;
-    if features != cfg.dims[0] {
+    if features != cfg.model.dims[0] {
         anyhow::bail!(
             "{}: images have {features} pixels but [model] inputs = {}",
-            cfg.data_dir.display(),
-            cfg.dims[0]
+            cfg.data.dir.display(),
+            cfg.model.dims[0]
         );
     }
-    let shard0 = shard0.or_else(|| (index > 0).then(|| cfg.servers[0].clone()));
+    let shard0 = shard0.or_else(|| (index > 0).then(|| cfg.cluster.servers[0].clone()));
     let cfg_metrics = cfg.server.metrics_addrs.get(index).cloned();
     Ok(ShardSetup {
         train_len,

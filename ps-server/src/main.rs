@@ -1,6 +1,7 @@
 //! `ps-server --config FILE --shard I`: one shard of the parameter server.
 
 use clap::Parser;
+use ps_common::config::Overrides;
 use ps_server::{Outcome, load_checkpoint, load_setup, run_shard};
 use std::path::PathBuf;
 
@@ -35,6 +36,10 @@ struct Cli {
     /// `127.0.0.1:0` picks a free port, logged).
     #[arg(long)]
     metrics_listen: Option<String>,
+    /// Only check: validate the config and the training set's shape, print the resolved
+    /// config and its single-process equivalence, and exit (0 valid, 2 refused).
+    #[arg(long)]
+    check: bool,
 }
 
 fn main() -> std::process::ExitCode {
@@ -64,12 +69,20 @@ fn main() -> std::process::ExitCode {
 }
 
 async fn serve(cli: Cli) -> anyhow::Result<Outcome> {
-    let mut setup = load_setup(&cli.config, cli.shard, cli.shard0, cli.data_dir)?;
-    if let Some(d) = cli.out_dir {
-        setup.cfg.server.out_dir = d;
-    }
+    let overrides = Overrides {
+        data_dir: cli.data_dir,
+        out_dir: cli.out_dir,
+    };
+    let mut setup = load_setup(&cli.config, cli.shard, cli.shard0, &overrides)?;
     if cli.metrics_listen.is_some() {
         setup.metrics_listen = cli.metrics_listen;
+    }
+    if cli.check {
+        let total = setup.cfg.total_steps(setup.train_len)?;
+        setup.cfg.schedule = setup.cfg.schedule_for(total);
+        println!("{}", setup.cfg.describe());
+        println!("{}", setup.cfg.equivalence());
+        return Ok(Outcome::Finished);
     }
     if cli.resume {
         // before listening: a shard that cannot resume never looks ready to a launcher
@@ -88,12 +101,12 @@ async fn serve(cli: Cli) -> anyhow::Result<Outcome> {
     }
     let addr = cli
         .listen
-        .unwrap_or_else(|| setup.cfg.servers[setup.index].clone());
+        .unwrap_or_else(|| setup.cfg.cluster.servers[setup.index].clone());
     let listener = tokio::net::TcpListener::bind(&addr)
         .await
         .map_err(|e| anyhow::anyhow!("cannot listen on {addr}: {e}"))?;
     let bound = listener.local_addr()?;
-    if !bound.ip().is_loopback() && setup.cfg.token.is_none() {
+    if !bound.ip().is_loopback() && setup.cfg.cluster.token.is_none() {
         tracing::warn!(
             "shard {} listens on {bound}, outside loopback, without a token: anyone who can reach this port can register, push gradients and read the weights; set [cluster] token_file (and TLS: tls_cert, tls_key, tls_ca)",
             setup.index

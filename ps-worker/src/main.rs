@@ -52,17 +52,17 @@ fn main() -> std::process::ExitCode {
 fn run(cli: Cli) -> anyhow::Result<()> {
     let mut cfg = Config::load(&cli.config)?;
     if let Some(d) = cli.data_dir {
-        cfg.data_dir = d;
+        cfg.data.dir = d;
     }
     let env = std::env::vars().collect();
     let place = ps_worker::env::resolve(cli.rank, cli.world_size, cli.local_rank, &env)
         .map_err(anyhow::Error::msg)?;
-    let world = place.world.unwrap_or(cfg.workers);
-    if world != cfg.workers {
+    let world = place.world.unwrap_or(cfg.cluster.workers);
+    if world != cfg.cluster.workers {
         anyhow::bail!(
             "world size {world} (from {}) differs from [cluster] workers = {} in {}",
             place.world_source.unwrap_or("the environment"),
-            cfg.workers,
+            cfg.cluster.workers,
             cli.config.display()
         );
     }
@@ -81,7 +81,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         place.source,
         place.world_source.unwrap_or("[cluster] workers")
     );
-    let servers = cli.servers.unwrap_or_else(|| cfg.servers.clone());
+    let servers = cli.servers.unwrap_or_else(|| cfg.cluster.servers.clone());
     if servers.len() != cfg.num_shards() {
         anyhow::bail!(
             "{} server addresses given: expected {} (one per shard in {})",
@@ -90,20 +90,21 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             cli.config.display()
         );
     }
-    let threads = ps_worker::cpu_threads(cfg.worker.threads, cfg.workers + cfg.num_shards());
+    let threads =
+        ps_worker::cpu_threads(cfg.worker.threads, cfg.cluster.workers + cfg.num_shards());
     // SAFETY: set before any thread of this process exists (the runtime starts below);
     // matrixmultiply reads it once, at its first threaded product.
     unsafe { std::env::set_var("MATMUL_NUM_THREADS", threads.to_string()) };
-    let classes = cfg.dims[cfg.dims.len() - 1];
+    let classes = cfg.model.dims[cfg.model.dims.len() - 1];
     let train =
-        load_split(&cfg.data_dir, Split::Train, classes).context("loading the training set")?;
-    let test = load_split(&cfg.data_dir, Split::Test, classes).context("loading the test set")?;
-    if train.features() != cfg.dims[0] {
+        load_split(&cfg.data.dir, Split::Train, classes).context("loading the training set")?;
+    let test = load_split(&cfg.data.dir, Split::Test, classes).context("loading the test set")?;
+    if train.features() != cfg.model.dims[0] {
         anyhow::bail!(
             "{}: images have {} pixels but [model] inputs = {}",
-            cfg.data_dir.display(),
+            cfg.data.dir.display(),
             train.features(),
-            cfg.dims[0]
+            cfg.model.dims[0]
         );
     }
     let device = cli.device.unwrap_or_else(|| cfg.worker.device.clone());

@@ -32,7 +32,7 @@ pub fn run_reference(cfg: &Config, train: &Dataset) -> anyhow::Result<ReferenceR
     } else {
         (1.0, eq.grad_scale as f32)
     };
-    let mut params = layout.init_range(cfg.seed, 0..layout.num_params());
+    let mut params = layout.init_range(cfg.train.seed, 0..layout.num_params());
     let mut opt = cfg.optimizer.init_state(params.len());
     let mut backend = CpuBackend::new(layout.clone(), 0);
     let mut planner = BatchPlanner::new(cfg.data_order(train.len()));
@@ -42,7 +42,7 @@ pub fn run_reference(cfg: &Config, train: &Dataset) -> anyhow::Result<ReferenceR
     for t in 0..total {
         train.gather(planner.global_batch(t), &mut x, &mut y);
         backend.set_weights(&params)?;
-        let stats = backend.forward_backward(&x, &y, cfg.loss_reduction, &mut grad)?;
+        let stats = backend.forward_backward(&x, &y, cfg.train.loss_reduction, &mut grad)?;
         last_loss = stats.loss_sum / y.len().max(1) as f64;
         if grad_factor != 1.0 {
             grad.iter_mut().for_each(|g| *g *= grad_factor);
@@ -65,8 +65,8 @@ pub fn compare_with_reference(
     out_dir: &std::path::Path,
 ) -> anyhow::Result<(f64, String)> {
     let layout = cfg.layout();
-    let classes = cfg.dims[cfg.dims.len() - 1];
-    let train = ps_common::idx::load_split(&cfg.data_dir, ps_common::idx::Split::Train, classes)?;
+    let classes = cfg.model.dims[cfg.model.dims.len() - 1];
+    let train = ps_common::idx::load_split(&cfg.data.dir, ps_common::idx::Split::Train, classes)?;
     let (cluster, version) =
         ps_common::weights::read_shards(out_dir, cfg.num_shards(), layout.num_params())?;
     let reference = run_reference(cfg, &train)?;

@@ -74,12 +74,12 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
         mut backend,
     } = setup;
     let layout = cfg.layout();
-    let world = cfg.workers;
+    let world = cfg.cluster.workers;
     let total = cfg.total_steps(train.len())?;
 
     // the gradient lives in a shared-memory board that the shards on this host read in place
     // (where /dev/shm allows), else on the heap
-    let mut grad_board = match cfg.transport {
+    let mut grad_board = match cfg.cluster.transport {
         Transport::Auto => grad_board(rank, layout.num_params()),
         Transport::Grpc => None,
     };
@@ -116,7 +116,7 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
             backend.set_weights(&weights)?;
         }
         let t1 = Instant::now();
-        let eval = if cfg.eval_every > 0 && t > 0 && t.is_multiple_of(cfg.eval_every) {
+        let eval = if cfg.train.eval_every > 0 && t > 0 && t.is_multiple_of(cfg.train.eval_every) {
             evaluate(backend.as_mut(), &test, &test_idx, &mut x, &mut y)?
         } else {
             (0, 0)
@@ -142,7 +142,7 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
             backend.forward_backward_overlapped(
                 &x,
                 &y,
-                cfg.loss_reduction,
+                cfg.train.loss_reduction,
                 grad,
                 &mut |start, tail, stats| {
                     while unsent > 0 && peers[unsent - 1].range.start >= start {
@@ -244,11 +244,11 @@ async fn register_all(
         let req = RegisterRequest {
             protocol_version: PROTOCOL_VERSION,
             rank: rank as u32,
-            world_size: cfg.workers as u32,
+            world_size: cfg.cluster.workers as u32,
             num_params: num_params as u64,
             shard: s as u32,
             num_shards: servers.len() as u32,
-            shared_memory: cfg.transport == Transport::Auto,
+            shared_memory: cfg.cluster.transport == Transport::Auto,
             grad_file: grad_file.clone(),
             grad_token,
         };

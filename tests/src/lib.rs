@@ -2,7 +2,7 @@
 //! cluster of `ps-server` and `ps-worker` processes on 127.0.0.1 (OS-chosen ports), read the
 //! weights the shards wrote, and run the single-process reference in this process.
 
-use ps_common::config::Config;
+use ps_common::config::{Aggregation, Config, LossReduction, TestConfig, Transport};
 use ps_common::idx::{Dataset, Split, load_split};
 use ps_launch::{LocalCluster, bin_dir};
 use std::path::{Path, PathBuf};
@@ -23,7 +23,8 @@ pub fn mnist_train() -> &'static Dataset {
     TRAIN.get_or_init(|| load_split(&mnist_dir(), Split::Train, 10).expect("shipped MNIST loads"))
 }
 
-/// What varies between the test configs.
+/// What varies between the test configs: the run's shape as typed fields, everything else as
+/// a typed [`TestConfig`] (see [`Spec::base`]); written to TOML by `TestConfig`, never by hand.
 #[derive(Debug, Clone)]
 pub struct Spec {
     /// Shards.
@@ -36,22 +37,15 @@ pub struct Spec {
     pub global_batch: usize,
     /// Steps.
     pub steps: u64,
-    /// "mean" or "sum".
-    pub loss: &'static str,
-    /// "sum", "mean" or "weighted".
-    pub aggregation: &'static str,
-    /// The `[optimizer]` table body.
-    pub optimizer: String,
-    /// Extra `[train]` lines.
-    pub train_extra: String,
-    /// Extra `[server]` lines.
-    pub server_extra: String,
-    /// `[cluster] transport`: "auto" or "grpc".
-    pub transport: &'static str,
-    /// More TOML at the end (e.g. a `[checkpoint]` table).
-    pub extra: String,
-    /// Extra `[cluster]` lines.
-    pub cluster_extra: String,
+    /// `[train] loss_reduction`.
+    pub loss: LossReduction,
+    /// `[train] aggregation`.
+    pub aggregation: Aggregation,
+    /// `[cluster] transport`.
+    pub transport: Transport,
+    /// Everything else (optimizer, schedule, `[server]`, `[checkpoint]`, token and TLS): the
+    /// fields above, the data set and the output directory are set over it.
+    pub config: TestConfig,
 }
 
 impl Default for Spec {
@@ -62,42 +56,36 @@ impl Default for Spec {
             hidden: vec![32],
             global_batch: 32,
             steps: 20,
-            loss: "mean",
-            aggregation: "mean",
-            optimizer: "kind = \"sgd\"\nlr = 0.1\nmomentum = 0.9".into(),
-            train_extra: String::new(),
-            server_extra: "barrier_timeout_secs = 120".into(),
-            transport: "auto",
-            extra: String::new(),
-            cluster_extra: String::new(),
+            loss: LossReduction::Mean,
+            aggregation: Aggregation::Mean,
+            transport: Transport::Auto,
+            config: Self::base(),
         }
     }
 }
 
 impl Spec {
+    /// The default of [`Spec::config`]: SGD with lr 0.1 and momentum 0.9, seed 7, log every
+    /// 5 steps, a barrier timeout of 120 s.
+    pub fn base() -> TestConfig {
+        TestConfig::new().sgd(0.1, 0.9).barrier_timeout_secs(120.0)
+    }
+
     /// The TOML text of this spec (server addresses are placeholders: the tests bind port 0).
     pub fn toml(&self, out_dir: &Path) -> String {
-        let servers: Vec<String> = (0..self.shards)
-            .map(|i| format!("\"127.0.0.1:{}\"", 1 + i))
-            .collect();
-        format!(
-            "[cluster]\nservers = [{}]\nworkers = {}\ntransport = \"{}\"\n{}\n\n[model]\nhidden = {:?}\n\n[data]\ndir = {:?}\n\n[train]\nseed = 7\nglobal_batch = {}\nsteps = {}\nloss_reduction = \"{}\"\naggregation = \"{}\"\nlog_every = 5\n{}\n\n[optimizer]\n{}\n\n[server]\nout_dir = {:?}\n{}\n\n{}\n",
-            servers.join(", "),
-            self.workers,
-            self.transport,
-            self.cluster_extra,
-            self.hidden,
-            mnist_dir().display().to_string(),
-            self.global_batch,
-            self.steps,
-            self.loss,
-            self.aggregation,
-            self.train_extra,
-            self.optimizer,
-            out_dir.display().to_string(),
-            self.server_extra,
-            self.extra,
-        )
+        self.config
+            .clone()
+            .shards(self.shards)
+            .workers(self.workers)
+            .transport(self.transport)
+            .hidden(&self.hidden)
+            .data_dir(mnist_dir())
+            .global_batch(self.global_batch as u64)
+            .steps(self.steps)
+            .loss_reduction(self.loss)
+            .aggregation(self.aggregation)
+            .out_dir(out_dir)
+            .toml()
     }
 
     /// Writes the config into `dir/config.toml` and returns its path and parsed form.
@@ -137,10 +125,10 @@ pub fn run_cluster(path: &Path, cfg: &Config, start: &Start) -> PathBuf {
     let order = start
         .order
         .clone()
-        .unwrap_or_else(|| (0..cfg.workers).collect());
+        .unwrap_or_else(|| (0..cfg.cluster.workers).collect());
     for r in order {
         cluster
-            .start_worker(r, cfg.workers, &start.worker_args)
+            .start_worker(r, cfg.cluster.workers, &start.worker_args)
             .unwrap_or_else(|e| panic!("{e}"));
         std::thread::sleep(start.delay);
     }

@@ -19,7 +19,7 @@ fn spec() -> Spec {
         shards: 2,
         workers: 2,
         steps: 5,
-        cluster_extra: "token_file = \"token\"".into(),
+        config: Spec::base().token_file("token"),
         ..Spec::default()
     }
 }
@@ -97,11 +97,10 @@ fn tls_dir() -> std::path::PathBuf {
 fn tls_spec() -> Spec {
     let d = tls_dir();
     Spec {
-        cluster_extra: format!(
-            "token_file = \"token\"\ntls_cert = {:?}\ntls_key = {:?}\ntls_ca = {:?}",
-            d.join("shard.pem").display().to_string(),
-            d.join("shard.key").display().to_string(),
-            d.join("ca.pem").display().to_string(),
+        config: Spec::base().token_file("token").tls(
+            d.join("shard.pem"),
+            d.join("shard.key"),
+            d.join("ca.pem"),
         ),
         ..spec()
     }

@@ -68,7 +68,7 @@ async fn one_shard_with(args: &[String]) -> (tempfile::TempDir, LocalCluster, Cl
         workers: 2,
         hidden: vec![4],
         steps: 2,
-        optimizer: "kind = \"sgd\"\nlr = 0.5".into(),
+        config: Spec::base().sgd(0.5, 0.0),
         ..Spec::default()
     };
     let dir = tempfile::tempdir().unwrap();

@@ -4,13 +4,17 @@
 //! is refused with a message that says what was expected; `ps-launch --export` merges the
 //! shards into one PyTorch-named `model.safetensors` and draws `curves.svg`.
 
+use ps_common::config::TestConfig;
 use ps_launch::{LocalCluster, bin_dir};
 use ps_tests::{Spec, Start, cluster_weights, run_cluster};
 use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
-const CHECKPOINTS: &str = "[checkpoint]\nevery = 5\nkeep = 2";
+/// `[checkpoint] every = 5, keep = 2` over `Spec::base()`.
+fn checkpoints() -> TestConfig {
+    Spec::base().checkpoint(5, 2)
+}
 
 fn spec(steps: u64) -> Spec {
     Spec {
@@ -18,8 +22,7 @@ fn spec(steps: u64) -> Spec {
         workers: 2,
         global_batch: 32,
         steps,
-        optimizer: "kind = \"adam\"\nlr = 0.01".into(),
-        extra: CHECKPOINTS.into(),
+        config: checkpoints().adam(0.01, 0.0, false),
         ..Spec::default()
     }
 }
@@ -128,16 +131,15 @@ fn failed_resume(path: &Path, dir: &Path) -> (Option<i32>, String) {
 #[test]
 fn a_resume_without_usable_checkpoints_is_refused() {
     let dir = tempfile::tempdir().unwrap();
-    let one_shard = |hidden: Vec<usize>, optimizer: &str| Spec {
+    let one_shard = |hidden: Vec<usize>, momentum: f32| Spec {
         shards: 1,
         workers: 1,
         steps: 5,
         hidden,
-        optimizer: optimizer.into(),
-        extra: CHECKPOINTS.into(),
+        config: checkpoints().sgd(0.1, momentum),
         ..Spec::default()
     };
-    let (path, _) = one_shard(vec![8], "kind = \"sgd\"\nlr = 0.1").write(dir.path());
+    let (path, _) = one_shard(vec![8], 0.0).write(dir.path());
     let (code, log) = failed_resume(&path, dir.path());
     assert_eq!(code, Some(2), "{log}");
     assert!(
@@ -146,10 +148,9 @@ fn a_resume_without_usable_checkpoints_is_refused() {
     );
 
     // a checkpoint written by a run with momentum: its state does not fit plain SGD
-    let (path, cfg) =
-        one_shard(vec![8], "kind = \"sgd\"\nlr = 0.1\nmomentum = 0.9").write(dir.path());
+    let (path, cfg) = one_shard(vec![8], 0.9).write(dir.path());
     run_cluster(&path, &cfg, &Start::default());
-    let (path, _) = one_shard(vec![8], "kind = \"sgd\"\nlr = 0.1").write(dir.path());
+    let (path, _) = one_shard(vec![8], 0.0).write(dir.path());
     let (code, log) = failed_resume(&path, dir.path());
     assert_eq!(code, Some(2), "{log}");
     assert!(
@@ -157,8 +158,7 @@ fn a_resume_without_usable_checkpoints_is_refused() {
         "{log}"
     );
     // another model (its range no longer matches)
-    let (path, _) =
-        one_shard(vec![9], "kind = \"sgd\"\nlr = 0.1\nmomentum = 0.9").write(dir.path());
+    let (path, _) = one_shard(vec![9], 0.9).write(dir.path());
     let (code, log) = failed_resume(&path, dir.path());
     assert_eq!(code, Some(2), "{log}");
     assert!(log.contains("metadata end"), "{log}");

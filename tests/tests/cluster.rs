@@ -2,6 +2,7 @@
 //! DESIGN.md §2, bit-reproducibility whatever the start order, sharding independence, and
 //! convergence on the shipped MNIST.
 
+use ps_common::config::{Aggregation, LossReduction, Transport};
 use ps_common::idx::{Split, load_split};
 use ps_tests::{Spec, Start, cluster_weights, mnist_dir, reference_weights, rel_diff, run_cluster};
 use ps_worker::backend::Backend;
@@ -16,7 +17,7 @@ fn equivalence(spec: Spec) -> f64 {
     run_cluster(&path, &cfg, &Start::default());
     let got = cluster_weights(&cfg);
     let want = reference_weights(&cfg);
-    let init = cfg.layout().init_range(cfg.seed, 0..got.len());
+    let init = cfg.layout().init_range(cfg.train.seed, 0..got.len());
     assert!(
         rel_diff(&cfg, &init, &want) > 1e-3,
         "training moved the weights"
@@ -46,8 +47,8 @@ fn b_mean_loss_sum_aggregation_with_lr_over_w_equals_one_process_at_lr() {
     // the cluster runs lr 0.1 / 4 with sum aggregation; the reference runs the config's
     // equivalent single process, which is lr 0.1 (checked here, not assumed)
     let spec = Spec {
-        aggregation: "sum",
-        optimizer: "kind = \"sgd\"\nlr = 0.025\nmomentum = 0.9".into(),
+        aggregation: Aggregation::Sum,
+        config: Spec::base().sgd(0.025, 0.9),
         ..Spec::default()
     };
     let dir = tempfile::tempdir().unwrap();
@@ -62,7 +63,7 @@ fn b_mean_loss_sum_aggregation_with_lr_over_w_equals_one_process_at_lr() {
 fn c_weighted_aggregation_with_uneven_batches_equals_one_process() {
     let d = equivalence(Spec {
         global_batch: 30,
-        aggregation: "weighted",
+        aggregation: Aggregation::Weighted,
         ..Spec::default()
     });
     assert!(d < TOL, "relative difference {d:.3e} >= {TOL:e}");
@@ -72,7 +73,7 @@ fn c_weighted_aggregation_with_uneven_batches_equals_one_process() {
 fn d_plain_mean_with_uneven_batches_is_biased() {
     let d = equivalence(Spec {
         global_batch: 30,
-        aggregation: "mean",
+        aggregation: Aggregation::Mean,
         ..Spec::default()
     });
     assert!(
@@ -84,11 +85,11 @@ fn d_plain_mean_with_uneven_batches_is_biased() {
 #[test]
 fn sum_loss_sum_aggregation_and_adam_equal_one_process() {
     let d = equivalence(Spec {
-        loss: "sum",
-        aggregation: "sum",
+        loss: LossReduction::Sum,
+        aggregation: Aggregation::Sum,
         workers: 3,
         global_batch: 24,
-        optimizer: "kind = \"adamw\"\nlr = 0.001\nweight_decay = 0.01".into(),
+        config: Spec::base().adam(0.001, 0.01, true),
         ..Spec::default()
     });
     assert!(d < TOL, "relative difference {d:.3e} >= {TOL:e}");
@@ -100,7 +101,7 @@ fn reruns_are_bit_identical_whatever_the_start_order() {
         workers: 3,
         global_batch: 30,
         steps: 20,
-        aggregation: "weighted",
+        aggregation: Aggregation::Weighted,
         ..Spec::default()
     };
     let mut results = Vec::new();
@@ -133,12 +134,15 @@ fn reruns_are_bit_identical_whatever_the_start_order() {
 #[test]
 fn shared_memory_and_grpc_transports_give_bit_identical_weights() {
     let mut results = Vec::new();
-    for (transport, via) in [("auto", "shared memory"), ("grpc", "gRPC")] {
+    for (transport, via) in [
+        (Transport::Auto, "shared memory"),
+        (Transport::Grpc, "gRPC"),
+    ] {
         let spec = Spec {
             workers: 2,
             global_batch: 32,
             steps: 15,
-            optimizer: "kind = \"adamw\"\nlr = 0.01\nweight_decay = 0.01".into(),
+            config: Spec::base().adam(0.01, 0.01, true),
             transport,
             ..Spec::default()
         };
@@ -188,8 +192,7 @@ fn converges_on_mnist_and_logs_metrics() {
         hidden: vec![128],
         global_batch: 64,
         steps: 300,
-        optimizer: "kind = \"sgd\"\nlr = 0.1\nmomentum = 0.9".into(),
-        train_extra: "eval_every = 100".into(),
+        config: Spec::base().sgd(0.1, 0.9).eval_every(100),
         ..Spec::default()
     };
     let dir = tempfile::tempdir().unwrap();
@@ -255,10 +258,11 @@ fn one_worker_is_bit_identical_to_one_process_across_epochs_and_schedules() {
         workers: 1,
         global_batch: 4096,
         steps: 20,
-        optimizer:
-            "kind = \"sgd\"\nlr = 0.1\nmomentum = 0.9\nnesterov = true\nweight_decay = 0.0005"
-                .into(),
-        train_extra: "[schedule]\nkind = \"cosine\"\nwarmup_steps = 5\nmin_lr = 0.001".into(),
+        config: Spec::base()
+            .sgd(0.1, 0.9)
+            .nesterov(true)
+            .weight_decay(0.0005)
+            .cosine(5, 0.001),
         ..Spec::default()
     };
     let dir = tempfile::tempdir().unwrap();
@@ -286,8 +290,8 @@ fn weighted_aggregation_stays_exact_with_the_short_last_batch_kept() {
         workers: 3,
         global_batch: 4096,
         steps: 17,
-        aggregation: "weighted",
-        train_extra: "keep_last = true".into(),
+        aggregation: Aggregation::Weighted,
+        config: Spec::base().keep_last(true),
         ..Spec::default()
     };
     let dir = tempfile::tempdir().unwrap();

@@ -2,6 +2,7 @@
 //! Needs a GPU: ignored by default, run with `--ignored` on a GPU machine (scripts/gpu-check.sh);
 //! without a GPU it fails instead of passing silently.
 
+use ps_common::config::Aggregation;
 use ps_tests::{Spec, Start, cluster_weights, reference_weights, rel_diff, run_cluster};
 
 /// CUDA and CPU gradients agree to ~1e-6 relative per step; after 20 steps the weights differ
@@ -14,7 +15,7 @@ fn cuda_workers_equal_one_process() {
     let n =
         ps_worker::cuda::device_count().unwrap_or_else(|e| panic!("this test needs a GPU: {e}"));
     assert!(n > 0, "this test needs a GPU: no CUDA device");
-    for aggregation in ["mean", "weighted"] {
+    for aggregation in [Aggregation::Mean, Aggregation::Weighted] {
         let spec = Spec {
             global_batch: 30,
             aggregation,
@@ -35,7 +36,7 @@ fn cuda_workers_equal_one_process() {
         );
         let d = rel_diff(&cfg, &cluster_weights(&cfg), &reference_weights(&cfg));
         eprintln!("cuda workers, {aggregation}: largest relative weight difference {d:.3e}");
-        if aggregation == "weighted" {
+        if aggregation == Aggregation::Weighted {
             assert!(d < CUDA_TOL, "relative difference {d:.3e} >= {CUDA_TOL:e}");
         } else {
             assert!(d > CUDA_TOL, "mean of uneven batches must differ: {d:.3e}");

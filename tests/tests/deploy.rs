@@ -439,17 +439,24 @@ fn every_toml_config_under_deploy_parses() {
     }
     for p in &tomls {
         let cfg = Config::load(p).unwrap_or_else(|e| panic!("{e}"));
-        assert!(cfg.num_shards() >= 1 && cfg.workers >= 1, "{}", rel(p));
+        assert!(
+            cfg.num_shards() >= 1 && cfg.cluster.workers >= 1,
+            "{}",
+            rel(p)
+        );
     }
     let mnist_data = repo().join("data/mnist").canonicalize().unwrap();
     let local = Config::load(&deploy().join("mnist.toml")).unwrap();
-    assert_eq!(local.servers, ["127.0.0.1:50051", "127.0.0.1:50052"]);
-    assert_eq!(local.workers, 2);
-    assert_eq!(local.data_dir.canonicalize().unwrap(), mnist_data);
+    assert_eq!(
+        local.cluster.servers,
+        ["127.0.0.1:50051", "127.0.0.1:50052"]
+    );
+    assert_eq!(local.cluster.workers, 2);
+    assert_eq!(local.data.dir.canonicalize().unwrap(), mnist_data);
     let slurm = Config::load(&deploy().join("slurm/template.toml")).unwrap();
-    assert_eq!(slurm.data_dir.canonicalize().unwrap(), mnist_data);
+    assert_eq!(slurm.data.dir.canonicalize().unwrap(), mnist_data);
     assert!(
-        slurm.global_batch >= slurm.workers,
+        slurm.train.global_batch >= slurm.cluster.workers,
         "the template runs as is"
     );
     // the Kubernetes config (embedded in the ConfigMap) parses too; checked in detail below
@@ -457,7 +464,7 @@ fn every_toml_config_under_deploy_parses() {
     let cm = find(&docs, "ConfigMap", "ps-config");
     let cfg = Config::parse(config_toml(cm), Path::new("/etc/ps/config.toml"))
         .unwrap_or_else(|e| panic!("the ConfigMap's config.toml: {e}"));
-    assert_eq!((cfg.num_shards(), cfg.workers), (2, 4));
+    assert_eq!((cfg.num_shards(), cfg.cluster.workers), (2, 4));
 }
 
 #[test]
@@ -551,9 +558,9 @@ fn kubernetes_manifests_are_consistent_with_the_config_and_the_binaries() {
             )
         })
         .collect();
-    assert_eq!(cfg.servers, dns);
+    assert_eq!(cfg.cluster.servers, dns);
     assert_eq!(
-        cfg.servers,
+        cfg.cluster.servers,
         [
             "ps-server-0.ps-server.ps.svc.cluster.local:50051",
             "ps-server-1.ps-server.ps.svc.cluster.local:50051"
@@ -592,7 +599,7 @@ fn kubernetes_manifests_are_consistent_with_the_config_and_the_binaries() {
     );
 
     // the workers: an Indexed Job of W pods, rank = completion index, one GPU each
-    let w = cfg.workers as u64;
+    let w = cfg.cluster.workers as u64;
     assert_eq!(w, 4);
     assert_eq!(text(workers, "spec.completionMode"), "Indexed");
     assert_eq!(int(workers, "spec.completions"), w, "completions = W");
@@ -627,14 +634,14 @@ fn kubernetes_manifests_are_consistent_with_the_config_and_the_binaries() {
     assert!(docker.contains("target/release/ps-server target/release/ps-worker"));
     assert!(docker.contains("COPY --from=build /out/ /usr/local/bin/"));
     assert!(docker.contains("COPY data/ /opt/ps/data/"));
-    let in_repo = cfg.data_dir.strip_prefix("/opt/ps").unwrap();
+    let in_repo = cfg.data.dir.strip_prefix("/opt/ps").unwrap();
     assert!(
         repo()
             .join(in_repo)
             .join("train-images-idx3-ubyte.gz")
             .exists(),
         "{} comes from the repository's {}",
-        cfg.data_dir.display(),
+        cfg.data.dir.display(),
         in_repo.display()
     );
 }
@@ -678,20 +685,20 @@ fn slurm_config_generation_gives_every_shard_its_node_and_port() {
     assert_eq!(out.lines().last(), Some(generated.to_str().unwrap()));
     let got = Config::load(&generated).unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(
-        got.servers,
+        got.cluster.servers,
         ["gpu01:50051", "gpu02:50052"],
         "one shard per node"
     );
-    assert_eq!(got.workers, 8, "W = SLURM_NTASKS");
+    assert_eq!(got.cluster.workers, 8, "W = SLURM_NTASKS");
     // everything else is the template's, relative paths resolved against the template's dir
     let mut want = Config::load(&template).unwrap();
     want.path = generated.clone();
-    want.servers = got.servers.clone();
-    want.workers = 8;
+    want.cluster.servers = got.cluster.servers.clone();
+    want.cluster.workers = 8;
     assert_eq!(got, want);
-    assert!(got.data_dir.is_absolute() && got.server.out_dir.is_absolute());
+    assert!(got.data.dir.is_absolute() && got.server.out_dir.is_absolute());
     assert_eq!(
-        got.data_dir.canonicalize().unwrap(),
+        got.data.dir.canonicalize().unwrap(),
         repo().join("data/mnist").canonicalize().unwrap()
     );
     assert_eq!(got.server.out_dir, slurm_dir.join("../../runs/slurm"));
@@ -730,13 +737,13 @@ fn slurm_config_generation_gives_every_shard_its_node_and_port() {
     );
     let got = Config::load(&job_dir2.join("config.toml")).unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(
-        got.servers,
+        got.cluster.servers,
         ["n1:6000", "n2:6001", "n1:6002"],
         "round-robin"
     );
-    assert_eq!(got.workers, 3);
-    assert_eq!(got.global_batch, 30);
-    assert_eq!(got.data_dir, repo().join("data/mnist"), "absolute: kept");
+    assert_eq!(got.cluster.workers, 3);
+    assert_eq!(got.train.global_batch, 30);
+    assert_eq!(got.data.dir, repo().join("data/mnist"), "absolute: kept");
     assert_eq!(got.server.out_dir, tdir.canonicalize().unwrap().join("out"));
 
     // refusals, each naming the problem
@@ -854,7 +861,7 @@ fn slurm_job_runs_a_whole_cluster_with_a_stand_in_srun() {
     assert!(out.contains("ps-cluster: finished"), "{out}");
     let cfg = Config::load(&job.join("config.toml")).unwrap();
     assert_eq!(
-        cfg.servers,
+        cfg.cluster.servers,
         [
             format!("127.0.0.1:{port}"),
             format!("127.0.0.1:{}", port + 1)

@@ -1,6 +1,7 @@
 //! No silent hang, no orphan: a barrier missing a rank says which one and then fails the run
 //! loudly; Ctrl-C on the launcher stops every server and worker it started.
 
+use ps_common::config::{BarrierPolicy, Transport};
 use ps_launch::{LocalCluster, bin_dir};
 use ps_tests::{Spec, Start, run_cluster};
 use std::process::{Command, Stdio};
@@ -12,7 +13,9 @@ fn a_missing_rank_is_named_then_the_barrier_times_out() {
         shards: 1,
         workers: 2,
         steps: 5,
-        server_extra: "barrier_warn_secs = 1\nbarrier_timeout_secs = 3".into(),
+        config: Spec::base()
+            .barrier_warn_secs(1.0)
+            .barrier_timeout_secs(3.0),
         ..Spec::default()
     };
     let dir = tempfile::tempdir().unwrap();
@@ -21,7 +24,7 @@ fn a_missing_rank_is_named_then_the_barrier_times_out() {
     cluster
         .start_servers(1, &[], Duration::from_secs(60))
         .unwrap();
-    cluster.start_worker(0, cfg.workers, &[]).unwrap();
+    cluster.start_worker(0, cfg.cluster.workers, &[]).unwrap();
     let started = Instant::now();
     let err = cluster
         .wait(Duration::from_secs(60), &|| false)
@@ -243,7 +246,7 @@ fn a_worker_that_died_between_its_pushes_redoes_the_step() {
         shards: 2,
         workers: 2,
         steps: 20,
-        transport: "grpc",
+        transport: Transport::Grpc,
         ..Spec::default()
     };
     let straight = ps_tests::uninterrupted_weights(&spec);
@@ -292,7 +295,7 @@ fn a_worker_that_died_between_its_pushes_redoes_the_step() {
     backend.set_weights(&w).unwrap();
     let mut grad = vec![0f32; n];
     let stats = backend
-        .forward_backward(&x, &y, cfg.loss_reduction, &mut grad)
+        .forward_backward(&x, &y, cfg.train.loss_reduction, &mut grad)
         .unwrap();
     let header = PushHeader {
         rank: 1,
@@ -413,9 +416,10 @@ fn barrier_policy_continue_goes_on_without_a_missing_rank_until_it_comes_back() 
         workers: 2,
         hidden: vec![256],
         steps: 1500,
-        server_extra:
-            "barrier_warn_secs = 0.5\nbarrier_timeout_secs = 1.5\nbarrier_policy = \"continue\""
-                .into(),
+        config: Spec::base()
+            .barrier_warn_secs(0.5)
+            .barrier_timeout_secs(1.5)
+            .barrier_policy(BarrierPolicy::Continue),
         ..Spec::default()
     };
     let dir = tempfile::tempdir().unwrap();

@@ -225,23 +225,23 @@ fn a_shard_outside_loopback_without_a_token_warns() {
 #[test]
 fn a_tls_mismatch_says_tls_expected() {
     let tls = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("data/tls");
-    let tls_lines = format!(
-        "tls_cert = {:?}\ntls_key = {:?}\ntls_ca = {:?}",
-        tls.join("shard.pem").display().to_string(),
-        tls.join("shard.key").display().to_string(),
-        tls.join("ca.pem").display().to_string(),
-    );
     for (shard_tls, worker_tls) in [(true, false), (false, true)] {
         let dir = tempfile::tempdir().unwrap();
         let spec = |tls_on: bool| Spec {
             shards: 1,
             workers: 1,
-            cluster_extra: if tls_on {
-                tls_lines.clone()
-            } else {
-                String::new()
+            config: {
+                let base = Spec::base().connect_timeout_secs(2.0);
+                if tls_on {
+                    base.tls(
+                        tls.join("shard.pem"),
+                        tls.join("shard.key"),
+                        tls.join("ca.pem"),
+                    )
+                } else {
+                    base
+                }
             },
-            extra: "[worker]\nconnect_timeout_secs = 2".into(),
             ..small()
         };
         let sdir = dir.path().join("shard");

@@ -2,7 +2,7 @@
 //! lines, and that those lines, merged into a real config, train a real cluster to the weights
 //! of the single-process recipe (computed separately, not from the planned config).
 
-use ps_common::config::Config;
+use ps_common::config::{Aggregation, Config, LossReduction};
 use ps_launch::bin_dir;
 use ps_tests::{Spec, Start, cluster_weights, reference_weights, rel_diff, run_cluster};
 use std::process::Command;
@@ -121,7 +121,7 @@ fn planned_cluster_equals_recipe(planned: &str, recipe: Spec) -> f64 {
     let eq = rcfg.equivalence();
     assert!(eq.exact && eq.grad_scale == 1.0, "recipe config: {eq}");
     let want = reference_weights(&rcfg);
-    let init = cfg.layout().init_range(cfg.seed, 0..got.len());
+    let init = cfg.layout().init_range(cfg.train.seed, 0..got.len());
     assert!(
         rel_diff(&cfg, &init, &want) > 1e-3,
         "training moved the weights"
@@ -156,7 +156,7 @@ fn batch_16_lr_001_on_one_gpu_to_2_nodes_x_2_gpus() {
         &out,
         Spec {
             global_batch: 16,
-            optimizer: "kind = \"sgd\"\nlr = 0.01\nmomentum = 0.9".into(),
+            config: Spec::base().sgd(0.01, 0.9),
             ..Spec::default()
         },
     );
@@ -204,8 +204,8 @@ fn sum_loss_with_mean_aggregation_multiplies_the_lr_by_w() {
         &out,
         Spec {
             global_batch: 16,
-            loss: "sum",
-            optimizer: "kind = \"sgd\"\nlr = 0.002\nmomentum = 0.9".into(),
+            loss: LossReduction::Sum,
+            config: Spec::base().sgd(0.002, 0.9),
             ..Spec::default()
         },
     );
@@ -239,8 +239,8 @@ fn dataparallel_summing_on_4_gpus_is_one_process_with_the_dataloader_batch() {
     let dir = tempfile::tempdir().unwrap();
     let (path, _) = Spec {
         global_batch: 64,
-        aggregation: "sum",
-        optimizer: "kind = \"sgd\"\nlr = 0.1".into(),
+        aggregation: Aggregation::Sum,
+        config: Spec::base().sgd(0.1, 0.0),
         ..Spec::default()
     }
     .write(dir.path());

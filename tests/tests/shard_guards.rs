@@ -4,6 +4,7 @@
 //! caught by the update that reads it: the step is not applied and the run stops loudly.
 
 use ps_common::PROTOCOL_VERSION;
+use ps_common::config::Transport;
 use ps_common::pb::parameter_server_client::ParameterServerClient;
 use ps_common::pb::{PullRequest, PushChunk, PushHeader, PushReply, RegisterRequest};
 use ps_common::shm::{Board, BoardDir, grad_path, params_path, shm_root};
@@ -101,8 +102,8 @@ async fn live() -> Live {
         workers: 2,
         hidden: vec![4],
         steps: 2,
-        optimizer: "kind = \"sgd\"\nlr = 0.5".into(),
-        transport: "auto",
+        config: Spec::base().sgd(0.5, 0.0),
+        transport: Transport::Auto,
         ..Spec::default()
     };
     let dir = tempfile::tempdir().unwrap();

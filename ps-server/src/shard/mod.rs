@@ -185,13 +185,13 @@ impl Shard {
         let (version, init, opt) = match saved {
             Some(s) => (s.version, s.params, s.opt),
             None => {
-                let init = layout.init_range(cfg.seed, range.clone());
+                let init = layout.init_range(cfg.train.seed, range.clone());
                 let opt = cfg.optimizer.init_state(init.len());
                 (0, init, opt)
             }
         };
-        let w = cfg.workers;
-        let shm = match (cfg.transport, shm_root()) {
+        let w = cfg.cluster.workers;
+        let shm = match (cfg.cluster.transport, shm_root()) {
             (Transport::Auto, Some(root)) => ShmHost::create(&root, index, w),
             _ => None,
         };
@@ -215,7 +215,7 @@ impl Shard {
             num_params: layout.num_params(),
             num_shards: cfg.num_shards(),
             total_steps,
-            aggregation: cfg.aggregation,
+            aggregation: cfg.train.aggregation,
             optimizer: cfg.optimizer.clone(),
             schedule: cfg.schedule_for(total_steps),
             state: Mutex::new(state),

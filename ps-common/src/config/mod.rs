@@ -1,0 +1,569 @@
+//! The one TOML file that describes a cluster and a run, shaped like the file: one module
+//! and one validated struct per `[section]`.
+//!
+//! - `kinds`: the names a file gives (`transport`, `aggregation`, `kind`, ...) as serde enums;
+//! - `cluster`, `model`, `train` (with `[data]`), `optimizer` (with `[schedule]`), `server`
+//!   (with `[worker]` and `[checkpoint]`): each a private serde `Raw*` mirror of its section
+//!   (unknown keys are errors) and the `validate` that turns it into the public struct;
+//! - `limits`: the stated maximum of every duration, count and size;
+//! - this file: [`Config`], the checks that span sections ([`Config::parse`]), command-line
+//!   [`Overrides`] (applied to the raw file before validation, so an override is checked like
+//!   a file value), and the resolved-config and equivalence statements;
+//! - `builder`: [`TestConfig`], a typed builder of config files for tests.
+//!
+//! Every error names the file, the key, the value and what was expected. Relative paths in
+//! the file are taken relative to the file's own directory.
+//!
+//! It also answers the question users come with: which single-process run a configuration
+//! is equivalent to ([`Config::equivalence`]).
+
+mod builder;
+mod cluster;
+mod kinds;
+pub mod limits;
+mod model;
+mod optimizer;
+mod server;
+mod train;
+
+pub use builder::TestConfig;
+pub use cluster::ClusterConfig;
+pub use kinds::{
+    Aggregation, BarrierPolicy, LossReduction, OptimizerKind, ScheduleKind, Transport,
+};
+pub use model::ModelConfig;
+pub use server::{CheckpointConfig, ServerConfig, WorkerConfig};
+pub use train::{DataConfig, TrainConfig};
+
+use crate::layout::{MlpLayout, split_even};
+use crate::optim::{Decay, LrSchedule, Optimizer};
+use limits::MAX_STEPS;
+use serde::{Deserialize, Serialize};
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+/// A config error: the file and what is wrong, in one line.
+#[derive(Debug, thiserror::Error)]
+#[error("{file}: {message}")]
+pub struct ConfigError {
+    /// The config file.
+    pub file: PathBuf,
+    /// What is wrong, naming the key.
+    pub message: String,
+}
+
+/// The file, section by section, as read (before validation).
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+struct RawConfig {
+    cluster: cluster::RawCluster,
+    #[serde(default)]
+    model: model::RawModel,
+    data: train::RawData,
+    train: train::RawTrain,
+    optimizer: optimizer::RawOptimizer,
+    #[serde(default)]
+    schedule: optimizer::RawSchedule,
+    #[serde(default)]
+    server: server::RawServer,
+    #[serde(default)]
+    worker: server::RawWorker,
+    #[serde(default)]
+    checkpoint: server::RawCheckpoint,
+}
+
+/// Resolves the file's relative paths against the file's directory.
+struct Resolve<'a> {
+    base: &'a Path,
+}
+
+impl Resolve<'_> {
+    fn path(&self, p: &Path) -> PathBuf {
+        if p.is_absolute() {
+            p.to_path_buf()
+        } else {
+            self.base.join(p)
+        }
+    }
+}
+
+/// Command-line settings that replace a file's values (`--data-dir`, `--out-dir` of
+/// `ps-server`, `ps-worker` and `ps-launch`). They are applied to the raw file before
+/// validation, so an override is checked exactly like the value it replaces; paths are taken
+/// as given (relative to the working directory), not relative to the file.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Overrides {
+    /// `[data] dir`.
+    pub data_dir: Option<PathBuf>,
+    /// `[server] out_dir`.
+    pub out_dir: Option<PathBuf>,
+}
+
+impl Overrides {
+    fn apply(&self, raw: &mut RawConfig) {
+        if let Some(d) = &self.data_dir {
+            raw.data.dir = d.clone();
+            raw.data.dir_as_given = true;
+        }
+        if let Some(d) = &self.out_dir {
+            raw.server.out_dir = d.clone();
+            raw.server.out_dir_as_given = true;
+        }
+    }
+}
+
+/// What the host can give a process, for the memory check (tests pass their own).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Host {
+    /// Bytes available (`MemAvailable`), None when unknown (then no check).
+    pub available_bytes: Option<u64>,
+}
+
+impl Host {
+    /// This machine.
+    pub fn this() -> Self {
+        Self {
+            available_bytes: limits::host_available_bytes(),
+        }
+    }
+}
+
+/// A validated configuration: one struct per section of the file.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Config {
+    /// The file it came from.
+    pub path: PathBuf,
+    /// `[cluster]`: shards, workers, transport, token and TLS.
+    pub cluster: ClusterConfig,
+    /// `[model]`: layer widths.
+    pub model: ModelConfig,
+    /// `[data]`: the data set.
+    pub data: DataConfig,
+    /// `[train]`: batch, length, reduction and aggregation.
+    pub train: TrainConfig,
+    /// `[optimizer]`: the optimizer.
+    pub optimizer: Optimizer,
+    /// `[schedule]` (with `[optimizer] lr` as its base): the learning-rate schedule.
+    pub schedule: LrSchedule,
+    /// `[server]`: shard settings.
+    pub server: ServerConfig,
+    /// `[worker]`: worker settings.
+    pub worker: WorkerConfig,
+    /// `[checkpoint]`: checkpoint settings.
+    pub checkpoint: CheckpointConfig,
+}
+
+impl Config {
+    /// Reads and validates `path`.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        Self::load_with(path, &Overrides::default())
+    }
+
+    /// Reads `path`, applies the command-line `overrides`, and validates the result.
+    pub fn load_with(path: &Path, overrides: &Overrides) -> Result<Config, ConfigError> {
+        let text = read_config_text(path).map_err(|message| ConfigError {
+            file: path.into(),
+            message,
+        })?;
+        Self::parse_with(&text, path, overrides, &Host::this())
+    }
+
+    /// Parses and validates `text` as if read from `path` (relative paths resolve against its directory).
+    pub fn parse(text: &str, path: &Path) -> Result<Config, ConfigError> {
+        Self::parse_with(text, path, &Overrides::default(), &Host::this())
+    }
+
+    /// [`Config::parse`] with command-line overrides, and the host whose memory the model
+    /// must fit in.
+    pub fn parse_with(
+        text: &str,
+        path: &Path,
+        overrides: &Overrides,
+        host: &Host,
+    ) -> Result<Config, ConfigError> {
+        let err = |message: String| ConfigError {
+            file: path.into(),
+            message,
+        };
+        let mut raw: RawConfig = toml::from_str(text).map_err(|e| err(one_line(&e.to_string())))?;
+        overrides.apply(&mut raw);
+        let resolve = Resolve {
+            base: path.parent().unwrap_or(Path::new(".")),
+        };
+        Self::validate(raw, path, &resolve, host).map_err(err)
+    }
+
+    /// Each section validates itself; then the checks that span sections.
+    fn validate(
+        raw: RawConfig,
+        path: &Path,
+        resolve: &Resolve,
+        host: &Host,
+    ) -> Result<Config, String> {
+        let cluster = raw.cluster.validate(resolve)?;
+        let model = raw.model.validate()?;
+        let mut train = raw.train.validate()?;
+        let optimizer = raw.optimizer.validate()?;
+        let schedule = raw.schedule.validate(raw.optimizer.lr)?;
+        let server = raw.server.validate(resolve)?;
+        let worker = raw.worker.validate()?;
+        let checkpoint = raw.checkpoint.validate(resolve)?;
+        let w = cluster.workers;
+
+        // [train] x [cluster]: the global batch
+        if train.batch_from_per_worker {
+            let b = train.global_batch;
+            train.global_batch = b
+                .checked_mul(w)
+                .filter(|&g| g as u64 <= limits::MAX_BATCH)
+                .ok_or_else(|| {
+                    format!(
+                        "[train] per_worker_batch = {b} x [cluster] workers = {w}: expected a global batch of at most {}",
+                        limits::MAX_BATCH
+                    )
+                })?;
+        }
+        if train.global_batch < w {
+            return Err(format!(
+                "[train] global_batch = {} is smaller than [cluster] workers = {w}: expected every worker to get at least one sample",
+                train.global_batch
+            ));
+        }
+        // [server] x [cluster]: one metrics address per shard
+        if !server.metrics_addrs.is_empty() && server.metrics_addrs.len() != cluster.servers.len() {
+            return Err(format!(
+                "[server] metrics_addrs has {} addresses: expected none or one per shard ({})",
+                server.metrics_addrs.len(),
+                cluster.servers.len()
+            ));
+        }
+        let cfg = Config {
+            path: path.to_path_buf(),
+            cluster,
+            model,
+            data: raw.data.validate(resolve),
+            train,
+            optimizer,
+            schedule,
+            server,
+            worker,
+            checkpoint,
+        };
+        // [model] x [train] x [optimizer] x [cluster]: the memory of the largest process
+        cfg.check_memory(host)?;
+        Ok(cfg)
+    }
+
+    /// Bytes the largest process of this run needs for the model (an estimate from below):
+    /// a worker holds the parameters, its gradient and a pull buffer, plus the activations
+    /// and their gradients of its batch; a shard holds its slice of the parameters, the
+    /// previous version, an aggregated gradient and the optimizer's state (f32 throughout).
+    /// None if it overflows u64.
+    pub fn model_memory_bytes(&self) -> Option<u64> {
+        let p = self.model.num_params();
+        let b = *self.worker_batches().iter().max()? as u64;
+        let units: u64 = self.model.dims.iter().map(|&d| d as u64).sum();
+        let worker = p
+            .checked_mul(3)?
+            .checked_add(b.checked_mul(units)?.checked_mul(2)?)?;
+        let slots = match self.optimizer {
+            Optimizer::Sgd { momentum, .. } => u64::from(momentum != 0.0),
+            Optimizer::Adam { .. } => 2,
+        };
+        let slice = p.div_ceil(self.num_shards() as u64);
+        let shard = slice.checked_mul(3 + slots)?;
+        worker.max(shard).checked_mul(4)
+    }
+
+    fn check_memory(&self, host: &Host) -> Result<(), String> {
+        let need = self.model_memory_bytes();
+        let Some(avail) = host.available_bytes else {
+            return Ok(());
+        };
+        match need {
+            Some(n) if n <= avail => Ok(()),
+            _ => Err(format!(
+                "[model] hidden = {:?} ({} parameters) with a per-worker batch of up to {}: needs about {} per process for parameters, optimizer state and gradient buffers, but this host has {} available (MemAvailable)",
+                &self.model.dims[1..self.model.dims.len() - 1],
+                self.model.num_params(),
+                self.worker_batches().iter().max().copied().unwrap_or(0),
+                need.map_or("more than 16 EiB".to_string(), show_bytes),
+                show_bytes(avail)
+            )),
+        }
+    }
+
+    /// How this config's processes reach a shard (token and TLS).
+    pub fn client_security(&self) -> crate::auth::ClientSecurity {
+        crate::auth::ClientSecurity::new(self.cluster.token.clone(), self.cluster.tls.clone())
+    }
+
+    /// The directory of the shards' checkpoints.
+    pub fn checkpoint_dir(&self) -> PathBuf {
+        self.checkpoint
+            .dir
+            .clone()
+            .unwrap_or_else(|| self.server.out_dir.join("checkpoints"))
+    }
+
+    /// The model's layout.
+    pub fn layout(&self) -> MlpLayout {
+        MlpLayout::new(&self.model.dims)
+    }
+
+    /// Number of shards `S`.
+    pub fn num_shards(&self) -> usize {
+        self.cluster.servers.len()
+    }
+
+    /// The data order for a training set of `n` samples.
+    pub fn data_order(&self, n: usize) -> crate::order::DataOrder {
+        crate::order::DataOrder {
+            seed: self.train.seed,
+            n,
+            global_batch: self.train.global_batch,
+            keep_last: self.train.keep_last,
+        }
+    }
+
+    /// Total steps of the run for a training set of `n` samples, or an error if the set is
+    /// smaller than one global batch.
+    pub fn total_steps(&self, n: usize) -> Result<u64, ConfigError> {
+        let spe = self.data_order(n).steps_per_epoch();
+        if spe == 0 {
+            return Err(ConfigError {
+                file: self.path.clone(),
+                message: format!(
+                    "[train] global_batch = {} is larger than the training set ({n} samples in {})",
+                    self.train.global_batch,
+                    self.data.dir.display()
+                ),
+            });
+        }
+        match (self.train.steps, self.train.epochs) {
+            (Some(s), _) => Ok(s),
+            (None, e) => {
+                let e = e.unwrap_or(1);
+                e.checked_mul(spe)
+                    .filter(|&t| t <= MAX_STEPS)
+                    .ok_or_else(|| ConfigError {
+                        file: self.path.clone(),
+                        message: format!(
+                            "[train] epochs = {e} x {spe} steps per epoch ({n} samples in {}, global batch {}): expected at most {MAX_STEPS} steps",
+                            self.data.dir.display(),
+                            self.train.global_batch
+                        ),
+                    })
+            }
+        }
+    }
+
+    /// The schedule with a cosine decay's length filled in from the run's total steps.
+    pub fn schedule_for(&self, total_steps: u64) -> LrSchedule {
+        let mut s = self.schedule.clone();
+        if let Decay::Cosine {
+            total_steps: t @ 0, ..
+        } = &mut s.decay
+        {
+            *t = total_steps;
+        }
+        s
+    }
+
+    /// Per-worker batch sizes `b_r` of a full global batch.
+    pub fn worker_batches(&self) -> Vec<usize> {
+        split_even(self.train.global_batch, self.cluster.workers)
+            .iter()
+            .map(|r| r.len())
+            .collect()
+    }
+
+    /// The single-process run this configuration is equivalent to (DESIGN.md §2).
+    pub fn equivalence(&self) -> Equivalence {
+        let w = self.cluster.workers as f64;
+        let b = self.worker_batches();
+        let uneven = b.iter().any(|&x| x != b[0]);
+        let mut warnings = Vec::new();
+        let (grad_scale, exact) = match (self.train.loss_reduction, self.train.aggregation) {
+            (LossReduction::Mean, Aggregation::Mean) => {
+                if uneven {
+                    warnings.push(format!(
+                        "aggregation \"mean\" with uneven per-worker batches {b:?} weights every worker equally, so samples on smaller workers count more: the result is NOT exactly the single-process run; use aggregation = \"weighted\""
+                    ));
+                }
+                if self.train.keep_last {
+                    warnings.push("aggregation \"mean\" with keep_last = true: the short last batch of each epoch is split unevenly, and mean of means is biased there; use aggregation = \"weighted\"".into());
+                }
+                (1.0, !uneven && !self.train.keep_last)
+            }
+            (LossReduction::Mean, Aggregation::Weighted) => (1.0, true),
+            (LossReduction::Mean, Aggregation::Sum) => {
+                warnings.push(format!(
+                    "loss_reduction \"mean\" with aggregation \"sum\" makes the gradient {w} times the single-process mean gradient: this is the learning rate times {w} (use aggregation = \"mean\" or \"weighted\" to keep the lr you set)"
+                ));
+                (w, !uneven)
+            }
+            (LossReduction::Sum, Aggregation::Sum) => (1.0, true),
+            (LossReduction::Sum, Aggregation::Mean) => {
+                warnings.push(format!(
+                    "loss_reduction \"sum\" with aggregation \"mean\" divides the summed gradient by {w}: this is the learning rate divided by {w}"
+                ));
+                (1.0 / w, true)
+            }
+            (LossReduction::Sum, Aggregation::Weighted) => unreachable!("rejected by validation"),
+        };
+        if self.server.barrier_policy == BarrierPolicy::Continue {
+            warnings.push(format!(
+                "barrier_policy \"continue\": a step whose barrier times out ({} s) goes on without the ranks that did not push; from then on the run no longer equals the single-process one",
+                self.server.barrier_timeout_secs
+            ));
+        }
+        let lr_is_scale =
+            matches!(self.optimizer, Optimizer::Sgd { weight_decay, .. } if weight_decay == 0.0);
+        Equivalence {
+            global_batch: self.train.global_batch,
+            loss_reduction: self.train.loss_reduction,
+            grad_scale,
+            lr: self.schedule.base_lr * grad_scale,
+            lr_is_scale,
+            exact,
+            warnings,
+        }
+    }
+
+    /// The resolved configuration, printed at start-up.
+    pub fn describe(&self) -> String {
+        let b = self.worker_batches();
+        let stop = match (self.train.steps, self.train.epochs) {
+            (Some(s), _) => format!("{s} steps"),
+            (_, Some(e)) => format!("{e} epochs"),
+            _ => unreachable!(),
+        };
+        format!(
+            "config {}: {} shards {:?}, {} workers, transport {}, {}; {}; data {}; seed {}; global batch {} ({}), per-worker batches {:?}; {stop}{}; loss reduction {}, aggregation {}; optimizer {}; lr {}; log every {} steps, eval every {}; {}",
+            self.path.display(),
+            self.num_shards(),
+            self.cluster.servers,
+            self.cluster.workers,
+            self.cluster.transport,
+            match (self.cluster.token.is_some(), self.cluster.tls.is_some()) {
+                (true, true) => "TLS, shared token required",
+                (true, false) => "shared token required, no TLS",
+                (false, true) => "TLS, no token",
+                (false, false) => "no authentication, no TLS",
+            },
+            self.layout().describe(),
+            self.data.dir.display(),
+            self.train.seed,
+            self.train.global_batch,
+            if self.train.batch_from_per_worker {
+                "from per_worker_batch"
+            } else {
+                "as stated"
+            },
+            b,
+            if self.train.keep_last {
+                ", short last batch kept"
+            } else {
+                ", short last batch dropped"
+            },
+            self.train.loss_reduction,
+            self.train.aggregation,
+            self.optimizer.describe(),
+            self.schedule.describe(),
+            self.train.log_every,
+            if self.train.eval_every == 0 {
+                "run (at the end only)".to_string()
+            } else {
+                format!("{} steps", self.train.eval_every)
+            },
+            if self.checkpoint.every == 0 {
+                "no checkpoints".to_string()
+            } else {
+                format!(
+                    "checkpoint every {} steps in {} (keep {})",
+                    self.checkpoint.every,
+                    self.checkpoint_dir().display(),
+                    self.checkpoint.keep
+                )
+            },
+        )
+    }
+}
+
+/// The single-process training run a distributed configuration equals.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Equivalence {
+    /// Batch of the single process: `B`.
+    pub global_batch: usize,
+    /// Its loss reduction.
+    pub loss_reduction: LossReduction,
+    /// The cluster's aggregated gradient is this times the single-process gradient.
+    pub grad_scale: f64,
+    /// The single-process learning rate that gives the same updates when `lr_is_scale`.
+    pub lr: f64,
+    /// True when scaling the gradient is exactly scaling the lr (plain SGD, no weight decay);
+    /// otherwise the equivalent single process scales its gradient by `grad_scale`.
+    pub lr_is_scale: bool,
+    /// False when the combination is only approximately a single-process run.
+    pub exact: bool,
+    /// Plain-words warnings (rescaled lr, biased mean).
+    pub warnings: Vec<String>,
+}
+
+impl fmt::Display for Equivalence {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let head = if self.exact {
+            "equivalent to"
+        } else {
+            "approximately (not exactly) equivalent to"
+        };
+        if self.grad_scale == 1.0 || self.lr_is_scale {
+            write!(
+                f,
+                "{head} one process with batch {}, {} loss, lr {}",
+                self.global_batch,
+                self.loss_reduction,
+                fmt_num(self.lr)
+            )
+        } else {
+            write!(
+                f,
+                "{head} one process with batch {}, {} loss, its gradient multiplied by {} (with this optimizer that is not the same as scaling the lr)",
+                self.global_batch,
+                self.loss_reduction,
+                fmt_num(self.grad_scale)
+            )
+        }
+    }
+}
+
+fn fmt_num(x: f64) -> String {
+    let s = format!("{x}");
+    if s.len() > 10 { format!("{x:.6e}") } else { s }
+}
+
+fn one_line(s: &str) -> String {
+    s.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+fn show_bytes(b: u64) -> String {
+    const GIB: f64 = (1u64 << 30) as f64;
+    const MIB: f64 = (1u64 << 20) as f64;
+    if b as f64 >= GIB {
+        format!("{:.1} GiB", b as f64 / GIB)
+    } else {
+        format!("{:.1} MiB", b as f64 / MIB)
+    }
+}
+
+/// The config file's text; bounded like every file a config names (a config is never
+/// near 1 MiB).
+fn read_config_text(path: &Path) -> Result<String, String> {
+    let bytes = limits::read_bounded(path, limits::MAX_CONFIG_FILE_BYTES)
+        .map_err(|e| format!("cannot read the config file: {e}"))?;
+    String::from_utf8(bytes).map_err(|_| "cannot read the config file: not UTF-8".to_string())
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,194 @@
+//! `[server]`, `[worker]` and `[checkpoint]`: per-process settings.
+
+use super::Resolve;
+use super::kinds::BarrierPolicy;
+use super::limits::{MAX_KEEP, MAX_STEPS, MAX_THREADS, at_most, secs};
+use serde::{Deserialize, Serialize};
+use std::path::PathBuf;
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub(super) struct RawServer {
+    pub out_dir: PathBuf,
+    /// Set by a command-line override: taken as given, not relative to the file.
+    #[serde(skip)]
+    pub out_dir_as_given: bool,
+    pub barrier_warn_secs: f64,
+    pub barrier_timeout_secs: f64,
+    pub pull_timeout_secs: f64,
+    pub linger_secs: f64,
+    pub chunk_bytes: usize,
+    pub metrics_addrs: Vec<String>,
+    pub barrier_policy: BarrierPolicy,
+}
+
+impl Default for RawServer {
+    fn default() -> Self {
+        Self {
+            out_dir: PathBuf::from("runs/default"),
+            out_dir_as_given: false,
+            barrier_warn_secs: 5.0,
+            barrier_timeout_secs: 300.0,
+            pull_timeout_secs: 600.0,
+            linger_secs: 30.0,
+            chunk_bytes: crate::wire::DEFAULT_CHUNK_BYTES,
+            metrics_addrs: Vec::new(),
+            barrier_policy: BarrierPolicy::Fail,
+        }
+    }
+}
+
+/// Per-shard server settings (`[server]`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ServerConfig {
+    /// Where shards write final weights and the metrics file.
+    pub out_dir: PathBuf,
+    /// After this long with some but not all gradients of a step in, log the missing ranks.
+    pub barrier_warn_secs: f64,
+    /// After this long, fail the run loudly (the barrier policy).
+    pub barrier_timeout_secs: f64,
+    /// Longest a pull waits for its version.
+    pub pull_timeout_secs: f64,
+    /// After the last step, how long a shard waits for every worker to leave.
+    pub linger_secs: f64,
+    /// Payload bytes per streamed chunk.
+    pub chunk_bytes: usize,
+    /// Where shard `i` serves Prometheus metrics (`GET /metrics`): none, or one per shard.
+    pub metrics_addrs: Vec<String>,
+    /// What a shard does when a step's barrier times out.
+    pub barrier_policy: BarrierPolicy,
+}
+
+impl RawServer {
+    pub(super) fn validate(&self, resolve: &Resolve) -> Result<ServerConfig, String> {
+        for (key, v) in [
+            ("[server] barrier_warn_secs", self.barrier_warn_secs),
+            ("[server] barrier_timeout_secs", self.barrier_timeout_secs),
+            ("[server] pull_timeout_secs", self.pull_timeout_secs),
+            ("[server] linger_secs", self.linger_secs),
+        ] {
+            secs(key, v)?;
+        }
+        let max_chunk = crate::wire::MAX_MESSAGE_BYTES / 2;
+        if !(1024..=max_chunk).contains(&self.chunk_bytes) {
+            return Err(format!(
+                "[server] chunk_bytes = {}: expected 1024 to {max_chunk}",
+                self.chunk_bytes
+            ));
+        }
+        Ok(ServerConfig {
+            out_dir: if self.out_dir_as_given {
+                self.out_dir.clone()
+            } else {
+                resolve.path(&self.out_dir)
+            },
+            barrier_warn_secs: self.barrier_warn_secs,
+            barrier_timeout_secs: self.barrier_timeout_secs,
+            pull_timeout_secs: self.pull_timeout_secs,
+            linger_secs: self.linger_secs,
+            chunk_bytes: self.chunk_bytes,
+            metrics_addrs: self.metrics_addrs.clone(),
+            barrier_policy: self.barrier_policy,
+        })
+    }
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub(super) struct RawWorker {
+    pub device: String,
+    pub threads: usize,
+    pub connect_timeout_secs: f64,
+}
+
+impl Default for RawWorker {
+    fn default() -> Self {
+        Self {
+            device: "cpu".into(),
+            threads: 0,
+            connect_timeout_secs: 60.0,
+        }
+    }
+}
+
+/// Per-worker settings (`[worker]`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct WorkerConfig {
+    /// `cpu`, `cuda`, `cuda:N` or `auto`.
+    pub device: String,
+    /// Compute threads per worker; 0 = the cores available divided among the workers.
+    pub threads: usize,
+    /// How long a worker keeps retrying to reach a shard.
+    pub connect_timeout_secs: f64,
+}
+
+impl RawWorker {
+    pub(super) fn validate(&self) -> Result<WorkerConfig, String> {
+        let device_ok = matches!(self.device.as_str(), "cpu" | "cuda" | "auto")
+            || self
+                .device
+                .strip_prefix("cuda:")
+                .is_some_and(|n| n.parse::<usize>().is_ok());
+        if !device_ok {
+            return Err(format!(
+                "[worker] device = {:?}: expected \"cpu\", \"cuda\", \"cuda:N\" or \"auto\"",
+                self.device
+            ));
+        }
+        at_most("[worker] threads", self.threads, MAX_THREADS)?;
+        secs("[worker] connect_timeout_secs", self.connect_timeout_secs)?;
+        Ok(WorkerConfig {
+            device: self.device.clone(),
+            threads: self.threads,
+            connect_timeout_secs: self.connect_timeout_secs,
+        })
+    }
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub(super) struct RawCheckpoint {
+    pub every: u64,
+    pub keep: usize,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dir: Option<PathBuf>,
+}
+
+impl Default for RawCheckpoint {
+    fn default() -> Self {
+        Self {
+            every: 0,
+            keep: 2,
+            dir: None,
+        }
+    }
+}
+
+/// Checkpoints: every shard writes its parameters and optimizer state every `every` steps.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CheckpointConfig {
+    /// Steps between checkpoints; 0 writes none (the final weights are always written).
+    pub every: u64,
+    /// Checkpoints kept per shard (older ones are deleted once a newer one is complete).
+    pub keep: usize,
+    /// Where they go; None: `<out_dir>/checkpoints` (following an `--out-dir` override).
+    pub dir: Option<PathBuf>,
+}
+
+impl RawCheckpoint {
+    pub(super) fn validate(&self, resolve: &Resolve) -> Result<CheckpointConfig, String> {
+        if self.keep == 0 {
+            return Err(
+                "[checkpoint] keep = 0: expected at least 1 (the newest checkpoint is what a resume needs)"
+                    .into(),
+            );
+        }
+        at_most("[checkpoint] keep", self.keep, MAX_KEEP)?;
+        at_most("[checkpoint] every", self.every, MAX_STEPS)?;
+        Ok(CheckpointConfig {
+            every: self.every,
+            keep: self.keep,
+            dir: self.dir.as_deref().map(|d| resolve.path(d)),
+        })
+    }
+}

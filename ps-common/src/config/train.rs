@@ -1,0 +1,150 @@
+//! `[data]` and `[train]`: the data set, the batch, the length of the run.
+
+use super::Resolve;
+use super::kinds::{Aggregation, LossReduction};
+use super::limits::{MAX_BATCH, MAX_STEPS, at_most};
+use serde::{Deserialize, Serialize};
+use std::path::PathBuf;
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawData {
+    pub dir: PathBuf,
+    /// Set by a command-line override: taken as given, not relative to the file.
+    #[serde(skip)]
+    pub dir_as_given: bool,
+}
+
+/// `[data]`, validated.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DataConfig {
+    /// Dataset directory (IDX files).
+    pub dir: PathBuf,
+}
+
+impl RawData {
+    pub(super) fn validate(&self, resolve: &Resolve) -> DataConfig {
+        DataConfig {
+            dir: if self.dir_as_given {
+                self.dir.clone()
+            } else {
+                resolve.path(&self.dir)
+            },
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawTrain {
+    #[serde(default)]
+    pub seed: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub global_batch: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub per_worker_batch: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub steps: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub epochs: Option<u64>,
+    #[serde(default)]
+    pub keep_last: bool,
+    pub loss_reduction: LossReduction,
+    pub aggregation: Aggregation,
+    #[serde(default = "default_log_every")]
+    pub log_every: u64,
+    #[serde(default)]
+    pub eval_every: u64,
+}
+
+fn default_log_every() -> u64 {
+    10
+}
+
+/// `[train]`, validated.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TrainConfig {
+    /// Seed of the data order and of the initial weights.
+    pub seed: u64,
+    /// `B` (from `global_batch`, or `per_worker_batch` x workers).
+    pub global_batch: usize,
+    /// Whether the config stated the per-worker batch (then `B = W * per_worker_batch`).
+    pub batch_from_per_worker: bool,
+    /// Stop after this many steps, or
+    pub steps: Option<u64>,
+    /// after this many epochs (exactly one of the two).
+    pub epochs: Option<u64>,
+    /// Keep the short last batch of each epoch.
+    pub keep_last: bool,
+    /// Worker loss reduction.
+    pub loss_reduction: LossReduction,
+    /// Shard aggregation.
+    pub aggregation: Aggregation,
+    /// Log every N steps (1 = every step).
+    pub log_every: u64,
+    /// Evaluate on the test set every N steps (0 = only at the end).
+    pub eval_every: u64,
+}
+
+impl RawTrain {
+    /// Validates the section alone; `global_batch` is then the number stated, which
+    /// [`super::Config`]'s cross-section checks multiply by the workers when it is per worker.
+    pub(super) fn validate(&self) -> Result<TrainConfig, String> {
+        let (batch, batch_from_per_worker) = match (self.global_batch, self.per_worker_batch) {
+            (Some(b), None) if b > 0 => (b, false),
+            (None, Some(b)) if b > 0 => (b, true),
+            (Some(_), Some(_)) => {
+                return Err(
+                    "[train] global_batch and per_worker_batch are both set: expected exactly one of them".into(),
+                );
+            }
+            (None, None) => {
+                return Err("[train]: expected one of global_batch or per_worker_batch".into());
+            }
+            _ => return Err("[train] batch size 0: expected a positive batch size".into()),
+        };
+        let key = if batch_from_per_worker {
+            "[train] per_worker_batch"
+        } else {
+            "[train] global_batch"
+        };
+        let batch = at_most(key, batch, MAX_BATCH)? as usize;
+        match (self.steps, self.epochs) {
+            (Some(s), None) if s > 0 => {
+                at_most("[train] steps", s, MAX_STEPS)?;
+            }
+            (None, Some(e)) if e > 0 => {
+                at_most("[train] epochs", e, MAX_STEPS)?;
+            }
+            (Some(_), Some(_)) => {
+                return Err(
+                    "[train] steps and epochs are both set: expected exactly one of them".into(),
+                );
+            }
+            (None, None) => return Err("[train]: expected one of steps or epochs".into()),
+            _ => return Err("[train] steps/epochs = 0: expected a positive number".into()),
+        }
+        if self.log_every == 0 {
+            return Err("[train] log_every = 0: expected 1 or more".into());
+        }
+        at_most("[train] log_every", self.log_every, MAX_STEPS)?;
+        at_most("[train] eval_every", self.eval_every, MAX_STEPS)?;
+        if self.loss_reduction == LossReduction::Sum && self.aggregation == Aggregation::Weighted {
+            return Err(
+                "[train] aggregation = \"weighted\" with loss_reduction = \"sum\": weighted aggregation expects mean-reduced worker gradients; use loss_reduction = \"mean\"".into(),
+            );
+        }
+        Ok(TrainConfig {
+            seed: self.seed,
+            global_batch: batch,
+            batch_from_per_worker,
+            steps: self.steps,
+            epochs: self.epochs,
+            keep_last: self.keep_last,
+            loss_reduction: self.loss_reduction,
+            aggregation: self.aggregation,
+            log_every: self.log_every,
+            eval_every: self.eval_every,
+        })
+    }
+}
