@@ -1,4 +1,4 @@
-//! The data-order contract (DESIGN.md §2): for epoch `e` the training set is permuted by a
+//! The data-order contract (what makes a distributed run comparable with one process): for epoch `e` the training set is permuted by a
 //! generator seeded with `(seed, e)`; global step `t` takes the next `B` indices of that
 //! permutation; worker `r` takes its contiguous slice of those. Everything here is a pure
 //! function of `(seed, step, rank, W, B)`, so a single-process run with batch `B` sees exactly

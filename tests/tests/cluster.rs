@@ -1,5 +1,5 @@
 //! Real clusters on 127.0.0.1 against the single-process reference: the equivalences of
-//! DESIGN.md §2, bit-reproducibility whatever the start order, sharding independence, and
+//! the README's sum-or-mean table, bit-reproducibility whatever the start order, sharding independence, and
 //! convergence on the shipped MNIST.
 
 use ps_common::config::{Aggregation, LossReduction, Transport};

@@ -378,7 +378,7 @@ impl Config {
             .collect()
     }
 
-    /// The single-process run this configuration is equivalent to (DESIGN.md §2).
+    /// The single-process run this configuration is equivalent to: the sum-or-mean table of the README.
     pub fn equivalence(&self) -> Equivalence {
         let w = self.cluster.workers as f64;
         let b = self.worker_batches();
