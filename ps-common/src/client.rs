@@ -121,14 +121,23 @@ pub fn endpoint(addr: &str, security: &ClientSecurity) -> Result<Endpoint, Strin
 /// `chunk_bytes` pieces with their offsets; one chunk with no data when `bytes` is empty. The
 /// header is not checked against the data: tests build malformed pushes with it.
 pub fn push_chunks(header: PushHeader, bytes: &Bytes, chunk_bytes: usize) -> Vec<PushChunk> {
-    chunks(bytes, chunk_bytes)
+    let mut msgs: Vec<PushChunk> = chunks(bytes, chunk_bytes)
         .enumerate()
         .map(|(i, (offset, data))| PushChunk {
             header: (i == 0).then_some(header),
             offset,
             data,
         })
-        .collect()
+        .collect();
+    if msgs.is_empty() {
+        // no data (a shared-memory push): the header alone
+        msgs.push(PushChunk {
+            header: Some(header),
+            offset: 0,
+            data: Bytes::new(),
+        });
+    }
+    msgs
 }
 
 /// A connection to one shard (cheap to clone: clones share the HTTP/2 connection).

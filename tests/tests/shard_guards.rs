@@ -4,11 +4,12 @@
 //! caught by the update that reads it: the step is not applied and the run stops loudly.
 
 use ps_common::PROTOCOL_VERSION;
+use ps_common::client::push_chunks;
 use ps_common::config::Transport;
 use ps_common::pb::parameter_server_client::ParameterServerClient;
-use ps_common::pb::{PullRequest, PushChunk, PushHeader, PushReply, RegisterRequest};
+use ps_common::pb::{PullRequest, PushHeader, PushReply, RegisterRequest};
 use ps_common::shm::{Board, BoardDir, grad_path, params_path, shm_root};
-use ps_common::wire::{TensorReceiver, chunks, f32_to_bytes};
+use ps_common::wire::{TensorReceiver, f32_to_bytes};
 use ps_launch::{LocalCluster, bin_dir};
 use ps_tests::Spec;
 use std::path::Path;
@@ -33,22 +34,7 @@ fn header(rank: u32, step: u64, len: usize, shm: bool) -> PushHeader {
 }
 
 async fn push(c: &mut Client, h: PushHeader, values: &[f32]) -> Result<PushReply, tonic::Status> {
-    let bytes = f32_to_bytes(values);
-    let mut msgs: Vec<PushChunk> = chunks(&bytes, 4096)
-        .enumerate()
-        .map(|(i, (offset, data))| PushChunk {
-            header: (i == 0).then_some(h),
-            offset,
-            data,
-        })
-        .collect();
-    if msgs.is_empty() {
-        msgs.push(PushChunk {
-            header: Some(h),
-            offset: 0,
-            data: Default::default(),
-        });
-    }
+    let msgs = push_chunks(h, &f32_to_bytes(values), 4096);
     c.push(tokio_stream::iter(msgs))
         .await
         .map(|r| r.into_inner())
