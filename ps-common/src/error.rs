@@ -61,6 +61,16 @@ pub enum PsError {
         /// Steps of the run.
         total_steps: u64,
     },
+    /// A rank registered by a second worker while the first is still connected.
+    #[error(
+        "rank {rank} is held by a live worker (connected from {holder}): two workers cannot share a rank; give this one another --rank, or stop the other first"
+    )]
+    RankTaken {
+        /// The rank.
+        rank: u32,
+        /// The address the live holder connected from.
+        holder: String,
+    },
     /// A second, different gradient for a step from the same rank.
     #[error(
         "rank {rank} already pushed a different gradient for step {step}: a retry must resend the same values"
@@ -138,7 +148,7 @@ impl PsError {
             | PsError::WrongLength { .. }
             | PsError::NonFinite { .. }
             | PsError::BadChunk(_) => Code::InvalidArgument,
-            PsError::Conflict { .. } => Code::AlreadyExists,
+            PsError::Conflict { .. } | PsError::RankTaken { .. } => Code::AlreadyExists,
             PsError::VersionOutOfRange { .. }
             | PsError::VersionGone { .. }
             | PsError::StepOutOfRange { .. } => Code::OutOfRange,

@@ -16,6 +16,7 @@
 
 pub mod checkpoint;
 pub mod exporter;
+pub mod peers;
 pub mod report;
 pub mod service;
 pub mod shard;
@@ -114,8 +115,10 @@ pub async fn run_shard(
         chunk_bytes: cfg.server.chunk_bytes,
         all_left: all_left.clone(),
         metrics,
+        peers: Default::default(),
     };
     let watcher = svc.clone();
+    let svc_peers = svc.peers.clone();
     let server = tonic::service::interceptor::InterceptedService::new(
         ParameterServerServer::new(svc)
             .max_decoding_message_size(MAX_MESSAGE_BYTES)
@@ -136,7 +139,12 @@ pub async fn run_shard(
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     // serve_with_incoming ignores the builder's tcp_nodelay: set it on the incoming sockets,
     // or Nagle plus delayed ACKs adds ~40 ms to every push reply
-    let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+    // each connection is tracked while open, so that a rank's live holder is known
+    let tracker = svc_peers.clone();
+    let incoming = futures::StreamExt::map(
+        tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
+        move |conn| conn.map(|c| tracker.track(c)),
+    );
     let mut builder = tonic::transport::Server::builder();
     if let Some(tls) = &cfg.cluster.tls {
         builder = builder

@@ -35,6 +35,8 @@ pub struct ShardService {
     pub all_left: Arc<Notify>,
     /// What `GET /metrics` shows.
     pub metrics: Arc<Metrics>,
+    /// Open connections and each rank's holder (a second live worker of a rank is refused).
+    pub peers: Arc<crate::peers::Peers>,
 }
 
 impl ShardService {
@@ -251,6 +253,7 @@ impl ParameterServer for ShardService {
         &self,
         request: Request<RegisterRequest>,
     ) -> Result<Response<RegisterReply>, Status> {
+        let peer = request.remote_addr();
         let r = request.into_inner();
         let s = &self.shard;
         if r.protocol_version != PROTOCOL_VERSION {
@@ -275,6 +278,16 @@ impl ParameterServer for ShardService {
         mismatch("parameter count", r.num_params, s.num_params as u64)?;
         mismatch("shard index", u64::from(r.shard), s.index as u64)?;
         mismatch("shard count", u64::from(r.num_shards), s.num_shards as u64)?;
+        s.check_rank(r.rank)?;
+        if let Some(peer) = peer
+            && let Err(holder) = self.peers.claim(r.rank, peer).await
+        {
+            return Err(PsError::RankTaken {
+                rank: r.rank,
+                holder: holder.to_string(),
+            }
+            .into());
+        }
         let version = s.register(r.rank)?;
         let (shm_dir, shm_token) = if r.shared_memory {
             s.offer_shm(r.rank)?.unwrap_or_default()

@@ -270,3 +270,53 @@ fn a_tls_mismatch_says_tls_expected() {
         cluster.kill_all();
     }
 }
+
+#[test]
+fn a_second_live_worker_of_a_rank_is_refused_and_a_restarted_one_accepted() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = Spec {
+        shards: 1,
+        workers: 2,
+        ..small()
+    };
+    let (path, _) = spec.write(dir.path());
+    let mut cluster =
+        ps_launch::LocalCluster::new(bin_dir(), path.clone(), Some(dir.path().join("logs")));
+    cluster
+        .start_servers(1, &[], Duration::from_secs(60))
+        .unwrap_or_else(|e| panic!("{e}"));
+    let worker = |rank: &str| {
+        let mut c = Command::new(bin_dir().join("ps-worker"));
+        c.arg("--config")
+            .arg(&path)
+            .args(["--rank", rank, "--servers", &cluster.addrs[0]]);
+        c
+    };
+    // rank 0 registers and waits at the barrier for rank 1: alive
+    let mut first = worker("0")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(1500));
+    let out = worker("0").output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(err.contains("rank 0 is held by a live worker"), "{err}");
+    // the first one dies; a replacement of rank 0 is accepted and, with rank 1, ends the run
+    first.kill().unwrap();
+    first.wait().unwrap();
+    let mut again = worker("0")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let one = worker("1").output().unwrap();
+    assert!(
+        one.status.success(),
+        "{}",
+        String::from_utf8_lossy(&one.stderr)
+    );
+    assert!(again.wait().unwrap().success());
+    cluster.kill_all();
+}

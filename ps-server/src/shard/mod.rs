@@ -275,6 +275,11 @@ impl Shard {
         self.lock().failed.clone()
     }
 
+    /// [`PsError::UnknownRank`] unless `rank` is below the world size; changes nothing.
+    pub fn check_rank(&self, rank: u32) -> PsResult<()> {
+        self.lock().barrier.rank(rank).map(drop)
+    }
+
     /// Records a worker's registration; returns the step it joins at: the current version, or
     /// the next one while an update runs (that step is settled without this rank, or with the
     /// gradient its predecessor pushed).

@@ -1,0 +1,143 @@
+//! Which workers are alive: every accepted connection is recorded while it is open, and each
+//! rank remembers the connection it registered from. A second worker registering a rank whose
+//! holder's connection is still open is refused; a restarted worker (its predecessor's
+//! connection closed when the process died) is accepted.
+
+use std::collections::{HashMap, HashSet};
+use std::io;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::TcpStream;
+use tonic::transport::server::{Connected, TcpConnectInfo};
+
+/// How long a registration waits for a rank's previous holder to disconnect before refusing:
+/// a worker killed and restarted at once may register before its old connection is seen closed.
+pub const HOLDER_GRACE: Duration = Duration::from_secs(3);
+
+/// Open connections and the connection each rank registered from.
+#[derive(Debug, Default)]
+pub struct Peers {
+    open: Mutex<HashSet<SocketAddr>>,
+    holders: Mutex<HashMap<u32, SocketAddr>>,
+}
+
+impl Peers {
+    /// Wraps an accepted socket so that it counts as open until it is dropped.
+    pub fn track(self: &Arc<Self>, inner: TcpStream) -> Tracked {
+        let addr = inner.peer_addr().ok();
+        if let Some(a) = addr {
+            self.open
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(a);
+        }
+        Tracked {
+            inner,
+            addr,
+            peers: self.clone(),
+        }
+    }
+
+    fn is_open(&self, addr: &SocketAddr) -> bool {
+        self.open
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains(addr)
+    }
+
+    /// Records `peer` as the holder of `rank`, waiting up to [`HOLDER_GRACE`] for another live
+    /// holder to go away; `Err(holder)` when it is still connected then.
+    pub async fn claim(&self, rank: u32, peer: SocketAddr) -> Result<(), SocketAddr> {
+        let start = Instant::now();
+        loop {
+            let holder = self
+                .holders
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .get(&rank)
+                .copied();
+            match holder {
+                Some(h) if h != peer && self.is_open(&h) => {
+                    if start.elapsed() >= HOLDER_GRACE {
+                        return Err(h);
+                    }
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                _ => {
+                    self.holders
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .insert(rank, peer);
+                    return Ok(());
+                }
+            }
+        }
+    }
+}
+
+/// An accepted TCP connection that is recorded as open until dropped.
+#[derive(Debug)]
+pub struct Tracked {
+    inner: TcpStream,
+    addr: Option<SocketAddr>,
+    peers: Arc<Peers>,
+}
+
+impl Drop for Tracked {
+    fn drop(&mut self) {
+        if let Some(a) = self.addr {
+            self.peers
+                .open
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(&a);
+        }
+    }
+}
+
+impl Connected for Tracked {
+    type ConnectInfo = TcpConnectInfo;
+    fn connect_info(&self) -> TcpConnectInfo {
+        self.inner.connect_info()
+    }
+}
+
+impl AsyncRead for Tracked {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for Tracked {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+    }
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+}
