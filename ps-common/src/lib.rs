@@ -12,6 +12,7 @@ pub mod error;
 pub mod idx;
 pub mod layout;
 pub mod neterr;
+pub mod noise;
 pub mod optim;
 pub mod order;
 pub mod plan;
