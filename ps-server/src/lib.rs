@@ -80,6 +80,7 @@ pub async fn run_shard(
         metrics_listen,
     } = setup;
     let total_steps = cfg.total_steps(train_len)?;
+    check_output_dirs(&cfg)?;
     let resumed = resume_from.is_some();
     let shard = Shard::starting_from(&cfg, index, total_steps, resume_from);
     let reporter = Reporter::spawn(ReporterConfig {
@@ -192,6 +193,42 @@ pub async fn run_shard(
     Ok(outcome)
 }
 
+/// Checks that the output directory (final weights, metrics) and, when the run writes
+/// checkpoints, the checkpoint directory can be written: each is created if missing and a probe
+/// file is written and removed. Called before serving, so that a run that could not save its
+/// result never starts.
+pub fn check_output_dirs(cfg: &Config) -> anyhow::Result<()> {
+    let mut dirs = vec![("[server] out_dir", cfg.server.out_dir.clone())];
+    if cfg.checkpoint.every > 0 {
+        dirs.push(("[checkpoint] dir", cfg.checkpoint_dir()));
+    }
+    for (what, dir) in dirs {
+        check_writable(&dir).with_context(|| {
+            format!(
+                "{what} {} is not writable: the run could not save its results",
+                dir.display()
+            )
+        })?;
+    }
+    Ok(())
+}
+
+fn check_writable(dir: &std::path::Path) -> std::io::Result<()> {
+    use std::io::Write;
+    std::fs::create_dir_all(dir)?;
+    let probe = dir.join(format!(
+        ".ps-write-check-{}-{:?}",
+        std::process::id(),
+        std::thread::current().id()
+    ));
+    let written = std::fs::File::create(&probe).and_then(|mut f| {
+        f.write_all(b"probe")?;
+        f.sync_all()
+    });
+    let _ = std::fs::remove_file(&probe);
+    written
+}
+
 /// The state shard `index` resumes from: the newest version of which every shard has a
 /// checkpoint in the config's checkpoint directory; the error says what is missing or wrong.
 pub fn load_checkpoint(cfg: &Config, index: usize, train_len: usize) -> anyhow::Result<Saved> {
@@ -199,10 +236,18 @@ pub fn load_checkpoint(cfg: &Config, index: usize, train_len: usize) -> anyhow::
     let dir = cfg.checkpoint_dir();
     let s = cfg.num_shards();
     let version = checkpoint::latest_common(&dir, s).ok_or_else(|| {
-        anyhow::anyhow!(
-            "--resume: no version that all {s} shards have a checkpoint of in {} (expected files shard-<i>-of-{s}-v<version>.safetensors; [checkpoint] every must be set for a run to write them)",
-            dir.display()
-        )
+        if checkpoint::any_checkpoint(&dir) {
+            anyhow::anyhow!(
+                "--resume: no version that all {s} shards have a checkpoint of in {} ({}; files of another shard count do not count)",
+                dir.display(),
+                checkpoint::describe_versions(&dir, s)
+            )
+        } else {
+            anyhow::anyhow!(
+                "--resume: no version that all {s} shards have a checkpoint of in {}: it holds no checkpoint (expected files shard-<i>-of-{s}-v<version>.safetensors; a run writes them when [checkpoint] every is set)",
+                dir.display()
+            )
+        }
     })?;
     if version > total_steps {
         anyhow::bail!(

@@ -111,7 +111,12 @@ impl ShardService {
             let figures = shard.apply(slots)?;
             metrics.step(&figures);
             reporter.step_done(figures);
-            shard.checkpoint_if_due();
+            if let Some(attempted) = shard.checkpoint_if_due() {
+                metrics.checkpoint(&attempted);
+                if let Some(why) = attempted.fatal {
+                    return Err(PsError::Unavailable(why));
+                }
+            }
             Ok(())
         })
         .await

@@ -600,16 +600,16 @@ impl Shard {
     }
 
     /// Writes a checkpoint of the current version if one is due (every `[checkpoint] every`
-    /// steps). Call it right after [`Shard::apply`], before the barrier-completing push is
-    /// answered: the next update cannot start before that push's worker pushes again, so the
-    /// state copied here is the version's. A failed write is logged, and training goes on.
-    pub fn checkpoint_if_due(&self) {
-        let Some(plan) = &self.checkpoint else {
-            return;
-        };
+    /// steps); None when none was due. Call it right after [`Shard::apply`], before the
+    /// barrier-completing push is answered: the next update cannot start before that push's
+    /// worker pushes again, so the state copied here is the version's. A failed write is
+    /// retried once; after `[checkpoint] max_failures` consecutive failed checkpoints the run
+    /// fails (refused from now on, and the shard exits non-zero), saying why.
+    pub fn checkpoint_if_due(&self) -> Option<checkpoint::Attempted> {
+        let plan = self.checkpoint.as_ref()?;
         let version = self.version();
         if !plan.due(version) {
-            return;
+            return None;
         }
         let opt = self.lock().opt.clone();
         let saved = self
@@ -620,7 +620,11 @@ impl Shard {
                 opt,
             })
             .map_err(|e| e.to_string());
-        plan.write_logged(version, saved);
+        let attempted = plan.write_retrying(version, saved);
+        if let Some(why) = &attempted.fatal {
+            self.fail(why.clone());
+        }
+        Some(attempted)
     }
 
     /// Records that `rank` left with its final evaluation; returns true when every rank has.
