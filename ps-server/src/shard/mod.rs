@@ -395,13 +395,34 @@ impl Shard {
             threads: threads_for(current.len()),
             simd: Simd::Auto,
         };
-        let grad_sq_norm = match fused_update(inputs, next, &mut opt.m, &mut opt.v) {
+        let updated = fused_update(inputs, next, &mut opt.m, &mut opt.v);
+        // a board truncated under the update read as zeros (the SIGBUS guard): not its values
+        let truncated = slots
+            .iter()
+            .find(|s| matches!(&s.grad, Grad::Board(b) if b.faulted()))
+            .map(|s| s.rank);
+        let refused = match (updated, truncated) {
+            (_, Some(rank)) => {
+                if let Some(h) = &self.shm {
+                    h.detach(rank as usize);
+                }
+                Err(format!(
+                    "step {step}: rank {rank}'s shared-memory gradient board was truncated while the update read it (another process shrank the file, against the protocol): what was read is not its gradient; the step is not applied (the shard stays at version {step}) and the run stops"
+                ))
+            }
+            _ if pending.faulted() => Err(format!(
+                "step {step}: shard {}'s shared-memory parameters board was truncated during the update (another process shrank the file): the parameters are lost; the run stops",
+                self.index
+            )),
+            (Err(bad), None) => Err(format!(
+                "step {step}: rank {}'s gradient holds {} at index {} of shard {}'s range when the update reads it, although its push was checked: its shared-memory board was written after the push was accepted; the step is not applied (the shard stays at version {step}) and the run stops",
+                slots[bad.source].rank, bad.value, bad.index, self.index
+            )),
+            (Ok(sq), None) => Ok(sq),
+        };
+        let grad_sq_norm = match refused {
             Ok(sq) => sq,
-            Err(bad) => {
-                let why = format!(
-                    "step {step}: rank {}'s gradient holds {} at index {} of shard {}'s range when the update reads it, although its push was checked: its shared-memory board was written after the push was accepted; the step is not applied (the shard stays at version {step}) and the run stops",
-                    slots[bad.source].rank, bad.value, bad.index, self.index
-                );
+            Err(why) => {
                 tracing::error!("shard {}: {why}", self.index);
                 {
                     let mut st = self.lock();
@@ -596,6 +617,16 @@ impl Shard {
         // between its push and the update that uses it (ps_common::shm); one that does only
         // changes the values read here, and the update checks them again where it uses them.
         let fp = check_and_fingerprint(unsafe { &board.slot(0)[self.range.clone()] })?;
+        if board.faulted() {
+            // read as zeros under the SIGBUS guard: never used again
+            if let Some(h) = &self.shm {
+                h.detach(r);
+            }
+            return Err(PsError::BadChunk(format!(
+                "rank {rank}'s shared-memory gradient board {} was truncated (another process shrank the file): push refused; register again with a new board, or push through gRPC",
+                board.path().display()
+            )));
+        }
         Ok((Grad::Board(board), fp))
     }
 

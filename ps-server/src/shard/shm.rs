@@ -51,8 +51,10 @@ impl ShmHost {
             .map_err(|e| format!("cannot create {}: {e}", path.display()))
     }
 
-    /// Opens `rank`'s gradient board: `file`, of `num_params` values, made with `token`. The
-    /// error says why it is not usable here (then the rank pushes through gRPC).
+    /// Opens `rank`'s gradient board: `file`, of `num_params` values, made with `token`, in a
+    /// worker's board directory under the same shared-memory root as this shard's, belonging
+    /// to this process's user ([`Board::open_trusted`]): never a file another user made or
+    /// one elsewhere. The error says why it is not usable (then the rank pushes through gRPC).
     pub fn attach(
         &self,
         rank: usize,
@@ -60,7 +62,12 @@ impl ShmHost {
         token: u64,
         num_params: usize,
     ) -> Result<(), String> {
-        let board = Board::open(file, token, num_params, 1)?;
+        let root = self
+            .dir
+            .path()
+            .parent()
+            .ok_or_else(|| "this shard's board directory has no parent".to_string())?;
+        let board = Board::open_trusted(root, file, token, num_params, 1)?;
         self.grads.lock().unwrap_or_else(|p| p.into_inner())[rank] = Some(Arc::new(board));
         Ok(())
     }
@@ -68,5 +75,11 @@ impl ShmHost {
     /// `rank`'s gradient board, if attached.
     pub fn grad(&self, rank: usize) -> Option<Arc<Board>> {
         self.grads.lock().unwrap_or_else(|p| p.into_inner())[rank].clone()
+    }
+
+    /// Forgets `rank`'s gradient board (it was truncated: it is never read again; the rank
+    /// must register again with a new one, or push through gRPC).
+    pub fn detach(&self, rank: usize) {
+        self.grads.lock().unwrap_or_else(|p| p.into_inner())[rank] = None;
     }
 }
