@@ -56,6 +56,10 @@ pub struct ShardSetup {
     pub index: usize,
     /// Training-set size (decides the number of steps).
     pub train_len: usize,
+    /// Test-set size: each rank evaluates its slice of it (`split_even`), so the evaluation
+    /// figures a worker reports are checked against that slice; None: checked only for
+    /// correct <= count and sums that fit.
+    pub test_len: Option<usize>,
     /// Shard 0's address, for shards > 0 to report to.
     pub shard0: Option<String>,
     /// The checkpoint to start from ([`load_checkpoint`]), instead of the initial weights.
@@ -75,6 +79,7 @@ pub async fn run_shard(
         cfg,
         index,
         train_len,
+        test_len,
         shard0,
         resume_from,
         metrics_listen,
@@ -117,6 +122,12 @@ pub async fn run_shard(
         all_left: all_left.clone(),
         metrics,
         peers: Default::default(),
+        test_slices: test_len.map(|n| {
+            ps_common::layout::split_even(n, cfg.cluster.workers)
+                .iter()
+                .map(|r| r.len() as u64)
+                .collect()
+        }),
     };
     let watcher = svc.clone();
     let svc_peers = svc.peers.clone();
@@ -392,10 +403,14 @@ pub fn load_setup(
             cfg.model.dims[0]
         );
     }
+    let (test_len, _) =
+        ps_common::idx::split_shape(&cfg.data.dir, ps_common::idx::Split::Test, classes)
+            .context("reading the test set's labels and header")?;
     let shard0 = shard0.or_else(|| (index > 0).then(|| cfg.cluster.servers[0].clone()));
     let cfg_metrics = cfg.server.metrics_addrs.get(index).cloned();
     Ok(ShardSetup {
         train_len,
+        test_len: Some(test_len),
         cfg,
         index,
         shard0,

@@ -459,9 +459,9 @@ impl Shard {
             barrier_wait_ms: ms(last - first),
             slowest_rank: last_rank,
             apply_ms: ms(now - started),
-            eval: slots
-                .iter()
-                .fold((0, 0), |a, s| (a.0 + s.eval.0, a.1 + s.eval.1)),
+            eval: slots.iter().fold((0u64, 0u64), |a, s| {
+                (a.0.saturating_add(s.eval.0), a.1.saturating_add(s.eval.1))
+            }),
         };
         {
             let mut st = self.lock();
@@ -659,9 +659,26 @@ impl Shard {
     }
 
     /// Records that `rank` left with its final evaluation; returns true when every rank has.
+    /// Figures whose sum with the other ranks' would not fit in a u64 are refused.
     pub fn leave(&self, rank: u32, eval: (u64, u64)) -> PsResult<bool> {
         let mut st = self.lock();
         let r = st.barrier.rank(rank)?;
+        let others = st
+            .left
+            .iter()
+            .enumerate()
+            .filter(|&(q, _)| q != r)
+            .filter_map(|(_, e)| *e);
+        let mut sum = Some(eval);
+        for e in others {
+            sum = sum.and_then(|s| Some((s.0.checked_add(e.0)?, s.1.checked_add(e.1)?)));
+        }
+        if sum.is_none() {
+            return Err(PsError::BadChunk(format!(
+                "rank {rank} left with an evaluation of {}/{}: the sum over the ranks would overflow",
+                eval.0, eval.1
+            )));
+        }
         st.left[r] = Some(eval);
         Ok(st.left.iter().all(Option::is_some))
     }
@@ -669,11 +686,9 @@ impl Shard {
     /// Final evaluation summed over the ranks that left, and the ranks that did not.
     pub fn final_eval(&self) -> ((u64, u64), Vec<usize>) {
         let st = self.lock();
-        let sum = st
-            .left
-            .iter()
-            .flatten()
-            .fold((0, 0), |a, e| (a.0 + e.0, a.1 + e.1));
+        let sum = st.left.iter().flatten().fold((0u64, 0u64), |a, e| {
+            (a.0.saturating_add(e.0), a.1.saturating_add(e.1))
+        });
         let missing = st
             .left
             .iter()
