@@ -1,6 +1,9 @@
 //! Checkpoints: every `[checkpoint] every` steps each shard writes its parameters and its
 //! optimizer state to `shard-<i>-of-<S>-v<version>.safetensors` in the checkpoint directory
-//! (atomically: a temporary file, then a rename), and deletes its older ones beyond `keep`.
+//! (atomically: a temporary file, then a rename), and deletes its older ones beyond `keep`
+//! that a resume can no longer need (never one unless every shard has a newer version: see
+//! [`write`]). A failed write is retried once; `[checkpoint] max_failures` consecutive failed
+//! checkpoints fail the run.
 //! A resumed cluster (`ps-server --resume`, `ps-launch --resume`) starts every shard from the
 //! newest version that all S shards have a checkpoint of, so the shards agree on the step
 //! (with a directory every shard sees); workers then start at that step, and the data order,
