@@ -419,6 +419,11 @@ impl Board {
         self.map.faulted()
     }
 
+    /// True when the slots hold no values.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
     /// The file.
     pub fn path(&self) -> &Path {
         &self.path
