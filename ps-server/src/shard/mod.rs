@@ -703,3 +703,36 @@ impl Shard {
 fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ps_common::config::TestConfig;
+
+    /// A `Leave` whose figures would overflow the sum over the ranks is refused, and changes
+    /// nothing; the final sum never wraps.
+    #[test]
+    fn leave_figures_that_would_overflow_the_sum_are_refused() {
+        let cfg = TestConfig::new()
+            .shards(1)
+            .workers(2)
+            .hidden(&[4])
+            .transport(Transport::Grpc)
+            .build(Path::new("/tmp/leave-test.toml"))
+            .unwrap();
+        let shard = Shard::new(&cfg, 0, 10);
+        assert!(!shard.leave(0, (u64::MAX - 5, u64::MAX - 1)).unwrap());
+        let e = shard.leave(1, (3, 4)).unwrap_err();
+        assert!(
+            e.to_string().contains(
+                "rank 1 left with an evaluation of 3/4: the sum over the ranks would overflow"
+            ),
+            "{e}"
+        );
+        assert_eq!(shard.final_eval(), ((u64::MAX - 5, u64::MAX - 1), vec![1]));
+        // a rank leaving again replaces its own figures (not added to them)
+        assert!(!shard.leave(0, (2, 5)).unwrap());
+        assert!(shard.leave(1, (3, 4)).unwrap());
+        assert_eq!(shard.final_eval(), ((5, 9), vec![]));
+    }
+}
