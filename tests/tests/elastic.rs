@@ -107,7 +107,7 @@ fn a_worker_paused_for_many_steps_rejoins_at_the_current_step() {
     wait_until(
         dir.path(),
         "the first steps",
-        Duration::from_secs(60),
+        Duration::from_secs(120),
         || steps_done(&cfg) >= 10,
     );
     signal(&cluster, 1, libc::SIGSTOP);
@@ -180,7 +180,7 @@ fn a_worker_back_after_the_end_leaves_and_one_back_too_late_does_not_end_the_run
     wait_until(
         dir.path(),
         "the first steps",
-        Duration::from_secs(60),
+        Duration::from_secs(120),
         || steps_done(&cfg) >= 10,
     );
     signal(&cluster, 1, libc::SIGSTOP);
@@ -215,7 +215,7 @@ fn a_worker_back_after_the_end_leaves_and_one_back_too_late_does_not_end_the_run
     wait_until(
         dir.path(),
         "the first steps",
-        Duration::from_secs(60),
+        Duration::from_secs(120),
         || steps_done(&cfg) >= 10,
     );
     signal(&cluster, 1, libc::SIGSTOP);
