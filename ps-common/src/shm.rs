@@ -633,6 +633,12 @@ pub fn grad_path(dir: &Path) -> PathBuf {
     dir.join("grad")
 }
 
+/// This process's effective user id (who owns the boards it makes).
+pub fn this_user() -> u32 {
+    // SAFETY: geteuid(2) cannot fail.
+    unsafe { libc::geteuid() }
+}
+
 fn random_token() -> u64 {
     use std::hash::{BuildHasher, Hash, Hasher};
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();

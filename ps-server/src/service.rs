@@ -328,7 +328,18 @@ impl ParameterServer for ShardService {
         } else {
             Default::default()
         };
+        // a gradient board is shared only with a worker of this process's user
+        let peer_user = peer.and_then(crate::shard::shm::peer_uid);
+        let other_user = peer_user.filter(|&u| u != ps_common::shm::this_user());
+        if let (Some(uid), false) = (other_user, r.grad_file.is_empty()) {
+            tracing::warn!(
+                "shard {}: rank {} registered from a connection of uid {uid}, another user: its gradient board is not opened (it pushes through gRPC)",
+                s.index,
+                r.rank
+            );
+        }
         let grad_shm = !r.grad_file.is_empty()
+            && other_user.is_none()
             && s.attach_grad(r.rank, std::path::Path::new(&r.grad_file), r.grad_token)?;
         tracing::debug!(
             shard = s.index,
