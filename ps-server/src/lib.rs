@@ -69,7 +69,8 @@ pub struct ShardSetup {
 }
 
 /// Serves shard `setup.index` on `listener` until the run ends or `shutdown` resolves; writes
-/// the final weights into the config's output directory.
+/// the final weights into the config's output directory (which the caller checks first, with
+/// [`check_output_dirs`], before it listens: `ps-server` does).
 pub async fn run_shard(
     setup: ShardSetup,
     listener: TcpListener,
@@ -85,7 +86,6 @@ pub async fn run_shard(
         metrics_listen,
     } = setup;
     let total_steps = cfg.total_steps(train_len)?;
-    check_output_dirs(&cfg)?;
     let resumed = resume_from.is_some();
     let shard = Shard::starting_from(&cfg, index, total_steps, resume_from);
     let reporter = Reporter::spawn(ReporterConfig {
@@ -206,8 +206,8 @@ pub async fn run_shard(
 
 /// Checks that the output directory (final weights, metrics) and, when the run writes
 /// checkpoints, the checkpoint directory can be written: each is created if missing and a probe
-/// file is written and removed. Called before serving, so that a run that could not save its
-/// result never starts.
+/// file is written and removed. `ps-server` calls it before listening, so that a run that
+/// could not save its results never starts (and a launcher never sees such a shard ready).
 pub fn check_output_dirs(cfg: &Config) -> anyhow::Result<()> {
     let mut dirs = vec![("[server] out_dir", cfg.server.out_dir.clone())];
     if cfg.checkpoint.every > 0 {
