@@ -21,8 +21,10 @@ fn spec(linger_secs: f64) -> Spec {
         steps: STEPS,
         config: Spec::base()
             .log_every(1000)
-            .barrier_warn_secs(0.3)
-            .barrier_timeout_secs(1.0)
+            // long enough for the workers' start (loading the data) under load: step 0
+            // waits from the shard's start, and with nobody in it the run fails
+            .barrier_warn_secs(1.0)
+            .barrier_timeout_secs(4.0)
             .linger_secs(linger_secs)
             .barrier_policy(BarrierPolicy::Continue),
         ..Spec::default()
