@@ -504,6 +504,7 @@ impl InProcShard {
                 cfg,
                 index: 0,
                 train_len: 60_000,
+                test_len: None,
                 shard0: None,
                 resume_from: None,
                 metrics_listen: None,

@@ -38,11 +38,15 @@ const fn seq_offset(k: usize) -> usize {
 /// Most slots a board has (so that the sequences fit the header page).
 const MAX_SLOTS: usize = 8;
 
-/// A file in shared memory mapped into this process.
+/// A file in shared memory mapped into this process, guarded against truncation
+/// ([`guard`]): a page that the file no longer backs reads as zeros instead of killing the
+/// process with SIGBUS, and the mapping says it [`Mapping::faulted`].
 #[derive(Debug)]
 struct Mapping {
     ptr: NonNull<u8>,
     len: usize,
+    /// Its slot in the SIGBUS guard's table (None: the table was full; unguarded).
+    guard: Option<usize>,
 }
 
 // SAFETY: the mapping is plain shared memory; access to the header goes through atomics and
@@ -70,7 +74,14 @@ impl Mapping {
         Ok(Self {
             ptr: NonNull::new(p.cast()).expect("mmap returned a null mapping"),
             len,
+            guard: guard::register(p as usize, len),
         })
+    }
+
+    /// True once a page of it was found no longer backed by the file (the file was truncated
+    /// by another process): its contents read as zeros from then on.
+    fn faulted(&self) -> bool {
+        self.guard.is_some_and(guard::faulted)
     }
 
     fn atomic(&self, offset: usize) -> &AtomicU64 {
@@ -83,9 +94,137 @@ impl Mapping {
 
 impl Drop for Mapping {
     fn drop(&mut self) {
+        if let Some(g) = self.guard {
+            guard::unregister(g);
+        }
         // SAFETY: unmaps exactly what `new` mapped; no reference into it outlives `self`.
         unsafe {
             libc::munmap(self.ptr.as_ptr().cast(), self.len);
+        }
+    }
+}
+
+/// The SIGBUS guard of this process's board mappings. Touching a page of a shared file mapping
+/// past the end of the file (another process truncated it) raises SIGBUS, which would kill the
+/// process without a word. The guard's handler looks the faulting address up in a table of the
+/// mappings; for one of them it maps anonymous zero pages over the whole mapping (so the access
+/// goes on, reading zeros) and marks it faulted, which the code that read it checks afterwards.
+/// Any other SIGBUS goes to the handler that was there before (Rust's stack-overflow report, or
+/// the default action). The handler only does atomic loads and stores and `mmap`.
+mod guard {
+    use std::sync::OnceLock;
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+
+    /// Mappings guarded at once (a shard holds one per rank plus its own).
+    const SLOTS: usize = 1024;
+
+    struct Slot {
+        start: AtomicUsize,
+        len: AtomicUsize,
+        faulted: AtomicBool,
+    }
+
+    #[allow(clippy::declare_interior_mutable_const)]
+    const EMPTY: Slot = Slot {
+        start: AtomicUsize::new(0),
+        len: AtomicUsize::new(0),
+        faulted: AtomicBool::new(false),
+    };
+    static TABLE: [Slot; SLOTS] = [EMPTY; SLOTS];
+    /// The SIGBUS action before ours (installed once, at the first registration).
+    static PREVIOUS: OnceLock<Option<libc::sigaction>> = OnceLock::new();
+
+    /// Guards `len` bytes at `start`; the slot, or None when the table is full or the handler
+    /// could not be installed (the mapping is then unguarded).
+    pub(super) fn register(start: usize, len: usize) -> Option<usize> {
+        PREVIOUS.get_or_init(install).as_ref()?;
+        for (i, slot) in TABLE.iter().enumerate() {
+            if slot
+                .start
+                .compare_exchange(0, start, Ordering::AcqRel, Ordering::Relaxed)
+                .is_ok()
+            {
+                slot.faulted.store(false, Ordering::Relaxed);
+                slot.len.store(len, Ordering::Release);
+                return Some(i);
+            }
+        }
+        None
+    }
+
+    /// Stops guarding slot `i` (before its mapping is unmapped).
+    pub(super) fn unregister(i: usize) {
+        TABLE[i].len.store(0, Ordering::Release);
+        TABLE[i].start.store(0, Ordering::Release);
+    }
+
+    /// True once slot `i`'s mapping took a SIGBUS.
+    pub(super) fn faulted(i: usize) -> bool {
+        TABLE[i].faulted.load(Ordering::Acquire)
+    }
+
+    fn install() -> Option<libc::sigaction> {
+        // SAFETY: sigaction(2) with a zeroed, then filled, action; the previous one is kept.
+        unsafe {
+            let mut action: libc::sigaction = std::mem::zeroed();
+            action.sa_sigaction = on_sigbus as *const () as libc::sighandler_t;
+            action.sa_flags = libc::SA_SIGINFO | libc::SA_ONSTACK;
+            libc::sigemptyset(&mut action.sa_mask);
+            let mut previous: libc::sigaction = std::mem::zeroed();
+            if libc::sigaction(libc::SIGBUS, &action, &mut previous) != 0 {
+                return None;
+            }
+            Some(previous)
+        }
+    }
+
+    extern "C" fn on_sigbus(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut libc::c_void) {
+        // SAFETY: the kernel hands a valid siginfo to an SA_SIGINFO handler.
+        let addr = unsafe { (*info).si_addr() } as usize;
+        for slot in &TABLE {
+            let len = slot.len.load(Ordering::Acquire);
+            let start = slot.start.load(Ordering::Acquire);
+            if len > 0 && (start..start + len).contains(&addr) {
+                // SAFETY: replaces exactly this live mapping (registered until it is unmapped)
+                // with private zero pages: the faulting access then completes.
+                let p = unsafe {
+                    libc::mmap(
+                        start as *mut libc::c_void,
+                        len,
+                        libc::PROT_READ | libc::PROT_WRITE,
+                        libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED,
+                        -1,
+                        0,
+                    )
+                };
+                if p != libc::MAP_FAILED {
+                    slot.faulted.store(true, Ordering::Release);
+                    return;
+                }
+            }
+        }
+        // not a board: what would have happened without the guard
+        let previous = PREVIOUS.get().copied().flatten();
+        // SAFETY: calls the previous handler as it was installed, or restores the default
+        // action (the faulting instruction then raises SIGBUS again and the process dies).
+        unsafe {
+            match previous {
+                Some(p) if p.sa_sigaction != libc::SIG_DFL && p.sa_sigaction != libc::SIG_IGN => {
+                    if p.sa_flags & libc::SA_SIGINFO != 0 {
+                        let f: extern "C" fn(libc::c_int, *mut libc::siginfo_t, *mut libc::c_void) =
+                            std::mem::transmute(p.sa_sigaction);
+                        f(sig, info, ctx);
+                    } else {
+                        let f: extern "C" fn(libc::c_int) = std::mem::transmute(p.sa_sigaction);
+                        f(sig);
+                    }
+                }
+                _ => {
+                    let mut dfl: libc::sigaction = std::mem::zeroed();
+                    dfl.sa_sigaction = libc::SIG_DFL;
+                    libc::sigaction(libc::SIGBUS, &dfl, std::ptr::null_mut());
+                }
+            }
         }
     }
 }
@@ -154,6 +293,91 @@ impl Board {
             .write(true)
             .open(path)
             .map_err(|e| format!("cannot open {}: {e}", path.display()))?;
+        Self::map_file(file, path, token, len, slots)
+    }
+
+    /// Opens a board that another process of this user made in its board directory under
+    /// `root` (a worker's gradient board, as [`BoardDir::create`] and [`Board::create`] make
+    /// it), refusing anything else before mapping it: `path` must be a file directly inside a
+    /// `ps-*-pid*` directory directly under `root`; the directory and the file (opened without
+    /// following a symbolic link, then checked with fstat) must belong to this process's user
+    /// and be closed to every other (modes 0700 and 0600), and the file must be a regular file
+    /// with one link. So no other local user can hand this process a file of theirs (which they
+    /// could change or truncate at will), nor point it at one outside the board directories.
+    pub fn open_trusted(
+        root: &Path,
+        path: &Path,
+        token: u64,
+        len: usize,
+        slots: usize,
+    ) -> Result<Self, String> {
+        use std::os::unix::fs::MetadataExt;
+        let refuse = |why: String| format!("{} refused: {why}", path.display());
+        let dir = path
+            .parent()
+            .filter(|_| path.file_name().is_some())
+            .ok_or_else(|| refuse("expected a file in a board directory".into()))?;
+        let in_root = dir.parent().map(std::fs::canonicalize).and_then(Result::ok)
+            == std::fs::canonicalize(root).ok();
+        let named = dir
+            .file_name()
+            .and_then(|n| n.to_str())
+            .is_some_and(|n| n.starts_with("ps-") && n.contains("-pid"));
+        if !in_root || !named {
+            return Err(refuse(format!(
+                "expected a board directory ps-<name>-pid<pid>-<token> directly under {}",
+                root.display()
+            )));
+        }
+        // SAFETY: geteuid(2) cannot fail.
+        let me = unsafe { libc::geteuid() };
+        let d = std::fs::symlink_metadata(dir)
+            .map_err(|e| refuse(format!("cannot stat {}: {e}", dir.display())))?;
+        if !d.is_dir() || d.uid() != me || d.mode() & 0o077 != 0 {
+            return Err(refuse(format!(
+                "its directory {} is {} of uid {} with mode {:o}: expected a directory of uid {me} (this process's user) with mode 700",
+                dir.display(),
+                if d.is_dir() {
+                    "a directory"
+                } else {
+                    "not a directory"
+                },
+                d.uid(),
+                d.mode() & 0o7777
+            )));
+        }
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+            .open(path)
+            .map_err(|e| refuse(format!("cannot open it without following links: {e}")))?;
+        let m = file
+            .metadata()
+            .map_err(|e| refuse(format!("cannot stat it: {e}")))?;
+        if !m.file_type().is_file() || m.uid() != me || m.mode() & 0o077 != 0 || m.nlink() != 1 {
+            return Err(refuse(format!(
+                "it is {} of uid {} with mode {:o} and {} link(s): expected a regular file of uid {me} (this process's user) with mode 600 and one link",
+                if m.file_type().is_file() {
+                    "a file"
+                } else {
+                    "not a regular file"
+                },
+                m.uid(),
+                m.mode() & 0o7777,
+                m.nlink()
+            )));
+        }
+        Self::map_file(file, path, token, len, slots)
+    }
+
+    fn map_file(
+        file: File,
+        path: &Path,
+        token: u64,
+        len: usize,
+        slots: usize,
+    ) -> Result<Self, String> {
         let size = file
             .metadata()
             .map_err(|e| format!("cannot stat {}: {e}", path.display()))?
@@ -186,6 +410,13 @@ impl Board {
     /// Values per slot.
     pub fn len(&self) -> usize {
         self.len
+    }
+
+    /// True once this process found the file truncated under its mapping (another process
+    /// shrank it): what was read from it since is zeros, not the board's values, and the board
+    /// must not be used any more.
+    pub fn faulted(&self) -> bool {
+        self.map.faulted()
     }
 
     /// True when the slots hold no values.
@@ -402,6 +633,12 @@ pub fn grad_path(dir: &Path) -> PathBuf {
     dir.join("grad")
 }
 
+/// This process's effective user id (who owns the boards it makes).
+pub fn this_user() -> u32 {
+    // SAFETY: geteuid(2) cannot fail.
+    unsafe { libc::geteuid() }
+}
+
 fn random_token() -> u64 {
     use std::hash::{BuildHasher, Hash, Hasher};
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
@@ -572,5 +809,98 @@ mod tests {
         assert!(mine.path().exists() && other.path().exists());
         drop((mine, other));
         std::fs::remove_dir_all(&root).unwrap();
+    }
+
+    /// Truncating a board under a reader cannot kill it: the access reads zeros, the board says
+    /// it faulted, and other boards (and other SIGBUS causes) are unaffected.
+    #[test]
+    fn a_truncated_board_reads_as_zeros_and_says_so_instead_of_sigbus() {
+        let root = std::env::temp_dir().join(format!("ps-shm-trunc-{}", std::process::id()));
+        std::fs::create_dir_all(&root).unwrap();
+        let dir = BoardDir::create(&root, "worker0").unwrap();
+        let path = grad_path(dir.path());
+        let mut w = Board::create(&path, dir.token(), 5000, 1).unwrap();
+        w.slot_mut(0).fill(2.5);
+        let r = Board::open(&path, dir.token(), 5000, 1).unwrap();
+        let other_path = dir.path().join("other");
+        let mut other = Board::create(&other_path, dir.token(), 10, 1).unwrap();
+        other.slot_mut(0).fill(1.0);
+        assert!(!r.faulted());
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .unwrap()
+            .set_len(0)
+            .unwrap();
+        let mut out = vec![9f32; 5000];
+        r.read(0, &mut out);
+        assert!(r.faulted(), "the truncation was seen");
+        assert!(out.iter().all(|v| *v == 0.0), "zeros, not the old values");
+        // SAFETY: nothing writes the slot meanwhile.
+        assert_eq!(unsafe { r.slot(0) }[4999], 0.0);
+        let mut o = [0f32; 10];
+        other.read(0, &mut o);
+        assert!(
+            !other.faulted() && o == [1.0; 10],
+            "another board is untouched"
+        );
+        drop((w, r, other, dir));
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+
+    /// A gradient board is opened only from a board directory under the root, of this user,
+    /// closed to others; anything else is refused with the reason.
+    #[test]
+    fn open_trusted_refuses_files_of_other_users_and_places() {
+        use std::os::unix::fs::PermissionsExt;
+        let root = std::env::temp_dir().join(format!("ps-shm-trust-{}", std::process::id()));
+        std::fs::create_dir_all(&root).unwrap();
+        let dir = BoardDir::create(&root, "worker0").unwrap();
+        let path = grad_path(dir.path());
+        let _w = Board::create(&path, dir.token(), 10, 1).unwrap();
+        Board::open_trusted(&root, &path, dir.token(), 10, 1).expect("our own worker's board");
+        // outside the root (a copy elsewhere), or not in a board directory
+        let elsewhere = std::env::temp_dir().join(format!("ps-shm-else-{}", std::process::id()));
+        let fake_dir = elsewhere.join("ps-worker0-pid1-00");
+        std::fs::create_dir_all(&fake_dir).unwrap();
+        std::fs::copy(&path, fake_dir.join("grad")).unwrap();
+        let e = Board::open_trusted(&root, &fake_dir.join("grad"), dir.token(), 10, 1).unwrap_err();
+        assert!(e.contains("expected a board directory"), "{e}");
+        let plain = root.join("grad");
+        std::fs::copy(&path, &plain).unwrap();
+        let e = Board::open_trusted(&root, &plain, dir.token(), 10, 1).unwrap_err();
+        assert!(e.contains("expected a board directory"), "{e}");
+        // a symbolic link in a board directory
+        let link = dir.path().join("link");
+        std::os::unix::fs::symlink(&plain, &link).unwrap();
+        let e = Board::open_trusted(&root, &link, dir.token(), 10, 1).unwrap_err();
+        assert!(e.contains("without following links"), "{e}");
+        // readable by others
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let e = Board::open_trusted(&root, &path, dir.token(), 10, 1).unwrap_err();
+        assert!(
+            e.contains("mode 644") && e.contains("expected a regular file of uid"),
+            "{e}"
+        );
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
+        // another user's file (only root can make one here)
+        // SAFETY: geteuid(2) cannot fail.
+        if unsafe { libc::geteuid() } == 0 {
+            std::os::unix::fs::chown(&path, Some(65534), Some(65534)).unwrap();
+            let e = Board::open_trusted(&root, &path, dir.token(), 10, 1).unwrap_err();
+            assert!(e.contains("of uid 65534"), "{e}");
+            std::os::unix::fs::chown(&path, Some(0), Some(0)).unwrap();
+            std::os::unix::fs::chown(dir.path(), Some(65534), None).unwrap();
+            let e = Board::open_trusted(&root, &path, dir.token(), 10, 1).unwrap_err();
+            assert!(
+                e.contains("its directory") && e.contains("of uid 65534"),
+                "{e}"
+            );
+            std::os::unix::fs::chown(dir.path(), Some(0), None).unwrap();
+        }
+        Board::open_trusted(&root, &path, dir.token(), 10, 1).expect("fine again");
+        drop(dir);
+        std::fs::remove_dir_all(&root).unwrap();
+        std::fs::remove_dir_all(&elsewhere).unwrap();
     }
 }

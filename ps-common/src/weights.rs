@@ -89,7 +89,11 @@ pub fn write_safetensors(
         f.into_inner().map_err(|e| e.into_error())?.sync_all()?;
         std::fs::rename(&tmp, path)
     };
-    write().map_err(|e| werr(path, format!("cannot write: {e}")))
+    write().map_err(|e| {
+        // a failed write (a full disk) leaves no partial temporary file behind
+        let _ = std::fs::remove_file(&tmp);
+        werr(path, format!("cannot write: {e}"))
+    })
 }
 
 /// Reads every F32 tensor and the metadata of a safetensors file.

@@ -73,6 +73,11 @@ pub struct LocalCluster {
     pub worker_restarts: usize,
     /// Each worker's (rank, world, extra arguments), to start it again.
     worker_args: Vec<(usize, usize, Vec<String>)>,
+    /// `barrier_policy = "continue"`: a worker that fails (beyond the restart budget) does not
+    /// stop the run; the shards go on without it and decide how the run ends.
+    pub elastic: bool,
+    /// Indices of the workers whose failure [`LocalCluster::elastic`] let the run outlive.
+    tolerated: Vec<usize>,
 }
 
 impl LocalCluster {
@@ -88,6 +93,8 @@ impl LocalCluster {
             workers: Vec::new(),
             worker_restarts: 0,
             worker_args: Vec::new(),
+            elastic: false,
+            tolerated: Vec::new(),
         }
     }
 
@@ -308,13 +315,26 @@ impl LocalCluster {
                     && let Ok(Some(s)) = p.child.try_wait()
                 {
                     p.status = Some(s);
-                    if !s.success() {
-                        self.restart_worker(i)?;
+                    if !s.success() && !self.restart_worker(i)? && self.elastic {
+                        let p = &self.workers[i];
+                        eprintln!(
+                            "ps-launch: {} failed with {s}; the run goes on without it (barrier_policy = \"continue\"){}",
+                            p.name,
+                            p.log_tail(5)
+                        );
+                        self.tolerated.push(i);
                     }
                 }
             }
             let mut running = Vec::new();
-            for p in self.servers.iter_mut().chain(self.workers.iter_mut()) {
+            let tolerated = &self.tolerated;
+            let workers = self
+                .workers
+                .iter_mut()
+                .enumerate()
+                .filter(|(i, _)| !tolerated.contains(i))
+                .map(|(_, p)| p);
+            for p in self.servers.iter_mut().chain(workers) {
                 if p.status.is_none() {
                     match p.child.try_wait() {
                         Ok(Some(s)) => p.status = Some(s),

@@ -113,6 +113,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     let mut cluster = LocalCluster::new(bin_dir(), cli.config.clone(), None);
     cluster.worker_logs = Some(logs);
     cluster.worker_restarts = cli.restart_workers;
+    cluster.elastic = cfg.server.barrier_policy == ps_common::config::BarrierPolicy::Continue;
     let mut server_args = vec!["--out-dir".to_string(), out_dir.display().to_string()];
     let mut worker_args = cli.worker_arg.clone();
     if let Some(d) = &cli.data_dir {

@@ -1,6 +1,9 @@
 //! Checkpoints: every `[checkpoint] every` steps each shard writes its parameters and its
 //! optimizer state to `shard-<i>-of-<S>-v<version>.safetensors` in the checkpoint directory
-//! (atomically: a temporary file, then a rename), and deletes its older ones beyond `keep`.
+//! (atomically: a temporary file, then a rename), and deletes its older ones beyond `keep`
+//! that a resume can no longer need (never one unless every shard has a newer version: see
+//! [`write`]). A failed write is retried once; `[checkpoint] max_failures` consecutive failed
+//! checkpoints fail the run.
 //! A resumed cluster (`ps-server --resume`, `ps-launch --resume`) starts every shard from the
 //! newest version that all S shards have a checkpoint of, so the shards agree on the step
 //! (with a directory every shard sees); workers then start at that step, and the data order,
@@ -12,14 +15,31 @@ use ps_common::weights::{read_safetensors, write_safetensors};
 use std::collections::BTreeMap;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU32, Ordering};
 
-/// When and where a shard writes checkpoints (`[checkpoint] every` > 0).
+/// When and where a shard writes checkpoints (`[checkpoint] every` > 0), and how many
+/// consecutive failed ones it has seen.
 #[derive(Debug)]
 pub struct Plan {
     every: u64,
     keep: usize,
+    max_failures: u32,
     dir: PathBuf,
     id: Identity,
+    /// Checkpoints failed (after their retry) since the last one written.
+    consecutive_failures: AtomicU32,
+}
+
+/// What became of one due checkpoint ([`Plan::write_retrying`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Attempted {
+    /// Written (at the first or the second attempt).
+    pub written: bool,
+    /// Attempts that failed (0, 1 or 2).
+    pub failed_attempts: u32,
+    /// Set when this failure makes `[checkpoint] max_failures` consecutive failed checkpoints:
+    /// the run must fail, saying this.
+    pub fatal: Option<String>,
 }
 
 impl Plan {
@@ -29,8 +49,10 @@ impl Plan {
         (cfg.checkpoint.every > 0).then(|| Self {
             every: cfg.checkpoint.every,
             keep: cfg.checkpoint.keep,
+            max_failures: cfg.checkpoint.max_failures,
             dir: cfg.checkpoint_dir(),
             id: Identity::of(cfg, index, range),
+            consecutive_failures: AtomicU32::new(0),
         })
     }
 
@@ -39,21 +61,65 @@ impl Plan {
         version > 0 && version.is_multiple_of(self.every)
     }
 
-    /// Writes `saved` and prunes older checkpoints; logs the outcome (a failed write is
-    /// logged, and training goes on).
-    pub fn write_logged(&self, version: u64, saved: Result<Saved, String>) {
+    /// Writes `saved` and prunes older checkpoints, retrying a failed write once (a failed
+    /// attempt leaves no temporary file); logs the outcome. After `max_failures` consecutive
+    /// failed checkpoints the outcome says the run must fail.
+    pub fn write_retrying(&self, version: u64, saved: Result<Saved, String>) -> Attempted {
         let started = std::time::Instant::now();
         let shard = self.id.shard;
-        let written = saved.and_then(|s| write(&self.dir, &self.id, &s, self.keep));
-        match written {
-            Ok(path) => tracing::info!(
-                "shard {shard}: checkpoint of version {version} written to {} in {:.0} ms",
-                path.display(),
-                started.elapsed().as_secs_f64() * 1e3
-            ),
-            Err(e) => {
-                tracing::error!("shard {shard}: checkpoint of version {version} not written: {e}")
+        let saved = match saved {
+            Ok(s) => s,
+            Err(e) => return self.failed(version, 0, e),
+        };
+        let mut failed_attempts = 0;
+        let mut last_error = String::new();
+        for attempt in 1..=2 {
+            match write(&self.dir, &self.id, &saved, self.keep) {
+                Ok(path) => {
+                    self.consecutive_failures.store(0, Ordering::Relaxed);
+                    tracing::info!(
+                        "shard {shard}: checkpoint of version {version} written to {} in {:.0} ms{}",
+                        path.display(),
+                        started.elapsed().as_secs_f64() * 1e3,
+                        if attempt > 1 { " (second attempt)" } else { "" }
+                    );
+                    return Attempted {
+                        written: true,
+                        failed_attempts,
+                        fatal: None,
+                    };
+                }
+                Err(e) => {
+                    failed_attempts += 1;
+                    if attempt == 1 {
+                        tracing::warn!(
+                            "shard {shard}: checkpoint of version {version}: {e}; retrying once"
+                        );
+                    }
+                    last_error = e;
+                }
             }
+        }
+        self.failed(version, failed_attempts, last_error)
+    }
+
+    fn failed(&self, version: u64, failed_attempts: u32, e: String) -> Attempted {
+        let shard = self.id.shard;
+        let n = self.consecutive_failures.fetch_add(1, Ordering::Relaxed) + 1;
+        tracing::error!(
+            "shard {shard}: checkpoint of version {version} not written: {e} ({n} consecutive failed checkpoint(s); the run fails at {})",
+            self.max_failures
+        );
+        let fatal = (n >= self.max_failures).then(|| {
+            format!(
+                "{n} consecutive checkpoints failed (the last, of version {version}: {e}); [checkpoint] max_failures = {}",
+                self.max_failures
+            )
+        });
+        Attempted {
+            written: false,
+            failed_attempts,
+            fatal,
         }
     }
 }
@@ -146,8 +212,16 @@ fn versions(dir: &Path, shard: usize, num_shards: usize) -> Vec<u64> {
     v
 }
 
-/// Writes `saved` for the shard `id`, then deletes its checkpoints older than the `keep`
-/// newest. Returns the file.
+/// How many of the newest versions that every shard has are never deleted: a resume needs the
+/// newest; a shard that restarts while the others write the next one can still find the one
+/// before.
+pub const COMMON_KEPT: usize = 2;
+
+/// Writes `saved` for the shard `id`, then deletes those of its checkpoints that a resume can
+/// no longer need: the ones older than the `keep` newest, and older than the newest version
+/// every shard has, and not among the [`COMMON_KEPT`] newest such versions. A shard never
+/// deletes a checkpoint unless every shard has a newer one, so the directory always holds a
+/// version common to all shards once it has held one. Returns the file.
 pub fn write(dir: &Path, id: &Identity, saved: &Saved, keep: usize) -> Result<PathBuf, String> {
     let path = file(dir, id.shard, id.num_shards, saved.version);
     let shapes = [
@@ -169,21 +243,68 @@ pub fn write(dir: &Path, id: &Identity, saved: &Saved, keep: usize) -> Result<Pa
         &id.metadata(saved.version, saved.opt.steps),
     )
     .map_err(|e| e.to_string())?;
-    let all = versions(dir, id.shard, id.num_shards);
-    for old in &all[..all.len().saturating_sub(keep)] {
-        let _ = std::fs::remove_file(file(dir, id.shard, id.num_shards, *old));
+    for old in prunable(dir, id.shard, id.num_shards, keep) {
+        let _ = std::fs::remove_file(file(dir, id.shard, id.num_shards, old));
     }
     Ok(path)
 }
 
-/// The newest version of which every one of `num_shards` shards has a checkpoint in `dir`.
-pub fn latest_common(dir: &Path, num_shards: usize) -> Option<u64> {
+/// The versions of shard `shard`'s checkpoints that may be deleted (see [`write`]).
+fn prunable(dir: &Path, shard: usize, num_shards: usize, keep: usize) -> Vec<u64> {
+    let mine = versions(dir, shard, num_shards);
+    let common = common_versions(dir, num_shards);
+    let Some(&newest_common) = common.last() else {
+        return Vec::new();
+    };
+    let protected_common = &common[common.len().saturating_sub(COMMON_KEPT)..];
+    let newest_mine = &mine[mine.len().saturating_sub(keep)..];
+    mine.iter()
+        .copied()
+        .filter(|v| *v < newest_common && !protected_common.contains(v) && !newest_mine.contains(v))
+        .collect()
+}
+
+/// The versions of which every one of `num_shards` shards has a checkpoint in `dir`, ascending.
+fn common_versions(dir: &Path, num_shards: usize) -> Vec<u64> {
     let mut common = versions(dir, 0, num_shards);
     for s in 1..num_shards {
-        let mine = versions(dir, s, num_shards);
-        common.retain(|v| mine.contains(v));
+        let theirs = versions(dir, s, num_shards);
+        common.retain(|v| theirs.contains(v));
     }
-    common.last().copied()
+    common
+}
+
+/// The newest version of which every one of `num_shards` shards has a checkpoint in `dir`.
+pub fn latest_common(dir: &Path, num_shards: usize) -> Option<u64> {
+    common_versions(dir, num_shards).last().copied()
+}
+
+/// Which versions each of `num_shards` shards has in `dir`, for a resume error:
+/// `shard 0: v15; shard 1: v10, v20` (`none` for a shard without any).
+pub fn describe_versions(dir: &Path, num_shards: usize) -> String {
+    (0..num_shards)
+        .map(|s| {
+            let v = versions(dir, s, num_shards);
+            let list = if v.is_empty() {
+                "none".to_string()
+            } else {
+                v.iter()
+                    .map(|v| format!("v{v}"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            };
+            format!("shard {s}: {list}")
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+/// True when `dir` holds any checkpoint file, of any shard count.
+pub fn any_checkpoint(dir: &Path) -> bool {
+    std::fs::read_dir(dir).into_iter().flatten().any(|e| {
+        e.ok()
+            .is_some_and(|e| e.file_name().to_str().and_then(parse).is_some())
+    })
 }
 
 /// Reads shard `id`'s checkpoint at `version`, checking it against `id` and the optimizer
@@ -273,10 +394,11 @@ mod tests {
             m: vec![0.0; 5],
             v: Vec::new(),
         };
+        // shard 1 first: a shard prunes only below a version every shard has
+        write(dir.path(), &id(1), &saved(20), 2).unwrap();
         for v in [10, 20, 30] {
             write(dir.path(), &id(0), &saved(v), 2).unwrap();
         }
-        write(dir.path(), &id(1), &saved(20), 2).unwrap();
         assert_eq!(versions(dir.path(), 0, 2), vec![20, 30], "keep 2");
         assert_eq!(latest_common(dir.path(), 2), Some(20), "shard 1 has no 30");
         assert_eq!(latest_common(dir.path(), 3), None, "another shard count");
@@ -306,5 +428,110 @@ mod tests {
             Some((3, 4, 120))
         );
         assert_eq!(parse("shard-3.safetensors"), None);
+    }
+
+    /// `keep = 1` and a shard that stops writing (it died between the two shards'
+    /// checkpoints): the other keeps the version they have in common, and the one before it,
+    /// however many newer ones it writes; once the late shard catches up, the old ones go.
+    #[test]
+    fn a_shard_never_prunes_the_last_common_versions() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        let saved = |version: u64| Saved {
+            version,
+            params: vec![1.0; 5],
+            opt: OptState {
+                steps: version,
+                m: Vec::new(),
+                v: Vec::new(),
+            },
+        };
+        for v in [5, 10] {
+            write(d, &id(0), &saved(v), 1).unwrap();
+            write(d, &id(1), &saved(v), 1).unwrap();
+        }
+        assert_eq!(versions(d, 1, 2), vec![5, 10]);
+        // shard 1 is gone; shard 0 goes on
+        for v in [15, 20, 25] {
+            write(d, &id(0), &saved(v), 1).unwrap();
+        }
+        assert_eq!(versions(d, 0, 2), vec![5, 10, 15, 20, 25]);
+        assert_eq!(latest_common(d, 2), Some(10));
+        assert_eq!(
+            describe_versions(d, 2),
+            "shard 0: v5, v10, v15, v20, v25; shard 1: v5, v10"
+        );
+        // shard 1 resumed at 10 and writes 15, 20, then 25: the versions below the two newest
+        // common ones go, on both sides
+        for v in [15, 20, 25] {
+            write(d, &id(1), &saved(v), 1).unwrap();
+        }
+        assert_eq!(versions(d, 1, 2), vec![20, 25]);
+        write(d, &id(0), &saved(30), 1).unwrap();
+        assert_eq!(versions(d, 0, 2), vec![20, 25, 30]);
+        assert_eq!(latest_common(d, 2), Some(25));
+        let empty = tempfile::tempdir().unwrap();
+        assert!(any_checkpoint(d) && !any_checkpoint(empty.path()));
+        assert_eq!(
+            describe_versions(empty.path(), 2),
+            "shard 0: none; shard 1: none"
+        );
+    }
+
+    /// A write that fails leaves no temporary file, is retried once, and the run is told to
+    /// fail after `max_failures` consecutive failed checkpoints; a written one resets the count.
+    #[test]
+    fn failed_writes_are_retried_counted_and_fatal_after_max_failures() {
+        let dir = tempfile::tempdir().unwrap();
+        // the checkpoint "directory" is a file: every write fails
+        let blocked = dir.path().join("blocked");
+        std::fs::write(&blocked, b"not a directory").unwrap();
+        let plan = Plan {
+            every: 1,
+            keep: 2,
+            max_failures: 2,
+            dir: blocked.clone(),
+            id: id(0),
+            consecutive_failures: AtomicU32::new(0),
+        };
+        let saved = |version: u64| {
+            Ok(Saved {
+                version,
+                params: vec![1.0; 5],
+                opt: OptState::default(),
+            })
+        };
+        let a = plan.write_retrying(1, saved(1));
+        assert_eq!(
+            (a.written, a.failed_attempts, a.fatal.is_none()),
+            (false, 2, true)
+        );
+        let a = plan.write_retrying(2, saved(2));
+        let fatal = a.fatal.expect("second consecutive failure is fatal");
+        assert!(
+            fatal.contains("2 consecutive checkpoints failed") && fatal.contains("version 2"),
+            "{fatal}"
+        );
+        // a directory that works again: written, count reset
+        let ok = Plan {
+            dir: dir.path().join("ckpt"),
+            ..plan
+        };
+        assert!(ok.write_retrying(3, saved(3)).written);
+        assert_eq!(ok.consecutive_failures.load(Ordering::Relaxed), 0);
+        // a write into a full or read-only place leaves no .tmp behind
+        let ro = dir.path().join("ro");
+        std::fs::create_dir(&ro).unwrap();
+        let f = file(&ro, 0, 2, 4);
+        std::fs::create_dir(&f).unwrap(); // the rename onto a directory fails after the write
+        assert!(write(&ro, &id(0), &saved(4).unwrap(), 2).is_err());
+        let names: Vec<String> = std::fs::read_dir(&ro)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(
+            names,
+            vec![f.file_name().unwrap().to_string_lossy().into_owned()]
+        );
     }
 }

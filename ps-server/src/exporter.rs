@@ -28,6 +28,9 @@ struct Inner {
     accepted: u64,
     refused: BTreeMap<String, u64>,
     test_accuracy: Option<f64>,
+    checkpoints_written: u64,
+    checkpoints_failed: u64,
+    checkpoint_attempts_failed: u64,
 }
 
 impl Metrics {
@@ -56,6 +59,17 @@ impl Metrics {
             m.test_accuracy = Some(f.eval.0 as f64 / f.eval.1 as f64);
         }
         m.last = Some(f.clone());
+    }
+
+    /// A due checkpoint was written, or failed (after its retry).
+    pub fn checkpoint(&self, a: &crate::checkpoint::Attempted) {
+        let mut m = self.lock();
+        if a.written {
+            m.checkpoints_written += 1;
+        } else {
+            m.checkpoints_failed += 1;
+        }
+        m.checkpoint_attempts_failed += u64::from(a.failed_attempts);
     }
 
     /// A push was counted (or acknowledged as a retry).
@@ -103,6 +117,27 @@ impl Metrics {
             m.refused
                 .iter()
                 .map(|(code, n)| (format!(",outcome=\"refused\",code=\"{code}\""), *n as f64)),
+        );
+        metric(
+            "ps_checkpoints_total",
+            "counter",
+            "Due checkpoints, written or failed (a failed one was retried once).",
+            &[
+                (
+                    ",outcome=\"written\"".to_string(),
+                    m.checkpoints_written as f64,
+                ),
+                (
+                    ",outcome=\"failed\"".to_string(),
+                    m.checkpoints_failed as f64,
+                ),
+            ],
+        );
+        metric(
+            "ps_checkpoint_write_failures_total",
+            "counter",
+            "Checkpoint write attempts that failed (retries included).",
+            &one(m.checkpoint_attempts_failed as f64),
         );
         metric(
             "ps_pushes_total",

@@ -56,6 +56,10 @@ pub struct ShardSetup {
     pub index: usize,
     /// Training-set size (decides the number of steps).
     pub train_len: usize,
+    /// Test-set size: each rank evaluates its slice of it (`split_even`), so the evaluation
+    /// figures a worker reports are checked against that slice; None: checked only for
+    /// correct <= count and sums that fit.
+    pub test_len: Option<usize>,
     /// Shard 0's address, for shards > 0 to report to.
     pub shard0: Option<String>,
     /// The checkpoint to start from ([`load_checkpoint`]), instead of the initial weights.
@@ -65,7 +69,8 @@ pub struct ShardSetup {
 }
 
 /// Serves shard `setup.index` on `listener` until the run ends or `shutdown` resolves; writes
-/// the final weights into the config's output directory.
+/// the final weights into the config's output directory (which the caller checks first, with
+/// [`check_output_dirs`], before it listens: `ps-server` does).
 pub async fn run_shard(
     setup: ShardSetup,
     listener: TcpListener,
@@ -75,6 +80,7 @@ pub async fn run_shard(
         cfg,
         index,
         train_len,
+        test_len,
         shard0,
         resume_from,
         metrics_listen,
@@ -116,6 +122,12 @@ pub async fn run_shard(
         all_left: all_left.clone(),
         metrics,
         peers: Default::default(),
+        test_slices: test_len.map(|n| {
+            ps_common::layout::split_even(n, cfg.cluster.workers)
+                .iter()
+                .map(|r| r.len() as u64)
+                .collect()
+        }),
     };
     let watcher = svc.clone();
     let svc_peers = svc.peers.clone();
@@ -192,6 +204,42 @@ pub async fn run_shard(
     Ok(outcome)
 }
 
+/// Checks that the output directory (final weights, metrics) and, when the run writes
+/// checkpoints, the checkpoint directory can be written: each is created if missing and a probe
+/// file is written and removed. `ps-server` calls it before listening, so that a run that
+/// could not save its results never starts (and a launcher never sees such a shard ready).
+pub fn check_output_dirs(cfg: &Config) -> anyhow::Result<()> {
+    let mut dirs = vec![("[server] out_dir", cfg.server.out_dir.clone())];
+    if cfg.checkpoint.every > 0 {
+        dirs.push(("[checkpoint] dir", cfg.checkpoint_dir()));
+    }
+    for (what, dir) in dirs {
+        check_writable(&dir).with_context(|| {
+            format!(
+                "{what} {} is not writable: the run could not save its results",
+                dir.display()
+            )
+        })?;
+    }
+    Ok(())
+}
+
+fn check_writable(dir: &std::path::Path) -> std::io::Result<()> {
+    use std::io::Write;
+    std::fs::create_dir_all(dir)?;
+    let probe = dir.join(format!(
+        ".ps-write-check-{}-{:?}",
+        std::process::id(),
+        std::thread::current().id()
+    ));
+    let written = std::fs::File::create(&probe).and_then(|mut f| {
+        f.write_all(b"probe")?;
+        f.sync_all()
+    });
+    let _ = std::fs::remove_file(&probe);
+    written
+}
+
 /// The state shard `index` resumes from: the newest version of which every shard has a
 /// checkpoint in the config's checkpoint directory; the error says what is missing or wrong.
 pub fn load_checkpoint(cfg: &Config, index: usize, train_len: usize) -> anyhow::Result<Saved> {
@@ -199,10 +247,18 @@ pub fn load_checkpoint(cfg: &Config, index: usize, train_len: usize) -> anyhow::
     let dir = cfg.checkpoint_dir();
     let s = cfg.num_shards();
     let version = checkpoint::latest_common(&dir, s).ok_or_else(|| {
-        anyhow::anyhow!(
-            "--resume: no version that all {s} shards have a checkpoint of in {} (expected files shard-<i>-of-{s}-v<version>.safetensors; [checkpoint] every must be set for a run to write them)",
-            dir.display()
-        )
+        if checkpoint::any_checkpoint(&dir) {
+            anyhow::anyhow!(
+                "--resume: no version that all {s} shards have a checkpoint of in {} ({}; files of another shard count do not count)",
+                dir.display(),
+                checkpoint::describe_versions(&dir, s)
+            )
+        } else {
+            anyhow::anyhow!(
+                "--resume: no version that all {s} shards have a checkpoint of in {}: it holds no checkpoint (expected files shard-<i>-of-{s}-v<version>.safetensors; a run writes them when [checkpoint] every is set)",
+                dir.display()
+            )
+        }
     })?;
     if version > total_steps {
         anyhow::bail!(
@@ -347,10 +403,14 @@ pub fn load_setup(
             cfg.model.dims[0]
         );
     }
+    let (test_len, _) =
+        ps_common::idx::split_shape(&cfg.data.dir, ps_common::idx::Split::Test, classes)
+            .context("reading the test set's labels and header")?;
     let shard0 = shard0.or_else(|| (index > 0).then(|| cfg.cluster.servers[0].clone()));
     let cfg_metrics = cfg.server.metrics_addrs.get(index).cloned();
     Ok(ShardSetup {
         train_len,
+        test_len: Some(test_len),
         cfg,
         index,
         shard0,

@@ -84,6 +84,8 @@ async fn serve(cli: Cli) -> anyhow::Result<Outcome> {
         println!("{}", setup.cfg.equivalence());
         return Ok(Outcome::Finished);
     }
+    // before listening: a shard that could not save its results never looks ready
+    ps_server::check_output_dirs(&setup.cfg)?;
     if cli.resume {
         // before listening: a shard that cannot resume never looks ready to a launcher
         setup.resume_from = Some(load_checkpoint(&setup.cfg, setup.index, setup.train_len)?);

@@ -37,6 +37,9 @@ pub struct ShardService {
     pub metrics: Arc<Metrics>,
     /// Open connections and each rank's holder (a second live worker of a rank is refused).
     pub peers: Arc<crate::peers::Peers>,
+    /// The length of each rank's slice of the test set, which its evaluations cover; None
+    /// when the shard does not know the test set.
+    pub test_slices: Option<Vec<u64>>,
 }
 
 impl ShardService {
@@ -63,6 +66,7 @@ impl ShardService {
                 h.eval_correct, h.eval_count
             )));
         }
+        self.check_eval(h.rank, h.eval_count, false)?;
         if !h.loss_sum.is_finite() || h.loss_sum < 0.0 || h.correct > u64::from(h.samples) {
             return Err(PsError::BadChunk(format!(
                 "loss_sum {} / correct {} for {} samples: expected a finite non-negative loss and correct <= samples",
@@ -111,11 +115,41 @@ impl ShardService {
             let figures = shard.apply(slots)?;
             metrics.step(&figures);
             reporter.step_done(figures);
-            shard.checkpoint_if_due();
+            if let Some(attempted) = shard.checkpoint_if_due() {
+                metrics.checkpoint(&attempted);
+                if let Some(why) = attempted.fatal {
+                    return Err(PsError::Unavailable(why));
+                }
+            }
             Ok(())
         })
         .await
         .map_err(|e| PsError::Internal(format!("apply task failed: {e}")))?
+    }
+
+    /// Checks an evaluation `count` reported by `rank` (a known rank) against the rank's slice
+    /// of the test set: at most its length in a push (0 when the push carries none), exactly
+    /// its length when the worker leaves (it evaluates its whole slice).
+    fn check_eval(&self, rank: u32, count: u64, leaving: bool) -> PsResult<()> {
+        let Some(slice) = self
+            .test_slices
+            .as_ref()
+            .and_then(|s| s.get(rank as usize).copied())
+        else {
+            return Ok(());
+        };
+        let fits = if leaving {
+            count == slice
+        } else {
+            count <= slice
+        };
+        if fits {
+            return Ok(());
+        }
+        Err(PsError::BadChunk(format!(
+            "eval_count {count} from rank {rank}: expected {} {slice}, the length of rank {rank}'s slice of the test set",
+            if leaving { "exactly" } else { "at most" }
+        )))
     }
 
     /// A push whose gradient is in the rank's shared-memory board: checked there in place.
@@ -294,7 +328,18 @@ impl ParameterServer for ShardService {
         } else {
             Default::default()
         };
+        // a gradient board is shared only with a worker of this process's user
+        let peer_user = peer.and_then(crate::shard::shm::peer_uid);
+        let other_user = peer_user.filter(|&u| u != ps_common::shm::this_user());
+        if let (Some(uid), false) = (other_user, r.grad_file.is_empty()) {
+            tracing::warn!(
+                "shard {}: rank {} registered from a connection of uid {uid}, another user: its gradient board is not opened (it pushes through gRPC)",
+                s.index,
+                r.rank
+            );
+        }
         let grad_shm = !r.grad_file.is_empty()
+            && other_user.is_none()
             && s.attach_grad(r.rank, std::path::Path::new(&r.grad_file), r.grad_token)?;
         tracing::debug!(
             shard = s.index,
@@ -353,6 +398,8 @@ impl ParameterServer for ShardService {
             ))
             .into());
         }
+        self.shard.check_rank(r.rank)?;
+        self.check_eval(r.rank, r.eval_count, true)?;
         let all = self.shard.leave(r.rank, (r.eval_correct, r.eval_count))?;
         tracing::debug!(shard = self.shard.index, rank = r.rank, "worker left");
         if all && self.shard.version() >= self.shard.total_steps {

@@ -11,7 +11,7 @@ use bytes::Bytes;
 use ps_common::PROTOCOL_VERSION;
 use ps_common::client::{ShardClient, ShmLink};
 use ps_common::config::Config;
-use ps_common::config::Transport;
+use ps_common::config::{BarrierPolicy, Transport};
 use ps_common::idx::Dataset;
 use ps_common::layout::{shard_ranges, split_even};
 use ps_common::order::BatchPlanner;
@@ -83,7 +83,10 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
         Transport::Auto => grad_board(rank, layout.num_params()),
         Transport::Grpc => None,
     };
-    let (mut peers, start_step) = register_all(&cfg, &servers, rank, total, &grad_board).await?;
+    let grad_file = grad_board.as_ref().map_or_else(Default::default, |(d, b)| {
+        (b.path().display().to_string(), d.token())
+    });
+    let (mut peers, start_step) = register_all(&cfg, &servers, rank, total, &grad_file).await?;
     let via: Vec<&str> = peers.iter().map(|p| p.link.describe()).collect();
     tracing::info!(
         "worker {rank}/{world}: registered with {} shards (tensors via {via:?}), starting at step {start_step} of {total}, device {}",
@@ -107,12 +110,20 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
     let mut timing = Timing::default();
     let chunk_bytes = cfg.server.chunk_bytes;
 
-    for t in start_step..total {
+    let elastic = cfg.server.barrier_policy == BarrierPolicy::Continue;
+    let mut t = start_step;
+    while t < total {
         let t0 = Instant::now();
-        if let Some(w) = backend.host_weights() {
-            pull_all(&mut peers, t, w).await?;
-        } else {
-            pull_all(&mut peers, t, &mut weights).await?;
+        let on_host = backend.host_weights().is_some();
+        let pulled = match backend.host_weights() {
+            Some(w) => pull_all(&mut peers, t, w).await,
+            None => pull_all(&mut peers, t, &mut weights).await,
+        };
+        if let Err(e) = pulled {
+            t = rejoin(elastic, &cfg, &mut peers, rank, &grad_file, t, e).await?;
+            continue;
+        }
+        if !on_host {
             backend.set_weights(&weights)?;
         }
         let t1 = Instant::now();
@@ -176,17 +187,27 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
             )
         })?;
         let t2 = Instant::now();
+        let mut refused = None;
         for p in pushes {
-            let (s, bytes) = p.await.context("push task")??;
-            peers[s].push_buf = Some(bytes);
+            match p.await.context("push task")? {
+                Ok((s, bytes)) => peers[s].push_buf = Some(bytes),
+                Err(e) => {
+                    refused.get_or_insert(e);
+                }
+            }
         }
-        // only the first step can find shards ahead
+        if let Some(e) = refused {
+            t = rejoin(elastic, &cfg, &mut peers, rank, &grad_file, t, e).await?;
+            continue;
+        }
+        // only the first step (or the first after a rejoin) can find shards ahead
         peers.iter_mut().for_each(|p| p.ahead = false);
         let t3 = Instant::now();
         timing.steps += 1;
         timing.pull += t1 - t0;
         timing.compute += t2 - t1;
         timing.push += t3 - t2;
+        t += 1;
     }
 
     // final weights: evaluate this rank's slice of the test set and leave
@@ -228,30 +249,17 @@ async fn register_all(
     servers: &[String],
     rank: usize,
     total: u64,
-    grad_board: &Option<(BoardDir, Board)>,
+    grad_file: &(String, u64),
 ) -> anyhow::Result<(Vec<Peer>, u64)> {
     let num_params = cfg.layout().num_params();
     let ranges = shard_ranges(num_params, servers.len());
     let connect_timeout = Duration::from_secs_f64(cfg.worker.connect_timeout_secs);
-    let (grad_file, grad_token) = grad_board.as_ref().map_or_else(Default::default, |(d, b)| {
-        (b.path().display().to_string(), d.token())
-    });
     let security = cfg.client_security();
     let mut peers = Vec::with_capacity(servers.len());
     let mut versions = Vec::with_capacity(servers.len());
     for ((s, addr), range) in servers.iter().enumerate().zip(ranges) {
         let mut client = ShardClient::connect(s, addr, &security, connect_timeout).await?;
-        let req = RegisterRequest {
-            protocol_version: PROTOCOL_VERSION,
-            rank: rank as u32,
-            world_size: cfg.cluster.workers as u32,
-            num_params: num_params as u64,
-            shard: s as u32,
-            num_shards: servers.len() as u32,
-            shared_memory: cfg.cluster.transport == Transport::Auto,
-            grad_file: grad_file.clone(),
-            grad_token,
-        };
+        let req = register_request(cfg, servers.len(), s, rank, grad_file);
         let reply = client
             .register_retrying(req, connect_timeout)
             .await
@@ -276,8 +284,36 @@ async fn register_all(
             push_buf: None,
         });
     }
+    let start_step = mark_ahead(&mut peers, &versions, rank);
+    Ok((peers, start_step))
+}
+
+/// The registration of `rank` with shard `shard` of `num_shards`.
+fn register_request(
+    cfg: &Config,
+    num_shards: usize,
+    shard: usize,
+    rank: usize,
+    (grad_file, grad_token): &(String, u64),
+) -> RegisterRequest {
+    RegisterRequest {
+        protocol_version: PROTOCOL_VERSION,
+        rank: rank as u32,
+        world_size: cfg.cluster.workers as u32,
+        num_params: cfg.layout().num_params() as u64,
+        shard: shard as u32,
+        num_shards: num_shards as u32,
+        shared_memory: cfg.cluster.transport == Transport::Auto,
+        grad_file: grad_file.clone(),
+        grad_token: *grad_token,
+    }
+}
+
+/// The step to start at, given each shard's version (the lowest); the shards already one
+/// further are marked `ahead` (pulled exactly that version, not pushed to).
+fn mark_ahead(peers: &mut [Peer], versions: &[u64], rank: usize) -> u64 {
     let start_step = versions.iter().copied().min().unwrap_or(0);
-    for (p, &v) in peers.iter_mut().zip(&versions) {
+    for (p, &v) in peers.iter_mut().zip(versions) {
         p.ahead = v > start_step;
     }
     if peers.iter().any(|p| p.ahead) {
@@ -285,7 +321,57 @@ async fn register_all(
             "worker {rank}: shards are at versions {versions:?}: redoing step {start_step} from version {start_step}, pushing only to the shards that have not applied it"
         );
     }
-    Ok((peers, start_step))
+    start_step
+}
+
+/// After a pull or push of step `t` failed with `err`: under `barrier_policy = "continue"` the
+/// shards may have gone on without this worker (it was paused, or cut off, past the barrier
+/// timeout), so it registers again with every shard, on the same connections; when they are
+/// past step `t`, it rejoins at their step (or, after the last step, goes on to its final
+/// evaluation and leaves). Otherwise (policy "fail", or the shards are not past `t`) the
+/// error stands.
+async fn rejoin(
+    elastic: bool,
+    cfg: &Config,
+    peers: &mut [Peer],
+    rank: usize,
+    grad_file: &(String, u64),
+    t: u64,
+    err: anyhow::Error,
+) -> anyhow::Result<u64> {
+    if !elastic {
+        return Err(err);
+    }
+    let patience = Duration::from_secs_f64(cfg.worker.connect_timeout_secs);
+    let mut versions = Vec::with_capacity(peers.len());
+    let mut replies = Vec::with_capacity(peers.len());
+    let num_shards = peers.len();
+    for (s, p) in peers.iter_mut().enumerate() {
+        let req = register_request(cfg, num_shards, s, rank, grad_file);
+        match p.client.register_retrying(req, patience).await {
+            Ok(reply) => {
+                versions.push(reply.version);
+                replies.push(reply);
+            }
+            Err(e) => {
+                return Err(err.context(format!(
+                    "registering again with shard {s} after step {t} failed: {e}"
+                )));
+            }
+        }
+    }
+    let start = versions.iter().copied().min().unwrap_or(0);
+    if start <= t {
+        return Err(err);
+    }
+    tracing::warn!(
+        "worker {rank}: left behind at step {t} (the shards went on without it: {err:#}); rejoining at step {start} of {}",
+        replies[0].total_steps
+    );
+    for ((s, p), reply) in peers.iter_mut().enumerate().zip(&replies) {
+        p.link = ShmLink::open(reply, s);
+    }
+    Ok(mark_ahead(peers, &versions, rank))
 }
 
 /// Pulls version `version` from every shard in parallel, each straight into its range of

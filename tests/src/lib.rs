@@ -115,6 +115,7 @@ pub struct Start {
 pub fn run_cluster(path: &Path, cfg: &Config, start: &Start) -> PathBuf {
     let dir = path.parent().expect("config dir");
     let mut cluster = LocalCluster::new(bin_dir(), path.to_path_buf(), Some(dir.join("logs")));
+    cluster.elastic = cfg.server.barrier_policy == ps_common::config::BarrierPolicy::Continue;
     cluster
         .start_servers(
             cfg.num_shards(),

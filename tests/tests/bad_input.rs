@@ -488,3 +488,65 @@ async fn prometheus_metrics_follow_the_shard() {
         assert_eq!(sample(&body, &key), 1.0, "{body}");
     }
 }
+
+/// Evaluation figures are checked against the rank's slice of the test set (10,000 MNIST test
+/// images, 2 ranks: 5,000 each): a `Leave` must cover exactly the slice, a push at most it; a
+/// forged `Leave` cannot overflow the final sum; the shard still takes a correct one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn evaluation_figures_are_checked_against_the_rank_slice_of_the_test_set() {
+    use ps_common::pb::LeaveRequest;
+    let (_dir, _cluster, mut c, n) = one_shard().await;
+    let reg = |rank: u32| RegisterRequest {
+        protocol_version: PROTOCOL_VERSION,
+        rank,
+        world_size: 2,
+        num_params: n as u64,
+        shard: 0,
+        num_shards: 1,
+        shared_memory: false,
+        grad_file: String::new(),
+        grad_token: 0,
+    };
+    c.register(reg(0)).await.unwrap();
+    c.register(reg(1)).await.unwrap();
+    let leave = |rank: u32, correct: u64, count: u64| LeaveRequest {
+        rank,
+        eval_correct: correct,
+        eval_count: count,
+    };
+    for (correct, count) in [(2, 4), (u64::MAX - 1, u64::MAX), (0, 5001)] {
+        expect_err(
+            c.rpc().leave(leave(0, correct, count)).await,
+            Code::InvalidArgument,
+            &format!(
+                "eval_count {count} from rank 0: expected exactly 5000, the length of rank 0's slice of the test set"
+            ),
+        );
+    }
+    expect_err(
+        c.rpc().leave(leave(7, 1, 5000)).await,
+        Code::InvalidArgument,
+        "unknown rank 7",
+    );
+    let h = PushHeader {
+        eval_correct: 3,
+        eval_count: 5001,
+        ..header(1, 0, n)
+    };
+    expect_err(
+        push(&mut c, h, &vec![0.01; n]).await,
+        Code::InvalidArgument,
+        "eval_count 5001 from rank 1: expected at most 5000",
+    );
+    // a correct step, with an evaluation of the slice, and correct leaves
+    for rank in 0..2 {
+        let h = PushHeader {
+            eval_correct: 4000,
+            eval_count: 5000,
+            ..header(rank, 0, n)
+        };
+        push(&mut c, h, &vec![0.01; n]).await.unwrap();
+    }
+    c.rpc().leave(leave(0, 4500, 5000)).await.unwrap();
+    c.rpc().leave(leave(1, 4600, 5000)).await.unwrap();
+}

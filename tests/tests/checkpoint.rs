@@ -163,3 +163,103 @@ fn a_resume_without_usable_checkpoints_is_refused() {
     assert_eq!(code, Some(2), "{log}");
     assert!(log.contains("metadata end"), "{log}");
 }
+
+/// A checkpoint directory that breaks during the run (here: replaced by a file once the shards
+/// listen): each failed checkpoint is retried once, leaves no temporary file, and after
+/// `[checkpoint] max_failures` consecutive failures the run fails loudly (the shards exit
+/// non-zero, the launcher says why) instead of training on without checkpoints.
+#[test]
+fn a_run_whose_checkpoints_keep_failing_fails_loudly() {
+    let dir = tempfile::tempdir().unwrap();
+    let ck = dir.path().join("ck");
+    let spec = Spec {
+        shards: 2,
+        workers: 2,
+        steps: 20,
+        config: Spec::base()
+            .checkpoint(1, 1)
+            .checkpoint_max_failures(3)
+            .checkpoint_dir(&ck),
+        ..Spec::default()
+    };
+    let (path, cfg) = spec.write(dir.path());
+    let mut cluster = LocalCluster::new(bin_dir(), path.clone(), Some(dir.path().join("logs")));
+    cluster
+        .start_servers(2, &[], Duration::from_secs(60))
+        .unwrap_or_else(|e| panic!("{e}"));
+    // the shards checked the directory at start; now it breaks
+    std::fs::remove_dir_all(&ck).unwrap();
+    std::fs::write(&ck, b"not a directory any more").unwrap();
+    for r in 0..2 {
+        cluster.start_worker(r, 2, &[]).unwrap();
+    }
+    let e = cluster
+        .wait(Duration::from_secs(120), &|| false)
+        .expect_err("the run fails");
+    let e = e.to_string();
+    assert!(e.contains("failed with exit status: 1"), "{e}");
+    let log = std::fs::read_to_string(dir.path().join("logs/shard-0.log")).unwrap();
+    assert!(log.contains("retrying once"), "{log}");
+    assert!(
+        log.contains("3 consecutive checkpoints failed (the last, of version 3"),
+        "{log}"
+    );
+    assert!(
+        !log.contains("version 4 not written"),
+        "the run stopped at the third failure: {log}"
+    );
+    assert!(
+        !cfg.server.out_dir.join("shard-0.safetensors").exists(),
+        "no final weights of a failed run"
+    );
+    let leftovers: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().ends_with(".tmp"))
+        .collect();
+    assert!(leftovers.is_empty(), "{leftovers:?}");
+}
+
+/// An output or checkpoint directory that cannot be written is refused before the shard
+/// listens, naming the key and the directory (not after the last step).
+#[test]
+fn unwritable_output_directories_are_refused_at_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("a-file");
+    std::fs::write(&file, b"x").unwrap();
+    for (config, key) in [
+        (
+            Spec::base()
+                .checkpoint(5, 2)
+                .checkpoint_dir(file.join("ck")),
+            "[checkpoint] dir",
+        ),
+        (Spec::base(), "[server] out_dir"),
+    ] {
+        let spec = Spec {
+            shards: 1,
+            workers: 1,
+            steps: 5,
+            config,
+            ..Spec::default()
+        };
+        let (path, _) = spec.write(dir.path());
+        if key == "[server] out_dir" {
+            // out_dir is <dir>/out: make it a file
+            let _ = std::fs::remove_dir_all(dir.path().join("out"));
+            std::fs::write(dir.path().join("out"), b"x").unwrap();
+        }
+        let mut cluster =
+            LocalCluster::new(bin_dir(), path.to_path_buf(), Some(dir.path().join("logs")));
+        let e = cluster
+            .start_servers(1, &[], Duration::from_secs(60))
+            .expect_err("refused");
+        let code = cluster.servers[0].status.and_then(|s| s.code());
+        assert_eq!(code, Some(2), "{e}");
+        let e = e.to_string();
+        assert!(
+            e.contains(&format!("{key} ")) && e.contains("is not writable"),
+            "{e}"
+        );
+    }
+}

@@ -1,7 +1,11 @@
 //! A live `ps-server` process guards what advances its version: a push for a step past the
 //! end of the run is refused on the gRPC and the shared-memory paths and changes nothing, and
 //! a shared-memory gradient that its worker overwrites with NaN after the push was accepted is
-//! caught by the update that reads it: the step is not applied and the run stops loudly.
+//! caught by the update that reads it: the step is not applied and the run stops loudly. A
+//! board truncated by another process cannot kill the shard (SIGBUS): truncated before the
+//! push, the push is refused and the shard goes on; truncated under the update, the step is
+//! refused and the run stops loudly. A board of another user, or outside the shared-memory
+//! board directories, is never opened.
 
 use ps_common::PROTOCOL_VERSION;
 use ps_common::client::push_chunks;
@@ -257,4 +261,151 @@ async fn a_gradient_board_written_after_its_push_never_reaches_the_weights() {
             && !log.contains("final weights"),
         "{log}"
     );
+}
+
+/// Waits (at most 30 s) for the shard to exit and returns its exit code and log.
+fn exit_of(cluster: &mut LocalCluster) -> (Option<i32>, String) {
+    let shard = &mut cluster.servers[0];
+    let started = Instant::now();
+    let status = loop {
+        if let Some(s) = shard.child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "the shard did not stop"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let log = std::fs::read_to_string(shard.log.as_ref().unwrap()).unwrap();
+    (status.code(), log)
+}
+
+fn truncate(board: &Board) {
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(board.path())
+        .unwrap()
+        .set_len(0)
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gradient_board_truncated_during_the_update_is_refused_and_the_shard_survives() {
+    let Live {
+        mut cluster,
+        mut c,
+        n,
+        mut grad,
+        params,
+        _dir: _keep_dir,
+        _board_dir: _keep_board_dir,
+    } = live().await;
+    let (_, before) = pull(&mut c, 0).await.unwrap();
+    let (g0, g1) = grads(n, 0);
+    grad.slot_mut(0).copy_from_slice(&g0);
+    let r = push(&mut c, header(0, 0, n, true), &[]).await.unwrap();
+    assert!(r.counted, "{r:?}");
+    // against the protocol: the board shrinks before the update reads it
+    truncate(&grad);
+    expect_err(
+        push(&mut c, header(1, 0, n, false), &g1).await,
+        Code::Unavailable,
+        "rank 0's shared-memory gradient board was truncated while the update read it",
+    );
+    let mut copy = vec![0f32; n];
+    assert!(params.read_version(0, &mut copy), "version 0 intact");
+    assert_eq!(copy, before);
+    assert!(!params.read_version(1, &mut copy), "no version 1");
+    // the shard was not killed by SIGBUS: it stops the run itself, exit status 1, said why
+    let (code, log) = exit_of(&mut cluster);
+    assert_eq!(code, Some(1), "{log}");
+    assert!(
+        log.contains("the step is not applied (the shard stays at version 0)")
+            && !log.contains("final weights"),
+        "{log}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn truncated_foreign_and_misplaced_boards_are_refused_and_the_shard_goes_on() {
+    let Live {
+        mut cluster,
+        mut c,
+        n,
+        grad,
+        params: _params,
+        _dir: keep_dir,
+        _board_dir: board_dir,
+    } = live().await;
+    // truncated before the push: refused at the push, the board is dropped
+    truncate(&grad);
+    expect_err(
+        push(&mut c, header(0, 0, n, true), &[]).await,
+        Code::InvalidArgument,
+        "was truncated (another process shrank the file): push refused",
+    );
+    expect_err(
+        push(&mut c, header(0, 0, n, true), &[]).await,
+        Code::InvalidArgument,
+        "has no gradient board of it",
+    );
+    let reg = |file: &Path, token: u64| RegisterRequest {
+        protocol_version: PROTOCOL_VERSION,
+        rank: 0,
+        world_size: 2,
+        num_params: n as u64,
+        shard: 0,
+        num_shards: 1,
+        shared_memory: true,
+        grad_file: file.display().to_string(),
+        grad_token: token,
+    };
+    // a valid board outside the shared-memory board directories: never opened
+    let elsewhere = keep_dir.path().join("ps-worker0-pid1-0000000000000001");
+    std::fs::create_dir(&elsewhere).unwrap();
+    let outside = Board::create(&elsewhere.join("grad"), board_dir.token(), n, 1).unwrap();
+    let r = c
+        .register(reg(outside.path(), board_dir.token()))
+        .await
+        .unwrap();
+    assert!(!r.into_inner().grad_shm, "a board outside the shm root");
+    // a valid board of another user (only root can make one here)
+    let root = shm_root().unwrap();
+    let other_dir = BoardDir::create(&root, "test-other-user-worker0").unwrap();
+    let other = Board::create(&grad_path(other_dir.path()), other_dir.token(), n, 1).unwrap();
+    // SAFETY: geteuid(2) cannot fail.
+    let as_root = unsafe { libc::geteuid() } == 0;
+    if as_root {
+        std::os::unix::fs::chown(other.path(), Some(65534), Some(65534)).unwrap();
+        let r = c
+            .register(reg(other.path(), other_dir.token()))
+            .await
+            .unwrap();
+        assert!(!r.into_inner().grad_shm, "another user's board");
+    }
+    // the shard goes on: rank 0 pushes through gRPC, the step is applied
+    let (g0, g1) = grads(n, 0);
+    c.register(RegisterRequest {
+        grad_file: String::new(),
+        ..reg(Path::new(""), 0)
+    })
+    .await
+    .unwrap();
+    push(&mut c, header(0, 0, n, false), &g0).await.unwrap();
+    let r = push(&mut c, header(1, 0, n, false), &g1).await.unwrap();
+    assert!(r.counted && r.ranks_in == 2, "{r:?}");
+    assert_eq!(pull(&mut c, 1).await.unwrap().0, 1, "version 1 applied");
+    assert!(
+        cluster.servers[0].child.try_wait().unwrap().is_none(),
+        "the shard lives"
+    );
+    let log = std::fs::read_to_string(cluster.servers[0].log.as_ref().unwrap()).unwrap();
+    assert!(
+        log.contains("expected a board directory ps-<name>-pid<pid>-<token> directly under"),
+        "{log}"
+    );
+    if as_root {
+        assert!(log.contains("of uid 65534"), "{log}");
+    }
 }

@@ -313,6 +313,11 @@ impl TestConfig {
         self.raw.checkpoint.keep = keep;
         self
     }
+    /// `[checkpoint] max_failures`.
+    pub fn checkpoint_max_failures(mut self, n: u32) -> Self {
+        self.raw.checkpoint.max_failures = n;
+        self
+    }
     /// `[checkpoint] dir`.
     pub fn checkpoint_dir(mut self, d: impl Into<PathBuf>) -> Self {
         self.raw.checkpoint.dir = Some(d.into());

@@ -24,6 +24,8 @@ pub const MAX_BATCH: u64 = 1 << 20;
 pub const MAX_STEPS: u64 = 1 << 40;
 /// Most checkpoints kept per shard.
 pub const MAX_KEEP: usize = 1000;
+/// Most consecutive failed checkpoints `[checkpoint] max_failures` allows.
+pub const MAX_CHECKPOINT_FAILURES: u32 = 1000;
 /// Most compute threads per worker.
 pub const MAX_THREADS: usize = 1024;
 /// Largest token file read (`[cluster] token_file`).

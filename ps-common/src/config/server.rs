@@ -2,7 +2,7 @@
 
 use super::Resolve;
 use super::kinds::BarrierPolicy;
-use super::limits::{MAX_KEEP, MAX_STEPS, MAX_THREADS, at_most, secs};
+use super::limits::{MAX_CHECKPOINT_FAILURES, MAX_KEEP, MAX_STEPS, MAX_THREADS, at_most, secs};
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 
@@ -152,6 +152,7 @@ pub(super) struct RawCheckpoint {
     pub keep: usize,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub dir: Option<PathBuf>,
+    pub max_failures: u32,
 }
 
 impl Default for RawCheckpoint {
@@ -160,6 +161,7 @@ impl Default for RawCheckpoint {
             every: 0,
             keep: 2,
             dir: None,
+            max_failures: 3,
         }
     }
 }
@@ -173,6 +175,8 @@ pub struct CheckpointConfig {
     pub keep: usize,
     /// Where they go; None: `<out_dir>/checkpoints` (following an `--out-dir` override).
     pub dir: Option<PathBuf>,
+    /// Consecutive checkpoints that may fail (each write retried once) before the run fails.
+    pub max_failures: u32,
 }
 
 impl RawCheckpoint {
@@ -185,10 +189,22 @@ impl RawCheckpoint {
         }
         at_most("[checkpoint] keep", self.keep, MAX_KEEP)?;
         at_most("[checkpoint] every", self.every, MAX_STEPS)?;
+        if self.max_failures == 0 {
+            return Err(
+                "[checkpoint] max_failures = 0: expected at least 1 (consecutive failed checkpoints before the run fails)"
+                    .into(),
+            );
+        }
+        at_most(
+            "[checkpoint] max_failures",
+            self.max_failures,
+            MAX_CHECKPOINT_FAILURES,
+        )?;
         Ok(CheckpointConfig {
             every: self.every,
             keep: self.keep,
             dir: self.dir.as_deref().map(|d| resolve.path(d)),
+            max_failures: self.max_failures,
         })
     }
 }

@@ -303,6 +303,14 @@ fn counts_and_their_products_are_checked() {
             "[checkpoint] keep = 1001: expected at most 1000",
         ),
         (
+            format!("{GOOD}[checkpoint]\nmax_failures = 1001\n"),
+            "[checkpoint] max_failures = 1001: expected at most 1000",
+        ),
+        (
+            format!("{GOOD}[checkpoint]\nmax_failures = 0\n"),
+            "[checkpoint] max_failures = 0: expected at least 1",
+        ),
+        (
             format!("{GOOD}[worker]\nthreads = 1025\n"),
             "[worker] threads = 1025: expected at most 1024",
         ),

@@ -395,13 +395,34 @@ impl Shard {
             threads: threads_for(current.len()),
             simd: Simd::Auto,
         };
-        let grad_sq_norm = match fused_update(inputs, next, &mut opt.m, &mut opt.v) {
+        let updated = fused_update(inputs, next, &mut opt.m, &mut opt.v);
+        // a board truncated under the update read as zeros (the SIGBUS guard): not its values
+        let truncated = slots
+            .iter()
+            .find(|s| matches!(&s.grad, Grad::Board(b) if b.faulted()))
+            .map(|s| s.rank);
+        let refused = match (updated, truncated) {
+            (_, Some(rank)) => {
+                if let Some(h) = &self.shm {
+                    h.detach(rank as usize);
+                }
+                Err(format!(
+                    "step {step}: rank {rank}'s shared-memory gradient board was truncated while the update read it (another process shrank the file, against the protocol): what was read is not its gradient; the step is not applied (the shard stays at version {step}) and the run stops"
+                ))
+            }
+            _ if pending.faulted() => Err(format!(
+                "step {step}: shard {}'s shared-memory parameters board was truncated during the update (another process shrank the file): the parameters are lost; the run stops",
+                self.index
+            )),
+            (Err(bad), None) => Err(format!(
+                "step {step}: rank {}'s gradient holds {} at index {} of shard {}'s range when the update reads it, although its push was checked: its shared-memory board was written after the push was accepted; the step is not applied (the shard stays at version {step}) and the run stops",
+                slots[bad.source].rank, bad.value, bad.index, self.index
+            )),
+            (Ok(sq), None) => Ok(sq),
+        };
+        let grad_sq_norm = match refused {
             Ok(sq) => sq,
-            Err(bad) => {
-                let why = format!(
-                    "step {step}: rank {}'s gradient holds {} at index {} of shard {}'s range when the update reads it, although its push was checked: its shared-memory board was written after the push was accepted; the step is not applied (the shard stays at version {step}) and the run stops",
-                    slots[bad.source].rank, bad.value, bad.index, self.index
-                );
+            Err(why) => {
                 tracing::error!("shard {}: {why}", self.index);
                 {
                     let mut st = self.lock();
@@ -438,9 +459,9 @@ impl Shard {
             barrier_wait_ms: ms(last - first),
             slowest_rank: last_rank,
             apply_ms: ms(now - started),
-            eval: slots
-                .iter()
-                .fold((0, 0), |a, s| (a.0 + s.eval.0, a.1 + s.eval.1)),
+            eval: slots.iter().fold((0u64, 0u64), |a, s| {
+                (a.0.saturating_add(s.eval.0), a.1.saturating_add(s.eval.1))
+            }),
         };
         {
             let mut st = self.lock();
@@ -596,20 +617,30 @@ impl Shard {
         // between its push and the update that uses it (ps_common::shm); one that does only
         // changes the values read here, and the update checks them again where it uses them.
         let fp = check_and_fingerprint(unsafe { &board.slot(0)[self.range.clone()] })?;
+        if board.faulted() {
+            // read as zeros under the SIGBUS guard: never used again
+            if let Some(h) = &self.shm {
+                h.detach(r);
+            }
+            return Err(PsError::BadChunk(format!(
+                "rank {rank}'s shared-memory gradient board {} was truncated (another process shrank the file): push refused; register again with a new board, or push through gRPC",
+                board.path().display()
+            )));
+        }
         Ok((Grad::Board(board), fp))
     }
 
     /// Writes a checkpoint of the current version if one is due (every `[checkpoint] every`
-    /// steps). Call it right after [`Shard::apply`], before the barrier-completing push is
-    /// answered: the next update cannot start before that push's worker pushes again, so the
-    /// state copied here is the version's. A failed write is logged, and training goes on.
-    pub fn checkpoint_if_due(&self) {
-        let Some(plan) = &self.checkpoint else {
-            return;
-        };
+    /// steps); None when none was due. Call it right after [`Shard::apply`], before the
+    /// barrier-completing push is answered: the next update cannot start before that push's
+    /// worker pushes again, so the state copied here is the version's. A failed write is
+    /// retried once; after `[checkpoint] max_failures` consecutive failed checkpoints the run
+    /// fails (refused from now on, and the shard exits non-zero), saying why.
+    pub fn checkpoint_if_due(&self) -> Option<checkpoint::Attempted> {
+        let plan = self.checkpoint.as_ref()?;
         let version = self.version();
         if !plan.due(version) {
-            return;
+            return None;
         }
         let opt = self.lock().opt.clone();
         let saved = self
@@ -620,13 +651,34 @@ impl Shard {
                 opt,
             })
             .map_err(|e| e.to_string());
-        plan.write_logged(version, saved);
+        let attempted = plan.write_retrying(version, saved);
+        if let Some(why) = &attempted.fatal {
+            self.fail(why.clone());
+        }
+        Some(attempted)
     }
 
     /// Records that `rank` left with its final evaluation; returns true when every rank has.
+    /// Figures whose sum with the other ranks' would not fit in a u64 are refused.
     pub fn leave(&self, rank: u32, eval: (u64, u64)) -> PsResult<bool> {
         let mut st = self.lock();
         let r = st.barrier.rank(rank)?;
+        let others = st
+            .left
+            .iter()
+            .enumerate()
+            .filter(|&(q, _)| q != r)
+            .filter_map(|(_, e)| *e);
+        let mut sum = Some(eval);
+        for e in others {
+            sum = sum.and_then(|s| Some((s.0.checked_add(e.0)?, s.1.checked_add(e.1)?)));
+        }
+        if sum.is_none() {
+            return Err(PsError::BadChunk(format!(
+                "rank {rank} left with an evaluation of {}/{}: the sum over the ranks would overflow",
+                eval.0, eval.1
+            )));
+        }
         st.left[r] = Some(eval);
         Ok(st.left.iter().all(Option::is_some))
     }
@@ -634,11 +686,9 @@ impl Shard {
     /// Final evaluation summed over the ranks that left, and the ranks that did not.
     pub fn final_eval(&self) -> ((u64, u64), Vec<usize>) {
         let st = self.lock();
-        let sum = st
-            .left
-            .iter()
-            .flatten()
-            .fold((0, 0), |a, e| (a.0 + e.0, a.1 + e.1));
+        let sum = st.left.iter().flatten().fold((0u64, 0u64), |a, e| {
+            (a.0.saturating_add(e.0), a.1.saturating_add(e.1))
+        });
         let missing = st
             .left
             .iter()
@@ -652,4 +702,37 @@ impl Shard {
 
 fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ps_common::config::TestConfig;
+
+    /// A `Leave` whose figures would overflow the sum over the ranks is refused, and changes
+    /// nothing; the final sum never wraps.
+    #[test]
+    fn leave_figures_that_would_overflow_the_sum_are_refused() {
+        let cfg = TestConfig::new()
+            .shards(1)
+            .workers(2)
+            .hidden(&[4])
+            .transport(Transport::Grpc)
+            .build(Path::new("/tmp/leave-test.toml"))
+            .unwrap();
+        let shard = Shard::new(&cfg, 0, 10);
+        assert!(!shard.leave(0, (u64::MAX - 5, u64::MAX - 1)).unwrap());
+        let e = shard.leave(1, (3, 4)).unwrap_err();
+        assert!(
+            e.to_string().contains(
+                "rank 1 left with an evaluation of 3/4: the sum over the ranks would overflow"
+            ),
+            "{e}"
+        );
+        assert_eq!(shard.final_eval(), ((u64::MAX - 5, u64::MAX - 1), vec![1]));
+        // a rank leaving again replaces its own figures (not added to them)
+        assert!(!shard.leave(0, (2, 5)).unwrap());
+        assert!(shard.leave(1, (3, 4)).unwrap());
+        assert_eq!(shard.final_eval(), ((5, 9), vec![]));
+    }
 }

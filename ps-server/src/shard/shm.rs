@@ -51,8 +51,10 @@ impl ShmHost {
             .map_err(|e| format!("cannot create {}: {e}", path.display()))
     }
 
-    /// Opens `rank`'s gradient board: `file`, of `num_params` values, made with `token`. The
-    /// error says why it is not usable here (then the rank pushes through gRPC).
+    /// Opens `rank`'s gradient board: `file`, of `num_params` values, made with `token`, in a
+    /// worker's board directory under the same shared-memory root as this shard's, belonging
+    /// to this process's user ([`Board::open_trusted`]): never a file another user made or
+    /// one elsewhere. The error says why it is not usable (then the rank pushes through gRPC).
     pub fn attach(
         &self,
         rank: usize,
@@ -60,7 +62,12 @@ impl ShmHost {
         token: u64,
         num_params: usize,
     ) -> Result<(), String> {
-        let board = Board::open(file, token, num_params, 1)?;
+        let root = self
+            .dir
+            .path()
+            .parent()
+            .ok_or_else(|| "this shard's board directory has no parent".to_string())?;
+        let board = Board::open_trusted(root, file, token, num_params, 1)?;
         self.grads.lock().unwrap_or_else(|p| p.into_inner())[rank] = Some(Arc::new(board));
         Ok(())
     }
@@ -68,5 +75,90 @@ impl ShmHost {
     /// `rank`'s gradient board, if attached.
     pub fn grad(&self, rank: usize) -> Option<Arc<Board>> {
         self.grads.lock().unwrap_or_else(|p| p.into_inner())[rank].clone()
+    }
+
+    /// Forgets `rank`'s gradient board (it was truncated: it is never read again; the rank
+    /// must register again with a new one, or push through gRPC).
+    pub fn detach(&self, rank: usize) {
+        self.grads.lock().unwrap_or_else(|p| p.into_inner())[rank] = None;
+    }
+}
+
+/// The user id owning the local end `peer` of a TCP connection to this process, when that end
+/// is a socket of this host's network namespace (a worker on this host): read from
+/// `/proc/net/tcp` and `/proc/net/tcp6`, the TCP counterpart of `SO_PEERCRED`. None when it is
+/// not found there (another host, another network namespace).
+pub fn peer_uid(peer: std::net::SocketAddr) -> Option<u32> {
+    let want = std::net::SocketAddr::new(peer.ip().to_canonical(), peer.port());
+    ["/proc/net/tcp", "/proc/net/tcp6"]
+        .iter()
+        .find_map(|table| {
+            let text = std::fs::read_to_string(table).ok()?;
+            text.lines().skip(1).find_map(|line| {
+                let cols: Vec<&str> = line.split_whitespace().collect();
+                let local = parse_proc_addr(cols.get(1)?)?;
+                (local == want).then(|| cols.get(7)?.parse().ok()).flatten()
+            })
+        })
+}
+
+/// `0100007F:1F90` (IPv4) or 32 hex digits and a port (IPv6), as the kernel prints them: each
+/// 32-bit word of the address in host byte order.
+fn parse_proc_addr(s: &str) -> Option<std::net::SocketAddr> {
+    use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+    let (ip, port) = s.split_once(':')?;
+    let port = u16::from_str_radix(port, 16).ok()?;
+    let word = |i: usize| -> Option<[u8; 4]> {
+        let w = u32::from_str_radix(ip.get(8 * i..8 * i + 8)?, 16).ok()?;
+        Some(w.to_ne_bytes())
+    };
+    let ip = match ip.len() {
+        8 => IpAddr::V4(Ipv4Addr::from(word(0)?)),
+        32 => {
+            let mut b = [0u8; 16];
+            for i in 0..4 {
+                b[4 * i..4 * i + 4].copy_from_slice(&word(i)?);
+            }
+            IpAddr::V6(Ipv6Addr::from(b))
+        }
+        _ => return None,
+    };
+    Some(SocketAddr::new(ip.to_canonical(), port))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The owner of a connection's local end is found for this process's own connection and
+    /// for one made by a process of another user (when the test runs as root).
+    #[test]
+    fn peer_uid_names_the_user_of_a_local_connection() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = l.local_addr().unwrap().port();
+        let c = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+        let (_s, peer) = l.accept().unwrap();
+        assert_eq!(peer, c.local_addr().unwrap());
+        let me = ps_common::shm::this_user();
+        assert_eq!(peer_uid(peer), Some(me));
+        assert_eq!(
+            parse_proc_addr("0100007F:1F90"),
+            Some("127.0.0.1:8080".parse().unwrap())
+        );
+        assert_eq!(peer_uid("127.0.0.1:1".parse().unwrap()), None);
+        if me == 0 {
+            use std::os::unix::process::CommandExt;
+            let mut child = std::process::Command::new("bash")
+                .arg("-c")
+                .arg(format!("exec 3<>/dev/tcp/127.0.0.1/{port}; sleep 5"))
+                .uid(65534)
+                .gid(65534)
+                .spawn()
+                .unwrap();
+            let (_s, other) = l.accept().unwrap();
+            assert_eq!(peer_uid(other), Some(65534));
+            child.kill().unwrap();
+            child.wait().unwrap();
+        }
     }
 }

@@ -70,6 +70,12 @@ enum UpdateKind {
 }
 
 impl Update {
+    /// True when the update's shared-memory board was found truncated (by another process)
+    /// while the update read or wrote it: its contents are lost.
+    pub fn faulted(&self) -> bool {
+        matches!(&self.kind, UpdateKind::Board(b) if b.faulted())
+    }
+
     /// The current parameters and the buffer of the next version.
     pub fn buffers(&mut self) -> (&[f32], &mut [f32]) {
         match &mut self.kind {
