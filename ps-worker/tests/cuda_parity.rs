@@ -5,8 +5,9 @@
 //! counts and `evaluate` (exactly equal), on random inputs for several shapes, batch sizes
 //! (growing and shrinking, so device buffers are reused) and both loss reductions.
 //!
-//! Every test needs a CUDA GPU, so every test is `#[ignore]`d: on a machine without one they
-//! show up as ignored, never as passed. Run them on a GPU machine with
+//! Every parity test needs a CUDA GPU, so each is `#[ignore]`d: on a machine without one they
+//! show up as ignored, never as passed (only `batches_keep_their_margins`, which checks this
+//! file's input generator on the CPU, runs everywhere). Run them on a GPU machine with
 //! `cargo test --release -p ps-worker --test cuda_parity -- --ignored --test-threads=1`, or
 //! through `scripts/gpu-check.sh` from a prebuilt test executable. Run with `--ignored` on a
 //! machine without a usable GPU, they fail with the reason. `PS_CUDA_DEVICE=N` picks the device
@@ -253,6 +254,35 @@ fn parity(dims: &[usize], batches: &[usize], seed: u64) {
                 "{what}: correct count vs the argmax of the CPU logits"
             );
         }
+    }
+}
+
+/// The generator of the parity inputs, on the CPU alone: the rows keep their margins (checked
+/// again on the whole MLP's logits), the count it returns is what `evaluate` counts, and a
+/// quarter of the labels are the predicted class.
+#[test]
+fn batches_keep_their_margins() {
+    for dims in [&[13, 7, 3][..], &[784, 100, 37, 10]] {
+        let layout = MlpLayout::new(dims);
+        let w = layout.init_range(11, 0..layout.num_params());
+        let n = 300;
+        let (x, labels, correct) = batch(&layout, &w, n, 11);
+        assert_eq!((x.len(), labels.len()), (n * dims[0], n));
+        let mut cpu = CpuBackend::new(layout.clone(), 1);
+        cpu.set_weights(&w).unwrap();
+        assert_eq!(cpu.evaluate(&x, &labels).unwrap(), correct);
+        assert!(correct >= (n / 4) as u64, "{correct}");
+        let classes = *dims.last().unwrap();
+        let logits = cpu.logits(&x).unwrap();
+        assert!(logits.chunks(classes).all(|r| top_gap(r) >= MARGIN));
+        let mut pre = prefixes(&layout, &w);
+        assert!(
+            checked_logits(&mut pre, &x, dims[0])
+                .iter()
+                .all(Option::is_some)
+        );
+        // the same seed gives the same batch
+        assert_eq!(batch(&layout, &w, n, 11).0, x);
     }
 }
 
