@@ -227,7 +227,9 @@ impl GemmShape {
     }
 }
 
-/// `C = op(A)·op(B)` (alpha 1, beta 0) in full FP32 on the handle's stream.
+/// cuBLAS's column-major `C = op(A)·op(B)` (alpha 1, beta 0) in full FP32 on the handle's
+/// stream; `a` and `b` are cuBLAS's operands, so [`CudaDevice::gemm`] passes the storage of
+/// the row-major right matrix as `a` and of the left one as `b` (see [`GemmShape::row_major`]).
 ///
 /// # Safety
 /// `a`, `b` and `c` must hold at least the elements `g` reads and writes (checked by
