@@ -11,7 +11,7 @@
 //! activations `[n, out]`). cuBLAS is column-major, so a row-major `[r, c]` matrix is passed as
 //! the column-major `[c, r]` matrix with leading dimension `c` (its transpose), and each
 //! row-major product `C = op(A)·op(B)` is computed as the column-major `Cᵀ = op(B)ᵀ·op(A)ᵀ`
-//! (see [`GemmShape::row_major`]).
+//! (see `GemmShape::row_major`).
 
 use crate::backend::{BackendError, BackendResult, StepStats};
 use crate::cpu::{check_len, check_rows};
