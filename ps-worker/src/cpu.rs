@@ -18,12 +18,37 @@ const EVAL_ROWS: usize = 2048;
 #[derive(Debug, Clone, Copy)]
 pub struct CpuDevice {
     threads: usize,
+    /// Figures of the last softmax cross-entropy.
+    last: StepStats,
 }
 
 impl CpuDevice {
     /// The CPU, reporting `threads` matmul threads.
     pub fn new(threads: usize) -> Self {
-        Self { threads }
+        Self {
+            threads,
+            last: StepStats::default(),
+        }
+    }
+}
+
+/// `Shape` unless `got == want`.
+pub(crate) fn check_len(what: &str, got: usize, want: usize) -> BackendResult<()> {
+    if got == want {
+        Ok(())
+    } else {
+        Err(BackendError::Shape(format!(
+            "{what} holds {got} values: expected {want}"
+        )))
+    }
+}
+
+/// `Shape` unless `logits` is `[labels.len(), cols]` and every label is below `cols`.
+pub(crate) fn check_rows(logits: usize, labels: &[u8], cols: usize) -> BackendResult<()> {
+    check_len("the logits", logits, labels.len() * cols)?;
+    match labels.iter().find(|&&y| usize::from(y) >= cols) {
+        Some(y) => Err(BackendError::Shape(format!("label {y}: expected < {cols}"))),
+        None => Ok(()),
     }
 }
 
@@ -91,12 +116,23 @@ impl Device for CpuDevice {
     }
 
     fn upload(&mut self, src: &[f32], dst: &mut [f32]) -> BackendResult<()> {
+        check_len("the upload destination", dst.len(), src.len())?;
         dst.copy_from_slice(src);
         Ok(())
     }
 
     fn download(&mut self, src: &[f32], dst: &mut [f32]) -> BackendResult<()> {
+        check_len("the download destination", dst.len(), src.len())?;
         dst.copy_from_slice(src);
+        Ok(())
+    }
+
+    fn fill_zero(&mut self, v: &mut [f32]) -> BackendResult<()> {
+        v.fill(0.0);
+        Ok(())
+    }
+
+    fn sync(&mut self) -> BackendResult<()> {
         Ok(())
     }
 
@@ -124,10 +160,12 @@ impl Device for CpuDevice {
         &mut self,
         z: &mut [f32],
         bias: &[f32],
-        _rows: usize,
+        rows: usize,
         cols: usize,
         relu: bool,
     ) -> BackendResult<()> {
+        check_len("the pre-activations", z.len(), rows * cols)?;
+        check_len("the bias", bias.len(), cols)?;
         for row in z.chunks_exact_mut(cols) {
             for (v, b) in row.iter_mut().zip(bias) {
                 let t = *v + b;
@@ -138,6 +176,7 @@ impl Device for CpuDevice {
     }
 
     fn relu_backward(&mut self, d: &mut [f32], act: &[f32]) -> BackendResult<()> {
+        check_len("the gradient through the ReLU", d.len(), act.len())?;
         for (d, &a) in d.iter_mut().zip(act) {
             if a <= 0.0 {
                 *d = 0.0;
@@ -152,7 +191,8 @@ impl Device for CpuDevice {
         labels: &[u8],
         cols: usize,
         scale: f32,
-    ) -> BackendResult<StepStats> {
+    ) -> BackendResult<()> {
+        check_rows(logits.len(), labels, cols)?;
         let mut stats = StepStats::default();
         for (row, &y) in logits.chunks_exact_mut(cols).zip(labels) {
             let y = usize::from(y);
@@ -176,16 +216,23 @@ impl Device for CpuDevice {
             }
             row[y] -= scale;
         }
-        Ok(stats)
+        self.last = stats;
+        Ok(())
+    }
+
+    fn stats(&mut self) -> BackendResult<StepStats> {
+        Ok(self.last)
     }
 
     fn bias_grad(
         &mut self,
         dz: &[f32],
-        _rows: usize,
+        rows: usize,
         cols: usize,
         out: &mut [f32],
     ) -> BackendResult<()> {
+        check_len("dL/dz", dz.len(), rows * cols)?;
+        check_len("the bias gradient", out.len(), cols)?;
         out.fill(0.0);
         for row in dz.chunks_exact(cols) {
             for (g, v) in out.iter_mut().zip(row) {
@@ -196,6 +243,7 @@ impl Device for CpuDevice {
     }
 
     fn count_correct(&mut self, logits: &[f32], labels: &[u8], cols: usize) -> BackendResult<u64> {
+        check_rows(logits.len(), labels, cols)?;
         Ok(logits
             .chunks_exact(cols)
             .zip(labels)

@@ -1,25 +1,33 @@
-//! The CUDA backend: cuBLAS sgemm for the matrix products and a handful of NVRTC kernels
-//! (compiled once per backend, no headers needed) for bias, ReLU, softmax cross-entropy and
-//! the reductions. Everything runs in full FP32 on one stream of one device; the libraries
-//! (`libcuda`, `libnvrtc`, `libcublas`) are loaded at run time, so this builds and runs on
-//! machines without CUDA, where [`CudaBackend::new`] returns [`BackendError::NoGpu`].
+//! The CUDA device: cuBLAS sgemm for the matrix products and a handful of NVRTC kernels
+//! (`cuda/kernels.cu`, compiled once per device, no headers needed) for bias, ReLU, softmax
+//! cross-entropy and the reductions, implementing [`Device`]; [`CudaBackend`] is the MLP of
+//! [`crate::model`] on it. Everything runs in full FP32 on one stream of one device, and every
+//! buffer of a step stays on the device: the host uploads the weights and the batch and
+//! downloads the gradient and two statistics. The libraries (`libcuda`, `libnvrtc`,
+//! `libcublas`) are loaded at run time, so this builds and runs on machines without CUDA, where
+//! [`CudaBackend::new`] returns [`BackendError::NoGpu`].
 //!
-//! Layout: every matrix is row-major like the CPU backend (`x [n, in]`, `fcN.weight [out, in]`,
+//! Layout: every matrix is row-major like the CPU device (`x [n, in]`, `fcN.weight [out, in]`,
 //! activations `[n, out]`). cuBLAS is column-major, so a row-major `[r, c]` matrix is passed as
 //! the column-major `[c, r]` matrix with leading dimension `c` (its transpose), and each
-//! product is computed transposed: `Zᵀ = W·Xᵀ`, `dWᵀ = Xᵀ·dZ`, `dXᵀ = Wᵀ·dZᵀ`.
+//! row-major product `C = op(A)·op(B)` is computed as the column-major `Cᵀ = op(B)ᵀ·op(A)ᵀ`
+//! (see `GemmShape::row_major`).
 
-use crate::backend::{Backend, BackendError, BackendResult, StepStats, check_shapes};
+use crate::backend::{BackendError, BackendResult, StepStats};
+use crate::cpu::{check_len, check_rows};
+use crate::model::Mlp;
+use crate::ops::{Device, Mat};
 use cudarc::cublas::sys::{cublasMath_t, cublasOperation_t};
 use cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig,
+    CudaContext, CudaFunction, CudaSlice, CudaStream, CudaView, CudaViewMut, LaunchConfig,
     PushKernelArg,
 };
 use cudarc::nvrtc::{CompileError, CompileOptions, Ptx, compile_ptx_with_opts};
 use ps_common::config::LossReduction;
 use ps_common::layout::MlpLayout;
 use std::fmt::Display;
+use std::ops::Range;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
 
@@ -121,60 +129,21 @@ struct Kernels {
     bias_act: CudaFunction,
     relu_backward: CudaFunction,
     softmax_xent: CudaFunction,
+    argmax_correct: CudaFunction,
     bias_grad: CudaFunction,
     reduce_stats: CudaFunction,
 }
 
-/// Device buffers for batches of up to `rows` samples.
-#[derive(Debug)]
-struct Buffers {
-    rows: usize,
-    /// Input features `[rows, dims[0]]`.
-    x: CudaSlice<f32>,
-    /// Labels `[rows]`.
-    labels: CudaSlice<u8>,
-    /// Output of layer `l` `[rows, dims[l + 1]]`: post-ReLU activation (hidden) or logits
-    /// (last); overwritten by dL/dz of that layer during the backward pass.
-    acts: Vec<CudaSlice<f32>>,
-    /// dL/d(activation) before the ReLU mask `[rows, max(dims)]`.
-    scratch: CudaSlice<f32>,
-    row_loss: CudaSlice<f32>,
-    row_correct: CudaSlice<i32>,
-}
-
-/// The MLP on one CUDA device. See the module documentation.
-pub struct CudaBackend {
-    // Buffers first: they are dropped (freed on the stream) before the stream and context.
-    bufs: Option<Buffers>,
-    /// The flat parameter vector, PyTorch `state_dict` order.
-    weights: CudaSlice<f32>,
-    /// The flat gradient vector, same layout.
-    grad: CudaSlice<f32>,
-    /// `[loss sum, correct count]` of the last batch.
-    stats: CudaSlice<f64>,
-    blas: CudaBlas,
-    k: Kernels,
-    stream: Arc<CudaStream>,
-    ctx: Arc<CudaContext>,
-    layout: MlpLayout,
-    ordinal: usize,
-    device_name: String,
-    arch: String,
-    /// Rows of the batch now in the input buffer (see [`CudaBackend::upload_batch`]).
-    uploaded: usize,
-}
-
-impl std::fmt::Debug for CudaBackend {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("CudaBackend")
-            .field("ordinal", &self.ordinal)
-            .field("device", &self.device_name)
-            .field("arch", &self.arch)
-            .field("layout", &self.layout.dims)
-            .field("rows", &self.bufs.as_ref().map_or(0, |b| b.rows))
-            .finish()
-    }
-}
+/// Names of the kernels' entry points in [`KERNELS`].
+#[cfg(test)]
+const ENTRY_POINTS: [&str; 6] = [
+    "bias_act_f32",
+    "relu_backward_f32",
+    "softmax_xent_f32",
+    "argmax_correct_f32",
+    "bias_grad_f32",
+    "reduce_stats_f32",
+];
 
 /// Compiles [`KERNELS`] for the device's virtual architecture (`compute_90` on Hopper); if
 /// this NVRTC does not know that architecture, falls back to its default one (the driver then
@@ -213,9 +182,9 @@ fn compile_kernels(major: i32, minor: i32) -> BackendResult<(Ptx, String)> {
     }
 }
 
-/// The cuBLAS (column-major) arguments of one row-major product of a layer. A row-major
-/// `[r, c]` matrix is the column-major `[c, r]` matrix (its transpose) with leading dimension
-/// `c`, so each row-major product `C = A·B` is computed as the column-major `Cᵀ = Bᵀ·Aᵀ`.
+/// The cuBLAS (column-major) arguments of one row-major product. A row-major `[r, c]` matrix
+/// is the column-major `[c, r]` matrix (its transpose) with leading dimension `c`, so each
+/// row-major product `C = A·B` is computed as the column-major `Cᵀ = Bᵀ·Aᵀ`.
 #[derive(Debug, Clone, Copy, PartialEq)]
 struct GemmShape {
     transa: cublasOperation_t,
@@ -232,83 +201,66 @@ const OP_N: cublasOperation_t = cublasOperation_t::CUBLAS_OP_N;
 const OP_T: cublasOperation_t = cublasOperation_t::CUBLAS_OP_T;
 
 impl GemmShape {
-    /// Forward, `Z [rows, out] = X [rows, in] · Wᵀ` with `W [out, in]`: column-major
-    /// `Zᵀ [out, rows] = W · Xᵀ`; cuBLAS `A` = the weight (stored as Wᵀ [in, out], so `T`),
-    /// `B` = the input (stored as Xᵀ [in, rows], `N`), `C` = the output.
-    fn forward(rows: usize, fan_in: usize, fan_out: usize) -> Self {
+    /// The row-major `C [m, n] = op(A) [m, k] · op(B) [k, n]`, where `A` is stored as a
+    /// row-major `[a.0, a.1]` matrix and used transposed when `a.2` (likewise `B`), `C` stored
+    /// densely (`ldc = n`). cuBLAS computes the column-major `Cᵀ [n, m] = op(B)ᵀ · op(A)ᵀ`: its
+    /// first operand is `B`'s storage, which read column-major is `B_storedᵀ` (leading dimension
+    /// `b.1`), so `op(B)ᵀ` is that matrix itself (`N`) when `B` is used as stored and its
+    /// transpose (`T`) when `B` is used transposed; the second operand is `A`'s storage in the
+    /// same way (leading dimension `a.1`).
+    fn row_major(a: (usize, usize, bool), b: (usize, usize, bool)) -> Self {
+        let (a_rows, a_cols, a_t) = a;
+        let (b_rows, b_cols, b_t) = b;
+        let m = if a_t { a_cols } else { a_rows };
+        let k = if a_t { a_rows } else { a_cols };
+        let n = if b_t { b_rows } else { b_cols };
         Self {
-            transa: OP_T,
-            transb: OP_N,
-            m: fan_out,
-            n: rows,
-            k: fan_in,
-            lda: fan_in,
-            ldb: fan_in,
-            ldc: fan_out,
-        }
-    }
-
-    /// Weight gradient, `dW [out, in] = dZᵀ · X`: column-major `dWᵀ [in, out] = Xᵀ · dZ`;
-    /// `A` = the input (stored as Xᵀ [in, rows], `N`), `B` = dZ (stored as dZᵀ [out, rows],
-    /// so `T`), `C` = the weight gradient.
-    fn weight_grad(rows: usize, fan_in: usize, fan_out: usize) -> Self {
-        Self {
-            transa: OP_N,
-            transb: OP_T,
-            m: fan_in,
-            n: fan_out,
-            k: rows,
-            lda: fan_in,
-            ldb: fan_out,
-            ldc: fan_in,
-        }
-    }
-
-    /// Input gradient, `dX [rows, in] = dZ · W`: column-major `dXᵀ [in, rows] = Wᵀ · dZᵀ`;
-    /// `A` = the weight (stored as Wᵀ [in, out], `N`), `B` = dZ (stored as dZᵀ [out, rows], `N`),
-    /// `C` = the input gradient.
-    fn input_grad(rows: usize, fan_in: usize, fan_out: usize) -> Self {
-        Self {
-            transa: OP_N,
-            transb: OP_N,
-            m: fan_in,
-            n: rows,
-            k: fan_out,
-            lda: fan_in,
-            ldb: fan_out,
-            ldc: fan_in,
+            transa: if b_t { OP_T } else { OP_N },
+            transb: if a_t { OP_T } else { OP_N },
+            m: n,
+            n: m,
+            k,
+            lda: b_cols,
+            ldb: a_cols,
+            ldc: n,
         }
     }
 }
 
-/// `C = op(A)·op(B)` (alpha 1, beta 0) in full FP32 on the handle's stream.
-fn sgemm<A: DevicePtr<f32>, B: DevicePtr<f32>, C: DevicePtrMut<f32>>(
+/// cuBLAS's column-major `C = op(A)·op(B)` (alpha 1, beta 0) in full FP32 on the handle's
+/// stream; `a` and `b` are cuBLAS's operands, so [`CudaDevice::gemm`] passes the storage of
+/// the row-major right matrix as `a` and of the left one as `b` (see [`GemmShape::row_major`]).
+///
+/// # Safety
+/// `a`, `b` and `c` must hold at least the elements `g` reads and writes (checked by
+/// [`CudaDevice::gemm`]: each is exactly its row-major matrix, which the shapes of
+/// [`GemmShape::row_major`] address within), on the handle's stream.
+unsafe fn sgemm(
     blas: &CudaBlas,
-    what: &str,
     g: GemmShape,
-    a: &A,
-    b: &B,
-    c: &mut C,
+    a: &CudaView<'_, f32>,
+    b: &CudaView<'_, f32>,
+    c: &mut CudaViewMut<'_, f32>,
 ) -> BackendResult<()> {
-    // Sizes were checked against i32::MAX when the backend and its buffers were made.
-    let i = |v: usize| v as i32;
+    let i = |what: &str, v: usize| check_i32(what, v);
     let cfg = GemmConfig {
         transa: g.transa,
         transb: g.transb,
-        m: i(g.m),
-        n: i(g.n),
-        k: i(g.k),
+        m: i("a product's width", g.m)?,
+        n: i("a product's height", g.n)?,
+        k: i("a product's inner size", g.k)?,
         alpha: 1.0f32,
-        lda: i(g.lda),
-        ldb: i(g.ldb),
+        lda: i("a leading dimension", g.lda)?,
+        ldb: i("a leading dimension", g.ldb)?,
         beta: 0.0f32,
-        ldc: i(g.ldc),
+        ldc: i("a leading dimension", g.ldc)?,
     };
-    // SAFETY: the callers pass buffers of at least the sizes the configuration reads and writes
-    // (`[rows, width]` buffers allocated for at least `rows` rows, weight and gradient views of
-    // exactly one layer's tensor, as the `GemmShape` constructors describe), all on the handle's
-    // stream; alpha and beta are host values (the default host pointer mode).
-    unsafe { blas.gemm(cfg, a, b, c) }.map_err(cuda_err(format_args!("cuBLAS sgemm for {what}")))
+    // SAFETY: as the caller promises; alpha and beta are host values (the default host
+    // pointer mode).
+    unsafe { blas.gemm(cfg, a, b, c) }.map_err(cuda_err(format_args!(
+        "cuBLAS sgemm (transa {:?}, transb {:?}, m {}, n {}, k {})",
+        g.transa, g.transb, g.m, g.n, g.k
+    )))
 }
 
 fn grid(n: usize, per_block: usize) -> u32 {
@@ -324,7 +276,7 @@ fn cfg_elems(total: usize) -> LaunchConfig {
     }
 }
 
-/// Row kernels: one warp per row, 8 warps per block.
+/// Row kernels: one warp per row, 8 warps per block, grid-stride over the rows.
 fn cfg_rows(rows: usize) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (grid(rows, (BLOCK / 32) as usize), 1, 1),
@@ -342,19 +294,143 @@ fn cfg_cols(cols: usize) -> LaunchConfig {
     }
 }
 
+/// `reduce_stats_f32`: exactly one block of 256 threads (the size of its shared arrays).
+const CFG_REDUCE: LaunchConfig = LaunchConfig {
+    grid_dim: (1, 1, 1),
+    block_dim: (256, 1, 1),
+    shared_mem_bytes: 0,
+};
+
 fn check_i32(what: &str, v: usize) -> BackendResult<i32> {
     i32::try_from(v)
-        .map_err(|_| BackendError::Shape(format!("{what} = {v}: the CUDA backend needs < 2^31")))
+        .map_err(|_| BackendError::Shape(format!("{what} = {v}: the CUDA device needs < 2^31")))
 }
 
+/// One CUDA GPU as a [`Device`]: a context, one stream on which every copy, kernel and cuBLAS
+/// call is queued, the compiled kernels, and the small per-row buffers of the loss.
+pub struct CudaDevice {
+    // Buffers first: they are freed (stream-ordered) before the handle, stream and context.
+    /// Labels of the rows of the last loss or count, `[rows]`.
+    labels: CudaSlice<u8>,
+    /// Per-row loss and correct flag of the last loss or count, `[rows]` each.
+    row_loss: CudaSlice<f32>,
+    row_correct: CudaSlice<i32>,
+    /// `[loss sum, correct]` of the last softmax cross-entropy, then `[0, correct]` of the
+    /// last count.
+    stats: CudaSlice<f64>,
+    /// Rows the per-row buffers hold.
+    rows: usize,
+    k: Kernels,
+    blas: CudaBlas,
+    stream: Arc<CudaStream>,
+    ctx: Arc<CudaContext>,
+    ordinal: usize,
+    device_name: String,
+    arch: String,
+}
+
+impl std::fmt::Debug for CudaDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaDevice")
+            .field("ordinal", &self.ordinal)
+            .field("device", &self.device_name)
+            .field("arch", &self.arch)
+            .field("rows", &self.rows)
+            .finish()
+    }
+}
+
+impl Drop for CudaDevice {
+    fn drop(&mut self) {
+        // The fields free device memory and the cuBLAS handle; make sure this thread has the
+        // context and nothing is still running. Errors here have nowhere to go.
+        if self.ctx.bind_to_thread().is_ok() {
+            let _ = self.stream.synchronize();
+        }
+    }
+}
+
+/// The MLP on a CUDA device.
+pub type CudaBackend = Mlp<CudaDevice>;
+
 impl CudaBackend {
-    /// A backend for `layout` on device `ordinal`: checks the libraries, creates the context,
-    /// a stream, compiles the kernels with NVRTC and creates a cuBLAS handle on the stream.
-    /// `NoGpu` when the driver, NVRTC or cuBLAS is missing or the device does not exist;
-    /// `Cuda` when a CUDA call fails. Never panics (a panic inside cudarc is caught).
+    /// The MLP of `layout` on device `ordinal` ([`CudaDevice::new`]), checked by a one-sample
+    /// self-test that runs every kernel, sgemm and copy once, so that a broken installation
+    /// fails here. `NoGpu` when the driver, NVRTC or cuBLAS is missing or the device does not
+    /// exist; `Cuda` when a CUDA call fails. Never panics (a panic inside cudarc is caught).
     pub fn new(ordinal: usize, layout: MlpLayout) -> BackendResult<Self> {
+        for &d in &layout.dims {
+            check_i32("a layer width", d)?;
+        }
+        let dev = CudaDevice::new(ordinal)?;
+        match catch_unwind(AssertUnwindSafe(move || {
+            let mut me = Mlp::on(layout, dev)?;
+            me.self_test()?;
+            Ok(me)
+        })) {
+            Ok(r) => r,
+            Err(p) => Err(BackendError::Cuda(format!(
+                "the self-test on cuda:{ordinal} panicked: {}",
+                panic_text(&*p)
+            ))),
+        }
+    }
+
+    /// One sample through zero weights: every logit is 0, so the loss is ln(classes) and the
+    /// last bias gradient is softmax - onehot = 1/classes - [j == label].
+    fn self_test(&mut self) -> BackendResult<()> {
+        use crate::backend::Backend;
+        let layout = self.layout().clone();
+        let dims = &layout.dims;
+        let classes = *dims.last().expect("dims");
+        let x: Vec<f32> = (0..dims[0]).map(|i| (i % 7) as f32 - 3.0).collect();
+        let label = u8::try_from(classes.min(256) - 1).unwrap_or(0);
+        let mut g = vec![f32::NAN; layout.num_params()];
+        let stats = self.forward_backward(&x, &[label], LossReduction::Mean, &mut g)?;
+        let (_, b) = layout.layer(layout.num_layers() - 1);
+        let want_loss = (classes as f64).ln();
+        let bias_ok = g[b.clone()].iter().enumerate().all(|(j, &v)| {
+            let want = 1.0 / classes as f32 - f32::from(u8::from(j == usize::from(label)));
+            (v - want).abs() <= 1e-5
+        });
+        if (stats.loss_sum - want_loss).abs() > 1e-4 * want_loss.max(1.0)
+            || !bias_ok
+            || g.iter().any(|v| !v.is_finite())
+        {
+            return Err(BackendError::Cuda(format!(
+                "self-test on cuda:{} failed: loss {} (expected {want_loss:.6}), last bias gradient {:?}",
+                self.ordinal(),
+                stats.loss_sum,
+                &g[b][..classes.min(4)]
+            )));
+        }
+        Ok(())
+    }
+
+    /// The device ordinal.
+    pub fn ordinal(&self) -> usize {
+        self.device().ordinal
+    }
+
+    /// The device's name, e.g. "NVIDIA H100 80GB HBM3".
+    pub fn device_name(&self) -> &str {
+        &self.device().device_name
+    }
+
+    /// The architecture the kernels were compiled for, e.g. "compute_90".
+    pub fn arch(&self) -> &str {
+        &self.device().arch
+    }
+}
+
+impl CudaDevice {
+    /// Device `ordinal`: checks the libraries, creates the context and a stream, compiles the
+    /// kernels with NVRTC and creates a cuBLAS handle on the stream. `NoGpu` when the driver,
+    /// NVRTC or cuBLAS is missing or the device does not exist; `Cuda` when a CUDA call fails.
+    /// Never panics (a panic inside cudarc is caught).
+    pub fn new(ordinal: usize) -> BackendResult<Self> {
         check_driver()?;
-        match catch_unwind(AssertUnwindSafe(|| Self::init(ordinal, layout))) {
+        match catch_unwind(AssertUnwindSafe(|| Self::init(ordinal))) {
             Ok(r) => r,
             Err(p) => Err(BackendError::NoGpu(format!(
                 "CUDA initialisation panicked: {}",
@@ -363,10 +439,7 @@ impl CudaBackend {
         }
     }
 
-    fn init(ordinal: usize, layout: MlpLayout) -> BackendResult<Self> {
-        for &d in &layout.dims {
-            check_i32("a layer width", d)?;
-        }
+    fn init(ordinal: usize) -> BackendResult<Self> {
         let count = device_count()?;
         if count == 0 {
             return Err(BackendError::NoGpu(
@@ -383,12 +456,12 @@ impl CudaBackend {
         let ctx = CudaContext::new(ordinal).map_err(cuda_err(format_args!(
             "creating the context of cuda:{ordinal}"
         )))?;
-        // SAFETY: this backend uses exactly one stream for every allocation, copy, kernel and
-        // cuBLAS call, so stream order alone orders all uses of its buffers and frees; the
-        // per-buffer events cudarc records for multi-stream use are not needed. Host copies
-        // are from/to pageable memory, which CUDA stages synchronously (htod returns once the
-        // source has been read, dtoh once the destination is written); we also synchronise
-        // after each download. Only slices allocated by this `ctx` handle are affected.
+        // SAFETY: this device uses exactly one stream for every allocation, copy, kernel and
+        // cuBLAS call, so stream order alone orders all uses of its buffers and their
+        // (stream-ordered) frees; the per-buffer events cudarc records for multi-stream use are
+        // not needed. Host copies are from/to pageable memory, which CUDA stages synchronously
+        // (htod returns once the source has been read, dtoh once the destination is written);
+        // downloads also synchronise. Only slices allocated by this `ctx` handle are affected.
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream().map_err(cuda_err("creating a stream"))?;
         let device_name = ctx.name().map_err(cuda_err("reading the device name"))?;
@@ -409,6 +482,7 @@ impl CudaBackend {
             bias_act: f("bias_act_f32")?,
             relu_backward: f("relu_backward_f32")?,
             softmax_xent: f("softmax_xent_f32")?,
+            argmax_correct: f("argmax_correct_f32")?,
             bias_grad: f("bias_grad_f32")?,
             reduce_stats: f("reduce_stats_f32")?,
         };
@@ -424,63 +498,32 @@ impl CudaBackend {
         }
         .result()
         .map_err(cuda_err("setting the cuBLAS math mode"))?;
-        let p = layout.num_params();
-        let weights = stream
-            .alloc_zeros::<f32>(p)
-            .map_err(cuda_err(format_args!("allocating {p} weights")))?;
-        let grad = stream
-            .alloc_zeros::<f32>(p)
-            .map_err(cuda_err(format_args!("allocating {p} gradients")))?;
         let stats = stream
-            .alloc_zeros::<f64>(2)
+            .alloc_zeros::<f64>(4)
             .map_err(cuda_err("allocating the statistics"))?;
-        let mut me = Self {
-            bufs: None,
-            weights,
-            grad,
+        let labels = stream
+            .alloc_zeros::<u8>(1)
+            .map_err(cuda_err("allocating the labels"))?;
+        let row_loss = stream
+            .alloc_zeros::<f32>(1)
+            .map_err(cuda_err("allocating the row losses"))?;
+        let row_correct = stream
+            .alloc_zeros::<i32>(1)
+            .map_err(cuda_err("allocating the row flags"))?;
+        Ok(Self {
+            labels,
+            row_loss,
+            row_correct,
             stats,
-            blas,
+            rows: 1,
             k,
+            blas,
             stream,
             ctx,
-            layout,
             ordinal,
             device_name,
             arch,
-            uploaded: 0,
-        };
-        me.self_test()?;
-        Ok(me)
-    }
-
-    /// One sample through zero weights: every logit is 0, so the loss is ln(classes) and the
-    /// last bias gradient is softmax - onehot = 1/classes - [j == label]. Runs every kernel,
-    /// sgemm and copy once, so a broken installation fails here, inside `new`.
-    fn self_test(&mut self) -> BackendResult<()> {
-        let dims = self.layout.dims.clone();
-        let classes = *dims.last().expect("dims");
-        let x: Vec<f32> = (0..dims[0]).map(|i| (i % 7) as f32 - 3.0).collect();
-        let label = u8::try_from(classes.min(256) - 1).unwrap_or(0);
-        let mut g = vec![f32::NAN; self.layout.num_params()];
-        let stats = self.forward_backward(&x, &[label], LossReduction::Mean, &mut g)?;
-        let (_, b) = self.layout.layer(self.layout.num_layers() - 1);
-        let want_loss = (classes as f64).ln();
-        let bias_ok = g[b.clone()].iter().enumerate().all(|(j, &v)| {
-            let want = 1.0 / classes as f32 - f32::from(u8::from(j == usize::from(label)));
-            (v - want).abs() <= 1e-5
-        });
-        if (stats.loss_sum - want_loss).abs() > 1e-4 * want_loss.max(1.0)
-            || !bias_ok
-            || g.iter().any(|v| !v.is_finite())
-        {
-            return Err(BackendError::Cuda(format!(
-                "self-test on cuda:{} failed: loss {} (expected {want_loss:.6}), last bias gradient {:?}",
-                self.ordinal,
-                stats.loss_sum,
-                &g[b][..classes.min(4)]
-            )));
-        }
-        Ok(())
+        })
     }
 
     /// The device ordinal.
@@ -488,24 +531,9 @@ impl CudaBackend {
         self.ordinal
     }
 
-    /// The device's name, e.g. "NVIDIA H100 80GB HBM3".
-    pub fn device_name(&self) -> &str {
-        &self.device_name
-    }
-
     /// The architecture the kernels were compiled for, e.g. "compute_90".
     pub fn arch(&self) -> &str {
         &self.arch
-    }
-
-    /// The model layout.
-    pub fn layout(&self) -> &MlpLayout {
-        &self.layout
-    }
-
-    /// Rows the device buffers currently hold (0 before the first batch).
-    pub fn capacity_rows(&self) -> usize {
-        self.bufs.as_ref().map_or(0, |b| b.rows)
     }
 
     fn bind(&self) -> BackendResult<()> {
@@ -515,467 +543,364 @@ impl CudaBackend {
         )))
     }
 
-    /// Waits until all work queued on the backend's stream has finished.
-    pub fn sync(&self) -> BackendResult<()> {
+    /// Makes the per-row buffers hold at least `rows` rows (reallocates only to grow; the old
+    /// buffers are freed in stream order, after the work queued before).
+    fn ensure_rows(&mut self, rows: usize) -> BackendResult<()> {
+        if rows <= self.rows {
+            return Ok(());
+        }
+        let s = &self.stream;
+        self.labels = s
+            .alloc_zeros::<u8>(rows)
+            .map_err(cuda_err(format_args!("allocating labels for {rows} rows")))?;
+        self.row_loss = s.alloc_zeros::<f32>(rows).map_err(cuda_err(format_args!(
+            "allocating row losses for {rows} rows"
+        )))?;
+        self.row_correct = s.alloc_zeros::<i32>(rows).map_err(cuda_err(format_args!(
+            "allocating row flags for {rows} rows"
+        )))?;
+        self.rows = rows;
+        Ok(())
+    }
+
+    /// Copies `labels` (checked `< cols`) into the first rows of the label buffer.
+    fn upload_labels(&mut self, labels: &[u8]) -> BackendResult<()> {
+        self.ensure_rows(labels.len())?;
+        let mut dst = self.labels.slice_mut(0..labels.len());
+        self.stream
+            .memcpy_htod(labels, &mut dst)
+            .map_err(cuda_err("copying the labels to the device"))
+    }
+
+    /// Queues the sum of the first `rows` per-row losses and flags into `stats[at..at + 2]`.
+    fn reduce_rows(&mut self, rows: i32, at: usize) -> BackendResult<()> {
+        let mut out = self.stats.slice_mut(at..at + 2);
+        // SAFETY: reduce_stats_f32(const float* row_loss, const int* row_correct, int rows,
+        // double* out): reads `rows` <= self.rows entries of each per-row buffer, writes
+        // out[0..2], a view of exactly 2 doubles; one block of 256 threads, the size of its
+        // shared arrays.
+        unsafe {
+            self.stream
+                .launch_builder(&self.k.reduce_stats)
+                .arg(&self.row_loss)
+                .arg(&self.row_correct)
+                .arg(&rows)
+                .arg(&mut out)
+                .launch(CFG_REDUCE)
+        }
+        .map(|_| ())
+        .map_err(cuda_err("launching reduce_stats_f32"))
+    }
+
+    /// Downloads `stats[at..at + 2]` (waits for the stream).
+    fn read_stats(&mut self, at: usize) -> BackendResult<[f64; 2]> {
+        let mut host = [0.0f64; 2];
+        self.stream
+            .memcpy_dtoh(&self.stats.slice(at..at + 2), &mut host)
+            .map_err(cuda_err("copying the loss and accuracy to the host"))?;
+        self.stream
+            .synchronize()
+            .map_err(cuda_err("synchronising after the statistics"))?;
+        Ok(host)
+    }
+}
+
+impl Device for CudaDevice {
+    type Buf = CudaSlice<f32>;
+    type View<'a> = CudaView<'a, f32>;
+    type ViewMut<'a> = CudaViewMut<'a, f32>;
+
+    fn name(&self) -> String {
+        format!("cuda:{} ({})", self.ordinal, self.device_name)
+    }
+
+    fn alloc(&mut self, len: usize) -> BackendResult<CudaSlice<f32>> {
+        self.bind()?;
+        // cuMemAlloc refuses 0 bytes: an empty buffer holds one unused value
+        self.stream
+            .alloc_zeros::<f32>(len.max(1))
+            .map_err(cuda_err(format_args!("allocating {len} floats")))
+    }
+
+    fn view(buf: &CudaSlice<f32>, r: Range<usize>) -> CudaView<'_, f32> {
+        buf.slice(r)
+    }
+
+    fn view_mut(buf: &mut CudaSlice<f32>, r: Range<usize>) -> CudaViewMut<'_, f32> {
+        buf.slice_mut(r)
+    }
+
+    fn sub_mut<'a, 'b: 'a>(
+        v: &'a mut CudaViewMut<'b, f32>,
+        r: Range<usize>,
+    ) -> CudaViewMut<'a, f32> {
+        v.slice_mut(r)
+    }
+
+    fn host_view_mut(_: &mut [f32]) -> Option<CudaViewMut<'_, f32>> {
+        None
+    }
+
+    fn host_of<'a>(_: &'a CudaViewMut<'_, f32>) -> Option<&'a [f32]> {
+        None
+    }
+
+    fn host_buf(_: &mut CudaSlice<f32>) -> Option<&mut [f32]> {
+        None
+    }
+
+    fn upload(&mut self, src: &[f32], mut dst: CudaViewMut<'_, f32>) -> BackendResult<()> {
+        check_len("the upload destination", dst.len(), src.len())?;
+        if src.is_empty() {
+            return Ok(());
+        }
+        self.bind()?;
+        self.stream
+            .memcpy_htod(src, &mut dst)
+            .map_err(cuda_err(format_args!(
+                "copying {} floats to the device",
+                src.len()
+            )))
+    }
+
+    fn download(&mut self, src: CudaView<'_, f32>, dst: &mut [f32]) -> BackendResult<()> {
+        check_len("the download destination", dst.len(), src.len())?;
+        if dst.is_empty() {
+            return Ok(());
+        }
+        self.bind()?;
+        self.stream
+            .memcpy_dtoh(&src, dst)
+            .map_err(cuda_err(format_args!(
+                "copying {} floats to the host",
+                dst.len()
+            )))?;
+        self.stream
+            .synchronize()
+            .map_err(cuda_err("synchronising after a download"))
+    }
+
+    fn fill_zero(&mut self, mut v: CudaViewMut<'_, f32>) -> BackendResult<()> {
+        if v.is_empty() {
+            return Ok(());
+        }
+        self.bind()?;
+        self.stream
+            .memset_zeros(&mut v)
+            .map_err(cuda_err("zeroing a buffer"))
+    }
+
+    fn sync(&mut self) -> BackendResult<()> {
         self.bind()?;
         self.stream
             .synchronize()
             .map_err(cuda_err("synchronising the stream"))
     }
 
-    /// Makes the buffers hold at least `rows` rows (reallocates only to grow).
-    fn ensure_rows(&mut self, rows: usize) -> BackendResult<()> {
-        if self.bufs.as_ref().is_some_and(|b| b.rows >= rows) {
+    fn gemm(
+        &mut self,
+        a: Mat<CudaView<'_, f32>>,
+        b: Mat<CudaView<'_, f32>>,
+        mut c: CudaViewMut<'_, f32>,
+    ) -> BackendResult<()> {
+        let (m, k) = a.dim();
+        let (k2, n) = b.dim();
+        if k != k2 {
+            return Err(BackendError::Shape(format!(
+                "product of [{m}, {k}] and [{k2}, {n}]"
+            )));
+        }
+        check_len("a product's left matrix", a.data.len(), a.rows * a.cols)?;
+        check_len("a product's right matrix", b.data.len(), b.rows * b.cols)?;
+        check_len("a product", c.len(), m * n)?;
+        if m == 0 || n == 0 {
             return Ok(());
         }
-        check_i32("the batch size", rows)?;
-        self.bufs = None; // free the old buffers before allocating larger ones
-        self.uploaded = 0;
-        let dims = &self.layout.dims;
-        let s = &self.stream;
-        let alloc = |len: usize, what: &str| {
-            s.alloc_zeros::<f32>(len).map_err(cuda_err(format_args!(
-                "allocating {what} ({len} floats, {rows} rows)"
-            )))
-        };
-        let widest = dims.iter().copied().max().unwrap_or(1);
-        let bufs = Buffers {
-            rows,
-            x: alloc(rows * dims[0], "the input batch")?,
-            labels: s
-                .alloc_zeros::<u8>(rows)
-                .map_err(cuda_err("allocating the labels"))?,
-            acts: dims[1..]
-                .iter()
-                .map(|&d| alloc(rows * d, "activations"))
-                .collect::<BackendResult<_>>()?,
-            scratch: alloc(rows * widest, "the backward scratch")?,
-            row_loss: alloc(rows, "the row losses")?,
-            row_correct: s
-                .alloc_zeros::<i32>(rows)
-                .map_err(cuda_err("allocating the row flags"))?,
-        };
-        self.bufs = Some(bufs);
-        Ok(())
-    }
-
-    /// Copies a batch to the device, growing the buffers when needed (shapes unchecked).
-    fn upload_unchecked(&mut self, x: &[f32], labels: &[u8]) -> BackendResult<()> {
-        let n = labels.len();
-        self.uploaded = 0;
-        if n == 0 {
-            return Ok(());
+        if k == 0 {
+            return self.fill_zero(c);
         }
-        self.ensure_rows(n)?;
-        let b = self.bufs.as_mut().expect("ensured");
-        self.stream
-            .memcpy_htod(x, &mut b.x)
-            .map_err(cuda_err("copying the input batch to the device"))?;
-        self.stream
-            .memcpy_htod(labels, &mut b.labels)
-            .map_err(cuda_err("copying the labels to the device"))?;
-        self.uploaded = n;
-        Ok(())
-    }
-
-    /// Copies a batch (`x` row-major `[n, inputs]`, `n` labels) into the device's input
-    /// buffers, growing them when needed, for [`CudaBackend::compute_uploaded`]. The copy
-    /// from pageable memory has left `x` and `labels` when this returns.
-    pub fn upload_batch(&mut self, x: &[f32], labels: &[u8]) -> BackendResult<()> {
-        check_shapes(&self.layout.dims, self.layout.num_params(), x, labels, None)?;
+        let g = GemmShape::row_major((a.rows, a.cols, a.t), (b.rows, b.cols, b.t));
         self.bind()?;
-        self.upload_unchecked(x, labels)
+        // SAFETY: a, b and c are exactly their row-major matrices (checked above), which is
+        // what `GemmShape::row_major` addresses; all three are on the handle's stream.
+        unsafe { sgemm(&self.blas, g, &b.data, &a.data, &mut c) }
     }
 
-    /// Queues the forward pass over the first `n` rows of the input buffer: the logits end
-    /// in `acts[last]`, the hidden activations in the other `acts`.
-    fn forward(&mut self, n: usize) -> BackendResult<()> {
-        let Self {
-            bufs,
-            weights,
-            blas,
-            k,
-            stream,
-            layout,
-            ..
-        } = self;
-        let b = bufs.as_mut().expect("ensure_rows first");
-        let dims = &layout.dims;
-        let layers = layout.num_layers();
-        for l in 0..layers {
-            let (wr, br) = layout.layer(l);
-            let (fan_in, fan_out) = (dims[l], dims[l + 1]);
-            let (prev, rest) = b.acts.split_at_mut(l);
-            let out = &mut rest[0];
-            let input = if l == 0 { &b.x } else { &prev[l - 1] };
-            let g = GemmShape::forward(n, fan_in, fan_out);
-            sgemm(
-                blas,
-                "the forward product X·Wᵀ",
-                g,
-                &weights.slice(wr),
-                input,
-                out,
-            )?;
-            let bias = weights.slice(br);
-            let (rows_i, cols_i, relu) = (n as i32, fan_out as i32, i32::from(l + 1 < layers));
-            // SAFETY: bias_act_f32(float* z, const float* b, int rows, int cols, int relu):
-            // `out` holds at least n*fan_out floats, `bias` exactly fan_out; the kernel touches
-            // only indices below rows*cols and b[c] for c < cols.
-            unsafe {
-                stream
-                    .launch_builder(&k.bias_act)
-                    .arg(out)
-                    .arg(&bias)
-                    .arg(&rows_i)
-                    .arg(&cols_i)
-                    .arg(&relu)
-                    .launch(cfg_elems(n * fan_out))
-            }
-            .map_err(cuda_err(format_args!(
-                "launching bias_act_f32 for layer {}",
-                l + 1
-            )))?;
+    fn bias_act(
+        &mut self,
+        mut z: CudaViewMut<'_, f32>,
+        bias: CudaView<'_, f32>,
+        rows: usize,
+        cols: usize,
+        relu: bool,
+    ) -> BackendResult<()> {
+        check_len("the pre-activations", z.len(), rows * cols)?;
+        check_len("the bias", bias.len(), cols)?;
+        if rows == 0 || cols == 0 {
+            return Ok(());
         }
-        Ok(())
+        let (rows_i, cols_i) = (check_i32("rows", rows)?, check_i32("columns", cols)?);
+        let relu = i32::from(relu);
+        self.bind()?;
+        // SAFETY: bias_act_f32(float* z, const float* b, int rows, int cols, int relu): `z`
+        // holds exactly rows*cols floats and `bias` cols (checked above, cols > 0); the kernel
+        // touches z[i] for i < rows*cols and b[c] for c < cols only.
+        unsafe {
+            self.stream
+                .launch_builder(&self.k.bias_act)
+                .arg(&mut z)
+                .arg(&bias)
+                .arg(&rows_i)
+                .arg(&cols_i)
+                .arg(&relu)
+                .launch(cfg_elems(rows * cols))
+        }
+        .map(|_| ())
+        .map_err(cuda_err("launching bias_act_f32"))
     }
 
-    /// Queues the fused softmax cross-entropy on the logits of the first `n` rows (replacing
-    /// them by `scale * (softmax - onehot)`) and the reduction into `stats`.
-    fn loss_and_stats(&mut self, n: usize, scale: f32) -> BackendResult<()> {
-        let Self {
-            bufs,
-            stats,
-            k,
-            stream,
-            layout,
-            ..
-        } = self;
-        let b = bufs.as_mut().expect("ensure_rows first");
-        let classes = *layout.dims.last().expect("dims");
-        let logits = b.acts.last_mut().expect("at least one layer");
-        let (rows_i, cols_i) = (n as i32, classes as i32);
-        // SAFETY: softmax_xent_f32(float* z, const unsigned char* labels, float* row_loss,
-        // int* row_correct, int rows, int cols, float scale): `logits` holds at least
-        // n*classes floats, `labels`, `row_loss`, `row_correct` at least n entries; labels
-        // were checked < classes by `check_shapes` before upload. Block size is a multiple of 32.
+    fn relu_backward(
+        &mut self,
+        mut d: CudaViewMut<'_, f32>,
+        act: CudaView<'_, f32>,
+    ) -> BackendResult<()> {
+        check_len("the gradient through the ReLU", d.len(), act.len())?;
+        if d.is_empty() {
+            return Ok(());
+        }
+        let len = d.len();
+        let total = len as i64;
+        self.bind()?;
+        // SAFETY: relu_backward_f32(float* d, const float* act, long long n): both hold
+        // exactly n floats (checked above).
         unsafe {
-            stream
-                .launch_builder(&k.softmax_xent)
-                .arg(logits)
-                .arg(&b.labels)
-                .arg(&mut b.row_loss)
-                .arg(&mut b.row_correct)
+            self.stream
+                .launch_builder(&self.k.relu_backward)
+                .arg(&mut d)
+                .arg(&act)
+                .arg(&total)
+                .launch(cfg_elems(len))
+        }
+        .map(|_| ())
+        .map_err(cuda_err("launching relu_backward_f32"))
+    }
+
+    fn softmax_xent(
+        &mut self,
+        mut logits: CudaViewMut<'_, f32>,
+        labels: &[u8],
+        cols: usize,
+        scale: f32,
+    ) -> BackendResult<()> {
+        check_rows(logits.len(), labels, cols)?;
+        let n = labels.len();
+        self.bind()?;
+        if n == 0 || cols == 0 {
+            let mut out = self.stats.slice_mut(0..2);
+            return self
+                .stream
+                .memset_zeros(&mut out)
+                .map_err(cuda_err("zeroing the statistics"));
+        }
+        let (rows_i, cols_i) = (check_i32("rows", n)?, check_i32("columns", cols)?);
+        self.upload_labels(labels)?;
+        // SAFETY: softmax_xent_f32(float* z, const unsigned char* labels, float* row_loss,
+        // int* row_correct, int rows, int cols, float scale): `logits` holds exactly n*cols
+        // floats, the label and per-row buffers at least n entries (ensured by upload_labels),
+        // every label is < cols (checked above); blocks of 256 threads are whole warps.
+        unsafe {
+            self.stream
+                .launch_builder(&self.k.softmax_xent)
+                .arg(&mut logits)
+                .arg(&self.labels)
+                .arg(&mut self.row_loss)
+                .arg(&mut self.row_correct)
                 .arg(&rows_i)
                 .arg(&cols_i)
                 .arg(&scale)
                 .launch(cfg_rows(n))
         }
         .map_err(cuda_err("launching softmax_xent_f32"))?;
-        let one = LaunchConfig {
-            grid_dim: (1, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: reduce_stats_f32(const float* row_loss, const int* row_correct, int rows,
-        // double* out): reads n entries of each row buffer, writes out[0..2] of `stats` (2
-        // doubles); launched with exactly one block of 256 threads, the size of its shared arrays.
-        unsafe {
-            stream
-                .launch_builder(&k.reduce_stats)
-                .arg(&b.row_loss)
-                .arg(&b.row_correct)
-                .arg(&rows_i)
-                .arg(stats)
-                .launch(one)
-        }
-        .map_err(cuda_err("launching reduce_stats_f32"))?;
-        Ok(())
+        self.reduce_rows(rows_i, 0)
     }
 
-    /// Downloads `[loss sum, correct]` (synchronises the stream).
-    fn read_stats(&mut self) -> BackendResult<StepStats> {
-        let mut host = [0.0f64; 2];
-        self.stream
-            .memcpy_dtoh(&self.stats, &mut host)
-            .map_err(cuda_err("copying the loss and accuracy to the host"))?;
-        self.stream
-            .synchronize()
-            .map_err(cuda_err("synchronising after the batch"))?;
+    fn stats(&mut self) -> BackendResult<StepStats> {
+        self.bind()?;
+        let [loss_sum, correct] = self.read_stats(0)?;
         Ok(StepStats {
-            loss_sum: host[0],
-            correct: host[1] as u64,
+            loss_sum,
+            correct: correct as u64,
         })
     }
 
-    /// Queues the backward pass for the first `n` rows: the last layer's dL/dz must already be
-    /// in `acts[last]`. Writes every entry of the device gradient.
-    fn backward(&mut self, n: usize) -> BackendResult<()> {
-        let Self {
-            bufs,
-            weights,
-            grad,
-            blas,
-            k,
-            stream,
-            layout,
-            ..
-        } = self;
-        let b = bufs.as_mut().expect("ensure_rows first");
-        let dims = &layout.dims;
-        for l in (0..layout.num_layers()).rev() {
-            let (wr, br) = layout.layer(l);
-            let (fan_in, fan_out) = (dims[l], dims[l + 1]);
-            let (prev, rest) = b.acts.split_at_mut(l);
-            let dz = &rest[0];
-            {
-                let input = if l == 0 { &b.x } else { &prev[l - 1] };
-                let g = GemmShape::weight_grad(n, fan_in, fan_out);
-                sgemm(
-                    blas,
-                    "the weight gradient dZᵀ·X",
-                    g,
-                    input,
-                    dz,
-                    &mut grad.slice_mut(wr.clone()),
-                )?;
-            }
-            let mut db = grad.slice_mut(br);
-            let (rows_i, cols_i) = (n as i32, fan_out as i32);
-            // SAFETY: bias_grad_f32(const float* dz, float* db, int rows, int cols): `dz` holds
-            // at least n*fan_out floats, `db` is exactly fan_out floats; block is (32, 8), the
-            // shape of the kernel's shared array.
-            unsafe {
-                stream
-                    .launch_builder(&k.bias_grad)
-                    .arg(dz)
-                    .arg(&mut db)
-                    .arg(&rows_i)
-                    .arg(&cols_i)
-                    .launch(cfg_cols(fan_out))
-            }
-            .map_err(cuda_err(format_args!(
-                "launching bias_grad_f32 for layer {}",
-                l + 1
-            )))?;
-            if l > 0 {
-                let g = GemmShape::input_grad(n, fan_in, fan_out);
-                sgemm(
-                    blas,
-                    "the input gradient dZ·W",
-                    g,
-                    &weights.slice(wr),
-                    dz,
-                    &mut b.scratch,
-                )?;
-                let total = n * fan_in;
-                let total_i = total as i64;
-                // SAFETY: relu_backward_f32(const float* da, float* act_dz, long long n):
-                // `scratch` holds rows*max(dims) >= n*fan_in floats and `prev[l - 1]` (the
-                // activation of layer l-1, [rows, fan_in]) at least n*fan_in.
-                unsafe {
-                    stream
-                        .launch_builder(&k.relu_backward)
-                        .arg(&b.scratch)
-                        .arg(&mut prev[l - 1])
-                        .arg(&total_i)
-                        .launch(cfg_elems(total))
-                }
-                .map_err(cuda_err(format_args!(
-                    "launching relu_backward_f32 for layer {l}"
-                )))?;
-            }
-        }
-        Ok(())
-    }
-
-    /// Forward and backward on the batch last copied by [`CudaBackend::upload_batch`],
-    /// leaving the gradient on the device (see [`CudaBackend::download_gradient`]); returns
-    /// the loss sum and correct count, reading which synchronises with the device. An empty
-    /// batch zeroes the gradient. (`evaluate` replaces the uploaded batch by its last chunk.)
-    pub fn compute_uploaded(&mut self, reduction: LossReduction) -> BackendResult<StepStats> {
-        self.bind()?;
-        let n = self.uploaded;
-        if n == 0 {
-            self.stream
-                .memset_zeros(&mut self.grad)
-                .map_err(cuda_err("zeroing the gradient"))?;
-            return Ok(StepStats::default());
-        }
-        self.forward(n)?;
-        let scale = match reduction {
-            LossReduction::Mean => 1.0 / n as f32,
-            LossReduction::Sum => 1.0,
-        };
-        self.loss_and_stats(n, scale)?;
-        self.backward(n)?;
-        self.read_stats()
-    }
-
-    /// [`CudaBackend::upload_batch`] then [`CudaBackend::compute_uploaded`]: forward and
-    /// backward with the gradient left on the device. [`Backend::forward_backward`] is this
-    /// plus [`CudaBackend::download_gradient`].
-    pub fn compute_gradient(
+    fn bias_grad(
         &mut self,
-        x: &[f32],
-        labels: &[u8],
-        reduction: LossReduction,
-    ) -> BackendResult<StepStats> {
-        self.upload_batch(x, labels)?;
-        self.compute_uploaded(reduction)
-    }
-
-    /// Copies the device gradient into `grad` (length = number of parameters), one layer at a
-    /// time, last layer first, then synchronises.
-    pub fn download_gradient(&mut self, grad: &mut [f32]) -> BackendResult<()> {
-        let p = self.layout.num_params();
-        if grad.len() != p {
-            return Err(BackendError::Shape(format!(
-                "gradient buffer holds {}: expected {p}",
-                grad.len()
-            )));
-        }
-        self.bind()?;
-        for l in (0..self.layout.num_layers()).rev() {
-            let (w, b) = self.layout.layer(l);
-            let r = w.start..b.end;
-            self.stream
-                .memcpy_dtoh(&self.grad.slice(r.clone()), &mut grad[r])
-                .map_err(cuda_err(format_args!(
-                    "copying the gradient of layer {} to the host",
-                    l + 1
-                )))?;
-        }
-        self.stream
-            .synchronize()
-            .map_err(cuda_err("synchronising after the gradient download"))
-    }
-
-    /// Benchmark helper: queues only the three sgemm calls per layer of a forward and backward
-    /// pass over `rows` rows (forward product, weight gradient, input gradient, including the
-    /// input gradient of the first layer that a real step skips), on whatever the buffers hold.
-    /// Does not synchronise; the weights' gradient buffer is overwritten.
-    pub fn gemm_only(&mut self, rows: usize) -> BackendResult<()> {
-        self.bind()?;
-        if rows == 0 {
+        dz: CudaView<'_, f32>,
+        rows: usize,
+        cols: usize,
+        mut out: CudaViewMut<'_, f32>,
+    ) -> BackendResult<()> {
+        check_len("dL/dz", dz.len(), rows * cols)?;
+        check_len("the bias gradient", out.len(), cols)?;
+        if cols == 0 {
             return Ok(());
         }
-        self.ensure_rows(rows)?;
-        let Self {
-            bufs,
-            weights,
-            grad,
-            blas,
-            layout,
-            ..
-        } = self;
-        let b = bufs.as_mut().expect("ensured");
-        let dims = &layout.dims;
-        let n = rows;
-        for l in 0..layout.num_layers() {
-            let (wr, _) = layout.layer(l);
-            let (fan_in, fan_out) = (dims[l], dims[l + 1]);
-            let (prev, rest) = b.acts.split_at_mut(l);
-            let out = &mut rest[0];
-            let input = if l == 0 { &b.x } else { &prev[l - 1] };
-            let w = weights.slice(wr.clone());
-            sgemm(
-                blas,
-                "bench forward",
-                GemmShape::forward(n, fan_in, fan_out),
-                &w,
-                input,
-                out,
-            )?;
-            let g = GemmShape::weight_grad(n, fan_in, fan_out);
-            sgemm(
-                blas,
-                "bench weight gradient",
-                g,
-                input,
-                &*out,
-                &mut grad.slice_mut(wr),
-            )?;
-            sgemm(
-                blas,
-                "bench input gradient",
-                GemmShape::input_grad(n, fan_in, fan_out),
-                &w,
-                &*out,
-                &mut b.scratch,
-            )?;
+        if rows == 0 {
+            return self.fill_zero(out);
         }
-        Ok(())
-    }
-}
-
-impl Drop for CudaBackend {
-    fn drop(&mut self) {
-        // The fields free device memory and the cuBLAS handle; make sure this thread has the
-        // context and nothing is still running. Errors here have nowhere to go.
-        if self.ctx.bind_to_thread().is_ok() {
-            let _ = self.stream.synchronize();
-        }
-    }
-}
-
-impl Backend for CudaBackend {
-    fn name(&self) -> String {
-        format!("cuda:{} ({})", self.ordinal, self.device_name)
-    }
-
-    fn set_weights(&mut self, flat: &[f32]) -> BackendResult<()> {
-        let p = self.layout.num_params();
-        if flat.len() != p {
-            return Err(BackendError::Shape(format!(
-                "weights hold {}: expected {p}",
-                flat.len()
-            )));
-        }
+        let (rows_i, cols_i) = (check_i32("rows", rows)?, check_i32("columns", cols)?);
         self.bind()?;
-        self.stream
-            .memcpy_htod(flat, &mut self.weights)
-            .map_err(cuda_err("copying the weights to the device"))
+        // SAFETY: bias_grad_f32(const float* dz, float* db, int rows, int cols): `dz` holds
+        // exactly rows*cols floats and `out` cols (checked above); the block is
+        // (32, BIAS_GRAD_ROWS), the shape of the kernel's shared array.
+        unsafe {
+            self.stream
+                .launch_builder(&self.k.bias_grad)
+                .arg(&dz)
+                .arg(&mut out)
+                .arg(&rows_i)
+                .arg(&cols_i)
+                .launch(cfg_cols(cols))
+        }
+        .map(|_| ())
+        .map_err(cuda_err("launching bias_grad_f32"))
     }
 
-    fn forward_backward(
+    fn count_correct(
         &mut self,
-        x: &[f32],
+        logits: CudaView<'_, f32>,
         labels: &[u8],
-        reduction: LossReduction,
-        grad: &mut [f32],
-    ) -> BackendResult<StepStats> {
-        check_shapes(
-            &self.layout.dims,
-            self.layout.num_params(),
-            x,
-            labels,
-            Some(grad),
-        )?;
-        if labels.is_empty() {
-            grad.fill(0.0);
-            return Ok(StepStats::default());
+        cols: usize,
+    ) -> BackendResult<u64> {
+        check_rows(logits.len(), labels, cols)?;
+        let n = labels.len();
+        if n == 0 || cols == 0 {
+            return Ok(0);
         }
-        let stats = self.compute_gradient(x, labels, reduction)?;
-        self.download_gradient(grad)?;
-        Ok(stats)
+        let (rows_i, cols_i) = (check_i32("rows", n)?, check_i32("columns", cols)?);
+        self.bind()?;
+        self.upload_labels(labels)?;
+        // SAFETY: argmax_correct_f32(const float* z, const unsigned char* labels,
+        // float* row_loss, int* row_correct, int rows, int cols): as softmax_xent_f32 above,
+        // reading the logits only.
+        unsafe {
+            self.stream
+                .launch_builder(&self.k.argmax_correct)
+                .arg(&logits)
+                .arg(&self.labels)
+                .arg(&mut self.row_loss)
+                .arg(&mut self.row_correct)
+                .arg(&rows_i)
+                .arg(&cols_i)
+                .launch(cfg_rows(n))
+        }
+        .map_err(cuda_err("launching argmax_correct_f32"))?;
+        self.reduce_rows(rows_i, 2)?;
+        Ok(self.read_stats(2)?[1] as u64)
     }
 
-    fn evaluate(&mut self, x: &[f32], labels: &[u8]) -> BackendResult<u64> {
-        check_shapes(&self.layout.dims, self.layout.num_params(), x, labels, None)?;
-        self.bind()?;
-        let n = labels.len();
-        let inputs = self.layout.dims[0];
-        let mut correct = 0;
-        for start in (0..n).step_by(EVAL_ROWS) {
-            let end = (start + EVAL_ROWS).min(n);
-            let rows = end - start;
-            self.upload_unchecked(&x[start * inputs..end * inputs], &labels[start..end])?;
-            self.forward(rows)?;
-            self.loss_and_stats(rows, 0.0)?;
-            correct += self.read_stats()?.correct;
-        }
-        Ok(correct)
+    fn eval_rows(&self) -> usize {
+        EVAL_ROWS
     }
 }
 
@@ -985,28 +910,35 @@ mod tests {
 
     #[test]
     fn kernel_source_has_every_entry_point_and_no_include() {
-        for name in [
-            "bias_act_f32",
-            "relu_backward_f32",
-            "softmax_xent_f32",
-            "bias_grad_f32",
-            "reduce_stats_f32",
-        ] {
+        for name in ENTRY_POINTS {
             assert!(
                 KERNELS.contains(&format!("extern \"C\" __global__ void {name}(")),
                 "{name}"
             );
         }
+        assert_eq!(
+            KERNELS.matches("extern \"C\" __global__ void ").count(),
+            ENTRY_POINTS.len()
+        );
         assert!(!KERNELS.contains("#include"));
         assert!(KERNELS.contains(&format!("#define BIAS_GRAD_ROWS {BIAS_GRAD_ROWS}")));
+        assert!(KERNELS.contains("__shared__ double sl[256];"));
+        assert_eq!(CFG_REDUCE.block_dim, (256, 1, 1));
     }
 
     #[test]
     fn launch_shapes() {
         assert_eq!(cfg_elems(0).grid_dim.0, 1);
+        assert_eq!(cfg_elems(256).grid_dim.0, 1);
         assert_eq!(cfg_elems(257).grid_dim.0, 2);
         assert_eq!(cfg_elems(1 << 30).grid_dim.0, MAX_GRID as u32);
+        assert_eq!(cfg_rows(8).grid_dim.0, 1);
         assert_eq!(cfg_rows(9).grid_dim.0, 2);
+        assert_eq!(
+            cfg_rows(9).block_dim.0 % 32,
+            0,
+            "row kernels need whole warps"
+        );
         assert_eq!(cfg_cols(33).grid_dim.0, 2);
         assert_eq!(cfg_cols(33).block_dim, (32, BIAS_GRAD_ROWS, 1));
     }
@@ -1037,13 +969,7 @@ mod tests {
                 src.contains(&format!(".target sm_{major}{minor}")),
                 "{arch}"
             );
-            for name in [
-                "bias_act_f32",
-                "relu_backward_f32",
-                "softmax_xent_f32",
-                "bias_grad_f32",
-                "reduce_stats_f32",
-            ] {
+            for name in ENTRY_POINTS {
                 assert!(src.contains(&format!(".entry {name}(")), "{name} in {arch}");
             }
             if let Ok(dir) = std::env::var("PS_PTX_OUT") {
@@ -1058,6 +984,10 @@ mod tests {
     /// Column-major sgemm exactly as BLAS defines it (alpha 1, beta 0), on exact-size slices so
     /// that any read or write outside a matrix panics.
     fn sgemm_ref(g: GemmShape, a: &[f32], b: &[f32], c: &mut [f32]) {
+        // BLAS's own argument rules
+        assert!(g.lda >= if g.transa == OP_N { g.m } else { g.k }.max(1));
+        assert!(g.ldb >= if g.transb == OP_N { g.k } else { g.n }.max(1));
+        assert!(g.ldc >= g.m.max(1));
         let at = |i: usize, p: usize| {
             if g.transa == OP_N {
                 a[i + p * g.lda]
@@ -1096,62 +1026,66 @@ mod tests {
         out
     }
 
-    /// The three GEMM configurations give the row-major products the backward pass needs.
+    fn val(seed: usize, len: usize) -> Vec<f32> {
+        (0..len)
+            .map(|i| (((i * 7 + seed * 13) % 17) as f32 - 8.0) / 8.0)
+            .collect()
+    }
+
+    /// `GemmShape::row_major` makes cuBLAS (as BLAS defines it, with `B`'s storage as its first
+    /// operand, as `CudaDevice::gemm` passes them) compute every row-major product, for all four
+    /// transpose combinations and many shapes, reading and writing exact-size buffers.
     #[test]
-    fn gemm_shapes_compute_the_row_major_products() {
-        let val = |seed: usize, len: usize| -> Vec<f32> {
-            (0..len)
-                .map(|i| (((i * 7 + seed * 13) % 17) as f32 - 8.0) / 8.0)
-                .collect()
-        };
-        for (rows, fan_in, fan_out) in [(1, 1, 1), (5, 3, 2), (3, 7, 4), (33, 13, 10)] {
-            let x = val(1, rows * fan_in); // [rows, in]
-            let w = val(2, fan_out * fan_in); // [out, in]
-            let dz = val(3, rows * fan_out); // [rows, out]
-
-            let mut z = vec![f32::NAN; rows * fan_out];
-            sgemm_ref(GemmShape::forward(rows, fan_in, fan_out), &w, &x, &mut z);
-            let want = matmul(
-                rows,
-                fan_in,
-                fan_out,
-                |i, p| x[i * fan_in + p],
-                |p, j| w[j * fan_in + p],
-            );
-            assert_eq!(z, want, "Z = X·Wᵀ for {rows}x{fan_in}->{fan_out}");
-
-            let mut dw = vec![f32::NAN; fan_out * fan_in];
-            sgemm_ref(
-                GemmShape::weight_grad(rows, fan_in, fan_out),
-                &x,
-                &dz,
-                &mut dw,
-            );
-            let want = matmul(
-                fan_out,
-                rows,
-                fan_in,
-                |i, p| dz[p * fan_out + i],
-                |p, j| x[p * fan_in + j],
-            );
-            assert_eq!(dw, want, "dW = dZᵀ·X for {rows}x{fan_in}->{fan_out}");
-
-            let mut dx = vec![f32::NAN; rows * fan_in];
-            sgemm_ref(
-                GemmShape::input_grad(rows, fan_in, fan_out),
-                &w,
-                &dz,
-                &mut dx,
-            );
-            let want = matmul(
-                rows,
-                fan_out,
-                fan_in,
-                |i, p| dz[i * fan_out + p],
-                |p, j| w[p * fan_in + j],
-            );
-            assert_eq!(dx, want, "dX = dZ·W for {rows}x{fan_in}->{fan_out}");
+    fn row_major_products_through_column_major_blas() {
+        for (m, k, n) in [(1, 1, 1), (5, 3, 2), (3, 7, 4), (33, 13, 10), (2, 1, 9)] {
+            for (a_t, b_t) in [(false, false), (true, false), (false, true), (true, true)] {
+                // op(A) [m, k] stored as [k, m] when transposed; op(B) [k, n] likewise
+                let (ar, ac) = if a_t { (k, m) } else { (m, k) };
+                let (br, bc) = if b_t { (n, k) } else { (k, n) };
+                let a = val(1, ar * ac);
+                let b = val(2, br * bc);
+                let opa = |i: usize, p: usize| if a_t { a[p * ac + i] } else { a[i * ac + p] };
+                let opb = |p: usize, j: usize| if b_t { b[j * bc + p] } else { b[p * bc + j] };
+                let want = matmul(m, k, n, opa, opb);
+                let g = GemmShape::row_major((ar, ac, a_t), (br, bc, b_t));
+                let mut c = vec![f32::NAN; m * n];
+                sgemm_ref(g, &b, &a, &mut c);
+                assert_eq!(c, want, "[{m}, {k}] x [{k}, {n}], transposes {a_t} {b_t}");
+            }
         }
+    }
+
+    /// The three products of the MLP (as `Mlp` asks for them) give the cuBLAS arguments worked
+    /// out by hand: forward `Zᵀ = W·Xᵀ`, weight gradient `dWᵀ = Xᵀ·dZ`, input gradient
+    /// `dXᵀ = Wᵀ·dZᵀ`.
+    #[test]
+    fn mlp_products_map_to_the_expected_cublas_calls() {
+        let (rows, fan_in, fan_out) = (64, 784, 1024);
+        let shape = |transa, transb, m, n, k, lda, ldb, ldc| GemmShape {
+            transa,
+            transb,
+            m,
+            n,
+            k,
+            lda,
+            ldb,
+            ldc,
+        };
+        // Z [rows, out] = X [rows, in] · Wᵀ (W stored [out, in], used transposed)
+        assert_eq!(
+            GemmShape::row_major((rows, fan_in, false), (fan_out, fan_in, true)),
+            shape(OP_T, OP_N, fan_out, rows, fan_in, fan_in, fan_in, fan_out)
+        );
+        // dW [out, in] = dZᵀ · X (dZ stored [rows, out], used transposed)
+        assert_eq!(
+            GemmShape::row_major((rows, fan_out, true), (rows, fan_in, false)),
+            shape(OP_N, OP_T, fan_in, fan_out, rows, fan_in, fan_out, fan_in)
+        );
+        // dX [rows, in] = dZ · W
+        assert_eq!(
+            GemmShape::row_major((rows, fan_out, false), (fan_out, fan_in, false)),
+            shape(OP_N, OP_N, fan_in, rows, fan_out, fan_in, fan_out, fan_in)
+        );
     }
 
     /// Without a GPU (this test passes either way): errors, never panics.
@@ -1162,11 +1096,15 @@ mod tests {
             Err(e) => assert!(matches!(e, BackendError::NoGpu(_)), "{e}"),
         }
         match CudaBackend::new(0, MlpLayout::new(&[3, 2])) {
-            Ok(b) => eprintln!("{}", b.name()),
+            Ok(b) => eprintln!("{}", crate::backend::Backend::name(&b)),
             Err(e) => {
                 let m = e.to_string();
                 assert!(!m.is_empty() && !m.contains('\n'), "{m:?}");
             }
+        }
+        match CudaDevice::new(0) {
+            Ok(d) => eprintln!("{}", d.name()),
+            Err(e) => assert!(!e.to_string().contains('\n'), "{e}"),
         }
     }
 }

@@ -1,7 +1,13 @@
 //! The operations a model needs from a device: buffers, upload and download, matrix products
 //! with transposes, bias and activation, the ReLU backward mask, softmax cross-entropy and the
 //! bias gradient. A model ([`crate::model::Mlp`]) is written once over this trait; the CPU
-//! ([`crate::cpu::CpuDevice`]) and CUDA devices implement it. Every matrix is row-major.
+//! ([`crate::cpu::CpuDevice`]) and CUDA ([`crate::cuda::CudaDevice`]) devices implement it.
+//! Every matrix is row-major.
+//!
+//! Operations are queued in order and may run asynchronously (the CUDA device queues them on
+//! one stream). Only [`Device::download`], [`Device::stats`], [`Device::count_correct`] and
+//! [`Device::sync`] wait for the device, so a training step's intermediate values stay in
+//! device buffers and the host waits once, when it reads the gradient.
 
 use crate::backend::{BackendResult, StepStats};
 use std::ops::Range;
@@ -46,7 +52,9 @@ impl<V> Mat<V> {
 
 /// A compute device: owned `f32` buffers, views of their ranges, and the operations of a
 /// model's forward and backward pass. Operations may run asynchronously; results are visible
-/// after [`Device::download`] or an operation that returns host values.
+/// after [`Device::download`] or an operation that returns host values. Every operation
+/// checks the lengths of its views against its shape arguments and returns
+/// [`crate::backend::BackendError::Shape`] rather than reading or writing outside them.
 pub trait Device: Send {
     /// An owned buffer of `f32` on the device.
     type Buf: Send;
@@ -61,7 +69,7 @@ pub trait Device: Send {
 
     /// "cpu (2 matmul threads)".
     fn name(&self) -> String;
-    /// A zeroed buffer of `len` values.
+    /// A zeroed buffer of `len` values (a device may reserve room for one value when `len` is 0).
     fn alloc(&mut self, len: usize) -> BackendResult<Self::Buf>;
     /// `buf[r]`.
     fn view(buf: &Self::Buf, r: Range<usize>) -> Self::View<'_>;
@@ -82,6 +90,10 @@ pub trait Device: Send {
     fn upload(&mut self, src: &[f32], dst: Self::ViewMut<'_>) -> BackendResult<()>;
     /// Copies `src` into `dst` (same length), waiting for the operations before it.
     fn download(&mut self, src: Self::View<'_>, dst: &mut [f32]) -> BackendResult<()>;
+    /// Sets every value of `v` to zero.
+    fn fill_zero(&mut self, v: Self::ViewMut<'_>) -> BackendResult<()>;
+    /// Waits until every queued operation has finished.
+    fn sync(&mut self) -> BackendResult<()>;
 
     /// `c = a · b` (`[m, k] · [k, n]`, `c` `[m, n]` overwritten).
     fn gemm(
@@ -101,16 +113,19 @@ pub trait Device: Send {
     ) -> BackendResult<()>;
     /// `d[i] = 0` where `act[i] <= 0` (the gradient through a ReLU whose output is `act`).
     fn relu_backward(&mut self, d: Self::ViewMut<'_>, act: Self::View<'_>) -> BackendResult<()>;
-    /// Softmax cross-entropy of each row of `logits` (`[labels.len(), cols]`) against `labels`:
-    /// replaces the logits by `scale * (softmax - onehot)`; returns the loss summed over rows
-    /// and the rows whose largest logit (first on ties) is their label.
+    /// Softmax cross-entropy of each row of `logits` (`[labels.len(), cols]`) against `labels`
+    /// (each `< cols`): replaces the logits by `scale * (softmax - onehot)`; the loss summed
+    /// over rows and the rows whose largest logit (first on ties) is their label are kept on
+    /// the device until [`Device::stats`].
     fn softmax_xent(
         &mut self,
         logits: Self::ViewMut<'_>,
         labels: &[u8],
         cols: usize,
         scale: f32,
-    ) -> BackendResult<StepStats>;
+    ) -> BackendResult<()>;
+    /// The loss sum and correct count of the last [`Device::softmax_xent`], waiting for it.
+    fn stats(&mut self) -> BackendResult<StepStats>;
     /// `out[c] = sum over r of dz[r, c]` (the bias gradient), `dz` `[rows, cols]`.
     fn bias_grad(
         &mut self,
@@ -120,7 +135,7 @@ pub trait Device: Send {
         out: Self::ViewMut<'_>,
     ) -> BackendResult<()>;
     /// Rows of `logits` (`[labels.len(), cols]`) whose largest value (first on ties) is their
-    /// label.
+    /// label (waits for the device; leaves [`Device::stats`] unchanged).
     fn count_correct(
         &mut self,
         logits: Self::View<'_>,

@@ -1,10 +1,13 @@
-//! CPU-versus-CUDA parity of the MLP backends: gradients (per tensor, relative error
+//! CPU-versus-CUDA parity of the one MLP (`ps_worker::model::Mlp`) on its two devices:
+//! `Mlp<CudaDevice>` against `Mlp<CpuDevice>` (the CPU path is itself checked exactly against an
+//! independent PyTorch computation). Gradients (per tensor, relative error
 //! `max|cuda - cpu| / max|cpu|` below 1e-4), loss sums (relative error below 1e-4), correct
 //! counts and `evaluate` (exactly equal), on random inputs for several shapes, batch sizes
-//! and both loss reductions.
+//! (growing and shrinking, so device buffers are reused) and both loss reductions.
 //!
-//! Every test needs a CUDA GPU, so every test is `#[ignore]`d: on a machine without one they
-//! show up as ignored, never as passed. Run them on a GPU machine with
+//! Every parity test needs a CUDA GPU, so each is `#[ignore]`d: on a machine without one they
+//! show up as ignored, never as passed (only `batches_keep_their_margins`, which checks this
+//! file's input generator on the CPU, runs everywhere). Run them on a GPU machine with
 //! `cargo test --release -p ps-worker --test cuda_parity -- --ignored --test-threads=1`, or
 //! through `scripts/gpu-check.sh` from a prebuilt test executable. Run with `--ignored` on a
 //! machine without a usable GPU, they fail with the reason. `PS_CUDA_DEVICE=N` picks the device
@@ -13,8 +16,10 @@
 //! The inputs are random but kept away from the two places where an f32 rounding difference
 //! between cuBLAS and the CPU matmul changes a result discontinuously: a hidden pre-activation
 //! within `MARGIN` of the ReLU kink (the mask would flip) and a row whose two largest logits are
-//! within `MARGIN` (the argmax would flip). A row that comes that close, measured in f64, is
-//! drawn again.
+//! within `MARGIN` (the argmax would flip). A row that comes that close is drawn again. The
+//! pre-activations of hidden layer `l` are the logits of the CPU MLP of the layout's first
+//! `l + 1` layers (whose parameters are the first ones of the flat vector), so no third copy of
+//! the MLP is needed to find them.
 
 use ps_common::config::LossReduction;
 use ps_common::layout::{MlpLayout, splitmix64};
@@ -25,7 +30,7 @@ use ps_worker::cuda::{CudaBackend, EVAL_ROWS};
 /// Largest accepted relative error of a gradient tensor or a loss sum.
 const TOL: f64 = 1e-4;
 /// Smallest accepted |pre-activation| of a hidden unit and gap between the two largest logits.
-const MARGIN: f64 = 1e-5;
+const MARGIN: f32 = 1e-5;
 
 fn ordinal() -> usize {
     std::env::var("PS_CUDA_DEVICE")
@@ -52,39 +57,9 @@ fn uniform(seed: u64, i: u64) -> f32 {
     ((z >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
 }
 
-/// f64 forward pass of one row; returns the hidden pre-activations' smallest magnitude and the
-/// logits.
-fn forward_row_f64(layout: &MlpLayout, w: &[f32], x: &[f32]) -> (f64, Vec<f64>) {
-    let mut a: Vec<f64> = x.iter().map(|&v| f64::from(v)).collect();
-    let mut min_abs = f64::INFINITY;
-    let layers = layout.num_layers();
-    for l in 0..layers {
-        let (wr, br) = layout.layer(l);
-        let (fan_in, fan_out) = (layout.dims[l], layout.dims[l + 1]);
-        let wt = &w[wr];
-        let b = &w[br];
-        let mut z = vec![0.0f64; fan_out];
-        for (j, zj) in z.iter_mut().enumerate() {
-            let row = &wt[j * fan_in..(j + 1) * fan_in];
-            *zj = f64::from(b[j])
-                + row
-                    .iter()
-                    .zip(&a)
-                    .map(|(&wv, &av)| f64::from(wv) * av)
-                    .sum::<f64>();
-        }
-        if l + 1 < layers {
-            min_abs = z.iter().fold(min_abs, |m, v| m.min(v.abs()));
-            z.iter_mut().for_each(|v| *v = v.max(0.0));
-        }
-        a = z;
-    }
-    (min_abs, a)
-}
-
-/// Gap between the largest and the second largest logit (infinite with one class).
-fn top_gap(logits: &[f64]) -> f64 {
-    let (mut first, mut second) = (f64::NEG_INFINITY, f64::NEG_INFINITY);
+/// Gap between the largest and the second largest value (infinite with one class).
+fn top_gap(logits: &[f32]) -> f32 {
+    let (mut first, mut second) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
     for &v in logits {
         if v > first {
             second = first;
@@ -96,45 +71,104 @@ fn top_gap(logits: &[f64]) -> f64 {
     first - second
 }
 
-fn argmax(v: &[f64]) -> usize {
+/// Index of the largest value, the first on ties.
+fn argmax(v: &[f32]) -> usize {
     v.iter()
         .enumerate()
         .fold(
-            (0, f64::NEG_INFINITY),
+            (0, f32::NEG_INFINITY),
             |m, (j, &x)| if x > m.1 { (j, x) } else { m },
         )
         .0
 }
 
+/// The CPU MLPs of the first 1, 2, ..., all layers of `layout`, with the matching prefix of
+/// `w`: the logits of prefix `l` are the pre-activations of layer `l` of the whole MLP.
+fn prefixes(layout: &MlpLayout, w: &[f32]) -> Vec<CpuBackend> {
+    (2..=layout.dims.len())
+        .map(|end| {
+            let sub = MlpLayout::new(&layout.dims[..end]);
+            assert_eq!(sub.tensors[..], layout.tensors[..sub.tensors.len()]);
+            let mut b = CpuBackend::new(sub.clone(), 1);
+            b.set_weights(&w[..sub.num_params()]).unwrap();
+            b
+        })
+        .collect()
+}
+
+/// For each row of `x`, its logits when every hidden pre-activation is at least `MARGIN` from
+/// 0 and the two largest logits are at least `MARGIN` apart; `None` otherwise.
+fn checked_logits(prefixes: &mut [CpuBackend], x: &[f32], inputs: usize) -> Vec<Option<Vec<f32>>> {
+    let n = x.len() / inputs;
+    let mut ok = vec![true; n];
+    let (last, hidden) = prefixes.split_last_mut().unwrap();
+    for p in hidden {
+        let width = *p.layout().dims.last().unwrap();
+        let z = p.logits(x).unwrap();
+        for (r, row) in z.chunks(width).enumerate() {
+            ok[r] &= row.iter().all(|v| v.abs() >= MARGIN);
+        }
+    }
+    let classes = *last.layout().dims.last().unwrap();
+    let z = last.logits(x).unwrap();
+    z.chunks(classes)
+        .zip(ok)
+        .map(|(row, ok)| (ok && top_gap(row) >= MARGIN).then(|| row.to_vec()))
+        .collect()
+}
+
 /// A batch of `n` rows whose hidden pre-activations and logit gaps all exceed `MARGIN`, with
-/// random labels; also the number of rows the f64 reference classifies correctly.
+/// random labels; also the number of rows the CPU logits classify correctly.
 fn batch(layout: &MlpLayout, w: &[f32], n: usize, seed: u64) -> (Vec<f32>, Vec<u8>, u64) {
     let inputs = layout.dims[0];
     let classes = *layout.dims.last().unwrap();
-    let mut x = Vec::with_capacity(n * inputs);
+    let mut prefixes = prefixes(layout, w);
+    let draw = |i: u64, attempt: u64| -> Vec<f32> {
+        (0..inputs as u64)
+            .map(|j| uniform(seed ^ (attempt << 48), (i << 20) ^ j))
+            .collect()
+    };
+    let mut x: Vec<f32> = (0..n as u64).flat_map(|i| draw(i, 0)).collect();
+    let mut logits: Vec<Option<Vec<f32>>> = vec![None; n];
+    let mut todo: Vec<usize> = (0..n).collect();
+    for attempt in 0..1000u64 {
+        if todo.is_empty() {
+            break;
+        }
+        if attempt > 0 {
+            for &i in &todo {
+                x[i * inputs..(i + 1) * inputs].copy_from_slice(&draw(i as u64, attempt));
+            }
+        }
+        let rows: Vec<f32> = todo
+            .iter()
+            .flat_map(|&i| x[i * inputs..(i + 1) * inputs].iter().copied())
+            .collect();
+        let got = checked_logits(&mut prefixes, &rows, inputs);
+        let mut still = Vec::new();
+        for (&i, l) in todo.iter().zip(got) {
+            match l {
+                Some(l) => logits[i] = Some(l),
+                None => still.push(i),
+            }
+        }
+        todo = still;
+    }
+    assert!(
+        todo.is_empty(),
+        "no rows with margin {MARGIN} found for {todo:?}"
+    );
     let mut labels = Vec::with_capacity(n);
     let mut correct = 0;
-    for i in 0..n as u64 {
-        let mut attempt = 0u64;
-        let (row, logits) = loop {
-            let row: Vec<f32> = (0..inputs as u64)
-                .map(|j| uniform(seed ^ (attempt << 48), (i << 20) ^ j))
-                .collect();
-            let (min_abs, logits) = forward_row_f64(layout, w, &row);
-            if min_abs >= MARGIN && top_gap(&logits) >= MARGIN {
-                break (row, logits);
-            }
-            attempt += 1;
-            assert!(attempt < 1000, "no row with margin {MARGIN} found");
-        };
-        // Labels: mostly random, every fourth one the reference argmax so accuracy is not ~1/classes.
+    for (i, l) in logits.iter().enumerate() {
+        let l = l.as_ref().unwrap();
+        // Labels: mostly random, every fourth one the argmax so accuracy is not ~1/classes.
         let y = if i % 4 == 0 {
-            argmax(&logits)
+            argmax(l)
         } else {
-            (splitmix64(seed.wrapping_mul(31) ^ i) % classes as u64) as usize
+            (splitmix64(seed.wrapping_mul(31) ^ i as u64) % classes as u64) as usize
         };
-        correct += u64::from(argmax(&logits) == y);
-        x.extend_from_slice(&row);
+        correct += u64::from(argmax(l) == y);
         labels.push(y as u8);
     }
     (x, labels, correct)
@@ -217,9 +251,38 @@ fn parity(dims: &[usize], batches: &[usize], seed: u64) {
             let s = check_step(&layout, &mut cpu, &mut cuda, &x, &labels, reduction, &what);
             assert_eq!(
                 s.correct, want_correct,
-                "{what}: correct count vs the f64 reference"
+                "{what}: correct count vs the argmax of the CPU logits"
             );
         }
+    }
+}
+
+/// The generator of the parity inputs, on the CPU alone: the rows keep their margins (checked
+/// again on the whole MLP's logits), the count it returns is what `evaluate` counts, and a
+/// quarter of the labels are the predicted class.
+#[test]
+fn batches_keep_their_margins() {
+    for dims in [&[13, 7, 3][..], &[784, 100, 37, 10]] {
+        let layout = MlpLayout::new(dims);
+        let w = layout.init_range(11, 0..layout.num_params());
+        let n = 300;
+        let (x, labels, correct) = batch(&layout, &w, n, 11);
+        assert_eq!((x.len(), labels.len()), (n * dims[0], n));
+        let mut cpu = CpuBackend::new(layout.clone(), 1);
+        cpu.set_weights(&w).unwrap();
+        assert_eq!(cpu.evaluate(&x, &labels).unwrap(), correct);
+        assert!(correct >= (n / 4) as u64, "{correct}");
+        let classes = *dims.last().unwrap();
+        let logits = cpu.logits(&x).unwrap();
+        assert!(logits.chunks(classes).all(|r| top_gap(r) >= MARGIN));
+        let mut pre = prefixes(&layout, &w);
+        assert!(
+            checked_logits(&mut pre, &x, dims[0])
+                .iter()
+                .all(Option::is_some)
+        );
+        // the same seed gives the same batch
+        assert_eq!(batch(&layout, &w, n, 11).0, x);
     }
 }
 
@@ -275,7 +338,7 @@ fn evaluate_parity_across_chunks() {
     let (x, labels, want) = batch(&layout, &w, n, 21);
     let c_cpu = cpu.evaluate(&x, &labels).unwrap();
     let c_gpu = cuda.evaluate(&x, &labels).unwrap();
-    assert_eq!(c_cpu, want, "cpu vs the f64 reference");
+    assert_eq!(c_cpu, want, "cpu evaluate vs the argmax of the CPU logits");
     assert_eq!(c_gpu, c_cpu, "cuda vs cpu on {n} rows");
     // The first 33 rows only, and none.
     let inputs = layout.dims[0];
@@ -351,6 +414,40 @@ fn new_weights_other_threads_empty_batches_and_bad_shapes() {
         bits(&g3),
         "upload_batch + compute_uploaded + download_gradient differs"
     );
+    // The overlapped step hands on one range per layer, last layer first, each already final
+    // (downloaded before the call), and computes the same bits.
+    let mut g4 = vec![f32::NAN; p];
+    let mut seen = Vec::new();
+    let s4 = cuda
+        .forward_backward_overlapped(
+            &x,
+            &labels,
+            LossReduction::Mean,
+            &mut g4,
+            &mut |start, tail, st| {
+                seen.push((start, tail.to_vec(), st));
+            },
+        )
+        .unwrap();
+    assert_eq!(s4, s1);
+    assert_eq!(bits(&g4), bits(&g1), "overlapped step differs");
+    let starts: Vec<usize> = seen.iter().map(|(s, _, _)| *s).collect();
+    let want: Vec<usize> = (0..layout.num_layers())
+        .rev()
+        .map(|l| layout.layer(l).0.start)
+        .collect();
+    assert_eq!(starts, want);
+    for (start, tail, st) in &seen {
+        assert_eq!(
+            bits(tail),
+            bits(&g1[*start..]),
+            "range from {start} handed on before it was final"
+        );
+        assert_eq!(*st, s1);
+    }
+    // evaluate (argmax kernel, separate statistics) counts what the step counted.
+    let before = cuda.evaluate(&x, &labels).unwrap();
+    assert_eq!(before, s1.correct);
     // The trait object is Send (the worker moves it into its compute thread).
     let boxed: Box<dyn Backend> = Box::new(cuda);
     let mut cuda = std::thread::spawn(move || boxed).join().unwrap();

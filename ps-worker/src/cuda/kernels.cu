@@ -1,8 +1,11 @@
-// The CUDA backend's kernels, compiled by NVRTC at start-up (see cuda.rs).
+// The CUDA device's kernels, compiled by NVRTC at start-up (see cuda.rs). Plain CUDA C with no
+// include directive. Matrices are row-major; every index into a [rows, cols] matrix is 64-bit.
 #define NEG_INF __int_as_float(0xff800000)
+#define NO_ARG 0x7fffffff
 #define BIAS_GRAD_ROWS 8
 
 // z[r, c] += b[c], then ReLU when relu != 0 (fmaxf maps NaN to 0 like Rust's f32::max).
+// Grid-stride over the rows * cols elements; needs cols > 0.
 extern "C" __global__ void bias_act_f32(float* __restrict__ z, const float* __restrict__ b,
                                         int rows, int cols, int relu) {
     const long long total = (long long)rows * cols;
@@ -19,18 +22,38 @@ extern "C" __global__ void bias_act_f32(float* __restrict__ z, const float* __re
     }
 }
 
-// act_dz[i] = act_dz[i] <= 0 ? 0 : da[i]: turns the post-ReLU activation into dL/dz in place.
-extern "C" __global__ void relu_backward_f32(const float* __restrict__ da, float* __restrict__ act_dz,
+// d[i] = 0 where act[i] <= 0: the gradient through a ReLU whose output is act (a NaN
+// activation keeps d, like the CPU device). Grid-stride over n elements.
+extern "C" __global__ void relu_backward_f32(float* __restrict__ d, const float* __restrict__ act,
                                              long long n) {
     const long long stride = (long long)gridDim.x * blockDim.x;
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
-        act_dz[i] = act_dz[i] <= 0.0f ? 0.0f : da[i];
+        if (act[i] <= 0.0f) d[i] = 0.0f;
     }
 }
 
-// One warp per row of the logits z [rows, cols]: replaces the row by
-// scale * (softmax(z) - onehot(label)), writes the row's cross-entropy loss and whether its
-// first largest logit is the label. Row-wise max for stability, like the CPU backend.
+// The largest value of row[0..cols) and its first index (NaN never wins; NO_ARG when no value
+// is larger than -inf), the same in every lane of the calling warp, which must be whole.
+__device__ __forceinline__ void warp_argmax(const float* row, int cols, int lane, float* max_out,
+                                            int* arg_out) {
+    float m = NEG_INF;
+    int arg = NO_ARG;
+    for (int j = lane; j < cols; j += 32) {
+        const float v = row[j];
+        if (v > m) { m = v; arg = j; }
+    }
+    for (int off = 16; off > 0; off >>= 1) {
+        const float om = __shfl_xor_sync(0xffffffffu, m, off);
+        const int oa = __shfl_xor_sync(0xffffffffu, arg, off);
+        if (om > m || (om == m && oa < arg)) { m = om; arg = oa; }
+    }
+    *max_out = m;
+    *arg_out = arg;
+}
+
+// One warp per row of the logits z [rows, cols] (blocks of whole warps, grid-stride over rows):
+// replaces the row by scale * (softmax(z) - onehot(label)), writes the row's cross-entropy loss
+// and whether its first largest logit is the label. Labels must be < cols.
 extern "C" __global__ void softmax_xent_f32(float* __restrict__ z, const unsigned char* __restrict__ labels,
                                             float* __restrict__ row_loss, int* __restrict__ row_correct,
                                             int rows, int cols, float scale) {
@@ -39,24 +62,16 @@ extern "C" __global__ void softmax_xent_f32(float* __restrict__ z, const unsigne
     const int nwarps = gridDim.x * warps_per_block;
     for (int r = blockIdx.x * warps_per_block + (threadIdx.x >> 5); r < rows; r += nwarps) {
         float* row = z + (long long)r * cols;
-        float m = NEG_INF;
-        int arg = 0x7fffffff;
-        for (int j = lane; j < cols; j += 32) {
-            const float v = row[j];
-            if (v > m) { m = v; arg = j; }
-        }
-        for (int off = 16; off > 0; off >>= 1) {
-            const float om = __shfl_xor_sync(0xffffffffu, m, off);
-            const int oa = __shfl_xor_sync(0xffffffffu, arg, off);
-            if (om > m || (om == m && oa < arg)) { m = om; arg = oa; }
-        }
-        if (arg == 0x7fffffff) arg = 0;
+        float m;
+        int arg;
+        warp_argmax(row, cols, lane, &m, &arg);
+        if (arg == NO_ARG) arg = 0;
         float s = 0.0f;
         for (int j = lane; j < cols; j += 32) s += expf(row[j] - m);
         for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
         const int y = labels[r];
         const float zy = row[y];
-        __syncwarp();
+        __syncwarp(); // every lane has read row[y] before any lane overwrites the row
         if (lane == 0) {
             row_loss[r] = logf(s) - (zy - m);
             row_correct[r] = arg == y ? 1 : 0;
@@ -71,8 +86,30 @@ extern "C" __global__ void softmax_xent_f32(float* __restrict__ z, const unsigne
     }
 }
 
+// One warp per row of z [rows, cols] (launched like softmax_xent_f32), read only: row_correct[r]
+// = whether the row's first largest value is its label; row_loss[r] = 0.
+extern "C" __global__ void argmax_correct_f32(const float* __restrict__ z,
+                                              const unsigned char* __restrict__ labels,
+                                              float* __restrict__ row_loss, int* __restrict__ row_correct,
+                                              int rows, int cols) {
+    const int lane = threadIdx.x & 31;
+    const int warps_per_block = blockDim.x >> 5;
+    const int nwarps = gridDim.x * warps_per_block;
+    for (int r = blockIdx.x * warps_per_block + (threadIdx.x >> 5); r < rows; r += nwarps) {
+        float m;
+        int arg;
+        warp_argmax(z + (long long)r * cols, cols, lane, &m, &arg);
+        if (arg == NO_ARG) arg = 0;
+        if (lane == 0) {
+            row_loss[r] = 0.0f;
+            row_correct[r] = arg == (int)labels[r] ? 1 : 0;
+        }
+    }
+}
+
 // db[c] = sum over rows of dz[r, c]. Block (32, BIAS_GRAD_ROWS): x picks the column of a
-// 32-column tile, y strides over the rows; the partial sums are added in a fixed order.
+// 32-column tile, y strides over the rows; the partial sums are added in a fixed order. The
+// tile loop depends on blockIdx only, so every thread of a block reaches each __syncthreads.
 extern "C" __global__ void bias_grad_f32(const float* __restrict__ dz, float* __restrict__ db,
                                          int rows, int cols) {
     __shared__ float part[BIAS_GRAD_ROWS][33];
