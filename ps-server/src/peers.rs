@@ -16,7 +16,7 @@ use tonic::transport::server::{Connected, TcpConnectInfo};
 
 /// How long a registration waits for a rank's previous holder to disconnect before refusing:
 /// a worker killed and restarted at once may register before its old connection is seen closed.
-pub const HOLDER_GRACE: Duration = Duration::from_secs(3);
+pub const HOLDER_GRACE: Duration = Duration::from_secs(10);
 
 /// Open connections and the connection each rank registered from.
 #[derive(Debug, Default)]
