@@ -275,6 +275,24 @@ impl ParameterServer for ShardService {
             }
         };
         mismatch("world size", u64::from(r.world_size), s.world as u64)?;
+        if !r.model.is_empty() {
+            let theirs: Vec<(String, Vec<usize>)> = r
+                .model
+                .iter()
+                .map(|t| {
+                    let shape = t.shape.iter().map(|&d| d as usize).collect();
+                    (t.name.clone(), shape)
+                })
+                .collect();
+            if let Some(diff) = ps_common::declared::first_difference(&s.spec, &theirs) {
+                return Err(PsError::ClusterMismatch(format!(
+                    "model mismatch: {diff} (shard {} trains {})",
+                    s.index,
+                    s.spec.describe()
+                ))
+                .into());
+            }
+        }
         mismatch("parameter count", r.num_params, s.num_params as u64)?;
         mismatch("shard index", u64::from(r.shard), s.index as u64)?;
         mismatch("shard count", u64::from(r.num_shards), s.num_shards as u64)?;

@@ -251,6 +251,8 @@ async fn register_all(
             shared_memory: cfg.cluster.transport == Transport::Auto,
             grad_file: grad_file.clone(),
             grad_token,
+            // what this worker computes: the built-in MLP
+            model: describe_model(&cfg.layout()),
         };
         let reply = client
             .register_retrying(req, connect_timeout)
@@ -335,4 +337,15 @@ fn grad_board(rank: usize, len: usize) -> Option<(BoardDir, Board)> {
             None
         }
     }
+}
+
+/// A model's names and shapes in flat order, as registration carries them.
+pub fn describe_model(spec: &ps_common::layout::ModelSpec) -> Vec<ps_common::pb::TensorDesc> {
+    spec.tensors
+        .iter()
+        .map(|t| ps_common::pb::TensorDesc {
+            name: t.name.clone(),
+            shape: t.shape.iter().map(|&d| d as u64).collect(),
+        })
+        .collect()
 }

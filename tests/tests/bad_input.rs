@@ -133,6 +133,7 @@ async fn live_server_refuses_bad_pushes_and_still_steps() {
         shared_memory: false,
         grad_file: String::new(),
         grad_token: 0,
+        model: Vec::new(),
     };
     expect_err(
         c.register(RegisterRequest {
@@ -298,6 +299,7 @@ async fn shared_memory_pushes_are_validated_like_grpc_ones() {
         shared_memory: token != 0,
         grad_file: grad.path().display().to_string(),
         grad_token: token,
+        model: Vec::new(),
     };
     let r = c.register(reg(0, board_dir.token() ^ 4)).await.unwrap();
     assert!(

@@ -119,6 +119,7 @@ async fn live() -> Live {
             String::new()
         },
         grad_token: board_dir.token(),
+        model: Vec::new(),
     };
     let r0 = c.register(reg(0)).await.unwrap().into_inner();
     assert!(r0.grad_shm && !r0.shm_dir.is_empty(), "{r0:?}");
