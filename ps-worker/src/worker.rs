@@ -52,15 +52,15 @@ pub struct Timing {
 
 /// One shard as this worker sees it: the connection, the shard's range of the flat parameter
 /// vector, what goes through shared memory, and the push buffer.
-struct Peer {
-    client: ShardClient,
-    range: Range<usize>,
-    link: ShmLink,
+pub(crate) struct Peer {
+    pub(crate) client: ShardClient,
+    pub(crate) range: Range<usize>,
+    pub(crate) link: ShmLink,
     /// The shard had already applied the step this worker starts at (this worker replaces one
     /// that died between its pushes): it is pulled exactly that version and not pushed to.
-    ahead: bool,
+    pub(crate) ahead: bool,
     /// The gradient bytes of the last push through gRPC, reused once its RPC has released them.
-    push_buf: Option<Bytes>,
+    pub(crate) push_buf: Option<Bytes>,
 }
 
 /// Runs the worker to the end of the training run; returns its timing.
@@ -83,7 +83,10 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
         Transport::Auto => grad_board(rank, layout.num_params()),
         Transport::Grpc => None,
     };
-    let (mut peers, start_step) = register_all(&cfg, &servers, rank, total, &grad_board).await?;
+    // what this worker computes: the built-in MLP
+    let model = describe_model(&layout);
+    let (mut peers, start_step) =
+        register_all(&cfg, &servers, rank, total, &grad_board, &model).await?;
     let via: Vec<&str> = peers.iter().map(|p| p.link.describe()).collect();
     tracing::info!(
         "worker {rank}/{world}: registered with {} shards (tensors via {via:?}), starting at step {start_step} of {total}, device {}",
@@ -223,14 +226,18 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
 /// version t + 1 (no shard can be further ahead: the others wait for this rank at step t); it
 /// redoes step t from version t, which those shards still hold, and pushes only to the shards
 /// that have not applied it: they are marked `ahead`.
-async fn register_all(
+pub(crate) async fn register_all(
     cfg: &Config,
     servers: &[String],
     rank: usize,
     total: u64,
     grad_board: &Option<(BoardDir, Board)>,
+    model: &[ps_common::pb::TensorDesc],
 ) -> anyhow::Result<(Vec<Peer>, u64)> {
-    let num_params = cfg.layout().num_params();
+    let num_params: usize = model
+        .iter()
+        .map(|t| t.shape.iter().product::<u64>() as usize)
+        .sum();
     let ranges = shard_ranges(num_params, servers.len());
     let connect_timeout = Duration::from_secs_f64(cfg.worker.connect_timeout_secs);
     let (grad_file, grad_token) = grad_board.as_ref().map_or_else(Default::default, |(d, b)| {
@@ -251,8 +258,7 @@ async fn register_all(
             shared_memory: cfg.cluster.transport == Transport::Auto,
             grad_file: grad_file.clone(),
             grad_token,
-            // what this worker computes: the built-in MLP
-            model: describe_model(&cfg.layout()),
+            model: model.to_vec(),
         };
         let reply = client
             .register_retrying(req, connect_timeout)
@@ -294,7 +300,7 @@ async fn register_all(
 /// `weights`: copied out of the shard's board where there is a link, decoded from the gRPC
 /// chunks otherwise. From the shards marked `ahead` (already one version further) it pulls
 /// exactly `version`, through gRPC.
-async fn pull_all(peers: &mut [Peer], version: u64, weights: &mut [f32]) -> anyhow::Result<()> {
+pub(crate) async fn pull_all(peers: &mut [Peer], version: u64, weights: &mut [f32]) -> anyhow::Result<()> {
     let mut rest = weights;
     let mut futs = Vec::with_capacity(peers.len());
     for p in peers.iter_mut() {
@@ -322,7 +328,7 @@ fn evaluate(
 
 /// Creates this worker's gradient board (the whole flat gradient) in `/dev/shm`; None, saying
 /// why, where that is not possible (the shards then receive gradients through gRPC).
-fn grad_board(rank: usize, len: usize) -> Option<(BoardDir, Board)> {
+pub(crate) fn grad_board(rank: usize, len: usize) -> Option<(BoardDir, Board)> {
     let root = shm_root()?;
     let made = BoardDir::create(&root, &format!("worker{rank}")).and_then(|dir| {
         let board = Board::create(&grad_path(dir.path()), dir.token(), len, 1)?;
