@@ -140,6 +140,7 @@ class Worker:
         self._step = None
         self._samples = 0
         self._timing = (0, 0.0, 0, 0.0)
+        self._transport = []
         self.start_step = None
         self.total_steps = None
 
@@ -157,6 +158,7 @@ class Worker:
         Call ``step()`` once per yielded step. At the end the model holds the final weights."""
         start, total = self._native.connect(int(train_len))
         self.start_step, self.total_steps = start, total
+        self._transport = self._native.transport()
         try:
             self._pull(start)
             for t in range(start, total):
@@ -240,5 +242,5 @@ class Worker:
             return False
 
     def transport(self):
-        """How tensors travel to each shard."""
-        return self._native.transport()
+        """How tensors travel to each shard ("shared memory", "gRPC", ...), once connected."""
+        return self._transport
