@@ -196,6 +196,9 @@ class Worker:
         t = self._step
         if t is None:
             raise RuntimeError("worker.step() outside a step of worker.batches()")
+        # one array per tensor: CPU float32 gradients are read in place (copied once, into
+        # the buffer the shards read); others are first copied to the CPU
+        parts = []
         with torch.no_grad():
             for (name, p), o in zip(self._params, self._offsets):
                 g = p.grad
@@ -205,7 +208,12 @@ class Worker:
                         "not used in the forward pass, or backward() was not called. Set "
                         "requires_grad=False on parameters the model does not train"
                     )
-                self._grad[o : o + p.numel()].copy_(g.reshape(-1))
+                if g.device.type == "cpu" and g.dtype == torch.float32 and g.is_contiguous():
+                    parts.append(g.reshape(-1).numpy())
+                else:
+                    buf = self._grad[o : o + p.numel()]
+                    buf.copy_(g.reshape(-1))
+                    parts.append(buf.numpy())
         ev = (0, 0)
         if self._eval_every and t > 0 and t % self._eval_every == 0:
             ev = self._run_evaluate()
@@ -213,15 +221,16 @@ class Worker:
             loss_sum = loss_sum.item()
         if isinstance(correct, torch.Tensor):
             correct = correct.item()
-        self._native.push(
+        self._native.push_parts(
             t,
-            self._grad.numpy(),
+            parts,
             self._samples if samples is None else int(samples),
             float(loss_sum),
             int(correct),
             ev[0],
             ev[1],
         )
+        del parts
         for _, p in self._params:
             p.grad = None
         self._pull(t + 1)

@@ -223,6 +223,53 @@ impl Client {
         .map_err(runtime_err)
     }
 
+    /// Pushes the gradient of step `step` given as one float32 array per tensor in flat order
+    /// (their lengths adding up to the parameter count): each is copied once, straight into
+    /// the buffer the shards read (the shared-memory board on one host).
+    #[pyo3(signature = (step, grads, samples, loss_sum, correct, eval_correct=0, eval_count=0))]
+    #[allow(clippy::too_many_arguments)]
+    fn push_parts(
+        &mut self,
+        py: Python<'_>,
+        step: u64,
+        grads: Vec<Bound<'_, PyAny>>,
+        samples: u32,
+        loss_sum: f64,
+        correct: u64,
+        eval_correct: u64,
+        eval_count: u64,
+    ) -> PyResult<()> {
+        if grads.len() != self.model.len() {
+            return Err(PyValueError::new_err(format!(
+                "{} gradient arrays: expected one per tensor ({})",
+                grads.len(),
+                self.model.len()
+            )));
+        }
+        let mut parts = Vec::with_capacity(grads.len());
+        for (g, t) in grads.iter().zip(&self.model) {
+            let len = t.shape.iter().product::<u64>() as usize;
+            parts.push((f32_buffer(g, len, false, &format!("gradient of {}", t.name))?, len));
+        }
+        let rt = &self.rt;
+        let session = self.session.as_mut().ok_or_else(|| {
+            PyRuntimeError::new_err("not connected: call connect(train_len) first")
+        })?;
+        py.detach(|| {
+            let dst = session.grad_mut();
+            let mut off = 0;
+            for (addr, len) in parts {
+                // SAFETY: a float32 buffer of `len` values, alive for this call (the caller
+                // holds the arrays and is blocked in it).
+                let src = unsafe { std::slice::from_raw_parts(addr as *const f32, len) };
+                dst[off..off + len].copy_from_slice(src);
+                off += len;
+            }
+            rt.block_on(session.push(step, samples, loss_sum, correct, (eval_correct, eval_count)))
+        })
+        .map_err(runtime_err)
+    }
+
     /// Leaves every shard, reporting this rank's final test evaluation (0/0 when none).
     #[pyo3(signature = (eval_correct=0, eval_count=0))]
     fn leave(&mut self, py: Python<'_>, eval_correct: u64, eval_count: u64) -> PyResult<()> {
