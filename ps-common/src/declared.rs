@@ -134,7 +134,11 @@ impl Declared {
                 },
             ));
         }
-        if let Some(extra) = meta.offset_keys().into_iter().find(|k| !seen.contains(k.as_str())) {
+        if let Some(extra) = meta
+            .offset_keys()
+            .into_iter()
+            .find(|k| !seen.contains(k.as_str()))
+        {
             return Err(e(format!(
                 "tensor {extra:?} is in the file but not in metadata \"{ORDER_KEY}\": every tensor of the file must be a parameter of the model (write only named_parameters(), not buffers)"
             )));
@@ -227,7 +231,10 @@ mod tests {
         // the file holds a before b (alphabetical); the order says b first
         let p = write(
             d.path(),
-            &[("a", &[2, 2], &[1., 2., 3., 4.]), ("b", &[3], &[5., 6., 7.])],
+            &[
+                ("a", &[2, 2], &[1., 2., 3., 4.]),
+                ("b", &[3], &[5., 6., 7.]),
+            ],
             Some(r#"["b", "a"]"#),
         );
         let m = Declared::open(&p).unwrap();
@@ -241,7 +248,10 @@ mod tests {
         assert_eq!(first_difference(&m.spec, &theirs), None);
         let other = vec![("b".to_string(), vec![3]), ("a".to_string(), vec![4])];
         let msg = first_difference(&m.spec, &other).unwrap();
-        assert!(msg.contains("tensor 1") && msg.contains("\"a\" [4]"), "{msg}");
+        assert!(
+            msg.contains("tensor 1") && msg.contains("\"a\" [4]"),
+            "{msg}"
+        );
         let msg = first_difference(&m.spec, &theirs[..1]).unwrap();
         assert!(msg.contains("lacks tensor 1 \"a\""), "{msg}");
     }
@@ -267,7 +277,11 @@ mod tests {
         std::fs::write(&p, &bytes[..bytes.len() - 2]).unwrap();
         assert!(Declared::open(&p).unwrap_err().contains("truncated"));
         std::fs::write(&p, b"abc").unwrap();
-        assert!(Declared::open(&p).unwrap_err().contains("not a safetensors file"));
+        assert!(
+            Declared::open(&p)
+                .unwrap_err()
+                .contains("not a safetensors file")
+        );
         std::fs::write(&p, [8u8, 0, 0, 0, 0, 0, 0, 0, b'{', b'x', 0, 0, 0, 0, 0, 0]).unwrap();
         assert!(Declared::open(&p).unwrap_err().contains("malformed"));
         // a non-f32 tensor

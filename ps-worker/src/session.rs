@@ -62,8 +62,7 @@ impl Session {
             Transport::Auto => grad_board(rank, num_params),
             Transport::Grpc => None,
         };
-        let (peers, start_step) =
-            register_all(cfg, servers, rank, total, &board, &model).await?;
+        let (peers, start_step) = register_all(cfg, servers, rank, total, &board, &model).await?;
         let heap_grad = if board.is_some() {
             Vec::new()
         } else {

@@ -300,7 +300,11 @@ pub(crate) async fn register_all(
 /// `weights`: copied out of the shard's board where there is a link, decoded from the gRPC
 /// chunks otherwise. From the shards marked `ahead` (already one version further) it pulls
 /// exactly `version`, through gRPC.
-pub(crate) async fn pull_all(peers: &mut [Peer], version: u64, weights: &mut [f32]) -> anyhow::Result<()> {
+pub(crate) async fn pull_all(
+    peers: &mut [Peer],
+    version: u64,
+    weights: &mut [f32],
+) -> anyhow::Result<()> {
     let mut rest = weights;
     let mut futs = Vec::with_capacity(peers.len());
     for p in peers.iter_mut() {

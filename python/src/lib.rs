@@ -71,7 +71,9 @@ struct Client {
 impl Client {
     fn session(&mut self) -> PyResult<&mut Session> {
         self.session.as_mut().ok_or_else(|| {
-            PyRuntimeError::new_err("not connected: call connect(train_len) first (Worker.batches does)")
+            PyRuntimeError::new_err(
+                "not connected: call connect(train_len) first (Worker.batches does)",
+            )
         })
     }
 }
@@ -89,9 +91,11 @@ impl Client {
         rank: Option<usize>,
         servers: Option<Vec<String>>,
     ) -> PyResult<Self> {
-        let cfg = Config::load(Path::new(config)).map_err(|e| PyValueError::new_err(e.to_string()))?;
+        let cfg =
+            Config::load(Path::new(config)).map_err(|e| PyValueError::new_err(e.to_string()))?;
         let env = std::env::vars().collect();
-        let place = ps_worker::env::resolve(rank, None, None, &env).map_err(PyValueError::new_err)?;
+        let place =
+            ps_worker::env::resolve(rank, None, None, &env).map_err(PyValueError::new_err)?;
         let world = place.world.unwrap_or(cfg.cluster.workers);
         if world != cfg.cluster.workers {
             return Err(PyValueError::new_err(format!(
@@ -169,10 +173,9 @@ impl Client {
     /// This rank's sample indices of step `step`, in order (the data-order contract).
     fn batch(&mut self, step: u64) -> PyResult<Vec<u32>> {
         let (rank, world) = (self.rank, self.cfg.cluster.workers);
-        let planner = self
-            .planner
-            .as_mut()
-            .ok_or_else(|| PyRuntimeError::new_err("not connected: call connect(train_len) first"))?;
+        let planner = self.planner.as_mut().ok_or_else(|| {
+            PyRuntimeError::new_err("not connected: call connect(train_len) first")
+        })?;
         Ok(planner.worker_batch(step, rank, world).to_vec())
     }
 
@@ -249,7 +252,10 @@ impl Client {
         let mut parts = Vec::with_capacity(grads.len());
         for (g, t) in grads.iter().zip(&self.model) {
             let len = t.shape.iter().product::<u64>() as usize;
-            parts.push((f32_buffer(g, len, false, &format!("gradient of {}", t.name))?, len));
+            parts.push((
+                f32_buffer(g, len, false, &format!("gradient of {}", t.name))?,
+                len,
+            ));
         }
         let rt = &self.rt;
         let session = self.session.as_mut().ok_or_else(|| {
@@ -289,12 +295,22 @@ impl Client {
     /// (pushes, seconds in pushes, pulls, seconds in pulls) so far.
     fn timing(&mut self) -> PyResult<(u64, f64, u64, f64)> {
         let t = self.session()?.timing;
-        Ok((t.pushes, t.push.as_secs_f64(), t.pulls, t.pull.as_secs_f64()))
+        Ok((
+            t.pushes,
+            t.push.as_secs_f64(),
+            t.pulls,
+            t.pull.as_secs_f64(),
+        ))
     }
 
     /// How tensors travel to each shard ("shared memory", "gRPC", ...).
     fn transport(&mut self) -> PyResult<Vec<String>> {
-        Ok(self.session()?.transport().iter().map(|s| s.to_string()).collect())
+        Ok(self
+            .session()?
+            .transport()
+            .iter()
+            .map(|s| s.to_string())
+            .collect())
     }
 
     /// This worker's rank.
@@ -362,7 +378,10 @@ fn save_init(
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Client>()?;
     m.add_function(wrap_pyfunction!(save_init, m)?)?;
-    m.add("ModelMismatchError", m.py().get_type::<ModelMismatchError>())?;
+    m.add(
+        "ModelMismatchError",
+        m.py().get_type::<ModelMismatchError>(),
+    )?;
     m.add("ORDER_KEY", ps_common::declared::ORDER_KEY)?;
     Ok(())
 }

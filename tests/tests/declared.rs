@@ -19,8 +19,11 @@ use std::time::Duration;
 /// Writes `tensors` with the order metadata listing them in the given order.
 fn write_init(path: &Path, tensors: &[(&str, &[usize], &[f32])]) {
     let order: Vec<&str> = tensors.iter().map(|t| t.0).collect();
-    let meta: BTreeMap<String, String> =
-        [(ORDER_KEY.to_string(), serde_json::to_string(&order).unwrap())].into();
+    let meta: BTreeMap<String, String> = [(
+        ORDER_KEY.to_string(),
+        serde_json::to_string(&order).unwrap(),
+    )]
+    .into();
     ps_common::weights::write_safetensors(path, tensors, &meta).unwrap();
 }
 
@@ -61,15 +64,28 @@ fn a_declared_mlp_trains_from_its_file_like_the_reference() {
     let init = dir.path().join("init.safetensors");
     let flat = mlp_init(&init);
     let (path, cfg) = config(dir.path(), &init);
-    assert_eq!(cfg.model.dims, [784, 32, 10], "the widths come from the file");
-    assert!(cfg.describe().contains("declared model of 4 tensors (25,450 parameters)"));
+    assert_eq!(
+        cfg.model.dims,
+        [784, 32, 10],
+        "the widths come from the file"
+    );
+    assert!(
+        cfg.describe()
+            .contains("declared model of 4 tensors (25,450 parameters)")
+    );
     assert_eq!(cfg.initial_range(0..flat.len()).unwrap(), flat);
     run_cluster(&path, &cfg, &Start::default());
     let got = cluster_weights(&cfg);
     let want = reference_weights(&cfg);
-    assert!(rel_diff(&cfg, &flat, &want) > 1e-3, "training moved the weights");
+    assert!(
+        rel_diff(&cfg, &flat, &want) > 1e-3,
+        "training moved the weights"
+    );
     let seeded = cfg.layout().init_range(cfg.train.seed, 0..flat.len());
-    assert!(rel_diff(&cfg, &flat, &seeded) > 0.5, "the file is not the seed's init");
+    assert!(
+        rel_diff(&cfg, &flat, &seeded) > 0.5,
+        "the file is not the seed's init"
+    );
     let d = rel_diff(&cfg, &got, &want);
     eprintln!("declared MLP: largest relative weight difference {d:.3e}");
     assert!(d < 1e-5, "{d}");
@@ -78,12 +94,22 @@ fn a_declared_mlp_trains_from_its_file_like_the_reference() {
         .args(["--config", path.to_str().unwrap(), "--export"])
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let (tensors, meta) =
         ps_common::weights::read_safetensors(&cfg.server.out_dir.join("model.safetensors"))
             .unwrap();
-    assert_eq!(meta[ORDER_KEY], r#"["fc1.weight","fc1.bias","fc2.weight","fc2.bias"]"#);
-    assert_eq!(tensors.iter().map(|t| t.data.len()).sum::<usize>(), got.len());
+    assert_eq!(
+        meta[ORDER_KEY],
+        r#"["fc1.weight","fc1.bias","fc2.weight","fc2.bias"]"#
+    );
+    assert_eq!(
+        tensors.iter().map(|t| t.data.len()).sum::<usize>(),
+        got.len()
+    );
 }
 
 #[test]
@@ -99,7 +125,10 @@ fn bad_init_files_are_refused_with_the_reason() {
         Config::load(&path).map(drop).unwrap_err().to_string()
     };
     let e = load(&dir.path().join("missing.safetensors"));
-    assert!(e.contains("[model] init") && e.contains("cannot open"), "{e}");
+    assert!(
+        e.contains("[model] init") && e.contains("cannot open"),
+        "{e}"
+    );
     let bad = dir.path().join("bad.safetensors");
     std::fs::write(&bad, b"\x10\0\0\0\0\0\0\0{\"a\": 1}        ").unwrap();
     let e = load(&bad);
@@ -148,7 +177,10 @@ fn a_shard_refuses_another_model_naming_the_first_differing_tensor() {
         .output()
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && err.contains("ps-worker trains only the built-in MLP"), "{err}");
+    assert!(
+        !out.status.success() && err.contains("ps-worker trains only the built-in MLP"),
+        "{err}"
+    );
 
     let mut cluster = LocalCluster::new(bin_dir(), path.clone(), Some(dir.path().join("logs")));
     cluster

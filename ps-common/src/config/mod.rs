@@ -290,7 +290,10 @@ impl Config {
                 "[model] {} ({} parameters) with a per-worker batch of up to {}: needs about {} per process for parameters, optimizer state and gradient buffers, but this host has {} available (MemAvailable)",
                 match &self.model.declared {
                     Some(d) => format!("init = {}", d.path.display()),
-                    None => format!("hidden = {:?}", &self.model.dims[1..self.model.dims.len() - 1]),
+                    None => format!(
+                        "hidden = {:?}",
+                        &self.model.dims[1..self.model.dims.len() - 1]
+                    ),
                 },
                 self.model.num_params(),
                 self.worker_batches().iter().max().copied().unwrap_or(0),
