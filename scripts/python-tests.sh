@@ -14,7 +14,7 @@ if [ ! -x "$ENV/bin/python" ] || ! "$ENV/bin/python" -c "import torch, numpy, sa
     "$ENV/bin/pip" install --quiet torch numpy safetensors maturin pytest
 fi
 export PATH="$PWD/$ENV/bin:$PATH"
-cargo build --release --bin ps-server --bin ps-launch
+cargo build --release --bin ps-server --bin ps-worker --bin ps-launch
 pip install --quiet --no-build-isolation --force-reinstall --no-deps ./python
 cd python/tests
 exec python -m pytest -q "$@"
