@@ -579,6 +579,7 @@ async fn register_with(
         shared_memory: board.is_some(),
         grad_file: board.map_or_else(String::new, |(b, _)| b.path().display().to_string()),
         grad_token: board.map_or(0, |(_, t)| t),
+        model: Vec::new(),
     })
     .await
     .context("register")

@@ -17,6 +17,13 @@ pub enum Init {
         /// Inputs of the layer the tensor belongs to.
         fan_in: usize,
     },
+    /// Read from a declared model's init file ([`crate::declared`]), where the tensor's data
+    /// starts at this byte: not a function of the seed ([`Init::value`] is NaN, loudly wrong;
+    /// read it with [`crate::declared::Declared::read_range`]).
+    File {
+        /// Byte offset of the tensor's first value in the file.
+        byte_offset: u64,
+    },
 }
 
 impl Init {
@@ -28,6 +35,7 @@ impl Init {
                 let bound = 1.0 / (*fan_in as f64).sqrt();
                 ((2.0 * unit_f64(seed, index as u64) - 1.0) * bound) as f32
             }
+            Init::File { .. } => f32::NAN,
         }
     }
 }
@@ -102,6 +110,23 @@ impl ModelSpec {
         shard_ranges(self.num_params(), num_shards)
     }
 
+    /// "10 tensors (21,840 parameters)".
+    pub fn describe(&self) -> String {
+        format!(
+            "{} tensors ({} parameters)",
+            self.tensors.len(),
+            group_thousands(self.num_params())
+        )
+    }
+
+    /// Names and shapes in flat order (what a worker sends at registration).
+    pub fn names_and_shapes(&self) -> Vec<(String, Vec<usize>)> {
+        self.tensors
+            .iter()
+            .map(|t| (t.name.clone(), t.shape.clone()))
+            .collect()
+    }
+
     /// Initial value of every parameter in `range`, each tensor by its [`Init`].
     pub fn init_range(&self, seed: u64, range: Range<usize>) -> Vec<f32> {
         let mut out = Vec::with_capacity(range.len());
@@ -156,6 +181,29 @@ impl MlpLayout {
             dims: dims.to_vec(),
             spec,
         }
+    }
+
+    /// The MLP a spec is, when it is one: `fc1.weight [h1, in]`, `fc1.bias [h1]`, `fc2.weight
+    /// [h2, h1]`, ... in that order (a declared model that the built-in MLP worker can train).
+    pub fn from_spec(spec: &ModelSpec) -> Option<Self> {
+        let t = &spec.tensors;
+        if t.len() < 2 || !t.len().is_multiple_of(2) {
+            return None;
+        }
+        let mut dims = vec![*t[0].shape.get(1)?];
+        for (l, pair) in t.chunks(2).enumerate() {
+            let (w, b) = (&pair[0], &pair[1]);
+            let out = *w.shape.first()?;
+            if w.name != format!("fc{}.weight", l + 1)
+                || b.name != format!("fc{}.bias", l + 1)
+                || w.shape != [out, dims[l]]
+                || b.shape != [out]
+            {
+                return None;
+            }
+            dims.push(out);
+        }
+        Some(Self::new(&dims))
     }
 
     /// Number of linear layers.
@@ -276,6 +324,17 @@ mod tests {
         let m = MlpLayout::new(&[3, 2]);
         assert_eq!(m.tensors[0].init, Init::LinearUniform { fan_in: 3 });
         assert_eq!(m.spec.tensors[1].name, "fc1.bias");
+    }
+
+    #[test]
+    fn an_mlp_shaped_spec_is_recognised() {
+        let m = MlpLayout::new(&[5, 4, 3]);
+        assert_eq!(MlpLayout::from_spec(&m.spec).unwrap().dims, [5, 4, 3]);
+        let mut other = m.spec.clone();
+        other.tensors[2].shape = vec![3, 5];
+        assert!(MlpLayout::from_spec(&other).is_none());
+        other.tensors.pop();
+        assert!(MlpLayout::from_spec(&other).is_none());
     }
 
     #[test]

@@ -92,6 +92,14 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     if cli.export {
         return export(&cfg, &out_dir);
     }
+    if cfg.model.declared.is_some()
+        && cfg.spec().names_and_shapes() != cfg.layout().names_and_shapes()
+    {
+        anyhow::bail!(
+            "{}: [model] init declares a model other than the built-in MLP of [model] inputs/classes (ps-worker trains only that): start the shards with ps-server and the workers with the Python package (python/), then merge the weights with ps-launch --export",
+            cli.config.display()
+        );
+    }
     // a new run's folder tells one story: the previous run's files move aside (not on --resume,
     // which continues that run)
     if !cli.resume
@@ -161,26 +169,33 @@ fn run(cli: Cli) -> anyhow::Result<()> {
 /// PyTorch names and shapes (`fc1.weight [out, in]`, ...), which `torch`/`safetensors` load,
 /// and draws the loss and accuracy curves of its `metrics.jsonl` into `curves.svg`.
 fn export(cfg: &Config, out_dir: &std::path::Path) -> anyhow::Result<()> {
-    let layout = cfg.layout();
+    // the model the run trained: the built-in MLP or a declared one ([model] init)
+    let spec = cfg.spec();
+    let model = cfg.describe_model();
     let (flat, version) =
-        ps_common::weights::read_shards(out_dir, cfg.num_shards(), layout.num_params())?;
+        ps_common::weights::read_shards(out_dir, cfg.num_shards(), spec.num_params())?;
     let path = out_dir.join("model.safetensors");
-    let meta = [
+    let mut meta: std::collections::BTreeMap<String, String> = [
         ("version".to_string(), version.to_string()),
-        ("model".to_string(), layout.describe()),
-        ("input_scaling".to_string(), INPUT_SCALING.to_string()),
+        ("model".to_string(), model.clone()),
+        (
+            ps_common::declared::ORDER_KEY.to_string(),
+            serde_json::to_string(&spec.tensors.iter().map(|t| &t.name).collect::<Vec<_>>())?,
+        ),
     ]
     .into();
-    ps_common::weights::write_model(&path, &layout, &flat, &meta)?;
+    if cfg.model.declared.is_none() {
+        meta.insert("input_scaling".to_string(), INPUT_SCALING.to_string());
+    }
+    ps_common::weights::write_model(&path, &spec, &flat, &meta)?;
     println!(
-        "ps-launch: weights ({}, version {version}) in {}",
-        layout.describe(),
+        "ps-launch: weights ({model}, version {version}) in {}",
         path.display()
     );
     let metrics = out_dir.join("metrics.jsonl");
     match std::fs::read_to_string(&metrics) {
         Ok(text) => {
-            let title = format!("{}: {}", cfg.path.display(), layout.describe());
+            let title = format!("{}: {}", cfg.path.display(), cfg.describe_model());
             let svg = ps_launch::plot::curves_svg(&text, &title)
                 .map_err(|e| anyhow::anyhow!("{}: {e}", metrics.display()))?;
             let plot = out_dir.join("curves.svg");

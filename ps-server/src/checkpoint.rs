@@ -158,7 +158,7 @@ impl Identity {
             shard: index,
             num_shards: cfg.num_shards(),
             range,
-            num_params: cfg.layout().num_params(),
+            num_params: cfg.spec().num_params(),
             optimizer: cfg.optimizer.describe(),
         }
     }

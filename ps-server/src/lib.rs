@@ -87,7 +87,8 @@ pub async fn run_shard(
     } = setup;
     let total_steps = cfg.total_steps(train_len)?;
     let resumed = resume_from.is_some();
-    let shard = Shard::starting_from(&cfg, index, total_steps, resume_from);
+    let shard = Shard::try_starting_from(&cfg, index, total_steps, resume_from)
+        .map_err(anyhow::Error::msg)?;
     let reporter = Reporter::spawn(ReporterConfig {
         shard: index,
         num_shards: cfg.num_shards(),
@@ -143,7 +144,7 @@ pub async fn run_shard(
         shard.range.start,
         shard.range.end,
         shard.len(),
-        cfg.layout().describe(),
+        cfg.describe_model(),
         total_steps,
         listener.local_addr()?
     );
@@ -396,7 +397,7 @@ pub fn load_setup(
     let (train_len, features) =
         ps_common::idx::split_shape(&cfg.data.dir, ps_common::idx::Split::Train, classes)
             .context("reading the training set's labels and header")?;
-    if features != cfg.model.dims[0] {
+    if cfg.model.declared.is_none() && features != cfg.model.dims[0] {
         anyhow::bail!(
             "{}: images have {features} pixels but [model] inputs = {}",
             cfg.data.dir.display(),

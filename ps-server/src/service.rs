@@ -128,8 +128,9 @@ impl ShardService {
     }
 
     /// Checks an evaluation `count` reported by `rank` (a known rank) against the rank's slice
-    /// of the test set: at most its length in a push (0 when the push carries none), exactly
-    /// its length when the worker leaves (it evaluates its whole slice).
+    /// of the test set: at most its length in a push (0 when the push carries none); when the
+    /// worker leaves, exactly its length (it evaluated its whole slice) or 0 (it evaluates
+    /// nothing: a worker of a user's own model, whose test set the shards do not know).
     fn check_eval(&self, rank: u32, count: u64, leaving: bool) -> PsResult<()> {
         let Some(slice) = self
             .test_slices
@@ -139,7 +140,7 @@ impl ShardService {
             return Ok(());
         };
         let fits = if leaving {
-            count == slice
+            count == slice || count == 0
         } else {
             count <= slice
         };
@@ -148,7 +149,11 @@ impl ShardService {
         }
         Err(PsError::BadChunk(format!(
             "eval_count {count} from rank {rank}: expected {} {slice}, the length of rank {rank}'s slice of the test set",
-            if leaving { "exactly" } else { "at most" }
+            if leaving {
+                "0 (no evaluation) or exactly"
+            } else {
+                "at most"
+            }
         )))
     }
 
@@ -309,6 +314,24 @@ impl ParameterServer for ShardService {
             }
         };
         mismatch("world size", u64::from(r.world_size), s.world as u64)?;
+        if !r.model.is_empty() {
+            let theirs: Vec<(String, Vec<usize>)> = r
+                .model
+                .iter()
+                .map(|t| {
+                    let shape = t.shape.iter().map(|&d| d as usize).collect();
+                    (t.name.clone(), shape)
+                })
+                .collect();
+            if let Some(diff) = ps_common::declared::first_difference(&s.spec, &theirs) {
+                return Err(PsError::ClusterMismatch(format!(
+                    "model mismatch: {diff} (shard {} trains {})",
+                    s.index,
+                    s.spec.describe()
+                ))
+                .into());
+            }
+        }
         mismatch("parameter count", r.num_params, s.num_params as u64)?;
         mismatch("shard index", u64::from(r.shard), s.index as u64)?;
         mismatch("shard count", u64::from(r.num_shards), s.num_shards as u64)?;

@@ -15,6 +15,7 @@ pub mod env;
 pub mod model;
 pub mod ops;
 pub mod reference;
+pub mod session;
 pub mod worker;
 
 /// Threads for the CPU backend's matrix products: the configured number, or the cores this

@@ -95,6 +95,15 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     // SAFETY: set before any thread of this process exists (the runtime starts below);
     // matrixmultiply reads it once, at its first threaded product.
     unsafe { std::env::set_var("MATMUL_NUM_THREADS", threads.to_string()) };
+    if let Some(d) = &cfg.model.declared
+        && ps_common::layout::MlpLayout::from_spec(&d.spec).is_none()
+    {
+        anyhow::bail!(
+            "{}: [model] init = {} declares a model other than an MLP (fc1.weight, fc1.bias, ...): ps-worker trains only the built-in MLP; use the Python worker (python/) for this model",
+            cli.config.display(),
+            d.path.display()
+        );
+    }
     let classes = cfg.model.dims[cfg.model.dims.len() - 1];
     let train =
         load_split(&cfg.data.dir, Split::Train, classes).context("loading the training set")?;

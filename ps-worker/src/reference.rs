@@ -32,7 +32,10 @@ pub fn run_reference(cfg: &Config, train: &Dataset) -> anyhow::Result<ReferenceR
     } else {
         (1.0, eq.grad_scale as f32)
     };
-    let mut params = layout.init_range(cfg.train.seed, 0..layout.num_params());
+    // the seeded init, or a declared MLP's init file
+    let mut params = cfg
+        .initial_range(0..layout.num_params())
+        .map_err(anyhow::Error::msg)?;
     let mut opt = cfg.optimizer.init_state(params.len());
     let mut backend = CpuBackend::new(layout.clone(), 0);
     let mut planner = BatchPlanner::new(cfg.data_order(train.len()));

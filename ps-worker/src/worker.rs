@@ -52,15 +52,15 @@ pub struct Timing {
 
 /// One shard as this worker sees it: the connection, the shard's range of the flat parameter
 /// vector, what goes through shared memory, and the push buffer.
-struct Peer {
-    client: ShardClient,
-    range: Range<usize>,
-    link: ShmLink,
+pub(crate) struct Peer {
+    pub(crate) client: ShardClient,
+    pub(crate) range: Range<usize>,
+    pub(crate) link: ShmLink,
     /// The shard had already applied the step this worker starts at (this worker replaces one
     /// that died between its pushes): it is pulled exactly that version and not pushed to.
-    ahead: bool,
+    pub(crate) ahead: bool,
     /// The gradient bytes of the last push through gRPC, reused once its RPC has released them.
-    push_buf: Option<Bytes>,
+    pub(crate) push_buf: Option<Bytes>,
 }
 
 /// Runs the worker to the end of the training run; returns its timing.
@@ -83,10 +83,11 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
         Transport::Auto => grad_board(rank, layout.num_params()),
         Transport::Grpc => None,
     };
-    let grad_file = grad_board.as_ref().map_or_else(Default::default, |(d, b)| {
-        (b.path().display().to_string(), d.token())
-    });
-    let (mut peers, start_step) = register_all(&cfg, &servers, rank, total, &grad_file).await?;
+    let grad_file = board_file(&grad_board);
+    // what this worker computes: the built-in MLP
+    let model = describe_model(&layout);
+    let (mut peers, start_step) =
+        register_all(&cfg, &servers, rank, total, &grad_file, &model).await?;
     let via: Vec<&str> = peers.iter().map(|p| p.link.describe()).collect();
     tracing::info!(
         "worker {rank}/{world}: registered with {} shards (tensors via {via:?}), starting at step {start_step} of {total}, device {}",
@@ -120,7 +121,7 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
             None => pull_all(&mut peers, t, &mut weights).await,
         };
         if let Err(e) = pulled {
-            t = rejoin(elastic, &cfg, &mut peers, rank, &grad_file, t, e).await?;
+            t = rejoin(elastic, &cfg, &mut peers, rank, (&grad_file, &model), t, e).await?;
             continue;
         }
         if !on_host {
@@ -197,7 +198,7 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
             }
         }
         if let Some(e) = refused {
-            t = rejoin(elastic, &cfg, &mut peers, rank, &grad_file, t, e).await?;
+            t = rejoin(elastic, &cfg, &mut peers, rank, (&grad_file, &model), t, e).await?;
             continue;
         }
         // only the first step (or the first after a rejoin) can find shards ahead
@@ -244,14 +245,18 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
 /// version t + 1 (no shard can be further ahead: the others wait for this rank at step t); it
 /// redoes step t from version t, which those shards still hold, and pushes only to the shards
 /// that have not applied it: they are marked `ahead`.
-async fn register_all(
+pub(crate) async fn register_all(
     cfg: &Config,
     servers: &[String],
     rank: usize,
     total: u64,
     grad_file: &(String, u64),
+    model: &[ps_common::pb::TensorDesc],
 ) -> anyhow::Result<(Vec<Peer>, u64)> {
-    let num_params = cfg.layout().num_params();
+    let num_params: usize = model
+        .iter()
+        .map(|t| t.shape.iter().product::<u64>() as usize)
+        .sum();
     let ranges = shard_ranges(num_params, servers.len());
     let connect_timeout = Duration::from_secs_f64(cfg.worker.connect_timeout_secs);
     let security = cfg.client_security();
@@ -259,7 +264,7 @@ async fn register_all(
     let mut versions = Vec::with_capacity(servers.len());
     for ((s, addr), range) in servers.iter().enumerate().zip(ranges) {
         let mut client = ShardClient::connect(s, addr, &security, connect_timeout).await?;
-        let req = register_request(cfg, servers.len(), s, rank, grad_file);
+        let req = register_request(cfg, servers.len(), s, rank, grad_file, model);
         let reply = client
             .register_retrying(req, connect_timeout)
             .await
@@ -295,18 +300,27 @@ fn register_request(
     shard: usize,
     rank: usize,
     (grad_file, grad_token): &(String, u64),
+    model: &[ps_common::pb::TensorDesc],
 ) -> RegisterRequest {
     RegisterRequest {
         protocol_version: PROTOCOL_VERSION,
         rank: rank as u32,
         world_size: cfg.cluster.workers as u32,
-        num_params: cfg.layout().num_params() as u64,
+        num_params: model.iter().map(|t| t.shape.iter().product::<u64>()).sum(),
         shard: shard as u32,
         num_shards: num_shards as u32,
         shared_memory: cfg.cluster.transport == Transport::Auto,
         grad_file: grad_file.clone(),
         grad_token: *grad_token,
+        model: model.to_vec(),
     }
+}
+
+/// The board's path and token as registration sends them (empty without a board).
+pub(crate) fn board_file(grad_board: &Option<(BoardDir, Board)>) -> (String, u64) {
+    grad_board.as_ref().map_or_else(Default::default, |(d, b)| {
+        (b.path().display().to_string(), d.token())
+    })
 }
 
 /// The step to start at, given each shard's version (the lowest); the shards already one
@@ -335,7 +349,7 @@ async fn rejoin(
     cfg: &Config,
     peers: &mut [Peer],
     rank: usize,
-    grad_file: &(String, u64),
+    (grad_file, model): (&(String, u64), &[ps_common::pb::TensorDesc]),
     t: u64,
     err: anyhow::Error,
 ) -> anyhow::Result<u64> {
@@ -347,7 +361,7 @@ async fn rejoin(
     let mut replies = Vec::with_capacity(peers.len());
     let num_shards = peers.len();
     for (s, p) in peers.iter_mut().enumerate() {
-        let req = register_request(cfg, num_shards, s, rank, grad_file);
+        let req = register_request(cfg, num_shards, s, rank, grad_file, model);
         match p.client.register_retrying(req, patience).await {
             Ok(reply) => {
                 versions.push(reply.version);
@@ -378,7 +392,11 @@ async fn rejoin(
 /// `weights`: copied out of the shard's board where there is a link, decoded from the gRPC
 /// chunks otherwise. From the shards marked `ahead` (already one version further) it pulls
 /// exactly `version`, through gRPC.
-async fn pull_all(peers: &mut [Peer], version: u64, weights: &mut [f32]) -> anyhow::Result<()> {
+pub(crate) async fn pull_all(
+    peers: &mut [Peer],
+    version: u64,
+    weights: &mut [f32],
+) -> anyhow::Result<()> {
     let mut rest = weights;
     let mut futs = Vec::with_capacity(peers.len());
     for p in peers.iter_mut() {
@@ -406,7 +424,7 @@ fn evaluate(
 
 /// Creates this worker's gradient board (the whole flat gradient) in `/dev/shm`; None, saying
 /// why, where that is not possible (the shards then receive gradients through gRPC).
-fn grad_board(rank: usize, len: usize) -> Option<(BoardDir, Board)> {
+pub(crate) fn grad_board(rank: usize, len: usize) -> Option<(BoardDir, Board)> {
     let root = shm_root()?;
     let made = BoardDir::create(&root, &format!("worker{rank}")).and_then(|dir| {
         let board = Board::create(&grad_path(dir.path()), dir.token(), len, 1)?;
@@ -421,4 +439,15 @@ fn grad_board(rank: usize, len: usize) -> Option<(BoardDir, Board)> {
             None
         }
     }
+}
+
+/// A model's names and shapes in flat order, as registration carries them.
+pub fn describe_model(spec: &ps_common::layout::ModelSpec) -> Vec<ps_common::pb::TensorDesc> {
+    spec.tensors
+        .iter()
+        .map(|t| ps_common::pb::TensorDesc {
+            name: t.name.clone(),
+            shape: t.shape.iter().map(|&d| d as u64).collect(),
+        })
+        .collect()
 }

@@ -22,7 +22,7 @@ fn spec(linger_secs: f64) -> Spec {
         config: Spec::base()
             .log_every(1000)
             // long enough for the workers' start (loading the data) under load: step 0
-            // waits from the shard's start, and with nobody in it the run fails
+            // waits from the shard's start, and with nobody in it the run fails after twice this
             .barrier_warn_secs(1.0)
             .barrier_timeout_secs(4.0)
             .linger_secs(linger_secs)

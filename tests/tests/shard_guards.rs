@@ -123,6 +123,7 @@ async fn live() -> Live {
             String::new()
         },
         grad_token: board_dir.token(),
+        model: Vec::new(),
     };
     let r0 = c.register(reg(0)).await.unwrap().into_inner();
     assert!(r0.grad_shm && !r0.shm_dir.is_empty(), "{r0:?}");
@@ -360,6 +361,7 @@ async fn truncated_foreign_and_misplaced_boards_are_refused_and_the_shard_goes_o
         shared_memory: true,
         grad_file: file.display().to_string(),
         grad_token: token,
+        model: Vec::new(),
     };
     // a valid board outside the shared-memory board directories: never opened
     let elsewhere = keep_dir.path().join("ps-worker0-pid1-0000000000000001");

@@ -43,7 +43,7 @@ impl TestConfig {
                 tls_domain: None,
             },
             model: RawModel {
-                hidden: vec![32],
+                hidden: Some(vec![32]),
                 ..RawModel::default()
             },
             data: RawData {
@@ -128,7 +128,13 @@ impl TestConfig {
     }
     /// `[model] hidden`.
     pub fn hidden(mut self, h: &[usize]) -> Self {
-        self.raw.model.hidden = h.to_vec();
+        self.raw.model.hidden = Some(h.to_vec());
+        self
+    }
+    /// `[model] init`: a declared model's safetensors file.
+    pub fn model_init(mut self, p: impl Into<PathBuf>) -> Self {
+        self.raw.model.init = Some(p.into());
+        self.raw.model.hidden = None;
         self
     }
     /// `[data] dir`.

@@ -35,7 +35,7 @@ pub use model::ModelConfig;
 pub use server::{CheckpointConfig, ServerConfig, WorkerConfig};
 pub use train::{DataConfig, TrainConfig};
 
-use crate::layout::{MlpLayout, split_even};
+use crate::layout::{MlpLayout, ModelSpec, split_even};
 use crate::optim::{Decay, LrSchedule, Optimizer};
 use limits::MAX_STEPS;
 use serde::{Deserialize, Serialize};
@@ -201,7 +201,7 @@ impl Config {
         host: &Host,
     ) -> Result<Config, String> {
         let cluster = raw.cluster.validate(resolve)?;
-        let model = raw.model.validate()?;
+        let model = raw.model.validate(resolve)?;
         let mut train = raw.train.validate()?;
         let optimizer = raw.optimizer.validate()?;
         let schedule = raw.schedule.validate(raw.optimizer.lr)?;
@@ -262,7 +262,11 @@ impl Config {
     pub fn model_memory_bytes(&self) -> Option<u64> {
         let p = self.model.num_params();
         let b = *self.worker_batches().iter().max()? as u64;
-        let units: u64 = self.model.dims.iter().map(|&d| d as u64).sum();
+        // a declared model's activations are unknown here (its worker is the user's code)
+        let units: u64 = match self.model.declared {
+            Some(_) => 0,
+            None => self.model.dims.iter().map(|&d| d as u64).sum(),
+        };
         let worker = p
             .checked_mul(3)?
             .checked_add(b.checked_mul(units)?.checked_mul(2)?)?;
@@ -283,8 +287,14 @@ impl Config {
         match need {
             Some(n) if n <= avail => Ok(()),
             _ => Err(format!(
-                "[model] hidden = {:?} ({} parameters) with a per-worker batch of up to {}: needs about {} per process for parameters, optimizer state and gradient buffers, but this host has {} available (MemAvailable)",
-                &self.model.dims[1..self.model.dims.len() - 1],
+                "[model] {} ({} parameters) with a per-worker batch of up to {}: needs about {} per process for parameters, optimizer state and gradient buffers, but this host has {} available (MemAvailable)",
+                match &self.model.declared {
+                    Some(d) => format!("init = {}", d.path.display()),
+                    None => format!(
+                        "hidden = {:?}",
+                        &self.model.dims[1..self.model.dims.len() - 1]
+                    ),
+                },
                 self.model.num_params(),
                 self.worker_batches().iter().max().copied().unwrap_or(0),
                 need.map_or("more than 16 EiB".to_string(), show_bytes),
@@ -306,9 +316,39 @@ impl Config {
             .unwrap_or_else(|| self.server.out_dir.join("checkpoints"))
     }
 
-    /// The model's layout.
+    /// The built-in MLP's layout (of `[model] hidden`; see [`Config::spec`] for the model the
+    /// run trains, which may be declared instead).
     pub fn layout(&self) -> MlpLayout {
         MlpLayout::new(&self.model.dims)
+    }
+
+    /// The model the run trains: the declared one (`[model] init`) or the built-in MLP.
+    pub fn spec(&self) -> ModelSpec {
+        match &self.model.declared {
+            Some(d) => d.spec.clone(),
+            None => self.layout().spec,
+        }
+    }
+
+    /// The model in words: the MLP's widths, or the declared model's tensors and file.
+    pub fn describe_model(&self) -> String {
+        match &self.model.declared {
+            Some(d) => format!(
+                "declared model of {} from {}",
+                d.spec.describe(),
+                d.path.display()
+            ),
+            None => self.layout().describe(),
+        }
+    }
+
+    /// The initial values of `range` of the flat vector: from the seed for the MLP, read from
+    /// the init file (that range only) for a declared model.
+    pub fn initial_range(&self, range: std::ops::Range<usize>) -> Result<Vec<f32>, String> {
+        match &self.model.declared {
+            Some(d) => d.read_range(range),
+            None => Ok(self.layout().init_range(self.train.seed, range)),
+        }
     }
 
     /// Number of shards `S`.
@@ -452,7 +492,7 @@ impl Config {
                 (false, true) => "TLS, no token",
                 (false, false) => "no authentication, no TLS",
             },
-            self.layout().describe(),
+            self.describe_model(),
             self.data.dir.display(),
             self.train.seed,
             self.train.global_batch,

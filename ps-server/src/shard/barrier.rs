@@ -84,7 +84,8 @@ pub enum Verdict {
         /// Log now.
         warn: bool,
     },
-    /// The timeout passed under `barrier_policy = "fail"` (or with nothing to go on with).
+    /// The timeout passed under `barrier_policy = "fail"`, or twice the timeout under
+    /// "continue" with nothing to go on with.
     Fail {
         /// The step.
         step: u64,
@@ -307,10 +308,18 @@ impl Barrier {
         let missing: Vec<usize> = (0..self.world)
             .filter(|&r| self.current_fp[r].is_none() && !self.absent[r])
             .collect();
-        if waited >= self.rules.timeout {
-            if self.rules.policy == BarrierPolicy::Continue
-                && self.slots.iter().any(Option::is_some)
-            {
+        let continuing = self.rules.policy == BarrierPolicy::Continue;
+        let anyone_in = self.slots.iter().any(Option::is_some);
+        // Under "continue", a step nobody pushed yet gets a second timeout before the run
+        // fails: its ranks may be held up by another shard whose barrier is still waiting out
+        // its own timeout for a rank that stopped (the shards time out independently).
+        let limit = if continuing && !anyone_in {
+            self.rules.timeout.saturating_mul(2)
+        } else {
+            self.rules.timeout
+        };
+        if waited >= limit {
+            if continuing && anyone_in {
                 let left_out: Vec<usize> = (0..self.world)
                     .filter(|&r| self.current_fp[r].is_none())
                     .collect();
@@ -521,8 +530,10 @@ mod tests {
     fn continue_policy_drops_the_missing_ranks_until_they_come_back() {
         let (mut b, t) = barrier(3, BarrierPolicy::Continue);
         let at = |s: u64| t + Duration::from_secs(s);
-        // nobody pushed: nothing to go on with, the run fails
-        assert!(matches!(b.poll(at(31)), Verdict::Fail { .. }));
+        // nobody pushed: nothing to go on with; the run fails after a second timeout (the
+        // ranks may be held up by another shard's barrier)
+        assert!(matches!(b.poll(at(31)), Verdict::Waiting { step: 0, .. }));
+        assert!(matches!(b.poll(at(61)), Verdict::Fail { .. }));
         b.accept(0, slot(1, 1, t)).unwrap();
         let v = b.poll(at(31));
         let Verdict::Continue {

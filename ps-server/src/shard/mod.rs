@@ -148,6 +148,8 @@ pub struct Shard {
     pub world: usize,
     /// Total parameter count of the model.
     pub num_params: usize,
+    /// The model's tensors (names, shapes, flat order): a worker describing another is refused.
+    pub spec: ps_common::layout::ModelSpec,
     /// Number of shards.
     pub num_shards: usize,
     /// Steps of the run.
@@ -162,34 +164,67 @@ pub struct Shard {
 }
 
 impl Shard {
-    /// Builds shard `index` of `cfg` for a run of `total_steps`, with initial weights from the seed.
+    /// Builds shard `index` of `cfg` for a run of `total_steps`, with initial weights from the
+    /// seed (or, for a declared model, from its init file: see [`Shard::try_starting_from`]).
     pub fn new(cfg: &Config, index: usize, total_steps: u64) -> Arc<Self> {
         Self::starting_from(cfg, index, total_steps, None)
     }
 
     /// The range of the flat vector that shard `index` of `cfg` holds.
     pub fn range_of(cfg: &Config, index: usize) -> Range<usize> {
-        ps_common::layout::shard_ranges(cfg.layout().num_params(), cfg.num_shards())[index].clone()
+        ps_common::layout::shard_ranges(cfg.spec().num_params(), cfg.num_shards())[index].clone()
     }
 
     /// Like [`Shard::new`], but from `saved` (a checkpoint) when given: its version, parameters
-    /// and optimizer state.
+    /// and optimizer state. A declared model's init file that cannot be read (it changed
+    /// after the config was loaded) leaves NaN weights: use [`Shard::try_starting_from`].
     pub fn starting_from(
         cfg: &Config,
         index: usize,
         total_steps: u64,
         saved: Option<Saved>,
     ) -> Arc<Self> {
-        let layout = cfg.layout();
-        let range = Self::range_of(cfg, index);
-        let (version, init, opt) = match saved {
-            Some(s) => (s.version, s.params, s.opt),
+        let saved = saved.or_else(|| {
+            let range = Self::range_of(cfg, index);
+            let init = cfg
+                .initial_range(range.clone())
+                .unwrap_or_else(|_| vec![f32::NAN; range.len()]);
+            let opt = cfg.optimizer.init_state(init.len());
+            Some(Saved {
+                version: 0,
+                params: init,
+                opt,
+            })
+        });
+        Self::build(cfg, index, total_steps, saved.expect("filled in"))
+    }
+
+    /// [`Shard::starting_from`], with the error of an unreadable init file (declared models).
+    pub fn try_starting_from(
+        cfg: &Config,
+        index: usize,
+        total_steps: u64,
+        saved: Option<Saved>,
+    ) -> Result<Arc<Self>, String> {
+        let saved = match saved {
+            Some(s) => s,
             None => {
-                let init = layout.init_range(cfg.train.seed, range.clone());
+                let init = cfg.initial_range(Self::range_of(cfg, index))?;
                 let opt = cfg.optimizer.init_state(init.len());
-                (0, init, opt)
+                Saved {
+                    version: 0,
+                    params: init,
+                    opt,
+                }
             }
         };
+        Ok(Self::build(cfg, index, total_steps, saved))
+    }
+
+    fn build(cfg: &Config, index: usize, total_steps: u64, saved: Saved) -> Arc<Self> {
+        let spec = cfg.spec();
+        let range = Self::range_of(cfg, index);
+        let (version, init, opt) = (saved.version, saved.params, saved.opt);
         let w = cfg.cluster.workers;
         let shm = match (cfg.cluster.transport, shm_root()) {
             (Transport::Auto, Some(root)) => ShmHost::create(&root, index, w),
@@ -212,7 +247,8 @@ impl Shard {
             index,
             range,
             world: w,
-            num_params: layout.num_params(),
+            num_params: spec.num_params(),
+            spec,
             num_shards: cfg.num_shards(),
             total_steps,
             aggregation: cfg.train.aggregation,

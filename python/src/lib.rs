@@ -1,0 +1,387 @@
+//! `ps._native`: the Rust half of the PyTorch worker. A [`Client`] is one worker of a run: it
+//! reads the run's TOML config, checks the model PyTorch holds against the run's (names and
+//! shapes in `named_parameters()` order), registers with every shard through
+//! `ps_worker::session` (shared memory on one host, gRPC otherwise, token and TLS as the config
+//! says), hands out this rank's sample indices of each step (the data-order contract), pushes
+//! a flat gradient and pulls a flat weight vector, both as float32 buffers (numpy arrays) that
+//! it reads and writes in place with the GIL released. The Python package (`ps/__init__.py`)
+//! wraps it in `ps.Worker`.
+
+use ps_common::config::Config;
+use ps_common::order::BatchPlanner;
+use ps_common::pb::TensorDesc;
+use ps_worker::session::Session;
+use pyo3::buffer::PyBuffer;
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+use std::path::Path;
+
+pyo3::create_exception!(
+    _native,
+    ModelMismatchError,
+    PyValueError,
+    "The worker's model differs from the run's (names, shapes or order of the parameters)."
+);
+
+fn runtime_err(e: anyhow::Error) -> PyErr {
+    let text = format!("{e:#}");
+    if text.contains("model mismatch") {
+        ModelMismatchError::new_err(text)
+    } else {
+        PyRuntimeError::new_err(text)
+    }
+}
+
+/// A float32 buffer (a C-contiguous numpy array) of exactly `len` values: its address.
+fn f32_buffer(obj: &Bound<'_, PyAny>, len: usize, writable: bool, what: &str) -> PyResult<usize> {
+    let buf = PyBuffer::<f32>::get(obj)
+        .map_err(|e| PyValueError::new_err(format!("{what}: expected a float32 array: {e}")))?;
+    if !buf.is_c_contiguous() {
+        return Err(PyValueError::new_err(format!(
+            "{what}: expected a C-contiguous array"
+        )));
+    }
+    if writable && buf.readonly() {
+        return Err(PyValueError::new_err(format!(
+            "{what}: expected a writable array"
+        )));
+    }
+    if buf.item_count() != len {
+        return Err(PyValueError::new_err(format!(
+            "{what}: holds {} values, expected {len} (the model's parameter count)",
+            buf.item_count()
+        )));
+    }
+    Ok(buf.buf_ptr() as usize)
+}
+
+/// One worker of a run (see the module's documentation).
+#[pyclass(module = "ps._native")]
+struct Client {
+    rt: tokio::runtime::Runtime,
+    cfg: Config,
+    servers: Vec<String>,
+    rank: usize,
+    model: Vec<TensorDesc>,
+    num_params: usize,
+    session: Option<Session>,
+    planner: Option<BatchPlanner>,
+}
+
+impl Client {
+    fn session(&mut self) -> PyResult<&mut Session> {
+        self.session.as_mut().ok_or_else(|| {
+            PyRuntimeError::new_err(
+                "not connected: call connect(train_len) first (Worker.batches does)",
+            )
+        })
+    }
+}
+
+#[pymethods]
+impl Client {
+    /// Reads `config`, resolves the rank (the argument, else RANK / SLURM_PROCID /
+    /// JOB_COMPLETION_INDEX as ps-worker does) and checks `model` (a list of (name, shape) in
+    /// flat order) against the run's model.
+    #[new]
+    #[pyo3(signature = (config, model, rank=None, servers=None))]
+    fn new(
+        config: &str,
+        model: Vec<(String, Vec<u64>)>,
+        rank: Option<usize>,
+        servers: Option<Vec<String>>,
+    ) -> PyResult<Self> {
+        let cfg =
+            Config::load(Path::new(config)).map_err(|e| PyValueError::new_err(e.to_string()))?;
+        let env = std::env::vars().collect();
+        let place =
+            ps_worker::env::resolve(rank, None, None, &env).map_err(PyValueError::new_err)?;
+        let world = place.world.unwrap_or(cfg.cluster.workers);
+        if world != cfg.cluster.workers {
+            return Err(PyValueError::new_err(format!(
+                "world size {world} (from {}) differs from [cluster] workers = {} in {config}",
+                place.world_source.unwrap_or("the environment"),
+                cfg.cluster.workers
+            )));
+        }
+        if place.rank >= world {
+            return Err(PyValueError::new_err(format!(
+                "rank {} (from {}): expected a rank in 0..{world}",
+                place.rank, place.source
+            )));
+        }
+        let servers = servers.unwrap_or_else(|| cfg.cluster.servers.clone());
+        if servers.len() != cfg.num_shards() {
+            return Err(PyValueError::new_err(format!(
+                "{} server addresses given: expected {} (one per shard in {config})",
+                servers.len(),
+                cfg.num_shards()
+            )));
+        }
+        let theirs: Vec<(String, Vec<usize>)> = model
+            .iter()
+            .map(|(n, s)| (n.clone(), s.iter().map(|&d| d as usize).collect()))
+            .collect();
+        let spec = cfg.spec();
+        if let Some(diff) = ps_common::declared::first_difference(&spec, &theirs) {
+            return Err(ModelMismatchError::new_err(format!(
+                "model mismatch: {diff} ({config} trains {})",
+                cfg.describe_model()
+            )));
+        }
+        let model: Vec<TensorDesc> = model
+            .into_iter()
+            .map(|(name, shape)| TensorDesc { name, shape })
+            .collect();
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .map_err(|e| PyRuntimeError::new_err(e.to_string()))?;
+        Ok(Self {
+            rt,
+            num_params: spec.num_params(),
+            cfg,
+            servers,
+            rank: place.rank,
+            model,
+            session: None,
+            planner: None,
+        })
+    }
+
+    /// Registers with every shard for a training set of `train_len` samples; returns
+    /// (the step to start at, the run's total steps).
+    fn connect(&mut self, py: Python<'_>, train_len: usize) -> PyResult<(u64, u64)> {
+        let (cfg, servers, rank, model) = (&self.cfg, &self.servers, self.rank, self.model.clone());
+        let rt = &self.rt;
+        let session = py
+            .detach(|| rt.block_on(Session::connect(cfg, servers, rank, model, train_len)))
+            .map_err(runtime_err)?;
+        let r = (session.start_step, session.total_steps);
+        self.planner = Some(BatchPlanner::new(self.cfg.data_order(train_len)));
+        self.session = Some(session);
+        Ok(r)
+    }
+
+    /// Sets up the data order for a training set of `train_len` samples without connecting
+    /// (for a single-process reference of the same batches; `connect` does it too).
+    fn plan(&mut self, train_len: usize) {
+        self.planner = Some(BatchPlanner::new(self.cfg.data_order(train_len)));
+    }
+
+    /// This rank's sample indices of step `step`, in order (the data-order contract).
+    fn batch(&mut self, step: u64) -> PyResult<Vec<u32>> {
+        let (rank, world) = (self.rank, self.cfg.cluster.workers);
+        let planner = self.planner.as_mut().ok_or_else(|| {
+            PyRuntimeError::new_err("not connected: call connect(train_len) first")
+        })?;
+        Ok(planner.worker_batch(step, rank, world).to_vec())
+    }
+
+    /// Pulls version `version` from every shard into `dst` (float32, the whole flat vector).
+    fn pull(&mut self, py: Python<'_>, version: u64, dst: &Bound<'_, PyAny>) -> PyResult<()> {
+        let addr = f32_buffer(dst, self.num_params, true, "pull destination")?;
+        let n = self.num_params;
+        let rt = &self.rt;
+        let session = self.session.as_mut().ok_or_else(|| {
+            PyRuntimeError::new_err("not connected: call connect(train_len) first")
+        })?;
+        py.detach(|| {
+            // SAFETY: `addr` is a writable, C-contiguous float32 buffer of n values that the
+            // caller (holding a reference to it, blocked in this call) keeps alive and does
+            // not touch until this returns.
+            let dst = unsafe { std::slice::from_raw_parts_mut(addr as *mut f32, n) };
+            rt.block_on(session.pull(version, dst))
+        })
+        .map_err(runtime_err)
+    }
+
+    /// Pushes the flat gradient `grad` (float32) of step `step` to every shard.
+    #[pyo3(signature = (step, grad, samples, loss_sum, correct, eval_correct=0, eval_count=0))]
+    #[allow(clippy::too_many_arguments)]
+    fn push(
+        &mut self,
+        py: Python<'_>,
+        step: u64,
+        grad: &Bound<'_, PyAny>,
+        samples: u32,
+        loss_sum: f64,
+        correct: u64,
+        eval_correct: u64,
+        eval_count: u64,
+    ) -> PyResult<()> {
+        let addr = f32_buffer(grad, self.num_params, false, "gradient")?;
+        let n = self.num_params;
+        let rt = &self.rt;
+        let session = self.session.as_mut().ok_or_else(|| {
+            PyRuntimeError::new_err("not connected: call connect(train_len) first")
+        })?;
+        py.detach(|| {
+            // SAFETY: as in `pull`, a float32 buffer of n values alive for this call.
+            let src = unsafe { std::slice::from_raw_parts(addr as *const f32, n) };
+            session.grad_mut().copy_from_slice(src);
+            rt.block_on(session.push(step, samples, loss_sum, correct, (eval_correct, eval_count)))
+        })
+        .map_err(runtime_err)
+    }
+
+    /// Pushes the gradient of step `step` given as one float32 array per tensor in flat order
+    /// (their lengths adding up to the parameter count): each is copied once, straight into
+    /// the buffer the shards read (the shared-memory board on one host).
+    #[pyo3(signature = (step, grads, samples, loss_sum, correct, eval_correct=0, eval_count=0))]
+    #[allow(clippy::too_many_arguments)]
+    fn push_parts(
+        &mut self,
+        py: Python<'_>,
+        step: u64,
+        grads: Vec<Bound<'_, PyAny>>,
+        samples: u32,
+        loss_sum: f64,
+        correct: u64,
+        eval_correct: u64,
+        eval_count: u64,
+    ) -> PyResult<()> {
+        if grads.len() != self.model.len() {
+            return Err(PyValueError::new_err(format!(
+                "{} gradient arrays: expected one per tensor ({})",
+                grads.len(),
+                self.model.len()
+            )));
+        }
+        let mut parts = Vec::with_capacity(grads.len());
+        for (g, t) in grads.iter().zip(&self.model) {
+            let len = t.shape.iter().product::<u64>() as usize;
+            parts.push((
+                f32_buffer(g, len, false, &format!("gradient of {}", t.name))?,
+                len,
+            ));
+        }
+        let rt = &self.rt;
+        let session = self.session.as_mut().ok_or_else(|| {
+            PyRuntimeError::new_err("not connected: call connect(train_len) first")
+        })?;
+        py.detach(|| {
+            let dst = session.grad_mut();
+            let mut off = 0;
+            for (addr, len) in parts {
+                // SAFETY: a float32 buffer of `len` values, alive for this call (the caller
+                // holds the arrays and is blocked in it).
+                let src = unsafe { std::slice::from_raw_parts(addr as *const f32, len) };
+                dst[off..off + len].copy_from_slice(src);
+                off += len;
+            }
+            rt.block_on(session.push(step, samples, loss_sum, correct, (eval_correct, eval_count)))
+        })
+        .map_err(runtime_err)
+    }
+
+    /// Leaves every shard, reporting this rank's final test evaluation (0/0 when none).
+    #[pyo3(signature = (eval_correct=0, eval_count=0))]
+    fn leave(&mut self, py: Python<'_>, eval_correct: u64, eval_count: u64) -> PyResult<()> {
+        let rt = &self.rt;
+        let session = self.session.as_mut().ok_or_else(|| {
+            PyRuntimeError::new_err("not connected: call connect(train_len) first")
+        })?;
+        py.detach(|| rt.block_on(session.leave(eval_correct, eval_count)))
+            .map_err(runtime_err)
+    }
+
+    /// Drops the connections and this worker's shared-memory gradient board.
+    fn close(&mut self) {
+        self.session = None;
+    }
+
+    /// (pushes, seconds in pushes, pulls, seconds in pulls) so far.
+    fn timing(&mut self) -> PyResult<(u64, f64, u64, f64)> {
+        let t = self.session()?.timing;
+        Ok((
+            t.pushes,
+            t.push.as_secs_f64(),
+            t.pulls,
+            t.pull.as_secs_f64(),
+        ))
+    }
+
+    /// How tensors travel to each shard ("shared memory", "gRPC", ...).
+    fn transport(&mut self) -> PyResult<Vec<String>> {
+        Ok(self
+            .session()?
+            .transport()
+            .iter()
+            .map(|s| s.to_string())
+            .collect())
+    }
+
+    /// This worker's rank.
+    #[getter]
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    /// `[cluster] workers`.
+    #[getter]
+    fn world(&self) -> usize {
+        self.cfg.cluster.workers
+    }
+    /// The flat parameter count.
+    #[getter]
+    fn num_params(&self) -> usize {
+        self.num_params
+    }
+    /// `[train] loss_reduction`: "mean" or "sum", the reduction of the loss to differentiate.
+    #[getter]
+    fn loss_reduction(&self) -> String {
+        self.cfg.train.loss_reduction.to_string()
+    }
+    /// `[train] eval_every` (0: at the end only).
+    #[getter]
+    fn eval_every(&self) -> u64 {
+        self.cfg.train.eval_every
+    }
+    /// The single-process run this configuration equals, in words.
+    #[getter]
+    fn equivalence(&self) -> String {
+        self.cfg.equivalence().to_string()
+    }
+}
+
+/// Writes a declared model's init file: `names` and `shapes` in flat order over the flat
+/// float32 `values`, with the order in the metadata (`parameter_order`).
+#[pyfunction]
+fn save_init(
+    path: &str,
+    names: Vec<String>,
+    shapes: Vec<Vec<usize>>,
+    values: &Bound<'_, PyAny>,
+) -> PyResult<()> {
+    if names.len() != shapes.len() {
+        return Err(PyValueError::new_err("names and shapes differ in length"));
+    }
+    let total: usize = shapes.iter().map(|s| s.iter().product::<usize>()).sum();
+    let addr = f32_buffer(values, total, false, "values")?;
+    // SAFETY: a float32 buffer of `total` values, alive for this call (the GIL is held).
+    let flat = unsafe { std::slice::from_raw_parts(addr as *const f32, total) };
+    let mut tensors = Vec::with_capacity(names.len());
+    let mut off = 0;
+    for (n, s) in names.iter().zip(&shapes) {
+        let k: usize = s.iter().product();
+        tensors.push((n.as_str(), s.as_slice(), &flat[off..off + k]));
+        off += k;
+    }
+    let order = serde_json::to_string(&names).map_err(|e| PyValueError::new_err(e.to_string()))?;
+    let meta = [(ps_common::declared::ORDER_KEY.to_string(), order)].into();
+    ps_common::weights::write_safetensors(Path::new(path), &tensors, &meta)
+        .map_err(|e| PyRuntimeError::new_err(e.to_string()))
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<Client>()?;
+    m.add_function(wrap_pyfunction!(save_init, m)?)?;
+    m.add(
+        "ModelMismatchError",
+        m.py().get_type::<ModelMismatchError>(),
+    )?;
+    m.add("ORDER_KEY", ps_common::declared::ORDER_KEY)?;
+    Ok(())
+}

@@ -1,0 +1,175 @@
+"""Shared by the Python tests and the example: the shipped data sets, a small CNN, shards
+started as real ps-server processes, and the weight comparison the Rust tests use."""
+
+from __future__ import annotations
+
+import gzip
+import os
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parents[2]
+BIN = Path(os.environ.get("PS_BIN_DIR", REPO / "target" / "release"))
+
+
+def read_idx(path: Path) -> np.ndarray:
+    data = gzip.open(path).read() if path.suffix == ".gz" else path.read_bytes()
+    ndim = data[3]
+    dims = [int.from_bytes(data[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim)]
+    return np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim).reshape(dims)
+
+
+def load(data_dir: Path, split: str = "train"):
+    """(images as float32 [N, 1, 28, 28] in [0, 1], labels as int64 [N])."""
+    prefix = "train" if split == "train" else "t10k"
+
+    def find(kind):
+        for name in (f"{prefix}-{kind}-idx{3 if kind == 'images' else 1}-ubyte.gz",
+                     f"{prefix}-{kind}-idx{3 if kind == 'images' else 1}-ubyte"):
+            if (data_dir / name).exists():
+                return data_dir / name
+        raise FileNotFoundError(f"{data_dir}: no {prefix} {kind}")
+
+    x = torch.from_numpy(read_idx(find("images")).astype(np.float32) / 255.0).unsqueeze(1)
+    y = torch.from_numpy(read_idx(find("labels")).astype(np.int64))
+    return x, y
+
+
+class SmallCNN(nn.Module):
+    """Two conv layers with max pooling, then two linear layers (21,490 parameters)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 8, 3)
+        self.conv2 = nn.Conv2d(8, 16, 3)
+        self.fc1 = nn.Linear(16 * 5 * 5, 48)
+        self.fc2 = nn.Linear(48, 10)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        return self.fc2(F.relu(self.fc1(x.flatten(1))))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Shards:
+    """S real ps-server processes on free 127.0.0.1 ports (stopped on exit)."""
+
+    def __init__(self, config: Path, num_shards: int, out_dir: Path, timeout: float = 60):
+        self.procs = []
+        self.addrs = []
+        self.logs = []
+        for i in range(num_shards):
+            addr_file = out_dir / f"shard-{i}.addr"
+            log = open(out_dir / f"shard-{i}.log", "w")
+            self.logs.append(log)
+            args = [str(BIN / "ps-server"), "--config", str(config), "--shard", str(i),
+                    "--listen", "127.0.0.1:0", "--addr-file", str(addr_file),
+                    "--out-dir", str(out_dir)]
+            if i > 0:
+                args += ["--shard0", self.addrs[0]]
+            self.procs.append(subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT))
+            begun = time.time()
+            while not (addr_file.exists() and addr_file.read_text().strip()):
+                if self.procs[-1].poll() is not None or time.time() - begun > timeout:
+                    self.stop()
+                    raise RuntimeError(
+                        f"shard {i} did not start: {(out_dir / f'shard-{i}.log').read_text()}")
+                time.sleep(0.05)
+            self.addrs.append(addr_file.read_text().strip())
+
+    def wait(self, timeout: float = 120) -> list[int]:
+        codes = []
+        for p in self.procs:
+            try:
+                codes.append(p.wait(timeout))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                codes.append(p.wait())
+        return codes
+
+    def stop(self):
+        for p in self.procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        for log in self.logs:
+            log.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def config_text(init: Path, data_dir: Path, out_dir: Path, *, workers=2, shards=2,
+                global_batch=64, steps=20, loss_reduction="mean", aggregation="mean",
+                optimizer='kind = "sgd"\nlr = 0.05', eval_every=0, seed=7) -> str:
+    servers = ", ".join(f'"127.0.0.1:{50000 + i}"' for i in range(shards))
+    return f"""
+[cluster]
+servers = [{servers}]
+workers = {workers}
+
+[model]
+init = "{init}"
+
+[data]
+dir = "{data_dir}"
+
+[train]
+seed = {seed}
+global_batch = {global_batch}
+steps = {steps}
+loss_reduction = "{loss_reduction}"
+aggregation = "{aggregation}"
+log_every = 10
+eval_every = {eval_every}
+
+[optimizer]
+{optimizer}
+
+[server]
+out_dir = "{out_dir}"
+"""
+
+
+def train_rank(worker, model, x, y, reduction: str):
+    """The user's loop: forward, loss with the configured reduction, backward, step."""
+    for _, idx in worker.batches(len(x)):
+        out = model(x[idx])
+        loss = F.cross_entropy(out, y[idx], reduction=reduction)
+        loss.backward()
+        per_sample = loss.item() * (len(idx) if reduction == "mean" else 1)
+        worker.step(loss_sum=per_sample, correct=(out.argmax(1) == y[idx]).sum())
+
+
+def max_rel_diff(a: nn.Module, b: nn.Module) -> tuple[float, str]:
+    """Largest over tensors of max |a - b| / max |b| (ps_common::weights::max_rel_diff)."""
+    worst = (0.0, "")
+    bp = dict(b.named_parameters())
+    for n, p in a.named_parameters():
+        ref = bp[n].detach().double()
+        dev = (p.detach().double() - ref).abs().max().item()
+        scale = max(ref.abs().max().item(), 1e-300)
+        if dev / scale >= worst[0]:
+            worst = (dev / scale, n)
+    return worst

@@ -1,0 +1,49 @@
+"""What a user runs: a small CNN trained by 2 Python worker processes against 2 ps-server
+processes, on the shipped MNIST and Fashion-MNIST, reaching a stated test accuracy."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from common import REPO, Shards, config_text
+
+EXAMPLE = REPO / "python" / "examples" / "train_cnn.py"
+
+# data set -> (steps, test accuracy the final weights must reach); measured: see the README
+RUNS = {"mnist": (300, 0.95), "fashion-mnist": (300, 0.75)}
+
+
+@pytest.mark.parametrize("data", list(RUNS))
+def test_two_python_workers_train_a_cnn(data, tmp_path):
+    steps, want = RUNS[data]
+    data_dir = REPO / "data" / data
+    init = tmp_path / "init.safetensors"
+    subprocess.run([sys.executable, str(EXAMPLE), "--data", str(data_dir), "--write-init",
+                    str(init)], check=True)
+    cfg = tmp_path / "run.toml"
+    cfg.write_text(config_text(init, data_dir, tmp_path, global_batch=64, steps=steps,
+                               optimizer='kind = "sgd"\nlr = 0.05\nmomentum = 0.9',
+                               eval_every=100))
+    with Shards(cfg, 2, tmp_path) as shards:
+        workers = [subprocess.Popen(
+            [sys.executable, str(EXAMPLE), "--config", str(cfg), "--rank", str(r),
+             "--servers", ",".join(shards.addrs), "--data", str(data_dir),
+             "--result", str(tmp_path / f"rank{r}.json")],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+        outs = [w.communicate(timeout=300)[0] for w in workers]
+        for r, (w, out) in enumerate(zip(workers, outs)):
+            print(out)
+            assert w.returncode == 0, f"rank {r}: {out}"
+        assert shards.wait(60) == [0, 0]
+    accs = [json.loads((tmp_path / f"rank{r}.json").read_text())["test_acc"] for r in range(2)]
+    assert accs[0] == accs[1], "both ranks end with the same weights"
+    assert accs[0] >= want, f"{data}: test accuracy {accs[0]:.4f} < {want}"
+    # the shards' metrics: per-step loss from the workers' loss_sum, and the final test
+    # accuracy the ranks reported for their halves of the test set (= the whole test set's)
+    lines = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    final = [l for l in lines if l.get("final")]
+    assert len(final) == 1 and abs(final[0]["test_acc"] - accs[0]) < 1e-9, (final, accs)
+    losses = [l["loss"] for l in lines if "loss" in l]
+    assert losses and losses[-1] < losses[0], losses

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The Python worker's tests: creates the virtual environment target/pyenv once (PyTorch, numpy,
+# safetensors, maturin, pytest from the package registry, one pip step; pip's cache keeps the
+# wheels), builds and installs the package in python/ into it (`pip install ./python`, through
+# maturin, reusing the workspace's release build), and runs python/tests with pytest.
+# Needs the release binaries (ps-server, ps-launch): the README's test command builds them first.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ENV="${PS_PYENV:-target/pyenv}"
+if [ ! -x "$ENV/bin/python" ] || ! "$ENV/bin/python" -c "import torch, numpy, safetensors, maturin, pytest" 2>/dev/null; then
+    echo "python-tests: creating $ENV (PyTorch from the package registry; minutes on the first run)"
+    python3 -m venv "$ENV"
+    "$ENV/bin/pip" install --quiet --upgrade pip
+    "$ENV/bin/pip" install --quiet torch numpy safetensors maturin pytest
+fi
+export PATH="$PWD/$ENV/bin:$PATH"
+cargo build --release --bin ps-server --bin ps-worker --bin ps-launch
+pip install --quiet --no-build-isolation --force-reinstall --no-deps ./python
+cd python/tests
+exec python -m pytest -q "$@"
