@@ -116,6 +116,7 @@ pub async fn run_shard(
         all_left: all_left.clone(),
         metrics,
         peers: Default::default(),
+        stream_idle: Duration::from_secs_f64(cfg.server.stream_idle_secs),
     };
     let watcher = svc.clone();
     let svc_peers = svc.peers.clone();
@@ -236,12 +237,19 @@ async fn watch_run(cfg: &Config, svc: &ShardService) -> Outcome {
             _ = versions.changed() => {}
             _ = tick.tick() => match shard.poll_barrier(Instant::now()) {
                 Verdict::Idle | Verdict::Waiting { warn: false, .. } => {}
-                Verdict::Waiting { step, missing, waited, warn: true } => tracing::warn!(
+                Verdict::Waiting { step, missing, waited, warn: true, .. } if !missing.is_empty() => tracing::warn!(
                     "shard {} step {step}: waiting {:.1} s for ranks {missing:?} ({} of {} in)",
                     shard.index,
                     waited.as_secs_f64(),
                     shard.world - missing.len(),
                     shard.world
+                ),
+                Verdict::Waiting { step, awaited, queued, waited, .. } => tracing::info!(
+                    "shard {} step {step}: {:.1} s; every rank's push is in or under way: receiving rank {awaited:?}'s gradient, ranks {queued:?} queued ({} of {} gradient buffers held, max_pending_gradients)",
+                    shard.index,
+                    waited.as_secs_f64(),
+                    shard.buffers_held(),
+                    cfg.server.max_pending_gradients
                 ),
                 Verdict::Fail { step, missing, waited } => {
                     return Outcome::Failed(format!(

@@ -4,6 +4,7 @@
 
 use crate::exporter::Metrics;
 use crate::report::Reporter;
+use crate::shard::intake::Held;
 use crate::shard::{Grad, PushMeta, Shard, Slot};
 use bytes::Bytes;
 use futures::Stream;
@@ -12,7 +13,7 @@ use ps_common::pb::{
     LeaveReply, LeaveRequest, PullChunk, PullHeader, PullRequest, PushChunk, PushReply,
     RegisterReply, RegisterRequest, ReportReply, StepReport,
 };
-use ps_common::wire::{TensorReceiver, chunks};
+use ps_common::wire::{StreamCheck, TensorReceiver, chunks};
 use ps_common::{PROTOCOL_VERSION, PsError, PsResult};
 use std::pin::Pin;
 use std::sync::Arc;
@@ -37,13 +38,21 @@ pub struct ShardService {
     pub metrics: Arc<Metrics>,
     /// Open connections and each rank's holder (a second live worker of a rank is refused).
     pub peers: Arc<crate::peers::Peers>,
+    /// A push or pull stream that makes no progress for this long is ended
+    /// (`[server] stream_idle_secs`).
+    pub stream_idle: Duration,
 }
 
 impl ShardService {
     async fn push_inner(&self, mut stream: Streaming<PushChunk>) -> PsResult<PushReply> {
-        let first = stream
-            .message()
+        let first = tokio::time::timeout(self.stream_idle, stream.message())
             .await
+            .map_err(|_| {
+                PsError::Timeout(format!(
+                    "push stream sent no header for {:.1} s (stream_idle_secs): ended",
+                    self.stream_idle.as_secs_f64()
+                ))
+            })?
             .map_err(|s| {
                 PsError::BadChunk(format!(
                     "push stream broke before its header: {}",
@@ -72,15 +81,49 @@ impl ShardService {
         let (grad, fingerprint) = if h.shm {
             self.receive_shm(h.rank, &first, &mut stream).await?
         } else {
-            let mut rx =
-                TensorReceiver::with_buffer(self.shard.take_buffer(), self.shard.len(), true);
-            let received = receive_rest(&mut rx, first.offset, &first.data, &mut stream).await;
-            if let Err(e) = received {
-                self.shard.return_buffer(rx.into_buffer());
-                return Err(e);
+            // the rank is not missing while its push waits for its turn or streams in
+            let _under_way = self.shard.announce(h.rank, h.step, h.samples);
+            self.fold().await?;
+            match self.shard.wait_turn(h.rank, h.step).await? {
+                Some(permit) => {
+                    let mut rx =
+                        TensorReceiver::with_buffer(self.shard.take_buffer(), self.shard.len(), true);
+                    let received = receive_rest(
+                        &mut rx,
+                        first.offset,
+                        &first.data,
+                        &mut stream,
+                        self.stream_idle,
+                    )
+                    .await;
+                    if let Err(e) = received {
+                        self.shard.return_buffer(rx.into_buffer());
+                        return Err(e);
+                    }
+                    let (values, fp) = match rx.finish() {
+                        Ok(r) => r,
+                        Err(e) => return Err(e),
+                    };
+                    let held = Held {
+                        values,
+                        permit: Some(permit),
+                    };
+                    (Grad::Owned(held), fp)
+                }
+                None => {
+                    let mut check = StreamCheck::new(self.shard.len());
+                    let mut sink = |offset: u64, data: &[u8]| check.push(offset, data);
+                    receive_with(
+                        &mut sink,
+                        first.offset,
+                        &first.data,
+                        &mut stream,
+                        self.stream_idle,
+                    )
+                    .await?;
+                    (Grad::Checked, check.finish()?)
+                }
             }
-            let (grad, fp) = rx.finish()?;
-            (Grad::Owned(grad), fp)
         };
         let meta = PushMeta {
             rank: h.rank,
@@ -93,6 +136,8 @@ impl ShardService {
         let (outcome, ready) = self.shard.accept(meta, grad, fingerprint)?;
         if let Some(slots) = ready {
             self.complete_step(slots).await?;
+        } else if outcome.counted {
+            self.fold().await?;
         }
         Ok(PushReply {
             counted: outcome.counted,
@@ -116,6 +161,14 @@ impl ShardService {
         })
         .await
         .map_err(|e| PsError::Internal(format!("apply task failed: {e}")))?
+    }
+
+    /// Folds the step's gradients that are in, in rank order, on a blocking thread.
+    async fn fold(&self) -> PsResult<()> {
+        let shard = self.shard.clone();
+        tokio::task::spawn_blocking(move || shard.fold_ready())
+            .await
+            .map_err(|e| PsError::Internal(format!("fold task failed: {e}")))?
     }
 
     /// A push whose gradient is in the rank's shared-memory board: checked there in place.
@@ -205,21 +258,44 @@ async fn receive_rest(
     offset: u64,
     data: &[u8],
     stream: &mut Streaming<PushChunk>,
+    idle: Duration,
 ) -> PsResult<()> {
-    rx.push(offset, data)?;
-    while let Some(c) = stream
-        .message()
-        .await
-        .map_err(|s| PsError::BadChunk(format!("push stream broke: {}", s.message())))?
-    {
+    let mut sink = |offset: u64, data: &[u8]| rx.push(offset, data);
+    receive_with(&mut sink, offset, data, stream, idle).await
+}
+
+/// Hands the first chunk's data and every further chunk of a push to `sink`; a stream that
+/// sends nothing for `idle` is ended with [`PsError::Timeout`].
+async fn receive_with(
+    sink: &mut (dyn FnMut(u64, &[u8]) -> PsResult<()> + Send),
+    offset: u64,
+    data: &[u8],
+    stream: &mut Streaming<PushChunk>,
+    idle: Duration,
+) -> PsResult<()> {
+    sink(offset, data)?;
+    let mut received = data.len() as u64;
+    loop {
+        let next = tokio::time::timeout(idle, stream.message())
+            .await
+            .map_err(|_| {
+                PsError::Timeout(format!(
+                    "push stream idle for {:.1} s after {received} data bytes (stream_idle_secs): ended",
+                    idle.as_secs_f64()
+                ))
+            })?
+            .map_err(|s| PsError::BadChunk(format!("push stream broke: {}", s.message())))?;
+        let Some(c) = next else {
+            return Ok(());
+        };
         if c.header.is_some() {
             return Err(PsError::BadChunk(
                 "a second header in one push: expected one header, then data".into(),
             ));
         }
-        rx.push(c.offset, &c.data)?;
+        sink(c.offset, &c.data)?;
+        received += c.data.len() as u64;
     }
-    Ok(())
 }
 
 /// The chunks of one pull reply: zero-copy slices of the shared snapshot, the header on the first.
