@@ -360,10 +360,19 @@ mod tests {
         bad[517] = f32::INFINITY;
         let mut s = StreamCheck::new(v.len());
         s.push(0, &f32_to_bytes(&bad)).unwrap();
-        assert!(matches!(s.finish(), Err(PsError::NonFinite { index: 517, .. })));
+        assert!(matches!(
+            s.finish(),
+            Err(PsError::NonFinite { index: 517, .. })
+        ));
         let mut s = StreamCheck::new(3);
         assert!(matches!(s.push(1, &b[..4]), Err(PsError::BadChunk(_))));
         s.push(0, &b[..8]).unwrap();
-        assert!(matches!(s.finish(), Err(PsError::WrongLength { expected: 3, got: 2 })));
+        assert!(matches!(
+            s.finish(),
+            Err(PsError::WrongLength {
+                expected: 3,
+                got: 2
+            })
+        ));
     }
 }

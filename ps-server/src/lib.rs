@@ -245,9 +245,10 @@ async fn watch_run(cfg: &Config, svc: &ShardService) -> Outcome {
                     shard.world
                 ),
                 Verdict::Waiting { step, awaited, queued, waited, .. } => tracing::info!(
-                    "shard {} step {step}: {:.1} s; every rank's push is in or under way: receiving rank {awaited:?}'s gradient, ranks {queued:?} queued ({} of {} gradient buffers held, max_pending_gradients)",
+                    "shard {} step {step}: {:.1} s; every rank's push is in or under way: receiving rank {}'s gradient, ranks {queued:?} queued ({} of {} gradient buffers held, max_pending_gradients)",
                     shard.index,
                     waited.as_secs_f64(),
+                    awaited.map_or("-".to_string(), |a| a.to_string()),
                     shard.buffers_held(),
                     cfg.server.max_pending_gradients
                 ),

@@ -86,8 +86,11 @@ impl ShardService {
             self.fold().await?;
             match self.shard.wait_turn(h.rank, h.step).await? {
                 Some(permit) => {
-                    let mut rx =
-                        TensorReceiver::with_buffer(self.shard.take_buffer(), self.shard.len(), true);
+                    let mut rx = TensorReceiver::with_buffer(
+                        self.shard.take_buffer(),
+                        self.shard.len(),
+                        true,
+                    );
                     let received = receive_rest(
                         &mut rx,
                         first.offset,

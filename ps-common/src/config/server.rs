@@ -127,7 +127,11 @@ impl RawServer {
                 self.max_streams_per_connection,
                 MAX_STREAMS_PER_CONNECTION,
             ),
-            ("[server] max_connections", self.max_connections, MAX_CONNECTIONS),
+            (
+                "[server] max_connections",
+                self.max_connections,
+                MAX_CONNECTIONS,
+            ),
         ] {
             if v == 0 {
                 return Err(format!("{key} = 0: expected at least 1"));

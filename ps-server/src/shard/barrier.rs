@@ -450,10 +450,10 @@ impl Barrier {
         let missing: Vec<usize> = (0..self.world)
             .filter(|&r| members[r] && self.current_fp[r].is_none() && self.queued[r] == 0)
             .collect();
-        let queued: Vec<usize> = (0..self.world)
-            .filter(|&r| self.current_fp[r].is_none() && self.queued[r] > 0)
-            .collect();
         let awaited = self.awaited().map(|r| r as usize);
+        let queued: Vec<usize> = (0..self.world)
+            .filter(|&r| self.current_fp[r].is_none() && self.queued[r] > 0 && Some(r) != awaited)
+            .collect();
         if missing.is_empty() {
             // every rank is in or on its way: the shard itself is the one working
             self.clock = now;

@@ -292,7 +292,9 @@ mod tests {
     fn the_awaited_rank_always_finds_a_permit() {
         let gate = Gate::new(2);
         // rank 5 (not awaited) may take one while one stays for the awaited rank 0
-        let p5 = gate.try_grant(5, 0, 0, Some(0)).expect("one is free beside the reserve");
+        let p5 = gate
+            .try_grant(5, 0, 0, Some(0))
+            .expect("one is free beside the reserve");
         assert!(
             gate.try_grant(6, 0, 0, Some(0)).is_none(),
             "the last one is the awaited rank's"
@@ -306,7 +308,10 @@ mod tests {
         drop((p0, p6));
         assert_eq!(gate.held(), 0);
         let one = Gate::new(1);
-        assert!(one.try_grant(3, 0, 0, Some(0)).is_none(), "limit 1: only the awaited");
+        assert!(
+            one.try_grant(3, 0, 0, Some(0)).is_none(),
+            "limit 1: only the awaited"
+        );
         assert!(one.try_grant(0, 0, 0, Some(0)).is_some());
     }
 }

@@ -23,8 +23,8 @@ pub mod update;
 
 use crate::checkpoint::{self, Saved};
 use barrier::{Accepted, Barrier, Rules, Verdict};
-use intake::{Acc, Gate, Held, Permit};
 use bytes::Bytes;
+use intake::{Acc, Gate, Held, Permit};
 use ps_common::config::{Aggregation, Config, Transport};
 use ps_common::optim::{LrSchedule, OptState, Optimizer};
 use ps_common::shm::{Board, shm_root};
@@ -278,7 +278,9 @@ impl Shard {
     pub fn announce(self: &Arc<Self>, rank: u32, step: u64, samples: u32) -> Announced {
         let recorded = {
             let mut st = self.lock();
-            st.barrier.rank(rank).is_ok_and(|r| st.barrier.announce(r, step, samples))
+            st.barrier
+                .rank(rank)
+                .is_ok_and(|r| st.barrier.announce(r, step, samples))
         };
         Announced {
             shard: self.clone(),
@@ -307,10 +309,7 @@ impl Shard {
                     return Ok(None);
                 }
                 let awaited = st.barrier.awaited();
-                if let Some(p) = self
-                    .gate
-                    .try_grant(rank, step, st.barrier.step(), awaited)
-                {
+                if let Some(p) = self.gate.try_grant(rank, step, st.barrier.step(), awaited) {
                     return Ok(Some(p));
                 }
                 if !logged {

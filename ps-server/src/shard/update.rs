@@ -216,14 +216,18 @@ fn find_non_finite(
     n: usize,
 ) -> Option<NonFiniteInput> {
     (lo..lo + n).find_map(|i| {
-        grads.iter().enumerate().skip(checked).find_map(|(source, g)| {
-            let value = g[i];
-            (!value.is_finite()).then_some(NonFiniteInput {
-                index: i,
-                source,
-                value,
+        grads
+            .iter()
+            .enumerate()
+            .skip(checked)
+            .find_map(|(source, g)| {
+                let value = g[i];
+                (!value.is_finite()).then_some(NonFiniteInput {
+                    index: i,
+                    source,
+                    value,
+                })
             })
-        })
     })
 }
 
