@@ -28,6 +28,7 @@ struct Inner {
     accepted: u64,
     refused: BTreeMap<String, u64>,
     test_accuracy: Option<f64>,
+    expected_memory: Option<u64>,
 }
 
 impl Metrics {
@@ -56,6 +57,11 @@ impl Metrics {
             m.test_accuracy = Some(f.eval.0 as f64 / f.eval.1 as f64);
         }
         m.last = Some(f.clone());
+    }
+
+    /// The shard's expected peak memory in bytes (stated at start-up).
+    pub fn set_expected_memory(&self, bytes: u64) {
+        self.lock().expected_memory = Some(bytes);
     }
 
     /// A push was counted (or acknowledged as a retry).
@@ -92,6 +98,14 @@ impl Metrics {
             "Steps of the run.",
             &one(self.total_steps as f64),
         );
+        if let Some(b) = m.expected_memory {
+            metric(
+                "ps_expected_peak_memory_bytes",
+                "gauge",
+                "Memory this shard expects to hold at its peak: parameters, optimizer state, snapshot, gradient buffers, receive windows.",
+                &one(b as f64),
+            );
+        }
         metric(
             "ps_samples_total",
             "counter",

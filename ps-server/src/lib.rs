@@ -14,8 +14,10 @@
 //! - [`report`]: the per-step log line and the reports to shard 0; [`exporter`]: `/metrics`;
 //! - [`checkpoint`]: writing, pruning and resuming from checkpoints.
 
+pub mod accept;
 pub mod checkpoint;
 pub mod exporter;
+pub mod memory;
 pub mod peers;
 pub mod report;
 pub mod service;
@@ -95,6 +97,10 @@ pub async fn run_shard(
     });
     let all_left = Arc::new(Notify::new());
     let metrics = Arc::new(exporter::Metrics::new(index, total_steps, shard.version()));
+    let plan = memory::MemoryPlan::of(&cfg, shard.len());
+    memory::log_plan(index, &plan, memory::available());
+    metrics.set_expected_memory(plan.total());
+    accept::raise_fd_limit(index);
     let exporter = match &metrics_listen {
         Some(addr) => {
             let l = TcpListener::bind(addr)
@@ -138,13 +144,13 @@ pub async fn run_shard(
     );
 
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    // serve_with_incoming ignores the builder's tcp_nodelay: set it on the incoming sockets,
-    // or Nagle plus delayed ACKs adds ~40 ms to every push reply
-    // each connection is tracked while open, so that a rank's live holder is known
-    let tracker = svc_peers.clone();
-    let incoming = futures::StreamExt::map(
-        tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
-        move |conn| conn.map(|c| tracker.track(c)),
+    // each connection is tracked while open, so that a rank's live holder is known; the
+    // accept loop bounds connections and survives running out of descriptors
+    let incoming = accept::incoming(
+        listener,
+        svc_peers.clone(),
+        cfg.server.max_connections,
+        index,
     );
     let mut builder = tonic::transport::Server::builder();
     if let Some(tls) = &cfg.cluster.tls {
@@ -153,8 +159,11 @@ pub async fn run_shard(
             .context("TLS: the certificate or key in [cluster] tls_cert / tls_key")?;
     }
     let serve = builder
-        .initial_stream_window_size(8 << 20)
-        .initial_connection_window_size(16 << 20)
+        .initial_stream_window_size(cfg.server.stream_window_bytes as u32)
+        .initial_connection_window_size(2 * cfg.server.stream_window_bytes as u32)
+        .max_concurrent_streams(cfg.server.max_streams_per_connection as u32)
+        .http2_keepalive_interval(Some(Duration::from_secs_f64(cfg.server.keepalive_secs)))
+        .http2_keepalive_timeout(Some(Duration::from_secs_f64(cfg.server.keepalive_secs)))
         .max_frame_size((1 << 20) - 1)
         .tcp_nodelay(true)
         .add_service(server)

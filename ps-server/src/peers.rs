@@ -42,6 +42,11 @@ impl Peers {
         }
     }
 
+    /// Connections open now.
+    pub fn open_count(&self) -> usize {
+        self.open.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
+
     fn is_open(&self, addr: &SocketAddr) -> bool {
         self.open
             .lock()
