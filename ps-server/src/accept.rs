@@ -55,14 +55,15 @@ pub fn raise_fd_limit(index: usize) {
 
 /// Counts an event and says when it is time to log it (once per [`LOG_EVERY`]).
 #[derive(Debug, Default)]
-struct Throttle {
+pub struct Throttle {
     count: u64,
     since_log: u64,
     last: Option<Instant>,
 }
 
 impl Throttle {
-    fn hit(&mut self) -> Option<(u64, u64)> {
+    /// Counts one; `Some((since the last log, in all))` when it is time to log.
+    pub fn hit(&mut self) -> Option<(u64, u64)> {
         self.count += 1;
         self.since_log += 1;
         let now = Instant::now();

@@ -82,6 +82,13 @@ pub async fn run_shard(
         metrics_listen,
     } = setup;
     let total_steps = cfg.total_steps(train_len)?;
+    let shard_token = match &cfg.server.shard_token_file {
+        Some(f) => Some(
+            ps_common::auth::Token::read(f)
+                .map_err(|e| anyhow::anyhow!("[server] shard_token_file: {e}"))?,
+        ),
+        None => None,
+    };
     let resumed = resume_from.is_some();
     let shard = Shard::starting_from(&cfg, index, total_steps, resume_from);
     let reporter = Reporter::spawn(ReporterConfig {
@@ -94,7 +101,13 @@ pub async fn run_shard(
         append_metrics: resumed,
         shard0,
         security: cfg.client_security(),
+        shard_token: shard_token.clone(),
     });
+    if index == 0 && cfg.num_shards() > 1 && shard_token.is_none() {
+        tracing::warn!(
+            "shard 0: step reports of the other shards are checked but not authenticated: any client that reaches this shard can send them; set [server] shard_token_file (a token only the shards read)"
+        );
+    }
     let all_left = Arc::new(Notify::new());
     let metrics = Arc::new(exporter::Metrics::new(index, total_steps, shard.version()));
     let plan = memory::MemoryPlan::of(&cfg, shard.len());
@@ -123,6 +136,9 @@ pub async fn run_shard(
         metrics,
         peers: Default::default(),
         stream_idle: Duration::from_secs_f64(cfg.server.stream_idle_secs),
+        shard_token: shard_token.clone(),
+        refused_reports: Default::default(),
+        max_streams: cfg.server.max_streams_per_connection,
     };
     let watcher = svc.clone();
     let svc_peers = svc.peers.clone();

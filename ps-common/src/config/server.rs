@@ -99,9 +99,10 @@ pub struct ServerConfig {
     /// HTTP/2 stream window the shard grants: what a sender may have in flight on a stream
     /// the shard has not read yet (a push waiting for its turn).
     pub stream_window_bytes: usize,
-    /// The file holding the token shards present on their step reports to shard 0 (workers
-    /// do not have it); None: reports are checked but not authenticated.
-    pub shard_token: Option<crate::auth::Token>,
+    /// The file holding the token shards present on their step reports to shard 0; only
+    /// shards read it (workers need not have it). None: reports are checked but not
+    /// authenticated.
+    pub shard_token_file: Option<PathBuf>,
 }
 
 impl RawServer {
@@ -145,13 +146,7 @@ impl RawServer {
                 self.stream_window_bytes
             ));
         }
-        let shard_token = match &self.shard_token_file {
-            None => None,
-            Some(f) => Some(
-                crate::auth::Token::read(&resolve.path(f))
-                    .map_err(|e| format!("[server] shard_token_file: {e}"))?,
-            ),
-        };
+
         let max_chunk = crate::wire::MAX_MESSAGE_BYTES / 2;
         if !(1024..=max_chunk).contains(&self.chunk_bytes) {
             return Err(format!(
@@ -178,7 +173,7 @@ impl RawServer {
             max_streams_per_connection: self.max_streams_per_connection,
             max_connections: self.max_connections,
             stream_window_bytes: self.stream_window_bytes,
-            shard_token,
+            shard_token_file: self.shard_token_file.as_deref().map(|f| resolve.path(f)),
         })
     }
 }
