@@ -180,7 +180,12 @@ pub async fn run_shard(
         .max_concurrent_streams(cfg.server.max_streams_per_connection as u32)
         .http2_keepalive_interval(Some(Duration::from_secs_f64(cfg.server.keepalive_secs)))
         .http2_keepalive_timeout(Some(Duration::from_secs_f64(cfg.server.keepalive_secs)))
-        .max_frame_size((1 << 20) - 1)
+        // frames no larger than the window: what a connection buffers stays near it
+        .max_frame_size(
+            cfg.server
+                .stream_window_bytes
+                .clamp(16 << 10, (1 << 20) - 1) as u32,
+        )
         .tcp_nodelay(true)
         .add_service(server)
         .serve_with_incoming_shutdown(incoming, async {

@@ -58,7 +58,7 @@ impl Default for RawServer {
             keepalive_secs: 30.0,
             max_streams_per_connection: 64,
             max_connections: 4 * super::limits::MAX_WORKERS,
-            stream_window_bytes: 1 << 20,
+            stream_window_bytes: 256 << 10,
             shard_token_file: None,
         }
     }
