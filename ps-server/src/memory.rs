@@ -103,8 +103,8 @@ mod tests {
         let len = cfg.layout().num_params();
         let plan = MemoryPlan::of(&cfg, len);
         let b = len as u64 * 4;
-        // 2 versions + Adam's 2 + snapshot + (4 pending + accumulator) + 64 windows of 1 MiB
-        assert_eq!(plan.total(), 10 * b + 64 * (1 << 20), "{}", plan.describe());
+        // 2 versions + Adam's 2 + snapshot + (4 pending + accumulator) + 64 windows of 256 KiB
+        assert_eq!(plan.total(), 10 * b + 64 * (256 << 10), "{}", plan.describe());
         assert!(plan.describe().contains("gradient buffers"));
     }
 }
