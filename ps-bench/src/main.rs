@@ -74,9 +74,17 @@ struct Cli {
     /// Also write every row as JSON to this file.
     #[arg(long)]
     json: Option<PathBuf>,
-    /// Sections to run (3 includes 4, the memory of its runs).
+    /// Sections to run (3 includes 4, the memory of its runs; 5 is the scale section: one
+    /// ps-server process, W = 8, 32, 64 in-process clients pushing real gradient bytes).
     #[arg(long, value_delimiter = ',', default_value = "1,2,3")]
     sections: Vec<u32>,
+    /// Section 5: worker counts (default 2, 4, 8, 32, 64).
+    #[arg(long, value_delimiter = ',')]
+    scale_workers: Vec<usize>,
+    /// Section 5: the directory of the ps-server binary to measure (default: this build's),
+    /// e.g. an older build to compare with.
+    #[arg(long)]
+    server_bin_dir: Option<PathBuf>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -219,6 +227,19 @@ fn run(cli: &Cli) -> anyhow::Result<bool> {
         println!("{}", table_e2e(&rows));
         println!("{}", table_memory(&rows));
         out["e2e"] = Value::Array(rows);
+    }
+
+    if want(5) {
+        eprintln!("ps-bench: section 5, scale: one shard process, many gRPC clients");
+        let ws = if cli.scale_workers.is_empty() {
+            vec![2, 4, 8, 32, 64]
+        } else {
+            cli.scale_workers.clone()
+        };
+        let bin = cli.server_bin_dir.clone().unwrap_or_else(bin_dir);
+        let rows = section_scale(&tmp, &plan, &ws, &bin)?;
+        println!("{}", table_scale(&rows));
+        out["scale"] = Value::Array(rows);
     }
 
     let load_end = loadavg();
@@ -1214,4 +1235,119 @@ fn table_memory(rows: &[Value]) -> String {
         }
     }
     s
+}
+
+// ---------------------------------------------------------------------------------------------
+// section 5: scale
+
+/// One ps-server process (its peak RSS is what is measured), W gRPC clients in this process,
+/// each on its own connection, pushing the same real gradient bytes every step, as workers do
+/// (1 MiB chunks); a step is timed from the first push to the new version being pullable.
+fn section_scale(tmp: &Path, plan: &Plan, ws: &[usize], bin: &Path) -> anyhow::Result<Vec<Value>> {
+    let steps = if plan.large_w4 { 6 } else { 3 };
+    let mut rows = Vec::new();
+    for m in [SMALL, LARGE] {
+        for &w in ws {
+            if m.name == LARGE.name && w > 8 && !plan.large_w4 {
+                continue;
+            }
+            eprintln!("ps-bench: scale {} W = {w}", m.name);
+            rows.push(scale_run(tmp, &m, w, steps, bin)?);
+        }
+    }
+    Ok(rows)
+}
+
+fn scale_run(tmp: &Path, m: &Model, w: usize, steps: u64, bin: &Path) -> anyhow::Result<Value> {
+    let dir = tmp.join(format!("scale-{}-w{w}", m.name));
+    let path = dir.join("config.toml");
+    let cfg = write_config(&path, &config_text(1, w, m, ENDLESS, &dir.join("out")))?;
+    let len = cfg.layout().num_params();
+    let mut cluster = LocalCluster::new(bin.to_path_buf(), path, Some(dir.join("logs")));
+    cluster.start_servers(1, &[], Duration::from_secs(60))?;
+    let pid = cluster.servers[0].child.id();
+    let addr: SocketAddr = cluster.addrs[0].parse()?;
+    let rss_idle = vm_rss(pid).unwrap_or(0);
+    let grad = f32_to_bytes(&vec![1e-6f32; len]);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let times = rt.block_on(async {
+        let mut clients = Vec::with_capacity(w);
+        for r in 0..w {
+            let mut c = connect(addr).await?;
+            register(&mut c, &cfg, r).await?;
+            clients.push(c);
+        }
+        let mut times = Vec::new();
+        for step in 0..steps {
+            let t = Instant::now();
+            let mut tasks = Vec::with_capacity(w);
+            for (r, c) in clients.iter().enumerate() {
+                let mut c = c.clone();
+                let g = grad.clone();
+                tasks.push(tokio::spawn(async move { push(&mut c, r, step, &g).await }));
+            }
+            for t in tasks {
+                t.await??;
+            }
+            wait_version(&mut clients[0], &cfg, step + 1).await?;
+            times.push(ms(t.elapsed()));
+        }
+        anyhow::Ok(times)
+    })?;
+    let hwm = vm_hwm(pid).unwrap_or(0);
+    drop(rt);
+    cluster.kill_all();
+    let bytes = len as u64 * 4;
+    let timed = &times[1.min(times.len() - 1)..];
+    Ok(json!({
+        "model": m.name,
+        "workers": w,
+        "param_bytes": bytes,
+        "step_ms_median": median(timed),
+        "rss_idle_bytes": rss_idle,
+        "peak_rss_bytes": hwm,
+        "peak_over_params": hwm as f64 / bytes as f64,
+        "target_bytes": 4 * bytes + (100 << 20),
+        "within_target": hwm <= 4 * bytes + (100 << 20),
+        "server": bin.display().to_string(),
+    }))
+}
+
+/// Resident set (VmRSS) of a live process, in bytes.
+fn vm_rss(pid: u32) -> Option<u64> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let line = s.lines().find(|l| l.starts_with("VmRSS:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+fn table_scale(rows: &[Value]) -> String {
+    let mut t = String::from(
+        "## 5. Scale: one shard process, W gRPC clients pushing real gradients\n\n\
+         | model | W | parameter MB | step ms (median) | shard peak RSS MB | peak / params | target MB (4x params + 100) | within |\n\
+         |---|---|---|---|---|---|---|---|\n",
+    );
+    for r in rows {
+        let mb = |k: &str| f(r, k) / 1e6;
+        let _ = writeln!(
+            t,
+            "| {} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {} |",
+            r["model"].as_str().unwrap_or("?"),
+            r["workers"],
+            mb("param_bytes"),
+            f(r, "step_ms_median"),
+            mb("peak_rss_bytes"),
+            f(r, "peak_over_params"),
+            mb("target_bytes"),
+            if r["within_target"].as_bool() == Some(true) {
+                "yes"
+            } else {
+                "no"
+            }
+        );
+    }
+    t
 }

@@ -58,7 +58,23 @@ impl Token {
     fn header(&self) -> String {
         format!("Bearer {}", self.0)
     }
+
+    /// The token as a metadata value (for [`SHARD_TOKEN_KEY`]).
+    pub fn metadata_value(&self) -> AsciiMetadataValue {
+        self.0
+            .parse()
+            .expect("a token of printable ASCII is a valid header value")
+    }
+
+    /// True when `got` is this token (compared in constant time).
+    pub fn matches(&self, got: &[u8]) -> bool {
+        constant_time_eq(got, self.0.as_bytes())
+    }
 }
+
+/// The metadata key of the shard credential (`[server] shard_token_file`) that shards put on
+/// their step reports to shard 0; workers do not have it.
+pub const SHARD_TOKEN_KEY: &str = "x-ps-shard-token";
 
 /// The PEM files of `[cluster] tls_*`, read once (the key stays out of `Debug` output).
 #[derive(Clone, PartialEq, Eq)]

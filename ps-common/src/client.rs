@@ -140,6 +140,25 @@ pub fn push_chunks(header: PushHeader, bytes: &Bytes, chunk_bytes: usize) -> Vec
     msgs
 }
 
+/// The chunks a worker sends for one push: the header alone first, then `bytes` in
+/// `chunk_bytes` pieces. A shard reads the header before it is this push's turn, and the data
+/// only then: sent apart, none of the data waits in the shard's memory meanwhile.
+pub fn push_messages(header: PushHeader, bytes: &Bytes, chunk_bytes: usize) -> Vec<PushChunk> {
+    let mut msgs = vec![PushChunk {
+        header: Some(header),
+        offset: 0,
+        data: Bytes::new(),
+    }];
+    if !bytes.is_empty() {
+        msgs.extend(chunks(bytes, chunk_bytes).map(|(offset, data)| PushChunk {
+            header: None,
+            offset,
+            data,
+        }));
+    }
+    msgs
+}
+
 /// A connection to one shard (cheap to clone: clones share the HTTP/2 connection).
 #[derive(Clone)]
 pub struct ShardClient {
@@ -349,7 +368,7 @@ impl ShardClient {
         bytes: &Bytes,
         chunk_bytes: usize,
     ) -> Result<PushReply, ClientError> {
-        let msgs = push_chunks(header, bytes, chunk_bytes);
+        let msgs = push_messages(header, bytes, chunk_bytes);
         self.rpc
             .clone()
             .push(tokio_stream::iter(msgs))
@@ -504,6 +523,14 @@ mod tests {
             "a header alone (shared memory) is one chunk"
         );
         assert!(alone[0].data.is_empty() && alone[0].header.is_some());
+        // what workers send: the header alone, then the data
+        let msgs = push_messages(h, &bytes, 8);
+        assert_eq!(msgs.len(), 4);
+        assert!(msgs[0].header == Some(h) && msgs[0].data.is_empty());
+        assert!(msgs[1..].iter().all(|m| m.header.is_none()));
+        let offsets: Vec<u64> = msgs[1..].iter().map(|m| m.offset).collect();
+        assert_eq!(offsets, [0, 2, 4]);
+        assert_eq!(push_messages(h, &Bytes::new(), 8).len(), 1);
     }
 
     #[tokio::test]

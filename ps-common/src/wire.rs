@@ -81,6 +81,7 @@ pub fn chunks(bytes: &Bytes, chunk_bytes: usize) -> impl Iterator<Item = (u64, B
 #[derive(Debug)]
 pub struct TensorReceiver {
     values: Vec<f32>,
+    /// The expected length.
     filled: usize,
     validate: bool,
 }
@@ -93,25 +94,41 @@ impl TensorReceiver {
 
     /// Like [`TensorReceiver::new`], decoding into a recycled buffer (no allocation and no
     /// page faults on the hot path when its capacity suffices).
+    /// The buffer's memory is reserved as the data arrives: a new buffer's pages are written
+    /// (and become resident) chunk by chunk, never before.
     pub fn with_buffer(mut values: Vec<f32>, len: usize, validate: bool) -> Self {
-        values.resize(len, 0.0);
+        values.clear();
+        values.reserve_exact(len);
         Self {
             values,
-            filled: 0,
+            filled: len,
             validate,
         }
     }
 
     /// Appends one chunk that claims to start at value `offset` (a plain copy).
     pub fn push(&mut self, offset: u64, data: &[u8]) -> Result<(), PsError> {
-        if offset != self.filled as u64 {
+        let at = self.values.len();
+        if offset != at as u64 {
             return Err(PsError::BadChunk(format!(
-                "chunk at offset {offset}: expected offset {} (chunks must be contiguous and in order)",
-                self.filled
+                "chunk at offset {offset}: expected offset {at} (chunks must be contiguous and in order)"
             )));
         }
-        decode_chunk_into(&mut self.values, offset, data)?;
-        self.filled += data.len() / 4;
+        if !data.len().is_multiple_of(4) {
+            return Err(PsError::BadChunk(format!(
+                "chunk at offset {offset} holds {} bytes: expected a multiple of 4 (little-endian f32)",
+                data.len()
+            )));
+        }
+        let end = at.saturating_add(data.len() / 4);
+        if end > self.filled {
+            return Err(PsError::WrongLength {
+                expected: self.filled as u64,
+                got: end as u64,
+            });
+        }
+        self.values.resize(end, 0.0);
+        decode_le(&mut self.values[at..end], data);
         Ok(())
     }
 
@@ -120,8 +137,8 @@ impl TensorReceiver {
     pub fn finish(self) -> Result<(Vec<f32>, u64), PsError> {
         if self.filled != self.values.len() {
             return Err(PsError::WrongLength {
-                expected: self.values.len() as u64,
-                got: self.filled as u64,
+                expected: self.filled as u64,
+                got: self.values.len() as u64,
             });
         }
         let fp = if self.validate {
@@ -135,6 +152,83 @@ impl TensorReceiver {
     /// Gives the buffer back (after an error), for reuse.
     pub fn into_buffer(self) -> Vec<f32> {
         self.values
+    }
+}
+
+/// Checks a gradient as it streams in, keeping nothing: the same offsets, length and
+/// finiteness checks as a validating [`TensorReceiver`], and the same fingerprint as
+/// [`check_and_fingerprint`] of the whole, so that a push the shard does not need to keep (a
+/// retry) is recognised without a buffer.
+#[derive(Debug)]
+pub struct StreamCheck {
+    len: usize,
+    at: usize,
+    lanes: [u64; 8],
+    bad: Option<(u64, f32)>,
+}
+
+const FP_K: u64 = 0x9E37_79B9_7F4A_7C15;
+const FP_SEED: u64 = 0xcbf2_9ce4_8422_2325;
+
+impl StreamCheck {
+    /// Expects `len` values.
+    pub fn new(len: usize) -> Self {
+        Self {
+            len,
+            at: 0,
+            lanes: [FP_SEED; 8],
+            bad: None,
+        }
+    }
+
+    /// Takes one chunk that claims to start at value `offset`.
+    pub fn push(&mut self, offset: u64, data: &[u8]) -> Result<(), PsError> {
+        if offset != self.at as u64 {
+            return Err(PsError::BadChunk(format!(
+                "chunk at offset {offset}: expected offset {} (chunks must be contiguous and in order)",
+                self.at
+            )));
+        }
+        if !data.len().is_multiple_of(4) {
+            return Err(PsError::BadChunk(format!(
+                "chunk at offset {offset} holds {} bytes: expected a multiple of 4 (little-endian f32)",
+                data.len()
+            )));
+        }
+        let end = self.at.saturating_add(data.len() / 4);
+        if end > self.len {
+            return Err(PsError::WrongLength {
+                expected: self.len as u64,
+                got: end as u64,
+            });
+        }
+        for (i, b) in data.chunks_exact(4).enumerate() {
+            let bits = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            let idx = self.at + i;
+            if bits & 0x7f80_0000 == 0x7f80_0000 && self.bad.is_none() {
+                self.bad = Some((idx as u64, f32::from_bits(bits)));
+            }
+            let lane = &mut self.lanes[idx % 8];
+            *lane = (*lane ^ u64::from(bits)).wrapping_mul(FP_K);
+        }
+        self.at = end;
+        Ok(())
+    }
+
+    /// The fingerprint, or what is wrong with the whole.
+    pub fn finish(self) -> Result<u64, PsError> {
+        if self.at != self.len {
+            return Err(PsError::WrongLength {
+                expected: self.len as u64,
+                got: self.at as u64,
+            });
+        }
+        if let Some((index, value)) = self.bad {
+            return Err(PsError::NonFinite { index, value });
+        }
+        Ok(self.lanes.iter().fold(self.len as u64, |h, &l| {
+            (h ^ l).wrapping_mul(FP_K).rotate_left(29)
+        }))
     }
 }
 
@@ -248,5 +342,37 @@ mod tests {
             })
         ));
         assert_eq!(chunks(&Bytes::new(), 8).count(), 1);
+    }
+
+    #[test]
+    fn stream_check_equals_the_whole_tensor_check() {
+        let v: Vec<f32> = (0..1003).map(|i| i as f32 * 0.25 - 9.0).collect();
+        let b = f32_to_bytes(&v);
+        let want = check_and_fingerprint(&v).unwrap();
+        for chunk in [4, 12, 28, 400, 4012] {
+            let mut s = StreamCheck::new(v.len());
+            for (off, data) in chunks(&b, chunk) {
+                s.push(off, &data).unwrap();
+            }
+            assert_eq!(s.finish().unwrap(), want, "chunks of {chunk} bytes");
+        }
+        let mut bad = v.clone();
+        bad[517] = f32::INFINITY;
+        let mut s = StreamCheck::new(v.len());
+        s.push(0, &f32_to_bytes(&bad)).unwrap();
+        assert!(matches!(
+            s.finish(),
+            Err(PsError::NonFinite { index: 517, .. })
+        ));
+        let mut s = StreamCheck::new(3);
+        assert!(matches!(s.push(1, &b[..4]), Err(PsError::BadChunk(_))));
+        s.push(0, &b[..8]).unwrap();
+        assert!(matches!(
+            s.finish(),
+            Err(PsError::WrongLength {
+                expected: 3,
+                got: 2
+            })
+        ));
     }
 }

@@ -31,6 +31,7 @@ struct Inner {
     checkpoints_written: u64,
     checkpoints_failed: u64,
     checkpoint_attempts_failed: u64,
+    expected_memory: Option<u64>,
 }
 
 impl Metrics {
@@ -72,6 +73,11 @@ impl Metrics {
         m.checkpoint_attempts_failed += u64::from(a.failed_attempts);
     }
 
+    /// The shard's expected peak memory in bytes (stated at start-up).
+    pub fn set_expected_memory(&self, bytes: u64) {
+        self.lock().expected_memory = Some(bytes);
+    }
+
     /// A push was counted (or acknowledged as a retry).
     pub fn accepted(&self) {
         self.lock().accepted += 1;
@@ -106,6 +112,14 @@ impl Metrics {
             "Steps of the run.",
             &one(self.total_steps as f64),
         );
+        if let Some(b) = m.expected_memory {
+            metric(
+                "ps_expected_peak_memory_bytes",
+                "gauge",
+                "Memory this shard expects to hold at its peak: parameters, optimizer state, snapshot, gradient buffers, receive windows.",
+                &one(b as f64),
+            );
+        }
         metric(
             "ps_samples_total",
             "counter",

@@ -14,8 +14,10 @@
 //! - [`report`]: the per-step log line and the reports to shard 0; [`exporter`]: `/metrics`;
 //! - [`checkpoint`]: writing, pruning and resuming from checkpoints.
 
+pub mod accept;
 pub mod checkpoint;
 pub mod exporter;
+pub mod memory;
 pub mod peers;
 pub mod report;
 pub mod service;
@@ -86,6 +88,13 @@ pub async fn run_shard(
         metrics_listen,
     } = setup;
     let total_steps = cfg.total_steps(train_len)?;
+    let shard_token = match &cfg.server.shard_token_file {
+        Some(f) => Some(
+            ps_common::auth::Token::read(f)
+                .map_err(|e| anyhow::anyhow!("[server] shard_token_file: {e}"))?,
+        ),
+        None => None,
+    };
     let resumed = resume_from.is_some();
     let shard = Shard::try_starting_from(&cfg, index, total_steps, resume_from)
         .map_err(anyhow::Error::msg)?;
@@ -99,9 +108,19 @@ pub async fn run_shard(
         append_metrics: resumed,
         shard0,
         security: cfg.client_security(),
+        shard_token: shard_token.clone(),
     });
+    if index == 0 && cfg.num_shards() > 1 && shard_token.is_none() {
+        tracing::warn!(
+            "shard 0: step reports of the other shards are checked but not authenticated: any client that reaches this shard can send them; set [server] shard_token_file (a token only the shards read)"
+        );
+    }
     let all_left = Arc::new(Notify::new());
     let metrics = Arc::new(exporter::Metrics::new(index, total_steps, shard.version()));
+    let plan = memory::MemoryPlan::of(&cfg, shard.len());
+    memory::log_plan(index, &plan, memory::available());
+    metrics.set_expected_memory(plan.total());
+    accept::raise_fd_limit(index);
     let exporter = match &metrics_listen {
         Some(addr) => {
             let l = TcpListener::bind(addr)
@@ -129,6 +148,10 @@ pub async fn run_shard(
                 .map(|r| r.len() as u64)
                 .collect()
         }),
+        stream_idle: Duration::from_secs_f64(cfg.server.stream_idle_secs),
+        shard_token: shard_token.clone(),
+        refused_reports: Default::default(),
+        max_streams: cfg.server.max_streams_per_connection,
     };
     let watcher = svc.clone();
     let svc_peers = svc.peers.clone();
@@ -150,13 +173,13 @@ pub async fn run_shard(
     );
 
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    // serve_with_incoming ignores the builder's tcp_nodelay: set it on the incoming sockets,
-    // or Nagle plus delayed ACKs adds ~40 ms to every push reply
-    // each connection is tracked while open, so that a rank's live holder is known
-    let tracker = svc_peers.clone();
-    let incoming = futures::StreamExt::map(
-        tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
-        move |conn| conn.map(|c| tracker.track(c)),
+    // each connection is tracked while open, so that a rank's live holder is known; the
+    // accept loop bounds connections and survives running out of descriptors
+    let incoming = accept::incoming(
+        listener,
+        svc_peers.clone(),
+        cfg.server.max_connections,
+        index,
     );
     let mut builder = tonic::transport::Server::builder();
     if let Some(tls) = &cfg.cluster.tls {
@@ -165,9 +188,17 @@ pub async fn run_shard(
             .context("TLS: the certificate or key in [cluster] tls_cert / tls_key")?;
     }
     let serve = builder
-        .initial_stream_window_size(8 << 20)
-        .initial_connection_window_size(16 << 20)
-        .max_frame_size((1 << 20) - 1)
+        .initial_stream_window_size(cfg.server.stream_window_bytes as u32)
+        .initial_connection_window_size(2 * cfg.server.stream_window_bytes as u32)
+        .max_concurrent_streams(cfg.server.max_streams_per_connection as u32)
+        .http2_keepalive_interval(Some(Duration::from_secs_f64(cfg.server.keepalive_secs)))
+        .http2_keepalive_timeout(Some(Duration::from_secs_f64(cfg.server.keepalive_secs)))
+        // frames no larger than the window: what a connection buffers stays near it
+        .max_frame_size(
+            cfg.server
+                .stream_window_bytes
+                .clamp(16 << 10, (1 << 20) - 1) as u32,
+        )
         .tcp_nodelay(true)
         .add_service(server)
         .serve_with_incoming_shutdown(incoming, async {
@@ -293,12 +324,20 @@ async fn watch_run(cfg: &Config, svc: &ShardService) -> Outcome {
             _ = versions.changed() => {}
             _ = tick.tick() => match shard.poll_barrier(Instant::now()) {
                 Verdict::Idle | Verdict::Waiting { warn: false, .. } => {}
-                Verdict::Waiting { step, missing, waited, warn: true } => tracing::warn!(
+                Verdict::Waiting { step, missing, waited, warn: true, .. } if !missing.is_empty() => tracing::warn!(
                     "shard {} step {step}: waiting {:.1} s for ranks {missing:?} ({} of {} in)",
                     shard.index,
                     waited.as_secs_f64(),
                     shard.world - missing.len(),
                     shard.world
+                ),
+                Verdict::Waiting { step, awaited, queued, waited, .. } => tracing::info!(
+                    "shard {} step {step}: {:.1} s; every rank's push is in or under way: receiving rank {}'s gradient, ranks {queued:?} queued ({} of {} gradient buffers held, max_pending_gradients)",
+                    shard.index,
+                    waited.as_secs_f64(),
+                    awaited.map_or("-".to_string(), |a| a.to_string()),
+                    shard.buffers_held(),
+                    cfg.server.max_pending_gradients
                 ),
                 Verdict::Fail { step, missing, waited } => {
                     return Outcome::Failed(format!(

@@ -23,6 +23,31 @@ pub const HOLDER_GRACE: Duration = Duration::from_secs(10);
 pub struct Peers {
     open: Mutex<HashSet<SocketAddr>>,
     holders: Mutex<HashMap<u32, SocketAddr>>,
+    /// Calls under way per connection.
+    streams: Mutex<HashMap<SocketAddr, usize>>,
+    /// Connections that reached `[server] max_streams_per_connection`, logged once per interval.
+    full: Mutex<crate::accept::Throttle>,
+}
+
+/// A call under way on a connection ([`Peers::stream`]); counted until dropped.
+#[derive(Debug)]
+pub struct StreamGuard {
+    peers: Arc<Peers>,
+    addr: Option<SocketAddr>,
+}
+
+impl Drop for StreamGuard {
+    fn drop(&mut self) {
+        if let Some(a) = self.addr {
+            let mut m = self.peers.streams.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(n) = m.get_mut(&a) {
+                *n -= 1;
+                if *n == 0 {
+                    m.remove(&a);
+                }
+            }
+        }
+    }
 }
 
 impl Peers {
@@ -40,6 +65,42 @@ impl Peers {
             addr,
             peers: self.clone(),
         }
+    }
+
+    /// Counts a call on the connection from `addr` until the guard is dropped; logs (once per
+    /// interval) when the connection reaches `max` concurrent calls, past which HTTP/2 refuses
+    /// new streams on it (`[server] max_streams_per_connection`).
+    pub fn stream(
+        self: &Arc<Self>,
+        addr: Option<SocketAddr>,
+        max: usize,
+        shard: usize,
+    ) -> StreamGuard {
+        if let Some(a) = addr {
+            let n = {
+                let mut m = self.streams.lock().unwrap_or_else(|e| e.into_inner());
+                let n = m.entry(a).or_insert(0);
+                *n += 1;
+                *n
+            };
+            if n >= max
+                && let Some((times, total)) =
+                    self.full.lock().unwrap_or_else(|e| e.into_inner()).hit()
+            {
+                tracing::warn!(
+                    "shard {shard}: connection {a} has {n} calls under way, the most [server] max_streams_per_connection allows: further streams on it are refused until one ends ({times} times since the last report, {total} in all)"
+                );
+            }
+        }
+        StreamGuard {
+            peers: self.clone(),
+            addr,
+        }
+    }
+
+    /// Connections open now.
+    pub fn open_count(&self) -> usize {
+        self.open.lock().unwrap_or_else(|e| e.into_inner()).len()
     }
 
     fn is_open(&self, addr: &SocketAddr) -> bool {

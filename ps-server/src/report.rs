@@ -52,6 +52,8 @@ pub struct ReporterConfig {
     pub shard0: Option<String>,
     /// How to reach shard 0 (token, TLS).
     pub security: ps_common::auth::ClientSecurity,
+    /// The shard credential put on reports (`[server] shard_token_file`).
+    pub shard_token: Option<ps_common::auth::Token>,
 }
 
 impl Reporter {
@@ -88,6 +90,8 @@ struct Pending {
     remote_sq: f64,
     remote: usize,
     first_seen: Option<Instant>,
+    /// The shards that reported (a second report of a shard for a step is ignored).
+    from: std::collections::BTreeSet<u32>,
 }
 
 async fn run(cfg: ReporterConfig, mut rx: mpsc::UnboundedReceiver<Event>) {
@@ -137,6 +141,10 @@ async fn run(cfg: ReporterConfig, mut rx: mpsc::UnboundedReceiver<Event>) {
                     Event::Remote(r) => {
                         let p = pending.entry(r.step).or_default();
                         p.first_seen.get_or_insert_with(Instant::now);
+                        if !p.from.insert(r.shard) {
+                            tracing::debug!("step {}: a second report of shard {} ignored", r.step, r.shard);
+                            continue;
+                        }
                         p.remote_sq += r.grad_sq_norm;
                         p.remote += 1;
                         r.step
@@ -161,6 +169,15 @@ async fn run(cfg: ReporterConfig, mut rx: mpsc::UnboundedReceiver<Event>) {
                     tracing::warn!("step {s}: only {} of {} shards reported; the gradient norm covers those", p.remote + 1, cfg.num_shards);
                     emit(&cfg, p, metrics.as_mut());
                 }
+                // reports of a step this shard never applied (it failed, or they were wrong)
+                // are not kept past twice the wait
+                pending.retain(|s, p| {
+                    let keep = p.local.is_some() || p.first_seen.is_none_or(|t| t.elapsed() <= 2 * REPORT_WAIT);
+                    if !keep {
+                        tracing::debug!("step {s}: {} reports dropped, this shard never applied the step", p.remote);
+                    }
+                    keep
+                });
             }
         }
     }
@@ -266,9 +283,15 @@ async fn forward_to_shard0(cfg: ReporterConfig, mut rx: mpsc::UnboundedReceiver<
                 }
             };
         }
+        let mut request = tonic::Request::new(report);
+        if let Some(t) = &cfg.shard_token {
+            request
+                .metadata_mut()
+                .insert(ps_common::auth::SHARD_TOKEN_KEY, t.metadata_value());
+        }
         let sent = match client.as_mut() {
             Some(c) => c
-                .report_step(report)
+                .report_step(request)
                 .await
                 .map_err(|s| s.message().to_string()),
             None => Err(format!("cannot connect to shard 0 at {addr}")),

@@ -4,6 +4,7 @@
 
 use crate::exporter::Metrics;
 use crate::report::Reporter;
+use crate::shard::intake::Held;
 use crate::shard::{Grad, PushMeta, Shard, Slot};
 use bytes::Bytes;
 use futures::Stream;
@@ -12,7 +13,7 @@ use ps_common::pb::{
     LeaveReply, LeaveRequest, PullChunk, PullHeader, PullRequest, PushChunk, PushReply,
     RegisterReply, RegisterRequest, ReportReply, StepReport,
 };
-use ps_common::wire::{TensorReceiver, chunks};
+use ps_common::wire::{StreamCheck, TensorReceiver, chunks};
 use ps_common::{PROTOCOL_VERSION, PsError, PsResult};
 use std::pin::Pin;
 use std::sync::Arc;
@@ -40,13 +41,30 @@ pub struct ShardService {
     /// The length of each rank's slice of the test set, which its evaluations cover; None
     /// when the shard does not know the test set.
     pub test_slices: Option<Vec<u64>>,
+    /// A push or pull stream that makes no progress for this long is ended
+    /// (`[server] stream_idle_secs`).
+    pub stream_idle: Duration,
+    /// The shard credential step reports must carry (`[server] shard_token_file`).
+    pub shard_token: Option<ps_common::auth::Token>,
+    /// `[server] max_streams_per_connection` (enforced by HTTP/2; logged here when reached).
+    pub max_streams: usize,
+    /// Refused step reports, logged once per interval.
+    pub refused_reports: Arc<std::sync::Mutex<crate::accept::Throttle>>,
 }
+
+/// How far (in steps) a step report may be from shard 0's version.
+pub const REPORT_WINDOW: u64 = 16;
 
 impl ShardService {
     async fn push_inner(&self, mut stream: Streaming<PushChunk>) -> PsResult<PushReply> {
-        let first = stream
-            .message()
+        let first = tokio::time::timeout(self.stream_idle, stream.message())
             .await
+            .map_err(|_| {
+                PsError::Timeout(format!(
+                    "push stream sent no header for {:.1} s (stream_idle_secs): ended",
+                    self.stream_idle.as_secs_f64()
+                ))
+            })?
             .map_err(|s| {
                 PsError::BadChunk(format!(
                     "push stream broke before its header: {}",
@@ -76,15 +94,52 @@ impl ShardService {
         let (grad, fingerprint) = if h.shm {
             self.receive_shm(h.rank, &first, &mut stream).await?
         } else {
-            let mut rx =
-                TensorReceiver::with_buffer(self.shard.take_buffer(), self.shard.len(), true);
-            let received = receive_rest(&mut rx, first.offset, &first.data, &mut stream).await;
-            if let Err(e) = received {
-                self.shard.return_buffer(rx.into_buffer());
-                return Err(e);
+            // the rank is not missing while its push waits for its turn or streams in
+            let _under_way = self.shard.announce(h.rank, h.step, h.samples);
+            self.fold().await?;
+            match self.shard.wait_turn(h.rank, h.step).await? {
+                Some(permit) => {
+                    let mut rx = TensorReceiver::with_buffer(
+                        self.shard.take_buffer(),
+                        self.shard.len(),
+                        true,
+                    );
+                    let received = receive_rest(
+                        &mut rx,
+                        first.offset,
+                        &first.data,
+                        &mut stream,
+                        self.stream_idle,
+                    )
+                    .await;
+                    if let Err(e) = received {
+                        self.shard.return_buffer(rx.into_buffer());
+                        return Err(e);
+                    }
+                    let (values, fp) = match rx.finish() {
+                        Ok(r) => r,
+                        Err(e) => return Err(e),
+                    };
+                    let held = Held {
+                        values,
+                        permit: Some(permit),
+                    };
+                    (Grad::Owned(held), fp)
+                }
+                None => {
+                    let mut check = StreamCheck::new(self.shard.len());
+                    let mut sink = |offset: u64, data: &[u8]| check.push(offset, data);
+                    receive_with(
+                        &mut sink,
+                        first.offset,
+                        &first.data,
+                        &mut stream,
+                        self.stream_idle,
+                    )
+                    .await?;
+                    (Grad::Checked, check.finish()?)
+                }
             }
-            let (grad, fp) = rx.finish()?;
-            (Grad::Owned(grad), fp)
         };
         let meta = PushMeta {
             rank: h.rank,
@@ -97,6 +152,8 @@ impl ShardService {
         let (outcome, ready) = self.shard.accept(meta, grad, fingerprint)?;
         if let Some(slots) = ready {
             self.complete_step(slots).await?;
+        } else if outcome.counted {
+            self.fold().await?;
         }
         Ok(PushReply {
             counted: outcome.counted,
@@ -155,6 +212,14 @@ impl ShardService {
                 "at most"
             }
         )))
+    }
+
+    /// Folds the step's gradients that are in, in rank order, on a blocking thread.
+    async fn fold(&self) -> PsResult<()> {
+        let shard = self.shard.clone();
+        tokio::task::spawn_blocking(move || shard.fold_ready())
+            .await
+            .map_err(|e| PsError::Internal(format!("fold task failed: {e}")))?
     }
 
     /// A push whose gradient is in the rank's shared-memory board: checked there in place.
@@ -244,21 +309,44 @@ async fn receive_rest(
     offset: u64,
     data: &[u8],
     stream: &mut Streaming<PushChunk>,
+    idle: Duration,
 ) -> PsResult<()> {
-    rx.push(offset, data)?;
-    while let Some(c) = stream
-        .message()
-        .await
-        .map_err(|s| PsError::BadChunk(format!("push stream broke: {}", s.message())))?
-    {
+    let mut sink = |offset: u64, data: &[u8]| rx.push(offset, data);
+    receive_with(&mut sink, offset, data, stream, idle).await
+}
+
+/// Hands the first chunk's data and every further chunk of a push to `sink`; a stream that
+/// sends nothing for `idle` is ended with [`PsError::Timeout`].
+async fn receive_with(
+    sink: &mut (dyn FnMut(u64, &[u8]) -> PsResult<()> + Send),
+    offset: u64,
+    data: &[u8],
+    stream: &mut Streaming<PushChunk>,
+    idle: Duration,
+) -> PsResult<()> {
+    sink(offset, data)?;
+    let mut received = data.len() as u64;
+    loop {
+        let next = tokio::time::timeout(idle, stream.message())
+            .await
+            .map_err(|_| {
+                PsError::Timeout(format!(
+                    "push stream idle for {:.1} s after {received} data bytes (stream_idle_secs): ended",
+                    idle.as_secs_f64()
+                ))
+            })?
+            .map_err(|s| PsError::BadChunk(format!("push stream broke: {}", s.message())))?;
+        let Some(c) = next else {
+            return Ok(());
+        };
         if c.header.is_some() {
             return Err(PsError::BadChunk(
                 "a second header in one push: expected one header, then data".into(),
             ));
         }
-        rx.push(c.offset, &c.data)?;
+        sink(c.offset, &c.data)?;
+        received += c.data.len() as u64;
     }
-    Ok(())
 }
 
 /// The chunks of one pull reply: zero-copy slices of the shared snapshot, the header on the first.
@@ -285,6 +373,134 @@ pub fn pull_chunks(
 }
 
 type PullStream = Pin<Box<dyn Stream<Item = Result<PullChunk, Status>> + Send>>;
+
+/// A pull reply's chunks, ended with `DEADLINE_EXCEEDED` when the client takes none of them
+/// for `idle` (`[server] stream_idle_secs`): a watchdog then drops the chunks (they hold the
+/// version's snapshot) and the stream ends with that status as soon as it is polled again.
+struct IdlePull {
+    state: Arc<std::sync::Mutex<PullState>>,
+}
+
+struct PullState {
+    chunks: std::collections::VecDeque<PullChunk>,
+    progress: std::time::Instant,
+    expired: Option<String>,
+    finished: bool,
+}
+
+impl IdlePull {
+    fn start(chunks: Vec<PullChunk>, idle: Duration, shard: usize) -> Self {
+        let state = Arc::new(std::sync::Mutex::new(PullState {
+            chunks: chunks.into(),
+            progress: std::time::Instant::now(),
+            expired: None,
+            finished: false,
+        }));
+        let watched = Arc::downgrade(&state);
+        tokio::spawn(async move {
+            let mut wait = idle;
+            loop {
+                tokio::time::sleep(wait).await;
+                let Some(state) = watched.upgrade() else {
+                    return;
+                };
+                let mut st = state.lock().unwrap_or_else(|p| p.into_inner());
+                if st.finished {
+                    return;
+                }
+                let quiet = st.progress.elapsed();
+                if quiet >= idle {
+                    let left: usize = st.chunks.iter().map(|c| c.data.len()).sum();
+                    let why = format!(
+                        "pull stream idle for {:.1} s with {left} bytes not taken (stream_idle_secs): ended",
+                        quiet.as_secs_f64()
+                    );
+                    tracing::warn!("shard {shard}: {why}");
+                    st.chunks.clear();
+                    st.expired = Some(why);
+                    return;
+                }
+                wait = idle - quiet;
+            }
+        });
+        Self { state }
+    }
+}
+
+impl Stream for IdlePull {
+    type Item = Result<PullChunk, Status>;
+
+    fn poll_next(
+        self: Pin<&mut Self>,
+        _cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
+        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        if st.finished {
+            return std::task::Poll::Ready(None);
+        }
+        if let Some(why) = st.expired.take() {
+            st.finished = true;
+            return std::task::Poll::Ready(Some(Err(PsError::Timeout(why).into())));
+        }
+        st.progress = std::time::Instant::now();
+        let next = st.chunks.pop_front();
+        if next.is_none() {
+            st.finished = true;
+        }
+        std::task::Poll::Ready(next.map(Ok))
+    }
+}
+
+impl ShardService {
+    /// A step report must come from a shard (the shard credential, when one is configured),
+    /// name another shard of the layout, a step of the run within [`REPORT_WINDOW`] of this
+    /// shard's version, and hold finite non-negative figures.
+    fn check_report(&self, request: &Request<StepReport>) -> PsResult<()> {
+        if let Some(t) = &self.shard_token {
+            let got = request
+                .metadata()
+                .get(ps_common::auth::SHARD_TOKEN_KEY)
+                .map_or(&[][..], |v| v.as_bytes());
+            if !t.matches(got) {
+                return Err(PsError::Unauthenticated(format!(
+                    "step report {}: expected the shards' credential ({} from [server] shard_token_file); worker credentials cannot send reports",
+                    if got.is_empty() {
+                        "without a shard credential"
+                    } else {
+                        "with a wrong shard credential"
+                    },
+                    ps_common::auth::SHARD_TOKEN_KEY
+                )));
+            }
+        }
+        let r = request.get_ref();
+        let s = self.shard.num_shards;
+        if r.shard as usize >= s || r.shard == 0 {
+            return Err(PsError::BadChunk(format!(
+                "step report from shard {}: expected a shard in 1..{s}",
+                r.shard
+            )));
+        }
+        let figures = [r.grad_sq_norm, r.step_ms, r.barrier_wait_ms];
+        if figures.iter().any(|v| !v.is_finite() || *v < 0.0) {
+            return Err(PsError::BadChunk(format!(
+                "step report from shard {} (norm {}, step {} ms, barrier wait {} ms): expected finite non-negative figures",
+                r.shard, r.grad_sq_norm, r.step_ms, r.barrier_wait_ms
+            )));
+        }
+        let v = self.shard.version();
+        if r.step >= self.shard.total_steps
+            || r.step + REPORT_WINDOW < v
+            || r.step > v + REPORT_WINDOW
+        {
+            return Err(PsError::BadChunk(format!(
+                "step report of step {} from shard {}: expected a step of the run (0..{}) within {REPORT_WINDOW} of this shard's version {v}",
+                r.step, r.shard, self.shard.total_steps
+            )));
+        }
+        Ok(())
+    }
+}
 
 #[tonic::async_trait]
 impl ParameterServer for ShardService {
@@ -387,6 +603,9 @@ impl ParameterServer for ShardService {
         &self,
         request: Request<Streaming<PushChunk>>,
     ) -> Result<Response<PushReply>, Status> {
+        let _call = self
+            .peers
+            .stream(request.remote_addr(), self.max_streams, self.shard.index);
         match self.push_inner(request.into_inner()).await {
             Ok(r) => {
                 self.metrics.accepted();
@@ -406,9 +625,14 @@ impl ParameterServer for ShardService {
         &self,
         request: Request<PullRequest>,
     ) -> Result<Response<Self::PullStream>, Status> {
+        let _call = self
+            .peers
+            .stream(request.remote_addr(), self.max_streams, self.shard.index);
         let chunks = self.pull_inner(request.into_inner()).await?;
-        Ok(Response::new(Box::pin(tokio_stream::iter(
-            chunks.into_iter().map(Ok),
+        Ok(Response::new(Box::pin(IdlePull::start(
+            chunks,
+            self.stream_idle,
+            self.shard.index,
         ))))
     }
 
@@ -435,15 +659,24 @@ impl ParameterServer for ShardService {
         &self,
         request: Request<StepReport>,
     ) -> Result<Response<ReportReply>, Status> {
-        let r = request.into_inner();
-        if r.shard as usize >= self.shard.num_shards || r.shard == 0 || !r.grad_sq_norm.is_finite()
-        {
-            return Err(PsError::BadChunk(format!(
-                "step report from shard {} (norm {}): expected a shard in 1..{} and a finite norm",
-                r.shard, r.grad_sq_norm, self.shard.num_shards
-            ))
-            .into());
+        let peer = request.remote_addr();
+        let checked = self.check_report(&request);
+        if let Err(e) = &checked {
+            let hit = self
+                .refused_reports
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .hit();
+            if let Some((n, total)) = hit {
+                tracing::warn!(
+                    "shard {}: refused {n} step reports ({total} in all), the latest from {}: {e}",
+                    self.shard.index,
+                    peer.map_or_else(|| "an unknown peer".into(), |a| a.to_string())
+                );
+            }
         }
+        checked?;
+        let r = request.into_inner();
         self.reporter.remote_report(r);
         Ok(Response::new(ReportReply {}))
     }

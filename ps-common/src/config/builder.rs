@@ -293,6 +293,31 @@ impl TestConfig {
         self.raw.server.barrier_policy = p;
         self
     }
+    /// `[server] max_pending_gradients`.
+    pub fn max_pending_gradients(mut self, n: usize) -> Self {
+        self.raw.server.max_pending_gradients = n;
+        self
+    }
+    /// `[server] stream_idle_secs`.
+    pub fn stream_idle_secs(mut self, s: f64) -> Self {
+        self.raw.server.stream_idle_secs = s;
+        self
+    }
+    /// `[server] max_streams_per_connection`.
+    pub fn max_streams_per_connection(mut self, n: usize) -> Self {
+        self.raw.server.max_streams_per_connection = n;
+        self
+    }
+    /// `[server] max_connections`.
+    pub fn max_connections(mut self, n: usize) -> Self {
+        self.raw.server.max_connections = n;
+        self
+    }
+    /// `[server] shard_token_file`.
+    pub fn shard_token_file(mut self, p: &std::path::Path) -> Self {
+        self.raw.server.shard_token_file = Some(p.to_path_buf());
+        self
+    }
     /// `[server] metrics_addrs`.
     pub fn metrics_addrs(mut self, a: &[&str]) -> Self {
         self.raw.server.metrics_addrs = a.iter().map(|s| s.to_string()).collect();

@@ -20,7 +20,26 @@ pub(super) struct RawServer {
     pub chunk_bytes: usize,
     pub metrics_addrs: Vec<String>,
     pub barrier_policy: BarrierPolicy,
+    pub max_pending_gradients: usize,
+    pub stream_idle_secs: f64,
+    pub keepalive_secs: f64,
+    pub max_streams_per_connection: usize,
+    pub max_connections: usize,
+    pub stream_window_bytes: usize,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub shard_token_file: Option<PathBuf>,
 }
+
+/// Most gRPC gradients a shard may hold at once (`[server] max_pending_gradients`).
+pub const MAX_PENDING_GRADIENTS: usize = super::limits::MAX_WORKERS;
+/// Most concurrent streams per connection (`[server] max_streams_per_connection`).
+pub const MAX_STREAMS_PER_CONNECTION: usize = 1 << 16;
+/// Most connections per shard (`[server] max_connections`).
+pub const MAX_CONNECTIONS: usize = 1 << 20;
+/// Smallest and largest HTTP/2 stream window of a shard (`[server] stream_window_bytes`).
+pub const MIN_STREAM_WINDOW_BYTES: usize = 65_535;
+/// See [`MIN_STREAM_WINDOW_BYTES`].
+pub const MAX_STREAM_WINDOW_BYTES: usize = 64 << 20;
 
 impl Default for RawServer {
     fn default() -> Self {
@@ -34,6 +53,13 @@ impl Default for RawServer {
             chunk_bytes: crate::wire::DEFAULT_CHUNK_BYTES,
             metrics_addrs: Vec::new(),
             barrier_policy: BarrierPolicy::Fail,
+            max_pending_gradients: 4,
+            stream_idle_secs: 60.0,
+            keepalive_secs: 30.0,
+            max_streams_per_connection: 64,
+            max_connections: 4 * super::limits::MAX_WORKERS,
+            stream_window_bytes: 256 << 10,
+            shard_token_file: None,
         }
     }
 }
@@ -57,6 +83,26 @@ pub struct ServerConfig {
     pub metrics_addrs: Vec<String>,
     /// What a shard does when a step's barrier times out.
     pub barrier_policy: BarrierPolicy,
+    /// Most gRPC gradients (shard-sized receive buffers) a shard holds at once; pushes beyond
+    /// wait under HTTP/2 flow control. With the accumulator, the shard's receive memory is
+    /// `(max_pending_gradients + 1) x` its slice.
+    pub max_pending_gradients: usize,
+    /// A push or pull stream that makes no progress for this long is ended with a status.
+    pub stream_idle_secs: f64,
+    /// HTTP/2 keepalive: a ping after this long without traffic; no answer within it closes
+    /// the connection.
+    pub keepalive_secs: f64,
+    /// Most concurrent streams (calls) per connection.
+    pub max_streams_per_connection: usize,
+    /// Most open connections per shard; more are closed at once.
+    pub max_connections: usize,
+    /// HTTP/2 stream window the shard grants: what a sender may have in flight on a stream
+    /// the shard has not read yet (a push waiting for its turn).
+    pub stream_window_bytes: usize,
+    /// The file holding the token shards present on their step reports to shard 0; only
+    /// shards read it (workers need not have it). None: reports are checked but not
+    /// authenticated.
+    pub shard_token_file: Option<PathBuf>,
 }
 
 impl RawServer {
@@ -69,6 +115,38 @@ impl RawServer {
         ] {
             secs(key, v)?;
         }
+        secs("[server] stream_idle_secs", self.stream_idle_secs)?;
+        secs("[server] keepalive_secs", self.keepalive_secs)?;
+        for (key, v, max) in [
+            (
+                "[server] max_pending_gradients",
+                self.max_pending_gradients,
+                MAX_PENDING_GRADIENTS,
+            ),
+            (
+                "[server] max_streams_per_connection",
+                self.max_streams_per_connection,
+                MAX_STREAMS_PER_CONNECTION,
+            ),
+            (
+                "[server] max_connections",
+                self.max_connections,
+                MAX_CONNECTIONS,
+            ),
+        ] {
+            if v == 0 {
+                return Err(format!("{key} = 0: expected at least 1"));
+            }
+            at_most(key, v, max)?;
+        }
+        if !(MIN_STREAM_WINDOW_BYTES..=MAX_STREAM_WINDOW_BYTES).contains(&self.stream_window_bytes)
+        {
+            return Err(format!(
+                "[server] stream_window_bytes = {}: expected {MIN_STREAM_WINDOW_BYTES} to {MAX_STREAM_WINDOW_BYTES}",
+                self.stream_window_bytes
+            ));
+        }
+
         let max_chunk = crate::wire::MAX_MESSAGE_BYTES / 2;
         if !(1024..=max_chunk).contains(&self.chunk_bytes) {
             return Err(format!(
@@ -89,6 +167,13 @@ impl RawServer {
             chunk_bytes: self.chunk_bytes,
             metrics_addrs: self.metrics_addrs.clone(),
             barrier_policy: self.barrier_policy,
+            max_pending_gradients: self.max_pending_gradients,
+            stream_idle_secs: self.stream_idle_secs,
+            keepalive_secs: self.keepalive_secs,
+            max_streams_per_connection: self.max_streams_per_connection,
+            max_connections: self.max_connections,
+            stream_window_bytes: self.stream_window_bytes,
+            shard_token_file: self.shard_token_file.as_deref().map(|f| resolve.path(f)),
         })
     }
 }

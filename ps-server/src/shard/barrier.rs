@@ -7,7 +7,7 @@
 //! the step is complete, the caller applies them and calls [`Barrier::finish`]; the caller
 //! asks [`Barrier::poll`] what the policy says while a step waits.
 
-use super::Slot;
+use super::{Grad, Slot};
 use ps_common::config::BarrierPolicy;
 use ps_common::{PsError, PsResult};
 use std::time::{Duration, Instant};
@@ -77,8 +77,13 @@ pub enum Verdict {
     Waiting {
         /// The step.
         step: u64,
-        /// Ranks not in yet.
+        /// Ranks not in yet that have no push under way either (the barrier timeout runs only
+        /// while some are).
         missing: Vec<usize>,
+        /// The lowest rank whose gradient the step still needs.
+        awaited: Option<usize>,
+        /// Ranks whose push is under way (received, or waiting for its turn), not counted yet.
+        queued: Vec<usize>,
         /// Since the previous step was applied.
         waited: Duration,
         /// Log now.
@@ -130,6 +135,16 @@ pub struct Barrier {
     waiting_since: Instant,
     /// When (after `waiting_since`) the current step's missing ranks were last logged.
     warned: Option<Duration>,
+    /// Pushes of the current step under way per rank (header in, not yet counted or failed).
+    queued: Vec<u32>,
+    /// The sample count each rank's latest push header of the current step announced.
+    announced: Vec<u32>,
+    /// The ranks of the current step and their sample counts, fixed once each had a push
+    /// under way or counted (the aggregation coefficients follow from them).
+    frozen: Option<(Vec<bool>, Vec<u32>)>,
+    /// The barrier timeout runs from here: the step's start, or the last moment no rank was
+    /// missing (every one counted or on its way).
+    clock: Instant,
 }
 
 impl Barrier {
@@ -149,7 +164,97 @@ impl Barrier {
             applying: false,
             waiting_since: now,
             warned: None,
+            queued: vec![0; world],
+            announced: vec![0; world],
+            frozen: None,
+            clock: now,
         }
+    }
+
+    /// The ranks the current step aggregates: fixed once frozen, else those not absent.
+    pub fn members(&self) -> Vec<bool> {
+        match &self.frozen {
+            Some((m, _)) => m.clone(),
+            None => self.absent.iter().map(|a| !a).collect(),
+        }
+    }
+
+    /// The members and their sample counts, once fixed.
+    pub fn frozen(&self) -> Option<&(Vec<bool>, Vec<u32>)> {
+        self.frozen.as_ref()
+    }
+
+    /// A push of `rank` for `step` passed [`Barrier::check`] and its data is coming: the rank
+    /// is not missing while it is under way. False (nothing recorded) for another step.
+    pub fn announce(&mut self, rank: usize, step: u64, samples: u32) -> bool {
+        if step != self.step || self.applying {
+            return false;
+        }
+        self.queued[rank] += 1;
+        self.announced[rank] = samples;
+        true
+    }
+
+    /// An announced push of `step` ended (counted, refused or broken).
+    pub fn withdraw(&mut self, rank: usize, step: u64) {
+        if step == self.step && self.queued[rank] > 0 {
+            self.queued[rank] -= 1;
+        }
+    }
+
+    /// The lowest member whose gradient the step still needs (None while applying).
+    pub fn awaited(&self) -> Option<u32> {
+        if self.applying || self.step >= self.total_steps {
+            return None;
+        }
+        let members = self.members();
+        (0..self.world)
+            .find(|&r| members[r] && self.current_fp[r].is_none())
+            .map(|r| r as u32)
+    }
+
+    /// True when a push of `rank` for `step` would be kept (a gradient the step still needs),
+    /// false when it can only be a retry, a conflict, late or refused: those are checked as
+    /// they stream in, without a buffer.
+    pub fn needs_buffer(&self, rank: usize, step: u64) -> bool {
+        step == self.step
+            && !self.applying
+            && self.current_fp[rank].is_none()
+            && self.frozen.as_ref().is_none_or(|(m, _)| m[rank])
+    }
+
+    /// Fixes the members of the step and their sample counts once every member has a push
+    /// counted or under way; the fixed ones, or None while some member has neither.
+    pub fn freeze_if_ready(&mut self) -> Option<&(Vec<bool>, Vec<u32>)> {
+        if self.frozen.is_none() && !self.applying {
+            let members = self.members();
+            let ready = (0..self.world)
+                .all(|r| !members[r] || self.current_fp[r].is_some() || self.queued[r] > 0);
+            if !ready {
+                return None;
+            }
+            let samples = (0..self.world)
+                .map(|r| match &self.slots[r] {
+                    Some(s) if self.current_fp[r].is_some() => s.samples,
+                    _ => self.announced[r],
+                })
+                .collect();
+            self.frozen = Some((members, samples));
+        }
+        self.frozen.as_ref()
+    }
+
+    /// Takes `rank`'s counted gradient out to fold it (its slot keeps the rest), None when the
+    /// rank is not in yet or its gradient was taken already.
+    pub fn take_for_fold(&mut self, rank: usize) -> Option<Grad> {
+        if self.applying {
+            return None;
+        }
+        let slot = self.slots[rank].as_mut()?;
+        if self.current_fp[rank].is_none() || matches!(slot.grad, Grad::Folded | Grad::Checked) {
+            return None;
+        }
+        Some(std::mem::replace(&mut slot.grad, Grad::Folded))
     }
 
     /// The step being gathered (the shard's version).
@@ -251,6 +356,24 @@ impl Barrier {
                 })
             };
         }
+        if let Some((members, samples)) = &self.frozen
+            && self.current_fp[r].is_none()
+        {
+            if !members[r] {
+                // the step's ranks were fixed without this one (it was dropped, and came back
+                // once the step's aggregation had started): it takes part from the next step
+                self.absent[r] = false;
+                return Ok(Accepted::Late {
+                    ranks_in: self.ranks_in(),
+                });
+            }
+            if samples[r] != slot.samples {
+                return Err(PsError::BadChunk(format!(
+                    "rank {} pushes step {step} computed on {} samples, but its push of this step already under way said {}: expected the same header for one step",
+                    slot.rank, slot.samples, samples[r]
+                )));
+            }
+        }
         match self.current_fp[r] {
             Some(fp) if fp == slot.fingerprint => {
                 return Ok(Accepted::Retry {
@@ -265,11 +388,19 @@ impl Barrier {
             }
             None => {}
         }
+        if matches!(slot.grad, Grad::Checked | Grad::Folded) {
+            // checked without a buffer because the rank was in, but the barrier moved on
+            return Err(PsError::Unavailable(format!(
+                "rank {} step {step}: the shard's state changed while the push was received; push again",
+                slot.rank
+            )));
+        }
         self.current_fp[r] = Some(slot.fingerprint);
         self.slots[r] = Some(slot);
         self.absent[r] = false;
         let ranks_in = self.ranks_in();
-        let complete = (0..self.world).all(|q| self.absent[q] || self.current_fp[q].is_some());
+        let members = self.members();
+        let complete = (0..self.world).all(|q| !members[q] || self.current_fp[q].is_some());
         if complete && !self.applying {
             Ok(Accepted::Complete {
                 ranks_in,
@@ -283,6 +414,14 @@ impl Barrier {
     /// Starts applying: the slots in rank order; the ranks absent now are those the step goes
     /// on without.
     fn hand_out(&mut self) -> Vec<Slot> {
+        if self.frozen.is_none() {
+            let samples = self
+                .slots
+                .iter()
+                .map(|s| s.as_ref().map_or(0, |s| s.samples))
+                .collect();
+            self.frozen = Some((self.members(), samples));
+        }
         self.applying = true;
         self.dropped = self.absent.clone();
         self.slots.iter_mut().filter_map(Option::take).collect()
@@ -294,7 +433,10 @@ impl Barrier {
         self.previous_fp = std::mem::replace(&mut self.current_fp, vec![None; self.world]);
         self.applying = false;
         self.waiting_since = now;
+        self.clock = now;
         self.warned = None;
+        self.queued = vec![0; self.world];
+        self.frozen = None;
     }
 
     /// The policy's verdict on the step being gathered at `now`. A "continue" verdict hands the
@@ -305,9 +447,18 @@ impl Barrier {
         }
         let waited = now.saturating_duration_since(self.waiting_since);
         let step = self.step;
+        let members = self.members();
         let missing: Vec<usize> = (0..self.world)
-            .filter(|&r| self.current_fp[r].is_none() && !self.absent[r])
+            .filter(|&r| members[r] && self.current_fp[r].is_none() && self.queued[r] == 0)
             .collect();
+        let awaited = self.awaited().map(|r| r as usize);
+        let queued: Vec<usize> = (0..self.world)
+            .filter(|&r| self.current_fp[r].is_none() && self.queued[r] > 0 && Some(r) != awaited)
+            .collect();
+        if missing.is_empty() {
+            // every rank is in or on its way: the shard itself is the one working
+            self.clock = now;
+        }
         let continuing = self.rules.policy == BarrierPolicy::Continue;
         let anyone_in = self.slots.iter().any(Option::is_some);
         // Under "continue", a step nobody pushed yet gets a second timeout before the run
@@ -318,7 +469,7 @@ impl Barrier {
         } else {
             self.rules.timeout
         };
-        if waited >= limit {
+        if now.saturating_duration_since(self.clock) >= limit {
             if continuing && anyone_in {
                 let left_out: Vec<usize> = (0..self.world)
                     .filter(|&r| self.current_fp[r].is_none())
@@ -349,6 +500,8 @@ impl Barrier {
         Verdict::Waiting {
             step,
             missing,
+            awaited,
+            queued,
             waited,
             warn,
         }
@@ -357,7 +510,6 @@ impl Barrier {
 
 #[cfg(test)]
 mod tests {
-    use super::super::Grad;
     use super::*;
 
     fn rules(policy: BarrierPolicy) -> Rules {
@@ -371,7 +523,10 @@ mod tests {
     fn slot(rank: u32, fingerprint: u64, at: Instant) -> Slot {
         Slot {
             rank,
-            grad: Grad::Owned(vec![rank as f32]),
+            grad: Grad::Owned(super::super::intake::Held {
+                values: vec![rank as f32],
+                permit: None,
+            }),
             fingerprint,
             samples: 1,
             loss_sum: 0.0,

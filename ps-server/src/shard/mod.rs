@@ -16,6 +16,7 @@
 //! the new version.
 
 pub mod barrier;
+pub mod intake;
 pub mod shm;
 pub mod store;
 pub mod update;
@@ -23,6 +24,7 @@ pub mod update;
 use crate::checkpoint::{self, Saved};
 use barrier::{Accepted, Barrier, Rules, Verdict};
 use bytes::Bytes;
+use intake::{Acc, Gate, Held, Permit};
 use ps_common::config::{Aggregation, Config, Transport};
 use ps_common::optim::{LrSchedule, OptState, Optimizer};
 use ps_common::shm::{Board, shm_root};
@@ -40,11 +42,16 @@ use update::{Simd, UpdateInputs, fused_update, threads_for};
 /// Where a rank's gradient slice for the current step lies.
 #[derive(Debug)]
 pub enum Grad {
-    /// Received through gRPC into a shard buffer.
-    Owned(Vec<f32>),
+    /// Received through gRPC into a shard buffer (with the permit to hold it).
+    Owned(Held),
     /// In the shard's range of the rank's shared-memory gradient board (checked in place at
     /// push time, and for finiteness again by the update that reads it).
     Board(Arc<Board>),
+    /// Already folded into the step's accumulator ([`intake::Acc`]).
+    Folded,
+    /// Received and checked (fingerprint, finiteness) without being kept: a push of a rank
+    /// the step has already counted (a retry, a conflict) or no longer waits for.
+    Checked,
 }
 
 /// One rank's gradient for the current step.
@@ -158,6 +165,10 @@ pub struct Shard {
     optimizer: Optimizer,
     schedule: LrSchedule,
     state: Mutex<State>,
+    /// Permits to hold gRPC gradient buffers (`[server] max_pending_gradients`).
+    gate: Arc<Gate>,
+    /// The step's running aggregate; held during a fold, so an update waits for it.
+    acc: Mutex<Acc>,
     version_tx: watch::Sender<u64>,
     shm: Option<ShmHost>,
     checkpoint: Option<checkpoint::Plan>,
@@ -255,6 +266,8 @@ impl Shard {
             optimizer: cfg.optimizer.clone(),
             schedule: cfg.schedule_for(total_steps),
             state: Mutex::new(state),
+            gate: Gate::new(cfg.server.max_pending_gradients),
+            acc: Mutex::new(Acc::default()),
             version_tx: watch::Sender::new(version),
             shm,
             checkpoint: checkpoint::Plan::of(cfg, index, Self::range_of(cfg, index)),
@@ -276,17 +289,231 @@ impl Shard {
         self.range.is_empty()
     }
 
-    /// A gradient buffer to receive a push into: a recycled one when available.
+    /// A gradient buffer to receive a push into: a recycled one when available, else an
+    /// empty one (its memory is reserved as the data arrives).
     pub fn take_buffer(&self) -> Vec<f32> {
         self.lock().spare.pop().unwrap_or_default()
     }
 
-    /// Returns a buffer (of a refused push, or of an applied step) for reuse.
+    /// Returns a buffer (of a refused push, or of an applied step) to the pool, which keeps at
+    /// most `max_pending_gradients + 1` (the excess is freed).
     pub fn return_buffer(&self, buf: Vec<f32>) {
         let mut st = self.lock();
-        if st.spare.len() < self.world + 1 {
+        if st.spare.len() <= self.gate.limit() && buf.capacity() >= self.len() {
             st.spare.push(buf);
         }
+    }
+
+    /// gRPC gradient buffers held now (receiving, or received and not yet folded).
+    pub fn buffers_held(&self) -> usize {
+        self.gate.held()
+    }
+
+    /// Records that a push of `rank` for `step` (checked by [`Shard::precheck`]) is under way,
+    /// announcing `samples`: the rank is not missing while the returned guard lives.
+    pub fn announce(self: &Arc<Self>, rank: u32, step: u64, samples: u32) -> Announced {
+        let recorded = {
+            let mut st = self.lock();
+            st.barrier
+                .rank(rank)
+                .is_ok_and(|r| st.barrier.announce(r, step, samples))
+        };
+        Announced {
+            shard: self.clone(),
+            rank,
+            step,
+            recorded,
+        }
+    }
+
+    /// Waits for the turn of a push of `rank` for `step`: `Some(permit)` to receive a gradient
+    /// the step needs into a buffer, `None` to check one that will not be kept as it streams
+    /// in. Until then the push's stream is not read (it waits under flow control).
+    pub async fn wait_turn(&self, rank: u32, step: u64) -> PsResult<Option<Permit>> {
+        let mut logged = false;
+        loop {
+            let notified = self.gate.changed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            {
+                let st = self.lock();
+                if let Some(why) = &st.failed {
+                    return Err(PsError::Unavailable(why.clone()));
+                }
+                let r = st.barrier.rank(rank)?;
+                if !st.barrier.needs_buffer(r, step) {
+                    return Ok(None);
+                }
+                let awaited = st.barrier.awaited();
+                if let Some(p) = self.gate.try_grant(rank, step, st.barrier.step(), awaited) {
+                    return Ok(Some(p));
+                }
+                if !logged {
+                    tracing::debug!(
+                        "shard {}: rank {rank}'s push of step {step} waits for its turn (awaiting rank {awaited:?}, {} of {} buffers held)",
+                        self.index,
+                        self.gate.held(),
+                        self.gate.limit()
+                    );
+                    logged = true;
+                }
+            }
+            notified.await;
+        }
+    }
+
+    /// Wakes the pushes waiting for their turn (something they depend on changed).
+    fn wake(&self) {
+        self.gate.changed.notify_waiters();
+    }
+
+    /// Folds the step's gradients into its accumulator in rank order, as far as they are in
+    /// (never the last rank the step needs: the update reads that one directly). Blocking:
+    /// call it from a blocking thread. A shared-memory gradient found not finite fails the run.
+    pub fn fold_ready(&self) -> PsResult<()> {
+        let mut acc = self.acc.lock().unwrap_or_else(|p| p.into_inner());
+        loop {
+            let (r, grad, c, first) = {
+                let mut st = self.lock();
+                if st.failed.is_some() || st.barrier.applying() {
+                    return Ok(());
+                }
+                let step = st.barrier.step();
+                if acc.step != step || (acc.coeffs.is_empty() && acc.folded()) {
+                    if let Some(v) = acc.values.take() {
+                        st.spare.push(v);
+                    }
+                    *acc = Acc {
+                        step,
+                        ..Acc::default()
+                    };
+                }
+                if acc.coeffs.is_empty() {
+                    let Some((members, samples)) = st.barrier.freeze_if_ready() else {
+                        return Ok(());
+                    };
+                    acc.coeffs = self.member_coeffs(members, samples);
+                    acc.members = members.clone();
+                    acc.samples = samples.clone();
+                }
+                while acc.next < self.world && !acc.members[acc.next] {
+                    acc.next += 1;
+                }
+                let r = acc.next;
+                let last = (r + 1..self.world).all(|q| !acc.members[q]);
+                if r >= self.world || last {
+                    return Ok(());
+                }
+                let Some(grad) = st.barrier.take_for_fold(r) else {
+                    return Ok(());
+                };
+                (r, grad, acc.coeffs[r], !acc.folded())
+            };
+            let board = match &grad {
+                Grad::Board(b) => Some(b.clone()),
+                _ => None,
+            };
+            let folded = match grad {
+                Grad::Owned(mut held) if first => {
+                    intake::scale_in_place(&mut held.values, c);
+                    acc.values = Some(std::mem::take(&mut held.values));
+                    Ok(())
+                }
+                Grad::Owned(held) => {
+                    let out = intake::fold(
+                        acc.values.as_mut().expect("folded before"),
+                        &held.values,
+                        c,
+                        false,
+                        false,
+                    );
+                    self.return_buffer(held.values);
+                    out
+                }
+                Grad::Board(b) => {
+                    let mut values = acc.values.take().unwrap_or_else(|| self.take_buffer());
+                    // SAFETY: as in `apply`: the Arc keeps the board mapped; a worker that
+                    // writes it against the protocol only changes the values, checked here
+                    let out = intake::fold(
+                        &mut values,
+                        unsafe { &b.slot(0)[self.range.clone()] },
+                        c,
+                        first,
+                        true,
+                    );
+                    acc.values = Some(values);
+                    out
+                }
+                Grad::Folded | Grad::Checked => Ok(()),
+            };
+            let step = acc.step;
+            // a board truncated under the fold read as zeros (the SIGBUS guard): not its values
+            let why = if board.is_some_and(|b| b.faulted()) {
+                if let Some(h) = &self.shm {
+                    h.detach(r);
+                }
+                Some(board_truncated(step, r as u32))
+            } else {
+                folded.err().map(|(index, value)| format!(
+                    "step {step}: rank {r}'s gradient holds {value} at index {index} of shard {}'s range when the update reads it, although its push was checked: its shared-memory board was written after the push was accepted; the step is not applied (the shard stays at version {step}) and the run stops",
+                    self.index
+                ))
+            };
+            if let Some(why) = why {
+                tracing::error!("shard {}: {why}", self.index);
+                acc.values = None;
+                self.fail(why.clone());
+                return Err(PsError::Unavailable(why));
+            }
+            acc.next = r + 1;
+            self.wake();
+        }
+    }
+
+    /// The coefficient of the accumulator in an update of `slots`: 1 when they are the ranks
+    /// its coefficients were fixed for (always, but for a step the barrier policy went on
+    /// without some of them: then the folded sum is rescaled to the coefficients of the ranks
+    /// that are in, close to but not bit-identical with aggregating them afresh).
+    fn rescale(&self, acc: &Acc, slots: &[Slot]) -> f32 {
+        let same = slots.len() == acc.members.iter().filter(|&&m| m).count()
+            && slots
+                .iter()
+                .all(|s| acc.members[s.rank as usize] && acc.samples[s.rank as usize] == s.samples);
+        if same {
+            return 1.0;
+        }
+        let n_was = acc.members.iter().filter(|&&m| m).count() as f64;
+        let t_was: u64 = (0..self.world)
+            .filter(|&r| acc.members[r])
+            .map(|r| u64::from(acc.samples[r]))
+            .sum();
+        let t_now: u64 = slots.iter().map(|s| u64::from(s.samples)).sum();
+        let f = match self.aggregation {
+            Aggregation::Sum => 1.0,
+            Aggregation::Mean => n_was / slots.len().max(1) as f64,
+            Aggregation::Weighted if t_now == 0 => 0.0,
+            Aggregation::Weighted => t_was as f64 / t_now as f64,
+        };
+        tracing::warn!(
+            "shard {}: step {} goes on with {} of the {} ranks its aggregation started with: the sum folded so far is rescaled by {f}",
+            self.index,
+            acc.step,
+            slots.len(),
+            n_was
+        );
+        f as f32
+    }
+
+    /// The coefficient of each rank (0 for ranks not in `members`).
+    fn member_coeffs(&self, members: &[bool], samples: &[u32]) -> Vec<f32> {
+        let ranks: Vec<usize> = (0..self.world).filter(|&r| members[r]).collect();
+        let s: Vec<u32> = ranks.iter().map(|&r| samples[r]).collect();
+        let c = update::coefficients(self.aggregation, &s);
+        let mut out = vec![0.0; self.world];
+        for (&r, c) in ranks.iter().zip(c) {
+            out[r] = c;
+        }
+        out
     }
 
     /// Current version.
@@ -302,6 +529,7 @@ impl Shard {
     /// Marks the run failed: pulls and pushes are refused from now on.
     pub fn fail(&self, why: String) {
         self.lock().failed = Some(why);
+        self.wake();
         // wake pulls (and the run's watcher) so they see the failure
         self.version_tx.send_modify(|_| {});
     }
@@ -368,6 +596,8 @@ impl Shard {
             arrived: Instant::now(),
         };
         let accepted = st.barrier.accept(meta.step, slot)?;
+        drop(st);
+        self.wake();
         let outcome = PushOutcome {
             counted: accepted.counted(),
             ranks_in: accepted.ranks_in(),
@@ -400,6 +630,8 @@ impl Shard {
     /// be partly advanced, but a failed run never uses or saves it.
     pub fn apply(&self, slots: Vec<Slot>) -> PsResult<StepFigures> {
         let started = Instant::now();
+        // waits for a fold under way to finish
+        let mut acc = self.acc.lock().unwrap_or_else(|p| p.into_inner());
         let (step, mut pending, mut opt, waiting_since) = {
             let mut st = self.lock();
             let step = st.barrier.step();
@@ -410,26 +642,40 @@ impl Shard {
         let samples: Vec<u32> = slots.iter().map(|s| s.samples).collect();
         let coeffs = update::coefficients(self.aggregation, &samples);
         let lr = self.schedule.lr(step);
-        let grads: Vec<&[f32]> = slots
-            .iter()
-            .map(|s| match &s.grad {
-                Grad::Owned(v) => v.as_slice(),
+        // the gradients folded already are in the accumulator: it comes first (it holds the
+        // lowest ranks), with coefficient 1, the others follow in rank order
+        let folded = acc.step == step && acc.folded();
+        let mut grads: Vec<&[f32]> = Vec::with_capacity(slots.len() + 1);
+        let mut cs: Vec<f32> = Vec::with_capacity(slots.len() + 1);
+        let mut ranks: Vec<u32> = Vec::with_capacity(slots.len() + 1);
+        if folded {
+            grads.push(acc.values.as_deref().expect("folded"));
+            cs.push(self.rescale(&acc, &slots));
+            ranks.push(slots.first().map_or(0, |s| s.rank));
+        }
+        for (s, &c) in slots.iter().zip(&coeffs) {
+            match &s.grad {
+                Grad::Owned(h) => grads.push(h.values.as_slice()),
                 // SAFETY: the Arc keeps the board mapped. The worker writes its board again
                 // only after pulling the version this update makes (ps_common::shm); one that
                 // breaks this can only change the values read, which are checked for
                 // finiteness right where they are used.
-                Grad::Board(b) => unsafe { &b.slot(0)[self.range.clone()] },
-            })
-            .collect();
+                Grad::Board(b) => grads.push(unsafe { &b.slot(0)[self.range.clone()] }),
+                Grad::Folded | Grad::Checked => continue,
+            }
+            cs.push(c);
+            ranks.push(s.rank);
+        }
         let (current, next) = pending.buffers();
         let inputs = UpdateInputs {
             optimizer: &self.optimizer,
             step: self.optimizer.coeffs(opt.steps, lr as f32),
             current,
             grads: &grads,
-            coeffs: &coeffs,
+            coeffs: &cs,
             threads: threads_for(current.len()),
             simd: Simd::Auto,
+            checked: usize::from(folded),
         };
         let updated = fused_update(inputs, next, &mut opt.m, &mut opt.v);
         // a board truncated under the update read as zeros (the SIGBUS guard): not its values
@@ -442,9 +688,7 @@ impl Shard {
                 if let Some(h) = &self.shm {
                     h.detach(rank as usize);
                 }
-                Err(format!(
-                    "step {step}: rank {rank}'s shared-memory gradient board was truncated while the update read it (another process shrank the file, against the protocol): what was read is not its gradient; the step is not applied (the shard stays at version {step}) and the run stops"
-                ))
+                Err(board_truncated(step, rank))
             }
             _ if pending.faulted() => Err(format!(
                 "step {step}: shard {}'s shared-memory parameters board was truncated during the update (another process shrank the file): the parameters are lost; the run stops",
@@ -452,7 +696,7 @@ impl Shard {
             )),
             (Err(bad), None) => Err(format!(
                 "step {step}: rank {}'s gradient holds {} at index {} of shard {}'s range when the update reads it, although its push was checked: its shared-memory board was written after the push was accepted; the step is not applied (the shard stays at version {step}) and the run stops",
-                slots[bad.source].rank, bad.value, bad.index, self.index
+                ranks[bad.source], bad.value, bad.index, self.index
             )),
             (Ok(sq), None) => Ok(sq),
         };
@@ -466,6 +710,7 @@ impl Shard {
                     st.opt = opt;
                     st.failed = Some(why.clone());
                 }
+                self.wake();
                 self.version_tx.send_modify(|_| {});
                 return Err(PsError::Unavailable(why));
             }
@@ -503,13 +748,23 @@ impl Shard {
             let mut st = self.lock();
             st.store.commit(pending);
             st.opt = opt;
-            st.spare
-                .extend(slots.into_iter().filter_map(|s| match s.grad {
-                    Grad::Owned(v) => Some(v),
-                    Grad::Board(_) => None,
-                }));
+            let done = slots.into_iter().filter_map(|s| match s.grad {
+                Grad::Owned(h) => Some(h.values),
+                _ => None,
+            });
+            for v in done.chain(acc.values.take()) {
+                if st.spare.len() <= self.gate.limit() {
+                    st.spare.push(v);
+                }
+            }
+            *acc = Acc {
+                step: step + 1,
+                ..Acc::default()
+            };
             st.barrier.finish(now);
         }
+        drop(acc);
+        self.wake();
         self.version_tx.send_replace(step + 1);
         Ok(figures)
     }
@@ -736,8 +991,35 @@ impl Shard {
     }
 }
 
+/// A push under way ([`Shard::announce`]); withdrawn when dropped.
+#[derive(Debug)]
+pub struct Announced {
+    shard: Arc<Shard>,
+    rank: u32,
+    step: u64,
+    recorded: bool,
+}
+
+impl Drop for Announced {
+    fn drop(&mut self) {
+        if self.recorded {
+            let mut st = self.shard.lock();
+            if let Ok(r) = st.barrier.rank(self.rank) {
+                st.barrier.withdraw(r, self.step);
+            }
+        }
+    }
+}
+
 fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
+}
+
+/// Why a step stops when rank `rank`'s gradient board shrank while the shard read it.
+fn board_truncated(step: u64, rank: u32) -> String {
+    format!(
+        "step {step}: rank {rank}'s shared-memory gradient board was truncated while the update read it (another process shrank the file, against the protocol): what was read is not its gradient; the step is not applied (the shard stays at version {step}) and the run stops"
+    )
 }
 
 #[cfg(test)]

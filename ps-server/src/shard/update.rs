@@ -47,6 +47,10 @@ pub struct UpdateInputs<'a> {
     pub threads: usize,
     /// Instruction set.
     pub simd: Simd,
+    /// The first `checked` gradients are known to hold only finite values or the overflow of
+    /// finite ones (an accumulator of gradients folded earlier): a non-finite aggregate is
+    /// searched for in the others only.
+    pub checked: usize,
 }
 
 /// The aggregation coefficient of each of the gradients with these sample counts, in order.
@@ -188,7 +192,7 @@ fn run_portable(
         let block_sq = aggregate(gb, inp.grads, inp.coeffs, lo + at);
         // Σ g² in f64 of at most BLOCK f32 values is finite exactly when every value is
         if !block_sq.is_finite()
-            && let Some(bad) = find_non_finite(inp.grads, lo + at, end - at)
+            && let Some(bad) = find_non_finite(inp.grads, inp.checked, lo + at, end - at)
         {
             return Err(bad);
         }
@@ -205,16 +209,25 @@ fn run_portable(
 /// The first non-finite input of values `lo..lo + n`, by index and then rank; None when every
 /// input is finite (the aggregate overflowed: applied as before, like any large gradient).
 #[cold]
-fn find_non_finite(grads: &[&[f32]], lo: usize, n: usize) -> Option<NonFiniteInput> {
+fn find_non_finite(
+    grads: &[&[f32]],
+    checked: usize,
+    lo: usize,
+    n: usize,
+) -> Option<NonFiniteInput> {
     (lo..lo + n).find_map(|i| {
-        grads.iter().enumerate().find_map(|(source, g)| {
-            let value = g[i];
-            (!value.is_finite()).then_some(NonFiniteInput {
-                index: i,
-                source,
-                value,
+        grads
+            .iter()
+            .enumerate()
+            .skip(checked)
+            .find_map(|(source, g)| {
+                let value = g[i];
+                (!value.is_finite()).then_some(NonFiniteInput {
+                    index: i,
+                    source,
+                    value,
+                })
             })
-        })
     })
 }
 
@@ -332,6 +345,7 @@ mod tests {
             coeffs: &coeffs,
             threads,
             simd,
+            checked: 0,
         };
         let sq = fused_update(inp, &mut next, &mut st.m, &mut st.v);
         Run {
@@ -457,6 +471,7 @@ mod tests {
             coeffs: &[1.0, 1.0],
             threads: 1,
             simd: Simd::Auto,
+            checked: 0,
         };
         assert!(
             fused_update(inp, &mut next, &mut [], &mut [])

@@ -1,0 +1,153 @@
+//! The shard's gRPC accept loop, and the descriptor limit it lives within: connections past
+//! `[server] max_connections` are closed at once, and running out of file descriptors
+//! (EMFILE / ENFILE) makes the loop back off instead of spinning; both are logged at most once
+//! per interval, with how often they happened. At start-up the soft descriptor limit is raised
+//! to the hard one.
+
+use crate::peers::{Peers, Tracked};
+use futures::Stream;
+use std::io;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::net::TcpListener;
+
+/// At most one log line per this long for each kind of event of the accept loop.
+pub const LOG_EVERY: Duration = Duration::from_secs(5);
+
+/// Pause after the accept fails for want of a descriptor (a connection waits in the listen
+/// backlog meanwhile and is accepted once one is free).
+pub const FD_BACKOFF: Duration = Duration::from_millis(20);
+
+/// Raises the soft limit on open descriptors to the hard limit and logs the value.
+pub fn raise_fd_limit(index: usize) {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes the struct we own.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
+        tracing::warn!(
+            "shard {index}: cannot read the descriptor limit: {}",
+            io::Error::last_os_error()
+        );
+        return;
+    }
+    if lim.rlim_cur >= lim.rlim_max {
+        tracing::info!("shard {index}: open file descriptor limit {}", lim.rlim_cur);
+        return;
+    }
+    let was = lim.rlim_cur;
+    lim.rlim_cur = lim.rlim_max;
+    // SAFETY: setrlimit reads the struct we own.
+    if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) } == 0 {
+        tracing::info!(
+            "shard {index}: open file descriptor limit raised from {was} to {} (the hard limit)",
+            lim.rlim_max
+        );
+    } else {
+        tracing::warn!(
+            "shard {index}: open file descriptor limit {was}; raising it to {} failed: {}",
+            lim.rlim_max,
+            io::Error::last_os_error()
+        );
+    }
+}
+
+/// Counts an event and says when it is time to log it (once per [`LOG_EVERY`]).
+#[derive(Debug, Default)]
+pub struct Throttle {
+    count: u64,
+    since_log: u64,
+    last: Option<Instant>,
+}
+
+impl Throttle {
+    /// Counts one; `Some((since the last log, in all))` when it is time to log.
+    pub fn hit(&mut self) -> Option<(u64, u64)> {
+        self.count += 1;
+        self.since_log += 1;
+        let now = Instant::now();
+        if self.last.is_none_or(|t| now.duration_since(t) >= LOG_EVERY) {
+            self.last = Some(now);
+            let n = std::mem::take(&mut self.since_log);
+            Some((n, self.count))
+        } else {
+            None
+        }
+    }
+}
+
+struct Loop {
+    listener: TcpListener,
+    peers: Arc<Peers>,
+    max_connections: usize,
+    index: usize,
+    over: Throttle,
+    no_fd: Throttle,
+    other: Throttle,
+}
+
+fn out_of_descriptors(e: &io::Error) -> bool {
+    matches!(e.raw_os_error(), Some(libc::EMFILE) | Some(libc::ENFILE))
+}
+
+/// The connections accepted on `listener`, each tracked by `peers` while open, with nodelay
+/// set; never yields an error (failures are handled and logged here).
+pub fn incoming(
+    listener: TcpListener,
+    peers: Arc<Peers>,
+    max_connections: usize,
+    index: usize,
+) -> impl Stream<Item = io::Result<Tracked>> {
+    let st = Loop {
+        listener,
+        peers,
+        max_connections,
+        index,
+        over: Throttle::default(),
+        no_fd: Throttle::default(),
+        other: Throttle::default(),
+    };
+    futures::stream::unfold(st, |mut st| async move {
+        loop {
+            match st.listener.accept().await {
+                Ok((sock, addr)) => {
+                    let open = st.peers.open_count();
+                    if open >= st.max_connections {
+                        drop(sock);
+                        if let Some((n, total)) = st.over.hit() {
+                            tracing::warn!(
+                                "shard {}: {open} connections open, the most [server] max_connections allows: closed {n} new ones (the latest from {addr}; {total} in all)",
+                                st.index
+                            );
+                        }
+                        continue;
+                    }
+                    // serve_with_incoming ignores the builder's tcp_nodelay: Nagle plus delayed
+                    // ACKs would add ~40 ms to every push reply
+                    let _ = sock.set_nodelay(true);
+                    return Some((Ok(st.peers.track(sock)), st));
+                }
+                Err(e) if out_of_descriptors(&e) => {
+                    if let Some((n, total)) = st.no_fd.hit() {
+                        tracing::warn!(
+                            "shard {}: cannot accept connections: {e} ({n} times since the last report, {total} in all; {} connections open): backing off {FD_BACKOFF:?} each time",
+                            st.index,
+                            st.peers.open_count()
+                        );
+                    }
+                    tokio::time::sleep(FD_BACKOFF).await;
+                }
+                Err(e) => {
+                    if let Some((n, total)) = st.other.hit() {
+                        tracing::warn!(
+                            "shard {}: accept failed: {e} ({n} times since the last report, {total} in all)",
+                            st.index
+                        );
+                    }
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+            }
+        }
+    })
+}

@@ -1,0 +1,115 @@
+//! What a shard expects to hold at its peak, stated at start-up (log and `/metrics`), with a
+//! warning naming the keys to change when it exceeds the host's available memory.
+
+use ps_common::config::Config;
+
+/// The parts of a shard's expected peak memory, in bytes.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MemoryPlan {
+    /// (what, bytes), in the order logged.
+    pub parts: Vec<(&'static str, u64)>,
+}
+
+impl MemoryPlan {
+    /// The plan of a shard of `len` values under `cfg`.
+    pub fn of(cfg: &Config, len: usize) -> Self {
+        let bytes = len as u64 * 4;
+        let opt_buffers = {
+            let st = cfg.optimizer.init_state(1);
+            (st.m.len() + st.v.len()) as u64
+        };
+        let workers = cfg.cluster.workers as u64;
+        let pending = (cfg.server.max_pending_gradients as u64).min(workers);
+        Self {
+            parts: vec![
+                // current and next version (the update writes the other half)
+                ("parameters (two versions)", 2 * bytes),
+                ("optimizer state", opt_buffers * bytes),
+                ("pull snapshot", bytes),
+                // the pending gradients and the step's accumulator
+                ("gradient buffers", (pending + 1) * bytes),
+                // what queued pushes may have sent before the shard reads them
+                (
+                    "HTTP/2 receive windows",
+                    workers * cfg.server.stream_window_bytes as u64,
+                ),
+            ],
+        }
+    }
+
+    /// The sum of the parts.
+    pub fn total(&self) -> u64 {
+        self.parts.iter().map(|p| p.1).sum()
+    }
+
+    /// One line: the total and its parts.
+    pub fn describe(&self) -> String {
+        let parts: Vec<String> = self
+            .parts
+            .iter()
+            .map(|(what, b)| format!("{what} {}", mib(*b)))
+            .collect();
+        format!("{} ({})", mib(self.total()), parts.join(", "))
+    }
+}
+
+fn mib(b: u64) -> String {
+    format!("{:.1} MiB", b as f64 / (1 << 20) as f64)
+}
+
+/// `MemAvailable` of /proc/meminfo in bytes, when the host says.
+pub fn available() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// Logs shard `index`'s expected peak memory, and warns when it exceeds `available`.
+pub fn log_plan(index: usize, plan: &MemoryPlan, available: Option<u64>) {
+    tracing::info!("shard {index}: expected peak memory {}", plan.describe());
+    if let Some(avail) = available
+        && plan.total() > avail
+    {
+        tracing::warn!(
+            "shard {index}: expected peak memory {} exceeds the {} this host has available: lower [server] max_pending_gradients or [server] stream_window_bytes, or add shards ([cluster] servers) so that each holds a smaller slice",
+            mib(plan.total()),
+            mib(avail)
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ps_common::config::TestConfig;
+
+    #[test]
+    fn the_plan_counts_every_part_of_the_shard() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.toml");
+        let text = TestConfig::new()
+            .workers(64)
+            .global_batch(128)
+            .shards(1)
+            .hidden(&[1024, 1024])
+            .adam(0.001, 0.0, true)
+            .max_pending_gradients(4)
+            .data_dir(dir.path())
+            .out_dir(dir.path())
+            .toml();
+        std::fs::write(&path, text).unwrap();
+        let cfg = Config::load(&path).unwrap();
+        let len = cfg.layout().num_params();
+        let plan = MemoryPlan::of(&cfg, len);
+        let b = len as u64 * 4;
+        // 2 versions + Adam's 2 + snapshot + (4 pending + accumulator) + 64 windows of 256 KiB
+        assert_eq!(
+            plan.total(),
+            10 * b + 64 * (256 << 10),
+            "{}",
+            plan.describe()
+        );
+        assert!(plan.describe().contains("gradient buffers"));
+    }
+}

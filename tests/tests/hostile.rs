@@ -1,0 +1,431 @@
+//! Broken or hostile clients against live `ps-server` processes: header-only push streams cost
+//! the shard no receive buffers, stalled streams are ended after `stream_idle_secs`, step
+//! reports need the shard credential and a step near the shard's, connections past
+//! `max_connections` are closed, and running out of descriptors neither spins the accept loop
+//! nor stops a connected client's pulls. Each attack also times a correct client's pull.
+
+use ps_common::PROTOCOL_VERSION;
+use ps_common::config::Transport;
+use ps_common::pb::parameter_server_client::ParameterServerClient;
+use ps_common::pb::{PullRequest, PushChunk, PushHeader, RegisterRequest, StepReport};
+use ps_launch::{LocalCluster, bin_dir};
+use ps_tests::{Spec, Start, run_cluster};
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+use tonic::Code;
+use tonic::transport::Channel;
+
+type Client = ParameterServerClient<Channel>;
+
+fn rss_mib(pid: u32) -> f64 {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kib: f64 = s
+        .lines()
+        .find(|l| l.starts_with("VmRSS:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .unwrap()
+        .parse()
+        .unwrap();
+    kib / 1024.0
+}
+
+/// utime + stime of `pid`, in seconds.
+fn cpu_secs(pid: u32) -> f64 {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let after = &s[s.rfind(')').unwrap() + 2..];
+    let f: Vec<&str> = after.split_whitespace().collect();
+    let ticks: f64 = f[11].parse::<f64>().unwrap() + f[12].parse::<f64>().unwrap();
+    // SAFETY: sysconf has no preconditions.
+    ticks / unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64
+}
+
+fn register(rank: u32, world: u32, n: usize) -> RegisterRequest {
+    RegisterRequest {
+        protocol_version: PROTOCOL_VERSION,
+        rank,
+        world_size: world,
+        num_params: n as u64,
+        shard: 0,
+        num_shards: 1,
+        shared_memory: false,
+        grad_file: String::new(),
+        grad_token: 0,
+        model: Vec::new(),
+    }
+}
+
+fn header_only(rank: u32, n: usize) -> PushChunk {
+    PushChunk {
+        header: Some(PushHeader {
+            rank,
+            step: 0,
+            samples: 8,
+            loss_sum: 1.0,
+            correct: 0,
+            len: n as u64,
+            eval_correct: 0,
+            eval_count: 0,
+            shm: false,
+        }),
+        offset: 0,
+        data: Default::default(),
+    }
+}
+
+/// A push stream that sends its header and then nothing (it ends when `hold` is dropped).
+fn stalled_push(
+    c: &Client,
+    rank: u32,
+    n: usize,
+    hold: &tokio::sync::watch::Receiver<bool>,
+) -> tokio::task::JoinHandle<Result<(), tonic::Status>> {
+    let mut c = c.clone();
+    let mut hold = hold.clone();
+    let first = header_only(rank, n);
+    tokio::spawn(async move {
+        let s = futures::StreamExt::chain(
+            futures::stream::once(async move { first }),
+            futures::StreamExt::filter_map(
+                futures::stream::once(async move {
+                    let _ = hold.wait_for(|&released| released).await;
+                }),
+                |_| async { None::<PushChunk> },
+            ),
+        );
+        c.push(s).await.map(drop)
+    })
+}
+
+/// Milliseconds a pull of version 0 takes on `c`.
+async fn pull_ms(c: &mut Client) -> f64 {
+    try_pull_ms(c).await.expect("a correct pull is served")
+}
+
+async fn try_pull_ms(c: &mut Client) -> Result<f64, tonic::Status> {
+    let t = Instant::now();
+    let mut s = c
+        .pull(PullRequest {
+            min_version: 0,
+            shm: false,
+            exact: false,
+        })
+        .await?
+        .into_inner();
+    while s.message().await?.is_some() {}
+    Ok(t.elapsed().as_secs_f64() * 1e3)
+}
+
+fn live(spec: &Spec, dir: &Path) -> (LocalCluster, usize) {
+    let (path, cfg) = spec.write(dir);
+    let mut cluster = LocalCluster::new(bin_dir(), path, Some(dir.join("logs")));
+    cluster
+        .start_servers(cfg.num_shards(), &[], Duration::from_secs(60))
+        .unwrap();
+    (cluster, cfg.layout().num_params())
+}
+
+fn log_of(dir: &Path, shard: usize) -> String {
+    std::fs::read_to_string(dir.join(format!("logs/shard-{shard}.log"))).unwrap_or_default()
+}
+
+/// 60 push streams that send a header and nothing else, on a 5.8M-parameter shard: the shard
+/// reserves no receive buffer for them (the old shard took a shard-sized buffer per header),
+/// a correct pull stays fast, and the stalled streams are ended after `stream_idle_secs`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn header_only_streams_cost_no_buffers_and_are_ended_when_idle() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = Spec {
+        shards: 1,
+        workers: 2,
+        hidden: vec![2048, 2048],
+        transport: Transport::Grpc,
+        config: Spec::base().stream_idle_secs(4.0),
+        ..Spec::default()
+    };
+    let (mut cluster, n) = live(&spec, dir.path());
+    assert_eq!(n, 5_824_522);
+    let pid = cluster.servers[0].child.id();
+    let url = format!("http://{}", cluster.addrs[0]);
+    let mut good = Client::connect(url.clone()).await.unwrap();
+    good.register(register(0, 2, n)).await.unwrap();
+    good.register(register(1, 2, n)).await.unwrap();
+    let before_ms = pull_ms(&mut good).await;
+    let before = rss_mib(pid);
+    let (release, hold) = tokio::sync::watch::channel(false);
+    let mut attackers = Vec::new();
+    let mut streams = Vec::new();
+    for i in 0..60 {
+        // a few connections, many streams each (within max_streams_per_connection)
+        if i % 15 == 0 {
+            attackers.push(Client::connect(url.clone()).await.unwrap());
+        }
+        streams.push(stalled_push(attackers.last().unwrap(), i % 2, n, &hold));
+    }
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let during = rss_mib(pid);
+    let mut worst = 0f64;
+    for _ in 0..5 {
+        worst = worst.max(pull_ms(&mut good).await);
+    }
+    eprintln!(
+        "60 header-only streams on a {n}-parameter shard: RSS {before:.1} -> {during:.1} MiB (+{:.1}); pull {before_ms:.1} ms before, at most {worst:.1} ms during",
+        during - before
+    );
+    assert!(
+        during - before < 50.0,
+        "60 header-only streams added {:.1} MiB",
+        during - before
+    );
+    assert!(
+        worst < 1000.0,
+        "a correct pull took {worst:.1} ms during the attack"
+    );
+    // every stalled stream is ended with DEADLINE_EXCEEDED once idle 4 s (those waiting for
+    // their turn once they get it, or once the step they wait in no longer needs them)
+    let t = Instant::now();
+    let mut ended = 0;
+    for s in streams.drain(..2) {
+        let r = tokio::time::timeout(Duration::from_secs(20), s)
+            .await
+            .expect("a stalled stream is ended")
+            .unwrap();
+        let e = r.expect_err("a stalled push is refused");
+        assert_eq!(e.code(), Code::DeadlineExceeded, "{e:?}");
+        assert!(e.message().contains("stream_idle_secs"), "{e:?}");
+        ended += 1;
+    }
+    assert!(t.elapsed() < Duration::from_secs(20));
+    assert_eq!(ended, 2);
+    let _ = release.send(true);
+    cluster.kill_all();
+    let log = log_of(dir.path(), 0);
+    assert!(log.contains("idle for"), "the log says why: {log}");
+}
+
+/// Step reports: a worker's credential cannot send them, a forged shard index or a step far
+/// from the shard's version is refused; the shards' own reports arrive (no warning in their
+/// logs) in a real run with the credential set.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn step_reports_need_the_shard_credential_and_a_step_near_the_shards() {
+    let dir = tempfile::tempdir().unwrap();
+    let token = dir.path().join("token");
+    std::fs::write(&token, "worker-token-0123456789abcdef\n").unwrap();
+    let shard_token = dir.path().join("shard-token");
+    std::fs::write(&shard_token, "shard-token-fedcba9876543210\n").unwrap();
+    let spec = Spec {
+        shards: 2,
+        workers: 2,
+        steps: 6,
+        config: Spec::base()
+            .token_file(token.clone())
+            .shard_token_file(&shard_token),
+        ..Spec::default()
+    };
+    let (path, cfg) = spec.write(dir.path());
+    // the real run: shard 1's reports reach shard 0 with the credential
+    run_cluster(&path, &cfg, &Start::default());
+    let s1 = std::fs::read_to_string(dir.path().join("logs/shard-1.log")).unwrap();
+    assert!(!s1.contains("report to shard 0 failed"), "{s1}");
+    let s0 = std::fs::read_to_string(dir.path().join("logs/shard-0.log")).unwrap();
+    assert!(!s0.contains("only 1 of 2 shards reported"), "{s0}");
+
+    // forged reports against a live shard 0
+    let live_dir = tempfile::tempdir().unwrap();
+    let (mut cluster, _) = live(&spec, live_dir.path());
+    let ch = tonic::transport::Endpoint::from_shared(format!("http://{}", cluster.addrs[0]))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut c = Client::new(ch);
+    let report = |shard: u32, step: u64, with_shard_token: bool| {
+        let mut r = tonic::Request::new(StepReport {
+            shard,
+            step,
+            grad_sq_norm: 1e12,
+            step_ms: 1.0,
+            barrier_wait_ms: 0.0,
+            slowest_rank: 0,
+        });
+        r.metadata_mut().insert(
+            "authorization",
+            "Bearer worker-token-0123456789abcdef".parse().unwrap(),
+        );
+        if with_shard_token {
+            r.metadata_mut().insert(
+                "x-ps-shard-token",
+                "shard-token-fedcba9876543210".parse().unwrap(),
+            );
+        }
+        r
+    };
+    let e = c.report_step(report(1, 0, false)).await.unwrap_err();
+    assert_eq!(e.code(), Code::Unauthenticated, "{e:?}");
+    assert!(e.message().contains("shard_token_file"), "{e:?}");
+    for (shard, step) in [(0, 0), (2, 0), (1, 100), (1, 4_000_000_000)] {
+        let e = c.report_step(report(shard, step, true)).await.unwrap_err();
+        assert_eq!(
+            e.code(),
+            Code::InvalidArgument,
+            "shard {shard} step {step}: {e:?}"
+        );
+    }
+    c.report_step(report(1, 0, true)).await.unwrap();
+    cluster.kill_all();
+    let log = log_of(live_dir.path(), 0);
+    assert!(log.contains("refused 1 step reports"), "{log}");
+}
+
+/// Connections past `max_connections` are closed and logged; with its descriptors exhausted
+/// the shard backs off (little CPU), logs the count, keeps serving the client connected
+/// before, and accepts new clients again once descriptors are free.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn descriptor_floods_neither_spin_nor_stop_the_shard() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = Spec {
+        shards: 1,
+        workers: 2,
+        transport: Transport::Grpc,
+        ..Spec::default()
+    };
+    let (path, cfg) = spec.write(dir.path());
+    let n = cfg.layout().num_params();
+    let addr_file = dir.path().join("addr");
+    let log = dir.path().join("shard.log");
+    let out = std::fs::File::create(&log).unwrap();
+    let mut cmd = Command::new(bin_dir().join("ps-server"));
+    cmd.arg("--config")
+        .arg(&path)
+        .args(["--shard", "0", "--listen", "127.0.0.1:0", "--addr-file"])
+        .arg(&addr_file)
+        .stdin(Stdio::null())
+        .stdout(out.try_clone().unwrap())
+        .stderr(out);
+    // SAFETY: setrlimit in the child before exec touches only the child.
+    unsafe {
+        std::os::unix::process::CommandExt::pre_exec(&mut cmd, || {
+            let lim = libc::rlimit {
+                rlim_cur: 48,
+                rlim_max: 64,
+            };
+            libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
+            Ok(())
+        });
+    }
+    let mut child = cmd.spawn().unwrap();
+    let pid = child.id();
+    let t = Instant::now();
+    let addr = loop {
+        if let Ok(a) = std::fs::read_to_string(&addr_file)
+            && a.ends_with('\n')
+        {
+            break a.trim().to_string();
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "the shard did not start"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let url = format!("http://{addr}");
+    let mut good = Client::connect(url.clone()).await.unwrap();
+    good.register(register(0, 2, n)).await.unwrap();
+    // the flood: 200 idle connections against 64 descriptors
+    let mut flood = Vec::new();
+    for _ in 0..200 {
+        let c = tokio::time::timeout(
+            Duration::from_millis(100),
+            tokio::net::TcpStream::connect(&addr),
+        );
+        if let Ok(Ok(s)) = c.await {
+            flood.push(s);
+        }
+    }
+    eprintln!("flood: {} connections open", flood.len());
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let cpu0 = cpu_secs(pid);
+    let t0 = Instant::now();
+    let mut worst = 0f64;
+    while t0.elapsed() < Duration::from_secs(2) {
+        let ms = match try_pull_ms(&mut good).await {
+            Ok(ms) => ms,
+            Err(e) => panic!("{e:?}\n{}", std::fs::read_to_string(&log).unwrap()),
+        };
+        worst = worst.max(ms);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let cpu = (cpu_secs(pid) - cpu0) / t0.elapsed().as_secs_f64();
+    eprintln!(
+        "descriptor flood (200 connections, 64 descriptors): shard CPU {:.1}%, a connected client's pull at most {worst:.1} ms",
+        100.0 * cpu
+    );
+    assert!(
+        cpu < 0.3,
+        "the shard used {:.0}% CPU during the flood",
+        100.0 * cpu
+    );
+    assert!(worst < 1000.0, "a correct pull took {worst:.1} ms");
+    drop(flood);
+    // a new client is served again once descriptors are free
+    let t = Instant::now();
+    let mut fresh = loop {
+        match tokio::time::timeout(Duration::from_secs(2), Client::connect(url.clone())).await {
+            Ok(Ok(c)) => break c,
+            _ => assert!(t.elapsed() < Duration::from_secs(10), "no new connection"),
+        }
+    };
+    pull_ms(&mut fresh).await;
+    // SAFETY: kill(2) on our own child.
+    unsafe { libc::kill(pid as i32, libc::SIGTERM) };
+    let _ = child.wait();
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(text.contains("cannot accept connections"), "{text}");
+    assert!(!text.contains("panicked"), "{text}");
+    assert!(
+        text.contains("open file descriptor limit raised from 48 to 64"),
+        "{text}"
+    );
+}
+
+/// More connections than `max_connections`: the extra ones are closed and logged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_past_the_limit_are_closed_and_logged() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = Spec {
+        shards: 1,
+        workers: 2,
+        transport: Transport::Grpc,
+        config: Spec::base().max_connections(4),
+        ..Spec::default()
+    };
+    let (mut cluster, _) = live(&spec, dir.path());
+    let url = format!("http://{}", cluster.addrs[0]);
+    let mut held = Vec::new();
+    for _ in 0..4 {
+        let mut c = Client::connect(url.clone()).await.unwrap();
+        pull_ms(&mut c).await;
+        held.push(c);
+    }
+    let refused = match Client::connect(url.clone()).await {
+        Err(_) => true,
+        Ok(mut c) => c
+            .pull(PullRequest {
+                min_version: 0,
+                shm: false,
+                exact: false,
+            })
+            .await
+            .is_err(),
+    };
+    assert!(refused, "a fifth connection is closed");
+    // the connections within the limit still work
+    pull_ms(&mut held[0]).await;
+    drop(held);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut c = Client::connect(url.clone()).await.unwrap();
+    pull_ms(&mut c).await;
+    cluster.kill_all();
+    let log = log_of(dir.path(), 0);
+    assert!(log.contains("max_connections allows"), "{log}");
+}

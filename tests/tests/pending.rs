@@ -1,0 +1,256 @@
+//! Bounded pending gRPC gradients (`[server] max_pending_gradients`) on live processes: the
+//! weights are bit-identical whatever the limit and the arrival order, pushes that wait for
+//! their turn neither deadlock nor count as missing for the barrier timeout, and retries and
+//! conflicts are still recognised while other pushes wait.
+
+use ps_common::PROTOCOL_VERSION;
+use ps_common::client::push_chunks;
+use ps_common::config::{Aggregation, Transport};
+use ps_common::pb::parameter_server_client::ParameterServerClient;
+use ps_common::pb::{PullRequest, PushChunk, PushHeader, PushReply, RegisterRequest};
+use ps_common::wire::{TensorReceiver, f32_to_bytes};
+use ps_launch::{LocalCluster, bin_dir};
+use ps_tests::{
+    Spec, Start, assert_bit_identical, cluster_weights, reference_weights, rel_diff, run_cluster,
+};
+use std::time::Duration;
+use tonic::Code;
+use tonic::transport::Channel;
+
+type Client = ParameterServerClient<Channel>;
+
+const W: usize = 4;
+
+fn header(rank: u32, step: u64, len: usize) -> PushHeader {
+    PushHeader {
+        rank,
+        step,
+        samples: 5 + rank,
+        loss_sum: 10.0,
+        correct: 3,
+        len: len as u64,
+        eval_correct: 0,
+        eval_count: 0,
+        shm: false,
+    }
+}
+
+fn grad(n: usize, rank: u32, step: u64) -> Vec<f32> {
+    (0..n)
+        .map(|i| (((i * 31 + rank as usize * 7 + step as usize) % 97) as f32 - 48.0) * 1e-3 / 3.0)
+        .collect()
+}
+
+async fn push(c: &mut Client, h: PushHeader, values: &[f32]) -> Result<PushReply, tonic::Status> {
+    let msgs = push_chunks(h, &f32_to_bytes(values), 16 << 10);
+    c.push(tokio_stream::iter(msgs))
+        .await
+        .map(|r| r.into_inner())
+}
+
+/// A push whose header goes out at once and whose data follows after `pause`.
+async fn slow_push(
+    c: &mut Client,
+    h: PushHeader,
+    values: &[f32],
+    pause: Duration,
+) -> Result<PushReply, tonic::Status> {
+    let mut msgs = push_chunks(h, &f32_to_bytes(values), 16 << 10);
+    let rest: Vec<PushChunk> = msgs.split_off(1);
+    let head = tokio_stream::iter(msgs);
+    let tail = futures::StreamExt::then(tokio_stream::iter(rest), move |c| async move {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        c
+    });
+    let tail = futures::StreamExt::skip_while(
+        futures::StreamExt::chain(
+            futures::stream::once(async move {
+                tokio::time::sleep(pause).await;
+                None
+            }),
+            futures::StreamExt::map(tail, Some),
+        ),
+        |c: &Option<PushChunk>| futures::future::ready(c.is_none()),
+    );
+    let all = futures::StreamExt::chain(head, futures::StreamExt::map(tail, |c| c.unwrap()));
+    c.push(all).await.map(|r| r.into_inner())
+}
+
+async fn pull(c: &mut Client, version: u64) -> (u64, Vec<f32>) {
+    let mut s = c
+        .pull(PullRequest {
+            min_version: version,
+            shm: false,
+            exact: false,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let first = s.message().await.unwrap().expect("a chunk");
+    let h = first.header.expect("header");
+    let mut rx = TensorReceiver::new(h.len as usize, false);
+    rx.push(first.offset, &first.data).unwrap();
+    while let Some(c) = s.message().await.unwrap() {
+        rx.push(c.offset, &c.data).unwrap();
+    }
+    (h.version, rx.finish().unwrap().0)
+}
+
+/// Runs two steps on a live one-shard server of W = 4 with `limit` pending gradients,
+/// pushing in `order` (each push starting 150 ms after the previous one, the last rank of
+/// the order sending its data 1.5 s after its header); returns the weights of versions 0, 1
+/// and 2 and the shard's log.
+async fn two_steps(
+    limit: usize,
+    order: [u32; W],
+    aggregation: Aggregation,
+) -> (Vec<Vec<f32>>, String) {
+    let spec = Spec {
+        shards: 1,
+        workers: W,
+        hidden: vec![64],
+        steps: 3,
+        aggregation,
+        transport: Transport::Grpc,
+        config: Spec::base()
+            .sgd(0.5, 0.9)
+            .max_pending_gradients(limit)
+            .barrier_warn_secs(0.3)
+            .barrier_timeout_secs(1.0),
+        ..Spec::default()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let (path, cfg) = spec.write(dir.path());
+    let n = cfg.layout().num_params();
+    let mut cluster = LocalCluster::new(bin_dir(), path, Some(dir.path().join("logs")));
+    cluster
+        .start_servers(1, &[], Duration::from_secs(60))
+        .unwrap();
+    let url = format!("http://{}", cluster.addrs[0]);
+    let mut clients = Vec::new();
+    for rank in 0..W as u32 {
+        let mut c = Client::connect(url.clone()).await.unwrap();
+        c.register(RegisterRequest {
+            protocol_version: PROTOCOL_VERSION,
+            rank,
+            world_size: W as u32,
+            num_params: n as u64,
+            shard: 0,
+            num_shards: 1,
+            shared_memory: false,
+            grad_file: String::new(),
+            grad_token: 0,
+            model: Vec::new(),
+        })
+        .await
+        .unwrap();
+        clients.push(c);
+    }
+    let mut versions = vec![pull(&mut clients[0], 0).await.1];
+    for step in 0..2u64 {
+        let mut tasks = Vec::new();
+        for (i, &rank) in order.iter().enumerate() {
+            let mut c = clients[rank as usize].clone();
+            let g = grad(n, rank, step);
+            tasks.push(tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(150 * i as u64)).await;
+                let h = header(rank, step, n);
+                if i == W - 1 {
+                    slow_push(&mut c, h, &g, Duration::from_millis(1500)).await
+                } else {
+                    push(&mut c, h, &g).await
+                }
+            }));
+        }
+        if step == 1 {
+            // while the others wait for their turn: a retry of step 0 is acknowledged, not
+            // counted, and a different gradient for step 0 is refused
+            tokio::time::sleep(Duration::from_millis(700)).await;
+            let mut c = clients[2].clone();
+            let r = push(&mut c, header(2, 0, n), &grad(n, 2, 0)).await.unwrap();
+            assert!(!r.counted, "a retry of step 0 is not counted again: {r:?}");
+            let e = push(&mut c, header(2, 0, n), &grad(n, 3, 0))
+                .await
+                .expect_err("a different gradient for a step applied");
+            assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
+        }
+        for t in tasks {
+            let r = tokio::time::timeout(Duration::from_secs(30), t)
+                .await
+                .expect("every push is answered (no deadlock)")
+                .unwrap()
+                .unwrap_or_else(|e| panic!("limit {limit}, order {order:?}: {e:?}"));
+            assert!(r.counted, "{r:?}");
+        }
+        let (v, w) = pull(&mut clients[0], step + 1).await;
+        assert_eq!(v, step + 1);
+        versions.push(w);
+    }
+    // a retry of step 1's rank 1 after the step: recognised
+    let r = push(&mut clients[1], header(1, 1, n), &grad(n, 1, 1))
+        .await
+        .unwrap();
+    assert!(!r.counted);
+    cluster.kill_all();
+    let log = std::fs::read_to_string(dir.path().join("logs/shard-0.log")).unwrap_or_default();
+    (versions, log)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn reverse_rank_order_with_one_pending_gradient_equals_all_at_once() {
+    for aggregation in [Aggregation::Weighted, Aggregation::Mean] {
+        let (reverse, log) = two_steps(1, [3, 2, 1, 0], aggregation).await;
+        let (forward, _) = two_steps(W, [0, 1, 2, 3], aggregation).await;
+        assert!(
+            reverse[0].iter().zip(&reverse[2]).any(|(a, b)| a != b),
+            "the steps moved the weights"
+        );
+        for v in 1..3 {
+            assert_bit_identical(
+                &reverse[v],
+                &forward[v],
+                &format!("{aggregation}: version {v}"),
+            );
+        }
+        // waiting for their turn did not make ranks "missing" (the barrier timeout is 1 s,
+        // rank 0, pushed last, sent its data 1.5 s after its header while ranks 3, 2 and 1
+        // waited), and the log said who was awaited
+        assert!(!log.contains("run failed"), "{log}");
+        assert!(
+            log.contains("receiving rank 0's gradient, ranks [1, 2, 3] queued"),
+            "the log names the awaited and the queued ranks:\n{log}"
+        );
+    }
+}
+
+/// W = 16 through gRPC with 2 pending gradients gives the weights of 16 (every gradient at
+/// once), bit for bit, and equals the single process.
+#[test]
+fn sixteen_workers_with_two_pending_gradients_equal_sixteen() {
+    let run = |limit: usize| {
+        let spec = Spec {
+            shards: 2,
+            workers: 16,
+            hidden: vec![16],
+            global_batch: 60,
+            steps: 8,
+            aggregation: Aggregation::Weighted,
+            transport: Transport::Grpc,
+            config: Spec::base().max_pending_gradients(limit),
+            ..Spec::default()
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let (path, cfg) = spec.write(dir.path());
+        run_cluster(&path, &cfg, &Start::default());
+        let w = cluster_weights(&cfg);
+        let d = rel_diff(&cfg, &w, &reference_weights(&cfg));
+        assert!(
+            d < 1e-5,
+            "limit {limit}: relative difference {d:.3e} from one process"
+        );
+        w
+    };
+    let two = run(2);
+    let sixteen = run(16);
+    assert_bit_identical(&two, &sixteen, "max_pending_gradients 2 vs 16");
+}
