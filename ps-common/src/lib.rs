@@ -15,6 +15,7 @@ pub mod neterr;
 pub mod optim;
 pub mod order;
 pub mod plan;
+pub mod runid;
 pub mod shm;
 pub mod weights;
 pub mod wire;

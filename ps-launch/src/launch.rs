@@ -73,6 +73,8 @@ pub struct LocalCluster {
     pub worker_restarts: usize,
     /// Each worker's (rank, world, extra arguments), to start it again.
     worker_args: Vec<(usize, usize, Vec<String>)>,
+    /// The run id every process is given (`--run-id`), when set (`ps_common::runid`).
+    pub run_id: Option<String>,
 }
 
 impl LocalCluster {
@@ -88,6 +90,7 @@ impl LocalCluster {
             workers: Vec::new(),
             worker_restarts: 0,
             worker_args: Vec::new(),
+            run_id: None,
         }
     }
 
@@ -106,6 +109,9 @@ impl LocalCluster {
         }
         let mut cmd = Command::new(path);
         cmd.arg("--config").arg(&self.config).stdin(Stdio::null());
+        if let Some(id) = &self.run_id {
+            cmd.arg("--run-id").arg(id);
+        }
         // SAFETY: prctl is async-signal-safe and touches only the child's own process state.
         unsafe {
             cmd.pre_exec(|| {
@@ -419,7 +425,8 @@ pub fn tidy(p: &Path) -> PathBuf {
 }
 
 /// What a run writes into its output directory; a new run moves an earlier run's copies aside.
-pub const RUN_OUTPUTS: [&str; 5] = [
+pub const RUN_OUTPUTS: [&str; 6] = [
+    "run_id",
     "model.safetensors",
     "curves.svg",
     "metrics.jsonl",

@@ -114,6 +114,7 @@ pub async fn run_shard(
         pull_timeout: Duration::from_secs_f64(cfg.server.pull_timeout_secs),
         chunk_bytes: cfg.server.chunk_bytes,
         all_left: all_left.clone(),
+        run_id: cfg.cluster.run_id.clone().unwrap_or_default(),
         metrics,
         peers: Default::default(),
     };
@@ -123,7 +124,8 @@ pub async fn run_shard(
         ParameterServerServer::new(svc)
             .max_decoding_message_size(MAX_MESSAGE_BYTES)
             .max_encoding_message_size(MAX_MESSAGE_BYTES),
-        ps_common::auth::CheckToken::new(cfg.cluster.token.as_ref(), index),
+        ps_common::auth::CheckToken::new(cfg.cluster.token.as_ref(), index)
+            .with_run_id(cfg.cluster.run_id.as_deref()),
     );
     tracing::info!(
         "shard {index}/{}: parameters {}..{} ({} values) of {}, {} steps, listening on {}",
@@ -195,6 +197,17 @@ pub async fn run_shard(
 /// The state shard `index` resumes from: the newest version of which every shard has a
 /// checkpoint in the config's checkpoint directory; the error says what is missing or wrong.
 pub fn load_checkpoint(cfg: &Config, index: usize, train_len: usize) -> anyhow::Result<Saved> {
+    load_checkpoint_of(cfg, index, train_len, None)
+}
+
+/// [`load_checkpoint`] of run `from` (`--resume-from RUN`), instead of this run's own (the
+/// config's `[cluster] run_id`); a checkpoint of any other run is refused, naming both.
+pub fn load_checkpoint_of(
+    cfg: &Config,
+    index: usize,
+    train_len: usize,
+    from: Option<&str>,
+) -> anyhow::Result<Saved> {
     let total_steps = cfg.total_steps(train_len)?;
     let dir = cfg.checkpoint_dir();
     let s = cfg.num_shards();
@@ -212,7 +225,11 @@ pub fn load_checkpoint(cfg: &Config, index: usize, train_len: usize) -> anyhow::
     }
     let range = Shard::range_of(cfg, index);
     let fresh = cfg.optimizer.init_state(range.len());
-    let saved = checkpoint::read(&dir, &Identity::of(cfg, index, range), version, &fresh)
+    let mut id = Identity::of(cfg, index, range);
+    if let Some(run) = from {
+        id.run_id = (!run.is_empty()).then(|| run.to_string());
+    }
+    let saved = checkpoint::read(&dir, &id, version, &fresh)
         .map_err(|e| anyhow::anyhow!("--resume: {e}"))?;
     tracing::info!(
         "shard {index}: resuming at version {version} from {}",

@@ -37,6 +37,8 @@ pub struct ShardService {
     pub metrics: Arc<Metrics>,
     /// Open connections and each rank's holder (a second live worker of a rank is refused).
     pub peers: Arc<crate::peers::Peers>,
+    /// The run this shard belongs to (empty: unnamed), told to registering workers.
+    pub run_id: String,
 }
 
 impl ShardService {
@@ -312,6 +314,7 @@ impl ParameterServer for ShardService {
             shm_dir,
             shm_token,
             grad_shm,
+            run_id: self.run_id.clone(),
         }))
     }
 

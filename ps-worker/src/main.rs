@@ -34,6 +34,10 @@ struct Cli {
     /// Dataset directory instead of the config's `[data] dir`.
     #[arg(long)]
     data_dir: Option<PathBuf>,
+    /// This run's id (default: PS_RUN_ID, `[cluster] run_id`, SLURM_JOB_ID, PS_K8S_JOB_UID);
+    /// shards of another run refuse this worker.
+    #[arg(long)]
+    run_id: Option<String>,
 }
 
 fn main() -> std::process::ExitCode {
@@ -55,6 +59,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         cfg.data.dir = d;
     }
     let env = std::env::vars().collect();
+    let run = cfg.resolve_run_id(cli.run_id.as_deref(), &env)?;
     let place = ps_worker::env::resolve(cli.rank, cli.world_size, cli.local_rank, &env)
         .map_err(anyhow::Error::msg)?;
     let world = place.world.unwrap_or(cfg.cluster.workers);
@@ -74,12 +79,14 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         );
     }
     tracing::info!(
-        "worker {}: rank {} of {world}, local rank {}, from {}; world size from {}",
+        "worker {}: rank {} of {world}, local rank {}, from {}; world size from {}; {} (run id from {})",
         place.rank,
         place.rank,
         place.local_rank,
         place.source,
-        place.world_source.unwrap_or("[cluster] workers")
+        place.world_source.unwrap_or("[cluster] workers"),
+        run.show(),
+        run.source
     );
     let servers = cli.servers.unwrap_or_else(|| cfg.cluster.servers.clone());
     if servers.len() != cfg.num_shards() {

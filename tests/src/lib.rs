@@ -108,6 +108,8 @@ pub struct Start {
     pub worker_args: Vec<String>,
     /// Extra arguments for every server (e.g. `--resume`).
     pub server_args: Vec<String>,
+    /// The run id every process is given (`--run-id`), if any.
+    pub run_id: Option<String>,
 }
 
 /// Runs a whole cluster for the config at `path` to completion; returns its output directory.
@@ -115,6 +117,7 @@ pub struct Start {
 pub fn run_cluster(path: &Path, cfg: &Config, start: &Start) -> PathBuf {
     let dir = path.parent().expect("config dir");
     let mut cluster = LocalCluster::new(bin_dir(), path.to_path_buf(), Some(dir.join("logs")));
+    cluster.run_id = start.run_id.clone();
     cluster
         .start_servers(
             cfg.num_shards(),

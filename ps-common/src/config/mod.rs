@@ -293,9 +293,28 @@ impl Config {
         }
     }
 
+    /// Resolves this process's run id (`crate::runid::resolve`: `flag`, then `PS_RUN_ID` in
+    /// `env`, then `[cluster] run_id`, then the scheduler's job id) and keeps it in
+    /// `cluster.run_id`, where every request and checkpoint of this process takes it from.
+    pub fn resolve_run_id(
+        &mut self,
+        flag: Option<&str>,
+        env: &std::collections::HashMap<String, String>,
+    ) -> Result<crate::runid::RunId, ConfigError> {
+        let r = crate::runid::resolve(flag, self.cluster.run_id.as_deref(), env).map_err(
+            |message| ConfigError {
+                file: self.path.clone(),
+                message,
+            },
+        )?;
+        self.cluster.run_id = r.id.clone();
+        Ok(r)
+    }
+
     /// How this config's processes reach a shard (token and TLS).
     pub fn client_security(&self) -> crate::auth::ClientSecurity {
         crate::auth::ClientSecurity::new(self.cluster.token.clone(), self.cluster.tls.clone())
+            .with_run_id(self.cluster.run_id.clone())
     }
 
     /// The directory of the shards' checkpoints.

@@ -192,7 +192,10 @@ impl Shard {
         };
         let w = cfg.cluster.workers;
         let shm = match (cfg.cluster.transport, shm_root()) {
-            (Transport::Auto, Some(root)) => ShmHost::create(&root, index, w),
+            (Transport::Auto, Some(root)) => {
+                let run = ps_common::runid::board_prefix(cfg.cluster.run_id.as_deref());
+                ShmHost::create(&root, &run, index, w)
+            }
             _ => None,
         };
         let rules = Rules {
