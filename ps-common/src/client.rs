@@ -567,7 +567,8 @@ mod tests {
         );
         assert!(e.is_retryable());
         assert!(
-            e.to_string().contains("connection refused: nothing listens"),
+            e.to_string()
+                .contains("connection refused: nothing listens"),
             "the kind of failure is named: {e}"
         );
         let e = ShardClient::connect(0, "no port", &ClientSecurity::default(), Duration::ZERO)

@@ -58,6 +58,23 @@ pub fn init_logging() {
         .try_init();
 }
 
+/// Resolves at the first SIGTERM or SIGUSR1: a scheduler preempting or ending the job
+/// (Kubernetes and `scancel` send SIGTERM; Slurm's `--signal=USR1@N` warns N seconds ahead).
+/// Never resolves when the handlers cannot be installed.
+pub async fn preempt_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (Ok(mut term), Ok(mut usr1)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::user_defined1()),
+    ) else {
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = usr1.recv() => {}
+    }
+}
+
 /// Resolves at the first SIGINT (Ctrl-C) or SIGTERM (a launcher stopping its children).
 pub async fn shutdown_signal() {
     let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {

@@ -48,11 +48,22 @@ pub fn kind(text: &str) -> Option<&'static str> {
         "temporary failure in name resolution",
         "nodename nor servname",
     ]) {
-        Some("DNS: the shard's host name does not resolve (a typo, or the service/pod does not exist yet)")
+        Some(
+            "DNS: the shard's host name does not resolve (a typo, or the service/pod does not exist yet)",
+        )
     } else if has(&["connection refused"]) {
-        Some("connection refused: nothing listens on that port (the shard has not started, has exited, or the port is wrong)")
-    } else if has(&["timed out", "deadline has elapsed", "timeout expired", "deadline exceeded"]) {
-        Some("timeout: no answer (the host is down, or a firewall or NetworkPolicy drops the packets)")
+        Some(
+            "connection refused: nothing listens on that port (the shard has not started, has exited, or the port is wrong)",
+        )
+    } else if has(&[
+        "timed out",
+        "deadline has elapsed",
+        "timeout expired",
+        "deadline exceeded",
+    ]) {
+        Some(
+            "timeout: no answer (the host is down, or a firewall or NetworkPolicy drops the packets)",
+        )
     } else if has(&[
         "certificate",
         "invalidcertificate",
@@ -62,7 +73,11 @@ pub fn kind(text: &str) -> Option<&'static str> {
         "alert",
     ]) {
         Some("TLS: the handshake failed (certificate, CA, name or a TLS/plain-text mismatch)")
-    } else if has(&["no route to host", "network is unreachable", "host is unreachable"]) {
+    } else if has(&[
+        "no route to host",
+        "network is unreachable",
+        "host is unreachable",
+    ]) {
         Some("unreachable: no route to the shard's host")
     } else if has(&["connection reset", "broken pipe", "connection aborted"]) {
         Some("connection reset: the shard closed the connection (it stopped or restarted)")
@@ -110,11 +125,23 @@ mod tests {
     #[test]
     fn failures_are_named_by_kind() {
         let cases = [
-            ("transport error: dns error: failed to lookup address information: Name or service not known", "DNS"),
-            ("transport error: tcp connect error: Connection refused (os error 111)", "connection refused"),
+            (
+                "transport error: dns error: failed to lookup address information: Name or service not known",
+                "DNS",
+            ),
+            (
+                "transport error: tcp connect error: Connection refused (os error 111)",
+                "connection refused",
+            ),
             ("transport error: timed out", "timeout"),
-            ("transport error: invalid peer certificate: UnknownIssuer", "TLS"),
-            ("tcp connect error: No route to host (os error 113)", "unreachable"),
+            (
+                "transport error: invalid peer certificate: UnknownIssuer",
+                "TLS",
+            ),
+            (
+                "tcp connect error: No route to host (os error 113)",
+                "unreachable",
+            ),
             ("connection reset by peer", "connection reset"),
         ];
         for (text, want) in cases {

@@ -34,9 +34,39 @@ impl Plan {
         })
     }
 
+    /// The plan of a preemption checkpoint (SIGTERM, SIGUSR1): written whatever `[checkpoint]
+    /// every` says, into the same directory, keeping at least the two newest (a shard writes
+    /// the version it is at and the next one, see `Shard::request_preempt`).
+    pub fn for_preemption(cfg: &Config, index: usize, range: Range<usize>) -> Self {
+        Self {
+            every: 0,
+            keep: cfg.checkpoint.keep.max(2),
+            dir: cfg.checkpoint_dir(),
+            id: Identity::of(cfg, index, range),
+        }
+    }
+
+    /// Writes `saved` and prunes older checkpoints; true when written (a failure is logged).
+    pub fn write_checked(&self, version: u64, saved: Result<Saved, String>) -> bool {
+        let shard = self.id.shard;
+        match saved.and_then(|s| write(&self.dir, &self.id, &s, self.keep)) {
+            Ok(path) => {
+                tracing::info!(
+                    "shard {shard}: checkpoint of version {version} written to {}",
+                    path.display()
+                );
+                true
+            }
+            Err(e) => {
+                tracing::error!("shard {shard}: checkpoint of version {version} not written: {e}");
+                false
+            }
+        }
+    }
+
     /// True when `version` is one to checkpoint.
     pub fn due(&self, version: u64) -> bool {
-        version > 0 && version.is_multiple_of(self.every)
+        self.every > 0 && version > 0 && version.is_multiple_of(self.every)
     }
 
     /// Writes `saved` and prunes older checkpoints; logs the outcome (a failed write is

@@ -43,9 +43,19 @@ pub enum Outcome {
     Finished,
     /// The barrier timed out or another fatal condition; the message says why.
     Failed(String),
-    /// The shutdown future fired (Ctrl-C, SIGTERM) before the end.
+    /// The shutdown future fired (Ctrl-C) before the end.
     Interrupted,
+    /// Preempted (SIGTERM, SIGUSR1): the shard wrote a checkpoint at a step boundary (the
+    /// newest: `saved`, None if it could not) and stopped; `--resume` continues from it.
+    Preempted {
+        /// The newest version checkpointed on preemption.
+        saved: Option<u64>,
+    },
 }
+
+/// How long a preempted shard waits for the step boundary after the version it is at
+/// (the workers finishing the step in flight) before it stops with what it has written.
+pub const PREEMPT_GRACE: Duration = Duration::from_secs(10);
 
 /// Everything a shard needs to run.
 #[derive(Debug)]
@@ -71,6 +81,18 @@ pub async fn run_shard(
     listener: TcpListener,
     shutdown: impl Future<Output = ()>,
 ) -> anyhow::Result<Outcome> {
+    run_shard_preemptible(setup, listener, shutdown, std::future::pending()).await
+}
+
+/// [`run_shard`], and when `preempt` resolves (SIGTERM, SIGUSR1) the shard writes a checkpoint
+/// at the version it is at and at the next step boundary (bounded by [`PREEMPT_GRACE`]), then
+/// stops ([`Shard::request_preempt`] says why every shard then has a common version).
+pub async fn run_shard_preemptible(
+    setup: ShardSetup,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()>,
+    preempt: impl Future<Output = ()>,
+) -> anyhow::Result<Outcome> {
     let ShardSetup {
         cfg,
         index,
@@ -81,6 +103,17 @@ pub async fn run_shard(
     } = setup;
     let total_steps = cfg.total_steps(train_len)?;
     let resumed = resume_from.is_some();
+    if let (Some(saved), 0) = (&resume_from, index) {
+        // every step once in metrics.jsonl: the steps past the checkpoint are redone
+        let path = cfg.server.out_dir.join("metrics.jsonl");
+        if let Err(e) = report::truncate_metrics(&path, saved.version) {
+            tracing::warn!(
+                "cannot trim {} to version {}: {e}",
+                path.display(),
+                saved.version
+            );
+        }
+    }
     let shard = Shard::starting_from(&cfg, index, total_steps, resume_from);
     let reporter = Reporter::spawn(ReporterConfig {
         shard: index,
@@ -167,12 +200,23 @@ pub async fn run_shard(
     let outcome = tokio::select! {
         o = watch_run(&cfg, &watcher) => o,
         _ = shutdown => Outcome::Interrupted,
+        _ = preempt => preempted(&cfg, &watcher).await,
     };
     match &outcome {
         Outcome::Finished => {}
         Outcome::Failed(why) => {
             tracing::error!("shard {index}: run failed: {why}");
             shard.fail(why.clone());
+        }
+        Outcome::Preempted { saved } => {
+            let why = match saved {
+                Some(v) => format!(
+                    "shard {index} was preempted: checkpoint of version {v} written; start the cluster again with --resume"
+                ),
+                None => format!("shard {index} was preempted without a checkpoint"),
+            };
+            tracing::warn!("{why}");
+            shard.fail(why);
         }
         Outcome::Interrupted => {
             tracing::warn!(
@@ -236,6 +280,36 @@ pub fn load_checkpoint_of(
         checkpoint::file(&dir, index, s, version).display()
     );
     Ok(saved)
+}
+
+/// Preemption: checkpoints at the version the shard is at and at the next step boundary
+/// (bounded by [`PREEMPT_GRACE`]); a run already at its end finishes as usual instead.
+async fn preempted(cfg: &Config, svc: &ShardService) -> Outcome {
+    let shard = &svc.shard;
+    if shard.version() >= shard.total_steps {
+        return watch_run(cfg, svc).await;
+    }
+    let at = shard.request_preempt();
+    tracing::warn!(
+        "shard {}: preempted (SIGTERM or SIGUSR1) at version {at}: writing a checkpoint at the next step boundary, then stopping",
+        shard.index
+    );
+    let mut saved = shard.preempt_saved();
+    let next = at + 1;
+    let _ = tokio::time::timeout(
+        PREEMPT_GRACE,
+        saved.wait_for(|v| v.is_some_and(|v| v >= next)),
+    )
+    .await;
+    let v = *saved.borrow();
+    if v.is_none_or(|v| v < next) {
+        tracing::warn!(
+            "shard {}: version {next} not reached within {} s of the preemption (the workers stopped)",
+            shard.index,
+            PREEMPT_GRACE.as_secs()
+        );
+    }
+    Outcome::Preempted { saved: v }
 }
 
 /// Waits for the end of the run while acting on the barrier's verdicts (log the missing

@@ -2,7 +2,7 @@
 
 use clap::Parser;
 use ps_common::config::Overrides;
-use ps_server::{Outcome, load_checkpoint_of, load_setup, run_shard};
+use ps_server::{Outcome, load_checkpoint_of, load_setup, run_shard_preemptible};
 use std::path::PathBuf;
 
 #[derive(Parser, Debug)]
@@ -68,6 +68,7 @@ fn main() -> std::process::ExitCode {
     match rt.block_on(serve(cli)) {
         Ok(Outcome::Finished) => std::process::ExitCode::SUCCESS,
         Ok(Outcome::Interrupted) => std::process::ExitCode::from(130),
+        Ok(Outcome::Preempted { .. }) => std::process::ExitCode::from(143),
         Ok(Outcome::Failed(_)) => std::process::ExitCode::from(1),
         Err(e) => {
             eprintln!("error: {e:#}");
@@ -143,5 +144,15 @@ async fn serve(cli: Cli) -> anyhow::Result<Outcome> {
         std::fs::write(&tmp, format!("{bound}\n"))?;
         std::fs::rename(&tmp, f)?;
     }
-    run_shard(setup, listener, ps_common::shutdown_signal()).await
+    // Ctrl-C stops at once; SIGTERM (scancel, a pod's deletion, preemption) and SIGUSR1
+    // (Slurm's --signal=USR1@N) checkpoint at the next step boundary first
+    run_shard_preemptible(
+        setup,
+        listener,
+        async {
+            let _ = tokio::signal::ctrl_c().await;
+        },
+        ps_common::preempt_signal(),
+    )
+    .await
 }

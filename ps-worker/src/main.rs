@@ -40,6 +40,10 @@ struct Cli {
     run_id: Option<String>,
 }
 
+/// How long a worker told to stop (SIGTERM, SIGUSR1) keeps stepping for the shards' preemption
+/// checkpoint before it exits anyway (the shards wait at most `ps_server::PREEMPT_GRACE`).
+const PREEMPT_WORKER_GRACE: std::time::Duration = std::time::Duration::from_secs(20);
+
 fn main() -> std::process::ExitCode {
     ps_common::tune_allocator();
     ps_common::init_logging();
@@ -127,8 +131,20 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         tokio::select! {
             done = run_worker(WorkerSetup { cfg, servers, rank, train, test, backend }) => done.map(drop),
             // dropping the run removes this worker's shared-memory board
-            () = ps_common::shutdown_signal() => {
-                anyhow::bail!("worker {rank}: interrupted (SIGINT or SIGTERM)")
+            _ = tokio::signal::ctrl_c() => {
+                anyhow::bail!("worker {rank}: interrupted (SIGINT)")
+            }
+            // preemption: the shards checkpoint at the next step boundary, which needs this
+            // worker's pushes; it goes on until the shards stop (bounded)
+            () = async {
+                ps_common::preempt_signal().await;
+                tracing::warn!(
+                    "worker {rank}: SIGTERM or SIGUSR1: going on until the shards have checkpointed and stopped (at most {} s)",
+                    PREEMPT_WORKER_GRACE.as_secs()
+                );
+                tokio::time::sleep(PREEMPT_WORKER_GRACE).await;
+            } => {
+                anyhow::bail!("worker {rank}: preempted (SIGTERM or SIGUSR1)")
             }
         }
     })

@@ -400,11 +400,19 @@ fn every_shell_script_parses() {
     // GPUs are opt-in (a cluster without GPUs rejects any GPU request), the defaults fit a
     // 2-CPU node, and the job is told before its end to checkpoint (SIGUSR1)
     assert!(
-        !directives.iter().any(|l| l.contains("gpu") || l.contains("gres")),
+        !directives
+            .iter()
+            .any(|l| l.contains("gpu") || l.contains("gres")),
         "no GPU request by default: {directives:?}"
     );
-    assert!(directives.contains(&"#SBATCH --cpus-per-task=1"), "{directives:?}");
-    assert!(directives.contains(&"#SBATCH --signal=B:USR1@120"), "{directives:?}");
+    assert!(
+        directives.contains(&"#SBATCH --cpus-per-task=1"),
+        "{directives:?}"
+    );
+    assert!(
+        directives.contains(&"#SBATCH --signal=B:USR1@120"),
+        "{directives:?}"
+    );
     let mut launches = 0;
     for (bin, needed) in [
         ("ps-server", &["--config", "--shard", "--listen"][..]),
@@ -919,7 +927,8 @@ fn slurm_job_runs_a_whole_cluster_with_a_stand_in_srun() {
     }
     for i in 0..2 {
         assert!(
-            tmp.join(format!("out/slurm-4242/shard-{i}.safetensors")).exists(),
+            tmp.join(format!("out/slurm-4242/shard-{i}.safetensors"))
+                .exists(),
             "final weights of shard {i} in the job's folder under the template's out_dir"
         );
     }
@@ -1016,7 +1025,10 @@ fn slurm_job_fails_within_the_wait_naming_a_shard_that_never_listens() {
     env.retain(|(k, _)| *k != "PS_BIN");
     env.push(("PS_BIN", fake.display().to_string()));
     env.push(("PS_SHARD_WAIT", "3".into()));
-    env.push(("FAKE_WORKER_MARK", tmp.join("worker-ran").display().to_string()));
+    env.push((
+        "FAKE_WORKER_MARK",
+        tmp.join("worker-ran").display().to_string(),
+    ));
     let (st, out, err, took) = run_sbatch(&[&template], &env, &tmp, Duration::from_secs(60));
     assert_eq!(st.code(), Some(3), "{out}\n{err}");
     assert!(took < Duration::from_secs(30), "fails fast: {took:?}");
