@@ -44,6 +44,10 @@ struct Cli {
     /// Start from the checkpoints of run RUN (another run's; see `--resume`).
     #[arg(long, value_name = "RUN", conflicts_with = "resume")]
     resume_from: Option<String>,
+    /// Override a config key for every process: `--set section.key=value` (repeatable; the
+    /// environment's `PS_SET_<SECTION>_<KEY>` reach them too), checked and logged.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    set: Vec<String>,
     /// The run id given to every shard and worker (default: PS_RUN_ID, `[cluster] run_id`,
     /// SLURM_JOB_ID, PS_K8S_JOB_UID; with `--resume` the id in `<out_dir>/run_id`; else a new
     /// one). Shards refuse the requests of another run's processes.
@@ -89,7 +93,15 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
         libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
     }
-    let mut cfg = Config::load(&cli.config)?;
+    let env: std::collections::HashMap<String, String> = std::env::vars().collect();
+    let mut overrides = ps_common::config::Overrides::from_env(&env);
+    overrides
+        .set_from_cli(&cli.set)
+        .map_err(anyhow::Error::msg)?;
+    let mut cfg = Config::load_with(&cli.config, &overrides)?;
+    for line in overrides.describe().lines() {
+        eprintln!("ps-launch: {line}");
+    }
     if let Some(d) = &cli.data_dir {
         cfg.data.dir = d.clone();
     }
@@ -102,7 +114,6 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         return export(&cfg, &out_dir);
     }
     // the run id: given, else (on --resume) the one of the run in out_dir, else a new one
-    let env: std::collections::HashMap<String, String> = std::env::vars().collect();
     let id_file = out_dir.join("run_id");
     let mut run = cfg.resolve_run_id(cli.run_id.as_deref(), &env)?;
     if run.id.is_none() {
@@ -154,6 +165,11 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         for args in [&mut server_args, &mut worker_args] {
             args.push("--data-dir".into());
             args.push(d.display().to_string());
+        }
+    }
+    for set in &cli.set {
+        for args in [&mut server_args, &mut worker_args] {
+            args.extend(["--set".to_string(), set.clone()]);
         }
     }
     if cli.resume {

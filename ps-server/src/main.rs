@@ -36,6 +36,10 @@ struct Cli {
     /// Resume (as `--resume`) from the checkpoints of run RUN, another run's.
     #[arg(long, value_name = "RUN")]
     resume_from: Option<String>,
+    /// Override a config key: `--set section.key=value` (repeatable; after the environment's
+    /// `PS_SET_<SECTION>_<KEY>`), checked like the file's value and logged.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    set: Vec<String>,
     /// This run's id (default: PS_RUN_ID, `[cluster] run_id`, SLURM_JOB_ID, PS_K8S_JOB_UID);
     /// requests of another run are refused.
     #[arg(long)]
@@ -78,12 +82,17 @@ fn main() -> std::process::ExitCode {
 }
 
 async fn serve(cli: Cli) -> anyhow::Result<Outcome> {
-    let overrides = Overrides {
-        data_dir: cli.data_dir,
-        out_dir: cli.out_dir,
-    };
-    let mut setup = load_setup(&cli.config, cli.shard, cli.shard0, &overrides)?;
     let env: std::collections::HashMap<String, String> = std::env::vars().collect();
+    let mut overrides = Overrides::from_env(&env);
+    overrides.data_dir = cli.data_dir;
+    overrides.out_dir = cli.out_dir;
+    overrides
+        .set_from_cli(&cli.set)
+        .map_err(anyhow::Error::msg)?;
+    for line in overrides.describe().lines() {
+        tracing::info!("shard {}: {line}", cli.shard);
+    }
+    let mut setup = load_setup(&cli.config, cli.shard, cli.shard0, &overrides)?;
     let run = setup.cfg.resolve_run_id(cli.run_id.as_deref(), &env)?;
     tracing::info!(
         "shard {}: {} (run id from {})",

@@ -34,6 +34,10 @@ struct Cli {
     /// Dataset directory instead of the config's `[data] dir`.
     #[arg(long)]
     data_dir: Option<PathBuf>,
+    /// Override a config key: `--set section.key=value` (repeatable; after the environment's
+    /// `PS_SET_<SECTION>_<KEY>`), checked like the file's value and logged.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    set: Vec<String>,
     /// This run's id (default: PS_RUN_ID, `[cluster] run_id`, SLURM_JOB_ID, PS_K8S_JOB_UID);
     /// shards of another run refuse this worker.
     #[arg(long)]
@@ -58,11 +62,18 @@ fn main() -> std::process::ExitCode {
 }
 
 fn run(cli: Cli) -> anyhow::Result<()> {
-    let mut cfg = Config::load(&cli.config)?;
+    let env: std::collections::HashMap<String, String> = std::env::vars().collect();
+    let mut overrides = ps_common::config::Overrides::from_env(&env);
+    overrides
+        .set_from_cli(&cli.set)
+        .map_err(anyhow::Error::msg)?;
+    let mut cfg = Config::load_with(&cli.config, &overrides)?;
+    for line in overrides.describe().lines() {
+        tracing::info!("worker: {line}");
+    }
     if let Some(d) = cli.data_dir {
         cfg.data.dir = d;
     }
-    let env = std::env::vars().collect();
     let run = cfg.resolve_run_id(cli.run_id.as_deref(), &env)?;
     let place = ps_worker::env::resolve(cli.rank, cli.world_size, cli.local_rank, &env)
         .map_err(anyhow::Error::msg)?;
