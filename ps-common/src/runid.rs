@@ -6,8 +6,9 @@
 //! metadata.
 //!
 //! Where it comes from, first found wins ([`resolve`]): the `--run-id` flag, the `PS_RUN_ID`
-//! environment variable, `[cluster] run_id`, `SLURM_JOB_ID`, the Kubernetes Job's UID
-//! (`PS_K8S_JOB_UID`, which the manifest sets from the pod's `controller-uid` label), else none.
+//! environment variable, `[cluster] run_id`, `SLURM_JOB_ID`, a Kubernetes UID (`PS_K8S_JOB_UID`,
+//! from the downward API; it must be the same for the shard and the worker pods, so one owner's
+//! UID, not each Job's own `controller-uid`), else none.
 //! `ps-launch` generates one when none is found ([`generate`]) and passes it to its shards and
 //! workers. Processes without any id form the "unnamed" run: they accept one another only.
 
