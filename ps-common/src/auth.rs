@@ -133,12 +133,24 @@ impl TlsFiles {
 pub struct ClientSecurity {
     token: Option<Token>,
     tls: Option<TlsFiles>,
+    /// The run id sent on every request (`crate::runid`); None for the unnamed run.
+    run_id: Option<String>,
 }
 
 impl ClientSecurity {
     /// What `[cluster]` asks for.
     pub fn new(token: Option<Token>, tls: Option<TlsFiles>) -> Self {
-        Self { token, tls }
+        Self {
+            token,
+            tls,
+            run_id: None,
+        }
+    }
+
+    /// The same, sending `run_id` (a valid id, `crate::runid::validate`) on every request.
+    pub fn with_run_id(mut self, run_id: Option<String>) -> Self {
+        self.run_id = run_id;
+        self
     }
 
     /// Whether connections use TLS.
@@ -168,24 +180,35 @@ impl ClientSecurity {
         .map_err(|e| format!("TLS set-up for {addr}: {e}"))
     }
 
-    /// The interceptor that adds the token.
+    /// The interceptor that adds the token and the run id.
     pub fn interceptor(&self) -> AddToken {
-        AddToken::new(self.token.as_ref())
+        AddToken::new(self.token.as_ref()).with_run_id(self.run_id.as_deref())
     }
 }
 
-/// Client side: adds the token to every request (nothing without one).
+/// Client side: adds the token (nothing without one) and the run id (`x-ps-run-id`, nothing
+/// for the unnamed run) to every request.
 #[derive(Clone, Debug, Default)]
-pub struct AddToken(Option<AsciiMetadataValue>);
+pub struct AddToken(Option<AsciiMetadataValue>, Option<AsciiMetadataValue>);
 
 impl AddToken {
     /// Adds `token`, if any.
     pub fn new(token: Option<&Token>) -> Self {
-        Self(token.map(|t| {
-            t.header()
-                .parse()
-                .expect("a token of printable ASCII is a valid header value")
-        }))
+        Self(
+            token.map(|t| {
+                t.header()
+                    .parse()
+                    .expect("a token of printable ASCII is a valid header value")
+            }),
+            None,
+        )
+    }
+
+    /// Also adds `run_id` (an id that [`crate::runid::validate`] accepts is a valid header
+    /// value; another is left out, and the shard then refuses the request as another run's).
+    pub fn with_run_id(mut self, run_id: Option<&str>) -> Self {
+        self.1 = run_id.and_then(|id| id.parse().ok());
+        self
     }
 }
 
@@ -194,15 +217,20 @@ impl Interceptor for AddToken {
         if let Some(v) = &self.0 {
             req.metadata_mut().insert("authorization", v.clone());
         }
+        if let Some(v) = &self.1 {
+            req.metadata_mut().insert(crate::runid::HEADER, v.clone());
+        }
         Ok(req)
     }
 }
 
-/// Server side: refuses every request that does not carry the token (accepts all without one).
+/// Server side: refuses every request that does not carry the token (accepts all without one),
+/// and every request of another run (a run id other than the shard's, `crate::runid`).
 #[derive(Clone, Debug, Default)]
 pub struct CheckToken {
     expected: Option<Arc<[u8]>>,
     shard: usize,
+    run_id: Option<Arc<str>>,
 }
 
 impl CheckToken {
@@ -211,13 +239,50 @@ impl CheckToken {
         Self {
             expected: token.map(|t| t.header().into_bytes().into()),
             shard,
+            run_id: None,
         }
+    }
+
+    /// Also refuses requests whose run id differs from `run_id` (None: the unnamed run, which
+    /// accepts only requests without a run id).
+    pub fn with_run_id(mut self, run_id: Option<&str>) -> Self {
+        self.run_id = run_id.map(Into::into);
+        self
+    }
+
+    /// The run check: after the token (an unauthenticated peer learns nothing of the run).
+    fn check_run(&self, req: &Request<()>) -> Result<(), Status> {
+        let theirs = req
+            .metadata()
+            .get(crate::runid::HEADER)
+            .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned());
+        if theirs.as_deref() == self.run_id.as_deref() {
+            return Ok(());
+        }
+        let peer = req
+            .remote_addr()
+            .map_or_else(|| "an unknown peer".to_string(), |a| a.to_string());
+        let (ours, theirs) = (
+            crate::runid::show(self.run_id.as_deref()),
+            crate::runid::show(theirs.as_deref()),
+        );
+        tracing::warn!(
+            "shard {}: refused a request from {peer} of {theirs} (this shard belongs to {ours})",
+            self.shard
+        );
+        Err(PsError::RunMismatch {
+            shard: self.shard,
+            ours,
+            theirs,
+        }
+        .into())
     }
 }
 
 impl Interceptor for CheckToken {
     fn call(&mut self, req: Request<()>) -> Result<Request<()>, Status> {
         let Some(expected) = &self.expected else {
+            self.check_run(&req)?;
             return Ok(req);
         };
         let got = req
@@ -225,6 +290,7 @@ impl Interceptor for CheckToken {
             .get("authorization")
             .map_or(&[][..], |v| v.as_bytes());
         if constant_time_eq(got, expected) {
+            self.check_run(&req)?;
             return Ok(req);
         }
         let peer = req
@@ -287,6 +353,42 @@ mod tests {
         );
         // no token configured: nothing is checked
         assert!(CheckToken::new(None, 0).call(Request::new(())).is_ok());
+        // the run id: equal ids pass, another run (or none against one) is refused naming both
+        let mut run7 = CheckToken::new(Some(&t), 1).with_run_id(Some("7"));
+        let req = AddToken::new(Some(&t))
+            .with_run_id(Some("7"))
+            .call(Request::new(()))
+            .unwrap();
+        assert!(run7.call(req).is_ok());
+        let req = AddToken::new(Some(&t))
+            .with_run_id(Some("6"))
+            .call(Request::new(()))
+            .unwrap();
+        let e = run7.call(req).unwrap_err();
+        assert_eq!(e.code(), tonic::Code::FailedPrecondition);
+        assert!(
+            e.message().contains("shard 1 belongs to run 7")
+                && e.message().contains("comes from run 6"),
+            "{e:?}"
+        );
+        let req = AddToken::new(Some(&t)).call(Request::new(())).unwrap();
+        let e = run7.call(req).unwrap_err();
+        assert!(e.message().contains("unnamed run"), "{e:?}");
+        let req = AddToken::default()
+            .with_run_id(Some("6"))
+            .call(Request::new(()))
+            .unwrap();
+        let e = CheckToken::new(None, 0).call(req).unwrap_err();
+        assert!(e.message().contains("belongs to the unnamed run"), "{e:?}");
+        // a wrong token is refused as such, before the run is looked at
+        let req = AddToken::new(Some(&other))
+            .with_run_id(Some("6"))
+            .call(Request::new(()))
+            .unwrap();
+        assert_eq!(
+            run7.call(req).unwrap_err().code(),
+            tonic::Code::Unauthenticated
+        );
         assert!(constant_time_eq(b"abc", b"abc"));
         assert!(!constant_time_eq(b"abc", b"abd"));
         assert!(!constant_time_eq(b"ab", b"abc"));

@@ -29,6 +29,8 @@ pub const CONNECTION_WINDOW_BYTES: u32 = 16 << 20;
 pub const MAX_FRAME_BYTES: u32 = (1 << 20) - 1;
 /// Bound on one TCP (and TLS) connection attempt.
 pub const CONNECT_ATTEMPT: Duration = Duration::from_secs(5);
+/// How often a client still trying to connect says so.
+pub const CONNECT_LOG_EVERY: Duration = Duration::from_secs(3);
 /// Transport failures a push survives before it gives up (backoff 200 ms, 400 ms, ... 3.2 s).
 pub const PUSH_RETRIES: u32 = 5;
 
@@ -73,7 +75,23 @@ fn refused(shard: usize, what: String) -> impl FnOnce(Status) -> ClientError {
     move |status| ClientError::Refused {
         shard,
         what,
-        status,
+        status: name_transport_failure(status),
+    }
+}
+
+/// A transport failure (a status the shard did not send: the connection failed under the call)
+/// with its kind in words (`crate::neterr::kind`) before tonic's "transport error"; the code is
+/// kept, so retrying decides as before.
+fn name_transport_failure(status: Status) -> Status {
+    if !is_retryable_code(status.code()) {
+        return status;
+    }
+    let text = crate::neterr::chain(&status);
+    match crate::neterr::kind(&text) {
+        Some(k) if !status.message().starts_with(k) => {
+            Status::new(status.code(), format!("{k} ({})", status.message()))
+        }
+        _ => status,
     }
 }
 
@@ -195,7 +213,9 @@ impl ShardClient {
         let start = Instant::now();
         let endpoint = endpoint(addr, security).map_err(ClientError::BadAddress)?;
         let mut delay = Duration::from_millis(50);
+        let (mut tries, mut said) = (0u32, Instant::now());
         loop {
+            tries += 1;
             match endpoint.connect().await {
                 Ok(ch) => {
                     let rpc = ParameterServerClient::with_interceptor(ch, security.interceptor())
@@ -209,7 +229,18 @@ impl ShardClient {
                     });
                 }
                 Err(e) if start.elapsed() < patience => {
-                    tracing::debug!("connecting to {addr}: {e}; retrying in {delay:?}");
+                    // loud while it lasts: what was tried and what failed, every few seconds
+                    if said.elapsed() >= CONNECT_LOG_EVERY {
+                        said = Instant::now();
+                        tracing::warn!(
+                            "cannot reach shard {shard} at {addr} yet: {}; tried {tries} times in {:.0} s, trying until {:.0} s ([worker] connect_timeout_secs)",
+                            crate::neterr::explain(&e, security.uses_tls()),
+                            start.elapsed().as_secs_f64(),
+                            patience.as_secs_f64()
+                        );
+                    } else {
+                        tracing::debug!("connecting to {addr}: {e}; retrying in {delay:?}");
+                    }
                     tokio::time::sleep(delay).await;
                     delay = (delay * 2).min(Duration::from_secs(2));
                 }
@@ -562,6 +593,11 @@ mod tests {
             "{e}"
         );
         assert!(e.is_retryable());
+        assert!(
+            e.to_string()
+                .contains("connection refused: nothing listens"),
+            "the kind of failure is named: {e}"
+        );
         let e = ShardClient::connect(0, "no port", &ClientSecurity::default(), Duration::ZERO)
             .await
             .unwrap_err();

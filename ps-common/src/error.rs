@@ -134,6 +134,18 @@ pub enum PsError {
     /// The request lacks the cluster's shared token, or carries another.
     #[error("unauthenticated {0}")]
     Unauthenticated(String),
+    /// The request comes from a process of another run (`ps_common::runid`).
+    #[error(
+        "shard {shard} belongs to {ours}, but this request comes from {theirs}: a process of another run cannot join (two jobs on the same ports or folders? give each job its own ports and run id)"
+    )]
+    RunMismatch {
+        /// The shard.
+        shard: usize,
+        /// The shard's run, in words (`run 7`).
+        ours: String,
+        /// The requester's run, in words.
+        theirs: String,
+    },
 }
 
 impl PsError {
@@ -141,6 +153,7 @@ impl PsError {
     pub fn code(&self) -> Code {
         match self {
             PsError::ProtocolMismatch { .. }
+            | PsError::RunMismatch { .. }
             | PsError::ClusterMismatch(_)
             | PsError::NotRegistered(_) => Code::FailedPrecondition,
             PsError::StaleStep { .. } | PsError::FutureStep { .. } => Code::FailedPrecondition,

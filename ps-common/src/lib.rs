@@ -17,6 +17,7 @@ pub mod noise;
 pub mod optim;
 pub mod order;
 pub mod plan;
+pub mod runid;
 pub mod shm;
 pub mod weights;
 pub mod wire;
@@ -57,6 +58,23 @@ pub fn init_logging() {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr)
         .try_init();
+}
+
+/// Resolves at the first SIGTERM or SIGUSR1: a scheduler preempting or ending the job
+/// (Kubernetes and `scancel` send SIGTERM; Slurm's `--signal=USR1@N` warns N seconds ahead).
+/// Never resolves when the handlers cannot be installed.
+pub async fn preempt_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (Ok(mut term), Ok(mut usr1)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::user_defined1()),
+    ) else {
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = usr1.recv() => {}
+    }
 }
 
 /// Resolves at the first SIGINT (Ctrl-C) or SIGTERM (a launcher stopping its children).

@@ -35,12 +35,65 @@ pub fn tls_mismatch(text: &str, client_tls: bool) -> Option<&'static str> {
     }
 }
 
-/// `err` as one line, followed by the TLS mismatch it shows, if any.
+/// What kind of connection failure `text` (an error chain) shows, in words: DNS, refused,
+/// timeout, TLS, unreachable network, reset; None when it shows none of them.
+pub fn kind(text: &str) -> Option<&'static str> {
+    let t = text.to_ascii_lowercase();
+    let has = |needles: &[&str]| needles.iter().any(|n| t.contains(n));
+    if has(&[
+        "dns error",
+        "failed to lookup address",
+        "name or service not known",
+        "no address associated",
+        "temporary failure in name resolution",
+        "nodename nor servname",
+    ]) {
+        Some(
+            "DNS: the shard's host name does not resolve (a typo, or the service/pod does not exist yet)",
+        )
+    } else if has(&["connection refused"]) {
+        Some(
+            "connection refused: nothing listens on that port (the shard has not started, has exited, or the port is wrong)",
+        )
+    } else if has(&[
+        "timed out",
+        "deadline has elapsed",
+        "timeout expired",
+        "deadline exceeded",
+    ]) {
+        Some(
+            "timeout: no answer (the host is down, or a firewall or NetworkPolicy drops the packets)",
+        )
+    } else if has(&[
+        "certificate",
+        "invalidcertificate",
+        "unknownissuer",
+        "handshake",
+        "tls",
+        "alert",
+    ]) {
+        Some("TLS: the handshake failed (certificate, CA, name or a TLS/plain-text mismatch)")
+    } else if has(&[
+        "no route to host",
+        "network is unreachable",
+        "host is unreachable",
+    ]) {
+        Some("unreachable: no route to the shard's host")
+    } else if has(&["connection reset", "broken pipe", "connection aborted"]) {
+        Some("connection reset: the shard closed the connection (it stopped or restarted)")
+    } else {
+        None
+    }
+}
+
+/// `err` as one line, followed by the TLS mismatch it shows, if any; otherwise led by the kind
+/// of failure ([`kind`]), so a log never says only "transport error".
 pub fn explain(err: &(dyn Error + 'static), client_tls: bool) -> String {
     let text = chain(err);
-    match tls_mismatch(&text, client_tls) {
-        Some(why) => format!("{text} ({why})"),
-        None => text,
+    match (tls_mismatch(&text, client_tls), kind(&text)) {
+        (Some(why), _) => format!("{text} ({why})"),
+        (None, Some(k)) => format!("{k} ({text})"),
+        (None, None) => text,
     }
 }
 
@@ -67,5 +120,35 @@ mod tests {
         assert_eq!(tls_mismatch("connection refused", true), None);
         let e = std::io::Error::other("frame with invalid size");
         assert!(explain(&e, false).starts_with("frame with invalid size (TLS expected"));
+    }
+
+    #[test]
+    fn failures_are_named_by_kind() {
+        let cases = [
+            (
+                "transport error: dns error: failed to lookup address information: Name or service not known",
+                "DNS",
+            ),
+            (
+                "transport error: tcp connect error: Connection refused (os error 111)",
+                "connection refused",
+            ),
+            ("transport error: timed out", "timeout"),
+            (
+                "transport error: invalid peer certificate: UnknownIssuer",
+                "TLS",
+            ),
+            (
+                "tcp connect error: No route to host (os error 113)",
+                "unreachable",
+            ),
+            ("connection reset by peer", "connection reset"),
+        ];
+        for (text, want) in cases {
+            assert!(kind(text).unwrap().starts_with(want), "{text}");
+            let e = std::io::Error::other(text);
+            assert!(explain(&e, false).starts_with(want), "{text}");
+        }
+        assert_eq!(kind("transport error"), None);
     }
 }

@@ -78,6 +78,8 @@ pub struct LocalCluster {
     pub elastic: bool,
     /// Indices of the workers whose failure [`LocalCluster::elastic`] let the run outlive.
     tolerated: Vec<usize>,
+    /// The run id every process is given (`--run-id`), when set (`ps_common::runid`).
+    pub run_id: Option<String>,
 }
 
 impl LocalCluster {
@@ -95,6 +97,7 @@ impl LocalCluster {
             worker_args: Vec::new(),
             elastic: false,
             tolerated: Vec::new(),
+            run_id: None,
         }
     }
 
@@ -113,6 +116,9 @@ impl LocalCluster {
         }
         let mut cmd = Command::new(path);
         cmd.arg("--config").arg(&self.config).stdin(Stdio::null());
+        if let Some(id) = &self.run_id {
+            cmd.arg("--run-id").arg(id);
+        }
         // SAFETY: prctl is async-signal-safe and touches only the child's own process state.
         unsafe {
             cmd.pre_exec(|| {
@@ -439,7 +445,8 @@ pub fn tidy(p: &Path) -> PathBuf {
 }
 
 /// What a run writes into its output directory; a new run moves an earlier run's copies aside.
-pub const RUN_OUTPUTS: [&str; 5] = [
+pub const RUN_OUTPUTS: [&str; 6] = [
+    "run_id",
     "model.safetensors",
     "curves.svg",
     "metrics.jsonl",

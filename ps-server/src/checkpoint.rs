@@ -56,9 +56,29 @@ impl Plan {
         })
     }
 
+    /// The plan of a preemption checkpoint (SIGTERM, SIGUSR1): written whatever `[checkpoint]
+    /// every` says, into the same directory, keeping at least the two newest (a shard writes
+    /// the version it is at and the next one, see `Shard::request_preempt`).
+    pub fn for_preemption(cfg: &Config, index: usize, range: Range<usize>) -> Self {
+        Self {
+            every: 0,
+            keep: cfg.checkpoint.keep.max(2),
+            max_failures: cfg.checkpoint.max_failures,
+            dir: cfg.checkpoint_dir(),
+            id: Identity::of(cfg, index, range),
+            consecutive_failures: AtomicU32::new(0),
+        }
+    }
+
+    /// Writes `saved` and prunes older checkpoints, retrying once as
+    /// [`Plan::write_retrying`] does; true when written (a failure is logged).
+    pub fn write_checked(&self, version: u64, saved: Result<Saved, String>) -> bool {
+        self.write_retrying(version, saved).written
+    }
+
     /// True when `version` is one to checkpoint.
     pub fn due(&self, version: u64) -> bool {
-        version > 0 && version.is_multiple_of(self.every)
+        self.every > 0 && version > 0 && version.is_multiple_of(self.every)
     }
 
     /// Writes `saved` and prunes older checkpoints, retrying a failed write once (a failed
@@ -149,6 +169,9 @@ pub struct Identity {
     pub num_params: usize,
     /// The optimizer, described (state layout and meaning).
     pub optimizer: String,
+    /// The run the checkpoint belongs to (`ps_common::runid`; None: the unnamed run). Reading
+    /// refuses a checkpoint of another run, naming both.
+    pub run_id: Option<String>,
 }
 
 impl Identity {
@@ -160,6 +183,7 @@ impl Identity {
             range,
             num_params: cfg.spec().num_params(),
             optimizer: cfg.optimizer.describe(),
+            run_id: cfg.cluster.run_id.clone(),
         }
     }
 
@@ -173,6 +197,7 @@ impl Identity {
             ("optimizer", self.optimizer.clone()),
             ("version", version.to_string()),
             ("opt_steps", opt_steps.to_string()),
+            ("run_id", self.run_id.clone().unwrap_or_default()),
         ]
         .into_iter()
         .map(|(k, v)| (k.to_string(), v))
@@ -315,8 +340,18 @@ pub fn read(dir: &Path, id: &Identity, version: u64, fresh: &OptState) -> Result
     let (tensors, meta) = read_safetensors(&path).map_err(|e| e.to_string())?;
     let bad = |what: String| format!("{}: {what}", path.display());
     let expected = id.metadata(version, 0);
+    // another run's checkpoint (files without a run id are the unnamed run's)
+    let theirs = meta.get("run_id").filter(|s| !s.is_empty());
+    if theirs != id.run_id.as_ref() {
+        return Err(bad(format!(
+            "a checkpoint of {}, but this is {}: --resume continues only its own run's checkpoints; to start from this one, pass --resume-from {}",
+            ps_common::runid::show(theirs.map(String::as_str)),
+            ps_common::runid::show(id.run_id.as_deref()),
+            theirs.map_or("\"\"", String::as_str)
+        )));
+    }
     for (k, want) in &expected {
-        if k == "opt_steps" {
+        if k == "opt_steps" || k == "run_id" {
             continue;
         }
         let got = meta.get(k).map(String::as_str).unwrap_or("(missing)");
@@ -374,6 +409,7 @@ mod tests {
             range: shard * 5..shard * 5 + 5,
             num_params: 10,
             optimizer: "sgd(momentum 0.9)".into(),
+            run_id: Some("r1".into()),
         }
     }
 
@@ -410,6 +446,17 @@ mod tests {
         };
         let e = read(dir.path(), &other, 20, &fresh).unwrap_err();
         assert!(e.contains("metadata optimizer"), "{e}");
+        // another run's checkpoint is refused, naming both runs and the way out
+        let other_run = Identity {
+            run_id: Some("r2".into()),
+            ..id(0)
+        };
+        let e = read(dir.path(), &other_run, 20, &fresh).unwrap_err();
+        assert!(
+            e.contains("a checkpoint of run r1, but this is run r2")
+                && e.contains("--resume-from r1"),
+            "{e}"
+        );
         let e = read(
             dir.path(),
             &id(0),

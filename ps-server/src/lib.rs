@@ -45,9 +45,19 @@ pub enum Outcome {
     Finished,
     /// The barrier timed out or another fatal condition; the message says why.
     Failed(String),
-    /// The shutdown future fired (Ctrl-C, SIGTERM) before the end.
+    /// The shutdown future fired (Ctrl-C) before the end.
     Interrupted,
+    /// Preempted (SIGTERM, SIGUSR1): the shard wrote a checkpoint at a step boundary (the
+    /// newest: `saved`, None if it could not) and stopped; `--resume` continues from it.
+    Preempted {
+        /// The newest version checkpointed on preemption.
+        saved: Option<u64>,
+    },
 }
+
+/// How long a preempted shard waits for the step boundary after the version it is at
+/// (the workers finishing the step in flight) before it stops with what it has written.
+pub const PREEMPT_GRACE: Duration = Duration::from_secs(10);
 
 /// Everything a shard needs to run.
 #[derive(Debug)]
@@ -78,6 +88,18 @@ pub async fn run_shard(
     listener: TcpListener,
     shutdown: impl Future<Output = ()>,
 ) -> anyhow::Result<Outcome> {
+    run_shard_preemptible(setup, listener, shutdown, std::future::pending()).await
+}
+
+/// [`run_shard`], and when `preempt` resolves (SIGTERM, SIGUSR1) the shard writes a checkpoint
+/// at the version it is at and at the next step boundary (bounded by [`PREEMPT_GRACE`]), then
+/// stops ([`Shard::request_preempt`] says why every shard then has a common version).
+pub async fn run_shard_preemptible(
+    setup: ShardSetup,
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()>,
+    preempt: impl Future<Output = ()>,
+) -> anyhow::Result<Outcome> {
     let ShardSetup {
         cfg,
         index,
@@ -96,6 +118,17 @@ pub async fn run_shard(
         None => None,
     };
     let resumed = resume_from.is_some();
+    if let (Some(saved), 0) = (&resume_from, index) {
+        // every step once in metrics.jsonl: the steps past the checkpoint are redone
+        let path = cfg.server.out_dir.join("metrics.jsonl");
+        if let Err(e) = report::truncate_metrics(&path, saved.version) {
+            tracing::warn!(
+                "cannot trim {} to version {}: {e}",
+                path.display(),
+                saved.version
+            );
+        }
+    }
     let shard = Shard::try_starting_from(&cfg, index, total_steps, resume_from)
         .map_err(anyhow::Error::msg)?;
     let reporter = Reporter::spawn(ReporterConfig {
@@ -140,6 +173,7 @@ pub async fn run_shard(
         pull_timeout: Duration::from_secs_f64(cfg.server.pull_timeout_secs),
         chunk_bytes: cfg.server.chunk_bytes,
         all_left: all_left.clone(),
+        run_id: cfg.cluster.run_id.clone().unwrap_or_default(),
         metrics,
         peers: Default::default(),
         test_slices: test_len.map(|n| {
@@ -159,7 +193,8 @@ pub async fn run_shard(
         ParameterServerServer::new(svc)
             .max_decoding_message_size(MAX_MESSAGE_BYTES)
             .max_encoding_message_size(MAX_MESSAGE_BYTES),
-        ps_common::auth::CheckToken::new(cfg.cluster.token.as_ref(), index),
+        ps_common::auth::CheckToken::new(cfg.cluster.token.as_ref(), index)
+            .with_run_id(cfg.cluster.run_id.as_deref()),
     );
     tracing::info!(
         "shard {index}/{}: parameters {}..{} ({} values) of {}, {} steps, listening on {}",
@@ -209,12 +244,23 @@ pub async fn run_shard(
     let outcome = tokio::select! {
         o = watch_run(&cfg, &watcher) => o,
         _ = shutdown => Outcome::Interrupted,
+        _ = preempt => preempted(&cfg, &watcher).await,
     };
     match &outcome {
         Outcome::Finished => {}
         Outcome::Failed(why) => {
             tracing::error!("shard {index}: run failed: {why}");
             shard.fail(why.clone());
+        }
+        Outcome::Preempted { saved } => {
+            let why = match saved {
+                Some(v) => format!(
+                    "shard {index} was preempted: checkpoint of version {v} written; start the cluster again with --resume"
+                ),
+                None => format!("shard {index} was preempted without a checkpoint"),
+            };
+            tracing::warn!("{why}");
+            shard.fail(why);
         }
         Outcome::Interrupted => {
             tracing::warn!(
@@ -275,6 +321,17 @@ fn check_writable(dir: &std::path::Path) -> std::io::Result<()> {
 /// The state shard `index` resumes from: the newest version of which every shard has a
 /// checkpoint in the config's checkpoint directory; the error says what is missing or wrong.
 pub fn load_checkpoint(cfg: &Config, index: usize, train_len: usize) -> anyhow::Result<Saved> {
+    load_checkpoint_of(cfg, index, train_len, None)
+}
+
+/// [`load_checkpoint`] of run `from` (`--resume-from RUN`), instead of this run's own (the
+/// config's `[cluster] run_id`); a checkpoint of any other run is refused, naming both.
+pub fn load_checkpoint_of(
+    cfg: &Config,
+    index: usize,
+    train_len: usize,
+    from: Option<&str>,
+) -> anyhow::Result<Saved> {
     let total_steps = cfg.total_steps(train_len)?;
     let dir = cfg.checkpoint_dir();
     let s = cfg.num_shards();
@@ -300,13 +357,47 @@ pub fn load_checkpoint(cfg: &Config, index: usize, train_len: usize) -> anyhow::
     }
     let range = Shard::range_of(cfg, index);
     let fresh = cfg.optimizer.init_state(range.len());
-    let saved = checkpoint::read(&dir, &Identity::of(cfg, index, range), version, &fresh)
+    let mut id = Identity::of(cfg, index, range);
+    if let Some(run) = from {
+        id.run_id = (!run.is_empty()).then(|| run.to_string());
+    }
+    let saved = checkpoint::read(&dir, &id, version, &fresh)
         .map_err(|e| anyhow::anyhow!("--resume: {e}"))?;
     tracing::info!(
         "shard {index}: resuming at version {version} from {}",
         checkpoint::file(&dir, index, s, version).display()
     );
     Ok(saved)
+}
+
+/// Preemption: checkpoints at the version the shard is at and at the next step boundary
+/// (bounded by [`PREEMPT_GRACE`]); a run already at its end finishes as usual instead.
+async fn preempted(cfg: &Config, svc: &ShardService) -> Outcome {
+    let shard = &svc.shard;
+    if shard.version() >= shard.total_steps {
+        return watch_run(cfg, svc).await;
+    }
+    let at = shard.request_preempt();
+    tracing::warn!(
+        "shard {}: preempted (SIGTERM or SIGUSR1) at version {at}: writing a checkpoint at the next step boundary, then stopping",
+        shard.index
+    );
+    let mut saved = shard.preempt_saved();
+    let next = at + 1;
+    let _ = tokio::time::timeout(
+        PREEMPT_GRACE,
+        saved.wait_for(|v| v.is_some_and(|v| v >= next)),
+    )
+    .await;
+    let v = *saved.borrow();
+    if v.is_none_or(|v| v < next) {
+        tracing::warn!(
+            "shard {}: version {next} not reached within {} s of the preemption (the workers stopped)",
+            shard.index,
+            PREEMPT_GRACE.as_secs()
+        );
+    }
+    Outcome::Preempted { saved: v }
 }
 
 /// Waits for the end of the run while acting on the barrier's verdicts (log the missing

@@ -2,7 +2,7 @@
 
 use clap::Parser;
 use ps_common::config::Overrides;
-use ps_server::{Outcome, load_checkpoint, load_setup, run_shard};
+use ps_server::{Outcome, load_checkpoint_of, load_setup, run_shard_preemptible};
 use std::path::PathBuf;
 
 #[derive(Parser, Debug)]
@@ -29,9 +29,21 @@ struct Cli {
     /// Dataset directory instead of the config's `[data] dir` (decides the number of steps).
     #[arg(long)]
     data_dir: Option<PathBuf>,
-    /// Start from the newest checkpoint version that every shard has (see `[checkpoint]`).
+    /// Start from the newest checkpoint version that every shard has (see `[checkpoint]`);
+    /// only this run's checkpoints (see `--run-id`).
     #[arg(long)]
     resume: bool,
+    /// Resume (as `--resume`) from the checkpoints of run RUN, another run's.
+    #[arg(long, value_name = "RUN")]
+    resume_from: Option<String>,
+    /// Override a config key: `--set section.key=value` (repeatable; after the environment's
+    /// `PS_SET_<SECTION>_<KEY>`), checked like the file's value and logged.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    set: Vec<String>,
+    /// This run's id (default: PS_RUN_ID, `[cluster] run_id`, SLURM_JOB_ID, PS_K8S_JOB_UID);
+    /// requests of another run are refused.
+    #[arg(long)]
+    run_id: Option<String>,
     /// Serve Prometheus metrics on `GET /metrics` here (instead of `[server] metrics_addrs[I]`;
     /// `127.0.0.1:0` picks a free port, logged).
     #[arg(long)]
@@ -60,6 +72,7 @@ fn main() -> std::process::ExitCode {
     match rt.block_on(serve(cli)) {
         Ok(Outcome::Finished) => std::process::ExitCode::SUCCESS,
         Ok(Outcome::Interrupted) => std::process::ExitCode::from(130),
+        Ok(Outcome::Preempted { .. }) => std::process::ExitCode::from(143),
         Ok(Outcome::Failed(_)) => std::process::ExitCode::from(1),
         Err(e) => {
             eprintln!("error: {e:#}");
@@ -69,11 +82,24 @@ fn main() -> std::process::ExitCode {
 }
 
 async fn serve(cli: Cli) -> anyhow::Result<Outcome> {
-    let overrides = Overrides {
-        data_dir: cli.data_dir,
-        out_dir: cli.out_dir,
-    };
+    let env: std::collections::HashMap<String, String> = std::env::vars().collect();
+    let mut overrides = Overrides::from_env(&env);
+    overrides.data_dir = cli.data_dir;
+    overrides.out_dir = cli.out_dir;
+    overrides
+        .set_from_cli(&cli.set)
+        .map_err(anyhow::Error::msg)?;
+    for line in overrides.describe().lines() {
+        tracing::info!("shard {}: {line}", cli.shard);
+    }
     let mut setup = load_setup(&cli.config, cli.shard, cli.shard0, &overrides)?;
+    let run = setup.cfg.resolve_run_id(cli.run_id.as_deref(), &env)?;
+    tracing::info!(
+        "shard {}: {} (run id from {})",
+        setup.index,
+        run.show(),
+        run.source
+    );
     if cli.metrics_listen.is_some() {
         setup.metrics_listen = cli.metrics_listen;
     }
@@ -86,9 +112,19 @@ async fn serve(cli: Cli) -> anyhow::Result<Outcome> {
     }
     // before listening: a shard that could not save its results never looks ready
     ps_server::check_output_dirs(&setup.cfg)?;
-    if cli.resume {
+    // one live cluster per output folder: a second run given the same one fails here, before
+    // it listens, writes or prunes anything (the lock is held until this process ends)
+    let _out_dir_lock =
+        ps_common::runid::lock_out_dir(&setup.cfg.server.out_dir, setup.index, run.id.as_deref())
+            .map_err(anyhow::Error::msg)?;
+    if cli.resume || cli.resume_from.is_some() {
         // before listening: a shard that cannot resume never looks ready to a launcher
-        setup.resume_from = Some(load_checkpoint(&setup.cfg, setup.index, setup.train_len)?);
+        setup.resume_from = Some(load_checkpoint_of(
+            &setup.cfg,
+            setup.index,
+            setup.train_len,
+            cli.resume_from.as_deref(),
+        )?);
     }
     // a cosine schedule spans the run, whose length the data set decides: say it in steps
     let total = setup.cfg.total_steps(setup.train_len)?;
@@ -119,5 +155,15 @@ async fn serve(cli: Cli) -> anyhow::Result<Outcome> {
         std::fs::write(&tmp, format!("{bound}\n"))?;
         std::fs::rename(&tmp, f)?;
     }
-    run_shard(setup, listener, ps_common::shutdown_signal()).await
+    // Ctrl-C stops at once; SIGTERM (scancel, a pod's deletion, preemption) and SIGUSR1
+    // (Slurm's --signal=USR1@N) checkpoint at the next step boundary first
+    run_shard_preemptible(
+        setup,
+        listener,
+        async {
+            let _ = tokio::signal::ctrl_c().await;
+        },
+        ps_common::preempt_signal(),
+    )
+    .await
 }

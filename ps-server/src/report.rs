@@ -220,7 +220,7 @@ fn emit(cfg: &ReporterConfig, p: Pending, metrics: Option<&mut std::fs::File>) {
     }
     if let Some(m) = metrics {
         let mut line = json!({
-            "step": f.step + 1, "loss": loss, "train_acc": acc, "grad_norm": norm, "lr": f.lr,
+            "step": f.step + 1, "time": unix_time(), "loss": loss, "train_acc": acc, "grad_norm": norm, "lr": f.lr,
             "workers": f.workers_in, "samples": f.samples, "step_ms": f.step_ms,
             "barrier_wait_ms": f.barrier_wait_ms, "slowest_rank": f.slowest_rank, "apply_ms": f.apply_ms,
         });
@@ -309,6 +309,44 @@ async fn forward_to_shard0(cfg: ReporterConfig, mut rx: mpsc::UnboundedReceiver<
     }
 }
 
+/// Wall-clock time in seconds since the Unix epoch (the `time` of every metrics line).
+pub fn unix_time() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| (d.as_secs_f64() * 1e3).round() / 1e3)
+}
+
+/// Before a run resumed at `version` appends to `metrics.jsonl`: drops the lines of the steps
+/// after `version` (the interrupted run went further than its checkpoint; the resumed run
+/// redoes them) and the earlier part's closing line, so every step appears once. A missing
+/// file is fine; a line that is not JSON is kept.
+pub fn truncate_metrics(path: &std::path::Path, version: u64) -> std::io::Result<()> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e),
+    };
+    let mut kept = String::with_capacity(text.len());
+    for line in text.lines() {
+        let keep = match serde_json::from_str::<serde_json::Value>(line) {
+            Ok(v) => {
+                v.get("final").is_none()
+                    && v.get("step")
+                        .and_then(|s| s.as_u64())
+                        .is_none_or(|s| s <= version)
+            }
+            Err(_) => true,
+        };
+        if keep {
+            kept.push_str(line);
+            kept.push('\n');
+        }
+    }
+    let tmp = path.with_extension("jsonl.tmp");
+    std::fs::write(&tmp, kept)?;
+    std::fs::rename(&tmp, path)
+}
+
 /// Appends shard 0's closing line to `metrics.jsonl`: the final test evaluation of the workers
 /// that left, `{"step": steps, "final": true, "test_acc": ..., "test_correct": ..., "test_count": ...}`.
 pub fn append_final_eval(
@@ -318,7 +356,7 @@ pub fn append_final_eval(
     count: u64,
 ) -> std::io::Result<()> {
     let line = json!({
-        "step": steps, "final": true, "test_acc": correct as f64 / count.max(1) as f64,
+        "step": steps, "time": unix_time(), "final": true, "test_acc": correct as f64 / count.max(1) as f64,
         "test_correct": correct, "test_count": count,
     });
     let mut f = std::fs::OpenOptions::new()

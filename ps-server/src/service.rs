@@ -50,6 +50,8 @@ pub struct ShardService {
     pub max_streams: usize,
     /// Refused step reports, logged once per interval.
     pub refused_reports: Arc<std::sync::Mutex<crate::accept::Throttle>>,
+    /// The run this shard belongs to (empty: unnamed), told to registering workers.
+    pub run_id: String,
 }
 
 /// How far (in steps) a step report may be from shard 0's version.
@@ -596,6 +598,7 @@ impl ParameterServer for ShardService {
             shm_dir,
             shm_token,
             grad_shm,
+            run_id: self.run_id.clone(),
         }))
     }
 

@@ -34,7 +34,19 @@ struct Cli {
     /// Dataset directory instead of the config's `[data] dir`.
     #[arg(long)]
     data_dir: Option<PathBuf>,
+    /// Override a config key: `--set section.key=value` (repeatable; after the environment's
+    /// `PS_SET_<SECTION>_<KEY>`), checked like the file's value and logged.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    set: Vec<String>,
+    /// This run's id (default: PS_RUN_ID, `[cluster] run_id`, SLURM_JOB_ID, PS_K8S_JOB_UID);
+    /// shards of another run refuse this worker.
+    #[arg(long)]
+    run_id: Option<String>,
 }
+
+/// How long a worker told to stop (SIGTERM, SIGUSR1) keeps stepping for the shards' preemption
+/// checkpoint before it exits anyway (the shards wait at most `ps_server::PREEMPT_GRACE`).
+const PREEMPT_WORKER_GRACE: std::time::Duration = std::time::Duration::from_secs(20);
 
 fn main() -> std::process::ExitCode {
     ps_common::tune_allocator();
@@ -50,11 +62,19 @@ fn main() -> std::process::ExitCode {
 }
 
 fn run(cli: Cli) -> anyhow::Result<()> {
-    let mut cfg = Config::load(&cli.config)?;
+    let env: std::collections::HashMap<String, String> = std::env::vars().collect();
+    let mut overrides = ps_common::config::Overrides::from_env(&env);
+    overrides
+        .set_from_cli(&cli.set)
+        .map_err(anyhow::Error::msg)?;
+    let mut cfg = Config::load_with(&cli.config, &overrides)?;
+    for line in overrides.describe().lines() {
+        tracing::info!("worker: {line}");
+    }
     if let Some(d) = cli.data_dir {
         cfg.data.dir = d;
     }
-    let env = std::env::vars().collect();
+    let run = cfg.resolve_run_id(cli.run_id.as_deref(), &env)?;
     let place = ps_worker::env::resolve(cli.rank, cli.world_size, cli.local_rank, &env)
         .map_err(anyhow::Error::msg)?;
     let world = place.world.unwrap_or(cfg.cluster.workers);
@@ -74,12 +94,14 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         );
     }
     tracing::info!(
-        "worker {}: rank {} of {world}, local rank {}, from {}; world size from {}",
+        "worker {}: rank {} of {world}, local rank {}, from {}; world size from {}; {} (run id from {})",
         place.rank,
         place.rank,
         place.local_rank,
         place.source,
-        place.world_source.unwrap_or("[cluster] workers")
+        place.world_source.unwrap_or("[cluster] workers"),
+        run.show(),
+        run.source
     );
     let servers = cli.servers.unwrap_or_else(|| cfg.cluster.servers.clone());
     if servers.len() != cfg.num_shards() {
@@ -129,8 +151,20 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         tokio::select! {
             done = run_worker(WorkerSetup { cfg, servers, rank, train, test, backend }) => done.map(drop),
             // dropping the run removes this worker's shared-memory board
-            () = ps_common::shutdown_signal() => {
-                anyhow::bail!("worker {rank}: interrupted (SIGINT or SIGTERM)")
+            _ = tokio::signal::ctrl_c() => {
+                anyhow::bail!("worker {rank}: interrupted (SIGINT)")
+            }
+            // preemption: the shards checkpoint at the next step boundary, which needs this
+            // worker's pushes; it goes on until the shards stop (bounded)
+            () = async {
+                ps_common::preempt_signal().await;
+                tracing::warn!(
+                    "worker {rank}: SIGTERM or SIGUSR1: going on until the shards have checkpointed and stopped (at most {} s)",
+                    PREEMPT_WORKER_GRACE.as_secs()
+                );
+                tokio::time::sleep(PREEMPT_WORKER_GRACE).await;
+            } => {
+                anyhow::bail!("worker {rank}: preempted (SIGTERM or SIGUSR1)")
             }
         }
     })

@@ -59,7 +59,11 @@ impl Session {
             .map(|t| t.shape.iter().product::<u64>() as usize)
             .sum();
         let board = match cfg.cluster.transport {
-            Transport::Auto => grad_board(rank, num_params),
+            Transport::Auto => grad_board(
+                &ps_common::runid::board_prefix(cfg.cluster.run_id.as_deref()),
+                rank,
+                num_params,
+            ),
             Transport::Grpc => None,
         };
         let (peers, start_step) =

@@ -80,7 +80,11 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
     // the gradient lives in a shared-memory board that the shards on this host read in place
     // (where /dev/shm allows), else on the heap
     let mut grad_board = match cfg.cluster.transport {
-        Transport::Auto => grad_board(rank, layout.num_params()),
+        Transport::Auto => grad_board(
+            &ps_common::runid::board_prefix(cfg.cluster.run_id.as_deref()),
+            rank,
+            layout.num_params(),
+        ),
         Transport::Grpc => None,
     };
     let grad_file = board_file(&grad_board);
@@ -90,9 +94,10 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
         register_all(&cfg, &servers, rank, total, &grad_file, &model).await?;
     let via: Vec<&str> = peers.iter().map(|p| p.link.describe()).collect();
     tracing::info!(
-        "worker {rank}/{world}: registered with {} shards (tensors via {via:?}), starting at step {start_step} of {total}, device {}",
+        "worker {rank}/{world}: registered with {} shards (tensors via {via:?}), starting at step {start_step} of {total}, device {}, {}",
         servers.len(),
-        backend.name()
+        backend.name(),
+        ps_common::runid::show(cfg.cluster.run_id.as_deref())
     );
 
     let mut planner = BatchPlanner::new(cfg.data_order(train.len()));
@@ -422,11 +427,12 @@ fn evaluate(
     Ok((backend.evaluate(x, y)?, idx.len() as u64))
 }
 
-/// Creates this worker's gradient board (the whole flat gradient) in `/dev/shm`; None, saying
+/// Creates this worker's gradient board (the whole flat gradient) in `/dev/shm`, in a directory
+/// named after the run (`run`) and the rank; None, saying
 /// why, where that is not possible (the shards then receive gradients through gRPC).
-pub(crate) fn grad_board(rank: usize, len: usize) -> Option<(BoardDir, Board)> {
+pub(crate) fn grad_board(run: &str, rank: usize, len: usize) -> Option<(BoardDir, Board)> {
     let root = shm_root()?;
-    let made = BoardDir::create(&root, &format!("worker{rank}")).and_then(|dir| {
+    let made = BoardDir::create(&root, &format!("{run}-worker{rank}")).and_then(|dir| {
         let board = Board::create(&grad_path(dir.path()), dir.token(), len, 1)?;
         Ok((dir, board))
     });

@@ -95,12 +95,15 @@ class Worker:
         servers: list[str] | None = None,
         evaluate=None,
         allow_buffers: bool = False,
+        run_id: str | None = None,
     ):
         """``config``: the run's TOML file. ``rank``: this worker's rank (default: from
         RANK, SLURM_PROCID or JOB_COMPLETION_INDEX). ``servers``: shard addresses instead of
         the config's. ``evaluate``: optional ``f(model) -> (correct, count)`` on this rank's
         share of the test set, called every ``[train] eval_every`` steps and at the end (the
-        shards log the cluster-wide test accuracy)."""
+        shards log the cluster-wide test accuracy). ``run_id``: the run this worker joins
+        (default, as ps-worker: PS_RUN_ID, ``[cluster] run_id``, SLURM_JOB_ID, PS_K8S_JOB_UID);
+        a shard of another run refuses the worker, naming both ids."""
         buffers = [n for n, _ in model.named_buffers()]
         if buffers and not allow_buffers:
             raise UnsupportedModelError(
@@ -112,7 +115,7 @@ class Worker:
         self.model = model
         self._params = _trainable(model)
         desc = [(n, [int(d) for d in p.shape]) for n, p in self._params]
-        self._native = _native.Client(str(config), desc, rank, servers)
+        self._native = _native.Client(str(config), desc, rank, servers, run_id)
         self.rank = self._native.rank
         self.world = self._native.world
         self.loss_reduction = self._native.loss_reduction

@@ -84,16 +84,23 @@ impl Client {
     /// JOB_COMPLETION_INDEX as ps-worker does) and checks `model` (a list of (name, shape) in
     /// flat order) against the run's model.
     #[new]
-    #[pyo3(signature = (config, model, rank=None, servers=None))]
+    #[pyo3(signature = (config, model, rank=None, servers=None, run_id=None))]
     fn new(
         config: &str,
         model: Vec<(String, Vec<u64>)>,
         rank: Option<usize>,
         servers: Option<Vec<String>>,
+        run_id: Option<String>,
     ) -> PyResult<Self> {
-        let cfg =
-            Config::load(Path::new(config)).map_err(|e| PyValueError::new_err(e.to_string()))?;
-        let env = std::env::vars().collect();
+        let env: std::collections::HashMap<String, String> = std::env::vars().collect();
+        // config keys from the environment (PS_SET_<SECTION>_<KEY>) as ps-worker takes them
+        let overrides = ps_common::config::Overrides::from_env(&env);
+        let mut cfg = Config::load_with(Path::new(config), &overrides)
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        // the run id as ps-worker resolves it: the argument, PS_RUN_ID, [cluster] run_id, the
+        // scheduler's job id
+        cfg.resolve_run_id(run_id.as_deref(), &env)
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
         let place =
             ps_worker::env::resolve(rank, None, None, &env).map_err(PyValueError::new_err)?;
         let world = place.world.unwrap_or(cfg.cluster.workers);

@@ -108,6 +108,8 @@ pub struct Start {
     pub worker_args: Vec<String>,
     /// Extra arguments for every server (e.g. `--resume`).
     pub server_args: Vec<String>,
+    /// The run id every process is given (`--run-id`), if any.
+    pub run_id: Option<String>,
 }
 
 /// Runs a whole cluster for the config at `path` to completion; returns its output directory.
@@ -116,6 +118,7 @@ pub fn run_cluster(path: &Path, cfg: &Config, start: &Start) -> PathBuf {
     let dir = path.parent().expect("config dir");
     let mut cluster = LocalCluster::new(bin_dir(), path.to_path_buf(), Some(dir.join("logs")));
     cluster.elastic = cfg.server.barrier_policy == ps_common::config::BarrierPolicy::Continue;
+    cluster.run_id = start.run_id.clone();
     cluster
         .start_servers(
             cfg.num_shards(),
@@ -185,4 +188,38 @@ pub fn assert_bit_identical(a: &[f32], b: &[f32], what: &str) {
     {
         panic!("{what}: first difference at {i}: {} vs {}", a[i], b[i]);
     }
+}
+
+/// Panics unless `metrics` (a `metrics.jsonl`) holds steps 1..=`steps` once each, in order, each
+/// line with a wall-clock `time` (Unix seconds, not decreasing, within the last day), and one
+/// closing `final` line at step `steps` with the test accuracy.
+pub fn assert_metrics_steps(metrics: &str, steps: u64) {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64();
+    let mut seen = Vec::new();
+    let mut last_time = 0.0;
+    let mut finals = 0;
+    for line in metrics.lines() {
+        let v: serde_json::Value =
+            serde_json::from_str(line).unwrap_or_else(|e| panic!("{line}: {e}"));
+        let time = v["time"]
+            .as_f64()
+            .unwrap_or_else(|| panic!("no time: {line}"));
+        assert!(
+            time >= last_time && time <= now + 1.0 && time > now - 86400.0,
+            "time {time} after {last_time} (now {now}): {line}"
+        );
+        last_time = time;
+        if v.get("final").is_some() {
+            finals += 1;
+            assert_eq!(v["step"].as_u64(), Some(steps), "{line}");
+            assert!(v["test_acc"].as_f64().is_some(), "{line}");
+        } else {
+            seen.push(v["step"].as_u64().unwrap());
+        }
+    }
+    assert_eq!(seen, (1..=steps).collect::<Vec<_>>(), "{metrics}");
+    assert_eq!(finals, 1, "one closing line: {metrics}");
 }

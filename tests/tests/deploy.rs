@@ -397,7 +397,22 @@ fn every_shell_script_parses() {
         directives.iter().any(|l| l.starts_with("#SBATCH --time=")),
         "bounded: {directives:?}"
     );
-    assert!(directives.contains(&"#SBATCH --gpus-per-task=1"));
+    // GPUs are opt-in (a cluster without GPUs rejects any GPU request), the defaults fit a
+    // 2-CPU node, and the job is told before its end to checkpoint (SIGUSR1)
+    assert!(
+        !directives
+            .iter()
+            .any(|l| l.contains("gpu") || l.contains("gres")),
+        "no GPU request by default: {directives:?}"
+    );
+    assert!(
+        directives.contains(&"#SBATCH --cpus-per-task=1"),
+        "{directives:?}"
+    );
+    assert!(
+        directives.contains(&"#SBATCH --signal=B:USR1@120"),
+        "{directives:?}"
+    );
     let mut launches = 0;
     for (bin, needed) in [
         ("ps-server", &["--config", "--shard", "--listen"][..]),
@@ -684,24 +699,42 @@ fn slurm_config_generation_gives_every_shard_its_node_and_port() {
     let generated = job_dir.join("config.toml");
     assert_eq!(out.lines().last(), Some(generated.to_str().unwrap()));
     let got = Config::load(&generated).unwrap_or_else(|e| panic!("{e}"));
+    // ports from the job id (20000 + (77 mod 1000) * 40): concurrent jobs do not collide
     assert_eq!(
         got.cluster.servers,
-        ["gpu01:50051", "gpu02:50052"],
+        ["gpu01:23080", "gpu02:23081"],
         "one shard per node"
     );
     assert_eq!(got.cluster.workers, 8, "W = SLURM_NTASKS");
+    // a per-job token (the template names none), readable by the job's user only
+    let token = job_dir.join("token");
+    assert_eq!(
+        got.cluster.token,
+        Some(ps_common::auth::Token::read(&token).unwrap())
+    );
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(&token).unwrap().permissions().mode();
+        assert_eq!(mode & 0o077, 0, "token mode {mode:o}");
+    }
+    // the outputs in a per-job folder under the template's out_dir
+    assert_eq!(
+        got.server.out_dir,
+        slurm_dir.join("../../runs/slurm/slurm-77")
+    );
     // everything else is the template's, relative paths resolved against the template's dir
     let mut want = Config::load(&template).unwrap();
     want.path = generated.clone();
     want.cluster.servers = got.cluster.servers.clone();
     want.cluster.workers = 8;
+    want.cluster.token = got.cluster.token.clone();
+    want.server.out_dir = want.server.out_dir.join("slurm-77");
     assert_eq!(got, want);
     assert!(got.data.dir.is_absolute() && got.server.out_dir.is_absolute());
     assert_eq!(
         got.data.dir.canonicalize().unwrap(),
         repo().join("data/mnist").canonicalize().unwrap()
     );
-    assert_eq!(got.server.out_dir, slurm_dir.join("../../runs/slurm"));
 
     // PS_NODES, more shards than nodes, another port; a template with a multi-line servers
     // array, comments, an absolute data dir and a relative out_dir
@@ -744,7 +777,11 @@ fn slurm_config_generation_gives_every_shard_its_node_and_port() {
     assert_eq!(got.cluster.workers, 3);
     assert_eq!(got.train.global_batch, 30);
     assert_eq!(got.data.dir, repo().join("data/mnist"), "absolute: kept");
-    assert_eq!(got.server.out_dir, tdir.canonicalize().unwrap().join("out"));
+    assert_eq!(
+        got.server.out_dir,
+        tdir.canonicalize().unwrap().join("out/slurm-local"),
+        "no job id: the folder says so"
+    );
 
     // refusals, each naming the problem
     let refusals: [(&[(&str, &str)], &str); 4] = [
@@ -831,6 +868,8 @@ fn fake_job_env(tmp: &Path, port: u16) -> Vec<(&'static str, String)> {
         ("PS_SHARD_CPUS", "1".into()),
         ("PS_PORT", port.to_string()),
         ("PS_BIN", bin_dir().display().to_string()),
+        // GPUs are opt-in: as a job submitted with --gpus-per-task=1
+        ("SLURM_GPUS_PER_TASK", "1".into()),
     ]
 }
 
@@ -888,9 +927,15 @@ fn slurm_job_runs_a_whole_cluster_with_a_stand_in_srun() {
     }
     for i in 0..2 {
         assert!(
-            tmp.join(format!("out/shard-{i}.safetensors")).exists(),
-            "final weights of shard {i} in the template's out_dir"
+            tmp.join(format!("out/slurm-4242/shard-{i}.safetensors"))
+                .exists(),
+            "final weights of shard {i} in the job's folder under the template's out_dir"
         );
+    }
+    assert!(out.contains("every shard listens"), "{out}");
+    for r in 0..2 {
+        let log = logs(&format!("worker-{r}.log"));
+        assert!(log.contains("run 4242 (run id from the Slurm job"), "{log}");
     }
     // what was asked of srun (the shard steps start in the background: any order): each
     // shard pinned to its node, the workers one GPU each
@@ -957,4 +1002,43 @@ fn slurm_job_stops_the_shards_when_the_workers_fail() {
         let alive = unsafe { libc::kill(pid, 0) } == 0;
         assert!(!alive, "process {pid} still runs after the job ended");
     }
+}
+
+#[test]
+fn slurm_job_fails_within_the_wait_naming_a_shard_that_never_listens() {
+    let dir = tempfile::tempdir().unwrap();
+    let tmp = dir.path().canonicalize().unwrap();
+    let template = small_template(&tmp, 600);
+    let port = free_port_pair();
+    // stand-in binaries: a shard that starts but never listens; a worker that must not start
+    let fake = tmp.join("fakebin");
+    std::fs::create_dir(&fake).unwrap();
+    write_exe(
+        &fake.join("ps-server"),
+        "#!/bin/sh\necho 'shard stuck before listening'\nexec sleep 600\n",
+    );
+    write_exe(
+        &fake.join("ps-worker"),
+        "#!/bin/sh\necho started >\"$FAKE_WORKER_MARK\"\n",
+    );
+    let mut env = fake_job_env(&tmp, port);
+    env.retain(|(k, _)| *k != "PS_BIN");
+    env.push(("PS_BIN", fake.display().to_string()));
+    env.push(("PS_SHARD_WAIT", "3".into()));
+    env.push((
+        "FAKE_WORKER_MARK",
+        tmp.join("worker-ran").display().to_string(),
+    ));
+    let (st, out, err, took) = run_sbatch(&[&template], &env, &tmp, Duration::from_secs(60));
+    assert_eq!(st.code(), Some(3), "{out}\n{err}");
+    assert!(took < Duration::from_secs(30), "fails fast: {took:?}");
+    let log = tmp.join("runs/slurm-4242/shard-0.log");
+    assert!(
+        err.contains(&format!(
+            "shard 0 is not listening on 127.0.0.1:{port} after 3 s; see {}",
+            log.display()
+        )) && err.contains("shard stuck before listening"),
+        "names the shard, its log and the log's end: {err}"
+    );
+    assert!(!tmp.join("worker-ran").exists(), "no worker started");
 }

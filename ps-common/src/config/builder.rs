@@ -41,6 +41,7 @@ impl TestConfig {
                 tls_key: None,
                 tls_ca: None,
                 tls_domain: None,
+                run_id: None,
             },
             model: RawModel {
                 hidden: Some(vec![32]),
@@ -121,6 +122,12 @@ impl TestConfig {
         self.raw.cluster.tls_ca = Some(ca.into());
         self
     }
+    /// `[cluster] run_id`.
+    pub fn run_id(mut self, id: &str) -> Self {
+        self.raw.cluster.run_id = Some(id.into());
+        self
+    }
+
     /// `[cluster] tls_domain`.
     pub fn tls_domain(mut self, d: &str) -> Self {
         self.raw.cluster.tls_domain = Some(d.into());

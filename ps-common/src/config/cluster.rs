@@ -24,6 +24,8 @@ pub(super) struct RawCluster {
     pub tls_ca: Option<PathBuf>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tls_domain: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run_id: Option<String>,
 }
 
 fn default_transport() -> Transport {
@@ -43,6 +45,9 @@ pub struct ClusterConfig {
     pub token: Option<Token>,
     /// TLS between every process (`tls_cert`, `tls_key`, `tls_ca`), if set.
     pub tls: Option<TlsFiles>,
+    /// The run id (`run_id`; the processes replace it with the one they resolve, see
+    /// `crate::runid`): every request carries it, and a shard refuses another run's.
+    pub run_id: Option<String>,
 }
 
 impl RawCluster {
@@ -95,12 +100,16 @@ impl RawCluster {
             return Err("[cluster] workers = 0: expected at least one worker".into());
         }
         let workers = at_most("[cluster] workers", self.workers, MAX_WORKERS)?;
+        if let Some(id) = &self.run_id {
+            crate::runid::validate(id).map_err(|e| format!("[cluster] run_id: {e}"))?;
+        }
         Ok(ClusterConfig {
             servers: self.servers.clone(),
             workers,
             transport: self.transport,
             token,
             tls,
+            run_id: self.run_id.clone(),
         })
     }
 }

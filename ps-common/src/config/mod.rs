@@ -97,9 +97,128 @@ pub struct Overrides {
     pub data_dir: Option<PathBuf>,
     /// `[server] out_dir`.
     pub out_dir: Option<PathBuf>,
+    /// Any `section.key = value`, in order (a later one wins): the environment's
+    /// `PS_SET_<SECTION>_<KEY>` ([`Overrides::from_env`]), then `--set section.key=value`
+    /// ([`Overrides::set_from_cli`]). A value is read as TOML (`3`, `0.5`, `true`,
+    /// `[64, 32]`), else taken as a string.
+    pub sets: Vec<Setting>,
 }
 
+/// One `section.key = value` override and where it came from.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Setting {
+    /// `section.key`, e.g. `train.steps`.
+    pub key: String,
+    /// The value as given.
+    pub value: String,
+    /// `--set` or the environment variable's name.
+    pub source: String,
+}
+
+/// The prefix of the environment variables that override config keys.
+pub const ENV_PREFIX: &str = "PS_SET_";
+
 impl Overrides {
+    /// The overrides of `env`: `PS_SET_<SECTION>_<KEY>=value` sets `section.key` (the section
+    /// is the first word: `PS_SET_SERVER_BARRIER_TIMEOUT_SECS` is `server.barrier_timeout_secs`),
+    /// in name order.
+    pub fn from_env(env: &std::collections::HashMap<String, String>) -> Self {
+        let mut vars: Vec<(&String, &String)> = env
+            .iter()
+            .filter(|(k, _)| k.starts_with(ENV_PREFIX))
+            .collect();
+        vars.sort();
+        let sets = vars
+            .into_iter()
+            .filter_map(|(k, v)| {
+                let rest = k[ENV_PREFIX.len()..].to_ascii_lowercase();
+                let (section, key) = rest.split_once('_')?;
+                Some(Setting {
+                    key: format!("{section}.{key}"),
+                    value: v.clone(),
+                    source: k.clone(),
+                })
+            })
+            .collect();
+        Self {
+            sets,
+            ..Self::default()
+        }
+    }
+
+    /// Adds the command line's `--set section.key=value` settings (after the environment's,
+    /// so they win); the error names a setting that is not `section.key=value`.
+    pub fn set_from_cli(&mut self, sets: &[String]) -> Result<(), String> {
+        for s in sets {
+            let parsed = s.split_once('=').and_then(|(k, v)| {
+                let (section, key) = k.trim().split_once('.')?;
+                (!section.is_empty() && !key.is_empty() && !key.contains('.'))
+                    .then(|| (format!("{section}.{key}"), v.trim().to_string()))
+            });
+            let Some((key, value)) = parsed else {
+                return Err(format!(
+                    "--set {s:?}: expected section.key=value (e.g. --set train.steps=100)"
+                ));
+            };
+            self.sets.push(Setting {
+                key,
+                value,
+                source: "--set".into(),
+            });
+        }
+        Ok(())
+    }
+
+    /// The overrides in words, one per line, for the start-up log (empty when none).
+    pub fn describe(&self) -> String {
+        let mut lines: Vec<String> = self
+            .sets
+            .iter()
+            .map(|s| {
+                format!(
+                    "config override: {} = {} (from {})",
+                    s.key, s.value, s.source
+                )
+            })
+            .collect();
+        if let Some(d) = &self.data_dir {
+            lines.push(format!(
+                "config override: data.dir = {} (from --data-dir)",
+                d.display()
+            ));
+        }
+        if let Some(d) = &self.out_dir {
+            lines.push(format!(
+                "config override: server.out_dir = {} (from --out-dir)",
+                d.display()
+            ));
+        }
+        lines.join("\n")
+    }
+
+    /// The file's text with [`Overrides::sets`] applied, as a TOML table.
+    fn apply_sets(&self, text: &str) -> Result<toml::Table, String> {
+        let mut table: toml::Table = toml::from_str(text).map_err(|e| one_line(&e.to_string()))?;
+        for s in &self.sets {
+            let (section, key) = s.key.split_once('.').expect("checked when added");
+            let value = toml::from_str::<toml::Table>(&format!("v = {}", s.value))
+                .ok()
+                .and_then(|mut t| t.remove("v"))
+                .unwrap_or_else(|| toml::Value::String(s.value.clone()));
+            let entry = table
+                .entry(section.to_string())
+                .or_insert_with(|| toml::Value::Table(Default::default()));
+            let toml::Value::Table(sec) = entry else {
+                return Err(format!(
+                    "{} {}={}: {section} is not a [section]",
+                    s.source, s.key, s.value
+                ));
+            };
+            sec.insert(key.to_string(), value);
+        }
+        Ok(table)
+    }
+
     fn apply(&self, raw: &mut RawConfig) {
         if let Some(d) = &self.data_dir {
             raw.data.dir = d.clone();
@@ -185,7 +304,23 @@ impl Config {
             file: path.into(),
             message,
         };
-        let mut raw: RawConfig = toml::from_str(text).map_err(|e| err(one_line(&e.to_string())))?;
+        let mut raw: RawConfig = if overrides.sets.is_empty() {
+            toml::from_str(text).map_err(|e| err(one_line(&e.to_string())))?
+        } else {
+            let table = overrides.apply_sets(text).map_err(&err)?;
+            table.try_into().map_err(|e: toml::de::Error| {
+                let given: Vec<String> = overrides
+                    .sets
+                    .iter()
+                    .map(|s| format!("{} {}={}", s.source, s.key, s.value))
+                    .collect();
+                err(format!(
+                    "{} (with the overrides {})",
+                    one_line(&e.to_string()),
+                    given.join(", ")
+                ))
+            })?
+        };
         overrides.apply(&mut raw);
         let resolve = Resolve {
             base: path.parent().unwrap_or(Path::new(".")),
@@ -303,9 +438,28 @@ impl Config {
         }
     }
 
+    /// Resolves this process's run id (`crate::runid::resolve`: `flag`, then `PS_RUN_ID` in
+    /// `env`, then `[cluster] run_id`, then the scheduler's job id) and keeps it in
+    /// `cluster.run_id`, where every request and checkpoint of this process takes it from.
+    pub fn resolve_run_id(
+        &mut self,
+        flag: Option<&str>,
+        env: &std::collections::HashMap<String, String>,
+    ) -> Result<crate::runid::RunId, ConfigError> {
+        let r = crate::runid::resolve(flag, self.cluster.run_id.as_deref(), env).map_err(
+            |message| ConfigError {
+                file: self.path.clone(),
+                message,
+            },
+        )?;
+        self.cluster.run_id = r.id.clone();
+        Ok(r)
+    }
+
     /// How this config's processes reach a shard (token and TLS).
     pub fn client_security(&self) -> crate::auth::ClientSecurity {
         crate::auth::ClientSecurity::new(self.cluster.token.clone(), self.cluster.tls.clone())
+            .with_run_id(self.cluster.run_id.clone())
     }
 
     /// The directory of the shards' checkpoints.

@@ -374,6 +374,7 @@ fn overrides_replace_file_values_before_validation() {
     let o = Overrides {
         data_dir: Some("rel/data".into()),
         out_dir: Some("/tmp/out".into()),
+        ..Overrides::default()
     };
     let c = Config::parse_with(GOOD, path, &o, &Host::this()).unwrap();
     // taken as given (relative to the working directory), not relative to the file
@@ -444,5 +445,55 @@ fn the_resolved_config_reads_as_before() {
     assert_eq!(
         c.describe(),
         "config /etc/ps/run.toml: 2 shards [\"127.0.0.1:5000\", \"127.0.0.1:5001\"], 4 workers, transport auto (shared memory on one host, else gRPC), no authentication, no TLS; mlp 784-32-10 (25,450 parameters); data /etc/ps/../data/mnist; seed 3; global batch 30 (as stated), per-worker batches [8, 8, 7, 7]; 20 steps, short last batch dropped; loss reduction mean, aggregation weighted; optimizer sgd; lr constant 0.1; log every 10 steps, eval every run (at the end only); no checkpoints"
+    );
+}
+
+#[test]
+fn any_key_is_overridable_from_the_environment_and_the_command_line() {
+    let path = Path::new("/etc/ps/run.toml");
+    let env: std::collections::HashMap<String, String> = [
+        ("PS_SET_TRAIN_LOG_EVERY", "7"),
+        ("PS_SET_SERVER_BARRIER_TIMEOUT_SECS", "99.5"),
+        ("PS_RUN_ID", "not an override"),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v.to_string()))
+    .collect();
+    let mut o = Overrides::from_env(&env);
+    o.set_from_cli(&["train.log_every=3".into(), "optimizer.kind=sgd".into()])
+        .unwrap();
+    let c = Config::parse_with(GOOD, path, &o, &Host::this()).unwrap();
+    assert_eq!(
+        c.train.log_every, 3,
+        "the command line wins over the environment"
+    );
+    assert_eq!(c.server.barrier_timeout_secs, 99.5);
+    let said = o.describe();
+    assert!(
+        said.contains("train.log_every = 7 (from PS_SET_TRAIN_LOG_EVERY)")
+            && said.contains("train.log_every = 3 (from --set)")
+            && said.contains("optimizer.kind = sgd (from --set)"),
+        "{said}"
+    );
+    // an override is checked like a file value, and the error says where it came from
+    let mut bad = Overrides::default();
+    bad.set_from_cli(&["train.log_evry=3".into()]).unwrap();
+    let e = Config::parse_with(GOOD, path, &bad, &Host::this()).unwrap_err();
+    assert!(
+        e.message.contains("log_evry") && e.message.contains("--set train.log_evry"),
+        "{e}"
+    );
+    let mut bad = Overrides::default();
+    bad.set_from_cli(&["train.log_every=0".into()]).unwrap();
+    assert!(Config::parse_with(GOOD, path, &bad, &Host::this()).is_err());
+    assert!(
+        Overrides::default()
+            .set_from_cli(&["nokey".into()])
+            .is_err()
+    );
+    assert!(
+        Overrides::default()
+            .set_from_cli(&["train=3".into()])
+            .is_err()
     );
 }

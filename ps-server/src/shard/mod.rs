@@ -172,6 +172,11 @@ pub struct Shard {
     version_tx: watch::Sender<u64>,
     shm: Option<ShmHost>,
     checkpoint: Option<checkpoint::Plan>,
+    /// Preemption (SIGTERM, SIGUSR1): requested, and the plan its checkpoints follow.
+    preempt: std::sync::atomic::AtomicBool,
+    preempt_plan: checkpoint::Plan,
+    /// The newest version of which a preemption checkpoint was written (None: none yet).
+    preempt_saved: watch::Sender<Option<u64>>,
 }
 
 impl Shard {
@@ -238,7 +243,10 @@ impl Shard {
         let (version, init, opt) = (saved.version, saved.params, saved.opt);
         let w = cfg.cluster.workers;
         let shm = match (cfg.cluster.transport, shm_root()) {
-            (Transport::Auto, Some(root)) => ShmHost::create(&root, index, w),
+            (Transport::Auto, Some(root)) => {
+                let run = ps_common::runid::board_prefix(cfg.cluster.run_id.as_deref());
+                ShmHost::create(&root, &run, index, w)
+            }
             _ => None,
         };
         let rules = Rules {
@@ -271,6 +279,9 @@ impl Shard {
             version_tx: watch::Sender::new(version),
             shm,
             checkpoint: checkpoint::Plan::of(cfg, index, Self::range_of(cfg, index)),
+            preempt: Default::default(),
+            preempt_plan: checkpoint::Plan::for_preemption(cfg, index, Self::range_of(cfg, index)),
+            preempt_saved: watch::Sender::new(None),
         })
     }
 
@@ -922,12 +933,20 @@ impl Shard {
     }
 
     /// Writes a checkpoint of the current version if one is due (every `[checkpoint] every`
-    /// steps); None when none was due. Call it right after [`Shard::apply`], before the
+    /// steps); None when none was due, or when a preemption wrote the step boundary instead
+    /// ([`Shard::request_preempt`]). Call it right after [`Shard::apply`], before the
     /// barrier-completing push is answered: the next update cannot start before that push's
     /// worker pushes again, so the state copied here is the version's. A failed write is
     /// retried once; after `[checkpoint] max_failures` consecutive failed checkpoints the run
     /// fails (refused from now on, and the shard exits non-zero), saying why.
     pub fn checkpoint_if_due(&self) -> Option<checkpoint::Attempted> {
+        if self.preempt.load(std::sync::atomic::Ordering::SeqCst) {
+            // the step boundary a preemption waits for: the same state as below
+            let version = self.version();
+            let opt = self.lock().opt.clone();
+            self.write_preempt(version, opt);
+            return None;
+        }
         let plan = self.checkpoint.as_ref()?;
         let version = self.version();
         if !plan.due(version) {
@@ -947,6 +966,62 @@ impl Shard {
             self.fail(why.clone());
         }
         Some(attempted)
+    }
+
+    /// Preemption (SIGTERM, Slurm's `--signal=USR1`): from now on every step boundary writes a
+    /// checkpoint; the version the shard is at is written at once, unless an update is running
+    /// (its end is the boundary, written by [`Shard::checkpoint_if_due`]). Returns the version
+    /// the shard was at. Shards of one run are at most one version apart (a worker pulls
+    /// version t from every shard before pushing step t), so each writing the version it is at
+    /// and the next gives every shard the newer of the two, which a resume then agrees on.
+    pub fn request_preempt(&self) -> u64 {
+        self.preempt
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        let (version, opt) = {
+            let st = self.lock();
+            (
+                st.barrier.step(),
+                (!st.barrier.applying()).then(|| st.opt.clone()),
+            )
+        };
+        if let Some(opt) = opt {
+            self.write_preempt(version, opt);
+        }
+        version
+    }
+
+    /// The preemption checkpoints written: the newest version (None before the first).
+    pub fn preempt_saved(&self) -> watch::Receiver<Option<u64>> {
+        self.preempt_saved.subscribe()
+    }
+
+    /// Writes the preemption checkpoint of `version` with optimizer state `opt` (taken at that
+    /// version), once per version; the parameters are read as of `version` (the double buffer
+    /// keeps it while the next update writes the other half).
+    fn write_preempt(&self, version: u64, opt: OptState) {
+        // the boundary after an update can be written before the version the preemption
+        // found (both race for the disk): an older one adds nothing then
+        if self.preempt_saved.borrow().is_some_and(|v| v >= version) {
+            return;
+        }
+        let params = self.lock().store.source();
+        let saved = params
+            .read(version)
+            .map(|params| Saved {
+                version,
+                params,
+                opt,
+            })
+            .ok_or_else(|| format!("version {version} left the buffer during the copy"));
+        if self.preempt_plan.write_checked(version, saved) {
+            self.preempt_saved.send_if_modified(|newest| {
+                let newer = newest.is_none_or(|v| v < version);
+                if newer {
+                    *newest = Some(version);
+                }
+                newer
+            });
+        }
     }
 
     /// Records that `rank` left with its final evaluation; returns true when every rank has.

@@ -16,10 +16,11 @@ pub struct ShmHost {
 }
 
 impl ShmHost {
-    /// The directory `<root>/ps-shard<index>-...` for `world` ranks; None (logged) when it
-    /// cannot be made: tensors then go through gRPC.
-    pub fn create(root: &Path, index: usize, world: usize) -> Option<Self> {
-        match BoardDir::create(root, &format!("shard{index}")) {
+    /// The directory `<root>/ps-<run>-shard<index>-...` for `world` ranks (`run`: the run id,
+    /// `ps_common::runid::board_prefix`); None (logged) when it cannot be made: tensors then go
+    /// through gRPC.
+    pub fn create(root: &Path, run: &str, index: usize, world: usize) -> Option<Self> {
+        match BoardDir::create(root, &format!("{run}-shard{index}")) {
             Ok(dir) => Some(Self {
                 dir,
                 grads: Mutex::new(vec![None; world]),
