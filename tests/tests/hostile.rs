@@ -186,7 +186,8 @@ async fn header_only_streams_cost_no_buffers_and_are_ended_when_idle() {
     let t = Instant::now();
     let mut ended = 0;
     for s in streams.drain(..2) {
-        let r = tokio::time::timeout(Duration::from_secs(20), s)
+        // bounded, with room for a loaded 2-core machine (about 5 s unloaded)
+        let r = tokio::time::timeout(Duration::from_secs(60), s)
             .await
             .expect("a stalled stream is ended")
             .unwrap();
@@ -195,7 +196,7 @@ async fn header_only_streams_cost_no_buffers_and_are_ended_when_idle() {
         assert!(e.message().contains("stream_idle_secs"), "{e:?}");
         ended += 1;
     }
-    assert!(t.elapsed() < Duration::from_secs(20));
+    assert!(t.elapsed() < Duration::from_secs(60));
     assert_eq!(ended, 2);
     let _ = release.send(true);
     cluster.kill_all();
