@@ -7,7 +7,7 @@
 #    binaries need glibc >= 2.34 and link no CUDA library: cudarc loads libcuda, libnvrtc and
 #    libcublas at run time), from the repository root:
 #
-#      cargo build --release -p ps-worker --bin gpu-bench
+#      cargo build --release -p ps-bench --bin gpu-bench
 #      cargo test --release -p ps-worker --test cuda_parity --no-run
 #        # prints: Executable tests/cuda_parity.rs (target/release/deps/cuda_parity-<hash>)
 #      mkdir -p .dev/gpu-bin
