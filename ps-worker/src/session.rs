@@ -41,7 +41,30 @@ pub struct Session {
     chunk_bytes: usize,
     /// Time spent communicating.
     pub timing: CommTiming,
+    /// The overlapped push under way ([`Session::begin_push`]), if any.
+    overlapped: Option<Overlapped>,
 }
+
+/// What the header of every push of a step says (but its length).
+#[derive(Debug, Clone, Copy)]
+struct StepHeader {
+    step: u64,
+    samples: u32,
+    loss_sum: f64,
+    correct: u64,
+    eval: (u64, u64),
+}
+
+/// A push of one step started shard by shard as backward produces the gradient.
+struct Overlapped {
+    header: StepHeader,
+    /// Values of each shard's range not written yet.
+    remaining: Vec<usize>,
+    /// The push of each shard started (and not yet awaited).
+    started: Vec<Option<PushTask>>,
+}
+
+type PushTask = tokio::task::JoinHandle<anyhow::Result<(usize, Bytes)>>;
 
 impl Session {
     /// Connects and registers with every shard of `servers` as `rank`, describing `model`
@@ -83,6 +106,7 @@ impl Session {
             heap_grad,
             chunk_bytes: cfg.server.chunk_bytes,
             timing: CommTiming::default(),
+            overlapped: None,
         })
     }
 
@@ -125,44 +149,172 @@ impl Session {
         eval: (u64, u64),
     ) -> anyhow::Result<()> {
         let t = Instant::now();
+        let header = StepHeader {
+            step,
+            samples,
+            loss_sum,
+            correct,
+            eval,
+        };
+        let pushes: Vec<PushTask> = (0..self.peers.len())
+            .filter_map(|s| self.spawn_push(s, header))
+            .collect();
+        self.join_pushes(pushes).await?;
+        self.timing.pushes += 1;
+        self.timing.push += t.elapsed();
+        Ok(())
+    }
+
+    /// Starts the push of shard `s`'s range of the gradient on the current Tokio runtime; None
+    /// when this shard applied the step already (a rejoining worker).
+    fn spawn_push(&mut self, s: usize, h: StepHeader) -> Option<PushTask> {
         let (rank, chunk_bytes) = (self.rank as u32, self.chunk_bytes);
         let grad: &[f32] = match &mut self.board {
             Some((_, b)) => b.slot_mut(0),
             None => &self.heap_grad,
         };
-        let mut pushes = Vec::with_capacity(self.peers.len());
-        for (s, peer) in self.peers.iter_mut().enumerate() {
-            if peer.ahead {
-                continue; // this shard applied the step already (a rejoining worker)
-            }
-            let r = peer.range.clone();
-            let bytes = if peer.link.grad {
-                Bytes::new()
-            } else {
-                f32_to_bytes_reusing(&grad[r.clone()], peer.push_buf.take())
-            };
-            let h = PushHeader {
-                rank,
-                step,
-                samples,
-                loss_sum,
-                correct,
-                len: r.len() as u64,
-                eval_correct: eval.0,
-                eval_count: eval.1,
-                shm: peer.link.grad,
-            };
-            let client = peer.client.clone();
-            pushes.push(tokio::spawn(async move {
-                client.push_retrying(h, &bytes, chunk_bytes).await?;
-                Ok::<_, anyhow::Error>((s, bytes))
-            }));
+        let peer = &mut self.peers[s];
+        if peer.ahead {
+            return None;
         }
+        let r = peer.range.clone();
+        let bytes = if peer.link.grad {
+            Bytes::new()
+        } else {
+            f32_to_bytes_reusing(&grad[r.clone()], peer.push_buf.take())
+        };
+        let header = PushHeader {
+            rank,
+            step: h.step,
+            samples: h.samples,
+            loss_sum: h.loss_sum,
+            correct: h.correct,
+            len: r.len() as u64,
+            eval_correct: h.eval.0,
+            eval_count: h.eval.1,
+            shm: peer.link.grad,
+        };
+        let client = peer.client.clone();
+        Some(tokio::spawn(async move {
+            client.push_retrying(header, &bytes, chunk_bytes).await?;
+            Ok::<_, anyhow::Error>((s, bytes))
+        }))
+    }
+
+    /// Waits for the pushes `pushes` (keeping their buffers for the next step's).
+    async fn join_pushes(&mut self, pushes: Vec<PushTask>) -> anyhow::Result<()> {
         for p in pushes {
             let (s, bytes) = p.await.context("push task")??;
             self.peers[s].push_buf = Some(bytes);
         }
         self.peers.iter_mut().for_each(|p| p.ahead = false);
+        Ok(())
+    }
+
+    /// Starts a push of `step` that overlaps backward, as `ps-worker` does: write each
+    /// tensor's gradient with [`Session::grad_ready`] as backward produces it; a shard's push
+    /// starts as soon as its whole range is written; [`Session::finish_push`] waits for them.
+    pub fn begin_push(
+        &mut self,
+        step: u64,
+        samples: u32,
+        loss_sum: f64,
+        correct: u64,
+        eval: (u64, u64),
+    ) -> anyhow::Result<()> {
+        anyhow::ensure!(
+            self.overlapped.is_none(),
+            "a push of step {} is under way: finish it first",
+            self.overlapped.as_ref().map_or(0, |o| o.header.step)
+        );
+        self.overlapped = Some(Overlapped {
+            header: StepHeader {
+                step,
+                samples,
+                loss_sum,
+                correct,
+                eval,
+            },
+            remaining: self.peers.iter().map(|p| p.range.len()).collect(),
+            started: self.peers.iter().map(|_| None).collect(),
+        });
+        Ok(())
+    }
+
+    /// Writes `src`, the gradient of the flat values from `offset`, into the push buffer and
+    /// starts the push of every shard whose range it completes (on the current Tokio runtime).
+    /// Each value must be written once per step.
+    pub fn grad_ready(&mut self, offset: usize, src: &[f32]) -> anyhow::Result<()> {
+        let end = offset + src.len();
+        anyhow::ensure!(
+            end <= self.num_params,
+            "gradient values {offset}..{end}: the model has {} values",
+            self.num_params
+        );
+        let Some(mut o) = self.overlapped.take() else {
+            anyhow::bail!("no push under way: call begin_push first");
+        };
+        self.grad_mut()[offset..end].copy_from_slice(src);
+        let mut done = Vec::new();
+        for (s, p) in self.peers.iter().enumerate() {
+            let lo = p.range.start.max(offset);
+            let hi = p.range.end.min(end);
+            if lo < hi {
+                let left = o.remaining[s].checked_sub(hi - lo);
+                let Some(left) = left else {
+                    self.overlapped = Some(o);
+                    anyhow::bail!("gradient values {offset}..{end} written twice in one step");
+                };
+                o.remaining[s] = left;
+                if left == 0 {
+                    done.push(s);
+                }
+            }
+        }
+        for s in done {
+            o.started[s] = self.spawn_push(s, o.header);
+        }
+        self.overlapped = Some(o);
+        Ok(())
+    }
+
+    /// Waits for the pushes of the overlapped step; the push time counted is this wait (the
+    /// part of the communication backward did not hide), as `ps-worker` counts it. Fails,
+    /// naming the flat ranges, when some values were never written.
+    pub async fn finish_push(&mut self) -> anyhow::Result<()> {
+        let t = Instant::now();
+        let Some(o) = self.overlapped.take() else {
+            anyhow::bail!("no push under way: call begin_push first");
+        };
+        let mut pushes = Vec::new();
+        let mut unwritten = Vec::new();
+        for (s, task) in o.started.into_iter().enumerate() {
+            match task {
+                Some(t) => pushes.push(t),
+                None if o.remaining[s] > 0 => unwritten.push(s),
+                None => {}
+            }
+        }
+        // the pushes started are awaited even when the step is incomplete
+        let joined = self.join_pushes(pushes).await;
+        if !unwritten.is_empty() {
+            let ranges: Vec<String> = unwritten
+                .iter()
+                .map(|&s| {
+                    let r = &self.peers[s].range;
+                    format!(
+                        "shard {s} ({}..{}: {} values left)",
+                        r.start, r.end, o.remaining[s]
+                    )
+                })
+                .collect();
+            anyhow::bail!(
+                "step {}: the gradient was not written for {}: expected every value once",
+                o.header.step,
+                ranges.join(", ")
+            );
+        }
+        joined?;
         self.timing.pushes += 1;
         self.timing.push += t.elapsed();
         Ok(())

@@ -1,7 +1,9 @@
 """Communication time per step (push + pull) of a Python worker (ps.Worker) against the Rust
 worker (ps-worker) for the same model on the same host: a declared MLP 784-H-H-10, 1 worker,
 2 shards on 127.0.0.1, each side a fresh cluster. The Rust worker's figures are those of its
-final log line; the Python worker's those of Worker.timing(). Not a test: run by hand, e.g.
+final log line (push: the wait after backward, the pushes overlap it); the Python worker's those
+of Worker.timing(), once with loss.backward() + Worker.step() (push: the whole push) and once
+with Worker.backward(loss) (push: the wait after backward, as Rust). Not a test: run by hand, e.g.
 
     target/pyenv/bin/python python/bench/comm_bench.py --hidden 1024 --steps 200
 """
@@ -38,6 +40,9 @@ def main():
     a.add_argument("--steps", type=int, default=200)
     a.add_argument("--batch", type=int, default=64)
     a.add_argument("--transport", default="auto", choices=["auto", "grpc"])
+    a.add_argument("--sides", default="rust,python,python-overlap",
+                   help="python: loss.backward() then Worker.step(); python-overlap: "
+                   "Worker.backward(loss), whose pushes start while backward runs")
     args = a.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -46,7 +51,7 @@ def main():
     model = MLP(args.hidden)
     n = sum(p.numel() for p in model.parameters())
     results = {}
-    for side in ["rust", "python"]:
+    for side in args.sides.split(","):
         with tempfile.TemporaryDirectory() as d:
             d = Path(d)
             init = d / "init.safetensors"
@@ -70,8 +75,12 @@ def main():
                     mm.load_state_dict(model.state_dict())
                     w = ps.Worker(cfg, mm, rank=0, servers=shards.addrs)
                     for _, idx in w.batches(len(x)):
-                        F.cross_entropy(mm(x[idx]), y[idx]).backward()
-                        w.step()
+                        loss = F.cross_entropy(mm(x[idx]), y[idx])
+                        if side == "python-overlap":
+                            w.backward(loss)
+                        else:
+                            loss.backward()
+                            w.step()
                     t = w.timing()
                     pull = 1e3 * t["pull_s"] / t["pulls"]
                     push = 1e3 * t["push_s"] / t["pushes"]
@@ -79,11 +88,13 @@ def main():
                 wall = time.time() - begun
                 shards.wait(60)
             results[side] = (pull, push, compute, wall)
-            print(f"{side:6}: {n:,} parameters, {args.steps} steps, transport {args.transport}: "
+            print(f"{side:14}: {n:,} parameters, {args.steps} steps, transport {args.transport}: "
                   f"pull {pull:.2f} ms + push {push:.2f} ms = {pull + push:.2f} ms per step "
                   f"(wall {wall:.1f} s)", flush=True)
-    r, p = results["rust"], results["python"]
-    print(f"python / rust communication time per step: {(p[0] + p[1]) / (r[0] + r[1]):.2f}x")
+    r = results.get("rust")
+    for side, p in results.items():
+        if r and side != "rust":
+            print(f"{side} / rust communication time per step: {(p[0] + p[1]) / (r[0] + r[1]):.2f}x")
 
 
 if __name__ == "__main__":

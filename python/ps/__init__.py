@@ -143,6 +143,11 @@ class Worker:
         self._step = None
         self._samples = 0
         self._timing = (0, 0.0, 0, 0.0)
+        # backward(): each parameter's gradient goes to the shards as soon as autograd has
+        # accumulated it (the hooks act only inside Worker.backward)
+        self._overlap = None
+        for i, (_, p) in enumerate(self._params):
+            p.register_post_accumulate_grad_hook(self._grad_hook(i))
         self._transport = []
         self.start_step = None
         self.total_steps = None
@@ -238,6 +243,68 @@ class Worker:
             p.grad = None
         self._pull(t + 1)
         self._step = None
+
+    def backward(self, loss, correct=0, samples: int | None = None) -> None:
+        """``loss.backward()`` and ``step()`` in one, with the push overlapping backward (as
+        DDP overlaps its all-reduce): the gradient of each shard's range is pushed as soon as
+        autograd has produced it, while backward goes on with earlier layers; then the new
+        weights are pulled into the parameters in place. ``loss``: this worker's batch loss
+        with the configured reduction (the loss sum for the shards' log is derived from it);
+        ``correct``: its correct predictions. Same numbers as ``loss.backward()`` followed by
+        ``step()``."""
+        t = self._step
+        if t is None:
+            raise RuntimeError("worker.backward() outside a step of worker.batches()")
+        n = self._samples if samples is None else int(samples)
+        value = float(loss.detach())
+        loss_sum = value * n if self.loss_reduction == "mean" else value
+        if isinstance(correct, torch.Tensor):
+            correct = correct.item()
+        ev = (0, 0)
+        if self._eval_every and t > 0 and t % self._eval_every == 0:
+            ev = self._run_evaluate()  # the weights of version t, as step() evaluates them
+        for _, p in self._params:
+            p.grad = None
+        self._native.begin_push(t, n, loss_sum, int(correct), ev[0], ev[1])
+        self._overlap = [False] * len(self._params)
+        try:
+            loss.backward()
+        finally:
+            written, self._overlap = self._overlap, None
+        missing = [name for (name, _), w in zip(self._params, written) if not w]
+        try:
+            self._native.finish_push()
+        except RuntimeError:
+            if not missing:
+                raise
+        if missing:
+            raise GradNoneError(
+                f"parameters {missing[:5]}{' ...' if len(missing) > 5 else ''} got no gradient "
+                f"from backward at step {t}: they are not used in the forward pass. Set "
+                "requires_grad=False on parameters the model does not train"
+            )
+        for _, p in self._params:
+            p.grad = None
+        self._pull(t + 1)
+        self._step = None
+
+    def _grad_hook(self, i: int):
+        def hook(p):
+            if self._overlap is None:
+                return
+            g = p.grad
+            with torch.no_grad():
+                if g.device.type == "cpu" and g.dtype == torch.float32 and g.is_contiguous():
+                    arr = g.reshape(-1).numpy()
+                else:
+                    o = self._offsets[i]
+                    buf = self._grad[o : o + p.numel()]
+                    buf.copy_(g.reshape(-1))
+                    arr = buf.numpy()
+            self._native.grad_ready(i, arr)
+            self._overlap[i] = True
+
+        return hook
 
     def timing(self):
         """Communication so far: {"pushes", "push_s", "pulls", "pull_s"}."""

@@ -64,6 +64,8 @@ struct Client {
     rank: usize,
     model: Vec<TensorDesc>,
     num_params: usize,
+    /// Where each tensor of `model` starts in the flat vector.
+    offsets: Vec<usize>,
     session: Option<Session>,
     planner: Option<BatchPlanner>,
 }
@@ -145,8 +147,17 @@ impl Client {
             .enable_all()
             .build()
             .map_err(|e| PyRuntimeError::new_err(e.to_string()))?;
+        let offsets = model
+            .iter()
+            .scan(0usize, |off, t| {
+                let at = *off;
+                *off += t.shape.iter().product::<u64>() as usize;
+                Some(at)
+            })
+            .collect();
         Ok(Self {
             rt,
+            offsets,
             num_params: spec.num_params(),
             cfg,
             servers,
@@ -281,6 +292,65 @@ impl Client {
             rt.block_on(session.push(step, samples, loss_sum, correct, (eval_correct, eval_count)))
         })
         .map_err(runtime_err)
+    }
+
+    /// Starts a push of step `step` that overlaps backward: give each tensor's gradient to
+    /// `grad_ready` as backward produces it (a shard's push starts once its range is complete),
+    /// then wait with `finish_push`.
+    #[pyo3(signature = (step, samples, loss_sum, correct, eval_correct=0, eval_count=0))]
+    fn begin_push(
+        &mut self,
+        step: u64,
+        samples: u32,
+        loss_sum: f64,
+        correct: u64,
+        eval_correct: u64,
+        eval_count: u64,
+    ) -> PyResult<()> {
+        self.session()?
+            .begin_push(step, samples, loss_sum, correct, (eval_correct, eval_count))
+            .map_err(runtime_err)
+    }
+
+    /// Writes the gradient of tensor `index` (flat order; a float32 array of its length) into
+    /// the push buffer, starting the push of every shard whose range it completes.
+    fn grad_ready(
+        &mut self,
+        py: Python<'_>,
+        index: usize,
+        grad: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let t = self.model.get(index).ok_or_else(|| {
+            PyValueError::new_err(format!(
+                "tensor index {index}: the model has {} tensors",
+                self.model.len()
+            ))
+        })?;
+        let len = t.shape.iter().product::<u64>() as usize;
+        let addr = f32_buffer(grad, len, false, &format!("gradient of {}", t.name))?;
+        let offset = self.offsets[index];
+        let rt = &self.rt;
+        let session = self.session.as_mut().ok_or_else(|| {
+            PyRuntimeError::new_err("not connected: call connect(train_len) first")
+        })?;
+        py.detach(|| {
+            let _in_runtime = rt.enter();
+            // SAFETY: a float32 buffer of `len` values, alive for this call (the caller holds
+            // the array and is blocked in it).
+            let src = unsafe { std::slice::from_raw_parts(addr as *const f32, len) };
+            session.grad_ready(offset, src)
+        })
+        .map_err(runtime_err)
+    }
+
+    /// Waits for the pushes of the step begun with `begin_push`.
+    fn finish_push(&mut self, py: Python<'_>) -> PyResult<()> {
+        let rt = &self.rt;
+        let session = self.session.as_mut().ok_or_else(|| {
+            PyRuntimeError::new_err("not connected: call connect(train_len) first")
+        })?;
+        py.detach(|| rt.block_on(session.finish_push()))
+            .map_err(runtime_err)
     }
 
     /// Leaves every shard, reporting this rank's final test evaluation (0/0 when none).

@@ -152,11 +152,15 @@ out_dir = "{out_dir}"
 """
 
 
-def train_rank(worker, model, x, y, reduction: str):
-    """The user's loop: forward, loss with the configured reduction, backward, step."""
+def train_rank(worker, model, x, y, reduction: str, overlap: bool = False):
+    """The user's loop: forward, loss with the configured reduction, backward, step (or
+    `worker.backward(loss)`, which pushes while backward runs)."""
     for _, idx in worker.batches(len(x)):
         out = model(x[idx])
         loss = F.cross_entropy(out, y[idx], reduction=reduction)
+        if overlap:
+            worker.backward(loss, correct=(out.argmax(1) == y[idx]).sum())
+            continue
         loss.backward()
         per_sample = loss.item() * (len(idx) if reduction == "mean" else 1)
         worker.step(loss_sum=per_sample, correct=(out.argmax(1) == y[idx]).sum())

@@ -66,6 +66,20 @@ def test_a_gradient_that_is_none_is_named(tmp_path):
         with pytest.raises(ps.GradNoneError, match=r"parameter spare.weight has no gradient"):
             w.step(loss_sum=0.0, correct=0)
         batches.close()
+    # the same through Worker.backward, whose pushes start inside backward: nothing of the
+    # incomplete range was pushed, and the error names the parameters (a run of its own)
+    again = tmp_path / "overlapped"
+    again.mkdir()
+    cfg = write_config(again, model, steps=1, workers=1, shards=1, global_batch=8)
+    with Shards(cfg, 1, again) as shards:
+        w = ps.Worker(cfg, model, rank=0, servers=shards.addrs)
+        batches = w.batches(60000)
+        _, idx = next(batches)
+        loss = nn.functional.cross_entropy(model(x[idx]), y[idx])
+        with pytest.raises(ps.GradNoneError,
+                           match=r"\['spare.weight', 'spare.bias'\] got no gradient from backward"):
+            w.backward(loss)
+        batches.close()
 
 
 def test_buffers_are_refused_unless_allowed(tmp_path):

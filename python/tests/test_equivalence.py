@@ -54,12 +54,20 @@ CASES = {
         lambda p: torch.optim.Adam(p, lr=0.001, betas=(0.9, 0.999), eps=1e-8),
         64,
     ),
+    # the same with Worker.backward (each shard's push starts while backward still runs)
+    "weighted_uneven_overlapped": (dict(aggregation="weighted"), lambda p: torch.optim.SGD(p, lr=0.05), 63),
+    "adam_overlapped": (
+        dict(aggregation="mean", optimizer='kind = "adam"\nlr = 0.001\neps = 1e-6'),
+        lambda p: torch.optim.Adam(p, lr=0.001, betas=(0.9, 0.999), eps=1e-6),
+        64,
+    ),
 }
+OVERLAPPED = {"weighted_uneven_overlapped", "adam_overlapped"}
 # the reference forms the step's gradient as the mean of the two workers' batch means
 PER_WORKER_GRADIENT = {"adam_default_eps"}
 
 
-def run_cluster(tmp_path, base, x, y, global_batch, **keys):
+def run_cluster(tmp_path, base, x, y, global_batch, overlap=False, **keys):
     init = tmp_path / "init.safetensors"
     ps.save_init(base, init)
     cfg = tmp_path / "run.toml"
@@ -71,7 +79,7 @@ def run_cluster(tmp_path, base, x, y, global_batch, **keys):
 
         def go(r):
             try:
-                train_rank(workers[r], models[r], x, y, "mean")
+                train_rank(workers[r], models[r], x, y, "mean", overlap=overlap)
             except BaseException as e:  # reported below, with the rank
                 errors.append((r, e))
 
@@ -119,7 +127,8 @@ def test_cluster_equals_single_process_torch(case, tmp_path, mnist):
     keys, make_opt, global_batch = CASES[case]
     torch.manual_seed(3)
     base = SmallCNN()
-    cfg, models, workers = run_cluster(tmp_path, base, x, y, global_batch, **keys)
+    cfg, models, workers = run_cluster(tmp_path, base, x, y, global_batch,
+                                       overlap=case in OVERLAPPED, **keys)
     ref = reference(base, cfg, x, y, make_opt, per_worker=case in PER_WORKER_GRADIENT)
     moved, _ = max_rel_diff(ref, base)
     assert moved > 1e-3, f"training moved the weights by only {moved}"
@@ -128,7 +137,7 @@ def test_cluster_equals_single_process_torch(case, tmp_path, mnist):
         print(f"{case}: rank {r} vs torch.optim: largest relative difference {diff:.2e} (in {name})")
         assert diff < TOLERANCE, (case, r, diff, name)
     assert workers[0].timing()["pushes"] == STEPS
-    if case == "weighted_uneven":
+    if case.startswith("weighted_uneven"):
         # the uneven split really is uneven, and the export merges the shards with PyTorch names
         sizes = [len(_native_batch(cfg, r, len(x))) for r in range(2)]
         assert sizes == [32, 31]
