@@ -67,17 +67,19 @@ def free_port() -> int:
 class Shards:
     """S real ps-server processes on free 127.0.0.1 ports (stopped on exit)."""
 
-    def __init__(self, config: Path, num_shards: int, out_dir: Path, timeout: float = 60):
+    def __init__(self, config: Path, num_shards: int, out_dir: Path, timeout: float = 60,
+                 extra_args: tuple[str, ...] = ()):
         self.procs = []
         self.addrs = []
         self.logs = []
         for i in range(num_shards):
             addr_file = out_dir / f"shard-{i}.addr"
+            addr_file.unlink(missing_ok=True)  # a previous run's in the same folder
             log = open(out_dir / f"shard-{i}.log", "w")
             self.logs.append(log)
             args = [str(BIN / "ps-server"), "--config", str(config), "--shard", str(i),
                     "--listen", "127.0.0.1:0", "--addr-file", str(addr_file),
-                    "--out-dir", str(out_dir)]
+                    "--out-dir", str(out_dir), *extra_args]
             if i > 0:
                 args += ["--shard0", self.addrs[0]]
             self.procs.append(subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT))
