@@ -282,15 +282,23 @@ impl ShardClient {
             format!("shard {} refused registration", self.shard),
         );
         let tls = self.tls;
-        self.rpc
-            .register(req)
-            .await
-            .map(|r| r.into_inner())
-            // A TLS mismatch shows up here as an h2 protocol error: say "TLS expected" instead.
-            .map_err(|st| {
-                let words = crate::neterr::explain(&st, tls);
-                refused(Status::new(st.code(), words))
-            })
+        match self.rpc.register(req).await {
+            Ok(r) => Ok(r.into_inner()),
+            // A TLS mismatch shows up here as an h2 protocol error, or as a reset when the
+            // TLS shard closed before its alert was read: say "TLS expected" instead.
+            Err(st) => {
+                let mut words = crate::neterr::explain(&st, tls);
+                if !tls
+                    && !words.contains("TLS expected")
+                    && crate::neterr::kind(&words)
+                        .is_some_and(|k| k.starts_with("connection reset"))
+                    && crate::neterr::speaks_tls(&self.addr).await
+                {
+                    words.push_str(" (TLS expected by the shard: it answers a TLS handshake; give this client the same [cluster] TLS settings (tls_ca))");
+                }
+                Err(refused(Status::new(st.code(), words)))
+            }
+        }
     }
 
     /// Registers, trying again every 200 ms for up to `patience` while the refusal is

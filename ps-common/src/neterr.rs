@@ -86,6 +86,30 @@ pub fn kind(text: &str) -> Option<&'static str> {
     }
 }
 
+/// Whether the server at `addr` (host:port) answers a TLS handshake record with a TLS record
+/// (an alert or a server hello), as a shard with tls_cert/tls_key does; a plain-text HTTP/2
+/// server answers with an HTTP/2 frame or closes. For a plain-text client whose first request
+/// was reset: a TLS server may close before its alert is read. Bounded by 2 s; false when it
+/// cannot tell.
+pub async fn speaks_tls(addr: &str) -> bool {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let probe = async {
+        let mut s = tokio::net::TcpStream::connect(addr).await.ok()?;
+        // a handshake record holding a truncated ClientHello: a TLS server answers with an alert
+        s.write_all(&[0x16, 0x03, 0x01, 0x00, 0x05, 0x01, 0x00, 0x00, 0x01, 0x00])
+            .await
+            .ok()?;
+        let mut head = [0u8; 2];
+        s.read_exact(&mut head).await.ok()?;
+        Some(matches!(head, [0x15 | 0x16, 0x03]))
+    };
+    tokio::time::timeout(std::time::Duration::from_secs(2), probe)
+        .await
+        .ok()
+        .flatten()
+        .unwrap_or(false)
+}
+
 /// `err` as one line, followed by the TLS mismatch it shows, if any; otherwise led by the kind
 /// of failure ([`kind`]), so a log never says only "transport error".
 pub fn explain(err: &(dyn Error + 'static), client_tls: bool) -> String {

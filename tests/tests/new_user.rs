@@ -255,6 +255,13 @@ fn a_tls_mismatch_says_tls_expected() {
         cluster
             .start_servers(1, &[], Duration::from_secs(60))
             .unwrap_or_else(|e| panic!("{e}"));
+        // the probe a plain-text client makes when its first request is reset
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        assert_eq!(
+            rt.block_on(ps_common::neterr::speaks_tls(&cluster.addrs[0])),
+            shard_tls,
+            "speaks_tls of a shard with TLS {shard_tls}"
+        );
         let out = Command::new(bin_dir().join("ps-worker"))
             .arg("--config")
             .arg(&wpath)
