@@ -151,6 +151,7 @@ fn check_run(spec: &Spec) {
         .as_f64()
         .unwrap_or_else(|| panic!("{what}: the last step has b_noise: {last}"));
     assert!(b.is_finite() && (1.0..1e5).contains(&b), "{what}: B_noise {b}");
+    eprintln!("{what}: step 1 tr(Σ) {trace:.4e} (offline {:.4e}), last B_noise {b:.1}", e.trace_sigma);
 
     // the log: every log_every steps, with the batch and the advice
     let log = logs(dir.path());
