@@ -8,10 +8,10 @@
 use ps_common::config::{Aggregation, Config, LossReduction, Transport};
 use ps_common::noise;
 use ps_common::order::BatchPlanner;
+use ps_tests::{Spec, Start, mnist_train, run_cluster};
 use ps_worker::backend::Backend;
 use serde_json::Value;
 use std::path::Path;
-use ps_tests::{Spec, Start, mnist_train, run_cluster};
 
 /// Every log of the cluster under `dir/logs`, concatenated.
 fn logs(dir: &Path) -> String {
@@ -103,7 +103,13 @@ fn check_run(spec: &Spec) {
     let coeffs = noise::coefficients(spec.aggregation, &samples);
     let n = grads[0].len();
     let agg: Vec<f64> = (0..n)
-        .map(|i| grads.iter().zip(&coeffs).map(|(g, c)| c * f64::from(g[i])).sum())
+        .map(|i| {
+            grads
+                .iter()
+                .zip(&coeffs)
+                .map(|(g, c)| c * f64::from(g[i]))
+                .sum()
+        })
         .collect();
     let agg_sq: f64 = agg.iter().map(|v| v * v).sum();
     let grad_norm = first["grad_norm"].as_f64().unwrap();
@@ -134,8 +140,9 @@ fn check_run(spec: &Spec) {
         e.trace_sigma
     );
     assert!(
-        (g2 - e.grad_sq).abs() < 1e-3 * e.trace_sigma.abs() / samples.iter().sum::<u32>() as f64
-            + 1e-3 * e.grad_sq.abs(),
+        (g2 - e.grad_sq).abs()
+            < 1e-3 * e.trace_sigma.abs() / samples.iter().sum::<u32>() as f64
+                + 1e-3 * e.grad_sq.abs(),
         "{what}: |G|² {g2} vs offline {}",
         e.grad_sq
     );
@@ -150,8 +157,14 @@ fn check_run(spec: &Spec) {
     let b = last["b_noise"]
         .as_f64()
         .unwrap_or_else(|| panic!("{what}: the last step has b_noise: {last}"));
-    assert!(b.is_finite() && (1.0..1e5).contains(&b), "{what}: B_noise {b}");
-    eprintln!("{what}: step 1 tr(Σ) {trace:.4e} (offline {:.4e}), last B_noise {b:.1}", e.trace_sigma);
+    assert!(
+        b.is_finite() && (1.0..1e5).contains(&b),
+        "{what}: B_noise {b}"
+    );
+    eprintln!(
+        "{what}: step 1 tr(Σ) {trace:.4e} (offline {:.4e}), last B_noise {b:.1}",
+        e.trace_sigma
+    );
 
     // the log: every log_every steps, with the batch and the advice
     let log = logs(dir.path());
@@ -170,7 +183,10 @@ fn check_run(spec: &Spec) {
             && last_line.contains("a noisy estimate, smoothed"),
         "{what}: {last_line}"
     );
-    assert!(!log.contains("cannot be estimated with one worker"), "{what}");
+    assert!(
+        !log.contains("cannot be estimated with one worker"),
+        "{what}"
+    );
 }
 
 #[test]
