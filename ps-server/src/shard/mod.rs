@@ -4,8 +4,14 @@
 //!   retries and conflicts, the timeout and its policy;
 //! - [`store`]: the parameters of the current and previous versions (heap or shared-memory
 //!   board), updated by begin / commit;
+//! - [`intake`]: bounded receive buffers for gRPC gradients, and the step's accumulator that
+//!   folds gradients in rank order as they arrive ([`Shard::fold_ready`]);
 //! - [`update`]: the fused aggregation + optimizer update, a pure function over slices;
-//! - [`shm`]: the shard's side of the shared-memory data path.
+//! - [`shm`]: the shard's side of the shared-memory data path (boards, [`Shard::offer_shm`],
+//!   [`Shard::shm_grad`]).
+//!
+//! The fold and the update also take each rank's squared gradient norm in the pass that reads
+//! the gradient ([`StepFigures::ranks`]): shard 0 turns them into the gradient noise scale.
 //!
 //! The facade: [`Shard::register`], [`Shard::precheck`] and [`Shard::accept`] (push),
 //! [`Shard::apply`] (step), [`Shard::snapshot`] / [`Shard::previous`] / [`Shard::params`]
@@ -29,11 +35,9 @@ use intake::{Acc, Gate, Held};
 use ps_common::config::{Aggregation, Config, Transport};
 use ps_common::optim::{LrSchedule, OptState, Optimizer};
 use ps_common::shm::{Board, shm_root};
-use ps_common::wire::check_and_fingerprint;
 use ps_common::{PsError, PsResult};
 use shm::ShmHost;
 use std::ops::Range;
-use std::path::Path;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 use store::{Previous, Source, Store};
@@ -672,94 +676,6 @@ impl Shard {
         ))
     }
 
-    /// The shared-memory directory and token to offer `rank` on registration for its pulls,
-    /// or None when this shard serves through gRPC only. The first offer moves the parameters
-    /// into the shared-memory board (updates then read and write them there).
-    pub fn offer_shm(&self, rank: u32) -> PsResult<Option<(String, u64)>> {
-        let mut st = self.lock();
-        st.barrier.rank(rank)?;
-        let Some(host) = &self.shm else {
-            return Ok(None);
-        };
-        if !st.store.is_board() {
-            if st.barrier.applying() {
-                tracing::info!(
-                    "shard {}: rank {rank} registered during an update; it pulls through gRPC",
-                    self.index
-                );
-                return Ok(None);
-            }
-            let board = match host.create_params_board(self.len()) {
-                Ok(b) => b,
-                Err(e) => {
-                    tracing::warn!("shard {}: {e}; workers pull through gRPC", self.index);
-                    return Ok(None);
-                }
-            };
-            let version = st.barrier.step();
-            st.store.move_to_board(board, version);
-            tracing::info!(
-                "shard {}: parameters in shared memory for the workers on this host ({})",
-                self.index,
-                host.dir().display()
-            );
-        }
-        Ok(Some((host.dir().display().to_string(), host.token())))
-    }
-
-    /// Opens `rank`'s gradient board (a file it made, of the whole model's length, with
-    /// `token` in its header); true when this shard will read the rank's pushes there. A file
-    /// this shard cannot open (the worker is on another host) means gRPC pushes.
-    pub fn attach_grad(&self, rank: u32, file: &Path, token: u64) -> PsResult<bool> {
-        let r = self.lock().barrier.rank(rank)?;
-        let Some(host) = &self.shm else {
-            return Ok(false);
-        };
-        match host.attach(r, file, token, self.num_params) {
-            Ok(()) => Ok(true),
-            Err(why) => {
-                tracing::info!(
-                    "shard {}: rank {rank} pushes through gRPC: its gradient board is not usable here ({why})",
-                    self.index
-                );
-                Ok(false)
-            }
-        }
-    }
-
-    /// True when pulls can be answered through the shared-memory board.
-    pub fn has_board(&self) -> bool {
-        self.lock().store.is_board()
-    }
-
-    /// `rank`'s gradient for a push that says it is in shared memory: the rank's board, once
-    /// its range is checked in place (finite values) and fingerprinted like a received one.
-    pub fn shm_grad(&self, rank: u32) -> PsResult<(Grad, u64)> {
-        let r = self.lock().barrier.rank(rank)?;
-        let board = self.shm.as_ref().and_then(|h| h.grad(r));
-        let board = board.ok_or_else(|| {
-            PsError::BadChunk(format!(
-                "rank {rank} pushed through shared memory but shard {} has no gradient board of it: expected a registration with a grad_file first",
-                self.index
-            ))
-        })?;
-        // SAFETY: the board stays mapped while `board` lives. The worker does not write it
-        // between its push and the update that uses it (ps_common::shm); one that does only
-        // changes the values read here, and the update checks them again where it uses them.
-        let fp = check_and_fingerprint(unsafe { &board.slot(0)[self.range.clone()] })?;
-        if board.faulted() {
-            // read as zeros under the SIGBUS guard: never used again
-            if let Some(h) = &self.shm {
-                h.detach(r);
-            }
-            return Err(PsError::BadChunk(format!(
-                "rank {rank}'s shared-memory gradient board {} was truncated (another process shrank the file): push refused; register again with a new board, or push through gRPC",
-                board.path().display()
-            )));
-        }
-        Ok((Grad::Board(board), fp))
-    }
-
     /// Writes a checkpoint of the current version if one is due (every `[checkpoint] every`
     /// steps); None when none was due, or when a preemption wrote the step boundary instead
     /// ([`Shard::request_preempt`]). Call it right after [`Shard::apply`], before the
@@ -909,6 +825,7 @@ fn board_truncated(step: u64, rank: u32) -> String {
 mod tests {
     use super::*;
     use ps_common::config::TestConfig;
+    use std::path::Path;
 
     /// A `Leave` whose figures would overflow the sum over the ranks is refused, and changes
     /// nothing; the final sum never wraps.
