@@ -16,7 +16,22 @@
 //! B_small = b, B_big = W b.) It needs two workers with samples: with one there is nothing to
 //! compare.
 
-use crate::config::LossReduction;
+use crate::config::{Aggregation, LossReduction};
+
+/// The shard's aggregation coefficient of each worker with these sample counts (in f64; the
+/// shard applies them rounded to f32).
+pub fn coefficients(aggregation: Aggregation, samples: &[u32]) -> Vec<f64> {
+    let total: u64 = samples.iter().map(|&s| u64::from(s)).sum();
+    samples
+        .iter()
+        .map(|&s| match aggregation {
+            Aggregation::Sum => 1.0,
+            Aggregation::Mean => 1.0 / samples.len() as f64,
+            Aggregation::Weighted if total == 0 => 0.0,
+            Aggregation::Weighted => f64::from(s) / total as f64,
+        })
+        .collect()
+}
 
 /// One worker's part of a step, as the shards see it.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -139,7 +154,9 @@ impl NoiseScale {
     }
 }
 
-/// One line of advice for a global batch of `batch` samples.
+/// One line of advice for a global batch of `batch` samples. (McCandlish et al.: the steps
+/// needed go as 1 + B_noise / B, so below B_noise a bigger batch cuts them nearly in
+/// proportion, above it hardly at all.)
 pub fn advice(b_noise: Option<f64>, batch: u64) -> String {
     let Some(bn) = b_noise else {
         return "the noise dominates the gradient (|G|² estimate ≤ 0): a larger batch would average it; keep watching".into();
@@ -147,15 +164,15 @@ pub fn advice(b_noise: Option<f64>, batch: u64) -> String {
     let b = batch as f64;
     if b < bn / 4.0 {
         format!(
-            "global batch {batch} is far below B_noise ≈ {bn:.0}: a larger global batch with a scaled lr should need fewer steps"
+            "a global batch of {batch} is far below B_noise ≈ {bn:.0}: a bigger batch (more workers, or more samples per worker, with a scaled lr) would cut the steps needed nearly in proportion"
         )
     } else if b > 4.0 * bn {
         format!(
-            "global batch {batch} is far above B_noise ≈ {bn:.0}: diminishing returns, a smaller batch would need about as many steps for less compute"
+            "a global batch of {batch} is far above B_noise ≈ {bn:.0}: diminishing returns, more samples per step buy little; a smaller batch would need about as many steps for less compute"
         )
     } else {
         format!(
-            "global batch {batch} is near B_noise ≈ {bn:.0}: a good trade-off between steps and compute per step"
+            "a global batch of {batch} is near B_noise ≈ {bn:.0}: a good trade-off between steps and compute per step"
         )
     }
 }
@@ -163,21 +180,6 @@ pub fn advice(b_noise: Option<f64>, batch: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::Aggregation;
-
-    /// The shard's aggregation coefficients, in f64.
-    fn coefficients(aggregation: Aggregation, samples: &[u32]) -> Vec<f64> {
-        let total: u64 = samples.iter().map(|&s| u64::from(s)).sum();
-        samples
-            .iter()
-            .map(|&s| match aggregation {
-                Aggregation::Sum => 1.0,
-                Aggregation::Mean => 1.0 / samples.len() as f64,
-                Aggregation::Weighted if total == 0 => 0.0,
-                Aggregation::Weighted => f64::from(s) / total as f64,
-            })
-            .collect()
-    }
 
     /// xorshift64* and Box-Muller: Gaussian draws without a dependency.
     struct Gauss(u64);

@@ -32,6 +32,7 @@ struct Inner {
     checkpoints_failed: u64,
     checkpoint_attempts_failed: u64,
     expected_memory: Option<u64>,
+    noise_scale: Option<f64>,
 }
 
 impl Metrics {
@@ -76,6 +77,11 @@ impl Metrics {
     /// The shard's expected peak memory in bytes (stated at start-up).
     pub fn set_expected_memory(&self, bytes: u64) {
         self.lock().expected_memory = Some(bytes);
+    }
+
+    /// The smoothed gradient noise scale B_noise (shard 0, from 2 workers on).
+    pub fn set_noise_scale(&self, b_noise: f64) {
+        self.lock().noise_scale = Some(b_noise);
     }
 
     /// A push was counted (or acknowledged as a retry).
@@ -208,6 +214,14 @@ impl Metrics {
             for (name, help, v) in gauges {
                 metric(name, "gauge", help, &one(v));
             }
+        }
+        if let Some(b) = m.noise_scale {
+            metric(
+                "ps_gradient_noise_scale",
+                "gauge",
+                "Smoothed gradient noise scale B_noise = tr(Sigma)/|G|^2 (the critical batch size, McCandlish et al. 2018), shard 0 only: a noisy estimate.",
+                &one(b),
+            );
         }
         if let Some(acc) = m.test_accuracy {
             metric(

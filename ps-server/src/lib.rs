@@ -131,7 +131,9 @@ pub async fn run_shard_preemptible(
     }
     let shard = Shard::try_starting_from(&cfg, index, total_steps, resume_from)
         .map_err(anyhow::Error::msg)?;
+    let metrics = Arc::new(exporter::Metrics::new(index, total_steps, shard.version()));
     let reporter = Reporter::spawn(ReporterConfig {
+        noise: report::NoiseSetup::of(&cfg, metrics.clone()),
         shard: index,
         num_shards: cfg.num_shards(),
         world: cfg.cluster.workers,
@@ -149,7 +151,6 @@ pub async fn run_shard_preemptible(
         );
     }
     let all_left = Arc::new(Notify::new());
-    let metrics = Arc::new(exporter::Metrics::new(index, total_steps, shard.version()));
     let plan = memory::MemoryPlan::of(&cfg, shard.len());
     memory::log_plan(index, &plan, memory::available());
     metrics.set_expected_memory(plan.total());

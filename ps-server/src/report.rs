@@ -3,14 +3,23 @@
 //! loss, accuracy, whole-gradient norm, lr, workers, samples, timing and slowest rank, and
 //! appends the same as a JSON line to the metrics file. Every other shard logs its own barrier
 //! and timing, and reports to shard 0.
+//!
+//! The gradient noise scale: every shard reports each rank's squared gradient norm over its
+//! range with the step; shard 0 sums them over the shards (norms are sums over coordinates),
+//! estimates tr(Σ) and |G|² ([`ps_common::noise`]), smooths them over steps, and logs
+//! B_noise with one line of advice on the global batch every `log_every` steps.
 
-use crate::shard::StepFigures;
-use ps_common::pb::StepReport;
+use crate::exporter::Metrics;
+use crate::shard::{RankNorm, StepFigures};
+use ps_common::config::{Aggregation, Config, LossReduction};
+use ps_common::noise::{self, NoiseScale};
 use ps_common::pb::parameter_server_client::ParameterServerClient;
+use ps_common::pb::{RankSqNorm, StepReport};
 use serde_json::json;
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 
@@ -54,6 +63,63 @@ pub struct ReporterConfig {
     pub security: ps_common::auth::ClientSecurity,
     /// The shard credential put on reports (`[server] shard_token_file`).
     pub shard_token: Option<ps_common::auth::Token>,
+    /// What the gradient noise scale needs (shard 0).
+    pub noise: NoiseSetup,
+}
+
+/// Decay per step of the noise scale's moving averages: about the last 20 steps count.
+pub const NOISE_DECAY: f64 = 0.95;
+
+/// What shard 0 needs to estimate the gradient noise scale.
+#[derive(Debug, Clone)]
+pub struct NoiseSetup {
+    /// `[train] aggregation`.
+    pub aggregation: Aggregation,
+    /// `[train] loss_reduction`.
+    pub loss: LossReduction,
+    /// The shard's `/metrics`, for the gauge.
+    pub metrics: Option<Arc<Metrics>>,
+}
+
+impl NoiseSetup {
+    /// The setup of `cfg`, with the shard's metrics.
+    pub fn of(cfg: &Config, metrics: Arc<Metrics>) -> Self {
+        Self {
+            aggregation: cfg.train.aggregation,
+            loss: cfg.train.loss_reduction,
+            metrics: Some(metrics),
+        }
+    }
+}
+
+/// Checks the noise figures of a step report: at most `world` ranks, each below `world`, once,
+/// in increasing order, with a finite non-negative squared norm. The message says what is
+/// wrong.
+pub fn check_report_ranks(r: &StepReport, world: usize) -> Result<(), String> {
+    if r.ranks.len() > world {
+        return Err(format!(
+            "step report from shard {} holds {} rank norms: expected at most {world} (one per rank)",
+            r.shard,
+            r.ranks.len()
+        ));
+    }
+    let mut prev: Option<u32> = None;
+    for q in &r.ranks {
+        if q.rank as usize >= world || prev.is_some_and(|p| p >= q.rank) {
+            return Err(format!(
+                "step report from shard {}: rank norm of rank {}: expected ranks below {world}, each once, in increasing order",
+                r.shard, q.rank
+            ));
+        }
+        if !q.sq_norm.is_finite() || q.sq_norm < 0.0 {
+            return Err(format!(
+                "step report from shard {}: rank {}'s squared norm {}: expected a finite non-negative number",
+                r.shard, q.rank, q.sq_norm
+            ));
+        }
+        prev = Some(q.rank);
+    }
+    Ok(())
 }
 
 impl Reporter {
@@ -92,6 +158,54 @@ struct Pending {
     first_seen: Option<Instant>,
     /// The shards that reported (a second report of a shard for a step is ignored).
     from: std::collections::BTreeSet<u32>,
+    /// Each rank's (samples, Σ over the shards so far of |g_r|², shards that gave it).
+    ranks: BTreeMap<u32, (u32, f64, usize)>,
+    /// A shard's ranks disagreed with another's (or a shard knew none): no noise estimate.
+    ranks_differ: bool,
+}
+
+impl Pending {
+    /// Adds one shard's rank norms.
+    fn add_ranks(&mut self, ranks: impl Iterator<Item = RankNorm>) {
+        let mut any = false;
+        for q in ranks {
+            any = true;
+            let e = self.ranks.entry(q.rank).or_insert((q.samples, 0.0, 0));
+            if e.0 != q.samples {
+                self.ranks_differ = true;
+            }
+            e.1 += q.sq_norm;
+            e.2 += 1;
+        }
+        if !any {
+            self.ranks_differ = true;
+        }
+    }
+
+    /// Each rank's squared norm over the whole model, when every one of `shards` shards gave
+    /// the same ranks with the same samples.
+    fn rank_norms(&self, shards: usize) -> Option<Vec<RankNorm>> {
+        if self.ranks_differ || self.remote + 1 != shards {
+            return None;
+        }
+        self.ranks
+            .iter()
+            .map(|(&rank, &(samples, sq_norm, n))| {
+                (n == shards).then_some(RankNorm {
+                    rank,
+                    samples,
+                    sq_norm,
+                })
+            })
+            .collect()
+    }
+}
+
+/// Shard 0's gradient noise scale over the run.
+struct Noise {
+    scale: NoiseScale,
+    /// The W = 1 line was logged.
+    said_one_worker: bool,
 }
 
 async fn run(cfg: ReporterConfig, mut rx: mpsc::UnboundedReceiver<Event>) {
@@ -116,6 +230,10 @@ async fn run(cfg: ReporterConfig, mut rx: mpsc::UnboundedReceiver<Event>) {
             .ok()
     });
     let mut pending: BTreeMap<u64, Pending> = BTreeMap::new();
+    let mut noise = Noise {
+        scale: NoiseScale::new(NOISE_DECAY),
+        said_one_worker: false,
+    };
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     loop {
         tokio::select! {
@@ -125,7 +243,7 @@ async fn run(cfg: ReporterConfig, mut rx: mpsc::UnboundedReceiver<Event>) {
                     Event::Flush(done) => {
                         for (_, p) in std::mem::take(&mut pending) {
                             if p.local.is_some() {
-                                emit(&cfg, p, metrics.as_mut());
+                                emit(&cfg, p, metrics.as_mut(), &mut noise);
                             }
                         }
                         let _ = done.send(());
@@ -135,6 +253,7 @@ async fn run(cfg: ReporterConfig, mut rx: mpsc::UnboundedReceiver<Event>) {
                         let step = f.step;
                         let p = pending.entry(step).or_default();
                         p.first_seen.get_or_insert_with(Instant::now);
+                        p.add_ranks(f.ranks.iter().copied());
                         p.local = Some(f);
                         step
                     }
@@ -147,6 +266,11 @@ async fn run(cfg: ReporterConfig, mut rx: mpsc::UnboundedReceiver<Event>) {
                         }
                         p.remote_sq += r.grad_sq_norm;
                         p.remote += 1;
+                        p.add_ranks(r.ranks.iter().map(|q| RankNorm {
+                            rank: q.rank,
+                            samples: q.samples,
+                            sq_norm: q.sq_norm,
+                        }));
                         r.step
                     }
                 };
@@ -155,7 +279,7 @@ async fn run(cfg: ReporterConfig, mut rx: mpsc::UnboundedReceiver<Event>) {
                     && p.remote + 1 == cfg.num_shards
                 {
                     let p = pending.remove(&step).expect("present");
-                    emit(&cfg, p, metrics.as_mut());
+                    emit(&cfg, p, metrics.as_mut(), &mut noise);
                 }
             }
             _ = tick.tick() => {
@@ -167,7 +291,7 @@ async fn run(cfg: ReporterConfig, mut rx: mpsc::UnboundedReceiver<Event>) {
                 for s in stale {
                     let p = pending.remove(&s).expect("present");
                     tracing::warn!("step {s}: only {} of {} shards reported; the gradient norm covers those", p.remote + 1, cfg.num_shards);
-                    emit(&cfg, p, metrics.as_mut());
+                    emit(&cfg, p, metrics.as_mut(), &mut noise);
                 }
                 // reports of a step this shard never applied (it failed, or they were wrong)
                 // are not kept past twice the wait
@@ -183,9 +307,31 @@ async fn run(cfg: ReporterConfig, mut rx: mpsc::UnboundedReceiver<Event>) {
     }
 }
 
-fn emit(cfg: &ReporterConfig, p: Pending, metrics: Option<&mut std::fs::File>) {
+fn emit(cfg: &ReporterConfig, p: Pending, metrics: Option<&mut std::fs::File>, noise: &mut Noise) {
+    let ranks = p.rank_norms(cfg.num_shards);
     let f = p.local.expect("local figures present");
-    let norm = (f.grad_sq_norm + p.remote_sq).sqrt();
+    let agg_sq = f.grad_sq_norm + p.remote_sq;
+    let norm = agg_sq.sqrt();
+    if let Some(ranks) = &ranks {
+        let samples: Vec<u32> = ranks.iter().map(|q| q.samples).collect();
+        let coeffs = noise::coefficients(cfg.noise.aggregation, &samples);
+        let input: Vec<noise::RankNorm> = ranks
+            .iter()
+            .zip(coeffs)
+            .map(|(q, coeff)| noise::RankNorm {
+                sq_norm: q.sq_norm,
+                samples: q.samples,
+                coeff,
+            })
+            .collect();
+        if let Some(e) = noise::estimate(&input, agg_sq, cfg.noise.loss) {
+            noise.scale.observe(e);
+        }
+    }
+    let smoothed = noise.scale.get();
+    if let (Some(m), Some(b)) = (&cfg.noise.metrics, smoothed.and_then(|s| s.b_noise)) {
+        m.set_noise_scale(b);
+    }
     let samples = f.samples.max(1) as f64;
     let loss = f.loss_sum / samples;
     let acc = f.correct as f64 / samples;
@@ -208,6 +354,24 @@ fn emit(cfg: &ReporterConfig, p: Pending, metrics: Option<&mut std::fs::File>) {
             f.slowest_rank,
             f.apply_ms,
         );
+        if cfg.world < 2 {
+            if !noise.said_one_worker {
+                tracing::info!(
+                    "gradient noise scale: cannot be estimated with one worker (it compares each worker's gradient with the aggregated one); run with 2 or more workers to see whether a bigger batch would help"
+                );
+                noise.said_one_worker = true;
+            }
+        } else if let Some(s) = smoothed {
+            tracing::info!(
+                "gradient noise scale: B_noise ≈ {} (tr(Σ) {:.4e}, |G|² {:.4e}; a noisy estimate, smoothed over about the last {:.0} of {} steps) | {}",
+                s.b_noise.map_or("n/a".into(), |b| format!("{b:.0}")),
+                s.trace_sigma,
+                s.grad_sq,
+                1.0 / (1.0 - NOISE_DECAY),
+                s.steps,
+                noise::advice(s.b_noise, f.samples)
+            );
+        }
     }
     if let Some(a) = test_acc {
         tracing::info!(
@@ -226,6 +390,20 @@ fn emit(cfg: &ReporterConfig, p: Pending, metrics: Option<&mut std::fs::File>) {
         });
         if let Some(a) = test_acc {
             line["test_acc_before_step"] = json!(a);
+        }
+        if let Some(s) = smoothed {
+            if let Some(b) = s.b_noise {
+                line["b_noise"] = json!(b);
+            }
+            line["noise_trace_sigma"] = json!(s.trace_sigma);
+            line["noise_grad_sq"] = json!(s.grad_sq);
+        }
+        if let Some(ranks) = &ranks {
+            let by_rank: serde_json::Map<String, serde_json::Value> = ranks
+                .iter()
+                .map(|q| (q.rank.to_string(), json!(q.sq_norm)))
+                .collect();
+            line["rank_grad_sq_norms"] = serde_json::Value::Object(by_rank);
         }
         if let Err(e) = writeln!(m, "{line}") {
             tracing::warn!("cannot append to the metrics file: {e}");
@@ -266,6 +444,15 @@ async fn forward_to_shard0(cfg: ReporterConfig, mut rx: mpsc::UnboundedReceiver<
             step_ms: f.step_ms,
             barrier_wait_ms: f.barrier_wait_ms,
             slowest_rank: f.slowest_rank,
+            ranks: f
+                .ranks
+                .iter()
+                .map(|q| RankSqNorm {
+                    rank: q.rank,
+                    samples: q.samples,
+                    sq_norm: q.sq_norm,
+                })
+                .collect(),
         };
         let Some(addr) = &cfg.shard0 else { continue };
         if client.is_none() {

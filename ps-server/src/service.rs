@@ -490,6 +490,7 @@ impl ShardService {
                 r.shard, r.grad_sq_norm, r.step_ms, r.barrier_wait_ms
             )));
         }
+        crate::report::check_report_ranks(r, self.shard.world).map_err(PsError::BadChunk)?;
         let v = self.shard.version();
         if r.step >= self.shard.total_steps
             || r.step + REPORT_WINDOW < v

@@ -248,6 +248,7 @@ async fn step_reports_need_the_shard_credential_and_a_step_near_the_shards() {
             step_ms: 1.0,
             barrier_wait_ms: 0.0,
             slowest_rank: 0,
+            ..Default::default()
         });
         r.metadata_mut().insert(
             "authorization",

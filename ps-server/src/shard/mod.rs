@@ -4,8 +4,14 @@
 //!   retries and conflicts, the timeout and its policy;
 //! - [`store`]: the parameters of the current and previous versions (heap or shared-memory
 //!   board), updated by begin / commit;
+//! - [`intake`]: bounded receive buffers for gRPC gradients, and the step's accumulator that
+//!   folds gradients in rank order as they arrive ([`Shard::fold_ready`]);
 //! - [`update`]: the fused aggregation + optimizer update, a pure function over slices;
-//! - [`shm`]: the shard's side of the shared-memory data path.
+//! - [`shm`]: the shard's side of the shared-memory data path (boards, [`Shard::offer_shm`],
+//!   [`Shard::shm_grad`]).
+//!
+//! The fold and the update also take each rank's squared gradient norm in the pass that reads
+//! the gradient ([`StepFigures::ranks`]): shard 0 turns them into the gradient noise scale.
 //!
 //! The facade: [`Shard::register`], [`Shard::precheck`] and [`Shard::accept`] (push),
 //! [`Shard::apply`] (step), [`Shard::snapshot`] / [`Shard::previous`] / [`Shard::params`]
@@ -24,15 +30,14 @@ pub mod update;
 use crate::checkpoint::{self, Saved};
 use barrier::{Accepted, Barrier, Rules, Verdict};
 use bytes::Bytes;
-use intake::{Acc, Gate, Held, Permit};
+pub use intake::Announced;
+use intake::{Acc, Gate, Held};
 use ps_common::config::{Aggregation, Config, Transport};
 use ps_common::optim::{LrSchedule, OptState, Optimizer};
 use ps_common::shm::{Board, shm_root};
-use ps_common::wire::check_and_fingerprint;
 use ps_common::{PsError, PsResult};
 use shm::ShmHost;
 use std::ops::Range;
-use std::path::Path;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 use store::{Previous, Source, Store};
@@ -128,6 +133,21 @@ pub struct StepFigures {
     pub apply_ms: f64,
     /// Test-set evaluation summed over ranks (correct, count), when carried.
     pub eval: (u64, u64),
+    /// Each rank's squared gradient norm over this shard's range, in rank order (the gradient
+    /// noise scale's input); empty when one is not known (a rank the step went on without
+    /// after it had been folded).
+    pub ranks: Vec<RankNorm>,
+}
+
+/// One rank's share of a step on one shard.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RankNorm {
+    /// The rank.
+    pub rank: u32,
+    /// Its `b_r`.
+    pub samples: u32,
+    /// |g_r|² over the shard's range of the gradient it pushed.
+    pub sq_norm: f64,
 }
 
 #[derive(Debug)]
@@ -300,233 +320,6 @@ impl Shard {
         self.range.is_empty()
     }
 
-    /// A gradient buffer to receive a push into: a recycled one when available, else an
-    /// empty one (its memory is reserved as the data arrives).
-    pub fn take_buffer(&self) -> Vec<f32> {
-        self.lock().spare.pop().unwrap_or_default()
-    }
-
-    /// Returns a buffer (of a refused push, or of an applied step) to the pool, which keeps at
-    /// most `max_pending_gradients + 1` (the excess is freed).
-    pub fn return_buffer(&self, buf: Vec<f32>) {
-        let mut st = self.lock();
-        if st.spare.len() <= self.gate.limit() && buf.capacity() >= self.len() {
-            st.spare.push(buf);
-        }
-    }
-
-    /// gRPC gradient buffers held now (receiving, or received and not yet folded).
-    pub fn buffers_held(&self) -> usize {
-        self.gate.held()
-    }
-
-    /// Records that a push of `rank` for `step` (checked by [`Shard::precheck`]) is under way,
-    /// announcing `samples`: the rank is not missing while the returned guard lives.
-    pub fn announce(self: &Arc<Self>, rank: u32, step: u64, samples: u32) -> Announced {
-        let recorded = {
-            let mut st = self.lock();
-            st.barrier
-                .rank(rank)
-                .is_ok_and(|r| st.barrier.announce(r, step, samples))
-        };
-        Announced {
-            shard: self.clone(),
-            rank,
-            step,
-            recorded,
-        }
-    }
-
-    /// Waits for the turn of a push of `rank` for `step`: `Some(permit)` to receive a gradient
-    /// the step needs into a buffer, `None` to check one that will not be kept as it streams
-    /// in. Until then the push's stream is not read (it waits under flow control).
-    pub async fn wait_turn(&self, rank: u32, step: u64) -> PsResult<Option<Permit>> {
-        let mut logged = false;
-        loop {
-            let notified = self.gate.changed.notified();
-            tokio::pin!(notified);
-            notified.as_mut().enable();
-            {
-                let st = self.lock();
-                if let Some(why) = &st.failed {
-                    return Err(PsError::Unavailable(why.clone()));
-                }
-                let r = st.barrier.rank(rank)?;
-                if !st.barrier.needs_buffer(r, step) {
-                    return Ok(None);
-                }
-                let awaited = st.barrier.awaited();
-                if let Some(p) = self.gate.try_grant(rank, step, st.barrier.step(), awaited) {
-                    return Ok(Some(p));
-                }
-                if !logged {
-                    tracing::debug!(
-                        "shard {}: rank {rank}'s push of step {step} waits for its turn (awaiting rank {awaited:?}, {} of {} buffers held)",
-                        self.index,
-                        self.gate.held(),
-                        self.gate.limit()
-                    );
-                    logged = true;
-                }
-            }
-            notified.await;
-        }
-    }
-
-    /// Wakes the pushes waiting for their turn (something they depend on changed).
-    fn wake(&self) {
-        self.gate.changed.notify_waiters();
-    }
-
-    /// Folds the step's gradients into its accumulator in rank order, as far as they are in
-    /// (never the last rank the step needs: the update reads that one directly). Blocking:
-    /// call it from a blocking thread. A shared-memory gradient found not finite fails the run.
-    pub fn fold_ready(&self) -> PsResult<()> {
-        let mut acc = self.acc.lock().unwrap_or_else(|p| p.into_inner());
-        loop {
-            let (r, grad, c, first) = {
-                let mut st = self.lock();
-                if st.failed.is_some() || st.barrier.applying() {
-                    return Ok(());
-                }
-                let step = st.barrier.step();
-                if acc.step != step || (acc.coeffs.is_empty() && acc.folded()) {
-                    if let Some(v) = acc.values.take() {
-                        st.spare.push(v);
-                    }
-                    *acc = Acc {
-                        step,
-                        ..Acc::default()
-                    };
-                }
-                if acc.coeffs.is_empty() {
-                    let Some((members, samples)) = st.barrier.freeze_if_ready() else {
-                        return Ok(());
-                    };
-                    acc.coeffs = self.member_coeffs(members, samples);
-                    acc.members = members.clone();
-                    acc.samples = samples.clone();
-                }
-                while acc.next < self.world && !acc.members[acc.next] {
-                    acc.next += 1;
-                }
-                let r = acc.next;
-                let last = (r + 1..self.world).all(|q| !acc.members[q]);
-                if r >= self.world || last {
-                    return Ok(());
-                }
-                let Some(grad) = st.barrier.take_for_fold(r) else {
-                    return Ok(());
-                };
-                (r, grad, acc.coeffs[r], !acc.folded())
-            };
-            let board = match &grad {
-                Grad::Board(b) => Some(b.clone()),
-                _ => None,
-            };
-            let folded = match grad {
-                Grad::Owned(mut held) if first => {
-                    intake::scale_in_place(&mut held.values, c);
-                    acc.values = Some(std::mem::take(&mut held.values));
-                    Ok(())
-                }
-                Grad::Owned(held) => {
-                    let out = intake::fold(
-                        acc.values.as_mut().expect("folded before"),
-                        &held.values,
-                        c,
-                        false,
-                        false,
-                    );
-                    self.return_buffer(held.values);
-                    out
-                }
-                Grad::Board(b) => {
-                    let mut values = acc.values.take().unwrap_or_else(|| self.take_buffer());
-                    // SAFETY: as in `apply`: the Arc keeps the board mapped; a worker that
-                    // writes it against the protocol only changes the values, checked here
-                    let out = intake::fold(
-                        &mut values,
-                        unsafe { &b.slot(0)[self.range.clone()] },
-                        c,
-                        first,
-                        true,
-                    );
-                    acc.values = Some(values);
-                    out
-                }
-                Grad::Folded | Grad::Checked => Ok(()),
-            };
-            let step = acc.step;
-            // a board truncated under the fold read as zeros (the SIGBUS guard): not its values
-            let why = if board.is_some_and(|b| b.faulted()) {
-                if let Some(h) = &self.shm {
-                    h.detach(r);
-                }
-                Some(board_truncated(step, r as u32))
-            } else {
-                folded.err().map(|(index, value)| format!(
-                    "step {step}: rank {r}'s gradient holds {value} at index {index} of shard {}'s range when the update reads it, although its push was checked: its shared-memory board was written after the push was accepted; the step is not applied (the shard stays at version {step}) and the run stops",
-                    self.index
-                ))
-            };
-            if let Some(why) = why {
-                tracing::error!("shard {}: {why}", self.index);
-                acc.values = None;
-                self.fail(why.clone());
-                return Err(PsError::Unavailable(why));
-            }
-            acc.next = r + 1;
-            self.wake();
-        }
-    }
-
-    /// The coefficient of the accumulator in an update of `slots`: 1 when they are the ranks
-    /// its coefficients were fixed for (always, but for a step the barrier policy went on
-    /// without some of them: then the folded sum is rescaled to the coefficients of the ranks
-    /// that are in, close to but not bit-identical with aggregating them afresh).
-    fn rescale(&self, acc: &Acc, slots: &[Slot]) -> f32 {
-        let same = slots.len() == acc.members.iter().filter(|&&m| m).count()
-            && slots
-                .iter()
-                .all(|s| acc.members[s.rank as usize] && acc.samples[s.rank as usize] == s.samples);
-        if same {
-            return 1.0;
-        }
-        let n_was = acc.members.iter().filter(|&&m| m).count() as f64;
-        let t_was: u64 = (0..self.world)
-            .filter(|&r| acc.members[r])
-            .map(|r| u64::from(acc.samples[r]))
-            .sum();
-        let t_now: u64 = slots.iter().map(|s| u64::from(s.samples)).sum();
-        let f = match self.aggregation {
-            Aggregation::Sum => 1.0,
-            Aggregation::Mean => n_was / slots.len().max(1) as f64,
-            Aggregation::Weighted if t_now == 0 => 0.0,
-            Aggregation::Weighted => t_was as f64 / t_now as f64,
-        };
-        tracing::warn!(
-            "shard {}: step {} goes on with {} of the {} ranks its aggregation started with: the sum folded so far is rescaled by {f}",
-            self.index,
-            acc.step,
-            slots.len(),
-            n_was
-        );
-        f as f32
-    }
-
-    /// The coefficient of each rank (0 for ranks not in `members`).
-    fn member_coeffs(&self, members: &[bool], samples: &[u32]) -> Vec<f32> {
-        let ranks: Vec<usize> = (0..self.world).filter(|&r| members[r]).collect();
-        let s: Vec<u32> = ranks.iter().map(|&r| samples[r]).collect();
-        let c = update::coefficients(self.aggregation, &s);
-        let mut out = vec![0.0; self.world];
-        for (&r, c) in ranks.iter().zip(c) {
-            out[r] = c;
-        }
-        out
-    }
-
     /// Current version.
     pub fn version(&self) -> u64 {
         *self.version_tx.borrow()
@@ -689,6 +482,11 @@ impl Shard {
             checked: usize::from(folded),
         };
         let updated = fused_update(inputs, next, &mut opt.m, &mut opt.v);
+        let rank_sq = updated
+            .as_ref()
+            .ok()
+            .and_then(|n| self.rank_norms(&acc, folded, &slots, &ranks, &n.inputs))
+            .unwrap_or_default();
         // a board truncated under the update read as zeros (the SIGBUS guard): not its values
         let truncated = slots
             .iter()
@@ -709,7 +507,7 @@ impl Shard {
                 "step {step}: rank {}'s gradient holds {} at index {} of shard {}'s range when the update reads it, although its push was checked: its shared-memory board was written after the push was accepted; the step is not applied (the shard stays at version {step}) and the run stops",
                 ranks[bad.source], bad.value, bad.index, self.index
             )),
-            (Ok(sq), None) => Ok(sq),
+            (Ok(norms), None) => Ok(norms.aggregate),
         };
         let grad_sq_norm = match refused {
             Ok(sq) => sq,
@@ -754,6 +552,7 @@ impl Shard {
             eval: slots.iter().fold((0u64, 0u64), |a, s| {
                 (a.0.saturating_add(s.eval.0), a.1.saturating_add(s.eval.1))
             }),
+            ranks: rank_sq,
         };
         {
             let mut st = self.lock();
@@ -778,6 +577,39 @@ impl Shard {
         self.wake();
         self.version_tx.send_replace(step + 1);
         Ok(figures)
+    }
+
+    /// Each slot's |g_r|² over this shard's range, in rank order: from the folds, and from the
+    /// update (`inputs`: its inputs' norms, the accumulator first when `folded`; `input_ranks`:
+    /// their ranks). None when one is not known.
+    fn rank_norms(
+        &self,
+        acc: &Acc,
+        folded: bool,
+        slots: &[Slot],
+        input_ranks: &[u32],
+        inputs: &[f64],
+    ) -> Option<Vec<RankNorm>> {
+        let acc_sq = folded.then(|| inputs[0]);
+        let direct = usize::from(folded);
+        slots
+            .iter()
+            .map(|s| {
+                let sq_norm = match s.grad {
+                    Grad::Folded => acc.norm_of(s.rank as usize, acc_sq)?,
+                    Grad::Owned(_) | Grad::Board(_) => {
+                        let i = input_ranks[direct..].iter().position(|&r| r == s.rank)?;
+                        inputs[direct + i]
+                    }
+                    Grad::Checked => return None,
+                };
+                Some(RankNorm {
+                    rank: s.rank,
+                    samples: s.samples,
+                    sq_norm,
+                })
+            })
+            .collect()
     }
 
     /// The current parameters as bytes for gRPC pulls, and their version: shared by every
@@ -842,94 +674,6 @@ impl Shard {
         Err(PsError::Unavailable(
             "the parameters kept changing while being copied".into(),
         ))
-    }
-
-    /// The shared-memory directory and token to offer `rank` on registration for its pulls,
-    /// or None when this shard serves through gRPC only. The first offer moves the parameters
-    /// into the shared-memory board (updates then read and write them there).
-    pub fn offer_shm(&self, rank: u32) -> PsResult<Option<(String, u64)>> {
-        let mut st = self.lock();
-        st.barrier.rank(rank)?;
-        let Some(host) = &self.shm else {
-            return Ok(None);
-        };
-        if !st.store.is_board() {
-            if st.barrier.applying() {
-                tracing::info!(
-                    "shard {}: rank {rank} registered during an update; it pulls through gRPC",
-                    self.index
-                );
-                return Ok(None);
-            }
-            let board = match host.create_params_board(self.len()) {
-                Ok(b) => b,
-                Err(e) => {
-                    tracing::warn!("shard {}: {e}; workers pull through gRPC", self.index);
-                    return Ok(None);
-                }
-            };
-            let version = st.barrier.step();
-            st.store.move_to_board(board, version);
-            tracing::info!(
-                "shard {}: parameters in shared memory for the workers on this host ({})",
-                self.index,
-                host.dir().display()
-            );
-        }
-        Ok(Some((host.dir().display().to_string(), host.token())))
-    }
-
-    /// Opens `rank`'s gradient board (a file it made, of the whole model's length, with
-    /// `token` in its header); true when this shard will read the rank's pushes there. A file
-    /// this shard cannot open (the worker is on another host) means gRPC pushes.
-    pub fn attach_grad(&self, rank: u32, file: &Path, token: u64) -> PsResult<bool> {
-        let r = self.lock().barrier.rank(rank)?;
-        let Some(host) = &self.shm else {
-            return Ok(false);
-        };
-        match host.attach(r, file, token, self.num_params) {
-            Ok(()) => Ok(true),
-            Err(why) => {
-                tracing::info!(
-                    "shard {}: rank {rank} pushes through gRPC: its gradient board is not usable here ({why})",
-                    self.index
-                );
-                Ok(false)
-            }
-        }
-    }
-
-    /// True when pulls can be answered through the shared-memory board.
-    pub fn has_board(&self) -> bool {
-        self.lock().store.is_board()
-    }
-
-    /// `rank`'s gradient for a push that says it is in shared memory: the rank's board, once
-    /// its range is checked in place (finite values) and fingerprinted like a received one.
-    pub fn shm_grad(&self, rank: u32) -> PsResult<(Grad, u64)> {
-        let r = self.lock().barrier.rank(rank)?;
-        let board = self.shm.as_ref().and_then(|h| h.grad(r));
-        let board = board.ok_or_else(|| {
-            PsError::BadChunk(format!(
-                "rank {rank} pushed through shared memory but shard {} has no gradient board of it: expected a registration with a grad_file first",
-                self.index
-            ))
-        })?;
-        // SAFETY: the board stays mapped while `board` lives. The worker does not write it
-        // between its push and the update that uses it (ps_common::shm); one that does only
-        // changes the values read here, and the update checks them again where it uses them.
-        let fp = check_and_fingerprint(unsafe { &board.slot(0)[self.range.clone()] })?;
-        if board.faulted() {
-            // read as zeros under the SIGBUS guard: never used again
-            if let Some(h) = &self.shm {
-                h.detach(r);
-            }
-            return Err(PsError::BadChunk(format!(
-                "rank {rank}'s shared-memory gradient board {} was truncated (another process shrank the file): push refused; register again with a new board, or push through gRPC",
-                board.path().display()
-            )));
-        }
-        Ok((Grad::Board(board), fp))
     }
 
     /// Writes a checkpoint of the current version if one is due (every `[checkpoint] every`
@@ -1066,26 +810,6 @@ impl Shard {
     }
 }
 
-/// A push under way ([`Shard::announce`]); withdrawn when dropped.
-#[derive(Debug)]
-pub struct Announced {
-    shard: Arc<Shard>,
-    rank: u32,
-    step: u64,
-    recorded: bool,
-}
-
-impl Drop for Announced {
-    fn drop(&mut self) {
-        if self.recorded {
-            let mut st = self.shard.lock();
-            if let Ok(r) = st.barrier.rank(self.rank) {
-                st.barrier.withdraw(r, self.step);
-            }
-        }
-    }
-}
-
 fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
@@ -1101,6 +825,7 @@ fn board_truncated(step: u64, rank: u32) -> String {
 mod tests {
     use super::*;
     use ps_common::config::TestConfig;
+    use std::path::Path;
 
     /// A `Leave` whose figures would overflow the sum over the ranks is refused, and changes
     /// nothing; the final sum never wraps.

@@ -2,7 +2,10 @@
 //! offers its parameters board to the workers on its host, and the workers' gradient boards it
 //! reads pushes from.
 
+use super::{Grad, Shard};
 use ps_common::shm::{Board, BoardDir, params_path};
+use ps_common::wire::check_and_fingerprint;
+use ps_common::{PsError, PsResult};
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
@@ -125,6 +128,97 @@ fn parse_proc_addr(s: &str) -> Option<std::net::SocketAddr> {
         _ => return None,
     };
     Some(SocketAddr::new(ip.to_canonical(), port))
+}
+
+/// The shared-memory side of the facade.
+impl Shard {
+    /// The shared-memory directory and token to offer `rank` on registration for its pulls,
+    /// or None when this shard serves through gRPC only. The first offer moves the parameters
+    /// into the shared-memory board (updates then read and write them there).
+    pub fn offer_shm(&self, rank: u32) -> PsResult<Option<(String, u64)>> {
+        let mut st = self.lock();
+        st.barrier.rank(rank)?;
+        let Some(host) = &self.shm else {
+            return Ok(None);
+        };
+        if !st.store.is_board() {
+            if st.barrier.applying() {
+                tracing::info!(
+                    "shard {}: rank {rank} registered during an update; it pulls through gRPC",
+                    self.index
+                );
+                return Ok(None);
+            }
+            let board = match host.create_params_board(self.len()) {
+                Ok(b) => b,
+                Err(e) => {
+                    tracing::warn!("shard {}: {e}; workers pull through gRPC", self.index);
+                    return Ok(None);
+                }
+            };
+            let version = st.barrier.step();
+            st.store.move_to_board(board, version);
+            tracing::info!(
+                "shard {}: parameters in shared memory for the workers on this host ({})",
+                self.index,
+                host.dir().display()
+            );
+        }
+        Ok(Some((host.dir().display().to_string(), host.token())))
+    }
+
+    /// Opens `rank`'s gradient board (a file it made, of the whole model's length, with
+    /// `token` in its header); true when this shard will read the rank's pushes there. A file
+    /// this shard cannot open (the worker is on another host) means gRPC pushes.
+    pub fn attach_grad(&self, rank: u32, file: &Path, token: u64) -> PsResult<bool> {
+        let r = self.lock().barrier.rank(rank)?;
+        let Some(host) = &self.shm else {
+            return Ok(false);
+        };
+        match host.attach(r, file, token, self.num_params) {
+            Ok(()) => Ok(true),
+            Err(why) => {
+                tracing::info!(
+                    "shard {}: rank {rank} pushes through gRPC: its gradient board is not usable here ({why})",
+                    self.index
+                );
+                Ok(false)
+            }
+        }
+    }
+
+    /// True when pulls can be answered through the shared-memory board.
+    pub fn has_board(&self) -> bool {
+        self.lock().store.is_board()
+    }
+
+    /// `rank`'s gradient for a push that says it is in shared memory: the rank's board, once
+    /// its range is checked in place (finite values) and fingerprinted like a received one.
+    pub fn shm_grad(&self, rank: u32) -> PsResult<(Grad, u64)> {
+        let r = self.lock().barrier.rank(rank)?;
+        let board = self.shm.as_ref().and_then(|h| h.grad(r));
+        let board = board.ok_or_else(|| {
+            PsError::BadChunk(format!(
+                "rank {rank} pushed through shared memory but shard {} has no gradient board of it: expected a registration with a grad_file first",
+                self.index
+            ))
+        })?;
+        // SAFETY: the board stays mapped while `board` lives. The worker does not write it
+        // between its push and the update that uses it (ps_common::shm); one that does only
+        // changes the values read here, and the update checks them again where it uses them.
+        let fp = check_and_fingerprint(unsafe { &board.slot(0)[self.range.clone()] })?;
+        if board.faulted() {
+            // read as zeros under the SIGBUS guard: never used again
+            if let Some(h) = &self.shm {
+                h.detach(r);
+            }
+            return Err(PsError::BadChunk(format!(
+                "rank {rank}'s shared-memory gradient board {} was truncated (another process shrank the file): push refused; register again with a new board, or push through gRPC",
+                board.path().display()
+            )));
+        }
+        Ok((Grad::Board(board), fp))
+    }
 }
 
 #[cfg(test)]

@@ -67,9 +67,19 @@ pub fn coefficients(aggregation: Aggregation, samples: &[u32]) -> Vec<f32> {
         .collect()
 }
 
+/// Squared norms an update takes on its way (the gradient noise scale's inputs).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Norms {
+    /// |Σ_r c_r g_r|², the aggregated gradient's.
+    pub aggregate: f64,
+    /// |g_r|² of each input, in the order of `grads` (taken from each block of the input while
+    /// the aggregation has it in cache: no extra pass over memory).
+    pub inputs: Vec<f64>,
+}
+
 /// `next = optimizer(current, Σ_r coeffs[r] · grads[r])`, advancing the optimizer buffers `m`
-/// and `v` (empty when the optimizer keeps none) in place; returns the squared norm of the
-/// aggregated gradient. `next` must not alias anything else.
+/// and `v` (empty when the optimizer keeps none) in place; returns the squared norms of the
+/// aggregated gradient and of each input. `next` must not alias anything else.
 ///
 /// A gradient value that is NaN or infinite is reported as an error, and the block holding it
 /// (and, on other threads, the blocks not yet started) is not updated: `next` and `m`/`v` are
@@ -79,7 +89,7 @@ pub fn fused_update(
     next: &mut [f32],
     m: &mut [f32],
     v: &mut [f32],
-) -> Result<f64, NonFiniteInput> {
+) -> Result<Norms, NonFiniteInput> {
     let len = inp.current.len();
     assert_eq!(
         next.len(),
@@ -134,22 +144,34 @@ pub fn fused_update(
     };
     // summed in piece order: the logged norm does not depend on which thread took what
     sqs.sort_by_key(|&(i, _)| i);
-    let mut sq = 0.0;
+    let mut norms = Norms {
+        aggregate: 0.0,
+        inputs: vec![0.0; inp.grads.len()],
+    };
     for (_, r) in sqs {
-        sq += r?;
+        let (sq, inputs) = r?;
+        norms.aggregate += sq;
+        norms
+            .inputs
+            .iter_mut()
+            .zip(inputs)
+            .for_each(|(a, b)| *a += b);
     }
-    Ok(sq)
+    Ok(norms)
 }
 
+/// A piece's squared norms: the aggregate's and each input's.
+type PieceNorms = (f64, Vec<f64>);
+
 /// Updates `p` (values `lo..lo + p.len()` of the shard) and its optimizer state; returns the
-/// squared norm of that part of the aggregated gradient.
+/// squared norms of that part of the aggregated gradient and of each input.
 fn run(
     inp: &UpdateInputs<'_>,
     lo: usize,
     p: &mut [f32],
     m: &mut [f32],
     v: &mut [f32],
-) -> Result<f64, NonFiniteInput> {
+) -> Result<PieceNorms, NonFiniteInput> {
     #[cfg(target_arch = "x86_64")]
     if inp.simd == Simd::Auto && std::arch::is_x86_feature_detected!("avx2") {
         // SAFETY: the CPU supports AVX2, checked just above.
@@ -168,7 +190,7 @@ unsafe fn run_avx2(
     p: &mut [f32],
     m: &mut [f32],
     v: &mut [f32],
-) -> Result<f64, NonFiniteInput> {
+) -> Result<PieceNorms, NonFiniteInput> {
     run_portable(inp, lo, p, m, v)
 }
 
@@ -182,14 +204,15 @@ fn run_portable(
     p: &mut [f32],
     m: &mut [f32],
     v: &mut [f32],
-) -> Result<f64, NonFiniteInput> {
+) -> Result<PieceNorms, NonFiniteInput> {
     let mut sq = 0.0;
+    let mut inputs = vec![0.0; inp.grads.len()];
     let mut g = vec![0f32; BLOCK.min(p.len())];
     let mut at = 0;
     while at < p.len() {
         let end = (at + BLOCK).min(p.len());
         let gb = &mut g[..end - at];
-        let block_sq = aggregate(gb, inp.grads, inp.coeffs, lo + at);
+        let block_sq = aggregate(gb, inp.grads, inp.coeffs, lo + at, &mut inputs);
         // Σ g² in f64 of at most BLOCK f32 values is finite exactly when every value is
         if !block_sq.is_finite()
             && let Some(bad) = find_non_finite(inp.grads, inp.checked, lo + at, end - at)
@@ -203,7 +226,7 @@ fn run_portable(
         inp.optimizer.update_chunk(inp.step, pb, gb, mb, vb);
         at = end;
     }
-    Ok(sq)
+    Ok((sq, inputs))
 }
 
 /// The first non-finite input of values `lo..lo + n`, by index and then rank; None when every
@@ -233,9 +256,10 @@ fn find_non_finite(
 
 /// `g = Σ_r cs[r] * grads[r][lo..lo + g.len()]`, summed in rank order (bit-reproducible
 /// whatever the arrival order and however the shard is split into blocks), in straight-line
-/// loops over slices; returns the squared norm of the result.
+/// loops over slices; returns the squared norm of the result, and adds each input's block's
+/// to `input_sq` (read again from L1, where the aggregation just brought it).
 #[inline(always)]
-fn aggregate(g: &mut [f32], grads: &[&[f32]], cs: &[f32], lo: usize) -> f64 {
+fn aggregate(g: &mut [f32], grads: &[&[f32]], cs: &[f32], lo: usize, input_sq: &mut [f64]) -> f64 {
     let n = g.len();
     for (r, (src, &c)) in grads.iter().zip(cs).enumerate() {
         let src = &src[lo..lo + n];
@@ -245,14 +269,16 @@ fn aggregate(g: &mut [f32], grads: &[&[f32]], cs: &[f32], lo: usize) -> f64 {
             (_, true) => g.iter_mut().zip(src).for_each(|(a, &x)| *a += x),
             (_, false) => g.iter_mut().zip(src).for_each(|(a, &x)| *a += c * x),
         }
+        input_sq[r] += sum_of_squares(src);
     }
     sum_of_squares(g)
 }
 
 /// Σ v² in f64, over eight independent lanes so that it vectorises (a single running sum is a
-/// chain of dependent adds, slower than the rest of the update together).
+/// chain of dependent adds, slower than the rest of the update together). Each square is exact
+/// in f64 (an f32 has 24 significant bits): only the additions round.
 #[inline(always)]
-fn sum_of_squares(g: &[f32]) -> f64 {
+pub(crate) fn sum_of_squares(g: &[f32]) -> f64 {
     let mut lanes = [0f64; 8];
     let mut blocks = g.chunks_exact(8);
     for b in &mut blocks {
@@ -323,6 +349,7 @@ mod tests {
         m: Vec<f32>,
         v: Vec<f32>,
         sq: Result<f64, NonFiniteInput>,
+        inputs: Vec<f64>,
     }
 
     fn run_with(
@@ -347,12 +374,13 @@ mod tests {
             simd,
             checked: 0,
         };
-        let sq = fused_update(inp, &mut next, &mut st.m, &mut st.v);
+        let norms = fused_update(inp, &mut next, &mut st.m, &mut st.v);
         Run {
             next,
             m: st.m,
             v: st.v,
-            sq,
+            inputs: norms.as_ref().map_or(Vec::new(), |n| n.inputs.clone()),
+            sq: norms.map(|n| n.aggregate),
         }
     }
 
@@ -406,6 +434,9 @@ mod tests {
                     assert_eq!(bits(&r.next), bits(&reference.next), "{what}");
                     assert_eq!(bits(&r.m), bits(&reference.m), "{what}");
                     assert_eq!(bits(&r.v), bits(&reference.v), "{what}");
+                    for (a, b) in r.inputs.iter().zip(&reference.inputs) {
+                        assert!((a - b).abs() <= 1e-12 * b, "{what}: input norms {a} vs {b}");
+                    }
                 }
             }
         }
@@ -429,6 +460,11 @@ mod tests {
             assert_eq!(r.next[i], current[i] - 0.05 * g, "value {i}");
         }
         assert!((r.sq.unwrap() - sq).abs() <= 1e-9 * sq);
+        // each input's squared norm, as taken on the way
+        for (g, &got) in grads.iter().zip(&r.inputs) {
+            let want: f64 = g.iter().map(|&x| f64::from(x) * f64::from(x)).sum();
+            assert!((got - want).abs() <= 1e-12 * want, "{got} vs {want}");
+        }
         assert_eq!(coefficients(Aggregation::Mean, &[1, 9]), vec![0.5, 0.5]);
         assert_eq!(coefficients(Aggregation::Sum, &[1, 9]), vec![1.0, 1.0]);
         assert_eq!(coefficients(Aggregation::Weighted, &[0, 0]), vec![0.0, 0.0]);
@@ -476,6 +512,7 @@ mod tests {
         assert!(
             fused_update(inp, &mut next, &mut [], &mut [])
                 .unwrap()
+                .aggregate
                 .is_infinite()
         );
     }
