@@ -282,7 +282,9 @@ fn k8s_config(cm: &Value, dir: &Path) -> Config {
         std::fs::create_dir_all(&d).unwrap();
         match from {
             Some(f) => std::fs::copy(f, d.join(file)).map(|_| ()).unwrap(),
-            None => std::fs::write(d.join(file), "a-token-for-the-deploy-test-0123456789\n").unwrap(),
+            None => {
+                std::fs::write(d.join(file), "a-token-for-the-deploy-test-0123456789\n").unwrap()
+            }
         }
     }
     let text = config_toml(cm).replace("/etc/ps-secrets/", &format!("{}/", dir.display()));
@@ -669,7 +671,10 @@ fn kubernetes_manifests_are_consistent_with_the_config_and_the_binaries() {
     assert_eq!(flag_value(&server_args, "--config"), "/etc/ps/config.toml");
     assert_config_mounted(job, shard, "/etc/ps/config.toml", cm);
     assert_config_mounted(job, worker, "/etc/ps/config.toml", cm);
-    assert_eq!(flag_value(&server_args, "--listen"), format!("0.0.0.0:{port}"));
+    assert_eq!(
+        flag_value(&server_args, "--listen"),
+        format!("0.0.0.0:{port}")
+    );
     let health_port: u64 = flag_value(&server_args, "--health-listen")
         .rsplit(':')
         .next()
@@ -692,7 +697,11 @@ fn kubernetes_manifests_are_consistent_with_the_config_and_the_binaries() {
     // probes: the kubelet's gRPC probe on the plaintext health port; readiness = the shard
     // service, liveness = the process
     for probe in ["startupProbe", "readinessProbe", "livenessProbe"] {
-        assert_eq!(int(shard, &format!("{probe}.grpc.port")), health_port, "{probe}");
+        assert_eq!(
+            int(shard, &format!("{probe}.grpc.port")),
+            health_port,
+            "{probe}"
+        );
     }
     assert_eq!(
         text(shard, "readinessProbe.grpc.service"),
@@ -766,24 +775,16 @@ fn kubernetes_manifests_are_consistent_with_the_config_and_the_binaries() {
     }
 
     // the NetworkPolicy: the run's pods, gRPC from the run's pods only
-    assert_eq!(
-        string_map(netpol, "spec.podSelector.matchLabels"),
-        selector
-    );
+    assert_eq!(string_map(netpol, "spec.podSelector.matchLabels"), selector);
     let grpc_rule = seq(netpol, "spec.ingress")
         .iter()
-        .find(|r| {
-            r.get("ports").is_some() && int(&seq(r, "ports")[0], "port") == port
-        })
+        .find(|r| r.get("ports").is_some() && int(&seq(r, "ports")[0], "port") == port)
         .expect("an ingress rule for the gRPC port");
     assert_eq!(
         string_map(&seq(grpc_rule, "from")[0], "podSelector.matchLabels"),
         selector
     );
-    assert_eq!(
-        strings(netpol, "spec.policyTypes"),
-        ["Ingress", "Egress"]
-    );
+    assert_eq!(strings(netpol, "spec.policyTypes"), ["Ingress", "Egress"]);
 
     // shard.sh, run here with stand-in ps-server and ps-launch that record their arguments
     check_shard_script(script, &server_args);
@@ -795,7 +796,10 @@ fn kubernetes_manifests_are_consistent_with_the_config_and_the_binaries() {
     assert!(docker.contains("target/release/ps-server target/release/ps-worker"));
     assert!(docker.contains("COPY --from=build /out/ /usr/local/bin/"));
     assert!(docker.contains("COPY data/ /opt/ps/data/"));
-    assert!(docker.contains("USER 65532:65532"), "a numeric non-root user");
+    assert!(
+        docker.contains("USER 65532:65532"),
+        "a numeric non-root user"
+    );
     let in_repo = cfg.data.dir.strip_prefix("/opt/ps").unwrap();
     assert!(
         repo()
@@ -834,10 +838,7 @@ fn check_shard_script(script: &str, server_args: &[String]) {
         let out = Command::new("sh")
             .arg(&script_path)
             .env_clear()
-            .env(
-                "PATH",
-                format!("{}:/usr/bin:/bin", bin.display()),
-            )
+            .env("PATH", format!("{}:/usr/bin:/bin", bin.display()))
             .env("JOB_COMPLETION_INDEX", index.to_string())
             .env("PS_SHARDS", "2")
             .env("PS_SET_SERVER_OUT_DIR", &out_dir)
@@ -865,7 +866,12 @@ fn check_shard_script(script: &str, server_args: &[String]) {
     assert_flags_exist("shard.sh", "ps-server", &server[1..]);
     assert_eq!(flag_value(&server, "--shard"), "0");
     assert!(!server.iter().any(|a| a == "--resume"));
-    for f in ["--config", "--listen", "--health-listen", "--metrics-listen"] {
+    for f in [
+        "--config",
+        "--listen",
+        "--health-listen",
+        "--metrics-listen",
+    ] {
         assert_eq!(flag_value(&server, f), flag_value(server_args, f), "{f}");
     }
     let launch: Vec<String> = lines[1].split_whitespace().map(str::to_string).collect();
