@@ -77,8 +77,11 @@ echo "deploy-checks: both tools reject a bad manifest (kubernetes-validate: the 
 
 # 3. TensorBoard reads shard 0's event file, and it says what metrics.jsonl says
 cargo build --release --quiet --bin ps-server --bin ps-worker --bin ps-launch
-target/release/ps-launch --config deploy/mnist.toml --out-dir "$work/run" \
-    --set train.steps=40 --set train.eval_every=20 --set train.log_every=20 > "$work/run.log" 2>&1 \
+# deploy/mnist.toml cut to 40 steps (it states epochs; steps and epochs exclude each other)
+sed -e 's/^epochs = .*/steps = 40/' -e 's|^dir = "../data/mnist"|dir = "../../data/mnist"|' \
+    -e 's/^warmup_steps = .*/warmup_steps = 10/' deploy/mnist.toml > "$work/mnist-40.toml"
+target/release/ps-launch --config "$work/mnist-40.toml" --out-dir "$work/run" \
+    --set train.eval_every=20 --set train.log_every=20 > "$work/run.log" 2>&1 \
     || { tail -30 "$work/run.log"; exit 1; }
 "$PY" - "$work/run" <<'EOF'
 import glob, json, math, sys
