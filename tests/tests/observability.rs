@@ -203,8 +203,11 @@ async fn scrape(addr: &str) -> (String, String, String) {
     )
 }
 
+/// A sample's labels, in order.
+type Labels = Vec<(String, String)>;
+
 /// One sample: name, labels in order, value.
-type Sample = (String, Vec<(String, String)>, f64);
+type Sample = (String, Labels, f64);
 
 /// Parses an OpenMetrics text exposition strictly enough to catch what Prometheus rejects:
 /// every family has one TYPE (and HELP) before its samples, every sample belongs to the family
@@ -318,7 +321,8 @@ fn check_histograms(samples: &[Sample], families: &BTreeMap<String, String>) -> 
     let mut series = 0;
     for (family, _) in families.iter().filter(|(_, k)| *k == "histogram") {
         let bucket = format!("{family}_bucket");
-        let mut by_labels: BTreeMap<Vec<(String, String)>, Vec<(f64, f64)>> = BTreeMap::new();
+        // labels but le -> (le, cumulative count)
+        let mut by_labels: BTreeMap<Labels, Vec<(f64, f64)>> = BTreeMap::new();
         for (_, l, v) in samples.iter().filter(|s| s.0 == bucket) {
             let le = l
                 .iter()
