@@ -498,6 +498,29 @@ mod tests {
     use super::*;
 
     #[test]
+    fn an_earlier_runs_outputs_move_aside_tensorboard_events_included() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path();
+        for f in [
+            "metrics.jsonl",
+            "shard-0.safetensors",
+            "events.out.tfevents.1700000000.host",
+            "config.toml",
+        ] {
+            std::fs::write(out.join(f), "x").unwrap();
+        }
+        let prev = move_previous_run(out).unwrap().expect("moved");
+        for f in [
+            "metrics.jsonl",
+            "shard-0.safetensors",
+            "events.out.tfevents.1700000000.host",
+        ] {
+            assert!(prev.join(f).exists() && !out.join(f).exists(), "{f}");
+        }
+        assert!(out.join("config.toml").exists(), "not an output: stays");
+    }
+
+    #[test]
     fn tidy_removes_dot_and_dotdot() {
         assert_eq!(
             tidy(Path::new("deploy/../runs/mnist")),
