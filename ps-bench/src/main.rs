@@ -529,6 +529,7 @@ impl InProcShard {
                 shard0: None,
                 resume_from: None,
                 metrics_listen: None,
+                health_listen: None,
             };
             run_shard(setup, listener, async {
                 let _ = rx.await;

@@ -454,8 +454,8 @@ pub const RUN_OUTPUTS: [&str; 6] = [
     "checkpoints",
 ];
 
-/// Moves the outputs of an earlier run in `out_dir` (those of [`RUN_OUTPUTS`] and the shard
-/// files `shard-*.safetensors`) into a new `out_dir/previous-<unix seconds>/`, so the directory
+/// Moves the outputs of an earlier run in `out_dir` (those of [`RUN_OUTPUTS`], the shard
+/// files `shard-*.safetensors` and TensorBoard's `events.out.tfevents.*`) into a new `out_dir/previous-<unix seconds>/`, so the directory
 /// holds one run's story. Returns that directory, or None when there was nothing to move.
 pub fn move_previous_run(out_dir: &Path) -> std::io::Result<Option<PathBuf>> {
     let Ok(entries) = std::fs::read_dir(out_dir) else {
@@ -466,7 +466,8 @@ pub fn move_previous_run(out_dir: &Path) -> std::io::Result<Option<PathBuf>> {
         let name = e.file_name();
         let Some(n) = name.to_str() else { continue };
         let shard_file = n.starts_with("shard-") && n.ends_with(".safetensors");
-        if shard_file || RUN_OUTPUTS.contains(&n) {
+        let tensorboard_file = n.starts_with("events.out.tfevents.");
+        if shard_file || tensorboard_file || RUN_OUTPUTS.contains(&n) {
             found.push(e.path());
         }
     }
@@ -495,6 +496,29 @@ pub fn move_previous_run(out_dir: &Path) -> std::io::Result<Option<PathBuf>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_earlier_runs_outputs_move_aside_tensorboard_events_included() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path();
+        for f in [
+            "metrics.jsonl",
+            "shard-0.safetensors",
+            "events.out.tfevents.1700000000.host",
+            "config.toml",
+        ] {
+            std::fs::write(out.join(f), "x").unwrap();
+        }
+        let prev = move_previous_run(out).unwrap().expect("moved");
+        for f in [
+            "metrics.jsonl",
+            "shard-0.safetensors",
+            "events.out.tfevents.1700000000.host",
+        ] {
+            assert!(prev.join(f).exists() && !out.join(f).exists(), "{f}");
+        }
+        assert!(out.join("config.toml").exists(), "not an output: stays");
+    }
 
     #[test]
     fn tidy_removes_dot_and_dotdot() {

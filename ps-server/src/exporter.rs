@@ -1,23 +1,57 @@
-//! A shard's figures in the Prometheus text format on `GET /metrics` (`ps-server
-//! --metrics-listen ADDR` or `[server] metrics_addrs`): its version, the last step's global
-//! loss, accuracy, learning rate, timing and workers, samples and pushes (accepted, and refused
-//! by status code). A minimal HTTP/1.1 responder on its own listener: one request per
+//! A shard's figures in the OpenMetrics text format (which Prometheus scrapes) on `GET
+//! /metrics` (`ps-server --metrics-listen ADDR` or `[server] metrics_addrs`): its version, the
+//! last step's global loss, accuracy, learning rate, timing and workers, samples and pushes
+//! (accepted, and refused by status code); histograms of the step time, the barrier wait and
+//! each rank's arrival lag; the process's memory, CPU time and file descriptors. Encoded by
+//! the `prometheus-client` crate; every sample but the `process_*` ones carries
+//! `shard="<i>"` first. A minimal HTTP/1.1 responder on its own listener: one request per
 //! connection, bounded in size and time.
 
 use crate::shard::StepFigures;
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::metrics::MetricType;
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
 use std::collections::BTreeMap;
-use std::fmt::Write as _;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 
+/// The exposition's content type (OpenMetrics 1.0 text).
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// Histogram buckets of the timings, in seconds: 0.5 ms doubling to 65 s (and +Inf).
+pub fn time_buckets() -> impl Iterator<Item = f64> {
+    exponential_buckets(0.0005, 2.0, 18)
+}
+
+fn time_histogram() -> Histogram {
+    Histogram::new(time_buckets())
+}
+
+/// A rank's label set.
+type RankLabel = Vec<(&'static str, String)>;
+
 /// What a shard exposes; updated by the service, read by the exporter.
 #[derive(Debug)]
 pub struct Metrics {
-    shard: usize,
+    inner: Arc<Mutex<Inner>>,
+    step_seconds: Histogram,
+    barrier_wait_seconds: Histogram,
+    arrival_lag_seconds: Family<RankLabel, Histogram, fn() -> Histogram>,
+    registry: Registry,
+}
+
+/// The figures the service updates, encoded at each scrape ([`Figures`]).
+#[derive(Debug)]
+struct Figures {
     total_steps: u64,
-    inner: Mutex<Inner>,
+    inner: Arc<Mutex<Inner>>,
 }
 
 #[derive(Debug, Default)]
@@ -38,13 +72,44 @@ struct Inner {
 impl Metrics {
     /// Metrics of shard `shard` of a run of `total_steps`, starting at `version`.
     pub fn new(shard: usize, total_steps: u64, version: u64) -> Self {
-        Self {
-            shard,
+        let inner = Arc::new(Mutex::new(Inner {
+            version,
+            ..Inner::default()
+        }));
+        let step_seconds = time_histogram();
+        let barrier_wait_seconds = time_histogram();
+        let arrival_lag_seconds: Family<RankLabel, Histogram, fn() -> Histogram> =
+            Family::new_with_constructor(time_histogram);
+        let mut registry = Registry::default();
+        // process metrics carry no shard label (Prometheus' usual names and labels)
+        registry.register_collector(Box::new(ProcessCollector));
+        let shard_registry =
+            registry.sub_registry_with_label(("shard".into(), shard.to_string().into()));
+        shard_registry.register_collector(Box::new(Figures {
             total_steps,
-            inner: Mutex::new(Inner {
-                version,
-                ..Inner::default()
-            }),
+            inner: inner.clone(),
+        }));
+        shard_registry.register(
+            "ps_step_duration_seconds",
+            "Time between consecutive versions (one training step, as this shard sees it).",
+            step_seconds.clone(),
+        );
+        shard_registry.register(
+            "ps_barrier_wait_duration_seconds",
+            "Time from the first to the last gradient of a step.",
+            barrier_wait_seconds.clone(),
+        );
+        shard_registry.register(
+            "ps_arrival_lag_seconds",
+            "How long after a step's first gradient each rank's gradient arrived (0 for the first).",
+            arrival_lag_seconds.clone(),
+        );
+        Self {
+            inner,
+            step_seconds,
+            barrier_wait_seconds,
+            arrival_lag_seconds,
+            registry,
         }
     }
 
@@ -54,6 +119,13 @@ impl Metrics {
 
     /// A step was applied.
     pub fn step(&self, f: &StepFigures) {
+        self.step_seconds.observe(f.step_ms / 1e3);
+        self.barrier_wait_seconds.observe(f.barrier_wait_ms / 1e3);
+        for &(rank, lag_ms) in &f.arrival_lag_ms {
+            self.arrival_lag_seconds
+                .get_or_create(&vec![("rank", rank.to_string())])
+                .observe(lag_ms / 1e3);
+        }
         let mut m = self.lock();
         m.version = f.step + 1;
         m.samples_total += f.samples;
@@ -94,18 +166,60 @@ impl Metrics {
         *self.lock().refused.entry(format!("{code:?}")).or_default() += 1;
     }
 
-    /// The exposition text.
+    /// The exposition text (OpenMetrics, ending with `# EOF`).
     pub fn render(&self) -> String {
-        let m = self.lock();
-        let s = self.shard;
         let mut out = String::new();
-        let mut metric = |name: &str, kind: &str, help: &str, samples: &[(String, f64)]| {
-            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
-            for (labels, v) in samples {
-                let _ = writeln!(out, "{name}{{shard=\"{s}\"{labels}}} {v}");
+        if let Err(e) = prometheus_client::encoding::text::encode(&mut out, &self.registry) {
+            tracing::warn!("cannot encode the metrics: {e}");
+        }
+        out
+    }
+}
+
+/// Labels of one sample, after `shard`.
+type Labels = Vec<(String, String)>;
+
+fn label(key: &str, value: &str) -> (String, String) {
+    (key.to_string(), value.to_string())
+}
+
+/// Encodes one family: `kind` "gauge" or "counter" (a counter's `name` ends in `_total`, which
+/// the encoder adds to the samples itself).
+fn encode_family(
+    encoder: &mut DescriptorEncoder,
+    name: &str,
+    kind: &str,
+    help: &str,
+    samples: &[(Labels, f64)],
+) -> Result<(), std::fmt::Error> {
+    let (base, metric_type) = match kind {
+        "counter" => (
+            name.strip_suffix("_total").unwrap_or(name),
+            MetricType::Counter,
+        ),
+        _ => (name, MetricType::Gauge),
+    };
+    let mut family = encoder.encode_descriptor(base, help, None, metric_type)?;
+    for (labels, v) in samples {
+        let sample = family.encode_family(labels)?;
+        match metric_type {
+            MetricType::Counter => ConstCounter::new(*v).encode(sample)?,
+            _ => ConstGauge::new(*v).encode(sample)?,
+        }
+    }
+    Ok(())
+}
+
+impl Collector for Figures {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let m = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+        let mut result = Ok(());
+        let mut metric = |name: &str, kind: &str, help: &str, samples: &[(Labels, f64)]| {
+            if result.is_ok() {
+                result = encode_family(&mut encoder, name, kind, help, samples);
             }
         };
-        let one = |v: f64| vec![(String::new(), v)];
+        let one = |v: f64| vec![(Labels::new(), v)];
         metric(
             "ps_version",
             "gauge",
@@ -132,23 +246,24 @@ impl Metrics {
             "Training samples of the steps applied by this process.",
             &one(m.samples_total as f64),
         );
-        let mut pushes = vec![(",outcome=\"accepted\"".to_string(), m.accepted as f64)];
-        pushes.extend(
-            m.refused
-                .iter()
-                .map(|(code, n)| (format!(",outcome=\"refused\",code=\"{code}\""), *n as f64)),
-        );
+        let mut pushes = vec![(vec![label("outcome", "accepted")], m.accepted as f64)];
+        pushes.extend(m.refused.iter().map(|(code, n)| {
+            (
+                vec![label("outcome", "refused"), label("code", code)],
+                *n as f64,
+            )
+        }));
         metric(
             "ps_checkpoints_total",
             "counter",
             "Due checkpoints, written or failed (a failed one was retried once).",
             &[
                 (
-                    ",outcome=\"written\"".to_string(),
+                    vec![label("outcome", "written")],
                     m.checkpoints_written as f64,
                 ),
                 (
-                    ",outcome=\"failed\"".to_string(),
+                    vec![label("outcome", "failed")],
                     m.checkpoints_failed as f64,
                 ),
             ],
@@ -231,7 +346,135 @@ impl Metrics {
                 &one(acc),
             );
         }
-        out
+        result
+    }
+}
+
+/// The process's figures from `/proc/self` (Linux; elsewhere none), under Prometheus' usual
+/// names: resident and virtual memory, CPU seconds, threads, open and maximum file
+/// descriptors, start time.
+#[derive(Debug)]
+struct ProcessCollector;
+
+/// One reading of `/proc/self`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ProcessFigures {
+    /// Resident set size, bytes.
+    pub resident_bytes: f64,
+    /// Virtual memory size, bytes.
+    pub virtual_bytes: f64,
+    /// User + system CPU time, seconds.
+    pub cpu_seconds: f64,
+    /// Threads.
+    pub threads: f64,
+    /// Open file descriptors.
+    pub open_fds: f64,
+    /// The soft limit on file descriptors.
+    pub max_fds: f64,
+    /// Start time, seconds since the Unix epoch.
+    pub start_time_seconds: f64,
+}
+
+impl ProcessFigures {
+    /// Reads `/proc/self/stat`, `/proc/self/fd` and `/proc/stat`; None where there is no /proc.
+    pub fn read() -> Option<Self> {
+        let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+        // the command name (field 2) is in parentheses and may hold spaces: split after it
+        let rest = &stat[stat.rfind(')')? + 2..];
+        let f: Vec<&str> = rest.split_whitespace().collect();
+        // fields from 3 on: f[0] is field 3 (state)
+        let field = |n: usize| -> Option<f64> { f.get(n - 3)?.parse().ok() };
+        // SAFETY: sysconf only reads configuration values.
+        let (ticks, page) = unsafe {
+            (
+                libc::sysconf(libc::_SC_CLK_TCK),
+                libc::sysconf(libc::_SC_PAGESIZE),
+            )
+        };
+        let ticks = if ticks > 0 { ticks as f64 } else { 100.0 };
+        let boot = std::fs::read_to_string("/proc/stat").ok().and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("btime ")?.trim().parse::<f64>().ok())
+        });
+        let open_fds = std::fs::read_dir("/proc/self/fd").ok()?.count() as f64;
+        let mut lim = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        // SAFETY: getrlimit writes into the struct it is given.
+        let max_fds = if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } == 0 {
+            lim.rlim_cur as f64
+        } else {
+            f64::NAN
+        };
+        Some(Self {
+            cpu_seconds: (field(14)? + field(15)?) / ticks,
+            threads: field(20)?,
+            start_time_seconds: boot.map_or(f64::NAN, |b| b + field(22).unwrap_or(0.0) / ticks),
+            virtual_bytes: field(23)?,
+            resident_bytes: field(24)? * page.max(1) as f64,
+            open_fds,
+            max_fds,
+        })
+    }
+}
+
+impl Collector for ProcessCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let Some(p) = ProcessFigures::read() else {
+            return Ok(());
+        };
+        let none = Labels::new();
+        let families = [
+            (
+                "process_resident_memory_bytes",
+                "gauge",
+                "Resident memory size in bytes.",
+                p.resident_bytes,
+            ),
+            (
+                "process_virtual_memory_bytes",
+                "gauge",
+                "Virtual memory size in bytes.",
+                p.virtual_bytes,
+            ),
+            (
+                "process_cpu_seconds_total",
+                "counter",
+                "Total user and system CPU time spent in seconds.",
+                p.cpu_seconds,
+            ),
+            (
+                "process_threads",
+                "gauge",
+                "Number of OS threads in the process.",
+                p.threads,
+            ),
+            (
+                "process_open_fds",
+                "gauge",
+                "Number of open file descriptors.",
+                p.open_fds,
+            ),
+            (
+                "process_max_fds",
+                "gauge",
+                "Maximum number of open file descriptors.",
+                p.max_fds,
+            ),
+            (
+                "process_start_time_seconds",
+                "gauge",
+                "Start time of the process since unix epoch in seconds.",
+                p.start_time_seconds,
+            ),
+        ];
+        for (name, kind, help, v) in families {
+            if v.is_finite() {
+                encode_family(&mut encoder, name, kind, help, &[(none.clone(), v)])?;
+            }
+        }
+        Ok(())
     }
 }
 
@@ -274,8 +517,13 @@ pub async fn serve(listener: TcpListener, metrics: std::sync::Arc<Metrics>) {
                     "only GET /metrics is served here\n".to_string(),
                 )
             };
+            let content_type = if status.starts_with("200") {
+                CONTENT_TYPE
+            } else {
+                "text/plain; charset=utf-8"
+            };
             let head = format!(
-                "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+                "HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
                 body.len()
             );
             let _ = sock.write_all(head.as_bytes()).await;

@@ -22,6 +22,7 @@ pub mod peers;
 pub mod report;
 pub mod service;
 pub mod shard;
+pub mod tensorboard;
 
 use anyhow::Context;
 use checkpoint::{Identity, Saved};
@@ -78,7 +79,16 @@ pub struct ShardSetup {
     pub resume_from: Option<Saved>,
     /// Serve `GET /metrics` (Prometheus) on this address (`host:0` picks a free port).
     pub metrics_listen: Option<String>,
+    /// Also serve gRPC health (`grpc.health.v1`) alone, without TLS or token, on this address
+    /// (for probes that cannot speak TLS, such as the kubelet's); the shard's own port serves
+    /// it too, beside the shard service.
+    pub health_listen: Option<String>,
 }
+
+/// The service name a shard reports in `grpc.health.v1`: SERVING while it takes requests
+/// (from listening until its run ends), NOT_SERVING once the run finished, failed or was
+/// preempted. The empty name ("the server") is SERVING while the process serves.
+pub const HEALTH_SERVICE: &str = "ps.v1.ParameterServer";
 
 /// Serves shard `setup.index` on `listener` until the run ends or `shutdown` resolves; writes
 /// the final weights into the config's output directory (which the caller checks first, with
@@ -108,6 +118,7 @@ pub async fn run_shard_preemptible(
         shard0,
         resume_from,
         metrics_listen,
+        health_listen,
     } = setup;
     let total_steps = cfg.total_steps(train_len)?;
     let shard_token = match &cfg.server.shard_token_file {
@@ -118,6 +129,7 @@ pub async fn run_shard_preemptible(
         None => None,
     };
     let resumed = resume_from.is_some();
+    let resumed_at = resume_from.as_ref().map(|s| s.version);
     if let (Some(saved), 0) = (&resume_from, index) {
         // every step once in metrics.jsonl: the steps past the checkpoint are redone
         let path = cfg.server.out_dir.join("metrics.jsonl");
@@ -144,6 +156,8 @@ pub async fn run_shard_preemptible(
         shard0,
         security: cfg.client_security(),
         shard_token: shard_token.clone(),
+        tensorboard_dir: (index == 0).then(|| cfg.server.out_dir.clone()),
+        resumed_at,
     });
     if index == 0 && cfg.num_shards() > 1 && shard_token.is_none() {
         tracing::warn!(
@@ -165,6 +179,25 @@ pub async fn run_shard_preemptible(
                 l.local_addr()?
             );
             Some(tokio::spawn(exporter::serve(l, metrics.clone())))
+        }
+        None => None,
+    };
+    let (health, health_service) = tonic_health::server::health_reporter();
+    let health_server = match &health_listen {
+        Some(addr) => {
+            let l = TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("cannot listen for gRPC health on {addr}"))?;
+            tracing::info!(
+                "shard {index}: gRPC health (grpc.health.v1, plaintext) on {}",
+                l.local_addr()?
+            );
+            let incoming = tokio_stream::wrappers::TcpListenerStream::new(l);
+            Some(tokio::spawn(
+                tonic::transport::Server::builder()
+                    .add_service(health_service.clone())
+                    .serve_with_incoming(incoming),
+            ))
         }
         None => None,
     };
@@ -236,11 +269,15 @@ pub async fn run_shard_preemptible(
                 .clamp(16 << 10, (1 << 20) - 1) as u32,
         )
         .tcp_nodelay(true)
+        .add_service(health_service)
         .add_service(server)
         .serve_with_incoming_shutdown(incoming, async {
             let _ = stop_rx.await;
         });
     let serve = tokio::spawn(serve);
+    health
+        .set_service_status(HEALTH_SERVICE, tonic_health::ServingStatus::Serving)
+        .await;
 
     let outcome = tokio::select! {
         o = watch_run(&cfg, &watcher) => o,
@@ -271,8 +308,14 @@ pub async fn run_shard_preemptible(
             shard.fail("the shard was interrupted".into());
         }
     }
+    health
+        .set_service_status(HEALTH_SERVICE, tonic_health::ServingStatus::NotServing)
+        .await;
     if let Some(e) = exporter {
         e.abort();
+    }
+    if let Some(h) = health_server {
+        h.abort();
     }
     let _ = stop_tx.send(());
     match tokio::time::timeout(Duration::from_secs(5), serve).await {
@@ -500,6 +543,9 @@ async fn watch_run(cfg: &Config, svc: &ShardService) -> Outcome {
                 metrics.display()
             );
         }
+        reporter
+            .final_eval(shard.total_steps, correct as f64 / count as f64)
+            .await;
     } else if shard.index == 0 {
         tracing::info!("training finished: {} steps", shard.total_steps);
     }
@@ -548,5 +594,6 @@ pub fn load_setup(
         shard0,
         resume_from: None,
         metrics_listen: cfg_metrics,
+        health_listen: None,
     })
 }

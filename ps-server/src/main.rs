@@ -48,6 +48,11 @@ struct Cli {
     /// `127.0.0.1:0` picks a free port, logged).
     #[arg(long)]
     metrics_listen: Option<String>,
+    /// Also serve gRPC health (`grpc.health.v1`, service "" and "ps.v1.ParameterServer")
+    /// alone on this address, in plaintext and without the token, for probes that cannot
+    /// speak TLS (the kubelet's); the shard's own address serves it too.
+    #[arg(long)]
+    health_listen: Option<String>,
     /// Only check: validate the config and the training set's shape, print the resolved
     /// config and its single-process equivalence, and exit (0 valid, 2 refused).
     #[arg(long)]
@@ -103,6 +108,7 @@ async fn serve(cli: Cli) -> anyhow::Result<Outcome> {
     if cli.metrics_listen.is_some() {
         setup.metrics_listen = cli.metrics_listen;
     }
+    setup.health_listen = cli.health_listen;
     if cli.check {
         let total = setup.cfg.total_steps(setup.train_len)?;
         setup.cfg.schedule = setup.cfg.schedule_for(total);

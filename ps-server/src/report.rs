@@ -32,6 +32,8 @@ enum Event {
     Remote(StepReport),
     /// Emit everything still pending (the run is ending), then acknowledge.
     Flush(tokio::sync::oneshot::Sender<()>),
+    /// The final test evaluation (step, accuracy), for TensorBoard; acknowledged.
+    FinalEval(u64, f64, tokio::sync::oneshot::Sender<()>),
 }
 
 /// The handle handlers use to hand over step figures.
@@ -63,6 +65,10 @@ pub struct ReporterConfig {
     pub security: ps_common::auth::ClientSecurity,
     /// The shard credential put on reports (`[server] shard_token_file`).
     pub shard_token: Option<ps_common::auth::Token>,
+    /// Shard 0 writes TensorBoard event files here (next to the metrics file).
+    pub tensorboard_dir: Option<PathBuf>,
+    /// The version a resumed run starts at (its event file says so).
+    pub resumed_at: Option<u64>,
     /// What the gradient noise scale needs (shard 0).
     pub noise: NoiseSetup,
 }
@@ -140,6 +146,15 @@ impl Reporter {
     pub async fn flush(&self) {
         let (tx, rx) = tokio::sync::oneshot::channel();
         if self.tx.send(Event::Flush(tx)).is_ok() {
+            let _ = tokio::time::timeout(Duration::from_secs(2), rx).await;
+        }
+    }
+
+    /// The final test evaluation after `step` steps (shard 0: to TensorBoard); waits (at
+    /// most 2 s) until it is written.
+    pub async fn final_eval(&self, step: u64, accuracy: f64) {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        if self.tx.send(Event::FinalEval(step, accuracy, tx)).is_ok() {
             let _ = tokio::time::timeout(Duration::from_secs(2), rx).await;
         }
     }
@@ -229,6 +244,14 @@ async fn run(cfg: ReporterConfig, mut rx: mpsc::UnboundedReceiver<Event>) {
             .map_err(|e| tracing::warn!("cannot write metrics file {}: {e}", p.display()))
             .ok()
     });
+    let mut tb = cfg.tensorboard_dir.as_ref().and_then(|d| {
+        crate::tensorboard::EventWriter::create(d, cfg.resumed_at)
+            .map_err(|e| tracing::warn!("cannot write TensorBoard events in {}: {e}", d.display()))
+            .ok()
+    });
+    if let Some(w) = &tb {
+        tracing::info!("TensorBoard events in {}", w.path().display());
+    }
     let mut pending: BTreeMap<u64, Pending> = BTreeMap::new();
     let mut noise = Noise {
         scale: NoiseScale::new(NOISE_DECAY),
@@ -243,8 +266,15 @@ async fn run(cfg: ReporterConfig, mut rx: mpsc::UnboundedReceiver<Event>) {
                     Event::Flush(done) => {
                         for (_, p) in std::mem::take(&mut pending) {
                             if p.local.is_some() {
-                                emit(&cfg, p, metrics.as_mut(), &mut noise);
+                                emit(&cfg, p, metrics.as_mut(), tb.as_mut(), &mut noise);
                             }
+                        }
+                        let _ = done.send(());
+                        continue;
+                    }
+                    Event::FinalEval(step, acc, done) => {
+                        if let Some(w) = tb.as_mut() {
+                            tensorboard_scalars(w, step, &[("test/accuracy", acc)]);
                         }
                         let _ = done.send(());
                         continue;
@@ -279,7 +309,7 @@ async fn run(cfg: ReporterConfig, mut rx: mpsc::UnboundedReceiver<Event>) {
                     && p.remote + 1 == cfg.num_shards
                 {
                     let p = pending.remove(&step).expect("present");
-                    emit(&cfg, p, metrics.as_mut(), &mut noise);
+                    emit(&cfg, p, metrics.as_mut(), tb.as_mut(), &mut noise);
                 }
             }
             _ = tick.tick() => {
@@ -291,7 +321,7 @@ async fn run(cfg: ReporterConfig, mut rx: mpsc::UnboundedReceiver<Event>) {
                 for s in stale {
                     let p = pending.remove(&s).expect("present");
                     tracing::warn!("step {s}: only {} of {} shards reported; the gradient norm covers those", p.remote + 1, cfg.num_shards);
-                    emit(&cfg, p, metrics.as_mut(), &mut noise);
+                    emit(&cfg, p, metrics.as_mut(), tb.as_mut(), &mut noise);
                 }
                 // reports of a step this shard never applied (it failed, or they were wrong)
                 // are not kept past twice the wait
@@ -307,7 +337,13 @@ async fn run(cfg: ReporterConfig, mut rx: mpsc::UnboundedReceiver<Event>) {
     }
 }
 
-fn emit(cfg: &ReporterConfig, p: Pending, metrics: Option<&mut std::fs::File>, noise: &mut Noise) {
+fn emit(
+    cfg: &ReporterConfig,
+    p: Pending,
+    metrics: Option<&mut std::fs::File>,
+    tb: Option<&mut crate::tensorboard::EventWriter>,
+    noise: &mut Noise,
+) {
     let ranks = p.rank_norms(cfg.num_shards);
     let f = p.local.expect("local figures present");
     let agg_sq = f.grad_sq_norm + p.remote_sq;
@@ -409,6 +445,34 @@ fn emit(cfg: &ReporterConfig, p: Pending, metrics: Option<&mut std::fs::File>, n
             tracing::warn!("cannot append to the metrics file: {e}");
         }
     }
+    if let Some(w) = tb {
+        if let Some(a) = test_acc {
+            // evaluated on the weights of version `step`, before the step
+            tensorboard_scalars(w, f.step, &[("test/accuracy", a)]);
+        }
+        let values = [
+            ("train/loss", loss),
+            ("train/accuracy", acc),
+            ("train/lr", f.lr),
+            ("train/grad_norm", norm),
+            ("time/step_ms", f.step_ms),
+            ("time/barrier_wait_ms", f.barrier_wait_ms),
+            ("time/apply_ms", f.apply_ms),
+        ];
+        tensorboard_scalars(w, f.step + 1, &values);
+    }
+}
+
+/// Writes scalars to the event file; a failure is logged, then only every 1000th (a full disk
+/// must not flood the log).
+fn tensorboard_scalars(w: &mut crate::tensorboard::EventWriter, step: u64, values: &[(&str, f64)]) {
+    static FAILURES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    if let Err(e) = w.scalars(step, unix_time(), values) {
+        let n = FAILURES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        if n.is_multiple_of(1000) {
+            tracing::warn!("cannot write to {}: {e}", w.path().display());
+        }
+    }
 }
 
 /// Shards > 0: log their own barrier line and send the figures to shard 0 (best effort, in order).
@@ -424,6 +488,10 @@ async fn forward_to_shard0(cfg: ReporterConfig, mut rx: mpsc::UnboundedReceiver<
                 continue;
             }
             Event::Remote(_) => continue,
+            Event::FinalEval(_, _, done) => {
+                let _ = done.send(());
+                continue;
+            }
         };
         if (f.step + 1).is_multiple_of(cfg.log_every) || f.step + 1 == cfg.total_steps {
             tracing::info!(

@@ -129,6 +129,8 @@ pub struct StepFigures {
     pub barrier_wait_ms: f64,
     /// Rank that arrived last.
     pub slowest_rank: u32,
+    /// Each rank's arrival after the step's first gradient, ms (rank order).
+    pub arrival_lag_ms: Vec<(u32, f64)>,
     /// Time spent aggregating and updating.
     pub apply_ms: f64,
     /// Test-set evaluation summed over ranks (correct, count), when carried.
@@ -548,6 +550,10 @@ impl Shard {
             step_ms: ms(now - waiting_since),
             barrier_wait_ms: ms(last - first),
             slowest_rank: last_rank,
+            arrival_lag_ms: slots
+                .iter()
+                .map(|s| (s.rank, ms(s.arrived - first)))
+                .collect(),
             apply_ms: ms(now - started),
             eval: slots.iter().fold((0u64, 0u64), |a, s| {
                 (a.0.saturating_add(s.eval.0), a.1.saturating_add(s.eval.1))

@@ -1,0 +1,126 @@
+#!/usr/bin/env bash
+# Offline checks of what cargo's tests cannot see, with tools from PyPI (installed once into the
+# virtual environment target/opsenv; pip's cache keeps the wheels):
+#   1. the Kubernetes manifests of deploy/k8s against the API schemas of several Kubernetes
+#      releases (kubernetes-validate --strict: unknown fields are errors);
+#   2. the same manifests against the Pod Security Standards' "restricted" level
+#      (scripts/pss_restricted.py), and both tools against a manifest known to be bad, so that a
+#      check that stopped checking fails here;
+#   3. TensorBoard's own reader on the event file of a short real run (ps-launch, 2 shards,
+#      2 workers): every step's loss, accuracy, lr, gradient norm, step time and the test
+#      accuracy equal metrics.jsonl's.
+# Needs the release binaries (the README's test command builds them first) and python3.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ENV="${PS_OPSENV:-target/opsenv}"
+if [ ! -x "$ENV/bin/kubernetes-validate" ] || ! "$ENV/bin/python" -c "import yaml, tensorboard" 2>/dev/null; then
+    echo "deploy-checks: creating $ENV (kubernetes-validate, tensorboard from the package registry)"
+    python3 -m venv "$ENV"
+    "$ENV/bin/pip" install --quiet --upgrade pip
+    "$ENV/bin/pip" install --quiet kubernetes-validate tensorboard
+fi
+PY="$ENV/bin/python"
+manifests=(deploy/k8s/*.yaml)
+work=target/deploy-checks
+rm -rf "$work" && mkdir -p "$work"
+
+# 1. schemas of every release from 1.28 (the first whose Jobs label their pods with
+# batch.kubernetes.io/controller-uid, the run id) to the newest the tool knows
+for v in 1.28.0 1.29.0 1.30.0 1.31.0 1.32.0 1.33.0 1.34.0 1.35.0 1.36.0 1.37.0; do
+    echo "deploy-checks: kubernetes-validate --strict --kubernetes-version $v ${manifests[*]}"
+    "$ENV/bin/kubernetes-validate" --strict --quiet --kubernetes-version "$v" "${manifests[@]}"
+done
+
+# 2. Pod Security "restricted"
+echo "deploy-checks: scripts/pss_restricted.py ${manifests[*]}"
+"$PY" scripts/pss_restricted.py "${manifests[@]}"
+
+# both tools must reject a bad manifest: an unknown field, and a root, privileged pod
+cat > "$work/bad.yaml" <<'EOF'
+apiVersion: batch/v1
+kind: Job
+metadata:
+  name: bad
+spec:
+  completionz: 2
+  template:
+    spec:
+      restartPolicy: Never
+      hostNetwork: true
+      containers:
+        - name: c
+          image: ps:latest
+          securityContext:
+            privileged: true
+            runAsUser: 0
+            capabilities:
+              add: ["SYS_ADMIN"]
+      volumes:
+        - name: h
+          hostPath:
+            path: /
+EOF
+if "$ENV/bin/kubernetes-validate" --strict --quiet --kubernetes-version 1.33.0 "$work/bad.yaml" > "$work/bad-schema.txt" 2>&1; then
+    echo "deploy-checks: kubernetes-validate accepted a manifest with an unknown field" >&2
+    exit 1
+fi
+grep -q "completionz" "$work/bad-schema.txt" || { cat "$work/bad-schema.txt"; exit 1; }
+if "$PY" scripts/pss_restricted.py "$work/bad.yaml" > "$work/bad-pss.txt"; then
+    echo "deploy-checks: pss_restricted.py accepted a privileged root pod" >&2
+    exit 1
+fi
+for rule in hostNetwork privileged "runAsUser 0" "drop ALL" SYS_ADMIN hostPath \
+    allowPrivilegeEscalation seccompProfile readOnlyRootFilesystem "not pinned" "memory limit"; do
+    grep -q "$rule" "$work/bad-pss.txt" || { echo "deploy-checks: pss_restricted.py missed $rule" >&2; cat "$work/bad-pss.txt"; exit 1; }
+done
+echo "deploy-checks: both tools reject a bad manifest (kubernetes-validate: the unknown field; $(tail -1 "$work/bad-pss.txt"))"
+
+# 3. TensorBoard reads shard 0's event file, and it says what metrics.jsonl says
+cargo build --release --quiet --bin ps-server --bin ps-worker --bin ps-launch
+# deploy/mnist.toml cut to 40 steps (it states epochs; steps and epochs exclude each other)
+sed -e 's/^epochs = .*/steps = 40/' -e 's|^dir = "../data/mnist"|dir = "../../data/mnist"|' \
+    -e 's/^warmup_steps = .*/warmup_steps = 10/' deploy/mnist.toml > "$work/mnist-40.toml"
+target/release/ps-launch --config "$work/mnist-40.toml" --out-dir "$work/run" \
+    --set train.eval_every=20 --set train.log_every=20 > "$work/run.log" 2>&1 \
+    || { tail -30 "$work/run.log"; exit 1; }
+"$PY" - "$work/run" <<'EOF'
+import glob, json, math, sys
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+out = sys.argv[1]
+files = glob.glob(f"{out}/events.out.tfevents.*")
+assert len(files) == 1, files
+acc = EventAccumulator(out)
+acc.Reload()
+tags = set(acc.Tags()["scalars"])
+want = {"train/loss", "train/accuracy", "train/lr", "train/grad_norm", "time/step_ms",
+        "time/barrier_wait_ms", "time/apply_ms", "test/accuracy"}
+assert tags == want, tags
+lines = [json.loads(l) for l in open(f"{out}/metrics.jsonl")]
+steps = [l for l in lines if "final" not in l]
+final = [l for l in lines if l.get("final")]
+assert len(steps) == 40 and len(final) == 1, (len(steps), len(final))
+def series(tag):
+    return {e.step: e.value for e in acc.Scalars(tag)}
+checked = 0
+for tag, key in [("train/loss", "loss"), ("train/accuracy", "train_acc"), ("train/lr", "lr"),
+                 ("train/grad_norm", "grad_norm"), ("time/step_ms", "step_ms"),
+                 ("time/barrier_wait_ms", "barrier_wait_ms"), ("time/apply_ms", "apply_ms")]:
+    s = series(tag)
+    assert sorted(s) == [l["step"] for l in steps], (tag, sorted(s))
+    for l in steps:
+        # TensorBoard keeps float32
+        assert math.isclose(s[l["step"]], l[key], rel_tol=1e-6, abs_tol=1e-6), (tag, l)
+        checked += 1
+test = series("test/accuracy")
+evals = {l["step"] - 1: l["test_acc_before_step"] for l in steps if "test_acc_before_step" in l}
+evals[final[0]["step"]] = final[0]["test_acc"]
+assert len(evals) >= 2, evals
+assert sorted(test) == sorted(evals), (test, evals)
+for k, v in evals.items():
+    assert math.isclose(test[k], v, rel_tol=1e-6), (k, test[k], v)
+print(f"deploy-checks: TensorBoard's EventAccumulator read {len(files)} event file: "
+      f"{len(tags)} scalar tags, {checked} step values and {len(test)} test accuracies equal metrics.jsonl "
+      f"(final test accuracy {test[final[0]['step']]:.4f})")
+EOF
+echo "deploy-checks: all passed"
