@@ -195,35 +195,70 @@ struct DataLink {
     hello: Vec<u8>,
     /// The rank, as the requests' metadata names it.
     rank: tonic::metadata::AsciiMetadataValue,
+    /// The same rank as a number.
+    rank_number: u32,
     conn: tokio::sync::Mutex<Option<tokio::net::TcpStream>>,
+    /// A connection could not be made (a firewall, a port not forwarded): gRPC chunks from then
+    /// on, without waiting for a connect timeout on every request.
+    unreachable: std::sync::atomic::AtomicBool,
 }
 
 impl DataLink {
     /// The open connection, or a new one (hello answered by the shard).
     async fn take(&self) -> std::io::Result<tokio::net::TcpStream> {
+        use std::sync::atomic::Ordering;
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         if let Some(c) = self.conn.lock().await.take() {
             return Ok(c);
         }
-        let mut c = tokio::time::timeout(
+        if self.unreachable.load(Ordering::Relaxed) {
+            return Err(std::io::Error::other(format!(
+                "{} could not be reached before",
+                self.target
+            )));
+        }
+        let connected = tokio::time::timeout(
             CONNECT_ATTEMPT,
             tokio::net::TcpStream::connect(&self.target),
         )
         .await
-        .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "connect timed out"))??;
-        c.set_nodelay(true)?;
-        c.write_all(&self.hello).await?;
-        let mut answer = [0u8; 1];
-        tokio::time::timeout(CONNECT_ATTEMPT, c.read_exact(&mut answer))
-            .await
-            .map_err(|_| {
-                std::io::Error::new(std::io::ErrorKind::TimedOut, "no answer to the hello")
-            })??;
-        if answer[0] != crate::datalink::HELLO_OK {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::PermissionDenied,
-                "the shard refused the hello (token, run id or rank; see its log)",
-            ));
+        .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "connect timed out"))
+        .and_then(|r| r);
+        let mut c = match connected {
+            Ok(c) => c,
+            Err(e) => {
+                self.unreachable.store(true, Ordering::Relaxed);
+                tracing::warn!(
+                    "cannot connect to the shard's data port {} ({e}): pushes and pulls go through gRPC chunks",
+                    self.target
+                );
+                return Err(e);
+            }
+        };
+        let hello = async {
+            c.set_nodelay(true)?;
+            c.write_all(&self.hello).await?;
+            let mut answer = [0u8; 1];
+            tokio::time::timeout(CONNECT_ATTEMPT, c.read_exact(&mut answer))
+                .await
+                .map_err(|_| {
+                    std::io::Error::new(std::io::ErrorKind::TimedOut, "no answer to the hello")
+                })??;
+            if answer[0] != crate::datalink::HELLO_OK {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::PermissionDenied,
+                    "the shard refused the hello (token, run id or rank; see its log)",
+                ));
+            }
+            Ok(())
+        };
+        if let Err(e) = hello.await {
+            self.unreachable.store(true, Ordering::Relaxed);
+            tracing::warn!(
+                "data connection to {}: {e}: pushes and pulls go through gRPC chunks",
+                self.target
+            );
+            return Err(e);
         }
         Ok(c)
     }
@@ -354,7 +389,7 @@ impl ShardClient {
         };
         if let Some(d) = &self.data
             && d.target == format!("{host}:{port}")
-            && d.rank.to_str().ok() == Some(rank.to_string().as_str())
+            && d.rank_number == rank
         {
             return; // the same connection (a registration again)
         }
@@ -367,7 +402,9 @@ impl ShardClient {
             target: format!("{host}:{port}"),
             hello: hello.encode(),
             rank: rank.to_string().parse().expect("digits"),
+            rank_number: rank,
             conn: Default::default(),
+            unreachable: Default::default(),
         }));
     }
 
@@ -448,7 +485,7 @@ impl ShardClient {
                             .insert(DATA_RANK_KEY, link.rank.clone());
                     }
                     Err(e) => {
-                        tracing::warn!(
+                        tracing::debug!(
                             "shard {s}: cannot open the data connection ({e}); pulling version {version} through gRPC"
                         );
                         via_data = None;
@@ -562,7 +599,9 @@ impl ShardClient {
         if let Some(link) = self
             .data
             .as_ref()
-            .filter(|_| !header.shm && !bytes.is_empty())
+            // the connection speaks for the rank registered last: a client pushing for several
+            // ranks (tests) sends the others' through gRPC chunks
+            .filter(|l| l.rank_number == header.rank && !header.shm && !bytes.is_empty())
         {
             return self.push_on_link(link, header, bytes, chunk_bytes).await;
         }
@@ -603,7 +642,7 @@ impl ShardClient {
         let mut conn = match link.take().await {
             Ok(c) => c,
             Err(e) => {
-                tracing::warn!(
+                tracing::debug!(
                     "shard {}: cannot open the data connection ({e}); pushing step {} through gRPC",
                     self.shard,
                     header.step

@@ -125,9 +125,20 @@ pub async fn read_frame_header<R: AsyncRead + Unpin>(
     within(idle, what, r.read_exact(&mut h)).await?;
     let got_tag = u64::from_le_bytes(h[..8].try_into().expect("8 bytes"));
     let got_bytes = u64::from_le_bytes(h[8..].try_into().expect("8 bytes"));
-    if got_tag != tag || got_bytes != bytes {
+    if got_tag != tag {
         return Err(PsError::BadChunk(format!(
             "{what}: a frame for {got_tag} of {got_bytes} bytes: expected {tag} of {bytes} bytes"
+        )));
+    }
+    if got_bytes != bytes {
+        if got_bytes % 4 == 0 && bytes % 4 == 0 {
+            return Err(PsError::WrongLength {
+                expected: bytes / 4,
+                got: got_bytes / 4,
+            });
+        }
+        return Err(PsError::BadChunk(format!(
+            "{what}: a frame of {got_bytes} bytes: expected {bytes} bytes (little-endian f32)"
         )));
     }
     Ok(())
