@@ -131,7 +131,7 @@ pub async fn read_frame_header<R: AsyncRead + Unpin>(
         )));
     }
     if got_bytes != bytes {
-        if got_bytes % 4 == 0 && bytes % 4 == 0 {
+        if got_bytes.is_multiple_of(4) && bytes.is_multiple_of(4) {
             return Err(PsError::WrongLength {
                 expected: bytes / 4,
                 got: got_bytes / 4,
