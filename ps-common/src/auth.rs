@@ -153,6 +153,16 @@ impl ClientSecurity {
         self
     }
 
+    /// The token's bytes (empty without one), for the tensor data connection's hello.
+    pub fn token_bytes(&self) -> &[u8] {
+        self.token.as_ref().map_or(&[][..], |t| t.0.as_bytes())
+    }
+
+    /// The run id sent with every request (empty: the unnamed run).
+    pub fn run_id(&self) -> &str {
+        self.run_id.as_deref().unwrap_or("")
+    }
+
     /// Whether connections use TLS.
     pub fn uses_tls(&self) -> bool {
         self.tls.is_some()

@@ -15,6 +15,10 @@ use crate::pb::{
 };
 use crate::shm::{Board, params_path};
 use crate::wire::{MAX_MESSAGE_BYTES, chunks, decode_chunk_into};
+
+/// Metadata key of a push or pull whose values move on the data connection of this rank (the
+/// shard's `DATA_RANK_KEY`).
+pub const DATA_RANK_KEY: &str = "x-ps-data-rank";
 use bytes::Bytes;
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -177,6 +181,94 @@ pub fn push_messages(header: PushHeader, bytes: &Bytes, chunk_bytes: usize) -> V
     msgs
 }
 
+/// Longest a read or write on a data connection may wait for progress before the request is
+/// given up (a pull then falls back to gRPC chunks; a push is retried).
+pub const DATA_IDLE: Duration = Duration::from_secs(60);
+
+/// A worker's tensor data connection to one shard (`crate::datalink`), opened on first use
+/// and again after a request that failed on it.
+#[derive(Debug)]
+struct DataLink {
+    /// `host:port` of the shard's data listener.
+    target: String,
+    /// The hello this worker opens it with.
+    hello: Vec<u8>,
+    /// The rank, as the requests' metadata names it.
+    rank: tonic::metadata::AsciiMetadataValue,
+    /// The same rank as a number.
+    rank_number: u32,
+    conn: tokio::sync::Mutex<Option<tokio::net::TcpStream>>,
+    /// A connection could not be made (a firewall, a port not forwarded): gRPC chunks from then
+    /// on, without waiting for a connect timeout on every request.
+    unreachable: std::sync::atomic::AtomicBool,
+}
+
+impl DataLink {
+    /// The open connection, or a new one (hello answered by the shard).
+    async fn take(&self) -> std::io::Result<tokio::net::TcpStream> {
+        use std::sync::atomic::Ordering;
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        if let Some(c) = self.conn.lock().await.take() {
+            return Ok(c);
+        }
+        if self.unreachable.load(Ordering::Relaxed) {
+            return Err(std::io::Error::other(format!(
+                "{} could not be reached before",
+                self.target
+            )));
+        }
+        let connected = tokio::time::timeout(
+            CONNECT_ATTEMPT,
+            tokio::net::TcpStream::connect(&self.target),
+        )
+        .await
+        .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "connect timed out"))
+        .and_then(|r| r);
+        let mut c = match connected {
+            Ok(c) => c,
+            Err(e) => {
+                self.unreachable.store(true, Ordering::Relaxed);
+                tracing::warn!(
+                    "cannot connect to the shard's data port {} ({e}): pushes and pulls go through gRPC chunks",
+                    self.target
+                );
+                return Err(e);
+            }
+        };
+        let hello = async {
+            c.set_nodelay(true)?;
+            c.write_all(&self.hello).await?;
+            let mut answer = [0u8; 1];
+            tokio::time::timeout(CONNECT_ATTEMPT, c.read_exact(&mut answer))
+                .await
+                .map_err(|_| {
+                    std::io::Error::new(std::io::ErrorKind::TimedOut, "no answer to the hello")
+                })??;
+            if answer[0] != crate::datalink::HELLO_OK {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::PermissionDenied,
+                    "the shard refused the hello (token, run id or rank; see its log)",
+                ));
+            }
+            Ok(())
+        };
+        if let Err(e) = hello.await {
+            self.unreachable.store(true, Ordering::Relaxed);
+            tracing::warn!(
+                "data connection to {}: {e}: pushes and pulls go through gRPC chunks",
+                self.target
+            );
+            return Err(e);
+        }
+        Ok(c)
+    }
+
+    /// Keeps a connection whose last frame went through in full.
+    async fn put(&self, c: tokio::net::TcpStream) {
+        *self.conn.lock().await = Some(c);
+    }
+}
+
 /// A connection to one shard (cheap to clone: clones share the HTTP/2 connection).
 #[derive(Clone)]
 pub struct ShardClient {
@@ -185,6 +277,10 @@ pub struct ShardClient {
     rpc: Client,
     /// Whether this client speaks TLS (to word a TLS mismatch).
     tls: bool,
+    /// The tensor data connection, once a registration reply offered one.
+    data: Option<std::sync::Arc<DataLink>>,
+    /// The credentials, for the data connection's hello.
+    security: ClientSecurity,
 }
 
 impl std::fmt::Debug for ShardClient {
@@ -226,6 +322,8 @@ impl ShardClient {
                         addr: addr.to_string(),
                         rpc,
                         tls: security.uses_tls(),
+                        data: None,
+                        security: security.clone(),
                     });
                 }
                 Err(e) if start.elapsed() < patience => {
@@ -275,6 +373,46 @@ impl ShardClient {
         }
     }
 
+    /// Moves the values of this client's later pushes and pulls on a data connection to the
+    /// port the shard's registration reply named (`data_port`, 0: none), as `rank`, with this
+    /// client's credentials; [`ShardClient::register`] calls it with each reply. Without TLS
+    /// only: the connection is not encrypted.
+    pub fn use_data_link(&mut self, port: u32, rank: u32) {
+        let security = &self.security;
+        if port == 0 || port > u32::from(u16::MAX) || security.uses_tls() {
+            self.data = None;
+            return;
+        }
+        let host = match self.addr.rsplit_once(':') {
+            Some((h, _)) => h.to_string(),
+            None => return,
+        };
+        if let Some(d) = &self.data
+            && d.target == format!("{host}:{port}")
+            && d.rank_number == rank
+        {
+            return; // the same connection (a registration again)
+        }
+        let hello = crate::datalink::Hello {
+            rank,
+            token: security.token_bytes().to_vec(),
+            run_id: security.run_id().to_string(),
+        };
+        self.data = Some(std::sync::Arc::new(DataLink {
+            target: format!("{host}:{port}"),
+            hello: hello.encode(),
+            rank: rank.to_string().parse().expect("digits"),
+            rank_number: rank,
+            conn: Default::default(),
+            unreachable: Default::default(),
+        }));
+    }
+
+    /// Whether pushes and pulls go through a data connection.
+    pub fn has_data_link(&self) -> bool {
+        self.data.is_some()
+    }
+
     /// Registers once (registration is idempotent: it also tells the shard's version).
     pub async fn register(&mut self, req: RegisterRequest) -> Result<RegisterReply, ClientError> {
         let refused = refused(
@@ -282,8 +420,9 @@ impl ShardClient {
             format!("shard {} refused registration", self.shard),
         );
         let tls = self.tls;
-        match self.rpc.register(req).await {
-            Ok(r) => Ok(r.into_inner()),
+        let rank = req.rank;
+        let reply = match self.rpc.register(req).await {
+            Ok(r) => r.into_inner(),
             // A TLS mismatch shows up here as an h2 protocol error, or as a reset when the
             // TLS shard closed before its alert was read: say "TLS expected" instead.
             Err(st) => {
@@ -296,9 +435,11 @@ impl ShardClient {
                 {
                     words.push_str(" (TLS expected by the shard: it answers a TLS handshake; give this client the same [cluster] TLS settings (tls_ca))");
                 }
-                Err(refused(Status::new(st.code(), words)))
+                return Err(refused(Status::new(st.code(), words)));
             }
-        }
+        };
+        self.use_data_link(reply.data_port, rank);
+        Ok(reply)
     }
 
     /// Registers, trying again every 200 ms for up to `patience` while the refusal is
@@ -332,15 +473,35 @@ impl ShardClient {
     ) -> Result<(), ClientError> {
         let s = self.shard;
         let mut via_board = board.is_some();
+        let mut via_data = self.data.clone().filter(|_| !via_board && !exact);
         loop {
             let what = format!("pull of version {version} from shard {s} failed");
+            let mut request = tonic::Request::new(PullRequest {
+                min_version: version,
+                shm: via_board,
+                exact,
+            });
+            // the data connection is open before the shard is asked to write on it
+            let mut conn = None;
+            if let Some(link) = &via_data {
+                match link.take().await {
+                    Ok(c) => {
+                        conn = Some(c);
+                        request
+                            .metadata_mut()
+                            .insert(DATA_RANK_KEY, link.rank.clone());
+                    }
+                    Err(e) => {
+                        tracing::debug!(
+                            "shard {s}: cannot open the data connection ({e}); pulling version {version} through gRPC"
+                        );
+                        via_data = None;
+                    }
+                }
+            }
             let mut stream = self
                 .rpc
-                .pull(PullRequest {
-                    min_version: version,
-                    shm: via_board,
-                    exact,
-                })
+                .pull(request)
                 .await
                 .map_err(refused(self.shard, what.clone()))?
                 .into_inner();
@@ -361,6 +522,41 @@ impl ShardClient {
             }
             if h.len != dst.len() as u64 {
                 return Err(self.bad(format!("holds {} values: expected {}", h.len, dst.len())));
+            }
+            if h.data_tcp {
+                let (Some(link), Some(mut c)) = (&via_data, conn) else {
+                    return Err(self.bad(
+                        "answered on the data connection, which this pull did not ask for".into(),
+                    ));
+                };
+                let what = format!("pull of version {version} from shard {s}");
+                let read = async {
+                    crate::datalink::read_frame_header(
+                        &mut c,
+                        version,
+                        4 * dst.len() as u64,
+                        &what,
+                        DATA_IDLE,
+                    )
+                    .await?;
+                    crate::datalink::read_values(&mut c, dst, &what, DATA_IDLE).await
+                };
+                match read.await {
+                    Ok(()) => {
+                        link.put(c).await;
+                        return Ok(());
+                    }
+                    Err(e) => {
+                        tracing::warn!(
+                            "shard {s}: {e}; data connection dropped, pulling version {version} through gRPC"
+                        );
+                        via_data = None;
+                        continue;
+                    }
+                }
+            }
+            if let (Some(link), Some(c)) = (&via_data, conn) {
+                link.put(c).await; // answered with chunks: the connection is unused
             }
             if h.shm {
                 let board = board.filter(|_| via_board).ok_or_else(|| {
@@ -407,6 +603,15 @@ impl ShardClient {
         bytes: &Bytes,
         chunk_bytes: usize,
     ) -> Result<PushReply, ClientError> {
+        if let Some(link) = self
+            .data
+            .as_ref()
+            // the connection speaks for the rank registered last: a client pushing for several
+            // ranks (tests) sends the others' through gRPC chunks
+            .filter(|l| l.rank_number == header.rank && !header.shm && !bytes.is_empty())
+        {
+            return self.push_on_link(link, header, bytes, chunk_bytes).await;
+        }
         let msgs = push_messages(header, bytes, chunk_bytes);
         self.rpc
             .clone()
@@ -420,6 +625,87 @@ impl ShardClient {
                     self.shard, header.step
                 ),
             ))
+    }
+
+    /// A push whose values go as one frame on the data connection, the header on gRPC. Any
+    /// failure drops the connection (a retry opens a new one); one that is not the shard's
+    /// refusal is said as `Unavailable`, which a retry may overcome.
+    async fn push_on_link(
+        &self,
+        link: &DataLink,
+        header: PushHeader,
+        bytes: &Bytes,
+        chunk_bytes: usize,
+    ) -> Result<PushReply, ClientError> {
+        let what = format!(
+            "shard {} refused the gradient of step {}",
+            self.shard, header.step
+        );
+        let unavailable = |e: String| ClientError::Refused {
+            shard: self.shard,
+            what: what.clone(),
+            status: Status::unavailable(format!("data connection: {e}")),
+        };
+        let mut conn = match link.take().await {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::debug!(
+                    "shard {}: cannot open the data connection ({e}); pushing step {} through gRPC",
+                    self.shard,
+                    header.step
+                );
+                let msgs = push_messages(header, bytes, chunk_bytes);
+                return self
+                    .rpc
+                    .clone()
+                    .push(tokio_stream::iter(msgs))
+                    .await
+                    .map(|r| r.into_inner())
+                    .map_err(refused(self.shard, what));
+            }
+        };
+        let mut request = tonic::Request::new(tokio_stream::iter(vec![PushChunk {
+            header: Some(header),
+            offset: 0,
+            data: Bytes::new(),
+        }]));
+        request
+            .metadata_mut()
+            .insert(DATA_RANK_KEY, link.rank.clone());
+        let mut rpc = self.rpc.clone();
+        let call = rpc.push(request);
+        tokio::pin!(call);
+        let (reply, written) = {
+            let write = crate::datalink::write_frame(&mut conn, header.step, bytes);
+            let write = tokio::time::timeout(DATA_IDLE, write);
+            tokio::pin!(write);
+            let mut written: Option<Result<(), String>> = None;
+            let reply = loop {
+                tokio::select! {
+                    w = &mut write, if written.is_none() => {
+                        written = Some(match w {
+                            Ok(Ok(())) => Ok(()),
+                            Ok(Err(e)) => Err(e.to_string()),
+                            Err(_) => Err(format!("no progress for {DATA_IDLE:?}")),
+                        });
+                    }
+                    r = &mut call => break r,
+                }
+            };
+            (reply, written)
+        };
+        match (reply, written) {
+            (Ok(r), Some(Ok(()))) => {
+                link.put(conn).await;
+                Ok(r.into_inner())
+            }
+            (Ok(_), _) => Err(self.bad(format!(
+                "accepted the gradient of step {} before its frame was written",
+                header.step
+            ))),
+            (Err(st), Some(Err(e))) if is_retryable_code(st.code()) => Err(unavailable(e)),
+            (Err(st), _) => Err(refused(self.shard, what.clone())(st)),
+        }
     }
 
     /// [`ShardClient::push`], made again after a retryable failure (up to [`PUSH_RETRIES`]

@@ -8,6 +8,7 @@
 pub mod auth;
 pub mod client;
 pub mod config;
+pub mod datalink;
 pub mod declared;
 pub mod error;
 pub mod idx;

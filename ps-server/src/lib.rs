@@ -16,6 +16,7 @@
 
 pub mod accept;
 pub mod checkpoint;
+pub mod data;
 pub mod exporter;
 pub mod memory;
 pub mod peers;
@@ -201,7 +202,29 @@ pub async fn run_shard_preemptible(
         }
         None => None,
     };
+    // tensor data connections beside gRPC, on the same address (not with TLS: unencrypted)
+    let data = if cfg.cluster.tls.is_none() {
+        let ip = listener.local_addr()?.ip();
+        let l = TcpListener::bind((ip, 0))
+            .await
+            .with_context(|| format!("cannot listen for data connections on {ip}"))?;
+        let expect = data::Expect {
+            token: cfg.cluster.token.clone(),
+            run_id: cfg.cluster.run_id.clone().unwrap_or_default(),
+            shard: index,
+        };
+        let idle = Duration::from_secs_f64(cfg.server.stream_idle_secs);
+        let conns = data::DataConns::serve(l, cfg.cluster.workers, expect, idle)?;
+        tracing::info!(
+            "shard {index}: tensor data connections on port {}",
+            conns.port
+        );
+        Some(conns)
+    } else {
+        None
+    };
     let svc = ShardService {
+        data,
         shard: shard.clone(),
         reporter: reporter.clone(),
         pull_timeout: Duration::from_secs_f64(cfg.server.pull_timeout_secs),

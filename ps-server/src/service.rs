@@ -8,12 +8,13 @@ use crate::shard::intake::Held;
 use crate::shard::{Grad, PushMeta, Shard, Slot};
 use bytes::Bytes;
 use futures::Stream;
+use ps_common::datalink;
 use ps_common::pb::parameter_server_server::ParameterServer;
 use ps_common::pb::{
     LeaveReply, LeaveRequest, PullChunk, PullHeader, PullRequest, PushChunk, PushReply,
     RegisterReply, RegisterRequest, ReportReply, StepReport,
 };
-use ps_common::wire::{StreamCheck, TensorReceiver, chunks};
+use ps_common::wire::{StreamCheck, TensorReceiver, check_and_fingerprint, chunks};
 use ps_common::{PROTOCOL_VERSION, PsError, PsResult};
 use std::pin::Pin;
 use std::sync::Arc;
@@ -52,13 +53,37 @@ pub struct ShardService {
     pub refused_reports: Arc<std::sync::Mutex<crate::accept::Throttle>>,
     /// The run this shard belongs to (empty: unnamed), told to registering workers.
     pub run_id: String,
+    /// The tensor data connections (None with TLS: they are not encrypted).
+    pub data: Option<Arc<crate::data::DataConns>>,
+}
+
+/// The rank named by a request's [`crate::data::DATA_RANK_KEY`] metadata: the request moves
+/// its values on that rank's data connection.
+fn data_rank(meta: &tonic::metadata::MetadataMap) -> PsResult<Option<u32>> {
+    let Some(v) = meta.get(crate::data::DATA_RANK_KEY) else {
+        return Ok(None);
+    };
+    v.to_str()
+        .ok()
+        .and_then(|s| s.parse::<u32>().ok())
+        .map(Some)
+        .ok_or_else(|| {
+            PsError::BadChunk(format!(
+                "{}: expected a rank (a number)",
+                crate::data::DATA_RANK_KEY
+            ))
+        })
 }
 
 /// How far (in steps) a step report may be from shard 0's version.
 pub const REPORT_WINDOW: u64 = 16;
 
 impl ShardService {
-    async fn push_inner(&self, mut stream: Streaming<PushChunk>) -> PsResult<PushReply> {
+    async fn push_inner(
+        &self,
+        mut stream: Streaming<PushChunk>,
+        via_data: Option<u32>,
+    ) -> PsResult<PushReply> {
         let first = tokio::time::timeout(self.stream_idle, stream.message())
             .await
             .map_err(|_| {
@@ -79,6 +104,21 @@ impl ShardService {
         let h = first
             .header
             .ok_or_else(|| PsError::BadChunk("first push chunk has no header".into()))?;
+        if let Some(r) = via_data
+            && (r != h.rank || h.shm || self.data.is_none())
+        {
+            return Err(PsError::BadChunk(format!(
+                "a push of rank {} asked for the data connection of rank {r}{}",
+                h.rank,
+                if h.shm {
+                    " with its gradient in shared memory: expected one or the other"
+                } else if self.data.is_none() {
+                    ": this shard has no data connections (TLS is on)"
+                } else {
+                    ": expected its own"
+                }
+            )));
+        }
         self.shard.precheck(h.rank, h.step, h.len)?;
         if h.eval_correct > h.eval_count {
             return Err(PsError::BadChunk(format!(
@@ -100,6 +140,29 @@ impl ShardService {
             let _under_way = self.shard.announce(h.rank, h.step, h.samples);
             self.fold().await?;
             match self.shard.wait_turn(h.rank, h.step).await? {
+                Some(permit) if via_data.is_some() => {
+                    let values = self
+                        .receive_frame(&first, &mut stream, h.rank, h.step)
+                        .await?;
+                    let fp = check_and_fingerprint(&values);
+                    let fp = match fp {
+                        Ok(fp) => fp,
+                        Err(e) => {
+                            self.shard.return_buffer(values);
+                            return Err(e);
+                        }
+                    };
+                    let held = Held {
+                        values,
+                        permit: Some(permit),
+                    };
+                    (Grad::Owned(held), fp)
+                }
+                None if via_data.is_some() => (
+                    Grad::Checked,
+                    self.check_frame(&first, &mut stream, h.rank, h.step)
+                        .await?,
+                ),
                 Some(permit) => {
                     let mut rx = TensorReceiver::with_buffer(
                         self.shard.take_buffer(),
@@ -224,6 +287,101 @@ impl ShardService {
             .map_err(|e| PsError::Internal(format!("fold task failed: {e}")))?
     }
 
+    /// The gradient of a push whose values come on `rank`'s data connection: the gRPC stream
+    /// must hold the header alone; the frame is read straight into a receive buffer (given
+    /// back to the pool on failure). The connection is kept for the next frame only when this
+    /// one was read in full.
+    async fn receive_frame(
+        &self,
+        first: &PushChunk,
+        stream: &mut Streaming<PushChunk>,
+        rank: u32,
+        step: u64,
+    ) -> PsResult<Vec<f32>> {
+        let (data, mut conn) = self.frame_conn(first, stream, rank).await?;
+        let len = self.shard.len();
+        let mut values = self.shard.take_buffer();
+        values.clear();
+        let what = format!("push of step {step} from rank {rank} (data connection)");
+        let read = async {
+            datalink::read_frame_header(&mut conn, step, 4 * len as u64, &what, self.stream_idle)
+                .await?;
+            datalink::read_values_into_vec(&mut conn, &mut values, len, &what, self.stream_idle)
+                .await
+        };
+        if let Err(e) = read.await {
+            self.shard.return_buffer(values);
+            return Err(e);
+        }
+        data.put_read(rank, conn).await;
+        Ok(values)
+    }
+
+    /// Like [`ShardService::receive_frame`] for a push the shard does not keep (a retry of a
+    /// counted gradient): the frame is checked and fingerprinted piece by piece, not stored.
+    async fn check_frame(
+        &self,
+        first: &PushChunk,
+        stream: &mut Streaming<PushChunk>,
+        rank: u32,
+        step: u64,
+    ) -> PsResult<u64> {
+        let (data, mut conn) = self.frame_conn(first, stream, rank).await?;
+        let len = self.shard.len();
+        let what = format!("push of step {step} from rank {rank} (data connection)");
+        datalink::read_frame_header(&mut conn, step, 4 * len as u64, &what, self.stream_idle)
+            .await?;
+        let mut check = StreamCheck::new(len);
+        let mut piece = vec![0u8; ps_common::wire::DEFAULT_CHUNK_BYTES.min(4 * len.max(1))];
+        let mut at = 0usize;
+        while at < len {
+            let n = (len - at).min(piece.len() / 4);
+            datalink::read_all(&mut conn, &mut piece[..4 * n], &what, self.stream_idle).await?;
+            check.push(at as u64, &piece[..4 * n])?;
+            at += n;
+        }
+        let fp = check.finish()?;
+        data.put_read(rank, conn).await;
+        Ok(fp)
+    }
+
+    /// Checks that a data-connection push's gRPC stream holds its header alone, and takes the
+    /// rank's connection.
+    async fn frame_conn(
+        &self,
+        first: &PushChunk,
+        stream: &mut Streaming<PushChunk>,
+        rank: u32,
+    ) -> PsResult<(&Arc<crate::data::DataConns>, tokio::net::tcp::OwnedReadHalf)> {
+        let extra = !first.data.is_empty()
+            || tokio::time::timeout(self.stream_idle, stream.message())
+                .await
+                .map_err(|_| {
+                    PsError::Timeout(format!(
+                        "push stream did not end for {:.1} s after its header (stream_idle_secs): ended",
+                        self.stream_idle.as_secs_f64()
+                    ))
+                })?
+                .map_err(|s| PsError::BadChunk(format!("push stream broke: {}", s.message())))?
+                .is_some();
+        if extra {
+            return Err(PsError::BadChunk(
+                "a push on the data connection carried data chunks: expected the header alone"
+                    .into(),
+            ));
+        }
+        let data = self
+            .data
+            .as_ref()
+            .ok_or_else(|| PsError::Internal("no data connections".into()))?;
+        let conn = data.take_read(rank).await.ok_or_else(|| {
+            PsError::Unavailable(format!(
+                "rank {rank} has no data connection open (never opened, or dropped after a failed request): open one and push again"
+            ))
+        })?;
+        Ok((data, conn))
+    }
+
     /// A push whose gradient is in the rank's shared-memory board: checked there in place.
     async fn receive_shm(
         &self,
@@ -245,7 +403,11 @@ impl ShardService {
         self.shard.shm_grad(rank)
     }
 
-    async fn pull_inner(&self, req: PullRequest) -> PsResult<Vec<PullChunk>> {
+    async fn pull_inner(
+        &self,
+        req: PullRequest,
+        via_data: Option<u32>,
+    ) -> PsResult<Vec<PullChunk>> {
         let last = self.shard.total_steps;
         if req.min_version > last {
             return Err(PsError::VersionOutOfRange {
@@ -290,12 +452,45 @@ impl ShardService {
                     start: self.shard.range.start as u64,
                     len: self.shard.len() as u64,
                     shm: true,
+                    data_tcp: false,
                 }),
                 offset: 0,
                 data: Bytes::new(),
             }]);
         }
         let (version, snapshot) = self.shard.snapshot()?;
+        if let (Some(rank), Some(data)) = (via_data, &self.data) {
+            self.shard.check_rank(rank)?;
+            // the rank's connection, unless another frame is being written on it: chunks then
+            if let Some(mut w) = data.try_take_write(rank) {
+                let (data, idle, len) = (data.clone(), self.stream_idle, snapshot.len());
+                let shard = self.shard.index;
+                tokio::spawn(async move {
+                    let write = datalink::write_frame(&mut w, version, &snapshot);
+                    match tokio::time::timeout(idle, write).await {
+                        Ok(Ok(())) => data.put_write(rank, w).await,
+                        Ok(Err(e)) => tracing::warn!(
+                            "shard {shard}: pull of version {version} by rank {rank} on its data connection failed after its header: {e}; connection dropped"
+                        ),
+                        Err(_) => tracing::warn!(
+                            "shard {shard}: pull of version {version} by rank {rank}: {len} bytes not taken within {:.1} s (stream_idle_secs); data connection dropped",
+                            idle.as_secs_f64()
+                        ),
+                    }
+                });
+                return Ok(vec![PullChunk {
+                    header: Some(PullHeader {
+                        version,
+                        start: self.shard.range.start as u64,
+                        len: self.shard.len() as u64,
+                        shm: false,
+                        data_tcp: true,
+                    }),
+                    offset: 0,
+                    data: Bytes::new(),
+                }]);
+            }
+        }
         Ok(pull_chunks(
             version,
             self.shard.range.start as u64,
@@ -367,6 +562,7 @@ pub fn pull_chunks(
                 start,
                 len,
                 shm: false,
+                data_tcp: false,
             }),
             offset,
             data,
@@ -600,6 +796,7 @@ impl ParameterServer for ShardService {
             shm_token,
             grad_shm,
             run_id: self.run_id.clone(),
+            data_port: self.data.as_ref().map_or(0, |d| u32::from(d.port)),
         }))
     }
 
@@ -610,12 +807,17 @@ impl ParameterServer for ShardService {
         let _call = self
             .peers
             .stream(request.remote_addr(), self.max_streams, self.shard.index);
-        match self.push_inner(request.into_inner()).await {
+        let via_data = data_rank(request.metadata())?;
+        match self.push_inner(request.into_inner(), via_data).await {
             Ok(r) => {
                 self.metrics.accepted();
                 Ok(Response::new(r))
             }
             Err(e) => {
+                // what is left of the frame must never be read as the next one
+                if let (Some(rank), Some(data)) = (via_data, &self.data) {
+                    data.drop_read(rank).await;
+                }
                 self.metrics.refused(e.code());
                 tracing::warn!(shard = self.shard.index, "push refused: {e}");
                 Err(e.into())
@@ -632,7 +834,8 @@ impl ParameterServer for ShardService {
         let _call = self
             .peers
             .stream(request.remote_addr(), self.max_streams, self.shard.index);
-        let chunks = self.pull_inner(request.into_inner()).await?;
+        let via_data = data_rank(request.metadata())?;
+        let chunks = self.pull_inner(request.into_inner(), via_data).await?;
         Ok(Response::new(Box::pin(IdlePull::start(
             chunks,
             self.stream_idle,

@@ -1,0 +1,225 @@
+//! The tensor data connection of a live `ps-server` (`ps_common::datalink`): hellos with a
+//! wrong run id, an unknown rank or garbage are refused; a push that names another rank's
+//! connection, or whose frame is cut short or of the wrong length, is refused with a precise
+//! status; and afterwards pushes and pulls on new connections still make a correct step.
+
+use ps_common::PROTOCOL_VERSION;
+use ps_common::auth::ClientSecurity;
+use ps_common::client::{DATA_RANK_KEY, ShardClient};
+use ps_common::datalink::{HELLO_NO, HELLO_OK, Hello, frame_header};
+use ps_common::pb::{PushChunk, PushHeader, RegisterRequest};
+use ps_common::wire::{as_le_bytes, f32_to_bytes};
+use ps_launch::{LocalCluster, bin_dir};
+use ps_tests::Spec;
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tonic::Code;
+
+fn header(rank: u32, step: u64, len: usize) -> PushHeader {
+    PushHeader {
+        rank,
+        step,
+        samples: 8,
+        loss_sum: 10.0,
+        correct: 3,
+        len: len as u64,
+        eval_correct: 0,
+        eval_count: 0,
+        shm: false,
+    }
+}
+
+/// Opens a data connection with `hello` and returns the shard's answer byte (None: closed).
+async fn hello(addr: &str, hello: &[u8]) -> (tokio::net::TcpStream, Option<u8>) {
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(hello).await.unwrap();
+    let mut b = [0u8; 1];
+    let answer = match tokio::time::timeout(Duration::from_secs(10), s.read(&mut b)).await {
+        Ok(Ok(1)) => Some(b[0]),
+        _ => None,
+    };
+    (s, answer)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn data_connections_refuse_bad_hellos_and_frames_and_still_step() {
+    let spec = Spec {
+        shards: 1,
+        workers: 2,
+        hidden: vec![4],
+        steps: 2,
+        config: Spec::base().sgd(0.5, 0.0),
+        ..Spec::default()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let (path, cfg) = spec.write(dir.path());
+    let n = cfg.layout().num_params();
+    let mut cluster = LocalCluster::new(bin_dir(), path, Some(dir.path().join("logs")));
+    cluster
+        .start_servers(1, &[], Duration::from_secs(60))
+        .unwrap();
+    let sec = ClientSecurity::default();
+    let mut c = ShardClient::connect(0, &cluster.addrs[0], &sec, Duration::from_secs(10))
+        .await
+        .unwrap();
+    let reg = |rank: u32| RegisterRequest {
+        protocol_version: PROTOCOL_VERSION,
+        rank,
+        world_size: 2,
+        num_params: n as u64,
+        shard: 0,
+        num_shards: 1,
+        shared_memory: false,
+        grad_file: String::new(),
+        grad_token: 0,
+        model: Vec::new(),
+    };
+    let r0 = c.register(reg(0)).await.unwrap();
+    assert!(
+        r0.data_port > 0,
+        "a shard without TLS offers data connections"
+    );
+    assert!(c.has_data_link());
+    let mut c1 = ShardClient::connect(0, &cluster.addrs[0], &sec, Duration::from_secs(10))
+        .await
+        .unwrap();
+    c1.register(reg(1)).await.unwrap();
+    let before = {
+        let mut w = vec![0f32; n];
+        c.pull_into(0, false, None, &mut w).await.unwrap();
+        w
+    };
+    let host = cluster.addrs[0].rsplit_once(':').unwrap().0.to_string();
+    let data_addr = format!("{host}:{}", r0.data_port);
+
+    // hellos: garbage, a wrong run id, an unknown rank are refused; a good one is accepted
+    let (_, a) = hello(&data_addr, b"GET / HTTP/1.1\r\n\r\n").await;
+    assert_eq!(a, None, "garbage: closed without an answer");
+    let h = |rank: u32, run: &str| {
+        Hello {
+            rank,
+            token: Vec::new(),
+            run_id: run.into(),
+        }
+        .encode()
+    };
+    assert_eq!(
+        hello(&data_addr, &h(0, "other-run")).await.1,
+        Some(HELLO_NO)
+    );
+    assert_eq!(hello(&data_addr, &h(7, "")).await.1, Some(HELLO_NO));
+    // raw pushes of rank 1 (whose client has not opened its connection yet)
+    let raw_push = |rank_meta: u32, h: PushHeader| {
+        let mut req = tonic::Request::new(tokio_stream::iter(vec![PushChunk {
+            header: Some(h),
+            offset: 0,
+            data: bytes::Bytes::new(),
+        }]));
+        req.metadata_mut()
+            .insert(DATA_RANK_KEY, rank_meta.to_string().parse().unwrap());
+        req
+    };
+    // another rank's connection
+    let e = c
+        .rpc()
+        .push(raw_push(1, header(0, 0, n)))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+    assert!(
+        e.message()
+            .contains("a push of rank 0 asked for the data connection of rank 1"),
+        "{e:?}"
+    );
+    let (mut conn, a) = hello(&data_addr, &h(1, "")).await;
+    assert_eq!(a, Some(HELLO_OK));
+
+    let g0: Vec<f32> = (0..n).map(|i| ((i % 13) as f32 - 6.0) * 0.01).collect();
+    let g1: Vec<f32> = (0..n).map(|i| ((i % 7) as f32 - 3.0) * 0.02).collect();
+    // a frame cut short: the connection ends in the middle
+    let mut rpc = c.rpc().clone();
+    let call = tokio::spawn(async move { rpc.push(raw_push(1, header(1, 0, n))).await });
+    conn.write_all(&frame_header(0, 4 * n as u64))
+        .await
+        .unwrap();
+    conn.write_all(&as_le_bytes(&g1)[..4 * n / 2])
+        .await
+        .unwrap();
+    drop(conn);
+    let e = call.await.unwrap().unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+    assert!(
+        e.message().contains(&format!(
+            "the connection ended after {} of {} bytes",
+            4 * n / 2,
+            4 * n
+        )),
+        "{e:?}"
+    );
+    // a frame of the wrong length on a new connection
+    let (mut conn, a) = hello(&data_addr, &h(1, "")).await;
+    assert_eq!(a, Some(HELLO_OK));
+    let mut rpc = c.rpc().clone();
+    let call = tokio::spawn(async move { rpc.push(raw_push(1, header(1, 0, n))).await });
+    conn.write_all(&frame_header(0, 4 * (n as u64 - 1)))
+        .await
+        .unwrap();
+    let e = call.await.unwrap().unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+    assert!(
+        e.message()
+            .contains(&format!("expected {n} f32 values, got {}", n - 1)),
+        "{e:?}"
+    );
+    // a push with no connection open (the failed one was dropped) is retryable
+    let e = c
+        .rpc()
+        .push(raw_push(1, header(1, 0, n)))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::Unavailable, "{e:?}");
+    assert!(e.message().contains("has no data connection open"), "{e:?}");
+
+    drop(conn);
+    // none of that counted: the clients (rank 1's opens a new connection) make a correct step
+    let r = c
+        .push(header(0, 0, n), &f32_to_bytes(&g0), 4096)
+        .await
+        .unwrap();
+    assert_eq!((r.counted, r.ranks_in), (true, 1));
+    let r = c
+        .push(header(0, 0, n), &f32_to_bytes(&g0), 4096)
+        .await
+        .unwrap();
+    assert_eq!(
+        (r.counted, r.ranks_in),
+        (false, 1),
+        "a retry on the data connection"
+    );
+    let r = c1
+        .push(header(1, 0, n), &f32_to_bytes(&g1), 4096)
+        .await
+        .unwrap();
+    assert_eq!((r.counted, r.ranks_in), (true, 2));
+    let mut after = vec![0f32; n];
+    c.pull_into(1, false, None, &mut after).await.unwrap();
+    for i in 0..n {
+        let want = before[i] - 0.5 * (0.5 * g0[i] + 0.5 * g1[i]);
+        assert!(
+            (after[i] - want).abs() <= 1e-6 * want.abs().max(1.0),
+            "param {i}: {} vs {want}",
+            after[i]
+        );
+    }
+    // the same version through gRPC chunks is the same bits
+    let mut grpc = ShardClient::connect(0, &cluster.addrs[0], &sec, Duration::from_secs(10))
+        .await
+        .unwrap();
+    let mut again = vec![0f32; n];
+    grpc.pull_into(1, false, None, &mut again).await.unwrap();
+    assert!(!grpc.has_data_link());
+    assert_eq!(
+        again.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+        after.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+    );
+}
