@@ -404,8 +404,9 @@ async fn await_recovery(
     }
 }
 
-/// Whether `err` looks like a lost shard: a connection that failed, or a shard that says it
-/// rolled back (every other refusal stands as it is).
+/// Whether `err` looks like a lost shard: a connection that failed, a shard that says it
+/// rolled back, or one that does not know this worker's registration (a replacement); every
+/// other refusal stands as it is.
 fn lost_shard_symptom(err: &anyhow::Error) -> bool {
     use ps_common::client::ClientError;
     err.chain().any(|e| match e.downcast_ref::<ClientError>() {
@@ -414,6 +415,9 @@ fn lost_shard_symptom(err: &anyhow::Error) -> bool {
             let text = ps_common::neterr::chain(status);
             match status.code() {
                 ps_common::tonic::Code::Unknown | ps_common::tonic::Code::Cancelled => true,
+                ps_common::tonic::Code::FailedPrecondition => {
+                    status.message().contains("has not registered with this shard")
+                }
                 ps_common::tonic::Code::Unavailable => {
                     status.message().contains("rolled back")
                         || text.contains("transport error")
