@@ -205,10 +205,18 @@ fn a_shard_killed_mid_run_is_recovered_bit_identically() {
     let _ = straight();
     let mut l = Launch::start(&spec(10), &["--restart-shards", "2"]);
     l.wait_steps(75);
+    let killed = Instant::now();
     l.kill("ps-server", "--shard", 1);
     let (st, log, cfg, _dir) = l.finish();
     assert!(st.success(), "{st}:\n{log}");
     recovered(&log, 1);
+    eprintln!(
+        "killed shard 1; the run ended {:.2} s later",
+        killed.elapsed().as_secs_f64()
+    );
+    for l in log.lines().filter(|l| l.contains("recovery:")) {
+        eprintln!("{l}");
+    }
     let v = rolled_back_to(&log);
     assert!(
         v.len() == 1 && v[0] >= 60 && v[0] % 10 == 0,
@@ -222,7 +230,13 @@ fn a_shard_killed_mid_run_is_recovered_bit_identically() {
         )),
         "{workers}"
     );
+    for l in workers.lines().filter(|l| l.contains("recovered:")) {
+        eprintln!("{l}");
+    }
     assert_same_weights(&cfg, "shard 1 lost once vs straight");
+    // every step once in metrics.jsonl: the lines past the version rolled back to are redone
+    let m = std::fs::read_to_string(cfg.server.out_dir.join("metrics.jsonl")).unwrap();
+    ps_tests::assert_metrics_steps(&m, STEPS);
 }
 
 #[test]
