@@ -485,7 +485,10 @@ impl ShardService {
 
     /// The `Recover` call of a lost shard's replacement (`crate::recovery`): report where this
     /// shard is, roll back, or stop the run.
-    async fn recover_inner(&self, request: Request<RecoverRequest>) -> Result<RecoverReply, Status> {
+    async fn recover_inner(
+        &self,
+        request: Request<RecoverRequest>,
+    ) -> Result<RecoverReply, Status> {
         self.check_shard_credential(request.metadata(), "recovery request")?;
         let r = request.into_inner();
         let s = &self.shard;
@@ -505,7 +508,10 @@ impl ShardService {
             checkpoints: self.recovery.checkpoints(version),
         };
         if !r.abort.is_empty() {
-            let why = format!("shard {lost} was lost and the run cannot go on: {}", r.abort);
+            let why = format!(
+                "shard {lost} was lost and the run cannot go on: {}",
+                r.abort
+            );
             tracing::error!("shard {}: {why}", s.index);
             s.fail(why);
             return Ok(reply);

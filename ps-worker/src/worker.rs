@@ -129,7 +129,17 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
             None => pull_all(&mut peers, t, &mut weights).await,
         };
         if let Err(e) = pulled {
-            t = after_failure(elastic, &cfg, &mut peers, rank, (&grad_file, &model), total, t, e).await?;
+            t = after_failure(
+                elastic,
+                &cfg,
+                &mut peers,
+                rank,
+                (&grad_file, &model),
+                total,
+                t,
+                e,
+            )
+            .await?;
             continue;
         }
         if !on_host {
@@ -206,7 +216,17 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
             }
         }
         if let Some(e) = refused {
-            t = after_failure(elastic, &cfg, &mut peers, rank, (&grad_file, &model), total, t, e).await?;
+            t = after_failure(
+                elastic,
+                &cfg,
+                &mut peers,
+                rank,
+                (&grad_file, &model),
+                total,
+                t,
+                e,
+            )
+            .await?;
             continue;
         }
         // only the first step (or the first after a rejoin) can find shards ahead
@@ -349,6 +369,7 @@ async fn register_round(
 /// for the cluster to recover: registers again with every shard until all answer with one
 /// generation newer than `known`, and returns the step to continue from (the shards'
 /// version). None when the shards answer at generation `known` (no shard was lost).
+#[allow(clippy::too_many_arguments)]
 async fn await_recovery(
     cfg: &Config,
     peers: &mut [Peer],
@@ -415,9 +436,9 @@ fn lost_shard_symptom(err: &anyhow::Error) -> bool {
             let text = ps_common::neterr::chain(status);
             match status.code() {
                 ps_common::tonic::Code::Unknown | ps_common::tonic::Code::Cancelled => true,
-                ps_common::tonic::Code::FailedPrecondition => {
-                    status.message().contains("has not registered with this shard")
-                }
+                ps_common::tonic::Code::FailedPrecondition => status
+                    .message()
+                    .contains("has not registered with this shard"),
                 ps_common::tonic::Code::Unavailable => {
                     status.message().contains("rolled back")
                         || text.contains("transport error")

@@ -1092,7 +1092,9 @@ fn slurm_job_restarts_a_lost_shard_and_ends_with_the_same_weights() {
         );
         if kill {
             assert!(
-                err.contains("ps-cluster: shard 1 was lost (exit 137); starting it again with --recover"),
+                err.contains(
+                    "ps-cluster: shard 1 was lost (exit 137); starting it again with --recover"
+                ),
                 "{err}"
             );
             let log = read(&jobdir.join("shard-1.restart-1.log"));

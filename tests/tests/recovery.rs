@@ -366,10 +366,7 @@ fn chaos_random_shard_and_worker_kills_leave_the_weights_unchanged() {
         kills.push((at, what));
     }
     let (st, log, cfg, _dir) = l.finish();
-    assert!(
-        st.success(),
-        "seed {seed}, kills {kills:?}: {st}:\n{log}"
-    );
+    assert!(st.success(), "seed {seed}, kills {kills:?}: {st}:\n{log}");
     eprintln!("chaos seed {seed}: kills (after step, process) {kills:?}");
     assert!(!kills.is_empty(), "seed {seed}");
     assert_same_weights(&cfg, &format!("chaos seed {seed}, kills {kills:?}"));
