@@ -231,9 +231,22 @@ async fn run_generation(
     accept::raise_fd_limit(index);
     let exporter = match &metrics_listen {
         Some(addr) => {
-            let l = TcpListener::bind(addr)
-                .await
-                .with_context(|| format!("cannot listen for /metrics on {addr}"))?;
+            // after a rollback the previous state's exporter may still hold the port a moment
+            let mut tries = 0;
+            let l = loop {
+                match TcpListener::bind(addr).await {
+                    Err(e)
+                        if e.kind() == std::io::ErrorKind::AddrInUse
+                            && cell.generation() > 0
+                            && tries < 30 =>
+                    {
+                        tries += 1;
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                    r => break r,
+                }
+            }
+            .with_context(|| format!("cannot listen for /metrics on {addr}"))?;
             tracing::info!(
                 "shard {index}: Prometheus metrics on http://{}/metrics",
                 l.local_addr()?

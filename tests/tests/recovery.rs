@@ -219,7 +219,7 @@ fn a_shard_killed_mid_run_is_recovered_bit_identically() {
     }
     let v = rolled_back_to(&log);
     assert!(
-        v.len() == 1 && v[0] >= 60 && v[0] % 10 == 0,
+        v.len() == 1 && v[0] >= 60 && v[0].is_multiple_of(10),
         "rolled back to a checkpoint at or after step 60: {v:?}\n{log}"
     );
     let workers = std::fs::read_to_string(cfg.server.out_dir.join("logs/worker-0.log")).unwrap();
