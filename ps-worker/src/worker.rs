@@ -496,6 +496,17 @@ fn mark_ahead(peers: &mut [Peer], versions: &[u64], rank: usize) -> u64 {
     start_step
 }
 
+/// Set when the worker was told to stop (SIGTERM, SIGUSR1): it then does not wait for a
+/// recovery from a lost shard (the shards are stopping too).
+pub static STOP_REQUESTED: std::sync::atomic::AtomicBool =
+    std::sync::atomic::AtomicBool::new(false);
+
+async fn stop_requested() {
+    while !STOP_REQUESTED.load(std::sync::atomic::Ordering::SeqCst) {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// After a pull or push of step `t` failed with `err`: when it looks like a lost shard, waits
 /// for the cluster to recover ([`await_recovery`]) and returns the step to continue from;
 /// otherwise (or when no shard was lost) as [`rejoin`].
@@ -510,9 +521,13 @@ async fn after_failure(
     t: u64,
     err: anyhow::Error,
 ) -> anyhow::Result<u64> {
-    if lost_shard_symptom(&err) {
+    if lost_shard_symptom(&err) && !STOP_REQUESTED.load(std::sync::atomic::Ordering::SeqCst) {
         let known = peers.first().map_or(0, |p| p.generation);
-        if let Some(start) = await_recovery(cfg, peers, rank, files, known, total, t, &err).await? {
+        let recovered = tokio::select! {
+            r = await_recovery(cfg, peers, rank, files, known, total, t, &err) => r?,
+            () = stop_requested() => None,
+        };
+        if let Some(start) = recovered {
             return Ok(start);
         }
     }
