@@ -80,6 +80,12 @@ pub struct LocalCluster {
     tolerated: Vec<usize>,
     /// The run id every process is given (`--run-id`), when set (`ps_common::runid`).
     pub run_id: Option<String>,
+    /// How many times [`LocalCluster::wait`] may start a lost shard again (same index and
+    /// address, with `--recover`: every shard rolls back to the newest version all have a
+    /// checkpoint of, see `ps_server::recovery`) instead of stopping the run; 0: never.
+    pub shard_restarts: usize,
+    /// The extra arguments the shards were started with, to start one again.
+    server_extra: Vec<String>,
 }
 
 impl LocalCluster {
@@ -98,6 +104,8 @@ impl LocalCluster {
             elastic: false,
             tolerated: Vec::new(),
             run_id: None,
+            shard_restarts: 0,
+            server_extra: Vec::new(),
         }
     }
 
@@ -167,6 +175,7 @@ impl LocalCluster {
                 Err(e) => return Err(LaunchError(format!("{}: {e}", d.display()))),
             }
         };
+        self.server_extra = extra.to_vec();
         let started = self.spawn_servers(num_shards, extra, timeout, &run_dir);
         let _ = std::fs::remove_dir_all(&run_dir);
         started
@@ -280,6 +289,74 @@ impl LocalCluster {
         })
     }
 
+    /// Starts lost shard `i` again if the restart budget allows and the way it ended says a
+    /// restart can help (killed by a signal, a crash; not a refusal at start, exit 2, nor a run
+    /// that failed, 1, was interrupted, 130, or preempted, 143): same index and address,
+    /// `--recover` (it has every shard roll back with it), its log so far kept as `<log>.<n>`.
+    /// True when it was restarted.
+    fn restart_server(&mut self, i: usize) -> Result<bool, LaunchError> {
+        use std::os::unix::process::ExitStatusExt;
+        let Some(status) = self.servers[i].status else {
+            return Ok(false);
+        };
+        let restartable = status.signal().is_some()
+            || status
+                .code()
+                .is_some_and(|c| ![0, 1, 2, 130, 143].contains(&c));
+        if self.shard_restarts == 0 || !restartable || i >= self.addrs.len() {
+            return Ok(false);
+        }
+        self.shard_restarts -= 1;
+        let old = &self.servers[i];
+        eprintln!(
+            "ps-launch: {} was lost ({status}); starting it again at {} with --recover: every shard rolls back to the newest version all have a checkpoint of ({} restart(s) left){}",
+            old.name,
+            self.addrs[i],
+            self.shard_restarts,
+            old.log_tail(5)
+        );
+        if let Some(log) = &old.log {
+            let n = (1..).find(|n| !log.with_extension(format!("log.{n}")).exists());
+            let _ = std::fs::rename(log, log.with_extension(format!("log.{}", n.unwrap_or(1))));
+        }
+        let name = old.name.clone();
+        let (mut cmd, log) = self.command("ps-server", &name, self.server_logs.as_deref())?;
+        cmd.arg("--shard")
+            .arg(i.to_string())
+            .arg("--listen")
+            .arg(&self.addrs[i])
+            .arg("--recover")
+            .arg("--peers")
+            .arg(self.addrs.join(","));
+        if i > 0 {
+            cmd.arg("--shard0").arg(&self.addrs[0]);
+        }
+        // a replacement recovers: it does not resume from where the run started
+        let mut extra = self.server_extra.iter();
+        while let Some(a) = extra.next() {
+            match a.as_str() {
+                "--resume" => {}
+                "--resume-from" => {
+                    extra.next();
+                }
+                _ if a.starts_with("--resume-from=") => {}
+                _ => {
+                    cmd.arg(a);
+                }
+            }
+        }
+        let child = cmd
+            .spawn()
+            .map_err(|e| LaunchError(format!("cannot start {name} again: {e}")))?;
+        self.servers[i] = Proc {
+            name,
+            child,
+            log,
+            status: None,
+        };
+        Ok(true)
+    }
+
     /// Starts failed worker `i` again if the restart budget allows: its log so far is kept as
     /// `<log>.<n>` (n = restarts so far). True when it was restarted.
     fn restart_worker(&mut self, i: usize) -> Result<bool, LaunchError> {
@@ -314,6 +391,18 @@ impl LocalCluster {
     ) -> Result<(), LaunchError> {
         let start = Instant::now();
         loop {
+            // a lost shard may be started again (the cluster rolls back with it)
+            for i in 0..self.servers.len() {
+                let p = &mut self.servers[i];
+                if p.status.is_none()
+                    && let Ok(Some(s)) = p.child.try_wait()
+                {
+                    p.status = Some(s);
+                    if !s.success() {
+                        self.restart_server(i)?;
+                    }
+                }
+            }
             // a failed worker may be started again (it rejoins at the shards' step)
             for i in 0..self.workers.len() {
                 let p = &mut self.workers[i];

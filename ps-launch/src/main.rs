@@ -60,6 +60,12 @@ struct Cli {
     /// (it rejoins at the shards' step; the result is the same as without the failure).
     #[arg(long, default_value_t = 0)]
     restart_workers: usize,
+    /// Start a lost shard (killed, crashed) again, up to this many times in all, instead of
+    /// stopping the run: it starts from the newest version every shard has a checkpoint of
+    /// (`[checkpoint] every`; version 0 when none), the other shards roll back with it and the
+    /// workers redo the steps since; the result is the same as without the loss, bit for bit.
+    #[arg(long, default_value_t = 0)]
+    restart_shards: usize,
     /// Do not train: merge the shard files of the output directory into `model.safetensors`
     /// and draw `curves.svg` from its `metrics.jsonl`.
     #[arg(long, conflicts_with_all = ["resume", "check_reference", "metrics"])]
@@ -166,6 +172,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     let mut cluster = LocalCluster::new(bin_dir(), cli.config.clone(), None);
     cluster.worker_logs = Some(logs);
     cluster.worker_restarts = cli.restart_workers;
+    cluster.shard_restarts = cli.restart_shards;
     cluster.elastic = cfg.server.barrier_policy == ps_common::config::BarrierPolicy::Continue;
     cluster.run_id = run.id.clone();
     let mut server_args = vec!["--out-dir".to_string(), out_dir.display().to_string()];

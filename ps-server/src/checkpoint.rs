@@ -225,7 +225,7 @@ fn parse(name: &str) -> Option<(usize, usize, u64)> {
 }
 
 /// The versions of shard `shard`'s checkpoints in `dir`, ascending.
-fn versions(dir: &Path, shard: usize, num_shards: usize) -> Vec<u64> {
+pub fn versions(dir: &Path, shard: usize, num_shards: usize) -> Vec<u64> {
     let mut v: Vec<u64> = std::fs::read_dir(dir)
         .into_iter()
         .flatten()

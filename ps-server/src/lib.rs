@@ -20,6 +20,7 @@ pub mod data;
 pub mod exporter;
 pub mod memory;
 pub mod peers;
+pub mod recovery;
 pub mod report;
 pub mod service;
 pub mod shard;
@@ -54,6 +55,16 @@ pub enum Outcome {
     Preempted {
         /// The newest version checkpointed on preemption.
         saved: Option<u64>,
+    },
+    /// Another shard was lost and its replacement ordered this shard to roll back
+    /// ([`recovery`]): [`run_shard_recovering`] serves again from that version.
+    RolledBack {
+        /// The shard that was lost.
+        lost: usize,
+        /// The version rolled back to.
+        version: u64,
+        /// The generation the cluster entered.
+        generation: u64,
     },
 }
 
@@ -108,6 +119,71 @@ pub async fn run_shard(
 pub async fn run_shard_preemptible(
     setup: ShardSetup,
     listener: TcpListener,
+    shutdown: impl Future<Output = ()>,
+    preempt: impl Future<Output = ()>,
+) -> anyhow::Result<Outcome> {
+    let cell = Arc::new(recovery::Cell::new(setup.cfg.clone(), setup.index, 0));
+    run_generation(setup, listener, cell, shutdown, preempt).await
+}
+
+/// [`run_shard_preemptible`] at cluster generation `generation`, and again from the
+/// checkpoint each time another shard's replacement orders a rollback ([`recovery`]), on the
+/// same listening socket (`listener`, non-blocking), until the run ends otherwise.
+pub async fn run_shard_recovering(
+    mut setup: ShardSetup,
+    listener: std::net::TcpListener,
+    mut generation: u64,
+    shutdown: impl Future<Output = ()>,
+    preempt: impl Future<Output = ()>,
+) -> anyhow::Result<Outcome> {
+    tokio::pin!(shutdown);
+    tokio::pin!(preempt);
+    loop {
+        let l = TcpListener::from_std(listener.try_clone()?)?;
+        let cell = Arc::new(recovery::Cell::new(
+            setup.cfg.clone(),
+            setup.index,
+            generation,
+        ));
+        let next = ShardSetup {
+            cfg: setup.cfg.clone(),
+            index: setup.index,
+            train_len: setup.train_len,
+            test_len: setup.test_len,
+            shard0: setup.shard0.clone(),
+            resume_from: None,
+            metrics_listen: setup.metrics_listen.clone(),
+            health_listen: setup.health_listen.clone(),
+        };
+        let outcome =
+            run_generation(setup, l, cell.clone(), shutdown.as_mut(), preempt.as_mut()).await?;
+        let Outcome::RolledBack { .. } = outcome else {
+            return Ok(outcome);
+        };
+        let Some(rb) = cell.ordered() else {
+            return Ok(outcome);
+        };
+        setup = next;
+        setup.resume_from = rb.saved;
+        generation = rb.generation;
+        tracing::warn!(
+            "shard {}: recovery: serving again from version {} in generation {} (shard {} was lost; this shard was at version {}: steps {}..{} are redone), {:.2} s after the rollback order",
+            setup.index,
+            rb.version,
+            generation,
+            rb.lost,
+            rb.from,
+            rb.version,
+            rb.from,
+            rb.ordered.elapsed().as_secs_f64()
+        );
+    }
+}
+
+async fn run_generation(
+    setup: ShardSetup,
+    listener: TcpListener,
+    cell: Arc<recovery::Cell>,
     shutdown: impl Future<Output = ()>,
     preempt: impl Future<Output = ()>,
 ) -> anyhow::Result<Outcome> {
@@ -172,9 +248,22 @@ pub async fn run_shard_preemptible(
     accept::raise_fd_limit(index);
     let exporter = match &metrics_listen {
         Some(addr) => {
-            let l = TcpListener::bind(addr)
-                .await
-                .with_context(|| format!("cannot listen for /metrics on {addr}"))?;
+            // after a rollback the previous state's exporter may still hold the port a moment
+            let mut tries = 0;
+            let l = loop {
+                match TcpListener::bind(addr).await {
+                    Err(e)
+                        if e.kind() == std::io::ErrorKind::AddrInUse
+                            && cell.generation() > 0
+                            && tries < 30 =>
+                    {
+                        tries += 1;
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                    r => break r,
+                }
+            }
+            .with_context(|| format!("cannot listen for /metrics on {addr}"))?;
             tracing::info!(
                 "shard {index}: Prometheus metrics on http://{}/metrics",
                 l.local_addr()?
@@ -243,6 +332,7 @@ pub async fn run_shard_preemptible(
         shard_token: shard_token.clone(),
         refused_reports: Default::default(),
         max_streams: cfg.server.max_streams_per_connection,
+        recovery: cell.clone(),
     };
     let watcher = svc.clone();
     let svc_peers = svc.peers.clone();
@@ -302,12 +392,27 @@ pub async fn run_shard_preemptible(
         .set_service_status(HEALTH_SERVICE, tonic_health::ServingStatus::Serving)
         .await;
 
-    let outcome = tokio::select! {
+    let mut outcome = tokio::select! {
         o = watch_run(&cfg, &watcher) => o,
         _ = shutdown => Outcome::Interrupted,
         _ = preempt => preempted(&cfg, &watcher).await,
+        rb = cell.wait() => Outcome::RolledBack { lost: rb.lost, version: rb.version, generation: rb.generation },
     };
+    // a rollback fails the shard's state first: its watcher may have seen that failure
+    if let (Outcome::Failed(_), Some(rb)) = (&outcome, cell.ordered()) {
+        outcome = Outcome::RolledBack {
+            lost: rb.lost,
+            version: rb.version,
+            generation: rb.generation,
+        };
+    }
+    let mut stop_wait = Duration::from_secs(5);
     match &outcome {
+        Outcome::RolledBack { .. } => {
+            // the step lines of the state left behind are out before the next state trims them
+            reporter.flush().await;
+            stop_wait = Duration::from_secs(1);
+        }
         Outcome::Finished => {}
         Outcome::Failed(why) => {
             tracing::error!("shard {index}: run failed: {why}");
@@ -341,9 +446,18 @@ pub async fn run_shard_preemptible(
         h.abort();
     }
     let _ = stop_tx.send(());
-    match tokio::time::timeout(Duration::from_secs(5), serve).await {
+    let mut serve = serve;
+    let stopped = tokio::time::timeout(stop_wait, &mut serve).await;
+    if stopped.is_err() {
+        // connections of the state left behind must not answer for the next one
+        serve.abort();
+    }
+    match stopped {
         Ok(Ok(Err(e))) => tracing::warn!("shard {index}: server error while stopping: {e}"),
-        Err(_) => tracing::warn!("shard {index}: connections still open after 5 s; closing anyway"),
+        Err(_) => tracing::warn!(
+            "shard {index}: connections still open after {} s; closing anyway",
+            stop_wait.as_secs()
+        ),
         _ => {}
     }
     Ok(outcome)

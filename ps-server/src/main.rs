@@ -2,7 +2,7 @@
 
 use clap::Parser;
 use ps_common::config::Overrides;
-use ps_server::{Outcome, load_checkpoint_of, load_setup, run_shard_preemptible};
+use ps_server::{Outcome, load_checkpoint_of, load_setup, run_shard_recovering};
 use std::path::PathBuf;
 
 #[derive(Parser, Debug)]
@@ -53,6 +53,15 @@ struct Cli {
     /// speak TLS (the kubelet's); the shard's own address serves it too.
     #[arg(long)]
     health_listen: Option<String>,
+    /// This shard replaces one that was lost (restarted by a launcher, a Slurm loop, a pod's
+    /// restart policy): before it listens, every other shard rolls back with it to the newest
+    /// version all have a checkpoint of (0 when none), and the run goes on from there.
+    #[arg(long, conflicts_with_all = ["resume", "resume_from"])]
+    recover: bool,
+    /// Every shard's address, by index (comma-separated), for `--recover`, when they differ
+    /// from the config's `[cluster] servers`.
+    #[arg(long, value_delimiter = ',')]
+    peers: Vec<String>,
     /// Only check: validate the config and the training set's shape, print the resolved
     /// config and its single-process equivalence, and exit (0 valid, 2 refused).
     #[arg(long)]
@@ -79,6 +88,8 @@ fn main() -> std::process::ExitCode {
         Ok(Outcome::Interrupted) => std::process::ExitCode::from(130),
         Ok(Outcome::Preempted { .. }) => std::process::ExitCode::from(143),
         Ok(Outcome::Failed(_)) => std::process::ExitCode::from(1),
+        // run_shard_recovering serves again after a rollback: never its result
+        Ok(Outcome::RolledBack { .. }) => std::process::ExitCode::from(1),
         Err(e) => {
             eprintln!("error: {e:#}");
             std::process::ExitCode::from(2)
@@ -116,6 +127,28 @@ async fn serve(cli: Cli) -> anyhow::Result<Outcome> {
         println!("{}", setup.cfg.equivalence());
         return Ok(Outcome::Finished);
     }
+    let mut generation = 0;
+    if cli.recover {
+        // before anything is written: a replacement whose checkpoint directory is gone must
+        // not create an empty one and start from nothing
+        let peers = if cli.peers.is_empty() {
+            setup.cfg.cluster.servers.clone()
+        } else {
+            cli.peers.clone()
+        };
+        let shard_token = match &setup.cfg.server.shard_token_file {
+            Some(f) => Some(
+                ps_common::auth::Token::read(f)
+                    .map_err(|e| anyhow::anyhow!("[server] shard_token_file: {e}"))?,
+            ),
+            None => None,
+        };
+        let r =
+            ps_server::recovery::handshake(&setup.cfg, setup.index, &peers, shard_token.as_ref())
+                .await?;
+        generation = r.generation;
+        setup.resume_from = r.saved;
+    }
     // before listening: a shard that could not save its results never looks ready
     ps_server::check_output_dirs(&setup.cfg)?;
     // one live cluster per output folder: a second run given the same one fails here, before
@@ -146,8 +179,9 @@ async fn serve(cli: Cli) -> anyhow::Result<Outcome> {
     let addr = cli
         .listen
         .unwrap_or_else(|| setup.cfg.cluster.servers[setup.index].clone());
-    let listener = tokio::net::TcpListener::bind(&addr)
-        .await
+    // a std listener: after a rollback the shard serves again on the same socket
+    let listener = std::net::TcpListener::bind(&addr)
+        .and_then(|l| l.set_nonblocking(true).map(|()| l))
         .map_err(|e| anyhow::anyhow!("cannot listen on {addr}: {e}"))?;
     let bound = listener.local_addr()?;
     if !bound.ip().is_loopback() && setup.cfg.cluster.token.is_none() {
@@ -163,9 +197,10 @@ async fn serve(cli: Cli) -> anyhow::Result<Outcome> {
     }
     // Ctrl-C stops at once; SIGTERM (scancel, a pod's deletion, preemption) and SIGUSR1
     // (Slurm's --signal=USR1@N) checkpoint at the next step boundary first
-    run_shard_preemptible(
+    run_shard_recovering(
         setup,
         listener,
+        generation,
         async {
             let _ = tokio::signal::ctrl_c().await;
         },

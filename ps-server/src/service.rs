@@ -12,7 +12,7 @@ use ps_common::datalink;
 use ps_common::pb::parameter_server_server::ParameterServer;
 use ps_common::pb::{
     LeaveReply, LeaveRequest, PullChunk, PullHeader, PullRequest, PushChunk, PushReply,
-    RegisterReply, RegisterRequest, ReportReply, StepReport,
+    RecoverReply, RecoverRequest, RegisterReply, RegisterRequest, ReportReply, StepReport,
 };
 use ps_common::wire::{StreamCheck, TensorReceiver, check_and_fingerprint, chunks};
 use ps_common::{PROTOCOL_VERSION, PsError, PsResult};
@@ -53,6 +53,9 @@ pub struct ShardService {
     pub refused_reports: Arc<std::sync::Mutex<crate::accept::Throttle>>,
     /// The run this shard belongs to (empty: unnamed), told to registering workers.
     pub run_id: String,
+    /// The cluster generation this shard serves, and the rollback it may be ordered to make
+    /// (`crate::recovery`).
+    pub recovery: Arc<crate::recovery::Cell>,
     /// The tensor data connections (None with TLS: they are not encrypted).
     pub data: Option<Arc<crate::data::DataConns>>,
 }
@@ -650,18 +653,20 @@ impl Stream for IdlePull {
 }
 
 impl ShardService {
-    /// A step report must come from a shard (the shard credential, when one is configured),
-    /// name another shard of the layout, a step of the run within [`REPORT_WINDOW`] of this
-    /// shard's version, and hold finite non-negative figures.
-    fn check_report(&self, request: &Request<StepReport>) -> PsResult<()> {
+    /// A shard-to-shard request (`what`) must carry the shard credential, when one is
+    /// configured (`[server] shard_token_file`).
+    fn check_shard_credential(
+        &self,
+        metadata: &tonic::metadata::MetadataMap,
+        what: &str,
+    ) -> PsResult<()> {
         if let Some(t) = &self.shard_token {
-            let got = request
-                .metadata()
+            let got = metadata
                 .get(ps_common::auth::SHARD_TOKEN_KEY)
                 .map_or(&[][..], |v| v.as_bytes());
             if !t.matches(got) {
                 return Err(PsError::Unauthenticated(format!(
-                    "step report {}: expected the shards' credential ({} from [server] shard_token_file); worker credentials cannot send reports",
+                    "{what} {}: expected the shards' credential ({} from [server] shard_token_file); worker credentials cannot send it",
                     if got.is_empty() {
                         "without a shard credential"
                     } else {
@@ -671,6 +676,106 @@ impl ShardService {
                 )));
             }
         }
+        Ok(())
+    }
+
+    /// The `Recover` call of a lost shard's replacement (`crate::recovery`): report where this
+    /// shard is, roll back, or stop the run.
+    async fn recover_inner(
+        &self,
+        request: Request<RecoverRequest>,
+    ) -> Result<RecoverReply, Status> {
+        self.check_shard_credential(request.metadata(), "recovery request")?;
+        let r = request.into_inner();
+        let s = &self.shard;
+        let lost = r.lost as usize;
+        if lost >= s.num_shards || lost == s.index {
+            return Err(PsError::BadChunk(format!(
+                "recovery request for shard {lost}: expected another shard of 0..{} than this one ({})",
+                s.num_shards, s.index
+            ))
+            .into());
+        }
+        let version = s.version();
+        let reply = RecoverReply {
+            shard: s.index as u32,
+            version,
+            generation: self.recovery.generation(),
+            checkpoints: self.recovery.checkpoints(version),
+        };
+        if !r.abort.is_empty() {
+            let why = format!(
+                "shard {lost} was lost and the run cannot go on: {}",
+                r.abort
+            );
+            tracing::error!("shard {}: {why}", s.index);
+            s.fail(why);
+            return Ok(reply);
+        }
+        if !r.rollback {
+            tracing::warn!(
+                "shard {}: shard {lost}'s replacement asks where this shard is: version {version}, generation {}, checkpoints {:?}",
+                s.index,
+                reply.generation,
+                reply.checkpoints
+            );
+            return Ok(reply);
+        }
+        if let Some(o) = self.recovery.ordered() {
+            if o.generation == r.generation && o.version == r.version {
+                return Ok(reply); // the same order again
+            }
+            return Err(Status::failed_precondition(format!(
+                "shard {} is already rolling back to version {} (generation {})",
+                s.index, o.version, o.generation
+            )));
+        }
+        if r.generation <= self.recovery.generation() || r.version > version {
+            return Err(Status::failed_precondition(format!(
+                "rollback to version {} in generation {}: shard {} is at version {version} in generation {}: expected a newer generation and a version not past this shard's",
+                r.version,
+                r.generation,
+                s.index,
+                self.recovery.generation()
+            )));
+        }
+        let ordered = std::time::Instant::now();
+        let cell = self.recovery.clone();
+        let v = r.version;
+        let saved = tokio::task::spawn_blocking(move || cell.load(v))
+            .await
+            .map_err(|e| Status::internal(format!("reading the checkpoint: {e}")))?
+            .map_err(|e| {
+                Status::failed_precondition(format!(
+                    "shard {} cannot roll back to version {v}: {e}",
+                    s.index
+                ))
+            })?;
+        tracing::warn!(
+            "shard {}: shard {lost} was lost: rolling back from version {version} to version {v} (generation {}); steps {v}..{version} are redone",
+            s.index,
+            r.generation
+        );
+        self.recovery.order(crate::recovery::Rollback {
+            lost,
+            version: v,
+            generation: r.generation,
+            saved,
+            from: version,
+            ordered,
+        });
+        s.fail(format!(
+            "rolled back to version {v} (generation {}): shard {lost} was lost; register again",
+            r.generation
+        ));
+        Ok(reply)
+    }
+
+    /// A step report must come from a shard (the shard credential, when one is configured),
+    /// name another shard of the layout, a step of the run within [`REPORT_WINDOW`] of this
+    /// shard's version, and hold finite non-negative figures.
+    fn check_report(&self, request: &Request<StepReport>) -> PsResult<()> {
+        self.check_shard_credential(request.metadata(), "step report")?;
         let r = request.get_ref();
         let s = self.shard.num_shards;
         if r.shard as usize >= s || r.shard == 0 {
@@ -751,6 +856,9 @@ impl ParameterServer for ShardService {
         mismatch("shard index", u64::from(r.shard), s.index as u64)?;
         mismatch("shard count", u64::from(r.num_shards), s.num_shards as u64)?;
         s.check_rank(r.rank)?;
+        if let Some(why) = s.failure() {
+            return Err(PsError::Unavailable(why).into());
+        }
         if let Some(peer) = peer
             && let Err(holder) = self.peers.claim(r.rank, peer).await
         {
@@ -796,6 +904,7 @@ impl ParameterServer for ShardService {
             shm_token,
             grad_shm,
             run_id: self.run_id.clone(),
+            generation: self.recovery.generation(),
             data_port: self.data.as_ref().map_or(0, |d| u32::from(d.port)),
         }))
     }
@@ -886,5 +995,12 @@ impl ParameterServer for ShardService {
         let r = request.into_inner();
         self.reporter.remote_report(r);
         Ok(Response::new(ReportReply {}))
+    }
+
+    async fn recover(
+        &self,
+        request: Request<RecoverRequest>,
+    ) -> Result<Response<RecoverReply>, Status> {
+        self.recover_inner(request).await.map(Response::new)
     }
 }

@@ -158,6 +158,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             // worker's pushes; it goes on until the shards stop (bounded)
             () = async {
                 ps_common::preempt_signal().await;
+                ps_worker::worker::STOP_REQUESTED.store(true, std::sync::atomic::Ordering::SeqCst);
                 tracing::warn!(
                     "worker {rank}: SIGTERM or SIGUSR1: going on until the shards have checkpointed and stopped (at most {} s)",
                     PREEMPT_WORKER_GRACE.as_secs()

@@ -61,6 +61,9 @@ pub(crate) struct Peer {
     pub(crate) ahead: bool,
     /// The gradient bytes of the last push through gRPC, reused once its RPC has released them.
     pub(crate) push_buf: Option<Bytes>,
+    /// The cluster generation the shard answered registration with (one more after every
+    /// recovery from a lost shard).
+    pub(crate) generation: u64,
 }
 
 /// Runs the worker to the end of the training run; returns its timing.
@@ -126,7 +129,17 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
             None => pull_all(&mut peers, t, &mut weights).await,
         };
         if let Err(e) = pulled {
-            t = rejoin(elastic, &cfg, &mut peers, rank, (&grad_file, &model), t, e).await?;
+            t = after_failure(
+                elastic,
+                &cfg,
+                &mut peers,
+                rank,
+                (&grad_file, &model),
+                total,
+                t,
+                e,
+            )
+            .await?;
             continue;
         }
         if !on_host {
@@ -203,7 +216,17 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
             }
         }
         if let Some(e) = refused {
-            t = rejoin(elastic, &cfg, &mut peers, rank, (&grad_file, &model), t, e).await?;
+            t = after_failure(
+                elastic,
+                &cfg,
+                &mut peers,
+                rank,
+                (&grad_file, &model),
+                total,
+                t,
+                e,
+            )
+            .await?;
             continue;
         }
         // only the first step (or the first after a rejoin) can find shards ahead
@@ -266,14 +289,63 @@ pub(crate) async fn register_all(
     let connect_timeout = Duration::from_secs_f64(cfg.worker.connect_timeout_secs);
     let security = cfg.client_security();
     let mut peers = Vec::with_capacity(servers.len());
-    let mut versions = Vec::with_capacity(servers.len());
     for ((s, addr), range) in servers.iter().enumerate().zip(ranges) {
-        let mut client = ShardClient::connect(s, addr, &security, connect_timeout).await?;
-        let req = register_request(cfg, servers.len(), s, rank, grad_file, model);
-        let reply = client
+        let client = ShardClient::connect(s, addr, &security, connect_timeout).await?;
+        peers.push(Peer {
+            client,
+            range,
+            link: ShmLink::default(),
+            ahead: false,
+            push_buf: None,
+            generation: 0,
+        });
+    }
+    // the shards agree on a generation, except while they recover from a lost shard: then
+    // register again until they do
+    let begun = Instant::now();
+    loop {
+        let versions = register_round(cfg, &mut peers, rank, total, grad_file, model).await?;
+        let gens: Vec<u64> = peers.iter().map(|p| p.generation).collect();
+        if gens.iter().all(|&g| g == gens[0]) {
+            let start_step = mark_ahead(&mut peers, &versions, rank);
+            return Ok((peers, start_step));
+        }
+        if begun.elapsed() > connect_timeout {
+            bail!(
+                "the shards answer with different cluster generations {gens:?} after {:.0} s: a recovery from a lost shard did not finish ([worker] connect_timeout_secs)",
+                begun.elapsed().as_secs_f64()
+            );
+        }
+        tracing::info!(
+            "worker {rank}: the shards are at generations {gens:?} (a recovery is under way); registering again"
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+}
+
+/// Registers with every shard once (each retrying for `[worker] connect_timeout_secs` while the
+/// refusal is retryable), checks the range and run length, opens the shared-memory links and
+/// records each shard's generation; returns each shard's version.
+async fn register_round(
+    cfg: &Config,
+    peers: &mut [Peer],
+    rank: usize,
+    total: u64,
+    grad_file: &(String, u64),
+    model: &[ps_common::pb::TensorDesc],
+) -> anyhow::Result<Vec<u64>> {
+    let connect_timeout = Duration::from_secs_f64(cfg.worker.connect_timeout_secs);
+    let num_shards = peers.len();
+    let mut versions = Vec::with_capacity(num_shards);
+    for (s, p) in peers.iter_mut().enumerate() {
+        let req = register_request(cfg, num_shards, s, rank, grad_file, model);
+        let addr = p.client.addr().to_string();
+        let reply = p
+            .client
             .register_retrying(req, connect_timeout)
             .await
             .with_context(|| format!("registering with shard {s} at {addr}"))?;
+        let range = &p.range;
         if reply.start != range.start as u64
             || reply.len != range.len() as u64
             || reply.total_steps != total
@@ -286,16 +358,97 @@ pub(crate) async fn register_all(
             );
         }
         versions.push(reply.version);
-        peers.push(Peer {
-            client,
-            range,
-            link: ShmLink::open(&reply, s),
-            ahead: false,
-            push_buf: None,
-        });
+        p.link = ShmLink::open(&reply, s);
+        p.generation = reply.generation;
     }
-    let start_step = mark_ahead(&mut peers, &versions, rank);
-    Ok((peers, start_step))
+    Ok(versions)
+}
+
+/// After a pull or push failed with `err` in a way a lost shard causes (its connection
+/// failed, or a shard said it rolled back), waits (at most `[worker] connect_timeout_secs`)
+/// for the cluster to recover: registers again with every shard until all answer with one
+/// generation newer than `known`, and returns the step to continue from (the shards'
+/// version). None when the shards answer at generation `known` (no shard was lost).
+#[allow(clippy::too_many_arguments)]
+async fn await_recovery(
+    cfg: &Config,
+    peers: &mut [Peer],
+    rank: usize,
+    (grad_file, model): (&(String, u64), &[ps_common::pb::TensorDesc]),
+    known: u64,
+    total: u64,
+    t: u64,
+    err: &anyhow::Error,
+) -> anyhow::Result<Option<u64>> {
+    let began = Instant::now();
+    let patience = Duration::from_secs_f64(cfg.worker.connect_timeout_secs);
+    tracing::warn!(
+        "worker {rank}: step {t} failed ({err:#}); a shard may have been lost: waiting up to {:.0} s for the cluster to recover",
+        patience.as_secs_f64()
+    );
+    let mut said = Instant::now();
+    loop {
+        let round = register_round(cfg, peers, rank, total, grad_file, model).await;
+        let why = match round {
+            Ok(versions) => {
+                let gens: Vec<u64> = peers.iter().map(|p| p.generation).collect();
+                let g = gens[0];
+                if gens.iter().all(|&x| x == g) {
+                    if g == known {
+                        return Ok(None);
+                    }
+                    let start = mark_ahead(peers, &versions, rank);
+                    tracing::warn!(
+                        "worker {rank}: recovered: the cluster rolled back to version {start} (generation {g}) after step {t} failed; steps {start}..{t} are redone; {:.2} s after the failure",
+                        began.elapsed().as_secs_f64()
+                    );
+                    return Ok(Some(start));
+                }
+                format!("the shards are at generations {gens:?}")
+            }
+            Err(e) => format!("{e:#}"),
+        };
+        if began.elapsed() > patience {
+            bail!(
+                "step {t} failed ({err:#}) and the cluster did not recover within {:.0} s ([worker] connect_timeout_secs): {why}",
+                patience.as_secs_f64()
+            );
+        }
+        if said.elapsed() > Duration::from_secs(5) {
+            tracing::warn!(
+                "worker {rank}: still waiting for the cluster to recover ({:.0} s): {why}",
+                began.elapsed().as_secs_f64()
+            );
+            said = Instant::now();
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+}
+
+/// Whether `err` looks like a lost shard: a connection that failed, a shard that says it
+/// rolled back, or one that does not know this worker's registration (a replacement); every
+/// other refusal stands as it is.
+fn lost_shard_symptom(err: &anyhow::Error) -> bool {
+    use ps_common::client::ClientError;
+    err.chain().any(|e| match e.downcast_ref::<ClientError>() {
+        Some(ClientError::Unreachable { .. }) => true,
+        Some(ClientError::Refused { status, .. }) => {
+            let text = ps_common::neterr::chain(status);
+            match status.code() {
+                ps_common::tonic::Code::Unknown | ps_common::tonic::Code::Cancelled => true,
+                ps_common::tonic::Code::FailedPrecondition => status
+                    .message()
+                    .contains("has not registered with this shard"),
+                ps_common::tonic::Code::Unavailable => {
+                    status.message().contains("rolled back")
+                        || text.contains("transport error")
+                        || ps_common::neterr::kind(&text).is_some()
+                }
+                _ => false,
+            }
+        }
+        _ => false,
+    })
 }
 
 /// The registration of `rank` with shard `shard` of `num_shards`.
@@ -341,6 +494,44 @@ fn mark_ahead(peers: &mut [Peer], versions: &[u64], rank: usize) -> u64 {
         );
     }
     start_step
+}
+
+/// Set when the worker was told to stop (SIGTERM, SIGUSR1): it then does not wait for a
+/// recovery from a lost shard (the shards are stopping too).
+pub static STOP_REQUESTED: std::sync::atomic::AtomicBool =
+    std::sync::atomic::AtomicBool::new(false);
+
+async fn stop_requested() {
+    while !STOP_REQUESTED.load(std::sync::atomic::Ordering::SeqCst) {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// After a pull or push of step `t` failed with `err`: when it looks like a lost shard, waits
+/// for the cluster to recover ([`await_recovery`]) and returns the step to continue from;
+/// otherwise (or when no shard was lost) as [`rejoin`].
+#[allow(clippy::too_many_arguments)]
+async fn after_failure(
+    elastic: bool,
+    cfg: &Config,
+    peers: &mut [Peer],
+    rank: usize,
+    files: (&(String, u64), &[ps_common::pb::TensorDesc]),
+    total: u64,
+    t: u64,
+    err: anyhow::Error,
+) -> anyhow::Result<u64> {
+    if lost_shard_symptom(&err) && !STOP_REQUESTED.load(std::sync::atomic::Ordering::SeqCst) {
+        let known = peers.first().map_or(0, |p| p.generation);
+        let recovered = tokio::select! {
+            r = await_recovery(cfg, peers, rank, files, known, total, t, &err) => r?,
+            () = stop_requested() => None,
+        };
+        if let Some(start) = recovered {
+            return Ok(start);
+        }
+    }
+    rejoin(elastic, cfg, peers, rank, files, t, err).await
 }
 
 /// After a pull or push of step `t` failed with `err`: under `barrier_policy = "continue"` the

@@ -814,7 +814,7 @@ fn kubernetes_manifests_are_consistent_with_the_config_and_the_binaries() {
 
 /// Runs the ConfigMap's shard.sh with `sh` and stand-in binaries: a pod past S holds no shard;
 /// shard 0 runs `ps-server` with the manifest's flags (which exist) and then exports with
-/// `ps-launch --export` (whose flags exist); started again in the same run, it adds `--resume`;
+/// `ps-launch --export` (whose flags exist); started again in the same run, it adds `--recover`;
 /// a failing ps-server's exit code is the container's, without an export.
 fn check_shard_script(script: &str, server_args: &[String]) {
     let tmp = tempfile::tempdir().unwrap();
@@ -865,7 +865,7 @@ fn check_shard_script(script: &str, server_args: &[String]) {
     assert_eq!(server[0], "ps-server");
     assert_flags_exist("shard.sh", "ps-server", &server[1..]);
     assert_eq!(flag_value(&server, "--shard"), "0");
-    assert!(!server.iter().any(|a| a == "--resume"));
+    assert!(!server.iter().any(|a| a == "--recover"));
     for f in [
         "--config",
         "--listen",
@@ -880,17 +880,17 @@ fn check_shard_script(script: &str, server_args: &[String]) {
     assert!(launch.iter().any(|a| a == "--export"));
     assert_eq!(flag_value(&launch, "--out-dir"), out_dir.to_str().unwrap());
 
-    // the same shard started again in this run: --resume; its failure is the container's
+    // the same shard started again in this run: --recover; its failure is the container's
     let (code, calls_made, _) = run(0, 1);
     assert_eq!(code, Some(1));
     assert_eq!(calls_made.lines().count(), 1, "no export: {calls_made}");
-    assert!(calls_made.contains(" --resume"), "{calls_made}");
+    assert!(calls_made.contains(" --recover"), "{calls_made}");
 
     // shard 1: its first start resumes nothing, and it does not export
     let (code, calls_made, _) = run(1, 0);
     assert_eq!(code, Some(0));
     assert_eq!(calls_made.lines().count(), 1, "{calls_made}");
-    assert!(calls_made.contains("--shard 1") && !calls_made.contains("--resume"));
+    assert!(calls_made.contains("--shard 1") && !calls_made.contains("--recover"));
 }
 
 #[test]
@@ -1273,4 +1273,82 @@ fn slurm_job_fails_within_the_wait_naming_a_shard_that_never_listens() {
         "names the shard, its log and the log's end: {err}"
     );
     assert!(!tmp.join("worker-ran").exists(), "no worker started");
+}
+
+/// The Slurm recipe restarts a lost shard with `--recover`: shard 1's process killed with
+/// SIGKILL mid-run (as the OOM killer does), the job still succeeds and its final weights equal
+/// those of a job that lost nothing, bit for bit.
+#[test]
+fn slurm_job_restarts_a_lost_shard_and_ends_with_the_same_weights() {
+    let job = |kill: bool| {
+        let dir = tempfile::tempdir().unwrap();
+        let tmp = dir.path().canonicalize().unwrap();
+        let template = small_template(&tmp, 120);
+        let text = read(&template).replace("steps = 5\n", "steps = 150\n")
+            + "\n[checkpoint]\nevery = 10\n";
+        std::fs::write(&template, text).unwrap();
+        let port = free_port_pair();
+        let env = fake_job_env(&tmp, port);
+        let killer = kill.then(|| {
+            let tmp = tmp.clone();
+            std::thread::spawn(move || {
+                let t0 = Instant::now();
+                let log = tmp.join("runs/slurm-4242/shard-1.log");
+                while !read_opt(&log).contains("checkpoint of version 40 written") {
+                    assert!(t0.elapsed() < Duration::from_secs(90), "no progress");
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                let pids = read_opt(&tmp.join("srun.pids"));
+                let shard1 = pids
+                    .lines()
+                    .filter_map(|l| l.trim().parse::<i32>().ok())
+                    .find(|p| {
+                        let cmd = std::fs::read(format!("/proc/{p}/cmdline")).unwrap_or_default();
+                        let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
+                        cmd.contains("ps-server") && cmd.contains("--shard 1 ")
+                    })
+                    .expect("shard 1's process");
+                // SAFETY: kill(2) on a process this test's job started.
+                unsafe { libc::kill(shard1, libc::SIGKILL) };
+            })
+        });
+        let (st, out, err, _) = run_sbatch(&[&template], &env, &tmp, Duration::from_secs(180));
+        if let Some(k) = killer {
+            k.join().unwrap();
+        }
+        let jobdir = tmp.join("runs/slurm-4242");
+        assert!(
+            st.success(),
+            "{st:?}\n{out}\n{err}\nshard 1:\n{}",
+            read_opt(&jobdir.join("shard-1.restart-1.log"))
+        );
+        if kill {
+            assert!(
+                err.contains(
+                    "ps-cluster: shard 1 was lost (exit 137); starting it again with --recover"
+                ),
+                "{err}"
+            );
+            let log = read(&jobdir.join("shard-1.restart-1.log"));
+            assert!(log.contains("every shard rolls back to version"), "{log}");
+        }
+        let cfg = Config::load(&jobdir.join("config.toml")).unwrap();
+        ps_common::weights::read_shards(&cfg.server.out_dir, 2, cfg.layout().num_params())
+            .unwrap()
+            .0
+    };
+    let straight = job(false);
+    let recovered = job(true);
+    assert_eq!(straight.len(), recovered.len());
+    assert!(
+        straight
+            .iter()
+            .zip(&recovered)
+            .all(|(a, b)| a.to_bits() == b.to_bits()),
+        "the recovered job's weights differ from the straight job's"
+    );
+}
+
+fn read_opt(path: &Path) -> String {
+    std::fs::read_to_string(path).unwrap_or_default()
 }
