@@ -465,7 +465,10 @@ impl LocalCluster {
         }
     }
 
-    /// Sends SIGTERM to every process still running, then SIGKILL after a short grace period.
+    /// Sends SIGINT (stop at once, removing shared-memory boards) to every process still
+    /// running, then SIGKILL after a short grace period. Not SIGTERM: the shards and workers
+    /// take that as preemption and go on to the next checkpoint first, which can outlast the
+    /// grace period and leave boards behind.
     pub fn kill_all(&mut self) {
         let procs: Vec<&mut Proc> = self
             .servers
@@ -475,7 +478,7 @@ impl LocalCluster {
         for p in &procs {
             if p.status.is_none() {
                 // SAFETY: kill(2) on our own child's pid.
-                unsafe { libc::kill(p.child.id() as i32, libc::SIGTERM) };
+                unsafe { libc::kill(p.child.id() as i32, libc::SIGINT) };
             }
         }
         let deadline = Instant::now() + Duration::from_secs(3);
