@@ -81,6 +81,11 @@ struct Cli {
     /// Section 5: worker counts (default 2, 4, 8, 32, 64).
     #[arg(long, value_delimiter = ',')]
     scale_workers: Vec<usize>,
+    /// Section 5: values of `[server] max_pending_gradients` to run each W with (default: the
+    /// config's default); 0 leaves the key out, for a `--server-bin-dir` build older than it.
+    /// The shard's peak is about (3 + this) x its parameter bytes.
+    #[arg(long, value_delimiter = ',')]
+    scale_pending: Vec<usize>,
     /// Section 5: the directory of the ps-server binary to measure (default: this build's),
     /// e.g. an older build to compare with.
     #[arg(long)]
@@ -237,7 +242,12 @@ fn run(cli: &Cli) -> anyhow::Result<bool> {
             cli.scale_workers.clone()
         };
         let bin = cli.server_bin_dir.clone().unwrap_or_else(bin_dir);
-        let rows = section_scale(&tmp, &plan, &ws, &bin)?;
+        let pending = if cli.scale_pending.is_empty() {
+            vec![ps_common::config::DEFAULT_MAX_PENDING_GRADIENTS]
+        } else {
+            cli.scale_pending.clone()
+        };
+        let rows = section_scale(&tmp, &plan, &ws, &pending, &bin)?;
         println!("{}", table_scale(&rows));
         out["scale"] = Value::Array(rows);
     }
@@ -1244,7 +1254,13 @@ fn table_memory(rows: &[Value]) -> String {
 /// One ps-server process (its peak RSS is what is measured), W gRPC clients in this process,
 /// each on its own connection, pushing the same real gradient bytes every step, as workers do
 /// (1 MiB chunks); a step is timed from the first push to the new version being pullable.
-fn section_scale(tmp: &Path, plan: &Plan, ws: &[usize], bin: &Path) -> anyhow::Result<Vec<Value>> {
+fn section_scale(
+    tmp: &Path,
+    plan: &Plan,
+    ws: &[usize],
+    pending: &[usize],
+    bin: &Path,
+) -> anyhow::Result<Vec<Value>> {
     let steps = if plan.large_w4 { 6 } else { 3 };
     let mut rows = Vec::new();
     for m in [SMALL, LARGE] {
@@ -1252,17 +1268,33 @@ fn section_scale(tmp: &Path, plan: &Plan, ws: &[usize], bin: &Path) -> anyhow::R
             if m.name == LARGE.name && w > 8 && !plan.large_w4 {
                 continue;
             }
-            eprintln!("ps-bench: scale {} W = {w}", m.name);
-            rows.push(scale_run(tmp, &m, w, steps, bin)?);
+            for &p in pending {
+                eprintln!(
+                    "ps-bench: scale {} W = {w}, max_pending_gradients = {p}",
+                    m.name
+                );
+                rows.push(scale_run(tmp, &m, w, p, steps, bin)?);
+            }
         }
     }
     Ok(rows)
 }
 
-fn scale_run(tmp: &Path, m: &Model, w: usize, steps: u64, bin: &Path) -> anyhow::Result<Value> {
-    let dir = tmp.join(format!("scale-{}-w{w}", m.name));
+fn scale_run(
+    tmp: &Path,
+    m: &Model,
+    w: usize,
+    pending: usize,
+    steps: u64,
+    bin: &Path,
+) -> anyhow::Result<Value> {
+    let dir = tmp.join(format!("scale-{}-w{w}-p{pending}", m.name));
     let path = dir.join("config.toml");
-    let cfg = write_config(&path, &config_text(1, w, m, ENDLESS, &dir.join("out")))?;
+    let mut text = config_text(1, w, m, ENDLESS, &dir.join("out"));
+    if pending > 0 {
+        text += &format!("max_pending_gradients = {pending}\n");
+    }
+    let cfg = write_config(&path, &text)?;
     let len = cfg.layout().num_params();
     let mut cluster = LocalCluster::new(bin.to_path_buf(), path, Some(dir.join("logs")));
     cluster.start_servers(1, &[], Duration::from_secs(60))?;
@@ -1306,6 +1338,7 @@ fn scale_run(tmp: &Path, m: &Model, w: usize, steps: u64, bin: &Path) -> anyhow:
     Ok(json!({
         "model": m.name,
         "workers": w,
+        "max_pending_gradients": if pending > 0 { json!(pending) } else { json!("unset") },
         "param_bytes": bytes,
         "step_ms_median": median(timed),
         "rss_idle_bytes": rss_idle,
@@ -1328,16 +1361,17 @@ fn vm_rss(pid: u32) -> Option<u64> {
 fn table_scale(rows: &[Value]) -> String {
     let mut t = String::from(
         "## 5. Scale: one shard process, W gRPC clients pushing real gradients\n\n\
-         | model | W | parameter MB | step ms (median) | shard peak RSS MB | peak / params | target MB (4x params + 100) | within |\n\
-         |---|---|---|---|---|---|---|---|\n",
+         | model | W | max_pending_gradients | parameter MB | step ms (median) | shard peak RSS MB | peak / params | target MB (4x params + 100) | within |\n\
+         |---|---|---|---|---|---|---|---|---|\n",
     );
     for r in rows {
         let mb = |k: &str| f(r, k) / 1e6;
         let _ = writeln!(
             t,
-            "| {} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {} |",
+            "| {} | {} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {} |",
             r["model"].as_str().unwrap_or("?"),
             r["workers"],
+            r["max_pending_gradients"].to_string().trim_matches('"'),
             mb("param_bytes"),
             f(r, "step_ms_median"),
             mb("peak_rss_bytes"),

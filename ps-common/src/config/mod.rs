@@ -32,7 +32,7 @@ pub use kinds::{
     Aggregation, BarrierPolicy, LossReduction, OptimizerKind, ScheduleKind, Transport,
 };
 pub use model::ModelConfig;
-pub use server::{CheckpointConfig, ServerConfig, WorkerConfig};
+pub use server::{CheckpointConfig, DEFAULT_MAX_PENDING_GRADIENTS, ServerConfig, WorkerConfig};
 pub use train::{DataConfig, TrainConfig};
 
 use crate::layout::{MlpLayout, ModelSpec, split_even};

@@ -30,6 +30,8 @@ pub(super) struct RawServer {
     pub shard_token_file: Option<PathBuf>,
 }
 
+/// The default of `[server] max_pending_gradients`.
+pub const DEFAULT_MAX_PENDING_GRADIENTS: usize = 2;
 /// Most gRPC gradients a shard may hold at once (`[server] max_pending_gradients`).
 pub const MAX_PENDING_GRADIENTS: usize = super::limits::MAX_WORKERS;
 /// Most concurrent streams per connection (`[server] max_streams_per_connection`).
@@ -53,7 +55,7 @@ impl Default for RawServer {
             chunk_bytes: crate::wire::DEFAULT_CHUNK_BYTES,
             metrics_addrs: Vec::new(),
             barrier_policy: BarrierPolicy::Fail,
-            max_pending_gradients: 4,
+            max_pending_gradients: DEFAULT_MAX_PENDING_GRADIENTS,
             stream_idle_secs: 60.0,
             keepalive_secs: 30.0,
             max_streams_per_connection: 64,
