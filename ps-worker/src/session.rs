@@ -3,7 +3,7 @@
 //! drives a model that PyTorch computes through it, over the same transport as `ps-worker`
 //! (shared-memory boards on one host, gRPC otherwise, token and TLS).
 
-use crate::worker::{Peer, board_file, grad_board, pull_all, register_all};
+use crate::worker::{Peer, board_file, grad_board, pull_all, recover_if_lost, register_all};
 use anyhow::Context;
 use bytes::Bytes;
 use ps_common::config::{Config, Transport};
@@ -43,6 +43,9 @@ pub struct Session {
     pub timing: CommTiming,
     /// The overlapped push under way ([`Session::begin_push`]), if any.
     overlapped: Option<Overlapped>,
+    /// The run's config and the model registered, to register again after a lost shard.
+    cfg: Config,
+    model: Vec<TensorDesc>,
 }
 
 /// What the header of every push of a step says (but its length).
@@ -107,7 +110,36 @@ impl Session {
             chunk_bytes: cfg.server.chunk_bytes,
             timing: CommTiming::default(),
             overlapped: None,
+            cfg: cfg.clone(),
+            model,
         })
+    }
+
+    /// After a push or pull of step `step` failed with `err`: when it looks like a lost shard
+    /// (a connection that failed, a shard that rolled back or does not know this worker),
+    /// waits (at most `[worker] connect_timeout_secs`) for the cluster to recover, as
+    /// `ps-worker` does, and returns the step to redo from: the shards' version, from which
+    /// the run goes on bit-identical. None when it is no such failure (the error stands).
+    pub async fn recover(&mut self, step: u64, err: &anyhow::Error) -> anyhow::Result<Option<u64>> {
+        if let Some(o) = self.overlapped.take() {
+            o.started.into_iter().flatten().for_each(|t| t.abort());
+        }
+        let grad_file = board_file(&self.board);
+        let files = (&grad_file, self.model.as_slice());
+        let start = recover_if_lost(
+            &self.cfg,
+            &mut self.peers,
+            self.rank,
+            files,
+            self.total_steps,
+            step,
+            err,
+        )
+        .await?;
+        if let Some(s) = start {
+            self.start_step = s;
+        }
+        Ok(start)
     }
 
     /// How tensors travel to each shard ("shared memory", "gRPC", ...).
@@ -202,10 +234,18 @@ impl Session {
     }
 
     /// Waits for the pushes `pushes` (keeping their buffers for the next step's).
+    /// On the first that fails, the others are stopped (a push of a step the shards may have
+    /// rolled back must not go on behind the worker's back).
     async fn join_pushes(&mut self, pushes: Vec<PushTask>) -> anyhow::Result<()> {
-        for p in pushes {
-            let (s, bytes) = p.await.context("push task")??;
-            self.peers[s].push_buf = Some(bytes);
+        let mut pushes = pushes.into_iter();
+        while let Some(p) = pushes.next() {
+            match p.await.context("push task").and_then(|r| r) {
+                Ok((s, bytes)) => self.peers[s].push_buf = Some(bytes),
+                Err(e) => {
+                    pushes.for_each(|t| t.abort());
+                    return Err(e);
+                }
+            }
         }
         self.peers.iter_mut().for_each(|p| p.ahead = false);
         Ok(())
@@ -239,6 +279,11 @@ impl Session {
             started: self.peers.iter().map(|_| None).collect(),
         });
         Ok(())
+    }
+
+    /// The step of the overlapped push under way, if any.
+    pub fn pushing_step(&self) -> Option<u64> {
+        self.overlapped.as_ref().map(|o| o.header.step)
     }
 
     /// Writes `src`, the gradient of the flat values from `offset`, into the push buffer and

@@ -521,17 +521,33 @@ async fn after_failure(
     t: u64,
     err: anyhow::Error,
 ) -> anyhow::Result<u64> {
-    if lost_shard_symptom(&err) && !STOP_REQUESTED.load(std::sync::atomic::Ordering::SeqCst) {
-        let known = peers.first().map_or(0, |p| p.generation);
-        let recovered = tokio::select! {
-            r = await_recovery(cfg, peers, rank, files, known, total, t, &err) => r?,
-            () = stop_requested() => None,
-        };
-        if let Some(start) = recovered {
-            return Ok(start);
-        }
+    if let Some(start) = recover_if_lost(cfg, peers, rank, files, total, t, &err).await? {
+        return Ok(start);
     }
     rejoin(elastic, cfg, peers, rank, files, t, err).await
+}
+
+/// After a pull or push of step `t` failed with `err`: when it looks like a lost shard, waits
+/// for the cluster to recover ([`await_recovery`]) and returns the step to continue from; None
+/// when it does not look like one, no shard was lost, or this worker is asked to stop.
+#[allow(clippy::too_many_arguments)]
+pub(crate) async fn recover_if_lost(
+    cfg: &Config,
+    peers: &mut [Peer],
+    rank: usize,
+    files: (&(String, u64), &[ps_common::pb::TensorDesc]),
+    total: u64,
+    t: u64,
+    err: &anyhow::Error,
+) -> anyhow::Result<Option<u64>> {
+    if !lost_shard_symptom(err) || STOP_REQUESTED.load(std::sync::atomic::Ordering::SeqCst) {
+        return Ok(None);
+    }
+    let known = peers.first().map_or(0, |p| p.generation);
+    tokio::select! {
+        r = await_recovery(cfg, peers, rank, files, known, total, t, err) => r,
+        () = stop_requested() => Ok(None),
+    }
 }
 
 /// After a pull or push of step `t` failed with `err`: under `barrier_policy = "continue"` the

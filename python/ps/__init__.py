@@ -31,9 +31,19 @@ Behaviour with special parameters and buffers:
 * A trainable parameter whose ``.grad`` is ``None`` at ``step()`` (unused in the forward pass,
   or ``backward()`` not called) raises ``GradNoneError`` naming it.
 * Parameters must be float32 (``model.float()``).
+
+A lost shard does not end the run: when a shard is restarted with ``ps-server --recover``
+(``ps-launch --restart-shards``, the Slurm and Kubernetes recipes), the cluster rolls back to
+the newest checkpoint every shard has, and the worker waits for it (at most ``[worker]
+connect_timeout_secs``), loads those weights and ``batches()`` yields the steps from there
+again (logged on the ``ps`` logger). The batches of a step are a pure function of the step, so
+the final weights equal those of a run that never failed; state the user's loop keeps per step
+(its own counters, a scheduler of its own) should follow the step numbers yielded.
 """
 
 from __future__ import annotations
+
+import logging
 
 import numpy as np
 import torch
@@ -51,6 +61,8 @@ __all__ = [
 ]
 
 ORDER_KEY = _native.ORDER_KEY
+
+_log = logging.getLogger("ps")
 
 
 class GradNoneError(RuntimeError):
@@ -168,8 +180,11 @@ class Worker:
         self.start_step, self.total_steps = start, total
         self._transport = self._native.transport()
         try:
-            self._pull(start)
-            for t in range(start, total):
+            self._rewind = None
+            self._pull_or_rewind(start)
+            t = start if self._rewind is None else self._rewind
+            self._rewind = None
+            while t < total:
                 idx = np.asarray(self._native.batch(t), dtype=np.int64)
                 self._step, self._samples = t, len(idx)
                 yield t, torch.from_numpy(idx)
@@ -177,12 +192,53 @@ class Worker:
                     raise RuntimeError(
                         f"worker.step() was not called for step {t}: call it once per batch"
                     )
+                # after a lost shard the cluster rolled back: the steps from there are redone
+                # (the same batches, so the run ends as if nothing had happened)
+                t, self._rewind = (t + 1 if self._rewind is None else self._rewind), None
             correct, count = self._run_evaluate()
             self._native.leave(correct, count)
         finally:
             self._step = None
             self._timing = self._native.timing()
             self._native.close()
+
+    def _pull_or_rewind(self, version: int) -> None:
+        """Pulls ``version``; when a shard was lost meanwhile and the cluster rolled back, pulls
+        the version rolled back to instead and records it as the step to go on from."""
+        while True:
+            try:
+                self._pull(version)
+                return
+            except _native.RolledBack as e:
+                version = self._rolled_back(e)
+
+    def _rolled_back(self, e) -> int:
+        """Records the step to redo from after ``e`` (a RolledBack) and returns it."""
+        start = int(e.args[0])
+        _log.warning(
+            "worker %d: a shard was lost (%s); the cluster rolled back to version %d: the "
+            "steps from %d are redone",
+            self.rank, e.args[1], start, start,
+        )
+        for _, p in self._params:
+            p.grad = None
+        self._rewind = start
+        return start
+
+    def _push_and_pull(self, push) -> None:
+        """``push()`` (the step's push), then the pull of the next version; after a lost shard,
+        the pull of the version the cluster rolled back to."""
+        t = self._step
+        try:
+            push()
+        except _native.RolledBack as e:
+            self._pull_or_rewind(self._rolled_back(e))
+            self._step = None
+            return
+        for _, p in self._params:
+            p.grad = None
+        self._pull_or_rewind(t + 1)
+        self._step = None
 
     def _run_evaluate(self):
         if self._evaluate is None:
@@ -229,20 +285,12 @@ class Worker:
             loss_sum = loss_sum.item()
         if isinstance(correct, torch.Tensor):
             correct = correct.item()
-        self._native.push_parts(
-            t,
-            parts,
-            self._samples if samples is None else int(samples),
-            float(loss_sum),
-            int(correct),
-            ev[0],
-            ev[1],
+        n = self._samples if samples is None else int(samples)
+        self._push_and_pull(
+            lambda: self._native.push_parts(
+                t, parts, n, float(loss_sum), int(correct), ev[0], ev[1]
+            )
         )
-        del parts
-        for _, p in self._params:
-            p.grad = None
-        self._pull(t + 1)
-        self._step = None
 
     def backward(self, loss, correct=0, samples: int | None = None) -> None:
         """``loss.backward()`` and ``step()`` in one, with the push overlapping backward (as
@@ -272,21 +320,23 @@ class Worker:
         finally:
             written, self._overlap = self._overlap, None
         missing = [name for (name, _), w in zip(self._params, written) if not w]
-        try:
-            self._native.finish_push()
-        except RuntimeError:
-            if not missing:
+
+        def finish():
+            try:
+                self._native.finish_push()
+            except _native.RolledBack:
                 raise
-        if missing:
-            raise GradNoneError(
-                f"parameters {missing[:5]}{' ...' if len(missing) > 5 else ''} got no gradient "
-                f"from backward at step {t}: they are not used in the forward pass. Set "
-                "requires_grad=False on parameters the model does not train"
-            )
-        for _, p in self._params:
-            p.grad = None
-        self._pull(t + 1)
-        self._step = None
+            except RuntimeError:
+                if not missing:
+                    raise
+            if missing:
+                raise GradNoneError(
+                    f"parameters {missing[:5]}{' ...' if len(missing) > 5 else ''} got no "
+                    f"gradient from backward at step {t}: they are not used in the forward "
+                    "pass. Set requires_grad=False on parameters the model does not train"
+                )
+
+        self._push_and_pull(finish)
 
     def _grad_hook(self, i: int):
         def hook(p):

@@ -23,6 +23,29 @@ pyo3::create_exception!(
     "The worker's model differs from the run's (names, shapes or order of the parameters)."
 );
 
+pyo3::create_exception!(
+    _native,
+    RolledBack,
+    PyRuntimeError,
+    "A shard was lost and the cluster rolled back: args (step to redo from, what failed)."
+);
+
+/// The error of a push or pull of step `step`; when it is a lost shard's, this waits for the
+/// cluster to recover first and is then [`RolledBack`] with the step to redo from. Called
+/// without the GIL (it may wait up to `[worker] connect_timeout_secs`).
+fn after_failure(
+    rt: &tokio::runtime::Runtime,
+    session: &mut Session,
+    step: u64,
+    e: anyhow::Error,
+) -> PyErr {
+    match rt.block_on(session.recover(step, &e)) {
+        Ok(Some(start)) => RolledBack::new_err((start, format!("{e:#}"))),
+        Ok(None) => runtime_err(e),
+        Err(e) => runtime_err(e),
+    }
+}
+
 fn runtime_err(e: anyhow::Error) -> PyErr {
     let text = format!("{e:#}");
     if text.contains("model mismatch") {
@@ -211,8 +234,8 @@ impl Client {
             // not touch until this returns.
             let dst = unsafe { std::slice::from_raw_parts_mut(addr as *mut f32, n) };
             rt.block_on(session.pull(version, dst))
+                .map_err(|e| after_failure(rt, session, version, e))
         })
-        .map_err(runtime_err)
     }
 
     /// Pushes the flat gradient `grad` (float32) of step `step` to every shard.
@@ -240,8 +263,8 @@ impl Client {
             let src = unsafe { std::slice::from_raw_parts(addr as *const f32, n) };
             session.grad_mut().copy_from_slice(src);
             rt.block_on(session.push(step, samples, loss_sum, correct, (eval_correct, eval_count)))
+                .map_err(|e| after_failure(rt, session, step, e))
         })
-        .map_err(runtime_err)
     }
 
     /// Pushes the gradient of step `step` given as one float32 array per tensor in flat order
@@ -290,8 +313,8 @@ impl Client {
                 off += len;
             }
             rt.block_on(session.push(step, samples, loss_sum, correct, (eval_correct, eval_count)))
+                .map_err(|e| after_failure(rt, session, step, e))
         })
-        .map_err(runtime_err)
     }
 
     /// Starts a push of step `step` that overlaps backward: give each tensor's gradient to
@@ -349,8 +372,13 @@ impl Client {
         let session = self.session.as_mut().ok_or_else(|| {
             PyRuntimeError::new_err("not connected: call connect(train_len) first")
         })?;
-        py.detach(|| rt.block_on(session.finish_push()))
-            .map_err(runtime_err)
+        let step = session.pushing_step();
+        py.detach(|| {
+            rt.block_on(session.finish_push()).map_err(|e| match step {
+                Some(t) => after_failure(rt, session, t, e),
+                None => runtime_err(e),
+            })
+        })
     }
 
     /// Leaves every shard, reporting this rank's final test evaluation (0/0 when none).
@@ -455,6 +483,7 @@ fn save_init(
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Client>()?;
     m.add_function(wrap_pyfunction!(save_init, m)?)?;
+    m.add("RolledBack", m.py().get_type::<RolledBack>())?;
     m.add(
         "ModelMismatchError",
         m.py().get_type::<ModelMismatchError>(),

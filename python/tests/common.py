@@ -72,25 +72,45 @@ class Shards:
         self.procs = []
         self.addrs = []
         self.logs = []
+        self.config, self.out_dir, self.timeout = config, out_dir, timeout
         for i in range(num_shards):
-            addr_file = out_dir / f"shard-{i}.addr"
-            addr_file.unlink(missing_ok=True)  # a previous run's in the same folder
-            log = open(out_dir / f"shard-{i}.log", "w")
-            self.logs.append(log)
-            args = [str(BIN / "ps-server"), "--config", str(config), "--shard", str(i),
-                    "--listen", "127.0.0.1:0", "--addr-file", str(addr_file),
-                    "--out-dir", str(out_dir), *extra_args]
-            if i > 0:
-                args += ["--shard0", self.addrs[0]]
-            self.procs.append(subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT))
-            begun = time.time()
-            while not (addr_file.exists() and addr_file.read_text().strip()):
-                if self.procs[-1].poll() is not None or time.time() - begun > timeout:
-                    self.stop()
-                    raise RuntimeError(
-                        f"shard {i} did not start: {(out_dir / f'shard-{i}.log').read_text()}")
-                time.sleep(0.05)
-            self.addrs.append(addr_file.read_text().strip())
+            self.procs.append(None)
+            self.logs.append(None)
+            self.addrs.append(self._start(i, "127.0.0.1:0", list(extra_args)))
+
+    def _start(self, i: int, listen: str, extra: list[str], log_name=None) -> str:
+        """Starts shard i listening on ``listen``; returns its address once it is bound."""
+        out_dir = self.out_dir
+        addr_file = out_dir / f"shard-{i}.addr"
+        addr_file.unlink(missing_ok=True)  # a previous run's in the same folder
+        log_path = out_dir / (log_name or f"shard-{i}.log")
+        log = open(log_path, "w")
+        self.logs[i] = log
+        args = [str(BIN / "ps-server"), "--config", str(self.config), "--shard", str(i),
+                "--listen", listen, "--addr-file", str(addr_file),
+                "--out-dir", str(out_dir), *extra]
+        if i > 0:
+            args += ["--shard0", self.addrs[0]]
+        self.procs[i] = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+        begun = time.time()
+        while not (addr_file.exists() and addr_file.read_text().strip()):
+            if self.procs[i].poll() is not None or time.time() - begun > self.timeout:
+                self.stop()
+                raise RuntimeError(f"shard {i} did not start: {log_path.read_text()}")
+            time.sleep(0.05)
+        return addr_file.read_text().strip()
+
+    def kill(self, i: int) -> None:
+        """SIGKILL to shard i (a lost shard)."""
+        self.procs[i].kill()
+        self.procs[i].wait()
+        self.logs[i].close()
+
+    def recover(self, i: int) -> None:
+        """Starts a replacement of shard i on its address with --recover (as ps-launch
+        --restart-shards does); its log is shard-i.recover.log."""
+        self._start(i, self.addrs[i], ["--recover", "--peers", ",".join(self.addrs)],
+                    log_name=f"shard-{i}.recover.log")
 
     def wait(self, timeout: float = 120) -> list[int]:
         codes = []
@@ -113,7 +133,8 @@ class Shards:
                 p.kill()
                 p.wait()
         for log in self.logs:
-            log.close()
+            if log is not None:
+                log.close()
 
     def __enter__(self):
         return self
