@@ -292,11 +292,29 @@ async fn run_generation(
         None => None,
     };
     // tensor data connections beside gRPC, on the same address (not with TLS: unencrypted)
-    let data = if cfg.cluster.tls.is_none() {
-        let ip = listener.local_addr()?.ip();
-        let l = TcpListener::bind((ip, 0))
-            .await
-            .with_context(|| format!("cannot listen for data connections on {ip}"))?;
+    let data = if cfg.cluster.tls.is_none() && cfg.server.data_connections {
+        let local = listener.local_addr()?;
+        let ip = local.ip();
+        let port = match cfg.server.data_port_offset {
+            0 => 0,
+            off => u16::try_from(u32::from(local.port()) + off).map_err(|_| {
+                anyhow::anyhow!(
+                    "[server] data_port_offset = {off}: the gRPC port {} + {off} is past 65535",
+                    local.port()
+                )
+            })?,
+        };
+        let l = TcpListener::bind((ip, port)).await.with_context(|| {
+            if port == 0 {
+                format!("cannot listen for data connections on {ip}")
+            } else {
+                format!(
+                    "cannot listen for data connections on {ip}:{port} (the gRPC port {} + [server] data_port_offset = {})",
+                    local.port(),
+                    cfg.server.data_port_offset
+                )
+            }
+        })?;
         let expect = data::Expect {
             token: cfg.cluster.token.clone(),
             run_id: cfg.cluster.run_id.clone().unwrap_or_default(),

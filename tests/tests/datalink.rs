@@ -223,3 +223,125 @@ async fn data_connections_refuse_bad_hellos_and_frames_and_still_step() {
         after.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
     );
 }
+
+/// Two free ports of 127.0.0.1 (bound, then released), the lower first.
+fn two_free_ports() -> (u16, u16) {
+    let a = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let b = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let (pa, pb) = (
+        a.local_addr().unwrap().port(),
+        b.local_addr().unwrap().port(),
+    );
+    (pa.min(pb), pa.max(pb))
+}
+
+/// A shard started on `127.0.0.1:port` with `config` (its data connections as configured);
+/// its registration reply for rank 0.
+async fn data_port_of(config: ps_common::config::TestConfig, port: u16) -> u32 {
+    let spec = Spec {
+        shards: 1,
+        workers: 1,
+        hidden: vec![4],
+        steps: 2,
+        config,
+        ..Spec::default()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let (path, cfg) = spec.write(dir.path());
+    let mut server = std::process::Command::new(bin_dir().join("ps-server"))
+        .args([
+            "--config",
+            path.to_str().unwrap(),
+            "--shard",
+            "0",
+            "--listen",
+        ])
+        .arg(format!("127.0.0.1:{port}"))
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let addr = format!("127.0.0.1:{port}");
+    let mut c = ShardClient::connect(
+        0,
+        &addr,
+        &ClientSecurity::default(),
+        Duration::from_secs(30),
+    )
+    .await
+    .unwrap();
+    let reply = c
+        .register_retrying(
+            RegisterRequest {
+                protocol_version: PROTOCOL_VERSION,
+                rank: 0,
+                world_size: 1,
+                num_params: cfg.layout().num_params() as u64,
+                shard: 0,
+                num_shards: 1,
+                shared_memory: false,
+                grad_file: String::new(),
+                grad_token: 0,
+                model: Vec::new(),
+            },
+            Duration::from_secs(30),
+        )
+        .await
+        .unwrap();
+    if reply.data_port > 0 {
+        let data_addr = format!("127.0.0.1:{}", reply.data_port);
+        let hello_ok = Hello {
+            rank: 0,
+            token: Vec::new(),
+            run_id: String::new(),
+        }
+        .encode();
+        assert_eq!(hello(&data_addr, &hello_ok).await.1, Some(HELLO_OK));
+    }
+    let _ = server.kill();
+    let _ = server.wait();
+    reply.data_port
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_data_port_follows_the_config() {
+    // gRPC port + [server] data_port_offset, for firewalls that open known ports only
+    let (grpc, data) = two_free_ports();
+    let offset = u32::from(data - grpc);
+    let got = data_port_of(Spec::base().data_connections(true, offset), grpc).await;
+    assert_eq!(got, u32::from(data), "gRPC port {grpc} + offset {offset}");
+    // off: every value through gRPC
+    let (grpc, _) = two_free_ports();
+    assert_eq!(
+        data_port_of(Spec::base().data_connections(false, 0), grpc).await,
+        0
+    );
+    // an offset past the last port: the shard says so and stops
+    let dir = tempfile::tempdir().unwrap();
+    let spec = Spec {
+        shards: 1,
+        workers: 1,
+        hidden: vec![4],
+        steps: 2,
+        config: Spec::base().data_connections(true, 65535),
+        ..Spec::default()
+    };
+    let (path, _) = spec.write(dir.path());
+    let out = std::process::Command::new(bin_dir().join("ps-server"))
+        .args([
+            "--config",
+            path.to_str().unwrap(),
+            "--shard",
+            "0",
+            "--listen",
+        ])
+        .arg("127.0.0.1:0")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("[server] data_port_offset = 65535: the gRPC port")
+            && err.contains("is past 65535"),
+        "{err}"
+    );
+}

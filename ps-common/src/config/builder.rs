@@ -320,6 +320,12 @@ impl TestConfig {
         self.raw.server.max_connections = n;
         self
     }
+    /// `[server] data_connections` and `data_port_offset`.
+    pub fn data_connections(mut self, on: bool, port_offset: u32) -> Self {
+        self.raw.server.data_connections = on;
+        self.raw.server.data_port_offset = port_offset;
+        self
+    }
     /// `[server] shard_token_file`.
     pub fn shard_token_file(mut self, p: &std::path::Path) -> Self {
         self.raw.server.shard_token_file = Some(p.to_path_buf());

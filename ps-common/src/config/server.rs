@@ -28,6 +28,8 @@ pub(super) struct RawServer {
     pub stream_window_bytes: usize,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub shard_token_file: Option<PathBuf>,
+    pub data_connections: bool,
+    pub data_port_offset: u32,
 }
 
 /// The default of `[server] max_pending_gradients`.
@@ -62,6 +64,8 @@ impl Default for RawServer {
             max_connections: 4 * super::limits::MAX_WORKERS,
             stream_window_bytes: 256 << 10,
             shard_token_file: None,
+            data_connections: true,
+            data_port_offset: 0,
         }
     }
 }
@@ -105,6 +109,13 @@ pub struct ServerConfig {
     /// shards read it (workers need not have it). None: reports are checked but not
     /// authenticated.
     pub shard_token_file: Option<PathBuf>,
+    /// Tensor values move on a plain TCP data connection per shard beside gRPC (without TLS
+    /// only); false: every value goes through gRPC.
+    pub data_connections: bool,
+    /// Where a shard listens for data connections: 0, a free port chosen at start (told to
+    /// workers at registration); N, the shard's gRPC port + N (for firewalls that open known
+    /// ports only).
+    pub data_port_offset: u32,
 }
 
 impl RawServer {
@@ -149,6 +160,12 @@ impl RawServer {
             ));
         }
 
+        if self.data_port_offset > u32::from(u16::MAX) {
+            return Err(format!(
+                "[server] data_port_offset = {}: expected 0 (a free port) to 65535 (added to the shard's gRPC port)",
+                self.data_port_offset
+            ));
+        }
         let max_chunk = crate::wire::MAX_MESSAGE_BYTES / 2;
         if !(1024..=max_chunk).contains(&self.chunk_bytes) {
             return Err(format!(
@@ -176,6 +193,8 @@ impl RawServer {
             max_connections: self.max_connections,
             stream_window_bytes: self.stream_window_bytes,
             shard_token_file: self.shard_token_file.as_deref().map(|f| resolve.path(f)),
+            data_connections: self.data_connections,
+            data_port_offset: self.data_port_offset,
         })
     }
 }
