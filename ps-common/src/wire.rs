@@ -159,16 +159,25 @@ impl Bf16Encoder {
             self.residual.clear();
             self.residual.resize(values.len(), 0.0);
         }
-        out.reserve(values.len() * 2);
-        for (&g, r) in values.iter().zip(self.residual.iter_mut()) {
+        let at = out.len();
+        out.resize(at + values.len() * 2, 0);
+        let dst = &mut out[at..];
+        // branch-free per value (the compiler vectorises it): the same results as
+        // `f32_to_bf16`, and a zero residual where `g + r` is not finite
+        for ((&g, r), o) in values
+            .iter()
+            .zip(self.residual.iter_mut())
+            .zip(dst.chunks_exact_mut(2))
+        {
             let v = g + *r;
-            let q = f32_to_bf16(v);
-            *r = if v.is_finite() {
-                v - bf16_to_f32(q)
-            } else {
-                0.0
-            };
-            out.extend_from_slice(&q.to_le_bytes());
+            let b = v.to_bits();
+            let rounded = b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16;
+            let nan = (b & 0x7fff_ffff) > 0x7f80_0000;
+            let q = if nan { (b >> 16) | 0x0040 } else { rounded } as u16;
+            let back = f32::from_bits(u32::from(q) << 16);
+            let finite = (b & 0x7f80_0000) != 0x7f80_0000;
+            *r = if finite { v - back } else { 0.0 };
+            o.copy_from_slice(&q.to_le_bytes());
         }
     }
 
@@ -642,6 +651,25 @@ mod tests {
         let mut q = vec![0f32; g.len()];
         decode_bf16(&mut q, &b);
         assert!(q[3].is_nan() && q[4] == f32::INFINITY);
+        // the encoder's rounding is f32_to_bf16's, specials included
+        let specials = [
+            f32::from_bits(0x3f80_8000),
+            f32::from_bits(0x3f81_8000),
+            f32::from_bits(0x0001_8000),
+            f32::from_bits(0x7f80_0001),
+            f32::from_bits(0xff80_0001),
+            f32::MAX,
+            f32::NEG_INFINITY,
+            -1.5,
+        ];
+        let b = Bf16Encoder::new().encode_reusing(&specials, None);
+        for (i, x) in specials.iter().enumerate() {
+            assert_eq!(
+                u16::from_le_bytes([b[2 * i], b[2 * i + 1]]),
+                f32_to_bf16(*x),
+                "{x}"
+            );
+        }
         assert_eq!(enc.residual()[3], 0.0);
         assert_eq!(enc.residual()[4], 0.0);
         enc.reset();
