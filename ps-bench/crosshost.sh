@@ -27,7 +27,8 @@
 # Environment: RATE (tc rate, default 4.8gbit), HOSTS (default 2), WORKERS (default "2 4"),
 # MODELS ("small large": 784-1024-1024-10 and 784-4096-4096-10), STEPS_SMALL / STEPS_LARGE
 # (default 300 / 40), SKIP_SMALL / SKIP_LARGE (default 20 / 5), BIN (default target/release),
-# KEEP=1 keeps the run directory (configs, logs, metrics). Prints a markdown table; exits 2
+# WIRE ("bf16" pushes gradients over the network as bfloat16: `[cluster] wire`; unset: the
+# default f32), KEEP=1 keeps the run directory (configs, logs, metrics). Prints a markdown table; exits 2
 # with one line saying why when it cannot run. Traffic stays inside the namespaces, which are
 # removed at exit.
 set -uo pipefail
@@ -37,6 +38,7 @@ RATE="${RATE:-4.8gbit}"
 HOSTS="${HOSTS:-2}"
 WORKERS="${WORKERS:-2 4}"
 MODELS="${MODELS:-small large}"
+WIRE="${WIRE:-}"
 BIN="${BIN:-$ROOT/target/release}"
 PORT=50051
 PREFIX="pxh" # namespaces pxh1..pxhH and pxsw; interfaces eth0 (host side) and p1..pH (switch side)
@@ -137,6 +139,7 @@ run() {
 servers = [$servers]
 workers = $w
 token_file = "$dir/token"
+${WIRE:+wire = \"$WIRE\"}
 
 [model]
 hidden = [$hidden]
@@ -243,6 +246,7 @@ EOF
 
 echo "crosshost: $HOSTS hosts (network + /dev/shm namespaces) on a switch, each link $RATE each way; $(nproc) cores, load $(cut -d' ' -f1-3 /proc/loadavg)" >&2
 echo
+[ -n "$WIRE" ] && echo "[cluster] wire = \"$WIRE\" (gradients pushed over the network as $WIRE)"
 echo "| model | W | hosts | link | step ms (median) | compute step ms (fwd+bwd + apply) | busiest link MB/step | link ms | limit ms | step / limit |"
 echo "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|"
 status=0

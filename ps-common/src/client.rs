@@ -14,7 +14,7 @@ use crate::pb::{
     LeaveRequest, PullRequest, PushChunk, PushHeader, PushReply, RegisterReply, RegisterRequest,
 };
 use crate::shm::{Board, params_path};
-use crate::wire::{MAX_MESSAGE_BYTES, chunks, decode_chunk_into};
+use crate::wire::{MAX_MESSAGE_BYTES, chunks_of, decode_chunk_into};
 
 /// Metadata key of a push or pull whose values move on the data connection of this rank (the
 /// shard's `DATA_RANK_KEY`).
@@ -143,7 +143,17 @@ pub fn endpoint(addr: &str, security: &ClientSecurity) -> Result<Endpoint, Strin
 /// `chunk_bytes` pieces with their offsets; one chunk with no data when `bytes` is empty. The
 /// header is not checked against the data: tests build malformed pushes with it.
 pub fn push_chunks(header: PushHeader, bytes: &Bytes, chunk_bytes: usize) -> Vec<PushChunk> {
-    let mut msgs: Vec<PushChunk> = chunks(bytes, chunk_bytes)
+    push_chunks_of(header, bytes, chunk_bytes, 4)
+}
+
+/// [`push_chunks`] for values of `value_bytes` bytes each (2 for bfloat16).
+pub fn push_chunks_of(
+    header: PushHeader,
+    bytes: &Bytes,
+    chunk_bytes: usize,
+    value_bytes: usize,
+) -> Vec<PushChunk> {
+    let mut msgs: Vec<PushChunk> = chunks_of(bytes, chunk_bytes, value_bytes)
         .enumerate()
         .map(|(i, (offset, data))| PushChunk {
             header: (i == 0).then_some(header),
@@ -166,17 +176,29 @@ pub fn push_chunks(header: PushHeader, bytes: &Bytes, chunk_bytes: usize) -> Vec
 /// `chunk_bytes` pieces. A shard reads the header before it is this push's turn, and the data
 /// only then: sent apart, none of the data waits in the shard's memory meanwhile.
 pub fn push_messages(header: PushHeader, bytes: &Bytes, chunk_bytes: usize) -> Vec<PushChunk> {
+    push_messages_of(header, bytes, chunk_bytes, 4)
+}
+
+/// [`push_messages`] for values of `value_bytes` bytes each (2 with `[cluster] wire = "bf16"`).
+pub fn push_messages_of(
+    header: PushHeader,
+    bytes: &Bytes,
+    chunk_bytes: usize,
+    value_bytes: usize,
+) -> Vec<PushChunk> {
     let mut msgs = vec![PushChunk {
         header: Some(header),
         offset: 0,
         data: Bytes::new(),
     }];
     if !bytes.is_empty() {
-        msgs.extend(chunks(bytes, chunk_bytes).map(|(offset, data)| PushChunk {
-            header: None,
-            offset,
-            data,
-        }));
+        msgs.extend(
+            chunks_of(bytes, chunk_bytes, value_bytes).map(|(offset, data)| PushChunk {
+                header: None,
+                offset,
+                data,
+            }),
+        );
     }
     msgs
 }
@@ -281,7 +303,14 @@ pub struct ShardClient {
     data: Option<std::sync::Arc<DataLink>>,
     /// The credentials, for the data connection's hello.
     security: ClientSecurity,
+    /// How this client's pushes encode their values over the network (`[cluster] wire`):
+    /// registration says it ([`WIRE_KEY`]) and pushes chunk their bytes by it.
+    wire: crate::config::Wire,
 }
+
+/// Metadata key of a registration whose worker pushes values as `[cluster] wire` says
+/// (`"bf16"`); absent: `"f32"`. The shard refuses a worker whose wire differs from its own.
+pub const WIRE_KEY: &str = "x-ps-wire";
 
 impl std::fmt::Debug for ShardClient {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -324,6 +353,7 @@ impl ShardClient {
                         tls: security.uses_tls(),
                         data: None,
                         security: security.clone(),
+                        wire: crate::config::Wire::F32,
                     });
                 }
                 Err(e) if start.elapsed() < patience => {
@@ -413,6 +443,18 @@ impl ShardClient {
         self.data.is_some()
     }
 
+    /// Sets how this client's pushes encode their values over the network: registration then
+    /// says it, and the bytes given to [`ShardClient::push`] must be encoded so
+    /// (`crate::wire::encode_push`).
+    pub fn set_wire(&mut self, wire: crate::config::Wire) {
+        self.wire = wire;
+    }
+
+    /// How this client's pushes encode their values over the network.
+    pub fn wire(&self) -> crate::config::Wire {
+        self.wire
+    }
+
     /// Registers once (registration is idempotent: it also tells the shard's version).
     pub async fn register(&mut self, req: RegisterRequest) -> Result<RegisterReply, ClientError> {
         let refused = refused(
@@ -421,6 +463,13 @@ impl ShardClient {
         );
         let tls = self.tls;
         let rank = req.rank;
+        let mut req = tonic::Request::new(req);
+        if self.wire != crate::config::Wire::F32 {
+            req.metadata_mut().insert(
+                WIRE_KEY,
+                tonic::metadata::AsciiMetadataValue::from_static(self.wire.name()),
+            );
+        }
         let reply = match self.rpc.register(req).await {
             Ok(r) => r.into_inner(),
             // A TLS mismatch shows up here as an h2 protocol error, or as a reset when the
@@ -612,7 +661,7 @@ impl ShardClient {
         {
             return self.push_on_link(link, header, bytes, chunk_bytes).await;
         }
-        let msgs = push_messages(header, bytes, chunk_bytes);
+        let msgs = push_messages_of(header, bytes, chunk_bytes, self.wire.value_bytes());
         self.rpc
             .clone()
             .push(tokio_stream::iter(msgs))
@@ -654,7 +703,7 @@ impl ShardClient {
                     self.shard,
                     header.step
                 );
-                let msgs = push_messages(header, bytes, chunk_bytes);
+                let msgs = push_messages_of(header, bytes, chunk_bytes, self.wire.value_bytes());
                 return self
                     .rpc
                     .clone()

@@ -121,6 +121,20 @@ pub async fn read_frame_header<R: AsyncRead + Unpin>(
     what: &str,
     idle: Duration,
 ) -> Result<(), PsError> {
+    read_frame_header_on(r, tag, bytes, crate::config::Wire::F32, what, idle).await
+}
+
+/// [`read_frame_header`] for a frame of values encoded as `wire` says: a byte count that is
+/// not the expected one is said in values for f32 ([`PsError::WrongLength`]) and in bytes,
+/// naming the encoding, for bfloat16.
+pub async fn read_frame_header_on<R: AsyncRead + Unpin>(
+    r: &mut R,
+    tag: u64,
+    bytes: u64,
+    wire: crate::config::Wire,
+    what: &str,
+    idle: Duration,
+) -> Result<(), PsError> {
     let mut h = [0u8; FRAME_HEADER];
     within(idle, what, r.read_exact(&mut h)).await?;
     let got_tag = u64::from_le_bytes(h[..8].try_into().expect("8 bytes"));
@@ -131,14 +145,19 @@ pub async fn read_frame_header<R: AsyncRead + Unpin>(
         )));
     }
     if got_bytes != bytes {
-        if got_bytes.is_multiple_of(4) && bytes.is_multiple_of(4) {
+        if wire == crate::config::Wire::F32
+            && got_bytes.is_multiple_of(4)
+            && bytes.is_multiple_of(4)
+        {
             return Err(PsError::WrongLength {
                 expected: bytes / 4,
                 got: got_bytes / 4,
             });
         }
         return Err(PsError::BadChunk(format!(
-            "{what}: a frame of {got_bytes} bytes: expected {bytes} bytes (little-endian f32)"
+            "{what}: a frame of {got_bytes} bytes: expected {bytes} bytes ({} values, {})",
+            bytes / wire.value_bytes() as u64,
+            crate::wire::describe_wire(wire)
         )));
     }
     Ok(())
@@ -187,6 +206,52 @@ pub async fn read_values_into_vec<R: AsyncRead + Unpin>(
         }
     }
     // SAFETY: the reads initialised all n * 4 bytes after `at`.
+    unsafe { buf.set_len(at + n) };
+    Ok(())
+}
+
+/// Appends exactly `n` values read from `r` as little-endian bfloat16 (`2 * n` bytes,
+/// `[cluster] wire = "bf16"`) to `buf`, widened to f32: the bytes are read into the first half
+/// of the values' spare capacity and widened in place from the last value back, so that no
+/// value is overwritten before it is read and no second buffer is needed.
+pub async fn read_bf16_into_vec<R: AsyncRead + Unpin>(
+    r: &mut R,
+    buf: &mut Vec<f32>,
+    n: usize,
+    what: &str,
+    idle: Duration,
+) -> Result<(), PsError> {
+    buf.reserve_exact(n);
+    let at = buf.len();
+    let spare = &mut buf.spare_capacity_mut()[..n];
+    // SAFETY: the first 2n of the spare capacity's 4n bytes, viewed as MaybeUninit<u8>.
+    let bytes = unsafe {
+        std::slice::from_raw_parts_mut(spare.as_mut_ptr().cast::<MaybeUninit<u8>>(), n * 2)
+    };
+    let mut rb = tokio::io::ReadBuf::uninit(bytes);
+    while rb.remaining() > 0 {
+        let before = rb.filled().len();
+        within(idle, what, r.read_buf(&mut rb)).await?;
+        if rb.filled().len() == before {
+            return Err(PsError::BadChunk(format!(
+                "{what}: the connection ended after {before} of {} bytes",
+                n * 2
+            )));
+        }
+    }
+    let dst = buf.spare_capacity_mut()[..n].as_mut_ptr().cast::<f32>();
+    let src = dst.cast::<u8>();
+    for i in (0..n).rev() {
+        // SAFETY: bytes 2i, 2i + 1 were initialised by the reads and are read before value i
+        // (bytes 4i..4i + 4, at or after them) is written; values after i were written from
+        // bytes after 2i + 1, so none of the bytes still to be read has been overwritten.
+        // `dst` is aligned: it is the Vec<f32>'s memory.
+        unsafe {
+            let h = u16::from_le_bytes([src.add(2 * i).read(), src.add(2 * i + 1).read()]);
+            dst.add(i).write(crate::wire::bf16_to_f32(h));
+        }
+    }
+    // SAFETY: all n values after `at` were written just above.
     unsafe { buf.set_len(at + n) };
     Ok(())
 }
@@ -290,5 +355,56 @@ mod tests {
                 .contains("the connection ended after 400 of 4000 bytes"),
             "{e}"
         );
+    }
+
+    #[tokio::test]
+    async fn bf16_frames_widen_in_place_and_wrong_sizes_are_named() {
+        use crate::config::Wire;
+        let values: Vec<f32> = (0..1001).map(|i| i as f32 * 0.5 - 3.0).collect();
+        let bytes = crate::wire::Bf16Encoder::new().encode_reusing(&values, None);
+        let mut wire = Vec::new();
+        write_frame(&mut wire, 4, &bytes).await.unwrap();
+        let idle = Duration::from_secs(1);
+        let mut r = &wire[..];
+        read_frame_header_on(&mut r, 4, 2002, Wire::Bf16, "frame", idle)
+            .await
+            .unwrap();
+        let mut got = vec![7.0f32];
+        read_bf16_into_vec(&mut r, &mut got, 1001, "frame", idle)
+            .await
+            .unwrap();
+        assert_eq!(got[0], 7.0);
+        let mut want = vec![0f32; 1001];
+        crate::wire::decode_bf16(&mut want, &bytes);
+        assert_eq!(&got[1..], &want[..]);
+        assert_eq!(
+            &got[1..201],
+            &values[..200],
+            "values exact in bfloat16 come back exactly"
+        );
+        let mut r = &wire[..];
+        let e = read_frame_header_on(&mut r, 4, 4004, Wire::Bf16, "push of step 4", idle)
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains(
+                "a frame of 2002 bytes: expected 4004 bytes (2002 values, little-endian bfloat16"
+            ),
+            "{e}"
+        );
+        let mut r = &wire[..FRAME_HEADER + 100];
+        read_frame_header_on(&mut r, 4, 2002, Wire::Bf16, "frame", idle)
+            .await
+            .unwrap();
+        let mut got = Vec::new();
+        let e = read_bf16_into_vec(&mut r, &mut got, 1001, "frame", idle)
+            .await
+            .unwrap_err();
+        assert!(
+            e.to_string().contains("ended after 100 of 2002 bytes"),
+            "{e}"
+        );
+        assert!(got.is_empty());
     }
 }

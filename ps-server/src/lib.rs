@@ -351,6 +351,7 @@ async fn run_generation(
         refused_reports: Default::default(),
         max_streams: cfg.server.max_streams_per_connection,
         recovery: cell.clone(),
+        wire: cfg.cluster.wire,
     };
     let watcher = svc.clone();
     let svc_peers = svc.peers.clone();

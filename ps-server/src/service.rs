@@ -8,6 +8,7 @@ use crate::shard::intake::Held;
 use crate::shard::{Grad, PushMeta, Shard, Slot};
 use bytes::Bytes;
 use futures::Stream;
+use ps_common::config::Wire;
 use ps_common::datalink;
 use ps_common::pb::parameter_server_server::ParameterServer;
 use ps_common::pb::{
@@ -58,6 +59,24 @@ pub struct ShardService {
     pub recovery: Arc<crate::recovery::Cell>,
     /// The tensor data connections (None with TLS: they are not encrypted).
     pub data: Option<Arc<crate::data::DataConns>>,
+    /// How pushed values arrive over the network (`[cluster] wire`); shared-memory pushes
+    /// are f32 whatever it says.
+    pub wire: Wire,
+}
+
+/// The wire a registering worker says it pushes with ([`ps_common::client::WIRE_KEY`];
+/// absent: f32).
+fn worker_wire(meta: &tonic::metadata::MetadataMap) -> PsResult<Wire> {
+    let Some(v) = meta.get(ps_common::client::WIRE_KEY) else {
+        return Ok(Wire::F32);
+    };
+    v.to_str().ok().and_then(Wire::from_name).ok_or_else(|| {
+        PsError::BadChunk(format!(
+            "{} = {:?}: expected \"f32\" or \"bf16\"",
+            ps_common::client::WIRE_KEY,
+            String::from_utf8_lossy(v.as_bytes())
+        ))
+    })
 }
 
 /// The rank named by a request's [`crate::data::DATA_RANK_KEY`] metadata: the request moves
@@ -171,7 +190,8 @@ impl ShardService {
                         self.shard.take_buffer(),
                         self.shard.len(),
                         true,
-                    );
+                    )
+                    .on_wire(self.wire);
                     let received = receive_rest(
                         &mut rx,
                         first.offset,
@@ -195,7 +215,7 @@ impl ShardService {
                     (Grad::Owned(held), fp)
                 }
                 None => {
-                    let mut check = StreamCheck::new(self.shard.len());
+                    let mut check = StreamCheck::new(self.shard.len()).on_wire(self.wire);
                     let mut sink = |offset: u64, data: &[u8]| check.push(offset, data);
                     receive_with(
                         &mut sink,
@@ -306,11 +326,18 @@ impl ShardService {
         let mut values = self.shard.take_buffer();
         values.clear();
         let what = format!("push of step {step} from rank {rank} (data connection)");
+        let (wire, idle) = (self.wire, self.stream_idle);
         let read = async {
-            datalink::read_frame_header(&mut conn, step, 4 * len as u64, &what, self.stream_idle)
-                .await?;
-            datalink::read_values_into_vec(&mut conn, &mut values, len, &what, self.stream_idle)
-                .await
+            let bytes = (wire.value_bytes() * len) as u64;
+            datalink::read_frame_header_on(&mut conn, step, bytes, wire, &what, idle).await?;
+            match wire {
+                Wire::F32 => {
+                    datalink::read_values_into_vec(&mut conn, &mut values, len, &what, idle).await
+                }
+                Wire::Bf16 => {
+                    datalink::read_bf16_into_vec(&mut conn, &mut values, len, &what, idle).await
+                }
+            }
         };
         if let Err(e) = read.await {
             self.shard.return_buffer(values);
@@ -332,15 +359,23 @@ impl ShardService {
         let (data, mut conn) = self.frame_conn(first, stream, rank).await?;
         let len = self.shard.len();
         let what = format!("push of step {step} from rank {rank} (data connection)");
-        datalink::read_frame_header(&mut conn, step, 4 * len as u64, &what, self.stream_idle)
-            .await?;
-        let mut check = StreamCheck::new(len);
-        let mut piece = vec![0u8; ps_common::wire::DEFAULT_CHUNK_BYTES.min(4 * len.max(1))];
+        let vb = self.wire.value_bytes();
+        datalink::read_frame_header_on(
+            &mut conn,
+            step,
+            (vb * len) as u64,
+            self.wire,
+            &what,
+            self.stream_idle,
+        )
+        .await?;
+        let mut check = StreamCheck::new(len).on_wire(self.wire);
+        let mut piece = vec![0u8; ps_common::wire::DEFAULT_CHUNK_BYTES.min(vb * len.max(1))];
         let mut at = 0usize;
         while at < len {
-            let n = (len - at).min(piece.len() / 4);
-            datalink::read_all(&mut conn, &mut piece[..4 * n], &what, self.stream_idle).await?;
-            check.push(at as u64, &piece[..4 * n])?;
+            let n = (len - at).min(piece.len() / vb);
+            datalink::read_all(&mut conn, &mut piece[..vb * n], &what, self.stream_idle).await?;
+            check.push(at as u64, &piece[..vb * n])?;
             at += n;
         }
         let fp = check.finish()?;
@@ -813,6 +848,7 @@ impl ParameterServer for ShardService {
         request: Request<RegisterRequest>,
     ) -> Result<Response<RegisterReply>, Status> {
         let peer = request.remote_addr();
+        let theirs = worker_wire(request.metadata())?;
         let r = request.into_inner();
         let s = &self.shard;
         if r.protocol_version != PROTOCOL_VERSION {
@@ -820,6 +856,16 @@ impl ParameterServer for ShardService {
                 expected: PROTOCOL_VERSION,
                 got: r.protocol_version,
             }
+            .into());
+        }
+        if theirs != self.wire {
+            return Err(PsError::ClusterMismatch(format!(
+                "[cluster] wire mismatch: worker rank {} pushes {:?}, shard {} expects {:?} (do both read the same config?)",
+                r.rank,
+                theirs.name(),
+                s.index,
+                self.wire.name()
+            ))
             .into());
         }
         let mismatch = |what: &str, theirs: u64, ours: u64| -> Result<(), Status> {

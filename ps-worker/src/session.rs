@@ -9,7 +9,7 @@ use bytes::Bytes;
 use ps_common::config::{Config, Transport};
 use ps_common::pb::{LeaveRequest, PushHeader, TensorDesc};
 use ps_common::shm::{Board, BoardDir};
-use ps_common::wire::f32_to_bytes_reusing;
+use ps_common::wire::encode_push;
 use std::time::{Duration, Instant};
 
 /// Figures of one push or pull (for the speed comparison with `ps-worker`).
@@ -200,7 +200,7 @@ impl Session {
     /// Starts the push of shard `s`'s range of the gradient on the current Tokio runtime; None
     /// when this shard applied the step already (a rejoining worker).
     fn spawn_push(&mut self, s: usize, h: StepHeader) -> Option<PushTask> {
-        let (rank, chunk_bytes) = (self.rank as u32, self.chunk_bytes);
+        let (rank, chunk_bytes, wire) = (self.rank as u32, self.chunk_bytes, self.cfg.cluster.wire);
         let grad: &[f32] = match &mut self.board {
             Some((_, b)) => b.slot_mut(0),
             None => &self.heap_grad,
@@ -213,7 +213,8 @@ impl Session {
         let bytes = if peer.link.grad {
             Bytes::new()
         } else {
-            f32_to_bytes_reusing(&grad[r.clone()], peer.push_buf.take())
+            let buf = peer.push_buf.take();
+            encode_push(wire, &grad[r.clone()], &mut peer.encoder, buf)
         };
         let header = PushHeader {
             rank,

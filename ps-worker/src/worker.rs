@@ -17,7 +17,7 @@ use ps_common::layout::{shard_ranges, split_even};
 use ps_common::order::BatchPlanner;
 use ps_common::pb::{LeaveRequest, PushHeader, RegisterRequest};
 use ps_common::shm::{Board, BoardDir, grad_path, shm_root};
-use ps_common::wire::f32_to_bytes_reusing;
+use ps_common::wire::{Bf16Encoder, encode_push};
 use std::ops::Range;
 use std::time::{Duration, Instant};
 
@@ -61,6 +61,11 @@ pub(crate) struct Peer {
     pub(crate) ahead: bool,
     /// The gradient bytes of the last push through gRPC, reused once its RPC has released them.
     pub(crate) push_buf: Option<Bytes>,
+    /// With `[cluster] wire = "bf16"`: the rounding error this worker carries into its next
+    /// push to this shard (error feedback). It survives across steps and is reset to zero when
+    /// the worker rejoins or recovers from a lost shard (the steps redone start afresh: a
+    /// small, documented difference, the run being inexact with bf16 anyway).
+    pub(crate) encoder: Bf16Encoder,
     /// The cluster generation the shard answered registration with (one more after every
     /// recovery from a lost shard).
     pub(crate) generation: u64,
@@ -118,6 +123,7 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
     let (mut x, mut y) = (Vec::new(), Vec::new());
     let mut timing = Timing::default();
     let chunk_bytes = cfg.server.chunk_bytes;
+    let wire = cfg.cluster.wire;
 
     let elastic = cfg.server.barrier_policy == BarrierPolicy::Continue;
     let mut t = start_step;
@@ -189,7 +195,8 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
                             Bytes::new()
                         } else {
                             let values = &tail[r.start - start..r.end - start];
-                            f32_to_bytes_reusing(values, peer.push_buf.take())
+                            let buf = peer.push_buf.take();
+                            encode_push(wire, values, &mut peer.encoder, buf)
                         };
                         let h = PushHeader {
                             len: r.len() as u64,
@@ -290,13 +297,15 @@ pub(crate) async fn register_all(
     let security = cfg.client_security();
     let mut peers = Vec::with_capacity(servers.len());
     for ((s, addr), range) in servers.iter().enumerate().zip(ranges) {
-        let client = ShardClient::connect(s, addr, &security, connect_timeout).await?;
+        let mut client = ShardClient::connect(s, addr, &security, connect_timeout).await?;
+        client.set_wire(cfg.cluster.wire);
         peers.push(Peer {
             client,
             range,
             link: ShmLink::default(),
             ahead: false,
             push_buf: None,
+            encoder: Bf16Encoder::new(),
             generation: 0,
         });
     }
@@ -543,6 +552,8 @@ pub(crate) async fn recover_if_lost(
     if !lost_shard_symptom(err) || STOP_REQUESTED.load(std::sync::atomic::Ordering::SeqCst) {
         return Ok(None);
     }
+    // steps are redone from the version rolled back to: the residuals start again at zero
+    peers.iter_mut().for_each(|p| p.encoder.reset());
     let known = peers.first().map_or(0, |p| p.generation);
     tokio::select! {
         r = await_recovery(cfg, peers, rank, files, known, total, t, err) => r,
@@ -568,6 +579,8 @@ async fn rejoin(
     if !elastic {
         return Err(err);
     }
+    // a worker left behind rejoins at the shards' step: its residuals start again at zero
+    peers.iter_mut().for_each(|p| p.encoder.reset());
     let patience = Duration::from_secs_f64(cfg.worker.connect_timeout_secs);
     let mut versions = Vec::with_capacity(peers.len());
     let mut replies = Vec::with_capacity(peers.len());

@@ -36,6 +36,7 @@ impl TestConfig {
                 servers: Vec::new(),
                 workers: 4,
                 transport: Transport::Auto,
+                wire: super::kinds::Wire::F32,
                 token_file: None,
                 tls_cert: None,
                 tls_key: None,
@@ -100,6 +101,12 @@ impl TestConfig {
         self.raw.cluster.workers = w;
         self
     }
+    /// `[cluster] wire`.
+    pub fn wire(mut self, w: super::kinds::Wire) -> Self {
+        self.raw.cluster.wire = w;
+        self
+    }
+
     /// `[cluster] transport`.
     pub fn transport(mut self, t: Transport) -> Self {
         self.raw.cluster.transport = t;

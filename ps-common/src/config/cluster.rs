@@ -1,7 +1,7 @@
 //! `[cluster]`: where the shards are, how many workers, how tensors travel, and security.
 
 use super::Resolve;
-use super::kinds::Transport;
+use super::kinds::{Transport, Wire};
 use super::limits::{MAX_SHARDS, MAX_WORKERS, at_most};
 use crate::auth::{TlsFiles, Token};
 use serde::{Deserialize, Serialize};
@@ -14,6 +14,8 @@ pub(super) struct RawCluster {
     pub workers: usize,
     #[serde(default = "default_transport")]
     pub transport: Transport,
+    #[serde(default, skip_serializing_if = "is_f32")]
+    pub wire: Wire,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub token_file: Option<PathBuf>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -26,6 +28,10 @@ pub(super) struct RawCluster {
     pub tls_domain: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub run_id: Option<String>,
+}
+
+fn is_f32(w: &Wire) -> bool {
+    *w == Wire::F32
 }
 
 fn default_transport() -> Transport {
@@ -41,6 +47,8 @@ pub struct ClusterConfig {
     pub workers: usize,
     /// How tensors travel between workers and shards.
     pub transport: Transport,
+    /// How gradients pushed over the network are encoded (`[cluster] wire`).
+    pub wire: Wire,
     /// The shared token every request must carry (`token_file`), if any.
     pub token: Option<Token>,
     /// TLS between every process (`tls_cert`, `tls_key`, `tls_ca`), if set.
@@ -107,6 +115,7 @@ impl RawCluster {
             servers: self.servers.clone(),
             workers,
             transport: self.transport,
+            wire: self.wire,
             token,
             tls,
             run_id: self.run_id.clone(),

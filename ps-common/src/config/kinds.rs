@@ -87,6 +87,31 @@ kind_enum!(
 );
 
 kind_enum!(
+    /// How pushed gradient values travel over the network (`[cluster] wire`): shared-memory
+    /// pushes and every pull stay f32 whatever it says.
+    #[derive(Default)]
+    Wire, "[cluster] wire",
+    "\"f32\" (exact) or \"bf16\" (gradients pushed over the network as bfloat16 with error feedback on the worker: half the push bytes, no longer exactly one process)", false, {
+        /// Little-endian f32, 4 bytes a value: the run equals one process.
+        #[default]
+        F32 = "f32",
+        /// Little-endian bfloat16, 2 bytes a value, rounded to nearest even; each worker
+        /// carries the rounding error into its next push (`crate::wire::Bf16Encoder`).
+        Bf16 = "bf16",
+    }
+);
+
+impl Wire {
+    /// Bytes one value takes on the wire.
+    pub fn value_bytes(self) -> usize {
+        match self {
+            Wire::F32 => 4,
+            Wire::Bf16 => 2,
+        }
+    }
+}
+
+kind_enum!(
     /// What a shard does when a step's barrier times out (`[server] barrier_policy`).
     BarrierPolicy, "[server] barrier_policy",
     "\"fail\" (stop the run when a step times out) or \"continue\" (go on without the ranks that did not push)", false, {

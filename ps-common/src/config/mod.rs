@@ -29,7 +29,7 @@ mod train;
 pub use builder::TestConfig;
 pub use cluster::ClusterConfig;
 pub use kinds::{
-    Aggregation, BarrierPolicy, LossReduction, OptimizerKind, ScheduleKind, Transport,
+    Aggregation, BarrierPolicy, LossReduction, OptimizerKind, ScheduleKind, Transport, Wire,
 };
 pub use model::ModelConfig;
 pub use server::{CheckpointConfig, DEFAULT_MAX_PENDING_GRADIENTS, ServerConfig, WorkerConfig};
@@ -612,6 +612,11 @@ impl Config {
                 self.server.barrier_timeout_secs
             ));
         }
+        let mut exact = exact;
+        if self.cluster.wire == Wire::Bf16 {
+            warnings.push("wire \"bf16\": gradients pushed over the network travel as bfloat16 with error feedback on each worker (shared-memory pushes and pulls stay f32): the run no longer equals the single-process one exactly".into());
+            exact = false;
+        }
         let lr_is_scale =
             matches!(self.optimizer, Optimizer::Sgd { weight_decay, .. } if weight_decay == 0.0);
         Equivalence {
@@ -634,12 +639,18 @@ impl Config {
             _ => unreachable!(),
         };
         format!(
-            "config {}: {} shards {:?}, {} workers, transport {}, {}; {}; data {}; seed {}; global batch {} ({}), per-worker batches {:?}; {stop}{}; loss reduction {}, aggregation {}; optimizer {}; lr {}; log every {} steps, eval every {}; {}",
+            "config {}: {} shards {:?}, {} workers, transport {}{}, {}; {}; data {}; seed {}; global batch {} ({}), per-worker batches {:?}; {stop}{}; loss reduction {}, aggregation {}; optimizer {}; lr {}; log every {} steps, eval every {}; {}",
             self.path.display(),
             self.num_shards(),
             self.cluster.servers,
             self.cluster.workers,
             self.cluster.transport,
+            match self.cluster.wire {
+                Wire::F32 => "",
+                Wire::Bf16 => {
+                    ", wire bf16 (gradients over the network as bfloat16 with error feedback: NOT exactly one process)"
+                }
+            },
             match (self.cluster.token.is_some(), self.cluster.tls.is_some()) {
                 (true, true) => "TLS, shared token required",
                 (true, false) => "shared token required, no TLS",

@@ -497,3 +497,35 @@ fn any_key_is_overridable_from_the_environment_and_the_command_line() {
             .is_err()
     );
 }
+
+#[test]
+fn wire_defaults_to_f32_and_bf16_is_said_to_be_inexact() {
+    let c = parse(GOOD).unwrap();
+    assert_eq!(c.cluster.wire, Wire::F32);
+    assert!(!c.describe().contains("wire"));
+    assert!(c.equivalence().warnings.iter().all(|w| !w.contains("bf16")));
+    let exact = c.equivalence().exact;
+    let c = parse(&GOOD.replace("workers = 4", "workers = 4\nwire = \"bf16\"")).unwrap();
+    assert_eq!(c.cluster.wire, Wire::Bf16);
+    assert!(c.describe().contains("wire bf16"), "{}", c.describe());
+    let eq = c.equivalence();
+    assert!(exact && !eq.exact, "bf16 makes an exact run inexact");
+    assert!(
+        eq.to_string().starts_with("approximately (not exactly)"),
+        "{eq}"
+    );
+    assert!(
+        eq.warnings
+            .iter()
+            .any(|w| w.contains("bfloat16 with error feedback") && w.contains("no longer equals")),
+        "{:?}",
+        eq.warnings
+    );
+    let e = parse(&GOOD.replace("workers = 4", "workers = 4\nwire = \"fp16\""))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("[cluster] wire = \"fp16\": expected \"f32\" (exact) or \"bf16\""),
+        "{e}"
+    );
+}
