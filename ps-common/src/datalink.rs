@@ -178,6 +178,28 @@ pub async fn read_values<R: AsyncRead + Unpin>(
     read_all(r, bytes, what, idle).await
 }
 
+/// Fills `bytes` (not initialised before) from `r`, no read waiting longer than `idle`; an
+/// end of the connection before it is full is an error naming `what`.
+async fn read_uninit<R: AsyncRead + Unpin>(
+    r: &mut R,
+    bytes: &mut [MaybeUninit<u8>],
+    what: &str,
+    idle: Duration,
+) -> Result<(), PsError> {
+    let total = bytes.len();
+    let mut rb = tokio::io::ReadBuf::uninit(bytes);
+    while rb.remaining() > 0 {
+        let before = rb.filled().len();
+        within(idle, what, r.read_buf(&mut rb)).await?;
+        if rb.filled().len() == before {
+            return Err(PsError::BadChunk(format!(
+                "{what}: the connection ended after {before} of {total} bytes"
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// Appends exactly `n` values read from `r` to `buf` (its spare capacity is written by the
 /// reads, never zeroed first), no read waiting longer than `idle`.
 pub async fn read_values_into_vec<R: AsyncRead + Unpin>(
@@ -194,17 +216,7 @@ pub async fn read_values_into_vec<R: AsyncRead + Unpin>(
     let bytes = unsafe {
         std::slice::from_raw_parts_mut(spare.as_mut_ptr().cast::<MaybeUninit<u8>>(), n * 4)
     };
-    let mut rb = tokio::io::ReadBuf::uninit(bytes);
-    while rb.remaining() > 0 {
-        let before = rb.filled().len();
-        within(idle, what, r.read_buf(&mut rb)).await?;
-        if rb.filled().len() == before {
-            return Err(PsError::BadChunk(format!(
-                "{what}: the connection ended after {before} of {} bytes",
-                n * 4
-            )));
-        }
-    }
+    read_uninit(r, bytes, what, idle).await?;
     // SAFETY: the reads initialised all n * 4 bytes after `at`.
     unsafe { buf.set_len(at + n) };
     Ok(())
@@ -228,17 +240,7 @@ pub async fn read_bf16_into_vec<R: AsyncRead + Unpin>(
     let bytes = unsafe {
         std::slice::from_raw_parts_mut(spare.as_mut_ptr().cast::<MaybeUninit<u8>>(), n * 2)
     };
-    let mut rb = tokio::io::ReadBuf::uninit(bytes);
-    while rb.remaining() > 0 {
-        let before = rb.filled().len();
-        within(idle, what, r.read_buf(&mut rb)).await?;
-        if rb.filled().len() == before {
-            return Err(PsError::BadChunk(format!(
-                "{what}: the connection ended after {before} of {} bytes",
-                n * 2
-            )));
-        }
-    }
+    read_uninit(r, bytes, what, idle).await?;
     let dst = buf.spare_capacity_mut()[..n].as_mut_ptr().cast::<f32>();
     let src = dst.cast::<u8>();
     for i in (0..n).rev() {

@@ -223,3 +223,19 @@ pub fn assert_metrics_steps(metrics: &str, steps: u64) {
     assert_eq!(seen, (1..=steps).collect::<Vec<_>>(), "{metrics}");
     assert_eq!(finals, 1, "one closing line: {metrics}");
 }
+
+/// The header of a gRPC push of `len` values of `rank` for `step`, sent over the network (not
+/// shared memory), announcing 8 samples, a loss sum of 10 and 3 correct.
+pub fn push_header(rank: u32, step: u64, len: usize) -> ps_common::pb::PushHeader {
+    ps_common::pb::PushHeader {
+        rank,
+        step,
+        samples: 8,
+        loss_sum: 10.0,
+        correct: 3,
+        len: len as u64,
+        eval_correct: 0,
+        eval_count: 0,
+        shm: false,
+    }
+}

@@ -13,19 +13,7 @@ use tonic::Code;
 
 type Client = ShardClient;
 
-fn header(rank: u32, step: u64, len: usize) -> PushHeader {
-    PushHeader {
-        rank,
-        step,
-        samples: 8,
-        loss_sum: 10.0,
-        correct: 3,
-        len: len as u64,
-        eval_correct: 0,
-        eval_count: 0,
-        shm: false,
-    }
-}
+use ps_tests::push_header as header;
 
 /// Pushes `values` under header `h` whatever they are (the header's length is not checked
 /// against them: the shard must refuse the mismatches), in 4 KiB chunks, once.

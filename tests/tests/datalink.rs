@@ -15,19 +15,7 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tonic::Code;
 
-fn header(rank: u32, step: u64, len: usize) -> PushHeader {
-    PushHeader {
-        rank,
-        step,
-        samples: 8,
-        loss_sum: 10.0,
-        correct: 3,
-        len: len as u64,
-        eval_correct: 0,
-        eval_count: 0,
-        shm: false,
-    }
-}
+use ps_tests::push_header as header;
 
 /// Opens a data connection with `hello` and returns the shard's answer byte (None: closed).
 async fn hello(addr: &str, hello: &[u8]) -> (tokio::net::TcpStream, Option<u8>) {

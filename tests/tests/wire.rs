@@ -8,7 +8,7 @@ use ps_common::auth::ClientSecurity;
 use ps_common::client::{ShardClient, push_chunks_of};
 use ps_common::config::{Transport, Wire};
 use ps_common::idx::{Split, load_split};
-use ps_common::pb::{PushHeader, RegisterRequest};
+use ps_common::pb::RegisterRequest;
 use ps_common::wire::{Bf16Encoder, f32_to_bytes};
 use ps_launch::{LocalCluster, bin_dir};
 use ps_tests::{Spec, Start, cluster_weights, mnist_dir, run_cluster};
@@ -81,19 +81,7 @@ fn bf16_wire_converges_within_half_a_point_of_f32() {
     assert!(!f32_log.contains("wire bf16"), "{f32_log}");
 }
 
-fn header(rank: u32, step: u64, len: usize) -> PushHeader {
-    PushHeader {
-        rank,
-        step,
-        samples: 8,
-        loss_sum: 10.0,
-        correct: 3,
-        len: len as u64,
-        eval_correct: 0,
-        eval_count: 0,
-        shm: false,
-    }
-}
+use ps_tests::push_header as header;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_bf16_shard_refuses_an_f32_worker_and_takes_half_the_bytes() {
