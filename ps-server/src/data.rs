@@ -119,13 +119,25 @@ impl DataConns {
             let _ = sock.write_all(&[HELLO_NO]).await;
             return Err(e);
         }
-        sock.write_all(&[HELLO_OK])
-            .await
-            .map_err(|e| PsError::BadChunk(format!("data connection: {e}")))?;
-        let (r, w) = sock.into_split();
+        // the halves are in place before the client hears "ok": a push or pull it sends at
+        // once must find them (a pull waits on the write half's lock until then)
+        let (r, mut w) = sock.into_split();
         let rank = h.rank as usize;
         *self.reads[rank].lock().await = Some(r);
-        *self.writes[rank].lock().await = Some(w);
+        let mut write_slot = self.writes[rank].lock().await;
+        match tokio::time::timeout(idle, w.write_all(&[HELLO_OK])).await {
+            Ok(Ok(())) => {}
+            // a dead connection: the read half left in place fails its first push, which
+            // drops it and makes the client open another
+            Ok(Err(e)) => return Err(PsError::BadChunk(format!("data connection: {e}"))),
+            Err(_) => {
+                return Err(PsError::Timeout(
+                    "data connection: the hello's answer was not taken".into(),
+                ));
+            }
+        }
+        *write_slot = Some(w);
+        drop(write_slot);
         tracing::debug!(shard = expect.shard, rank, "data connection opened");
         Ok(())
     }
