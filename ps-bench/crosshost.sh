@@ -17,6 +17,10 @@
 # - busiest link: the interface byte counters (Ethernet frames, what tbf shapes) of every
 #   host's link, each direction, read when shard 0 has logged SKIP steps and again at the last
 #   step, divided by the steps in between.
+# - CPU: the machine's busy CPU time over the same steps (/proc/stat: user, system, irq and
+#   softirq of every process, the kernel's network work included), per step; "CPU floor" is that
+#   divided by the cores: no schedule of the same work can take less. "stolen" is time the
+#   hypervisor gave to other guests.
 #
 # Usage (root; iproute2 with `ip netns`, `tc`, `unshare`; binaries built with
 # `cargo build --release --bins`):
@@ -36,6 +40,7 @@ set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 RATE="${RATE:-4.8gbit}"
 HOSTS="${HOSTS:-2}"
+SHARDS_PER_HOST="${SHARDS_PER_HOST:-1}"
 WORKERS="${WORKERS:-2 4}"
 MODELS="${MODELS:-small large}"
 WIRE="${WIRE:-}"
@@ -113,6 +118,12 @@ link_bytes() {
     echo "$out"
 }
 
+# The machine's CPU time so far, in clock ticks, one line: "busy stolen total" (all cores; busy =
+# user + nice + system + irq + softirq, stolen = steal: time the hypervisor gave to others).
+cpu_ticks() {
+    awk '/^cpu / { busy = $2 + $3 + $4 + $7 + $8; steal = $9; print busy, steal, busy + steal + $5 + $6; exit }' /proc/stat
+}
+
 lines() { [ -f "$1" ] && wc -l <"$1" || echo 0; }
 
 median_key() { # median_key FILE KEY SKIP: median of "KEY":<number> over the lines after SKIP
@@ -132,8 +143,11 @@ run() {
     local dir="$RUN/$model-w$w"
     mkdir -p "$dir/logs" "$dir/out"
     head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$dir/token"
-    local servers="" i
-    for i in $(seq 1 "$HOSTS"); do servers="$servers${servers:+, }\"10.78.0.$i:$PORT\""; done
+    # shard k * HOSTS + i - 1 runs on host i at port PORT + k (round robin over the hosts)
+    local servers="" i k
+    for k in $(seq 0 $((SHARDS_PER_HOST - 1))); do
+        for i in $(seq 1 "$HOSTS"); do servers="$servers${servers:+, }\"10.78.0.$i:$((PORT + k))\""; done
+    done
     cat >"$dir/config.toml" <<EOF
 [cluster]
 servers = [$servers]
@@ -172,8 +186,12 @@ EOF
         for r in $(seq 0 $((w - 1))); do [ $((r % HOSTS + 1)) = "$i" ] && ranks="$ranks $r"; done
         cat >"$dir/host-$i.sh" <<EOF
 mount -t tmpfs tmpfs /dev/shm || exit 3
-"$BIN/ps-server" --config "$dir/config.toml" --shard $((i - 1)) --listen 0.0.0.0:$PORT >"$dir/logs/shard-$((i - 1)).log" 2>&1 &
-pids=\$!
+pids=""
+$(for k in $(seq 0 $((SHARDS_PER_HOST - 1))); do
+    s=$((k * HOSTS + i - 1))
+    echo "\"$BIN/ps-server\" --config \"$dir/config.toml\" --shard $s --listen 0.0.0.0:$((PORT + k)) >\"$dir/logs/shard-$s.log\" 2>&1 &"
+    echo "pids=\"\$pids \$!\""
+done)
 for r in$ranks; do
     "$BIN/ps-worker" --config "$dir/config.toml" --rank \$r >"$dir/logs/worker-\$r.log" 2>&1 &
     pids="\$pids \$!"
@@ -186,14 +204,14 @@ EOF
         LAUNCHERS+=("$!")
     done
     # sample the link counters when shard 0 has logged `skip` steps and at the last step
-    local metrics="$dir/out/metrics.jsonl" n0="" b0="" n1="" b1="" n na nb failed=0 deadline=$((SECONDS + 900))
+    local metrics="$dir/out/metrics.jsonl" n0="" b0="" n1="" b1="" c0="" c1="" n na nb failed=0 deadline=$((SECONDS + 900))
     while :; do
         n="$(lines "$metrics")"
         if [ -z "$n0" ] && [ "$n" -ge "$skip" ]; then
-            na="$n"; b0="$(link_bytes)"; nb="$(lines "$metrics")"; n0="$(awk -v a="$na" -v b="$nb" 'BEGIN {print (a + b) / 2}')"
+            na="$n"; b0="$(link_bytes)"; c0="$(cpu_ticks)"; nb="$(lines "$metrics")"; n0="$(awk -v a="$na" -v b="$nb" 'BEGIN {print (a + b) / 2}')"
         fi
         if [ -n "$n0" ] && [ "$n" -ge "$steps" ]; then
-            na="$n"; b1="$(link_bytes)"; nb="$(lines "$metrics")"; n1="$(awk -v a="$na" -v b="$nb" 'BEGIN {print (a + b) / 2}')"
+            na="$n"; b1="$(link_bytes)"; c1="$(cpu_ticks)"; nb="$(lines "$metrics")"; n1="$(awk -v a="$na" -v b="$nb" 'BEGIN {print (a + b) / 2}')"
             break
         fi
         # a host that ended before the last step failed (or the run cannot finish without it)
@@ -206,7 +224,7 @@ EOF
         done
         [ "$failed" = 1 ] && break
         [ "$SECONDS" -gt "$deadline" ] && { failed=1; echo "crosshost: $model W=$w still running after 900 s" >&2; break; }
-        sleep 0.05
+        sleep 0.2 # (a slower poll: the loop's own forks would take CPU from the run)
     done
     local rc=0 pid
     for pid in "${LAUNCHERS[@]}"; do
@@ -228,7 +246,8 @@ EOF
     [ -n "$compute_ms" ] || { echo "crosshost: $model W=$w: no worker timing line in the logs" >&2; return 1; }
     awk -v model="$model" -v w="$w" -v hosts="$HOSTS" -v rate="$RATE" -v bps="$RATE_BPS" \
         -v step="$step_ms" -v apply="$apply_ms" -v compute="$compute_ms" \
-        -v n0="$n0" -v n1="$n1" -v b0="$b0" -v b1="$b1" 'BEGIN {
+        -v n0="$n0" -v n1="$n1" -v b0="$b0" -v b1="$b1" -v c0="$c0" -v c1="$c1" \
+        -v hz="$(getconf CLK_TCK)" -v cores="$(nproc)" 'BEGIN {
         split(b0, x, " "); split(b1, y, " ")
         steps = n1 - n0; best = 0; which = ""
         for (k = 1; k in y; k++) {
@@ -238,17 +257,23 @@ EOF
         link_ms = best * 8 / bps * 1e3
         cstep = compute + apply
         limit = cstep > link_ms ? cstep : link_ms
-        printf "| %s | %d | %d | %s | %.1f | %.1f + %.1f = %.1f | %.2f (%s) | %.1f | %.1f | %.2f |\n",
+        # CPU: every process on the machine (the run, and the kernel network work)
+        split(c0, p, " "); split(c1, q, " ")
+        busy_ms = (q[1] - p[1]) * 1000 / hz / steps
+        util = (q[3] > p[3]) ? (q[1] - p[1]) / (q[3] - p[3]) : 0
+        steal = (q[3] > p[3]) ? (q[2] - p[2]) / (q[3] - p[3]) : 0
+        printf "| %s | %d | %d | %s | %.1f | %.1f + %.1f = %.1f | %.2f (%s) | %.1f | %.1f | %.2f | %.0f (%.0f%% busy, %.0f%% stolen) | %.1f |\n",
             model == "small" ? "784-1024-1024-10" : "784-4096-4096-10", w, hosts, rate, step,
-            compute, apply, cstep, best / 1e6, which, link_ms, limit, step / limit
+            compute, apply, cstep, best / 1e6, which, link_ms, limit, step / limit,
+            busy_ms, 100 * util, 100 * steal, busy_ms / cores
     }'
 }
 
 echo "crosshost: $HOSTS hosts (network + /dev/shm namespaces) on a switch, each link $RATE each way; $(nproc) cores, load $(cut -d' ' -f1-3 /proc/loadavg)" >&2
 echo
 [ -n "$WIRE" ] && echo "[cluster] wire = \"$WIRE\" (gradients pushed over the network as $WIRE)"
-echo "| model | W | hosts | link | step ms (median) | compute step ms (fwd+bwd + apply) | busiest link MB/step | link ms | limit ms | step / limit |"
-echo "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|"
+echo "| model | W | hosts | link | step ms (median) | compute step ms (fwd+bwd + apply) | busiest link MB/step | link ms | limit ms | step / limit | CPU core-ms/step | CPU floor ms |"
+echo "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"
 status=0
 for model in $MODELS; do
     for w in $WORKERS; do
