@@ -20,7 +20,9 @@
 # - CPU: the machine's busy CPU time over the same steps (/proc/stat: user, system, irq and
 #   softirq of every process, the kernel's network work included), per step; "CPU floor" is that
 #   divided by the cores: no schedule of the same work can take less. "stolen" is time the
-#   hypervisor gave to other guests.
+#   hypervisor gave to other guests. "of which raw TCP would take": the MB leaving every host
+#   per step times the kernel CPU that plain TCP between two of these hosts costs per MB,
+#   measured before the runs (python3 sockets, both directions at once; "-" without python3).
 #
 # Usage (root; iproute2 with `ip netns`, `tc`, `unshare`; binaries built with
 # `cargo build --release --bins`):
@@ -129,6 +131,42 @@ lines() { [ -f "$1" ] && wc -l <"$1" || echo 0; }
 median_key() { # median_key FILE KEY SKIP: median of "KEY":<number> over the lines after SKIP
     tail -n "+$(($3 + 1))" "$1" | grep -o "\"$2\":[-0-9.eE+]*" | cut -d: -f2 | sort -g \
         | awk '{v[NR] = $1} END { if (NR == 0) print "nan"; else if (NR % 2) print v[(NR + 1) / 2]; else print (v[NR / 2] + v[NR / 2 + 1]) / 2 }'
+}
+
+# --- raw TCP over the same links ---------------------------------------------------------------
+# Host 1 and host 2 send RAW_MB each to the other at once, one TCP stream per direction (python3:
+# plain sendall / recv_into, no framework). Prints "gbit_per_direction kernel_core_ms_per_MB":
+# the kernel's CPU time (system + irq + softirq on every core) per MB moved from one host to
+# another, what the network path costs the machine whoever sends.
+raw_tcp() {
+    command -v python3 >/dev/null || { echo "nan nan"; return; }
+    local py="$RUN/rawtcp.py" mb="${RAW_MB:-400}"
+    cat >"$py" <<'PY'
+import socket, sys, time
+if sys.argv[1] == "sink":
+    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("0.0.0.0", int(sys.argv[2]))); s.listen(1); print("ready", flush=True)
+    c, _ = s.accept(); buf = bytearray(1 << 20)
+    while c.recv_into(buf): pass
+else:
+    c = socket.create_connection((sys.argv[2], int(sys.argv[3]))); data = b"\0" * (4 << 20)
+    t = time.time()
+    for _ in range(int(sys.argv[4]) // 4): c.sendall(data)
+    c.close(); print(time.time() - t)
+PY
+    local k0 k1 t1 t2 rd
+    (ip netns exec "${PREFIX}2" python3 "$py" sink 47001 >"$RUN/sink2" &)
+    (ip netns exec "${PREFIX}1" python3 "$py" sink 47002 >"$RUN/sink1" &)
+    for rd in 1 2 3 4 5 6 7 8 9 10; do grep -q ready "$RUN/sink1" "$RUN/sink2" 2>/dev/null && [ -s "$RUN/sink1" ] && [ -s "$RUN/sink2" ] && break; sleep 0.2; done
+    k0="$(awk '/^cpu / { print $4 + $7 + $8; exit }' /proc/stat)"
+    ip netns exec "${PREFIX}1" python3 "$py" send 10.78.0.2 47001 "$mb" >"$RUN/t1" &
+    ip netns exec "${PREFIX}2" python3 "$py" send 10.78.0.1 47002 "$mb" >"$RUN/t2"
+    wait
+    k1="$(awk '/^cpu / { print $4 + $7 + $8; exit }' /proc/stat)"
+    t1="$(cat "$RUN/t1")"; t2="$(cat "$RUN/t2")"
+    awk -v mb="$mb" -v t1="$t1" -v t2="$t2" -v k="$((k1 - k0))" -v hz="$(getconf CLK_TCK)" 'BEGIN {
+        t = (t1 > t2 ? t1 : t2); if (t <= 0) { print "nan nan"; exit }
+        printf "%.2f %.3f\n", mb * 8e6 / t / 1e9, k * 1000 / hz / (2 * mb) }'
 }
 
 # --- one run ----------------------------------------------------------------------------------
@@ -247,7 +285,7 @@ EOF
     awk -v model="$model" -v w="$w" -v hosts="$HOSTS" -v rate="$RATE" -v bps="$RATE_BPS" \
         -v step="$step_ms" -v apply="$apply_ms" -v compute="$compute_ms" \
         -v n0="$n0" -v n1="$n1" -v b0="$b0" -v b1="$b1" -v c0="$c0" -v c1="$c1" \
-        -v hz="$(getconf CLK_TCK)" -v cores="$(nproc)" 'BEGIN {
+        -v hz="$(getconf CLK_TCK)" -v cores="$(nproc)" -v kms="$RAW_KMS_PER_MB" 'BEGIN {
         split(b0, x, " "); split(b1, y, " ")
         steps = n1 - n0; best = 0; which = ""
         for (k = 1; k in y; k++) {
@@ -255,6 +293,9 @@ EOF
             if (per > best) { best = per; which = "host " int((k + 1) / 2) (k % 2 ? " out" : " in") }
         }
         link_ms = best * 8 / bps * 1e3
+        sent = 0 # MB leaving all hosts per step (each host tx)
+        for (k = 1; k in y; k += 2) sent += (y[k] - x[k]) / steps / 1e6
+        tcp_ms = (kms == "nan") ? -1 : sent * kms
         cstep = compute + apply
         limit = cstep > link_ms ? cstep : link_ms
         # CPU: every process on the machine (the run, and the kernel network work)
@@ -262,18 +303,20 @@ EOF
         busy_ms = (q[1] - p[1]) * 1000 / hz / steps
         util = (q[3] > p[3]) ? (q[1] - p[1]) / (q[3] - p[3]) : 0
         steal = (q[3] > p[3]) ? (q[2] - p[2]) / (q[3] - p[3]) : 0
-        printf "| %s | %d | %d | %s | %.1f | %.1f + %.1f = %.1f | %.2f (%s) | %.1f | %.1f | %.2f | %.0f (%.0f%% busy, %.0f%% stolen) | %.1f |\n",
+        printf "| %s | %d | %d | %s | %.1f | %.1f + %.1f = %.1f | %.2f (%s) | %.1f | %.1f | %.2f | %.0f (%.0f%% busy, %.0f%% stolen) | %s | %.1f |\n",
             model == "small" ? "784-1024-1024-10" : "784-4096-4096-10", w, hosts, rate, step,
             compute, apply, cstep, best / 1e6, which, link_ms, limit, step / limit,
-            busy_ms, 100 * util, 100 * steal, busy_ms / cores
+            busy_ms, 100 * util, 100 * steal, tcp_ms < 0 ? "-" : sprintf("%.0f", tcp_ms), busy_ms / cores
     }'
 }
 
 echo "crosshost: $HOSTS hosts (network + /dev/shm namespaces) on a switch, each link $RATE each way; $(nproc) cores, load $(cut -d' ' -f1-3 /proc/loadavg)" >&2
+read -r RAW_GBIT RAW_KMS_PER_MB < <(raw_tcp)
+echo "raw TCP between hosts 1 and 2, one stream each way at once: $RAW_GBIT Gbit/s each way; the kernel spends $RAW_KMS_PER_MB core-ms per MB moved" >&2
 echo
 [ -n "$WIRE" ] && echo "[cluster] wire = \"$WIRE\" (gradients pushed over the network as $WIRE)"
-echo "| model | W | hosts | link | step ms (median) | compute step ms (fwd+bwd + apply) | busiest link MB/step | link ms | limit ms | step / limit | CPU core-ms/step | CPU floor ms |"
-echo "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"
+echo "| model | W | hosts | link | step ms (median) | compute step ms (fwd+bwd + apply) | busiest link MB/step | link ms | limit ms | step / limit | CPU core-ms/step | of which raw TCP would take | CPU floor ms |"
+echo "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
 status=0
 for model in $MODELS; do
     for w in $WORKERS; do

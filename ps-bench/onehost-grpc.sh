@@ -2,7 +2,8 @@
 # onehost-grpc.sh: the one-host gRPC data path, end to end. Starts S real `ps-server` shards and
 # W `ps-worker` processes on 127.0.0.1 with `[cluster] transport = "grpc"` (tensors through
 # gRPC although they share the host), MNIST, batch 64 per worker, plain SGD, and prints the
-# median `step_ms` of shard 0 after SKIP steps, with the workers' own pull/compute/push split.
+# median `step_ms` of shard 0 after SKIP steps, with the workers' own pull/compute/push split,
+# and the machine's busy CPU per step over the same steps (the floor: busy CPU / cores).
 #
 #   ps-bench/onehost-grpc.sh                       # 784-1024-1024-10, W = 2, S = 1, 300 steps
 #   HIDDEN="4096, 4096" STEPS=30 SKIP=5 S=2 ps-bench/onehost-grpc.sh
@@ -65,6 +66,20 @@ for r in $(seq 0 $((W - 1))); do
     "$BIN/ps-worker" --config "$RUN/config.toml" --rank "$r" >"$RUN/worker-$r.log" 2>&1 &
     PIDS+=("$!")
 done
+# the machine's busy CPU (every process, the kernel's TCP work included) between shard 0's
+# step SKIP and its last step, per step: "CPU floor" is that over the cores
+busy() { awk '/^cpu / { print $2 + $3 + $4 + $7 + $8; exit }' /proc/stat; }
+nlines() { [ -f "$RUN/out/metrics.jsonl" ] && wc -l <"$RUN/out/metrics.jsonl" || echo 0; }
+n0=""; c0=""; n1=""; c1=""
+while [ -z "$n1" ]; do
+    n="$(nlines)"
+    if [ -z "$n0" ] && [ "$n" -ge "$SKIP" ]; then c0="$(busy)"; n0="$(nlines)"; fi
+    if [ -n "$n0" ] && [ "$n" -ge "$STEPS" ]; then c1="$(busy)"; n1="$(nlines)"; fi
+    alive=0
+    for p in "${PIDS[@]}"; do kill -0 "$p" 2>/dev/null && alive=1; done
+    [ "$alive" = 0 ] && break
+    sleep 0.2
+done
 rc=0
 for p in "${PIDS[@]}"; do wait "$p" || rc=1; done
 PIDS=()
@@ -76,4 +91,9 @@ fi
 step="$(tail -n "+$((SKIP + 1))" "$RUN/out/metrics.jsonl" | grep -o '"step_ms":[-0-9.eE+]*' | cut -d: -f2 | sort -g \
     | awk '{v[NR] = $1} END { if (NR % 2) print v[(NR + 1) / 2]; else print (v[NR / 2] + v[NR / 2 + 1]) / 2 }')"
 split="$(sed -n 's/.*per step \(pull [0-9.]* ms, compute [0-9.]* ms, push [0-9.]* ms\).*/\1/p' "$RUN"/worker-*.log | tr '\n' ';')"
-echo "hidden [$HIDDEN] W=$W S=$S transport=$TRANSPORT ${WIRE:+wire=$WIRE }bin=$BIN: step ${step} ms (median after $SKIP of $STEPS); workers: $split load $load0 -> $(cut -d' ' -f1-3 /proc/loadavg)"
+cpu="CPU not sampled"
+if [ -n "$n1" ] && [ "$n1" -gt "$n0" ]; then
+    cpu="$(awk -v a="$c0" -v b="$c1" -v n="$((n1 - n0))" -v hz="$(getconf CLK_TCK)" -v cores="$(nproc)" \
+        'BEGIN { ms = (b - a) * 1000 / hz / n; printf "CPU %.0f core-ms/step, floor %.1f ms on %d cores", ms, ms / cores, cores }')"
+fi
+echo "hidden [$HIDDEN] W=$W S=$S transport=$TRANSPORT ${WIRE:+wire=$WIRE }bin=$BIN: step ${step} ms (median after $SKIP of $STEPS); $cpu; workers: $split load $load0 -> $(cut -d' ' -f1-3 /proc/loadavg)"
