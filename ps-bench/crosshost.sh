@@ -155,17 +155,17 @@ else:
     c.close(); print(time.time() - t)
 PY
     local k0 k1 t1 t2 rd
-    (ip netns exec "${PREFIX}2" python3 "$py" sink 47001 >"$RUN/sink2" &)
-    (ip netns exec "${PREFIX}1" python3 "$py" sink 47002 >"$RUN/sink1" &)
+    (timeout 60 ip netns exec "${PREFIX}2" python3 "$py" sink 47001 >"$RUN/sink2" 2>/dev/null &)
+    (timeout 60 ip netns exec "${PREFIX}1" python3 "$py" sink 47002 >"$RUN/sink1" 2>/dev/null &)
     for rd in 1 2 3 4 5 6 7 8 9 10; do grep -q ready "$RUN/sink1" "$RUN/sink2" 2>/dev/null && [ -s "$RUN/sink1" ] && [ -s "$RUN/sink2" ] && break; sleep 0.2; done
     k0="$(awk '/^cpu / { print $4 + $7 + $8; exit }' /proc/stat)"
-    ip netns exec "${PREFIX}1" python3 "$py" send 10.78.0.2 47001 "$mb" >"$RUN/t1" &
-    ip netns exec "${PREFIX}2" python3 "$py" send 10.78.0.1 47002 "$mb" >"$RUN/t2"
+    timeout 60 ip netns exec "${PREFIX}1" python3 "$py" send 10.78.0.2 47001 "$mb" >"$RUN/t1" 2>/dev/null &
+    timeout 60 ip netns exec "${PREFIX}2" python3 "$py" send 10.78.0.1 47002 "$mb" >"$RUN/t2" 2>/dev/null
     wait
     k1="$(awk '/^cpu / { print $4 + $7 + $8; exit }' /proc/stat)"
     t1="$(cat "$RUN/t1")"; t2="$(cat "$RUN/t2")"
     awk -v mb="$mb" -v t1="$t1" -v t2="$t2" -v k="$((k1 - k0))" -v hz="$(getconf CLK_TCK)" 'BEGIN {
-        t = (t1 > t2 ? t1 : t2); if (t <= 0) { print "nan nan"; exit }
+        t = (t1 > t2 ? t1 : t2); if (t1 <= 0 || t2 <= 0) { print "nan nan"; exit }
         printf "%.2f %.3f\n", mb * 8e6 / t / 1e9, k * 1000 / hz / (2 * mb) }'
 }
 
@@ -312,7 +312,11 @@ EOF
 
 echo "crosshost: $HOSTS hosts (network + /dev/shm namespaces) on a switch, each link $RATE each way; $(nproc) cores, load $(cut -d' ' -f1-3 /proc/loadavg)" >&2
 read -r RAW_GBIT RAW_KMS_PER_MB < <(raw_tcp)
-echo "raw TCP between hosts 1 and 2, one stream each way at once: $RAW_GBIT Gbit/s each way; the kernel spends $RAW_KMS_PER_MB core-ms per MB moved" >&2
+if [ "$RAW_GBIT" = nan ]; then
+    echo "raw TCP between hosts not measured (no python3, or its transfer failed): no raw TCP column" >&2
+else
+    echo "raw TCP between hosts 1 and 2, one stream each way at once: $RAW_GBIT Gbit/s each way; the kernel spends $RAW_KMS_PER_MB core-ms per MB moved" >&2
+fi
 echo
 [ -n "$WIRE" ] && echo "[cluster] wire = \"$WIRE\" (gradients pushed over the network as $WIRE)"
 echo "| model | W | hosts | link | step ms (median) | compute step ms (fwd+bwd + apply) | busiest link MB/step | link ms | limit ms | step / limit | CPU core-ms/step | of which raw TCP would take | CPU floor ms |"
