@@ -305,7 +305,14 @@ pub async fn read_bf16_into_vec<R: AsyncRead + Unpin>(
 ) -> Result<(), PsError> {
     buf.reserve_exact(n);
     let at = buf.len();
-    read_piece(r, &mut buf.spare_capacity_mut()[..n], Wire::Bf16, what, idle).await?;
+    read_piece(
+        r,
+        &mut buf.spare_capacity_mut()[..n],
+        Wire::Bf16,
+        what,
+        idle,
+    )
+    .await?;
     // SAFETY: the read initialised all n values after `at`.
     unsafe { buf.set_len(at + n) };
     Ok(())
@@ -361,8 +368,9 @@ pub async fn read_piece<R: AsyncRead + Unpin>(
     let vb = wire.value_bytes();
     // SAFETY: MaybeUninit<f32> as MaybeUninit<u8>: the first vb * n of the 4n bytes of `dst`,
     // alignment 1, within its lifetime.
-    let bytes =
-        unsafe { std::slice::from_raw_parts_mut(dst.as_mut_ptr().cast::<MaybeUninit<u8>>(), vb * n) };
+    let bytes = unsafe {
+        std::slice::from_raw_parts_mut(dst.as_mut_ptr().cast::<MaybeUninit<u8>>(), vb * n)
+    };
     read_uninit(r, bytes, what, idle).await?;
     if wire == Wire::Bf16 {
         let dst = dst.as_mut_ptr().cast::<f32>();
@@ -723,7 +731,9 @@ mod tests {
         for order in [&whole[..], &reversed[..], &shuffled[..]] {
             let frame = pieced(5, bytes, order);
             let mut got = vec![9.5f32];
-            read_pieced(&frame, 1000, Wire::F32, &mut got).await.unwrap();
+            read_pieced(&frame, 1000, Wire::F32, &mut got)
+                .await
+                .unwrap();
             assert_eq!(got[0], 9.5, "what the buffer held stays");
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&got[1..]), bits(&values), "pieces {order:?}");
@@ -822,7 +832,11 @@ mod tests {
                 .unwrap_err();
             assert!(matches!(e, PsError::BadChunk(_)), "{pieces:?}: {e:?}");
             assert!(e.to_string().contains(want), "{pieces:?}: {e}");
-            assert_eq!(got, [1.0, 2.0], "{pieces:?}: the buffer's length is untouched");
+            assert_eq!(
+                got,
+                [1.0, 2.0],
+                "{pieces:?}: the buffer's length is untouched"
+            );
         }
         // a piece's header past the end, checked before a byte of it is read
         let mut frame = frame_header(5, 4000 | PIECES).to_vec();
@@ -852,8 +866,9 @@ mod tests {
             .await
             .unwrap_err();
         assert!(
-            e.to_string()
-                .contains("push, piece at bytes 800..1600: the connection ended after 200 of 800 bytes"),
+            e.to_string().contains(
+                "push, piece at bytes 800..1600: the connection ended after 200 of 800 bytes"
+            ),
             "{e}"
         );
         // too many pieces
@@ -862,8 +877,14 @@ mod tests {
             cov.add(4 * i, 4, "push").unwrap();
         }
         let e = cov.add(4 * MAX_PIECES as u64, 4, "push").unwrap_err();
-        assert!(e.to_string().contains("expected at most 4096 pieces"), "{e}");
+        assert!(
+            e.to_string().contains("expected at most 4096 pieces"),
+            "{e}"
+        );
         assert!(!cov.complete());
-        assert_eq!(cov.first_gap(), Some((4 * MAX_PIECES as u64, 4 * (MAX_PIECES as u64 + 1))));
+        assert_eq!(
+            cov.first_gap(),
+            Some((4 * MAX_PIECES as u64, 4 * (MAX_PIECES as u64 + 1)))
+        );
     }
 }
