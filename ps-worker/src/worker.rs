@@ -206,14 +206,8 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
                         let buf = peer.piece_bufs.get_mut(sent[s]).and_then(Option::take);
                         let values = &tail[lo - start..hi - start];
                         let offset = lo - r.start;
-                        let bytes = encode_push_part(
-                            wire,
-                            values,
-                            offset,
-                            r.len(),
-                            &mut peer.encoder,
-                            buf,
-                        );
+                        let bytes =
+                            encode_push_part(wire, values, offset, r.len(), &mut peer.encoder, buf);
                         sent[s] += 1;
                         final_from[s] = lo;
                         let tx = senders[s].get_or_insert_with(|| {
