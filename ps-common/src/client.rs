@@ -888,7 +888,11 @@ impl ShardClient {
                     .map_err(stalled)?
                     .map_err(|e| e.to_string())?;
                 let mut covered = 0;
-                while let Some((at, b)) = pieces.recv().await {
+                // done at the last byte of the range, not at the sender's end: the shard may
+                // answer as soon as it has the last piece
+                while covered < total
+                    && let Some((at, b)) = pieces.recv().await
+                {
                     let w = crate::datalink::write_piece(&mut conn, (at * vb) as u64, &b);
                     tokio::time::timeout(DATA_IDLE, w)
                         .await
@@ -913,10 +917,16 @@ impl ShardClient {
             let mut written: Option<Result<(), String>> = None;
             let reply = loop {
                 tokio::select! {
+                    biased;
                     w = &mut write, if written.is_none() => written = Some(w),
                     r = &mut call => break r,
                 }
             };
+            if written.is_none() && reply.is_ok() {
+                // accepted: the last piece is written; let the writer say so
+                let w = tokio::time::timeout(DATA_IDLE, &mut write).await;
+                written = Some(w.unwrap_or_else(|_| Err(format!("no progress for {DATA_IDLE:?}"))));
+            }
             (reply, written)
         };
         match (reply, written) {
