@@ -74,6 +74,11 @@ pub(crate) struct Peer {
     pub(crate) generation: u64,
 }
 
+/// Fewest values a piece of a progressive push carries, except the last piece of a range: a
+/// smaller final part (a bias, a small last layer) waits for the next one, sparing a piece
+/// (and an earlier start of the push) that would save almost no time on the link.
+const MIN_PIECE_VALUES: usize = 1 << 16;
+
 /// Runs the worker to the end of the training run; returns its timing.
 pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
     let WorkerSetup {
@@ -200,8 +205,10 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
                         let peer = &mut peers[s];
                         let r = peer.range.clone();
                         let (lo, hi) = (start.max(r.start), final_from[s]);
-                        if lo >= hi {
-                            continue; // nothing new of this shard's range is final
+                        if lo >= hi || (hi - lo < MIN_PIECE_VALUES && lo > r.start) {
+                            // nothing new of this shard's range is final, or too little to be
+                            // worth a piece of its own: it goes with the next one
+                            continue;
                         }
                         let buf = peer.piece_bufs.get_mut(sent[s]).and_then(Option::take);
                         let values = &tail[lo - start..hi - start];
