@@ -453,6 +453,14 @@ impl ShardClient {
         self.data.is_some()
     }
 
+    /// Whether a data connection is offered and was not found unreachable (where it was,
+    /// requests go through gRPC chunks: a progressive push would only be assembled whole).
+    pub fn data_link_usable(&self) -> bool {
+        self.data
+            .as_ref()
+            .is_some_and(|d| !d.unreachable.load(std::sync::atomic::Ordering::Relaxed))
+    }
+
     /// Sets how this client's pushes encode their values over the network: registration then
     /// says it, and the bytes given to [`ShardClient::push`] must be encoded so
     /// (`crate::wire::encode_push`).

@@ -186,7 +186,7 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
         let mut unsent = peers.len();
         let progressive: Vec<bool> = peers
             .iter()
-            .map(|p| !p.ahead && !p.link.grad && p.client.has_data_link() && !p.range.is_empty())
+            .map(|p| !p.ahead && !p.link.grad && p.client.data_link_usable() && !p.range.is_empty())
             .collect();
         // per shard: where its final part starts (its range's end before any), the pieces
         // sent this step, and the sender of its push's pieces once it is under way
