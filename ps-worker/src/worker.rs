@@ -77,7 +77,7 @@ pub(crate) struct Peer {
 /// Fewest values a piece of a progressive push carries, except the last piece of a range: a
 /// smaller final part (a bias, a small last layer) waits for the next one, sparing a piece
 /// (and an earlier start of the push) that would save almost no time on the link.
-const MIN_PIECE_VALUES: usize = 1 << 16;
+pub const MIN_PIECE_VALUES: usize = 1 << 16;
 
 /// Runs the worker to the end of the training run; returns its timing.
 pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {

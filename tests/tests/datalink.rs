@@ -521,3 +521,49 @@ async fn pushes_in_pieces_in_any_order_give_the_whole_range_weights() {
         );
     }
 }
+
+/// Real workers over data connections (`transport = "grpc"`), on a model whose layers split
+/// a shard's range into parts that each go as a piece of their own, give the same weights,
+/// bit for bit, as with shared memory (whole ranges read in place).
+#[test]
+fn progressive_pushes_of_real_workers_give_the_shared_memory_weights() {
+    use ps_common::config::Transport;
+    use ps_tests::{Start, cluster_weights, run_cluster};
+    let mut results = Vec::new();
+    for transport in [Transport::Auto, Transport::Grpc] {
+        let spec = Spec {
+            shards: 2,
+            workers: 2,
+            hidden: vec![300, 300],
+            global_batch: 32,
+            steps: 6,
+            config: Spec::base().sgd(0.05, 0.5),
+            transport,
+            ..Spec::default()
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let (path, cfg) = spec.write(dir.path());
+        if transport == Transport::Grpc {
+            // the last shard's range starts inside the first layer: backward makes the
+            // second layer's part final first, then the rest; both parts are big enough to be
+            // pieces of their own (the last layer's part waits for the next piece)
+            let layout = cfg.layout();
+            let r = layout.shard_ranges(2)[1].clone();
+            let (w2, _) = layout.layer(1);
+            let min = ps_worker::worker::MIN_PIECE_VALUES;
+            assert!(
+                r.start < w2.start && w2.start - r.start >= min,
+                "{r:?} {w2:?}"
+            );
+            assert!(r.end - w2.start >= min, "{r:?} {w2:?}");
+        }
+        run_cluster(&path, &cfg, &Start::default());
+        results.push(cluster_weights(&cfg));
+    }
+    let bits = |w: &[f32]| w.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+    assert_eq!(
+        bits(&results[0]),
+        bits(&results[1]),
+        "shared memory and data connections differ"
+    );
+}
