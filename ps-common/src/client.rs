@@ -65,6 +65,10 @@ pub enum ClientError {
         /// The status, with the code mapped from the server's `PsError`.
         status: Status,
     },
+    /// The request could not be completed on this side: the pieces of a progressive push
+    /// stopped before they covered its range (the gradient's computation failed).
+    #[error("{0}")]
+    Incomplete(String),
     /// The shard answered, but not as the contract says (or not what this client expects).
     #[error("shard {shard}: {message}")]
     BadReply {
@@ -122,7 +126,9 @@ impl ClientError {
         match self {
             ClientError::Unreachable { .. } => true,
             ClientError::Refused { status, .. } => is_retryable_code(status.code()),
-            ClientError::BadAddress(_) | ClientError::BadReply { .. } => false,
+            ClientError::BadAddress(_)
+            | ClientError::BadReply { .. }
+            | ClientError::Incomplete(_) => false,
         }
     }
 }
@@ -202,6 +208,10 @@ pub fn push_messages_of(
     }
     msgs
 }
+
+/// The pieces of a progressive push ([`ShardClient::push_progressive`]): each its offset in
+/// values from the start of the shard's range, and its bytes as the client's wire encodes them.
+pub type PieceReceiver = tokio::sync::mpsc::UnboundedReceiver<(usize, Bytes)>;
 
 /// Longest a read or write on a data connection may wait for progress before the request is
 /// given up (a pull then falls back to gRPC chunks; a push is retried).
@@ -441,6 +451,14 @@ impl ShardClient {
     /// Whether pushes and pulls go through a data connection.
     pub fn has_data_link(&self) -> bool {
         self.data.is_some()
+    }
+
+    /// Whether a data connection is offered and was not found unreachable (where it was,
+    /// requests go through gRPC chunks: a progressive push would only be assembled whole).
+    pub fn data_link_usable(&self) -> bool {
+        self.data
+            .as_ref()
+            .is_some_and(|d| !d.unreachable.load(std::sync::atomic::Ordering::Relaxed))
     }
 
     /// Sets how this client's pushes encode their values over the network: registration then
@@ -741,6 +759,182 @@ impl ShardClient {
                     r = &mut call => break r,
                 }
             };
+            (reply, written)
+        };
+        match (reply, written) {
+            (Ok(r), Some(Ok(()))) => {
+                link.put(conn).await;
+                Ok(r.into_inner())
+            }
+            (Ok(_), _) => Err(self.bad(format!(
+                "accepted the gradient of step {} before its frame was written",
+                header.step
+            ))),
+            (Err(st), Some(Err(e))) if is_retryable_code(st.code()) => Err(unavailable(e)),
+            (Err(st), _) => Err(refused(self.shard, what.clone())(st)),
+        }
+    }
+
+    /// A push whose values come from `pieces` as they become final (each: its offset in
+    /// values from the start of the range, and its bytes encoded for this client's wire; the
+    /// sender is dropped once they cover `header.len` values): on the data connection, the
+    /// frame's header goes at once and each piece as it arrives, while the gRPC call waits
+    /// for the shard's answer. Where that is not possible (no data connection, or it cannot
+    /// be opened) or fails in a way a retry may overcome, the range is assembled from the
+    /// pieces and pushed whole by [`ShardClient::push_retrying`]. Returns the answer and the
+    /// pieces received, whose buffers the caller may reuse.
+    pub async fn push_progressive(
+        &self,
+        header: PushHeader,
+        mut pieces: PieceReceiver,
+        chunk_bytes: usize,
+    ) -> (Result<PushReply, ClientError>, Vec<(usize, Bytes)>) {
+        let mut got = Vec::new();
+        let link = self
+            .data
+            .as_ref()
+            .filter(|l| l.rank_number == header.rank && !header.shm && header.len > 0);
+        if let Some(link) = link {
+            match link.take().await {
+                Ok(conn) => {
+                    let r = self
+                        .push_pieces_on_link(link, conn, header, &mut pieces, &mut got)
+                        .await;
+                    match r {
+                        Err(e) if e.is_retryable() => {
+                            tracing::warn!(
+                                "push of step {} to shard {} failed ({e}); pushing it again whole",
+                                header.step,
+                                self.shard
+                            );
+                            tokio::time::sleep(Duration::from_millis(200)).await;
+                        }
+                        r => return (r, got),
+                    }
+                }
+                Err(e) => tracing::debug!(
+                    "shard {}: cannot open the data connection ({e}); pushing step {} whole through gRPC",
+                    self.shard,
+                    header.step
+                ),
+            }
+        }
+        while let Some(p) = pieces.recv().await {
+            got.push(p);
+        }
+        let bytes = match self.assemble(header, &got) {
+            Ok(b) => b,
+            Err(e) => return (Err(e), got),
+        };
+        (self.push_retrying(header, &bytes, chunk_bytes).await, got)
+    }
+
+    /// The whole range of a progressive push from its `pieces`, which must cover it exactly.
+    fn assemble(
+        &self,
+        header: PushHeader,
+        pieces: &[(usize, Bytes)],
+    ) -> Result<Bytes, ClientError> {
+        let vb = self.wire.value_bytes();
+        let total = header.len as usize * vb;
+        let what = format!("push of step {} to shard {}", header.step, self.shard);
+        let mut cov = crate::datalink::Coverage::new(total as u64, self.wire);
+        let mut whole = bytes::BytesMut::zeroed(total);
+        for (at, b) in pieces {
+            let at = at * vb;
+            cov.add(at as u64, b.len() as u64, &what)
+                .map_err(|e| ClientError::Incomplete(e.to_string()))?;
+            whole[at..at + b.len()].copy_from_slice(b);
+        }
+        if let Some((a, b)) = cov.first_gap() {
+            return Err(ClientError::Incomplete(format!(
+                "{what}: its pieces stopped with bytes {a}..{b} of {total} missing (the gradient was not computed to the end)"
+            )));
+        }
+        Ok(whole.freeze())
+    }
+
+    /// A progressive push on the data connection `conn`: the header on gRPC, the frame's
+    /// header at once and each piece of `pieces` as it arrives (kept in `got`). Failures as
+    /// [`ShardClient::push_on_link`].
+    async fn push_pieces_on_link(
+        &self,
+        link: &DataLink,
+        mut conn: tokio::net::TcpStream,
+        header: PushHeader,
+        pieces: &mut PieceReceiver,
+        got: &mut Vec<(usize, Bytes)>,
+    ) -> Result<PushReply, ClientError> {
+        let what = format!(
+            "shard {} refused the gradient of step {}",
+            self.shard, header.step
+        );
+        let unavailable = |e: String| ClientError::Refused {
+            shard: self.shard,
+            what: what.clone(),
+            status: Status::unavailable(format!("data connection: {e}")),
+        };
+        let vb = self.wire.value_bytes();
+        let total = header.len as usize * vb;
+        let mut request = tonic::Request::new(tokio_stream::iter(vec![PushChunk {
+            header: Some(header),
+            offset: 0,
+            data: Bytes::new(),
+        }]));
+        request
+            .metadata_mut()
+            .insert(DATA_RANK_KEY, link.rank.clone());
+        let mut rpc = self.rpc.clone();
+        let call = rpc.push(request);
+        tokio::pin!(call);
+        let (reply, written) = {
+            let write = async {
+                let stalled = |_| format!("no progress for {DATA_IDLE:?}");
+                let w = crate::datalink::write_pieces_header(&mut conn, header.step, total as u64);
+                tokio::time::timeout(DATA_IDLE, w)
+                    .await
+                    .map_err(stalled)?
+                    .map_err(|e| e.to_string())?;
+                let mut covered = 0;
+                // done at the last byte of the range, not at the sender's end: the shard may
+                // answer as soon as it has the last piece
+                while covered < total
+                    && let Some((at, b)) = pieces.recv().await
+                {
+                    let w = crate::datalink::write_piece(&mut conn, (at * vb) as u64, &b);
+                    tokio::time::timeout(DATA_IDLE, w)
+                        .await
+                        .map_err(stalled)?
+                        .map_err(|e| e.to_string())?;
+                    covered += b.len();
+                    got.push((at, b));
+                }
+                if covered != total {
+                    // the shard must not wait for the rest: it sees the frame end here
+                    let _ = tokio::io::AsyncWriteExt::shutdown(&mut conn).await;
+                    return Err(format!(
+                        "the gradient's pieces stopped at {covered} of {total} bytes"
+                    ));
+                }
+                tokio::time::timeout(DATA_IDLE, tokio::io::AsyncWriteExt::flush(&mut conn))
+                    .await
+                    .map_err(stalled)?
+                    .map_err(|e| e.to_string())
+            };
+            tokio::pin!(write);
+            let mut written: Option<Result<(), String>> = None;
+            let reply = loop {
+                tokio::select! {
+                    biased;
+                    w = &mut write, if written.is_none() => written = Some(w),
+                    r = &mut call => break r,
+                }
+            };
+            if written.is_none() && reply.is_ok() {
+                // accepted: the last piece is written; let the writer say so
+                let w = tokio::time::timeout(DATA_IDLE, &mut write).await;
+                written = Some(w.unwrap_or_else(|_| Err(format!("no progress for {DATA_IDLE:?}"))));
+            }
             (reply, written)
         };
         match (reply, written) {

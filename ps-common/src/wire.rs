@@ -155,10 +155,31 @@ impl Bf16Encoder {
     /// Appends the bfloat16 bytes of `values` plus the residual to `out`, updating the
     /// residual. A residual of another length (the first push, or a new range) starts at zero.
     pub fn encode_into(&mut self, values: &[f32], out: &mut BytesMut) {
-        if self.residual.len() != values.len() {
+        self.encode_part_into(values, 0, values.len(), out);
+    }
+
+    /// [`Bf16Encoder::encode_into`] for the part of a range of `range_len` values that starts
+    /// at value `offset` (the pieces of a push sent as backward makes them final): the part
+    /// uses and updates its own values of the range's residual, so that encoding a range in
+    /// parts, in any order, gives the same bytes and residual as encoding it whole. A residual
+    /// of another length starts at zero.
+    pub fn encode_part_into(
+        &mut self,
+        values: &[f32],
+        offset: usize,
+        range_len: usize,
+        out: &mut BytesMut,
+    ) {
+        assert!(
+            offset + values.len() <= range_len,
+            "a part at {offset} of {} values inside a range of {range_len}",
+            values.len()
+        );
+        if self.residual.len() != range_len {
             self.residual.clear();
-            self.residual.resize(values.len(), 0.0);
+            self.residual.resize(range_len, 0.0);
         }
+        let residual = &mut self.residual[offset..offset + values.len()];
         let at = out.len();
         out.resize(at + values.len() * 2, 0);
         let dst = &mut out[at..];
@@ -166,7 +187,7 @@ impl Bf16Encoder {
         // `f32_to_bf16`, and a zero residual where `g + r` is not finite
         for ((&g, r), o) in values
             .iter()
-            .zip(self.residual.iter_mut())
+            .zip(residual.iter_mut())
             .zip(dst.chunks_exact_mut(2))
         {
             let v = g + *r;
@@ -184,6 +205,18 @@ impl Bf16Encoder {
     /// Encodes `values` into `buf`, reusing its allocation when nobody else holds it (as
     /// [`f32_to_bytes_reusing`]).
     pub fn encode_reusing(&mut self, values: &[f32], buf: Option<Bytes>) -> Bytes {
+        self.encode_part_reusing(values, 0, values.len(), buf)
+    }
+
+    /// [`Bf16Encoder::encode_part_into`] into `buf`, reusing its allocation when nobody else
+    /// holds it.
+    pub fn encode_part_reusing(
+        &mut self,
+        values: &[f32],
+        offset: usize,
+        range_len: usize,
+        buf: Option<Bytes>,
+    ) -> Bytes {
         let mut b = match buf.map(Bytes::try_into_mut) {
             Some(Ok(mut b)) => {
                 b.clear();
@@ -191,7 +224,7 @@ impl Bf16Encoder {
             }
             _ => BytesMut::with_capacity(values.len() * 2),
         };
-        self.encode_into(values, &mut b);
+        self.encode_part_into(values, offset, range_len, &mut b);
         b.freeze()
     }
 }
@@ -207,6 +240,23 @@ pub fn encode_push(
     match wire {
         Wire::F32 => f32_to_bytes_reusing(values, buf),
         Wire::Bf16 => encoder.encode_reusing(values, buf),
+    }
+}
+
+/// [`encode_push`] for the part of a range of `range_len` values that starts at value
+/// `offset` (a piece of a progressive push): bfloat16 parts use their own values of the
+/// range's residual ([`Bf16Encoder::encode_part_into`]).
+pub fn encode_push_part(
+    wire: Wire,
+    values: &[f32],
+    offset: usize,
+    range_len: usize,
+    encoder: &mut Bf16Encoder,
+    buf: Option<Bytes>,
+) -> Bytes {
+    match wire {
+        Wire::F32 => f32_to_bytes_reusing(values, buf),
+        Wire::Bf16 => encoder.encode_part_reusing(values, offset, range_len, buf),
     }
 }
 
@@ -382,6 +432,16 @@ impl StreamCheck {
         }
         self.at = end;
         Ok(())
+    }
+
+    /// Takes values already decoded (widened from bfloat16 on that wire) that claim to start
+    /// at value `offset`: the same as [`StreamCheck::push`] of their encoded bytes.
+    pub fn push_values(&mut self, offset: u64, values: &[f32]) -> Result<(), PsError> {
+        let saved = self.wire;
+        self.wire = Wire::F32;
+        let r = self.push(offset, as_le_bytes(values));
+        self.wire = saved;
+        r
     }
 
     /// The fingerprint, or what is wrong with the whole.
@@ -608,6 +668,40 @@ mod tests {
             assert!(back.is_nan(), "{bits:#x} -> {h:#x}");
             assert_eq!(back.is_sign_negative(), bits >> 31 == 1);
         }
+    }
+
+    #[test]
+    fn bf16_parts_in_any_order_encode_as_the_whole_range() {
+        let mut whole = Bf16Encoder::new();
+        let mut parts = Bf16Encoder::new();
+        for step in 0..3 {
+            let g: Vec<f32> = (0..1000)
+                .map(|i| ((i * (step + 1)) as f32 * 0.37).sin() * 1e-3 + 1.0)
+                .collect();
+            let want = whole.encode_reusing(&g, None);
+            // last part first, as backward makes them final
+            let mut got = vec![0u8; 2000];
+            for (a, b) in [(700, 1000), (300, 700), (0, 300)] {
+                let p = encode_push_part(Wire::Bf16, &g[a..b], a, 1000, &mut parts, None);
+                got[2 * a..2 * b].copy_from_slice(&p);
+            }
+            assert_eq!(&got[..], &want[..], "step {step}");
+            assert_eq!(parts.residual(), whole.residual(), "step {step}");
+            // the check of decoded values is the check of the bytes
+            let mut decoded = vec![0f32; 1000];
+            decode_bf16(&mut decoded, &want);
+            let mut a = StreamCheck::new(1000).on_wire(Wire::Bf16);
+            a.push(0, &want[..600]).unwrap();
+            a.push(300, &want[600..]).unwrap();
+            let mut b = StreamCheck::new(1000).on_wire(Wire::Bf16);
+            b.push(0, &want[..600]).unwrap();
+            b.push_values(300, &decoded[300..]).unwrap();
+            let fp = a.finish().unwrap();
+            assert_eq!(b.finish().unwrap(), fp);
+            assert_eq!(check_and_fingerprint(&decoded).unwrap(), fp);
+        }
+        let f = encode_push_part(Wire::F32, &[1.5, -2.0], 7, 9, &mut parts, None);
+        assert_eq!(&f[..], as_le_bytes(&[1.5, -2.0]));
     }
 
     #[test]

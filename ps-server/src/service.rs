@@ -329,15 +329,10 @@ impl ShardService {
         let (wire, idle) = (self.wire, self.stream_idle);
         let read = async {
             let bytes = (wire.value_bytes() * len) as u64;
-            datalink::read_frame_header_on(&mut conn, step, bytes, wire, &what, idle).await?;
-            match wire {
-                Wire::F32 => {
-                    datalink::read_values_into_vec(&mut conn, &mut values, len, &what, idle).await
-                }
-                Wire::Bf16 => {
-                    datalink::read_bf16_into_vec(&mut conn, &mut values, len, &what, idle).await
-                }
-            }
+            let pieces =
+                datalink::read_push_header(&mut conn, step, bytes, wire, &what, idle).await?;
+            datalink::read_push_into_vec(&mut conn, &mut values, len, wire, pieces, &what, idle)
+                .await
         };
         if let Err(e) = read.await {
             self.shard.return_buffer(values);
@@ -359,30 +354,106 @@ impl ShardService {
         let (data, mut conn) = self.frame_conn(first, stream, rank).await?;
         let len = self.shard.len();
         let what = format!("push of step {step} from rank {rank} (data connection)");
-        let vb = self.wire.value_bytes();
-        datalink::read_frame_header_on(
-            &mut conn,
-            step,
-            (vb * len) as u64,
-            self.wire,
-            &what,
-            self.stream_idle,
-        )
-        .await?;
-        let mut check = StreamCheck::new(len).on_wire(self.wire);
-        let mut piece = vec![0u8; ps_common::wire::DEFAULT_CHUNK_BYTES.min(vb * len.max(1))];
-        let mut at = 0usize;
-        while at < len {
-            let n = (len - at).min(piece.len() / vb);
-            datalink::read_all(&mut conn, &mut piece[..vb * n], &what, self.stream_idle).await?;
-            check.push(at as u64, &piece[..vb * n])?;
-            at += n;
+        let (wire, idle) = (self.wire, self.stream_idle);
+        let vb = wire.value_bytes();
+        let total = (vb * len) as u64;
+        let pieces = datalink::read_push_header(&mut conn, step, total, wire, &what, idle).await?;
+        let mut check = StreamCheck::new(len).on_wire(wire);
+        let mut scratch = vec![0u8; ps_common::wire::DEFAULT_CHUNK_BYTES.min(vb * len.max(1))];
+        if !pieces {
+            stream_check(&mut conn, &mut check, &mut scratch, 0, len, vb, &what, idle).await?;
+        } else {
+            // pieces in ascending contiguous order stream through the check; from the first
+            // one out of order on, the rest is read into a buffer (under a permit, as a kept
+            // gradient's is) and checked in order once complete
+            let mut cov = datalink::Coverage::new(total, wire);
+            let mut held: Option<(Vec<f32>, crate::shard::intake::Permit)> = None;
+            let mut streamed = 0usize;
+            let read = async {
+                while !cov.complete() {
+                    let (offset, n) =
+                        datalink::read_piece_header(&mut conn, &cov, &what, idle).await?;
+                    cov.add(offset, n, &what)?;
+                    let (v0, count) = ((offset / vb as u64) as usize, (n / vb as u64) as usize);
+                    let piece = format!("{what}, piece at bytes {offset}..{}", offset + n);
+                    if held.is_none() && v0 == streamed {
+                        stream_check(
+                            &mut conn,
+                            &mut check,
+                            &mut scratch,
+                            v0,
+                            count,
+                            vb,
+                            &piece,
+                            idle,
+                        )
+                        .await?;
+                        streamed += count;
+                        continue;
+                    }
+                    if held.is_none() {
+                        let permit = self.shard.try_permit(rank, step).ok_or_else(|| {
+                            PsError::Unavailable(format!(
+                                "{what}: a gradient already counted came again with its pieces out of order, and no gradient buffer is free to check it (max_pending_gradients): push it again"
+                            ))
+                        })?;
+                        let mut buf = self.shard.take_buffer();
+                        buf.clear();
+                        buf.resize(len, 0.0);
+                        held = Some((buf, permit));
+                    }
+                    let (buf, _) = held.as_mut().expect("held just above");
+                    datalink::read_piece_into(
+                        &mut conn,
+                        &mut buf[v0..v0 + count],
+                        wire,
+                        &piece,
+                        idle,
+                    )
+                    .await?;
+                }
+                if let Some((buf, _)) = &held {
+                    check.push_values(streamed as u64, &buf[streamed..])?;
+                }
+                Ok::<_, PsError>(())
+            };
+            let read = read.await;
+            if let Some((buf, permit)) = held {
+                self.shard.return_buffer(buf);
+                drop(permit);
+            }
+            read?;
         }
         let fp = check.finish()?;
         data.put_read(rank, conn).await;
         Ok(fp)
     }
+}
 
+/// Streams `count` values (encoded `vb` bytes each) of a push frame from `conn` through
+/// `check`, from value `at`, `scratch` at a time.
+#[allow(clippy::too_many_arguments)]
+async fn stream_check<R: tokio::io::AsyncRead + Unpin>(
+    conn: &mut R,
+    check: &mut StreamCheck,
+    scratch: &mut [u8],
+    mut at: usize,
+    count: usize,
+    vb: usize,
+    what: &str,
+    idle: Duration,
+) -> PsResult<()> {
+    let end = at + count;
+    while at < end {
+        let n = (end - at).min(scratch.len() / vb);
+        datalink::read_all(conn, &mut scratch[..vb * n], what, idle).await?;
+        check.push(at as u64, &scratch[..vb * n])?;
+        at += n;
+    }
+    Ok(())
+}
+
+impl ShardService {
     /// Checks that a data-connection push's gRPC stream holds its header alone, and takes the
     /// rank's connection.
     async fn frame_conn(

@@ -17,7 +17,7 @@ use ps_common::layout::{shard_ranges, split_even};
 use ps_common::order::BatchPlanner;
 use ps_common::pb::{LeaveRequest, PushHeader, RegisterRequest};
 use ps_common::shm::{Board, BoardDir, grad_path, shm_root};
-use ps_common::wire::{Bf16Encoder, encode_push};
+use ps_common::wire::{Bf16Encoder, encode_push, encode_push_part};
 use std::ops::Range;
 use std::time::{Duration, Instant};
 
@@ -61,6 +61,9 @@ pub(crate) struct Peer {
     pub(crate) ahead: bool,
     /// The gradient bytes of the last push through gRPC, reused once its RPC has released them.
     pub(crate) push_buf: Option<Bytes>,
+    /// The pieces of the last progressive push, in the order they were sent (each step sends
+    /// the same pieces in the same order), reused likewise.
+    pub(crate) piece_bufs: Vec<Option<Bytes>>,
     /// With `[cluster] wire = "bf16"`: the rounding error this worker carries into its next
     /// push to this shard (error feedback). It survives across steps and is reset to zero when
     /// the worker rejoins or recovers from a lost shard (the steps redone start afresh: a
@@ -70,6 +73,11 @@ pub(crate) struct Peer {
     /// recovery from a lost shard).
     pub(crate) generation: u64,
 }
+
+/// Fewest values a piece of a progressive push carries, except the last piece of a range: a
+/// smaller final part (a bias, a small last layer) waits for the next one, sparing a piece
+/// (and an earlier start of the push) that would save almost no time on the link.
+pub const MIN_PIECE_VALUES: usize = 1 << 16;
 
 /// Runs the worker to the end of the training run; returns its timing.
 pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
@@ -169,11 +177,23 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
             eval_count: eval.1,
             shm: false,
         };
-        // backward hands over the gradient last layer first: push each shard's range as soon as
-        // it is final, while the earlier layers are still being computed
+        // backward hands over the gradient last layer first: a shard on a data connection gets
+        // each part of its range as soon as it is final, as a piece of one push; the others get
+        // their whole range as soon as all of it is final; both while the earlier layers are
+        // still being computed
         let runtime = tokio::runtime::Handle::current();
         let mut pushes = Vec::with_capacity(peers.len());
         let mut unsent = peers.len();
+        let progressive: Vec<bool> = peers
+            .iter()
+            .map(|p| !p.ahead && !p.link.grad && p.client.data_link_usable() && !p.range.is_empty())
+            .collect();
+        // per shard: where its final part starts (its range's end before any), the pieces
+        // sent this step, and the sender of its push's pieces once it is under way
+        let mut final_from: Vec<usize> = peers.iter().map(|p| p.range.end).collect();
+        let mut sent = vec![0usize; peers.len()];
+        let mut senders: Vec<Option<tokio::sync::mpsc::UnboundedSender<(usize, Bytes)>>> =
+            (0..peers.len()).map(|_| None).collect();
         tokio::task::block_in_place(|| {
             backend.forward_backward_overlapped(
                 &x,
@@ -181,12 +201,52 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
                 cfg.train.loss_reduction,
                 grad,
                 &mut |start, tail, stats| {
+                    for s in (0..peers.len()).filter(|&s| progressive[s]) {
+                        let peer = &mut peers[s];
+                        let r = peer.range.clone();
+                        let (lo, hi) = (start.max(r.start), final_from[s]);
+                        if lo >= hi || (hi - lo < MIN_PIECE_VALUES && lo > r.start) {
+                            // nothing new of this shard's range is final, or too little to be
+                            // worth a piece of its own: it goes with the next one
+                            continue;
+                        }
+                        let buf = peer.piece_bufs.get_mut(sent[s]).and_then(Option::take);
+                        let values = &tail[lo - start..hi - start];
+                        let offset = lo - r.start;
+                        let bytes =
+                            encode_push_part(wire, values, offset, r.len(), &mut peer.encoder, buf);
+                        sent[s] += 1;
+                        final_from[s] = lo;
+                        let tx = senders[s].get_or_insert_with(|| {
+                            let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+                            let h = PushHeader {
+                                len: r.len() as u64,
+                                ..header(stats)
+                            };
+                            let client = peer.client.clone();
+                            pushes.push(runtime.spawn(async move {
+                                let (reply, pieces) =
+                                    client.push_progressive(h, rx, chunk_bytes).await;
+                                reply?;
+                                let bufs = pieces.into_iter().map(|(_, b)| b).collect();
+                                Ok::<_, anyhow::Error>((s, bufs))
+                            }));
+                            tx
+                        });
+                        // a push that ended early (refused) no longer takes pieces: its
+                        // error is what the step reports
+                        let _ = tx.send((offset, bytes));
+                        if lo == r.start {
+                            senders[s] = None; // the whole range is on its way
+                        }
+                    }
                     while unsent > 0 && peers[unsent - 1].range.start >= start {
                         unsent -= 1;
                         let s = unsent;
                         let peer = &mut peers[s];
-                        if peer.ahead {
-                            continue; // this shard applied step t already
+                        if peer.ahead || progressive[s] {
+                            // applied step t already, or pushed piece by piece
+                            continue;
                         }
                         let r = &peer.range;
                         // the shard reads the range in this worker's gradient board, or
@@ -206,17 +266,19 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
                         let client = peer.client.clone();
                         pushes.push(runtime.spawn(async move {
                             client.push_retrying(h, &bytes, chunk_bytes).await?;
-                            Ok::<_, anyhow::Error>((s, bytes))
+                            Ok::<_, anyhow::Error>((s, vec![bytes]))
                         }));
                     }
                 },
             )
         })?;
+        drop(senders);
         let t2 = Instant::now();
         let mut refused = None;
         for p in pushes {
             match p.await.context("push task")? {
-                Ok((s, bytes)) => peers[s].push_buf = Some(bytes),
+                Ok((s, mut bufs)) if !progressive[s] => peers[s].push_buf = bufs.pop(),
+                Ok((s, bufs)) => peers[s].piece_bufs = bufs.into_iter().map(Some).collect(),
                 Err(e) => {
                     refused.get_or_insert(e);
                 }
@@ -305,6 +367,7 @@ pub(crate) async fn register_all(
             link: ShmLink::default(),
             ahead: false,
             push_buf: None,
+            piece_bufs: Vec::new(),
             encoder: Bf16Encoder::new(),
             generation: 0,
         });

@@ -6,7 +6,7 @@
 use ps_common::PROTOCOL_VERSION;
 use ps_common::auth::ClientSecurity;
 use ps_common::client::{DATA_RANK_KEY, ShardClient};
-use ps_common::datalink::{HELLO_NO, HELLO_OK, Hello, frame_header};
+use ps_common::datalink::{HELLO_NO, HELLO_OK, Hello, PIECES, frame_header, piece_header};
 use ps_common::pb::{PushChunk, PushHeader, RegisterRequest};
 use ps_common::wire::{as_le_bytes, f32_to_bytes};
 use ps_launch::{LocalCluster, bin_dir};
@@ -331,5 +331,239 @@ async fn the_data_port_follows_the_config() {
         err.contains("[server] data_port_offset = 65535: the gRPC port")
             && err.contains("is past 65535"),
         "{err}"
+    );
+}
+
+/// Two steps of a 1-shard, 2-worker cluster, both ranks pushing `g0` (rank 0) and `g1` (rank 1)
+/// each step; with `pieces`, rank 1 first sends a push whose pieces overlap (refused, by name),
+/// then its gradient of step 0 as raw pieces in reverse order on its data connection, and rank
+/// 0 its gradient of step 1 through `push_progressive` in shuffled pieces, then again (a retry
+/// checked out of order: in a buffer under a permit when `max_pending` leaves one free, else
+/// refused as retryable and pushed again whole). Returns the weights of version 2.
+async fn two_steps(pieces: bool, max_pending: usize) -> Vec<u32> {
+    let spec = Spec {
+        shards: 1,
+        workers: 2,
+        hidden: vec![4],
+        steps: 2,
+        config: Spec::base()
+            .sgd(0.5, 0.0)
+            .max_pending_gradients(max_pending),
+        ..Spec::default()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let (path, cfg) = spec.write(dir.path());
+    let n = cfg.layout().num_params();
+    let mut cluster = LocalCluster::new(bin_dir(), path, Some(dir.path().join("logs")));
+    cluster
+        .start_servers(1, &[], Duration::from_secs(60))
+        .unwrap();
+    let sec = ClientSecurity::default();
+    let reg = |rank: u32| RegisterRequest {
+        protocol_version: PROTOCOL_VERSION,
+        rank,
+        world_size: 2,
+        num_params: n as u64,
+        shard: 0,
+        num_shards: 1,
+        shared_memory: false,
+        grad_file: String::new(),
+        grad_token: 0,
+        model: Vec::new(),
+    };
+    let connect = || ShardClient::connect(0, &cluster.addrs[0], &sec, Duration::from_secs(10));
+    let mut c = connect().await.unwrap();
+    let r0 = c.register(reg(0)).await.unwrap();
+    let mut c1 = connect().await.unwrap();
+    c1.register(reg(1)).await.unwrap();
+    let host = cluster.addrs[0].rsplit_once(':').unwrap().0.to_string();
+    let data_addr = format!("{host}:{}", r0.data_port);
+    let g0: Vec<f32> = (0..n).map(|i| ((i % 13) as f32 - 6.0) * 0.01).collect();
+    let g1: Vec<f32> = (0..n).map(|i| ((i % 7) as f32 - 3.0) * 0.02).collect();
+    let total = 4 * n as u64;
+    let raw_push = |h: PushHeader| {
+        let mut req = tonic::Request::new(tokio_stream::iter(vec![PushChunk {
+            header: Some(h),
+            offset: 0,
+            data: bytes::Bytes::new(),
+        }]));
+        req.metadata_mut()
+            .insert(DATA_RANK_KEY, "1".parse().unwrap());
+        req
+    };
+    let open_rank1 = || async {
+        let hello_1 = Hello {
+            rank: 1,
+            token: Vec::new(),
+            run_id: String::new(),
+        }
+        .encode();
+        let (conn, a) = hello(&data_addr, &hello_1).await;
+        assert_eq!(a, Some(HELLO_OK));
+        conn
+    };
+    // a frame of byte ranges of `bytes` sent in the given order, as pieces
+    let frame = |bytes: &[u8], ranges: &[(usize, usize)]| {
+        let mut f = frame_header(0, total | PIECES).to_vec();
+        for &(a, b) in ranges {
+            f.extend_from_slice(&piece_header(a as u64, (b - a) as u64));
+            f.extend_from_slice(&bytes[a..b]);
+        }
+        f
+    };
+    let t = total as usize;
+    if pieces {
+        // overlapping pieces: refused by name, nothing counted
+        let mut conn = open_rank1().await;
+        let mut rpc = c.rpc().clone();
+        let call = tokio::spawn(async move { rpc.push(raw_push(header(1, 0, n))).await });
+        conn.write_all(&frame(as_le_bytes(&g1), &[(0, 800), (400, 1200)]))
+            .await
+            .unwrap();
+        let e = call.await.unwrap().unwrap_err();
+        assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+        assert!(
+            e.message().contains(&format!(
+                "push of step 0 from rank 1 (data connection): piece at byte 400 of {total} overlaps the piece at bytes 0..800"
+            )),
+            "{e:?}"
+        );
+        drop(conn);
+        // its gradient in reverse order on a new connection: counted
+        let mut conn = open_rank1().await;
+        let mut rpc = c.rpc().clone();
+        let call = tokio::spawn(async move { rpc.push(raw_push(header(1, 0, n))).await });
+        let reversed = [(8000, t), (4000, 8000), (0, 4000)];
+        conn.write_all(&frame(as_le_bytes(&g1), &reversed))
+            .await
+            .unwrap();
+        let r = call.await.unwrap().unwrap().into_inner();
+        assert_eq!((r.counted, r.ranks_in), (true, 1));
+    } else {
+        let r = c1
+            .push(header(1, 0, n), &f32_to_bytes(&g1), 4096)
+            .await
+            .unwrap();
+        assert_eq!((r.counted, r.ranks_in), (true, 1));
+    }
+    let r = c
+        .push(header(0, 0, n), &f32_to_bytes(&g0), 4096)
+        .await
+        .unwrap();
+    assert_eq!((r.counted, r.ranks_in), (true, 2));
+    // step 1
+    let mut w = vec![0f32; n];
+    c.pull_into(1, false, None, &mut w).await.unwrap();
+    if pieces {
+        // shuffled value ranges of g0 through the client's progressive push
+        let ranges = [(2000, 2500), (0, 700), (2500, n), (700, 2000)];
+        for counted in [true, false] {
+            let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+            for &(a, b) in &ranges {
+                tx.send((a, f32_to_bytes(&g0[a..b]))).unwrap();
+            }
+            drop(tx);
+            let (reply, got) = c.push_progressive(header(0, 1, n), rx, 4096).await;
+            let r = reply.unwrap();
+            assert_eq!(
+                (r.counted, r.ranks_in),
+                (counted, 1),
+                "a retry is recognised"
+            );
+            assert_eq!(got.len(), ranges.len());
+        }
+        // pieces that stop short are never sent as a whole
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        tx.send((700, f32_to_bytes(&g0[700..]))).unwrap();
+        drop(tx);
+        let e = c
+            .push_progressive(header(0, 1, n), rx, 4096)
+            .await
+            .0
+            .unwrap_err();
+        assert!(!e.is_retryable(), "{e}");
+        let want = if max_pending > 2 {
+            // the shard checked it in a buffer and saw the frame end
+            format!(
+                "the connection ended with pieces covering {} of {total} bytes: expected a piece for bytes 0..2800",
+                total - 2800
+            )
+        } else {
+            // no buffer free to check it: pushed again whole, which it cannot be
+            format!("its pieces stopped with bytes 0..2800 of {total} missing")
+        };
+        assert!(e.to_string().contains(&want), "{e}");
+    } else {
+        let r = c
+            .push(header(0, 1, n), &f32_to_bytes(&g0), 4096)
+            .await
+            .unwrap();
+        assert_eq!((r.counted, r.ranks_in), (true, 1));
+    }
+    let r = c1
+        .push(header(1, 1, n), &f32_to_bytes(&g1), 4096)
+        .await
+        .unwrap();
+    assert_eq!((r.counted, r.ranks_in), (true, 2));
+    let mut w = vec![0f32; n];
+    c.pull_into(2, false, None, &mut w).await.unwrap();
+    w.iter().map(|v| v.to_bits()).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pushes_in_pieces_in_any_order_give_the_whole_range_weights() {
+    let whole = two_steps(false, 2).await;
+    for max_pending in [2, 4] {
+        let pieces = two_steps(true, max_pending).await;
+        assert_eq!(
+            pieces, whole,
+            "the same weights, bit for bit (max_pending_gradients {max_pending})"
+        );
+    }
+}
+
+/// Real workers over data connections (`transport = "grpc"`), on a model whose layers split
+/// a shard's range into parts that each go as a piece of their own, give the same weights,
+/// bit for bit, as with shared memory (whole ranges read in place).
+#[test]
+fn progressive_pushes_of_real_workers_give_the_shared_memory_weights() {
+    use ps_common::config::Transport;
+    use ps_tests::{Start, cluster_weights, run_cluster};
+    let mut results = Vec::new();
+    for transport in [Transport::Auto, Transport::Grpc] {
+        let spec = Spec {
+            shards: 2,
+            workers: 2,
+            hidden: vec![300, 300],
+            global_batch: 32,
+            steps: 6,
+            config: Spec::base().sgd(0.05, 0.5),
+            transport,
+            ..Spec::default()
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let (path, cfg) = spec.write(dir.path());
+        if transport == Transport::Grpc {
+            // the last shard's range starts inside the first layer: backward makes the
+            // second layer's part final first, then the rest; both parts are big enough to be
+            // pieces of their own (the last layer's part waits for the next piece)
+            let layout = cfg.layout();
+            let r = layout.shard_ranges(2)[1].clone();
+            let (w2, _) = layout.layer(1);
+            let min = ps_worker::worker::MIN_PIECE_VALUES;
+            assert!(
+                r.start < w2.start && w2.start - r.start >= min,
+                "{r:?} {w2:?}"
+            );
+            assert!(r.end - w2.start >= min, "{r:?} {w2:?}");
+        }
+        run_cluster(&path, &cfg, &Start::default());
+        results.push(cluster_weights(&cfg));
+    }
+    let bits = |w: &[f32]| w.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+    assert_eq!(
+        bits(&results[0]),
+        bits(&results[1]),
+        "shared memory and data connections differ"
     );
 }

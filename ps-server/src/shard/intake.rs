@@ -295,6 +295,16 @@ impl Shard {
         }
     }
 
+    /// A permit to hold a buffer for a push of `rank` for `step` when one is free now (as
+    /// [`Gate::try_grant`]: never the last one the awaited rank needs), without waiting: for a
+    /// push checked, not kept, whose pieces came out of order (its fingerprint needs them in
+    /// order).
+    pub fn try_permit(&self, rank: u32, step: u64) -> Option<Permit> {
+        let st = self.lock();
+        self.gate
+            .try_grant(rank, step, st.barrier.step(), st.barrier.awaited())
+    }
+
     /// Waits for the turn of a push of `rank` for `step`: `Some(permit)` to receive a gradient
     /// the step needs into a buffer, `None` to check one that will not be kept as it streams
     /// in. Until then the push's stream is not read (it waits under flow control).
