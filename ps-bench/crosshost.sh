@@ -33,7 +33,7 @@
 # Environment: RATE (tc rate, default 4.8gbit), HOSTS (default 2), WORKERS (default "2 4"),
 # MODELS ("small large": 784-1024-1024-10 and 784-4096-4096-10), STEPS_SMALL / STEPS_LARGE
 # (default 300 / 40), SKIP_SMALL / SKIP_LARGE (default 20 / 5), BIN (default target/release),
-# WIRE ("bf16" pushes gradients over the network as bfloat16: `[cluster] wire`; unset: the
+# DDP=0 (skip the PyTorch DDP reference run after each row), WIRE ("bf16" pushes gradients over the network as bfloat16: `[cluster] wire`; unset: the
 # default f32), KEEP=1 keeps the run directory (configs, logs, metrics). Prints a markdown table; exits 2
 # with one line saying why when it cannot run. Traffic stays inside the namespaces, which are
 # removed at exit.
@@ -169,6 +169,34 @@ PY
         printf "%.2f %.3f\n", mb * 8e6 / t / 1e9, k * 1000 / hz / (2 * mb) }'
 }
 
+# --- PyTorch DDP in the same hosts --------------------------------------------------------------
+# A python with torch: $PYTHON, else the Python worker's environment (scripts/python-tests.sh
+# makes it), else python3; empty when none imports torch (the DDP column then says "-").
+find_torch() {
+    [ "${DDP:-1}" = 0 ] && return
+    local py
+    for py in "${PYTHON:-}" "$ROOT/target/pyenv/bin/python" python3; do
+        [ -n "$py" ] && command -v "$py" >/dev/null && "$py" -c 'import torch.distributed' 2>/dev/null \
+            && { command -v "$py"; return; }
+    done
+}
+
+# ddp HIDDEN W STEPS SKIP: PyTorch DDP (gloo) with W ranks placed as the workers are (rank r on
+# host r % H), same MLP, batch and timed window; prints "MS_PER_STEP BUSY_CORE_MS_PER_STEP", or
+# "nan nan" when it fails.
+ddp() {
+    [ -n "$TORCH_PY" ] || { echo nan nan; return; }
+    local r out="$RUN/ddp-$2-$1"
+    for r in $(seq $(($2 - 1)) -1 0); do
+        timeout 600 ip netns exec "$PREFIX$((r % HOSTS + 1))" "$TORCH_PY" "$ROOT/ps-bench/ddp_host.py" \
+            --rank "$r" --world "$2" --master 10.78.0.1 --ifname eth0 --hidden "${1// /}" \
+            --steps "$3" --skip "$4" >"$out.$r" 2>&1 &
+    done
+    wait
+    sed -n 's/^ddp ms\/step \([0-9.]*\) busy-core-ms\/step \([0-9.]*\)$/\1 \2/p' "$out.0" | grep . \
+        || { echo "crosshost: DDP failed: $(tail -n 1 "$out.0")" >&2; echo nan nan; }
+}
+
 # --- one run ----------------------------------------------------------------------------------
 # run MODEL W: prints one markdown row; returns non-zero on failure (with the logs' tails)
 run() {
@@ -282,10 +310,11 @@ EOF
     compute_ms="$(cat "$dir"/logs/worker-*.log | sed -n 's/.*per step pull [0-9.]* ms, compute \([0-9.]*\) ms.*/\1/p' \
         | sort -g | tail -n 1)"
     [ -n "$compute_ms" ] || { echo "crosshost: $model W=$w: no worker timing line in the logs" >&2; return 1; }
+    local ddp_ms ddp_cpu; read -r ddp_ms ddp_cpu < <(ddp "$hidden" "$w" "$steps" "$skip")
     awk -v model="$model" -v w="$w" -v hosts="$HOSTS" -v rate="$RATE" -v bps="$RATE_BPS" \
         -v step="$step_ms" -v apply="$apply_ms" -v compute="$compute_ms" \
         -v n0="$n0" -v n1="$n1" -v b0="$b0" -v b1="$b1" -v c0="$c0" -v c1="$c1" \
-        -v hz="$(getconf CLK_TCK)" -v cores="$(nproc)" -v kms="$RAW_KMS_PER_MB" 'BEGIN {
+        -v hz="$(getconf CLK_TCK)" -v cores="$(nproc)" -v kms="$RAW_KMS_PER_MB" -v ddp="$ddp_ms" -v ddp_cpu="$ddp_cpu" 'BEGIN {
         split(b0, x, " "); split(b1, y, " ")
         steps = n1 - n0; best = 0; which = ""
         for (k = 1; k in y; k++) {
@@ -303,10 +332,11 @@ EOF
         busy_ms = (q[1] - p[1]) * 1000 / hz / steps
         util = (q[3] > p[3]) ? (q[1] - p[1]) / (q[3] - p[3]) : 0
         steal = (q[3] > p[3]) ? (q[2] - p[2]) / (q[3] - p[3]) : 0
-        printf "| %s | %d | %d | %s | %.1f | %.1f + %.1f = %.1f | %.2f (%s) | %.1f | %.1f | %.2f | %.0f (%.0f%% busy, %.0f%% stolen) | %s | %.1f |\n",
+        printf "| %s | %d | %d | %s | %.1f | %.1f + %.1f = %.1f | %.2f (%s) | %.1f | %.1f | %.2f | %.0f (%.0f%% busy, %.0f%% stolen) | %s | %.1f | %s | %s |\n",
             model == "small" ? "784-1024-1024-10" : "784-4096-4096-10", w, hosts, rate, step,
             compute, apply, cstep, best / 1e6, which, link_ms, limit, step / limit,
-            busy_ms, 100 * util, 100 * steal, tcp_ms < 0 ? "-" : sprintf("%.0f", tcp_ms), busy_ms / cores
+            busy_ms, 100 * util, 100 * steal, tcp_ms < 0 ? "-" : sprintf("%.0f", tcp_ms), busy_ms / cores,
+            ddp == "nan" ? "-" : sprintf("%.1f (%.0f core-ms)", ddp, ddp_cpu), ddp == "nan" ? "-" : sprintf("%.2f", step / ddp)
     }'
 }
 
@@ -319,8 +349,14 @@ else
 fi
 echo
 [ -n "$WIRE" ] && echo "[cluster] wire = \"$WIRE\" (gradients pushed over the network as $WIRE)"
-echo "| model | W | hosts | link | step ms (median) | compute step ms (fwd+bwd + apply) | busiest link MB/step | link ms | limit ms | step / limit | CPU core-ms/step | of which raw TCP would take | CPU floor ms |"
-echo "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+TORCH_PY="$(find_torch)"
+if [ -n "$TORCH_PY" ]; then
+    echo "PyTorch DDP (gloo, one thread per rank, ranks placed as the workers) runs after each row in the same hosts: $TORCH_PY" >&2
+else
+    echo "no DDP column (DDP=0, or no python with torch: PYTHON, target/pyenv from scripts/python-tests.sh, python3)" >&2
+fi
+echo "| model | W | hosts | link | step ms (median) | compute step ms (fwd+bwd + apply) | busiest link MB/step | link ms | limit ms | step / limit | CPU core-ms/step | of which raw TCP would take | CPU floor ms | PyTorch DDP ms/step (CPU core-ms/step) | step / DDP |"
+echo "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
 status=0
 for model in $MODELS; do
     for w in $WORKERS; do

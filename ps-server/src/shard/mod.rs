@@ -621,22 +621,23 @@ impl Shard {
     /// The current parameters as bytes for gRPC pulls, and their version: shared by every
     /// pull of the version (with a board, copied out of it at the version's first gRPC pull).
     pub fn snapshot(&self) -> PsResult<(u64, Bytes)> {
-        {
-            let st = self.lock();
+        let reuse = {
+            let mut st = self.lock();
             if let Some(why) = &st.failed {
                 return Err(PsError::Unavailable(why.clone()));
             }
             if let Some(snap) = st.store.snapshot(st.barrier.step()) {
                 return Ok((st.barrier.step(), snap));
             }
-        }
-        let (version, values) = self.params()?;
-        let snap = store::shared_bytes(Arc::new(values));
+            st.store.take_snapshot_buffer()
+        };
+        let (version, values) = self.params_into(reuse.unwrap_or_default())?;
+        let values = Arc::new(values);
         let mut st = self.lock();
         if st.barrier.step() == version {
-            st.store.keep_snapshot(version, snap.clone());
+            return Ok((version, st.store.keep_snapshot(version, values)));
         }
-        Ok((version, snap))
+        Ok((version, store::shared_bytes(values)))
     }
 
     /// The parameters of `version` when it is the one before the current version and this
@@ -667,13 +668,18 @@ impl Shard {
 
     /// A copy of the current parameters and their version (final weights, gRPC pulls).
     pub fn params(&self) -> PsResult<(u64, Vec<f32>)> {
+        self.params_into(Vec::new())
+    }
+
+    /// [`Shard::params`] copied into `values` (its allocation reused when it has the length).
+    fn params_into(&self, mut values: Vec<f32>) -> PsResult<(u64, Vec<f32>)> {
         for _ in 0..100 {
             let (version, source) = {
                 let st = self.lock();
                 (st.barrier.step(), st.store.source())
             };
             // fails only if two updates completed during the copy: then copy the newer one
-            if let Some(values) = source.read(version) {
+            if source.read_into(version, &mut values) {
                 return Ok((version, values));
             }
         }

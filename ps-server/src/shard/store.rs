@@ -15,6 +15,10 @@ pub struct Store {
     /// The current version as bytes shared by every gRPC pull without a copy: always there
     /// with heap storage (a view of it), made at the first gRPC pull of a version with a board.
     snapshot: Option<(u64, Bytes)>,
+    /// The values behind the last snapshot copied out of a board, taken back as the next
+    /// snapshot's buffer once no pull holds them (no allocation, zero-fill or page faults per
+    /// version).
+    board_snapshot: Option<Arc<Vec<f32>>>,
 }
 
 #[derive(Debug)]
@@ -42,11 +46,25 @@ impl Source {
     /// A copy of `version` (the one this source was taken at); None when a board no longer
     /// holds it complete (two updates completed during the copy).
     pub fn read(&self, version: u64) -> Option<Vec<f32>> {
+        let mut values = Vec::new();
+        self.read_into(version, &mut values).then_some(values)
+    }
+
+    /// [`Source::read`] into `values`, whose allocation is reused when it has the length
+    /// already (no zero-fill then: the copy overwrites every value); false when a board no
+    /// longer holds `version` complete (`values` then holds a torn copy).
+    pub fn read_into(&self, version: u64, values: &mut Vec<f32>) -> bool {
         match self {
-            Source::Values(v) => Some(v.to_vec()),
+            Source::Values(v) => {
+                values.clear();
+                values.extend_from_slice(v);
+                true
+            }
             Source::Board(b) => {
-                let mut values = vec![0f32; b.len()];
-                b.read_version(version, &mut values).then_some(values)
+                if values.len() != b.len() {
+                    *values = vec![0f32; b.len()];
+                }
+                b.read_version(version, values)
             }
         }
     }
@@ -109,6 +127,7 @@ impl Store {
         let params = Arc::new(params);
         Self {
             snapshot: Some((version, shared_bytes(params.clone()))),
+            board_snapshot: None,
             kind: Kind::Heap {
                 params,
                 spare: None,
@@ -137,9 +156,23 @@ impl Store {
         }
     }
 
-    /// Keeps `bytes` as the shared bytes of `version`.
-    pub fn keep_snapshot(&mut self, version: u64, bytes: Bytes) {
-        self.snapshot = Some((version, bytes));
+    /// Keeps `values`, copied out of the board, as the shared bytes of `version`; returns them.
+    pub fn keep_snapshot(&mut self, version: u64, values: Arc<Vec<f32>>) -> Bytes {
+        let bytes = shared_bytes(values.clone());
+        self.snapshot = Some((version, bytes.clone()));
+        self.board_snapshot = Some(values);
+        bytes
+    }
+
+    /// The buffer of the last board snapshot when no pull holds it any more (and it is not the
+    /// current snapshot), to copy the next version into.
+    pub fn take_snapshot_buffer(&mut self) -> Option<Vec<f32>> {
+        if self.snapshot.is_some() {
+            return None;
+        }
+        self.board_snapshot
+            .take()
+            .and_then(|v| Arc::try_unwrap(v).ok())
     }
 
     /// Where to copy the current version from.
