@@ -325,4 +325,53 @@ mod tests {
         drop(dir);
         std::fs::remove_dir_all(&root).unwrap();
     }
+
+    #[test]
+    fn a_board_snapshot_buffer_comes_back_only_when_no_pull_holds_it() {
+        let root = std::env::temp_dir().join(format!("ps-store-snap-{}", std::process::id()));
+        std::fs::create_dir_all(&root).unwrap();
+        let dir = ps_common::shm::BoardDir::create(&root, "store").unwrap();
+        let board = Board::create(&dir.path().join("params"), dir.token(), 3, 2).unwrap();
+        let mut s = Store::heap(0, vec![1.0, 2.0, 3.0]);
+        s.move_to_board(board, 0);
+        let commit = |s: &mut Store, v: u64| {
+            let mut u = s.begin(v);
+            write(&mut u, 1.0);
+            s.commit(u);
+        };
+        commit(&mut s, 1);
+        assert_eq!(s.take_snapshot_buffer(), None, "no board snapshot yet");
+        let values = Arc::new(current(&s, 1));
+        let held = s.keep_snapshot(1, values);
+        assert_eq!(s.snapshot(1).as_deref(), Some(&held[..]));
+        assert_eq!(s.take_snapshot_buffer(), None, "it is the current snapshot");
+        commit(&mut s, 2);
+        assert_eq!(
+            s.snapshot(2),
+            None,
+            "a new version has no snapshot until asked"
+        );
+        assert_eq!(
+            s.take_snapshot_buffer(),
+            None,
+            "a pull still holds version 1's bytes"
+        );
+        // ... and the buffer is dropped with that pull, not given back later
+        drop(held);
+        assert_eq!(s.take_snapshot_buffer(), None);
+        let values = Arc::new(current(&s, 2));
+        let ptr2 = values.as_ptr();
+        drop(s.keep_snapshot(2, values));
+        commit(&mut s, 3);
+        let mut back = s
+            .take_snapshot_buffer()
+            .expect("no pull holds version 2's bytes");
+        assert_eq!((back.as_ptr(), &back[..]), (ptr2, &[3.0, 4.0, 5.0][..]));
+        assert_eq!(s.take_snapshot_buffer(), None, "given back once");
+        // the next version is copied into it, without a new allocation
+        assert!(s.source().read_into(3, &mut back));
+        assert_eq!((back.as_ptr(), &back[..]), (ptr2, &[4.0, 5.0, 6.0][..]));
+        drop(dir);
+        std::fs::remove_dir_all(&root).unwrap();
+    }
 }
