@@ -23,6 +23,10 @@
 #   hypervisor gave to other guests. "of which raw TCP would take": the MB leaving every host
 #   per step times the kernel CPU that plain TCP between two of these hosts costs per MB,
 #   measured before the runs (python3 sockets, both directions at once; "-" without python3).
+# - PyTorch DDP: right after each row, ps-bench/ddp_host.py (gloo, one thread per rank) runs
+#   the same MLP, batch and timed steps in the same hosts, ranks placed as the workers; its
+#   ms/step, the machine's busy CPU per step over its timed steps, and step / DDP ("-" with
+#   DDP=0 or without a python that imports torch: $PYTHON, target/pyenv, python3).
 #
 # Usage (root; iproute2 with `ip netns`, `tc`, `unshare`; binaries built with
 # `cargo build --release --bins`):
@@ -33,9 +37,10 @@
 # Environment: RATE (tc rate, default 4.8gbit), HOSTS (default 2), WORKERS (default "2 4"),
 # MODELS ("small large": 784-1024-1024-10 and 784-4096-4096-10), STEPS_SMALL / STEPS_LARGE
 # (default 300 / 40), SKIP_SMALL / SKIP_LARGE (default 20 / 5), BIN (default target/release),
-# DDP=0 (skip the PyTorch DDP reference run after each row), WIRE ("bf16" pushes gradients over the network as bfloat16: `[cluster] wire`; unset: the
-# default f32), KEEP=1 keeps the run directory (configs, logs, metrics). Prints a markdown table; exits 2
-# with one line saying why when it cannot run. Traffic stays inside the namespaces, which are
+# SHARDS_PER_HOST (default 1), DDP=0 (no DDP run), WIRE ("bf16" pushes gradients over the
+# network as bfloat16: `[cluster] wire`; unset: the default f32), KEEP=1 keeps the run
+# directory (configs, logs, metrics). Prints a markdown table; exits 2 with one line saying
+# why when it cannot run. Traffic stays inside the namespaces, which are
 # removed at exit.
 set -uo pipefail
 
