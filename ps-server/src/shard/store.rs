@@ -312,28 +312,34 @@ mod tests {
         exercise(s);
     }
 
-    #[test]
-    fn board_begin_commit_previous_abandon() {
-        let root = std::env::temp_dir().join(format!("ps-store-test-{}", std::process::id()));
+    /// A store of [1, 2, 3] at version 0 moved into a board of a fresh directory under
+    /// `<tmp>/<name>-<pid>`, with that directory (remove it with [`remove_board_dir`]).
+    fn board_store(name: &str) -> (Store, ps_common::shm::BoardDir, std::path::PathBuf) {
+        let root = std::env::temp_dir().join(format!("{name}-{}", std::process::id()));
         std::fs::create_dir_all(&root).unwrap();
         let dir = ps_common::shm::BoardDir::create(&root, "store").unwrap();
         let board = Board::create(&dir.path().join("params"), dir.token(), 3, 2).unwrap();
         let mut s = Store::heap(0, vec![1.0, 2.0, 3.0]);
         s.move_to_board(board, 0);
         assert!(s.is_board());
-        exercise(s);
+        (s, dir, root)
+    }
+
+    fn remove_board_dir(dir: ps_common::shm::BoardDir, root: std::path::PathBuf) {
         drop(dir);
         std::fs::remove_dir_all(&root).unwrap();
     }
 
     #[test]
+    fn board_begin_commit_previous_abandon() {
+        let (s, dir, root) = board_store("ps-store-test");
+        exercise(s);
+        remove_board_dir(dir, root);
+    }
+
+    #[test]
     fn a_board_snapshot_buffer_comes_back_only_when_no_pull_holds_it() {
-        let root = std::env::temp_dir().join(format!("ps-store-snap-{}", std::process::id()));
-        std::fs::create_dir_all(&root).unwrap();
-        let dir = ps_common::shm::BoardDir::create(&root, "store").unwrap();
-        let board = Board::create(&dir.path().join("params"), dir.token(), 3, 2).unwrap();
-        let mut s = Store::heap(0, vec![1.0, 2.0, 3.0]);
-        s.move_to_board(board, 0);
+        let (mut s, dir, root) = board_store("ps-store-snap");
         let commit = |s: &mut Store, v: u64| {
             let mut u = s.begin(v);
             write(&mut u, 1.0);
@@ -371,7 +377,6 @@ mod tests {
         // the next version is copied into it, without a new allocation
         assert!(s.source().read_into(3, &mut back));
         assert_eq!((back.as_ptr(), &back[..]), (ptr2, &[4.0, 5.0, 6.0][..]));
-        drop(dir);
-        std::fs::remove_dir_all(&root).unwrap();
+        remove_board_dir(dir, root);
     }
 }
