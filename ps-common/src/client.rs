@@ -213,6 +213,23 @@ pub fn push_messages_of(
 /// values from the start of the shard's range, and its bytes as the client's wire encodes them.
 pub type PieceReceiver = tokio::sync::mpsc::UnboundedReceiver<(usize, Bytes)>;
 
+/// The gRPC half of a push whose values go on `link`: `header` alone, naming the connection's
+/// rank so that the shard reads the frame from it.
+fn header_on_link(
+    link: &DataLink,
+    header: PushHeader,
+) -> tonic::Request<tokio_stream::Iter<std::vec::IntoIter<PushChunk>>> {
+    let mut request = tonic::Request::new(tokio_stream::iter(vec![PushChunk {
+        header: Some(header),
+        offset: 0,
+        data: Bytes::new(),
+    }]));
+    request
+        .metadata_mut()
+        .insert(DATA_RANK_KEY, link.rank.clone());
+    request
+}
+
 /// Longest a read or write on a data connection may wait for progress before the request is
 /// given up (a pull then falls back to gRPC chunks; a push is retried).
 pub const DATA_IDLE: Duration = Duration::from_secs(60);
@@ -704,15 +721,6 @@ impl ShardClient {
         bytes: &Bytes,
         chunk_bytes: usize,
     ) -> Result<PushReply, ClientError> {
-        let what = format!(
-            "shard {} refused the gradient of step {}",
-            self.shard, header.step
-        );
-        let unavailable = |e: String| ClientError::Refused {
-            shard: self.shard,
-            what: what.clone(),
-            status: Status::unavailable(format!("data connection: {e}")),
-        };
         let mut conn = match link.take().await {
             Ok(c) => c,
             Err(e) => {
@@ -728,19 +736,11 @@ impl ShardClient {
                     .push(tokio_stream::iter(msgs))
                     .await
                     .map(|r| r.into_inner())
-                    .map_err(refused(self.shard, what));
+                    .map_err(refused(self.shard, self.refused_push(header.step)));
             }
         };
-        let mut request = tonic::Request::new(tokio_stream::iter(vec![PushChunk {
-            header: Some(header),
-            offset: 0,
-            data: Bytes::new(),
-        }]));
-        request
-            .metadata_mut()
-            .insert(DATA_RANK_KEY, link.rank.clone());
         let mut rpc = self.rpc.clone();
-        let call = rpc.push(request);
+        let call = rpc.push(header_on_link(link, header));
         tokio::pin!(call);
         let (reply, written) = {
             let write = crate::datalink::write_frame(&mut conn, header.step, bytes);
@@ -761,17 +761,41 @@ impl ShardClient {
             };
             (reply, written)
         };
+        self.settle_link_push(link, conn, header.step, reply, written)
+            .await
+    }
+
+    /// What a refusal of this client's push of `step` says it was.
+    fn refused_push(&self, step: u64) -> String {
+        format!("shard {} refused the gradient of step {step}", self.shard)
+    }
+
+    /// The outcome of a push on a data connection from the shard's `reply` and what became of
+    /// its frame (`written`, None when the reply came first): the connection goes back to
+    /// `link` when both succeeded; a retryable refusal whose frame failed says why the frame
+    /// failed.
+    async fn settle_link_push(
+        &self,
+        link: &DataLink,
+        conn: tokio::net::TcpStream,
+        step: u64,
+        reply: Result<tonic::Response<PushReply>, Status>,
+        written: Option<Result<(), String>>,
+    ) -> Result<PushReply, ClientError> {
         match (reply, written) {
             (Ok(r), Some(Ok(()))) => {
                 link.put(conn).await;
                 Ok(r.into_inner())
             }
             (Ok(_), _) => Err(self.bad(format!(
-                "accepted the gradient of step {} before its frame was written",
-                header.step
+                "accepted the gradient of step {step} before its frame was written"
             ))),
-            (Err(st), Some(Err(e))) if is_retryable_code(st.code()) => Err(unavailable(e)),
-            (Err(st), _) => Err(refused(self.shard, what.clone())(st)),
+            (Err(st), Some(Err(e))) if is_retryable_code(st.code()) => Err(ClientError::Refused {
+                shard: self.shard,
+                what: self.refused_push(step),
+                status: Status::unavailable(format!("data connection: {e}")),
+            }),
+            (Err(st), _) => Err(refused(self.shard, self.refused_push(step))(st)),
         }
     }
 
@@ -865,27 +889,10 @@ impl ShardClient {
         pieces: &mut PieceReceiver,
         got: &mut Vec<(usize, Bytes)>,
     ) -> Result<PushReply, ClientError> {
-        let what = format!(
-            "shard {} refused the gradient of step {}",
-            self.shard, header.step
-        );
-        let unavailable = |e: String| ClientError::Refused {
-            shard: self.shard,
-            what: what.clone(),
-            status: Status::unavailable(format!("data connection: {e}")),
-        };
         let vb = self.wire.value_bytes();
         let total = header.len as usize * vb;
-        let mut request = tonic::Request::new(tokio_stream::iter(vec![PushChunk {
-            header: Some(header),
-            offset: 0,
-            data: Bytes::new(),
-        }]));
-        request
-            .metadata_mut()
-            .insert(DATA_RANK_KEY, link.rank.clone());
         let mut rpc = self.rpc.clone();
-        let call = rpc.push(request);
+        let call = rpc.push(header_on_link(link, header));
         tokio::pin!(call);
         let (reply, written) = {
             let write = async {
@@ -937,18 +944,8 @@ impl ShardClient {
             }
             (reply, written)
         };
-        match (reply, written) {
-            (Ok(r), Some(Ok(()))) => {
-                link.put(conn).await;
-                Ok(r.into_inner())
-            }
-            (Ok(_), _) => Err(self.bad(format!(
-                "accepted the gradient of step {} before its frame was written",
-                header.step
-            ))),
-            (Err(st), Some(Err(e))) if is_retryable_code(st.code()) => Err(unavailable(e)),
-            (Err(st), _) => Err(refused(self.shard, what.clone())(st)),
-        }
+        self.settle_link_push(link, conn, header.step, reply, written)
+            .await
     }
 
     /// [`ShardClient::push`], made again after a retryable failure (up to [`PUSH_RETRIES`]

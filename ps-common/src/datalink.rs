@@ -275,44 +275,22 @@ async fn read_uninit<R: AsyncRead + Unpin>(
     Ok(())
 }
 
-/// Appends exactly `n` values read from `r` to `buf` (its spare capacity is written by the
-/// reads, never zeroed first), no read waiting longer than `idle`.
+/// Appends exactly `n` values read from `r`, encoded as `wire` says, to `buf` (its spare
+/// capacity is written by the reads, never zeroed first), no read waiting longer than `idle`.
+/// bfloat16 bytes are read into the first half of the values' spare capacity and widened in
+/// place from the last value back, so that no value is overwritten before it is read and no
+/// second buffer is needed.
 pub async fn read_values_into_vec<R: AsyncRead + Unpin>(
     r: &mut R,
     buf: &mut Vec<f32>,
     n: usize,
+    wire: Wire,
     what: &str,
     idle: Duration,
 ) -> Result<(), PsError> {
     buf.reserve_exact(n);
     let at = buf.len();
-    read_piece(r, &mut buf.spare_capacity_mut()[..n], Wire::F32, what, idle).await?;
-    // SAFETY: the read initialised all n values after `at`.
-    unsafe { buf.set_len(at + n) };
-    Ok(())
-}
-
-/// Appends exactly `n` values read from `r` as little-endian bfloat16 (`2 * n` bytes,
-/// `[cluster] wire = "bf16"`) to `buf`, widened to f32: the bytes are read into the first half
-/// of the values' spare capacity and widened in place from the last value back, so that no
-/// value is overwritten before it is read and no second buffer is needed.
-pub async fn read_bf16_into_vec<R: AsyncRead + Unpin>(
-    r: &mut R,
-    buf: &mut Vec<f32>,
-    n: usize,
-    what: &str,
-    idle: Duration,
-) -> Result<(), PsError> {
-    buf.reserve_exact(n);
-    let at = buf.len();
-    read_piece(
-        r,
-        &mut buf.spare_capacity_mut()[..n],
-        Wire::Bf16,
-        what,
-        idle,
-    )
-    .await?;
+    read_piece(r, &mut buf.spare_capacity_mut()[..n], wire, what, idle).await?;
     // SAFETY: the read initialised all n values after `at`.
     unsafe { buf.set_len(at + n) };
     Ok(())
@@ -606,7 +584,7 @@ mod tests {
             .await
             .unwrap();
         let mut got = vec![1.5f32];
-        read_values_into_vec(&mut r, &mut got, 1000, "frame", idle)
+        read_values_into_vec(&mut r, &mut got, 1000, Wire::F32, "frame", idle)
             .await
             .unwrap();
         assert_eq!(got[0], 1.5);
@@ -647,7 +625,7 @@ mod tests {
             .await
             .unwrap();
         let mut got = vec![7.0f32];
-        read_bf16_into_vec(&mut r, &mut got, 1001, "frame", idle)
+        read_values_into_vec(&mut r, &mut got, 1001, Wire::Bf16, "frame", idle)
             .await
             .unwrap();
         assert_eq!(got[0], 7.0);
@@ -675,7 +653,7 @@ mod tests {
             .await
             .unwrap();
         let mut got = Vec::new();
-        let e = read_bf16_into_vec(&mut r, &mut got, 1001, "frame", idle)
+        let e = read_values_into_vec(&mut r, &mut got, 1001, Wire::Bf16, "frame", idle)
             .await
             .unwrap_err();
         assert!(

@@ -239,3 +239,24 @@ pub fn push_header(rank: u32, step: u64, len: usize) -> ps_common::pb::PushHeade
         shm: false,
     }
 }
+
+/// The registration of `rank` of `world` workers with the only shard of a cluster of
+/// `num_params` parameters, over the network (no shared memory) and with the built-in model.
+pub fn register_request(
+    rank: u32,
+    world: u32,
+    num_params: usize,
+) -> ps_common::pb::RegisterRequest {
+    ps_common::pb::RegisterRequest {
+        protocol_version: ps_common::PROTOCOL_VERSION,
+        rank,
+        world_size: world,
+        num_params: num_params as u64,
+        shard: 0,
+        num_shards: 1,
+        shared_memory: false,
+        grad_file: String::new(),
+        grad_token: 0,
+        model: Vec::new(),
+    }
+}

@@ -7,7 +7,7 @@ use ps_common::client::{ClientError, ShardClient};
 use ps_common::pb::{PullRequest, PushHeader, PushReply, RegisterRequest};
 use ps_common::wire::{TensorReceiver, f32_to_bytes};
 use ps_launch::{LocalCluster, bin_dir};
-use ps_tests::Spec;
+use ps_tests::{Spec, register_request};
 use std::time::Duration;
 use tonic::Code;
 
@@ -111,18 +111,7 @@ impl From<ClientError> for Refusal {
 async fn live_server_refuses_bad_pushes_and_still_steps() {
     let (_dir, _cluster, mut c, n) = one_shard().await;
 
-    let reg = |rank: u32| RegisterRequest {
-        protocol_version: PROTOCOL_VERSION,
-        rank,
-        world_size: 2,
-        num_params: n as u64,
-        shard: 0,
-        num_shards: 1,
-        shared_memory: false,
-        grad_file: String::new(),
-        grad_token: 0,
-        model: Vec::new(),
-    };
+    let reg = |rank: u32| register_request(rank, 2, n);
     expect_err(
         c.register(RegisterRequest {
             protocol_version: 99,
@@ -487,18 +476,7 @@ async fn prometheus_metrics_follow_the_shard() {
 async fn evaluation_figures_are_checked_against_the_rank_slice_of_the_test_set() {
     use ps_common::pb::LeaveRequest;
     let (_dir, _cluster, mut c, n) = one_shard().await;
-    let reg = |rank: u32| RegisterRequest {
-        protocol_version: PROTOCOL_VERSION,
-        rank,
-        world_size: 2,
-        num_params: n as u64,
-        shard: 0,
-        num_shards: 1,
-        shared_memory: false,
-        grad_file: String::new(),
-        grad_token: 0,
-        model: Vec::new(),
-    };
+    let reg = |rank: u32| register_request(rank, 2, n);
     c.register(reg(0)).await.unwrap();
     c.register(reg(1)).await.unwrap();
     let leave = |rank: u32, correct: u64, count: u64| LeaveRequest {

@@ -3,14 +3,13 @@
 //! connection, or whose frame is cut short or of the wrong length, is refused with a precise
 //! status; and afterwards pushes and pulls on new connections still make a correct step.
 
-use ps_common::PROTOCOL_VERSION;
 use ps_common::auth::ClientSecurity;
 use ps_common::client::{DATA_RANK_KEY, ShardClient};
 use ps_common::datalink::{HELLO_NO, HELLO_OK, Hello, PIECES, frame_header, piece_header};
-use ps_common::pb::{PushChunk, PushHeader, RegisterRequest};
+use ps_common::pb::{PushChunk, PushHeader};
 use ps_common::wire::{as_le_bytes, f32_to_bytes};
 use ps_launch::{LocalCluster, bin_dir};
-use ps_tests::Spec;
+use ps_tests::{Spec, register_request};
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tonic::Code;
@@ -50,18 +49,7 @@ async fn data_connections_refuse_bad_hellos_and_frames_and_still_step() {
     let mut c = ShardClient::connect(0, &cluster.addrs[0], &sec, Duration::from_secs(10))
         .await
         .unwrap();
-    let reg = |rank: u32| RegisterRequest {
-        protocol_version: PROTOCOL_VERSION,
-        rank,
-        world_size: 2,
-        num_params: n as u64,
-        shard: 0,
-        num_shards: 1,
-        shared_memory: false,
-        grad_file: String::new(),
-        grad_token: 0,
-        model: Vec::new(),
-    };
+    let reg = |rank: u32| register_request(rank, 2, n);
     let r0 = c.register(reg(0)).await.unwrap();
     assert!(
         r0.data_port > 0,
@@ -170,25 +158,13 @@ async fn data_connections_refuse_bad_hellos_and_frames_and_still_step() {
 
     drop(conn);
     // none of that counted: the clients (rank 1's opens a new connection) make a correct step
-    let r = c
-        .push(header(0, 0, n), &f32_to_bytes(&g0), 4096)
-        .await
-        .unwrap();
-    assert_eq!((r.counted, r.ranks_in), (true, 1));
-    let r = c
-        .push(header(0, 0, n), &f32_to_bytes(&g0), 4096)
-        .await
-        .unwrap();
+    assert_eq!(push_whole(&c, 0, 0, &g0).await, (true, 1));
     assert_eq!(
-        (r.counted, r.ranks_in),
+        push_whole(&c, 0, 0, &g0).await,
         (false, 1),
         "a retry on the data connection"
     );
-    let r = c1
-        .push(header(1, 0, n), &f32_to_bytes(&g1), 4096)
-        .await
-        .unwrap();
-    assert_eq!((r.counted, r.ranks_in), (true, 2));
+    assert_eq!(push_whole(&c1, 1, 0, &g1).await, (true, 2));
     let mut after = vec![0f32; n];
     c.pull_into(1, false, None, &mut after).await.unwrap();
     for i in 0..n {
@@ -259,18 +235,7 @@ async fn data_port_of(config: ps_common::config::TestConfig, port: u16) -> u32 {
     .unwrap();
     let reply = c
         .register_retrying(
-            RegisterRequest {
-                protocol_version: PROTOCOL_VERSION,
-                rank: 0,
-                world_size: 1,
-                num_params: cfg.layout().num_params() as u64,
-                shard: 0,
-                num_shards: 1,
-                shared_memory: false,
-                grad_file: String::new(),
-                grad_token: 0,
-                model: Vec::new(),
-            },
+            register_request(0, 1, cfg.layout().num_params()),
             Duration::from_secs(30),
         )
         .await
@@ -334,6 +299,16 @@ async fn the_data_port_follows_the_config() {
     );
 }
 
+/// Pushes all of `g` as `rank`'s gradient of `step` (gRPC or the data connection, as the
+/// client has it); returns whether it was counted and how many ranks are in.
+async fn push_whole(c: &ShardClient, rank: u32, step: u64, g: &[f32]) -> (bool, u32) {
+    let r = c
+        .push(header(rank, step, g.len()), &f32_to_bytes(g), 4096)
+        .await
+        .unwrap();
+    (r.counted, r.ranks_in)
+}
+
 /// Two steps of a 1-shard, 2-worker cluster, both ranks pushing `g0` (rank 0) and `g1` (rank 1)
 /// each step; with `pieces`, rank 1 first sends a push whose pieces overlap (refused, by name),
 /// then its gradient of step 0 as raw pieces in reverse order on its data connection, and rank
@@ -359,18 +334,7 @@ async fn two_steps(pieces: bool, max_pending: usize) -> Vec<u32> {
         .start_servers(1, &[], Duration::from_secs(60))
         .unwrap();
     let sec = ClientSecurity::default();
-    let reg = |rank: u32| RegisterRequest {
-        protocol_version: PROTOCOL_VERSION,
-        rank,
-        world_size: 2,
-        num_params: n as u64,
-        shard: 0,
-        num_shards: 1,
-        shared_memory: false,
-        grad_file: String::new(),
-        grad_token: 0,
-        model: Vec::new(),
-    };
+    let reg = |rank: u32| register_request(rank, 2, n);
     let connect = || ShardClient::connect(0, &cluster.addrs[0], &sec, Duration::from_secs(10));
     let mut c = connect().await.unwrap();
     let r0 = c.register(reg(0)).await.unwrap();
@@ -440,17 +404,9 @@ async fn two_steps(pieces: bool, max_pending: usize) -> Vec<u32> {
         let r = call.await.unwrap().unwrap().into_inner();
         assert_eq!((r.counted, r.ranks_in), (true, 1));
     } else {
-        let r = c1
-            .push(header(1, 0, n), &f32_to_bytes(&g1), 4096)
-            .await
-            .unwrap();
-        assert_eq!((r.counted, r.ranks_in), (true, 1));
+        assert_eq!(push_whole(&c1, 1, 0, &g1).await, (true, 1));
     }
-    let r = c
-        .push(header(0, 0, n), &f32_to_bytes(&g0), 4096)
-        .await
-        .unwrap();
-    assert_eq!((r.counted, r.ranks_in), (true, 2));
+    assert_eq!(push_whole(&c, 0, 0, &g0).await, (true, 2));
     // step 1
     let mut w = vec![0f32; n];
     c.pull_into(1, false, None, &mut w).await.unwrap();
@@ -494,17 +450,9 @@ async fn two_steps(pieces: bool, max_pending: usize) -> Vec<u32> {
         };
         assert!(e.to_string().contains(&want), "{e}");
     } else {
-        let r = c
-            .push(header(0, 1, n), &f32_to_bytes(&g0), 4096)
-            .await
-            .unwrap();
-        assert_eq!((r.counted, r.ranks_in), (true, 1));
+        assert_eq!(push_whole(&c, 0, 1, &g0).await, (true, 1));
     }
-    let r = c1
-        .push(header(1, 1, n), &f32_to_bytes(&g1), 4096)
-        .await
-        .unwrap();
-    assert_eq!((r.counted, r.ranks_in), (true, 2));
+    assert_eq!(push_whole(&c1, 1, 1, &g1).await, (true, 2));
     let mut w = vec![0f32; n];
     c.pull_into(2, false, None, &mut w).await.unwrap();
     w.iter().map(|v| v.to_bits()).collect()

@@ -4,12 +4,11 @@
 //! `max_connections` are closed, and running out of descriptors neither spins the accept loop
 //! nor stops a connected client's pulls. Each attack also times a correct client's pull.
 
-use ps_common::PROTOCOL_VERSION;
 use ps_common::config::Transport;
 use ps_common::pb::parameter_server_client::ParameterServerClient;
-use ps_common::pb::{PullRequest, PushChunk, PushHeader, RegisterRequest, StepReport};
+use ps_common::pb::{PullRequest, PushChunk, PushHeader, StepReport};
 use ps_launch::{LocalCluster, bin_dir};
-use ps_tests::{Spec, Start, run_cluster};
+use ps_tests::{Spec, Start, register_request, run_cluster};
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -38,21 +37,6 @@ fn cpu_secs(pid: u32) -> f64 {
     let ticks: f64 = f[11].parse::<f64>().unwrap() + f[12].parse::<f64>().unwrap();
     // SAFETY: sysconf has no preconditions.
     ticks / unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64
-}
-
-fn register(rank: u32, world: u32, n: usize) -> RegisterRequest {
-    RegisterRequest {
-        protocol_version: PROTOCOL_VERSION,
-        rank,
-        world_size: world,
-        num_params: n as u64,
-        shard: 0,
-        num_shards: 1,
-        shared_memory: false,
-        grad_file: String::new(),
-        grad_token: 0,
-        model: Vec::new(),
-    }
 }
 
 fn header_only(rank: u32, n: usize) -> PushChunk {
@@ -148,8 +132,8 @@ async fn header_only_streams_cost_no_buffers_and_are_ended_when_idle() {
     let pid = cluster.servers[0].child.id();
     let url = format!("http://{}", cluster.addrs[0]);
     let mut good = Client::connect(url.clone()).await.unwrap();
-    good.register(register(0, 2, n)).await.unwrap();
-    good.register(register(1, 2, n)).await.unwrap();
+    good.register(register_request(0, 2, n)).await.unwrap();
+    good.register(register_request(1, 2, n)).await.unwrap();
     let before_ms = pull_ms(&mut good).await;
     let before = rss_mib(pid);
     let (release, hold) = tokio::sync::watch::channel(false);
@@ -337,7 +321,7 @@ async fn descriptor_floods_neither_spin_nor_stop_the_shard() {
     };
     let url = format!("http://{addr}");
     let mut good = Client::connect(url.clone()).await.unwrap();
-    good.register(register(0, 2, n)).await.unwrap();
+    good.register(register_request(0, 2, n)).await.unwrap();
     // the flood: 200 idle connections against 64 descriptors
     let mut flood = Vec::new();
     for _ in 0..200 {

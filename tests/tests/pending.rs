@@ -3,15 +3,15 @@
 //! their turn neither deadlock nor count as missing for the barrier timeout, and retries and
 //! conflicts are still recognised while other pushes wait.
 
-use ps_common::PROTOCOL_VERSION;
 use ps_common::client::push_chunks;
 use ps_common::config::{Aggregation, Transport};
 use ps_common::pb::parameter_server_client::ParameterServerClient;
-use ps_common::pb::{PullRequest, PushChunk, PushHeader, PushReply, RegisterRequest};
+use ps_common::pb::{PullRequest, PushChunk, PushHeader, PushReply};
 use ps_common::wire::{TensorReceiver, f32_to_bytes};
 use ps_launch::{LocalCluster, bin_dir};
 use ps_tests::{
-    Spec, Start, assert_bit_identical, cluster_weights, reference_weights, rel_diff, run_cluster,
+    Spec, Start, assert_bit_identical, cluster_weights, reference_weights, register_request,
+    rel_diff, run_cluster,
 };
 use std::time::Duration;
 use tonic::Code;
@@ -130,20 +130,9 @@ async fn two_steps(
     let mut clients = Vec::new();
     for rank in 0..W as u32 {
         let mut c = Client::connect(url.clone()).await.unwrap();
-        c.register(RegisterRequest {
-            protocol_version: PROTOCOL_VERSION,
-            rank,
-            world_size: W as u32,
-            num_params: n as u64,
-            shard: 0,
-            num_shards: 1,
-            shared_memory: false,
-            grad_file: String::new(),
-            grad_token: 0,
-            model: Vec::new(),
-        })
-        .await
-        .unwrap();
+        c.register(register_request(rank, W as u32, n))
+            .await
+            .unwrap();
         clients.push(c);
     }
     let mut versions = vec![pull(&mut clients[0], 0).await.1];

@@ -3,15 +3,13 @@
 //! worker whose wire differs from the shard's is refused at registration; a bf16 push is
 //! 2 bytes a value (4 are refused), on gRPC chunks and on the data connection.
 
-use ps_common::PROTOCOL_VERSION;
 use ps_common::auth::ClientSecurity;
 use ps_common::client::{ShardClient, push_chunks_of};
 use ps_common::config::{Transport, Wire};
 use ps_common::idx::{Split, load_split};
-use ps_common::pb::RegisterRequest;
 use ps_common::wire::{Bf16Encoder, f32_to_bytes};
 use ps_launch::{LocalCluster, bin_dir};
-use ps_tests::{Spec, Start, cluster_weights, mnist_dir, run_cluster};
+use ps_tests::{Spec, Start, cluster_weights, mnist_dir, register_request, run_cluster};
 use ps_worker::backend::Backend;
 use std::time::Duration;
 use tonic::Code;
@@ -102,18 +100,7 @@ async fn a_bf16_shard_refuses_an_f32_worker_and_takes_half_the_bytes() {
         .start_servers(1, &[], Duration::from_secs(60))
         .unwrap();
     let sec = ClientSecurity::default();
-    let reg = |rank: u32| RegisterRequest {
-        protocol_version: PROTOCOL_VERSION,
-        rank,
-        world_size: 2,
-        num_params: n as u64,
-        shard: 0,
-        num_shards: 1,
-        shared_memory: false,
-        grad_file: String::new(),
-        grad_token: 0,
-        model: Vec::new(),
-    };
+    let reg = |rank: u32| register_request(rank, 2, n);
     let connect = || ShardClient::connect(0, &cluster.addrs[0], &sec, Duration::from_secs(10));
 
     // a worker with the f32 wire (another config) is refused, naming the key and both values
