@@ -544,8 +544,8 @@ impl ShardService {
             Ok(Err(_)) => return Err(PsError::Unavailable("shard is shutting down".into())),
             Ok(Ok(_)) => {}
         }
-        if req.exact && req.min_version < self.shard.version() {
-            let (version, snapshot) = self.shard.previous(req.min_version)?;
+        if req.exact {
+            let (version, snapshot) = self.shard.exactly(req.min_version)?;
             return Ok(pull_chunks(
                 version,
                 self.shard.range.start as u64,
@@ -985,7 +985,7 @@ impl ParameterServer for ShardService {
             }
             .into());
         }
-        let version = s.register(r.rank)?;
+        let (version, counted) = s.register(r.rank)?;
         let (shm_dir, shm_token) = if r.shared_memory {
             s.offer_shm(r.rank)?.unwrap_or_default()
         } else {
@@ -1023,6 +1023,7 @@ impl ParameterServer for ShardService {
             run_id: self.run_id.clone(),
             generation: self.recovery.generation(),
             data_port: self.data.as_ref().map_or(0, |d| u32::from(d.port)),
+            counted,
         }))
     }
 

@@ -15,7 +15,7 @@ use ps_common::config::{BarrierPolicy, Transport};
 use ps_common::idx::Dataset;
 use ps_common::layout::{shard_ranges, split_even};
 use ps_common::order::BatchPlanner;
-use ps_common::pb::{LeaveRequest, PushHeader, RegisterRequest};
+use ps_common::pb::{LeaveRequest, PushHeader, RegisterReply, RegisterRequest};
 use ps_common::shm::{Board, BoardDir, grad_path, shm_root};
 use ps_common::wire::{Bf16Encoder, encode_push, encode_push_part};
 use std::ops::Range;
@@ -376,10 +376,10 @@ pub(crate) async fn register_all(
     // register again until they do
     let begun = Instant::now();
     loop {
-        let versions = register_round(cfg, &mut peers, rank, total, grad_file, model).await?;
+        let joined = register_round(cfg, &mut peers, rank, total, grad_file, model).await?;
         let gens: Vec<u64> = peers.iter().map(|p| p.generation).collect();
         if gens.iter().all(|&g| g == gens[0]) {
-            let start_step = mark_ahead(&mut peers, &versions, rank);
+            let start_step = mark_ahead(&mut peers, &joined, rank);
             return Ok((peers, start_step));
         }
         if begun.elapsed() > connect_timeout {
@@ -397,7 +397,7 @@ pub(crate) async fn register_all(
 
 /// Registers with every shard once (each retrying for `[worker] connect_timeout_secs` while the
 /// refusal is retryable), checks the range and run length, opens the shared-memory links and
-/// records each shard's generation; returns each shard's version.
+/// records each shard's generation; returns where each shard says this worker joins.
 async fn register_round(
     cfg: &Config,
     peers: &mut [Peer],
@@ -405,10 +405,10 @@ async fn register_round(
     total: u64,
     grad_file: &(String, u64),
     model: &[ps_common::pb::TensorDesc],
-) -> anyhow::Result<Vec<u64>> {
+) -> anyhow::Result<Vec<Joined>> {
     let connect_timeout = Duration::from_secs_f64(cfg.worker.connect_timeout_secs);
     let num_shards = peers.len();
-    let mut versions = Vec::with_capacity(num_shards);
+    let mut joined = Vec::with_capacity(num_shards);
     for (s, p) in peers.iter_mut().enumerate() {
         let req = register_request(cfg, num_shards, s, rank, grad_file, model);
         let addr = p.client.addr().to_string();
@@ -429,11 +429,11 @@ async fn register_round(
                 reply.total_steps,
             );
         }
-        versions.push(reply.version);
+        joined.push(Joined::from(&reply));
         p.link = ShmLink::open(&reply, s);
         p.generation = reply.generation;
     }
-    Ok(versions)
+    Ok(joined)
 }
 
 /// After a pull or push failed with `err` in a way a lost shard causes (its connection
@@ -462,14 +462,14 @@ async fn await_recovery(
     loop {
         let round = register_round(cfg, peers, rank, total, grad_file, model).await;
         let why = match round {
-            Ok(versions) => {
+            Ok(joined) => {
                 let gens: Vec<u64> = peers.iter().map(|p| p.generation).collect();
                 let g = gens[0];
                 if gens.iter().all(|&x| x == g) {
                     if g == known {
                         return Ok(None);
                     }
-                    let start = mark_ahead(peers, &versions, rank);
+                    let start = mark_ahead(peers, &joined, rank);
                     tracing::warn!(
                         "worker {rank}: recovered: the cluster rolled back to version {start} (generation {g}) after step {t} failed; steps {start}..{t} are redone; {:.2} s after the failure",
                         began.elapsed().as_secs_f64()
@@ -553,16 +553,45 @@ pub(crate) fn board_file(grad_board: &Option<(BoardDir, Board)>) -> (String, u64
     })
 }
 
-/// The step to start at, given each shard's version (the lowest); the shards already one
-/// further are marked `ahead` (pulled exactly that version, not pushed to).
-fn mark_ahead(peers: &mut [Peer], versions: &[u64], rank: usize) -> u64 {
-    let start_step = versions.iter().copied().min().unwrap_or(0);
-    for (p, &v) in peers.iter_mut().zip(versions) {
-        p.ahead = v > start_step;
+/// Where a shard's registration reply says this worker joins.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Joined {
+    /// The step (the shard's version) it joins at.
+    version: u64,
+    /// That step already counts this rank's gradient: a predecessor pushed it and died.
+    counted: bool,
+}
+
+impl From<&RegisterReply> for Joined {
+    fn from(r: &RegisterReply) -> Self {
+        Self {
+            version: r.version,
+            counted: r.counted,
+        }
     }
-    if peers.iter().any(|p| p.ahead) {
+}
+
+/// The step to start at, given where each shard says this worker joins (the lowest version);
+/// the shards already one further, and those whose step already counts this rank's gradient,
+/// are marked `ahead` (pulled exactly that version, not pushed to): a shard that counts the
+/// gradient may apply the step before this worker pulls.
+fn mark_ahead(peers: &mut [Peer], joined: &[Joined], rank: usize) -> u64 {
+    let start_step = joined.iter().map(|j| j.version).min().unwrap_or(0);
+    for (p, j) in peers.iter_mut().zip(joined) {
+        p.ahead = j.version > start_step || j.counted;
+    }
+    let versions: Vec<u64> = joined.iter().map(|j| j.version).collect();
+    if versions.iter().any(|&v| v > start_step) {
         tracing::warn!(
             "worker {rank}: shards are at versions {versions:?}: redoing step {start_step} from version {start_step}, pushing only to the shards that have not applied it"
+        );
+    }
+    let counted: Vec<usize> = (0..joined.len())
+        .filter(|&s| joined[s].counted && joined[s].version == start_step)
+        .collect();
+    if !counted.is_empty() {
+        tracing::warn!(
+            "worker {rank}: shards {counted:?} already count this rank's gradient of step {start_step} (pushed before a restart): step {start_step} is redone from version {start_step} without pushing to them"
         );
     }
     start_step
@@ -645,14 +674,14 @@ async fn rejoin(
     // a worker left behind rejoins at the shards' step: its residuals start again at zero
     peers.iter_mut().for_each(|p| p.encoder.reset());
     let patience = Duration::from_secs_f64(cfg.worker.connect_timeout_secs);
-    let mut versions = Vec::with_capacity(peers.len());
+    let mut joined = Vec::with_capacity(peers.len());
     let mut replies = Vec::with_capacity(peers.len());
     let num_shards = peers.len();
     for (s, p) in peers.iter_mut().enumerate() {
         let req = register_request(cfg, num_shards, s, rank, grad_file, model);
         match p.client.register_retrying(req, patience).await {
             Ok(reply) => {
-                versions.push(reply.version);
+                joined.push(Joined::from(&reply));
                 replies.push(reply);
             }
             Err(e) => {
@@ -662,7 +691,7 @@ async fn rejoin(
             }
         }
     }
-    let start = versions.iter().copied().min().unwrap_or(0);
+    let start = joined.iter().map(|j| j.version).min().unwrap_or(0);
     if start <= t {
         return Err(err);
     }
@@ -673,7 +702,7 @@ async fn rejoin(
     for ((s, p), reply) in peers.iter_mut().enumerate().zip(&replies) {
         p.link = ShmLink::open(reply, s);
     }
-    Ok(mark_ahead(peers, &versions, rank))
+    Ok(mark_ahead(peers, &joined, rank))
 }
 
 /// Pulls version `version` from every shard in parallel, each straight into its range of

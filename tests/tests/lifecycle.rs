@@ -236,109 +236,228 @@ fn a_worker_killed_and_restarted_mid_run_changes_nothing() {
 /// uninterrupted one.
 #[test]
 fn a_worker_that_died_between_its_pushes_redoes_the_step() {
-    use ps_common::auth::ClientSecurity;
-    use ps_common::client::ShardClient;
-    use ps_common::layout::shard_ranges;
-    use ps_common::order::BatchPlanner;
-    use ps_common::pb::{PushHeader, RegisterRequest};
-    use ps_worker::backend::Backend;
-    let spec = Spec {
-        shards: 2,
-        workers: 2,
-        steps: 20,
-        transport: Transport::Grpc,
-        ..Spec::default()
-    };
-    let straight = ps_tests::uninterrupted_weights(&spec);
-    let dir = tempfile::tempdir().unwrap();
-    let (path, cfg) = spec.write(dir.path());
-    let mut cluster = LocalCluster::new(bin_dir(), path, Some(dir.path().join("logs")));
-    cluster
-        .start_servers(2, &[], Duration::from_secs(60))
-        .unwrap();
-    let layout = cfg.layout();
-    let n = layout.num_params();
-    let ranges = shard_ranges(n, 2);
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    let as_rank_1 = |shard: u32| RegisterRequest {
-        protocol_version: ps_common::PROTOCOL_VERSION,
-        rank: 1,
-        world_size: 2,
-        num_params: n as u64,
-        shard,
-        num_shards: 2,
-        ..Default::default()
-    };
-    let mut clients = rt.block_on(async {
-        let mut cs = Vec::new();
-        for (s, addr) in cluster.addrs.iter().enumerate() {
-            let mut c =
-                ShardClient::connect(s, addr, &ClientSecurity::default(), Duration::from_secs(10))
-                    .await
-                    .unwrap();
-            c.register(as_rank_1(s as u32)).await.unwrap();
-            cs.push(c);
-        }
-        cs
-    });
-    // rank 1's step 0, as its worker computes it
-    let mut w = vec![0f32; n];
-    for (c, r) in clients.iter_mut().zip(&ranges) {
-        rt.block_on(c.pull_into(0, false, None, &mut w[r.clone()]))
-            .unwrap();
-    }
-    let train = ps_tests::mnist_train();
-    let mut planner = BatchPlanner::new(cfg.data_order(train.len()));
-    let (mut x, mut y) = (Vec::new(), Vec::new());
-    train.gather(planner.worker_batch(0, 1, 2), &mut x, &mut y);
-    let mut backend = ps_worker::cpu::CpuBackend::new(layout.clone(), 1);
-    backend.set_weights(&w).unwrap();
-    let mut grad = vec![0f32; n];
-    let stats = backend
-        .forward_backward(&x, &y, cfg.train.loss_reduction, &mut grad)
-        .unwrap();
-    let header = PushHeader {
-        rank: 1,
-        step: 0,
-        samples: y.len() as u32,
-        loss_sum: stats.loss_sum,
-        correct: stats.correct,
-        len: ranges[1].len() as u64,
-        ..Default::default()
-    };
-    let bytes = ps_common::wire::f32_to_bytes(&grad[ranges[1].clone()]);
-    rt.block_on(clients[1].push_retrying(header, &bytes, 1 << 20))
-        .unwrap();
-    // ... and dies. Rank 0 runs; shard 1 completes step 0 and waits at 1, shard 0 waits at 0
-    cluster.start_worker(0, 2, &[]).unwrap();
+    let mut died = RankOneDied::pushing_step_0_to(&[1]);
+    died.cluster.start_worker(0, 2, &[]).unwrap();
     let t0 = Instant::now();
-    while rt
-        .block_on(clients[1].register(as_rank_1(1)))
-        .unwrap()
-        .version
-        < 1
-    {
+    while died.register(1).version < 1 {
         assert!(
             t0.elapsed() < Duration::from_secs(60),
             "shard 1 never applied step 0"
         );
         std::thread::sleep(Duration::from_millis(10));
     }
-    drop(clients);
-    cluster.start_worker(1, 2, &[]).unwrap();
-    cluster
-        .wait(Duration::from_secs(120), &|| false)
-        .unwrap_or_else(|e| panic!("{e}"));
-    let log = std::fs::read_to_string(dir.path().join("logs/worker-1.log")).unwrap();
+    died.restart();
+    let log = died.finish();
     assert!(
         log.contains("shards are at versions [0, 1]: redoing step 0"),
         "{log}"
     );
-    ps_tests::assert_bit_identical(
-        &ps_tests::cluster_weights(&cfg),
-        &straight,
-        "weights differ from the uninterrupted run",
+}
+
+/// Rank 1 pushed step 0 to every shard and died before rank 0 pushed: the shards count its
+/// gradient and wait for rank 0. Its restarted worker must not push step 0 again, since the
+/// shards may apply that step at any moment after it registers (once rank 0 pushes), and a
+/// worker that then asked for version 0 as the current one failed ("at version 1 but this
+/// worker needs version 0"). Registration says the step counts the rank's gradient; the
+/// worker pulls exactly version 0, pushes nothing for step 0, and the run ends bit-identical
+/// to an uninterrupted one. The shards still answer an exact pull of version 0 once they are
+/// at version 1.
+#[test]
+fn a_worker_restarted_after_pushing_everywhere_does_not_push_again() {
+    let mut died = RankOneDied::pushing_step_0_to(&[0, 1]);
+    for s in 0..2 {
+        let reply = died.register(s);
+        assert_eq!(
+            (reply.version, reply.counted),
+            (0, true),
+            "shard {s}: {reply:?}"
+        );
+    }
+    // the restarted worker registers while the shards wait for rank 0
+    died.restart();
+    let log = died.log_once("starting at step");
+    assert!(
+        log.contains("shards [0, 1] already count this rank's gradient of step 0"),
+        "{log}"
     );
+    died.cluster.start_worker(0, 2, &[]).unwrap();
+    died.finish();
+}
+
+/// The shards an exact pull of version 0 finds at version 1 still hold it (the other half of
+/// their double buffer): a restarted worker that joined at version 0 may pull it late.
+#[test]
+fn an_exact_pull_of_the_previous_version_is_answered() {
+    let mut died = RankOneDied::pushing_step_0_to(&[0, 1]);
+    died.cluster.start_worker(0, 2, &[]).unwrap();
+    let t0 = Instant::now();
+    while (0..2).any(|s| died.register(s).version < 1) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "the shards never applied step 0"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let mut again = vec![0f32; died.w0.len()];
+    for (s, r) in died.ranges.clone().into_iter().enumerate() {
+        died.rt
+            .block_on(died.clients[s].pull_into(0, true, None, &mut again[r]))
+            .unwrap_or_else(|e| panic!("shard {s}: {e}"));
+    }
+    ps_tests::assert_bit_identical(&again, &died.w0, "version 0 pulled again");
+    died.restart();
+    died.finish();
+}
+
+/// Rank 1 of a 2-shard, 2-worker run over gRPC, played by a test: it registers, computes its
+/// step 0 with the worker's own code, pushes it to some shards, and dies (its connections close
+/// when [`RankOneDied::restart`] starts its real successor).
+struct RankOneDied {
+    cluster: LocalCluster,
+    cfg: ps_common::config::Config,
+    dir: tempfile::TempDir,
+    straight: Vec<f32>,
+    rt: tokio::runtime::Runtime,
+    clients: Vec<ps_common::client::ShardClient>,
+    ranges: Vec<std::ops::Range<usize>>,
+    /// Version 0's parameters, as rank 1 pulled them.
+    w0: Vec<f32>,
+}
+
+impl RankOneDied {
+    fn pushing_step_0_to(shards: &[usize]) -> Self {
+        use ps_common::auth::ClientSecurity;
+        use ps_common::client::ShardClient;
+        use ps_common::layout::shard_ranges;
+        use ps_common::order::BatchPlanner;
+        use ps_common::pb::PushHeader;
+        use ps_worker::backend::Backend;
+        let spec = Spec {
+            shards: 2,
+            workers: 2,
+            steps: 20,
+            transport: Transport::Grpc,
+            ..Spec::default()
+        };
+        let straight = ps_tests::uninterrupted_weights(&spec);
+        let dir = tempfile::tempdir().unwrap();
+        let (path, cfg) = spec.write(dir.path());
+        let mut cluster = LocalCluster::new(bin_dir(), path, Some(dir.path().join("logs")));
+        cluster
+            .start_servers(2, &[], Duration::from_secs(60))
+            .unwrap();
+        let layout = cfg.layout();
+        let n = layout.num_params();
+        let ranges = shard_ranges(n, 2);
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        let clients = rt.block_on(async {
+            let mut cs = Vec::new();
+            for (s, addr) in cluster.addrs.iter().enumerate() {
+                let c = ShardClient::connect(
+                    s,
+                    addr,
+                    &ClientSecurity::default(),
+                    Duration::from_secs(10),
+                )
+                .await
+                .unwrap();
+                cs.push(c);
+            }
+            cs
+        });
+        let mut died = Self {
+            cluster,
+            cfg,
+            dir,
+            straight,
+            rt,
+            clients,
+            ranges,
+            w0: vec![0f32; n],
+        };
+        for s in 0..2 {
+            died.register(s);
+        }
+        // rank 1's step 0, as its worker computes it
+        for (c, r) in died.clients.iter_mut().zip(&died.ranges) {
+            died.rt
+                .block_on(c.pull_into(0, false, None, &mut died.w0[r.clone()]))
+                .unwrap();
+        }
+        let train = ps_tests::mnist_train();
+        let mut planner = BatchPlanner::new(died.cfg.data_order(train.len()));
+        let (mut x, mut y) = (Vec::new(), Vec::new());
+        train.gather(planner.worker_batch(0, 1, 2), &mut x, &mut y);
+        let mut backend = ps_worker::cpu::CpuBackend::new(layout.clone(), 1);
+        backend.set_weights(&died.w0).unwrap();
+        let mut grad = vec![0f32; n];
+        let stats = backend
+            .forward_backward(&x, &y, died.cfg.train.loss_reduction, &mut grad)
+            .unwrap();
+        for &s in shards {
+            let r = died.ranges[s].clone();
+            let header = PushHeader {
+                rank: 1,
+                step: 0,
+                samples: y.len() as u32,
+                loss_sum: stats.loss_sum,
+                correct: stats.correct,
+                len: r.len() as u64,
+                ..Default::default()
+            };
+            let bytes = ps_common::wire::f32_to_bytes(&grad[r]);
+            died.rt
+                .block_on(died.clients[s].push_retrying(header, &bytes, 1 << 20))
+                .unwrap();
+        }
+        died
+    }
+
+    /// Registers rank 1 with shard `s` again, on the same connection.
+    fn register(&mut self, s: usize) -> ps_common::pb::RegisterReply {
+        let req = ps_common::pb::RegisterRequest {
+            shard: s as u32,
+            num_shards: 2,
+            ..ps_tests::register_request(1, 2, self.w0.len())
+        };
+        self.rt
+            .block_on(self.clients[s].register(req))
+            .unwrap_or_else(|e| panic!("shard {s}: {e}"))
+    }
+
+    /// Rank 1 dies (its connections close) and its real worker starts.
+    fn restart(&mut self) {
+        self.clients.clear();
+        self.cluster.start_worker(1, 2, &[]).unwrap();
+    }
+
+    /// The restarted worker's log once it contains `what`.
+    fn log_once(&self, what: &str) -> String {
+        let path = self.dir.path().join("logs/worker-1.log");
+        let t0 = Instant::now();
+        loop {
+            let log = std::fs::read_to_string(&path).unwrap_or_default();
+            if log.contains(what) {
+                return log;
+            }
+            assert!(t0.elapsed() < Duration::from_secs(60), "{what}: {log}");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// Waits for the run to end and checks its weights against the uninterrupted run's;
+    /// returns the restarted worker's log.
+    fn finish(mut self) -> String {
+        self.cluster
+            .wait(Duration::from_secs(120), &|| false)
+            .unwrap_or_else(|e| panic!("{e}"));
+        ps_tests::assert_bit_identical(
+            &ps_tests::cluster_weights(&self.cfg),
+            &self.straight,
+            "weights differ from the uninterrupted run",
+        );
+        std::fs::read_to_string(self.dir.path().join("logs/worker-1.log")).unwrap()
+    }
 }
 
 /// `ps-launch --restart-workers 1`: a worker killed mid-run is started again by the launcher,

@@ -313,17 +313,24 @@ fn a_second_live_worker_of_a_rank_is_refused_and_a_restarted_one_accepted() {
     // the first one dies; a replacement of rank 0 is accepted and, with rank 1, ends the run
     first.kill().unwrap();
     first.wait().unwrap();
+    let again_log = dir.path().join("again.log");
     let mut again = worker("0")
         .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&again_log).unwrap())
         .spawn()
         .unwrap();
     let one = worker("1").output().unwrap();
-    assert!(
-        one.status.success(),
-        "{}",
-        String::from_utf8_lossy(&one.stderr)
-    );
-    assert!(again.wait().unwrap().success());
+    let again_ok = again.wait().unwrap().success();
     cluster.kill_all();
+    let logs = || {
+        let shard =
+            std::fs::read_to_string(dir.path().join("logs/shard-0.log")).unwrap_or_default();
+        let again = std::fs::read_to_string(&again_log).unwrap_or_default();
+        format!(
+            "rank 1:\n{}\nthe replacement of rank 0:\n{again}\nshard 0:\n{shard}",
+            String::from_utf8_lossy(&one.stderr)
+        )
+    };
+    assert!(one.status.success(), "{}", logs());
+    assert!(again_ok, "{}", logs());
 }

@@ -298,6 +298,16 @@ impl Barrier {
         Ok(self.step + u64::from(self.applying))
     }
 
+    /// True when the step being gathered is `step` and it counts a gradient of `rank` already.
+    pub fn counts(&self, rank: u32, step: u64) -> bool {
+        step == self.step
+            && !self.applying
+            && self
+                .current_fp
+                .get(rank as usize)
+                .is_some_and(Option::is_some)
+    }
+
     /// Checks that `rank` may push `step` now: a known, registered rank, the step being
     /// gathered or, as a retry, the one before, and a step of the run (`0..total_steps`).
     pub fn check(&self, rank: u32, step: u64) -> PsResult<usize> {
@@ -547,6 +557,23 @@ mod tests {
 
     fn ranks(slots: &[Slot]) -> Vec<u32> {
         slots.iter().map(|s| s.rank).collect()
+    }
+
+    #[test]
+    fn a_rank_joining_a_step_that_counts_its_gradient_is_told_so() {
+        let (mut b, t) = barrier(2, BarrierPolicy::Fail);
+        b.accept(0, slot(1, 10, t)).unwrap();
+        // rank 1's worker died after its push; its successor registers
+        assert_eq!(b.register(1).unwrap(), 0);
+        assert!(b.counts(1, 0), "rank 1's gradient of step 0 is in");
+        assert!(!b.counts(0, 0), "rank 0 has not pushed");
+        b.accept(0, slot(0, 0, t)).unwrap();
+        assert!(b.applying());
+        // while step 0 is applied a rank joins at step 1, which counts nothing yet
+        assert_eq!(b.register(1).unwrap(), 1);
+        assert!(!b.counts(1, 1) && !b.counts(1, 0));
+        b.finish(t);
+        assert!(!b.counts(1, 1) && !b.counts(0, 1));
     }
 
     #[test]

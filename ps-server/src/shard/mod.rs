@@ -350,11 +350,15 @@ impl Shard {
         self.lock().barrier.rank(rank).map(drop)
     }
 
-    /// Records a worker's registration; returns the step it joins at: the current version, or
-    /// the next one while an update runs (that step is settled without this rank, or with the
-    /// gradient its predecessor pushed).
-    pub fn register(&self, rank: u32) -> PsResult<u64> {
-        self.lock().barrier.register(rank)
+    /// Records a worker's registration; returns the step it joins at (the current version, or
+    /// the next one while an update runs: that step is settled without this rank, or with the
+    /// gradient its predecessor pushed), and whether that step already counts a gradient of
+    /// this rank (its predecessor pushed it and died): the worker then pulls exactly that
+    /// version and does not push the step again, since the step may be applied at any moment.
+    pub fn register(&self, rank: u32) -> PsResult<(u64, bool)> {
+        let mut st = self.lock();
+        let step = st.barrier.register(rank)?;
+        Ok((step, st.barrier.counts(rank, step)))
     }
 
     /// Checks a push header before its data is received: rank, registration, length, and a
@@ -663,6 +667,19 @@ impl Shard {
                     None => Err(gone(self.version())),
                 }
             }
+        }
+    }
+
+    /// The parameters of exactly `version`: the current one, or the one before while this
+    /// shard still holds it ([`Shard::previous`]); an update that ends between the two looks
+    /// is seen, since the current version it made is checked.
+    pub fn exactly(&self, version: u64) -> PsResult<(u64, Bytes)> {
+        if version < self.version() {
+            return self.previous(version);
+        }
+        match self.snapshot()? {
+            (v, snapshot) if v == version => Ok((v, snapshot)),
+            _ => self.previous(version),
         }
     }
 
