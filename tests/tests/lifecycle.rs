@@ -176,14 +176,7 @@ fn a_worker_killed_and_restarted_mid_run_changes_nothing() {
         steps: 400,
         ..Spec::default()
     };
-    let straight = ps_tests::uninterrupted_weights(&spec);
-
-    let dir = tempfile::tempdir().unwrap();
-    let (path, cfg) = spec.write(dir.path());
-    let mut cluster = LocalCluster::new(bin_dir(), path, Some(dir.path().join("logs")));
-    cluster
-        .start_servers(2, &[], Duration::from_secs(60))
-        .unwrap();
+    let (straight, dir, cfg, mut cluster) = uninterrupted_then_shards(&spec);
     cluster.start_worker(0, 2, &[]).unwrap();
     cluster.start_worker(1, 2, &[]).unwrap();
     let metrics = cfg.server.out_dir.join("metrics.jsonl");
@@ -309,6 +302,26 @@ fn an_exact_pull_of_the_previous_version_is_answered() {
     died.finish();
 }
 
+/// The final weights of an uninterrupted run of `spec` (2 shards), then its 2 shards started
+/// afresh in a new directory (logs in `logs/`), with the config they read.
+fn uninterrupted_then_shards(
+    spec: &Spec,
+) -> (
+    Vec<f32>,
+    tempfile::TempDir,
+    ps_common::config::Config,
+    LocalCluster,
+) {
+    let straight = ps_tests::uninterrupted_weights(spec);
+    let dir = tempfile::tempdir().unwrap();
+    let (path, cfg) = spec.write(dir.path());
+    let mut cluster = LocalCluster::new(bin_dir(), path, Some(dir.path().join("logs")));
+    cluster
+        .start_servers(2, &[], Duration::from_secs(60))
+        .unwrap();
+    (straight, dir, cfg, cluster)
+}
+
 /// Rank 1 of a 2-shard, 2-worker run over gRPC, played by a test: it registers, computes its
 /// step 0 with the worker's own code, pushes it to some shards, and dies (its connections close
 /// when [`RankOneDied::restart`] starts its real successor).
@@ -339,13 +352,7 @@ impl RankOneDied {
             transport: Transport::Grpc,
             ..Spec::default()
         };
-        let straight = ps_tests::uninterrupted_weights(&spec);
-        let dir = tempfile::tempdir().unwrap();
-        let (path, cfg) = spec.write(dir.path());
-        let mut cluster = LocalCluster::new(bin_dir(), path, Some(dir.path().join("logs")));
-        cluster
-            .start_servers(2, &[], Duration::from_secs(60))
-            .unwrap();
+        let (straight, dir, cfg, cluster) = uninterrupted_then_shards(&spec);
         let layout = cfg.layout();
         let n = layout.num_params();
         let ranges = shard_ranges(n, 2);
