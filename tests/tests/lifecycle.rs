@@ -123,7 +123,11 @@ fn ctrl_c_on_the_launcher_leaves_no_process_behind() {
         log.contains("interrupted: stopped every server and worker"),
         "{log}"
     );
-    std::thread::sleep(Duration::from_millis(200));
+    // the launcher waited for its children; /proc may show them a moment longer
+    let t2 = Instant::now();
+    while !ours().is_empty() && t2.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
     assert!(ours().is_empty(), "left behind: {:?}", ours());
     // nor their shared-memory boards: shards and workers remove them when stopped
     if let Some(root) = ps_common::shm::shm_root() {

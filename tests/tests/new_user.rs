@@ -300,12 +300,24 @@ fn a_second_live_worker_of_a_rank_is_refused_and_a_restarted_one_accepted() {
         c
     };
     // rank 0 registers and waits at the barrier for rank 1: alive
+    let first_log = dir.path().join("first.log");
     let mut first = worker("0")
         .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&first_log).unwrap())
         .spawn()
         .unwrap();
-    std::thread::sleep(Duration::from_millis(1500));
+    let t0 = Instant::now();
+    while !std::fs::read_to_string(&first_log)
+        .unwrap_or_default()
+        .contains("registered with")
+    {
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "rank 0 never registered: {}",
+            std::fs::read_to_string(&first_log).unwrap_or_default()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
     let out = worker("0").output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "{err}");
