@@ -8,7 +8,7 @@
 //!   the test accuracies must be within [`ACCURACY_TOLERANCE_POINTS`].
 
 use anyhow::Context;
-use ps_common::config::Config;
+use ps_common::config::{Config, Overrides};
 use ps_common::idx::{Dataset, Split, load_split};
 use ps_launch::launch::{LocalCluster, bin_dir};
 use ps_worker::backend::Backend;
@@ -107,14 +107,26 @@ impl fmt::Display for Report {
     }
 }
 
-/// Compares the finished run in `out_dir` (config `cfg`, read from `config`) with the
-/// single-process reference, running the early comparison's small cluster in
-/// `out_dir/reference-check`.
+/// What the run was started with beyond its config file, which the early comparison's cluster
+/// gets too (so it checks the run that was made, not the file as written).
+#[derive(Debug, Clone, Default)]
+pub struct RunArgs<'a> {
+    /// `--set` and `PS_SET_*` settings: applied to the early config.
+    pub overrides: Option<&'a Overrides>,
+    /// `--data-dir`.
+    pub data_dir: Option<&'a Path>,
+    /// `--worker-arg`s (e.g. `--device=cuda`), passed to every early worker.
+    pub worker_args: &'a [String],
+}
+
+/// Compares the finished run in `out_dir` (config `cfg`, read from `config` with `run`'s
+/// overrides) with the single-process reference, running the early comparison's small cluster
+/// in `out_dir/reference-check` with the run's settings and worker arguments.
 pub fn check_reference(
     cfg: &Config,
     config: &Path,
     out_dir: &Path,
-    data_dir: Option<&Path>,
+    run: &RunArgs<'_>,
 ) -> anyhow::Result<Report> {
     let layout = cfg.layout();
     let classes = cfg.model.dims[cfg.model.dims.len() - 1];
@@ -138,9 +150,9 @@ pub fn check_reference(
     let cluster_loss = last_loss(&out_dir.join("metrics.jsonl"), version);
     // the early steps: the same config cut short, as a cluster and as one process
     let early_steps = EARLY_STEPS.min(reference.steps);
-    let (early_cfg_path, early_cfg) = early_config(config, early_steps, data_dir)?;
+    let (early_cfg_path, early_cfg) = early_config(config, early_steps, run)?;
     let early_dir = out_dir.join("reference-check");
-    let early = run_early(&early_cfg_path, &early_cfg, &early_dir, data_dir);
+    let early = run_early(&early_cfg_path, &early_cfg, &early_dir, run);
     let _ = std::fs::remove_file(&early_cfg_path);
     let early_cluster = early?;
     let early_ref = ps_worker::reference::run_reference(&early_cfg, &train)?;
@@ -156,15 +168,22 @@ pub fn check_reference(
     })
 }
 
-/// The config at `config` with `[train] steps = k` and no checkpoints, written beside it (so its
-/// relative paths mean the same), and its parsed form.
+/// The config at `config` with the run's overrides applied, `[train] steps = k` and no
+/// checkpoints, written beside it (so its relative paths mean the same), and its parsed form.
 fn early_config(
     config: &Path,
     k: u64,
-    data_dir: Option<&Path>,
+    run: &RunArgs<'_>,
 ) -> anyhow::Result<(std::path::PathBuf, Config)> {
+    let data_dir = run.data_dir;
     let text = std::fs::read_to_string(config).with_context(|| config.display().to_string())?;
-    let mut doc: toml::Table = text.parse().with_context(|| config.display().to_string())?;
+    let mut doc: toml::Table = match run.overrides {
+        Some(o) => o
+            .apply_sets(&text)
+            .map_err(anyhow::Error::msg)
+            .with_context(|| config.display().to_string())?,
+        None => text.parse().with_context(|| config.display().to_string())?,
+    };
     let train = doc
         .entry("train")
         .or_insert_with(|| toml::Value::Table(Default::default()));
@@ -190,17 +209,12 @@ fn early_config(
 }
 
 /// Runs the early config as a cluster into `dir`; its final weights.
-fn run_early(
-    path: &Path,
-    cfg: &Config,
-    dir: &Path,
-    data_dir: Option<&Path>,
-) -> anyhow::Result<Vec<f32>> {
+fn run_early(path: &Path, cfg: &Config, dir: &Path, run: &RunArgs<'_>) -> anyhow::Result<Vec<f32>> {
     let _ = std::fs::remove_dir_all(dir);
     let mut cluster = LocalCluster::new(bin_dir(), path.to_path_buf(), Some(dir.join("logs")));
     let mut args = vec!["--out-dir".to_string(), dir.display().to_string()];
-    let mut worker_args = Vec::new();
-    if let Some(d) = data_dir {
+    let mut worker_args = run.worker_args.to_vec();
+    if let Some(d) = run.data_dir {
         for a in [&mut args, &mut worker_args] {
             a.push("--data-dir".into());
             a.push(d.display().to_string());

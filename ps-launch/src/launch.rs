@@ -86,6 +86,62 @@ pub struct LocalCluster {
     pub shard_restarts: usize,
     /// The extra arguments the shards were started with, to start one again.
     server_extra: Vec<String>,
+    /// The GPUs the workers may use (CUDA ids), when known ([`visible_gpus`]): every worker
+    /// gets them as `CUDA_VISIBLE_DEVICES`, and worker `r` `--local-rank r`, so a CUDA worker
+    /// uses the `r % n`-th of them (see [`gpu_plan`]).
+    pub gpus: Option<Vec<String>>,
+}
+
+/// The GPUs local workers may use and where that list came from: `--gpus` (`flag`), else
+/// `CUDA_VISIBLE_DEVICES`, else the devices the CUDA driver sees (`probe`, e.g.
+/// `ps_worker::cuda::device_count`); `None` when none is known.
+pub fn visible_gpus(
+    flag: Option<&str>,
+    cuda_visible_devices: Option<&str>,
+    probe: impl FnOnce() -> usize,
+) -> Option<(Vec<String>, &'static str)> {
+    let list = |s: &str| -> Vec<String> {
+        s.split(',')
+            .map(str::trim)
+            .filter(|g| !g.is_empty())
+            .map(str::to_string)
+            .collect()
+    };
+    if let Some(f) = flag {
+        return Some((list(f), "--gpus"));
+    }
+    if let Some(v) = cuda_visible_devices {
+        return Some((list(v), "CUDA_VISIBLE_DEVICES"));
+    }
+    let n = probe();
+    (n > 0).then(|| ((0..n).map(|i| i.to_string()).collect(), "the CUDA driver"))
+}
+
+/// Round robin of `workers` local workers over `gpus`: each worker's GPU, and one line per
+/// GPU that two or more workers share (empty when none does, or when there is no GPU).
+pub fn gpu_plan(workers: usize, gpus: &[String]) -> (Vec<Option<String>>, Vec<String>) {
+    if gpus.is_empty() {
+        return (vec![None; workers], Vec::new());
+    }
+    let of = |r: usize| gpus[r % gpus.len()].clone();
+    let plan = (0..workers).map(|r| Some(of(r))).collect();
+    let shared = gpus
+        .iter()
+        .filter_map(|g| {
+            let on: Vec<String> = (0..workers)
+                .filter(|&r| &of(r) == g)
+                .map(|r| r.to_string())
+                .collect();
+            (on.len() > 1).then(|| {
+                format!(
+                    "workers {} share GPU {g} ({workers} workers, {} GPU(s))",
+                    on.join(", "),
+                    gpus.len()
+                )
+            })
+        })
+        .collect();
+    (plan, shared)
 }
 
 impl LocalCluster {
@@ -106,6 +162,7 @@ impl LocalCluster {
             run_id: None,
             shard_restarts: 0,
             server_extra: Vec::new(),
+            gpus: None,
         }
     }
 
@@ -277,6 +334,11 @@ impl LocalCluster {
             .arg("--world-size")
             .arg(world.to_string());
         cmd.arg("--servers").arg(self.addrs.join(","));
+        // every worker is on this host: its rank is its local rank, which picks its GPU
+        cmd.arg("--local-rank").arg(rank.to_string());
+        if let Some(gpus) = &self.gpus {
+            cmd.env("CUDA_VISIBLE_DEVICES", gpus.join(","));
+        }
         cmd.args(extra);
         let child = cmd
             .spawn()
@@ -588,6 +650,39 @@ pub fn move_previous_run(out_dir: &Path) -> std::io::Result<Option<PathBuf>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn gpus_round_robin_and_sharing_is_said() {
+        let ids = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let (plan, shared) = gpu_plan(3, &ids(&["4", "7"]));
+        assert_eq!(
+            plan,
+            vec![Some("4".into()), Some("7".into()), Some("4".into())]
+        );
+        assert_eq!(
+            shared,
+            vec!["workers 0, 2 share GPU 4 (3 workers, 2 GPU(s))"]
+        );
+        let (plan, shared) = gpu_plan(2, &ids(&["0", "1", "2"]));
+        assert_eq!(plan, vec![Some("0".into()), Some("1".into())]);
+        assert!(shared.is_empty());
+        assert_eq!(gpu_plan(2, &[]), (vec![None, None], vec![]));
+        // sources in order: --gpus, CUDA_VISIBLE_DEVICES, the driver
+        let never = || -> usize { panic!("no probe when a list is given") };
+        assert_eq!(
+            visible_gpus(Some("2, 3"), Some("0"), never),
+            Some((ids(&["2", "3"]), "--gpus"))
+        );
+        assert_eq!(
+            visible_gpus(None, Some("1,0"), never),
+            Some((ids(&["1", "0"]), "CUDA_VISIBLE_DEVICES"))
+        );
+        assert_eq!(
+            visible_gpus(None, None, || 2),
+            Some((ids(&["0", "1"]), "the CUDA driver"))
+        );
+        assert_eq!(visible_gpus(None, None, || 0), None);
+    }
 
     #[test]
     fn an_earlier_runs_outputs_move_aside_tensorboard_events_included() {

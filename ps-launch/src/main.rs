@@ -66,6 +66,10 @@ struct Cli {
     /// workers redo the steps since; the result is the same as without the loss, bit for bit.
     #[arg(long, default_value_t = 0)]
     restart_shards: usize,
+    /// The GPUs (CUDA ids, comma-separated) the local workers share round robin: worker `r`
+    /// uses the `r % n`-th (default: CUDA_VISIBLE_DEVICES, else every GPU the driver sees).
+    #[arg(long, value_name = "IDS")]
+    gpus: Option<String>,
     /// Do not train: merge the shard files of the output directory into `model.safetensors`
     /// and draw `curves.svg` from its `metrics.jsonl`.
     #[arg(long, conflicts_with_all = ["resume", "check_reference", "metrics"])]
@@ -203,6 +207,32 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         cfg.cluster.servers.join(", "),
         cluster.addrs.join(", ")
     );
+    let visible = ps_launch::launch::visible_gpus(
+        cli.gpus.as_deref(),
+        env.get("CUDA_VISIBLE_DEVICES").map(String::as_str),
+        || ps_worker::cuda::device_count().unwrap_or(0),
+    );
+    if let Some((gpus, source)) = visible {
+        let (plan, shared) = ps_launch::launch::gpu_plan(w, &gpus);
+        let each: Vec<String> = plan
+            .iter()
+            .enumerate()
+            .filter_map(|(r, g)| g.as_ref().map(|g| format!("worker {r} -> GPU {g}")))
+            .collect();
+        eprintln!(
+            "ps-launch: GPUs for CUDA workers, round robin over [{}] (from {source}): {}",
+            gpus.join(", "),
+            if each.is_empty() {
+                "none".to_string()
+            } else {
+                each.join(", ")
+            }
+        );
+        for line in shared {
+            eprintln!("ps-launch: warning: {line}: they compete for its memory and compute");
+        }
+        cluster.gpus = Some(gpus);
+    }
     for r in 0..w {
         cluster.start_worker(r, w, &worker_args)?;
     }
@@ -216,8 +246,13 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     );
     export(&cfg, &out_dir)?;
     if cli.check_reference {
-        let report = check::check_reference(&cfg, &cli.config, &out_dir, cli.data_dir.as_deref())
-            .context("reference check")?;
+        let run = check::RunArgs {
+            overrides: Some(&overrides),
+            data_dir: cli.data_dir.as_deref(),
+            worker_args: &cli.worker_arg,
+        };
+        let report =
+            check::check_reference(&cfg, &cli.config, &out_dir, &run).context("reference check")?;
         print!("{report}");
         if !report.agrees() {
             anyhow::bail!("the cluster run does not agree with the single-process reference");

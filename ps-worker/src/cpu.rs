@@ -103,6 +103,10 @@ impl Device for CpuDevice {
         &mut v[r]
     }
 
+    fn sub<'a, 'b: 'a>(v: &'a &'b mut [f32], r: Range<usize>) -> &'a [f32] {
+        &v[r]
+    }
+
     fn host_view_mut(host: &mut [f32]) -> Option<&mut [f32]> {
         Some(host)
     }
@@ -127,6 +131,17 @@ impl Device for CpuDevice {
         Ok(())
     }
 
+    fn start_download(&mut self, _: &[f32], _: usize) -> BackendResult<()> {
+        Err(BackendError::Shape(
+            "the CPU device computes in host memory: there is nothing to download".into(),
+        ))
+    }
+
+    fn finish_download(&mut self, _: usize, _: &mut [f32]) -> BackendResult<()> {
+        Err(BackendError::Shape(
+            "the CPU device computes in host memory: there is nothing to download".into(),
+        ))
+    }
     fn fill_zero(&mut self, v: &mut [f32]) -> BackendResult<()> {
         v.fill(0.0);
         Ok(())
@@ -203,13 +218,16 @@ impl Device for CpuDevice {
                 f32::NEG_INFINITY
             };
             stats.correct += u64::from(arg == y);
+            let zy = row[y];
             let mut sum = 0.0f32;
             for v in row.iter_mut() {
                 *v = (*v - max).exp();
                 sum += *v;
             }
-            // loss = log(sum exp(z - max)) - (z_y - max)
-            stats.loss_sum += f64::from(sum.ln() - (row[y].ln()));
+            // loss = ln(sum exp(z - max)) - (z_y - max): the kernel's formula (softmax_xent_f32),
+            // finite however far z_y is below the max (ln(exp(z_y - max)) underflows to -inf
+            // once z_y - max < -104)
+            stats.loss_sum += f64::from(sum.ln() - (zy - max));
             let inv = 1.0 / sum;
             for v in row.iter_mut() {
                 *v *= inv * scale;
@@ -340,5 +358,28 @@ mod tests {
             .forward_backward(&[1.0, 2.0], &[5], LossReduction::Mean, &mut g)
             .unwrap_err();
         assert!(e.to_string().contains("label 5: expected < 3"), "{e}");
+    }
+
+    /// A row whose label logit is far below the largest (a diverging run) has a finite loss
+    /// equal to the margin, as on the CUDA device: the old `ln(sum) - ln(exp(z_y - max))` was
+    /// +inf once `z_y - max < -104`.
+    #[test]
+    fn loss_is_finite_far_below_the_max() {
+        let mut d = CpuDevice::new(1);
+        for margin in [20.0f32, 90.0, 120.0, 1000.0] {
+            let mut z = vec![0.0, margin, 0.0, -5.0, 0.0, 3.0];
+            d.softmax_xent(&mut z, &[0, 2], 3, 1.0).unwrap();
+            let s = d.stats().unwrap();
+            let sum0 = 1.0 + 2.0 * f64::from(-margin).exp();
+            let want = (sum0.ln() + f64::from(margin)) + ((-8f64).exp() + (-3f64).exp() + 1.0).ln();
+            assert!(s.loss_sum.is_finite(), "margin {margin}: {}", s.loss_sum);
+            assert!(
+                (s.loss_sum - want).abs() <= 1e-5 * want,
+                "margin {margin}: loss {} expected {want}",
+                s.loss_sum
+            );
+            assert!(z.iter().all(|v| v.is_finite()));
+            assert_eq!(z[0], -1.0, "softmax of the label row is ~0 at the label");
+        }
     }
 }

@@ -20,19 +20,27 @@ use crate::ops::{Device, Mat};
 use cudarc::cublas::sys::{cublasMath_t, cublasOperation_t};
 use cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, CudaView, CudaViewMut, LaunchConfig,
-    PushKernelArg,
+    CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, CudaView, CudaViewMut,
+    LaunchConfig, PinnedHostSlice, PushKernelArg,
 };
 use cudarc::nvrtc::{CompileError, CompileOptions, Ptx, compile_ptx_with_opts};
 use ps_common::config::LossReduction;
 use ps_common::layout::MlpLayout;
+use std::collections::HashMap;
 use std::fmt::Display;
 use std::ops::Range;
 use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::path::Path;
 use std::sync::Arc;
 
 /// Rows per forward pass when evaluating, to bound device memory.
 pub const EVAL_ROWS: usize = 4096;
+
+/// Seed of the start-up self-test's weights (the layout's own initialisation).
+const SELF_TEST_SEED: u64 = 0x5e1f_7e57;
+/// Largest relative difference the start-up self-test accepts between the CUDA and CPU loss
+/// and per tensor of the gradient (FP32 sums in another order differ by ~1e-6).
+pub const SELF_TEST_TOL: f64 = 1e-3;
 
 /// Threads per block of the element-wise and row kernels.
 const BLOCK: u32 = 256;
@@ -107,18 +115,51 @@ fn check_toolkit_libraries() -> BackendResult<()> {
     Ok(())
 }
 
-/// Number of CUDA devices the driver sees. `NoGpu` when there is no driver library or the
-/// driver fails to initialise (for example `CUDA_ERROR_NO_DEVICE`); never panics.
+/// The file the CUDA driver library was loaded from (from `/proc/self/maps`), to name it in
+/// errors; `libcuda.so` when it cannot be found there.
+pub fn driver_path() -> String {
+    std::fs::read_to_string("/proc/self/maps")
+        .ok()
+        .and_then(|maps| {
+            maps.lines()
+                .filter_map(|l| l.split_whitespace().nth(5))
+                .find(|p| {
+                    Path::new(p).file_name().is_some_and(|f| {
+                        let f = f.to_string_lossy();
+                        f.starts_with("libcuda") && !f.starts_with("libcudart")
+                    })
+                })
+                .map(str::to_string)
+        })
+        .unwrap_or_else(|| "libcuda.so".into())
+}
+
+/// Number of CUDA devices the driver sees; never panics. `NoGpu` only when there is no
+/// driver: no library, the toolkit's stub library (`CUDA_ERROR_STUB_LIBRARY`), or a driver
+/// that sees no device (`CUDA_ERROR_NO_DEVICE`). A driver that fails otherwise or panics in
+/// initialisation is broken, which is `Cuda`, naming the library, so that `--device auto`
+/// does not silently train on the CPU beside a broken GPU driver.
 pub fn device_count() -> BackendResult<usize> {
+    use cudarc::driver::sys::CUresult;
     check_driver()?;
     let r = catch_unwind(CudaContext::device_count).map_err(|p| {
-        BackendError::NoGpu(format!(
-            "CUDA driver found but it panicked on initialisation: {}",
+        BackendError::Cuda(format!(
+            "the CUDA driver {} panicked in initialisation: {}",
+            driver_path(),
             panic_text(&*p)
         ))
     })?;
-    let n = r.map_err(|e| {
-        BackendError::NoGpu(one_line(&format!("CUDA driver found but unusable: {e}")))
+    let n = r.map_err(|e| match e.0 {
+        CUresult::CUDA_ERROR_NO_DEVICE | CUresult::CUDA_ERROR_STUB_LIBRARY => {
+            BackendError::NoGpu(one_line(&format!(
+                "CUDA driver {} found but unusable: {e}",
+                driver_path()
+            )))
+        }
+        _ => BackendError::Cuda(one_line(&format!(
+            "the CUDA driver {} failed in initialisation: {e}",
+            driver_path()
+        ))),
     })?;
     Ok(usize::try_from(n).unwrap_or(0))
 }
@@ -180,6 +221,48 @@ fn compile_kernels(major: i32, minor: i32) -> BackendResult<(Ptx, String)> {
             )))),
         },
     }
+}
+
+/// Compiles [`KERNELS`] with NVRTC into a cubin for exactly `sm_{major}{minor}` (machine code:
+/// no JIT by the driver, so the driver need not be newer than NVRTC).
+fn compile_cubin(major: i32, minor: i32) -> Result<Vec<u8>, String> {
+    use cudarc::nvrtc::{result, sys};
+    let src = std::ffi::CString::new(KERNELS).map_err(|e| e.to_string())?;
+    let prog = result::create_program(&src, Some(c"ps_worker_kernels.cu"))
+        .map_err(|e| format!("creating the NVRTC program: {e:?}"))?;
+    let opts = [format!("--gpu-architecture=sm_{major}{minor}")];
+    // SAFETY: `prog` was created above from `src`, which outlives it, and is destroyed once,
+    // below; the size is read before the buffer of that size is filled.
+    let out = unsafe {
+        let r = match result::compile_program(prog, &opts) {
+            Err(e) => {
+                let log = result::get_program_log(prog)
+                    .map(|l| {
+                        std::ffi::CStr::from_ptr(l.as_ptr())
+                            .to_string_lossy()
+                            .into_owned()
+                    })
+                    .unwrap_or_default();
+                Err(format!("NVRTC for sm_{major}{minor}: {e:?}: {log}"))
+            }
+            Ok(()) => {
+                let mut size = 0usize;
+                match sys::nvrtcGetCUBINSize(prog, &mut size).result() {
+                    Err(e) => Err(format!("NVRTC's cubin size: {e:?}")),
+                    Ok(()) => {
+                        let mut bin = vec![0u8; size];
+                        sys::nvrtcGetCUBIN(prog, bin.as_mut_ptr().cast())
+                            .result()
+                            .map(|()| bin)
+                            .map_err(|e| format!("NVRTC's cubin: {e:?}"))
+                    }
+                }
+            }
+        };
+        let _ = result::destroy_program(prog);
+        r
+    };
+    out.map_err(|e| one_line(&e))
 }
 
 /// The cuBLAS (column-major) arguments of one row-major product. A row-major `[r, c]` matrix
@@ -310,6 +393,13 @@ fn check_i32(what: &str, v: usize) -> BackendResult<i32> {
 /// call is queued, the compiled kernels, and the small per-row buffers of the loss.
 pub struct CudaDevice {
     // Buffers first: they are freed (stream-ordered) before the handle, stream and context.
+    /// Pinned host buffers of [`Device::start_download`], by slot, each with the event
+    /// recorded behind its last copy. (The pinned slice's own event is not recorded: event
+    /// tracking is disabled on this context, see `init`.)
+    staging: HashMap<usize, (PinnedHostSlice<f32>, CudaEvent)>,
+    /// Pinned copy of `stats[0..2]`, queued right behind each loss, and the event recorded
+    /// behind that copy (so reading the loss does not wait for the backward pass after it).
+    stats_host: (PinnedHostSlice<f64>, CudaEvent),
     /// Labels of the rows of the last loss or count, `[rows]`.
     labels: CudaSlice<u8>,
     /// Per-row loss and correct flag of the last loss or count, `[rows]` each.
@@ -376,33 +466,75 @@ impl CudaBackend {
         }
     }
 
-    /// One sample through zero weights: every logit is 0, so the loss is ln(classes) and the
-    /// last bias gradient is softmax - onehot = 1/classes - [j == label].
+    /// Three samples through the layout's initial weights of a fixed seed, against the CPU
+    /// device: the loss within [`SELF_TEST_TOL`] relative, and every tensor of the gradient
+    /// within [`SELF_TEST_TOL`] of the CPU's, relative to the tensor's largest value. Random
+    /// weights, so a wrong sgemm (a transposed operand, a dropped term) cannot pass as it did
+    /// with zero weights, where every product is zero. The weights are zero again afterwards.
     fn self_test(&mut self) -> BackendResult<()> {
         use crate::backend::Backend;
         let layout = self.layout().clone();
-        let dims = &layout.dims;
-        let classes = *dims.last().expect("dims");
-        let x: Vec<f32> = (0..dims[0]).map(|i| (i % 7) as f32 - 3.0).collect();
-        let label = u8::try_from(classes.min(256) - 1).unwrap_or(0);
-        let mut g = vec![f32::NAN; layout.num_params()];
-        let stats = self.forward_backward(&x, &[label], LossReduction::Mean, &mut g)?;
-        let (_, b) = layout.layer(layout.num_layers() - 1);
-        let want_loss = (classes as f64).ln();
-        let bias_ok = g[b.clone()].iter().enumerate().all(|(j, &v)| {
-            let want = 1.0 / classes as f32 - f32::from(u8::from(j == usize::from(label)));
-            (v - want).abs() <= 1e-5
-        });
-        if (stats.loss_sum - want_loss).abs() > 1e-4 * want_loss.max(1.0)
-            || !bias_ok
-            || g.iter().any(|v| !v.is_finite())
-        {
-            return Err(BackendError::Cuda(format!(
-                "self-test on cuda:{} failed: loss {} (expected {want_loss:.6}), last bias gradient {:?}",
-                self.ordinal(),
-                stats.loss_sum,
-                &g[b][..classes.min(4)]
+        let p = layout.num_params();
+        let inputs = layout.dims[0];
+        let classes = *layout.dims.last().expect("dims");
+        let rows = 3;
+        let weights = layout.init_range(SELF_TEST_SEED, 0..p);
+        let x: Vec<f32> = (0..rows * inputs)
+            .map(|i| ((i * 7919 + 13) % 199) as f32 / 99.0 - 1.0)
+            .collect();
+        let labels: Vec<u8> = (0..rows)
+            .map(|r| u8::try_from((r * 5 + 1) % classes.min(256)).unwrap_or(0))
+            .collect();
+        let mut cpu = crate::cpu::CpuBackend::new(layout.clone(), 1);
+        cpu.set_weights(&weights)?;
+        let mut want = vec![0.0f32; p];
+        let want_stats = cpu.forward_backward(&x, &labels, LossReduction::Mean, &mut want)?;
+        self.set_weights(&weights)?;
+        let mut got = vec![f32::NAN; p];
+        let stats = self.forward_backward(&x, &labels, LossReduction::Mean, &mut got)?;
+        self.set_weights(&vec![0.0; p])?;
+        let fail = |what: String| {
+            BackendError::Cuda(format!(
+                "self-test on cuda:{} failed (seeded random weights, {rows} samples, against the CPU device, tolerance {SELF_TEST_TOL:e}): {what}",
+                self.ordinal()
+            ))
+        };
+        let loss_err =
+            (stats.loss_sum - want_stats.loss_sum).abs() / want_stats.loss_sum.abs().max(1e-6);
+        if loss_err.is_nan() || loss_err > SELF_TEST_TOL {
+            return Err(fail(format!(
+                "loss {} where the CPU has {}",
+                stats.loss_sum, want_stats.loss_sum
             )));
+        }
+        let tensors = (0..layout.num_layers()).flat_map(|l| {
+            let (w, b) = layout.layer(l);
+            [
+                (format!("fc{}.weight", l + 1), w),
+                (format!("fc{}.bias", l + 1), b),
+            ]
+        });
+        for (name, r) in tensors {
+            let scale = want[r.clone()]
+                .iter()
+                .fold(0f32, |m, v| m.max(v.abs()))
+                .max(1e-12);
+            let err = got[r.clone()]
+                .iter()
+                .zip(&want[r.clone()])
+                .map(|(a, b)| (a - b).abs() / scale)
+                .fold(0f32, |m, e| {
+                    if e.is_nan() || m.is_nan() {
+                        f32::NAN
+                    } else {
+                        m.max(e)
+                    }
+                });
+            if err.is_nan() || f64::from(err) > SELF_TEST_TOL {
+                return Err(fail(format!(
+                    "gradient of {name} differs by {err:e} of its largest value"
+                )));
+            }
         }
         Ok(())
     }
@@ -417,7 +549,8 @@ impl CudaBackend {
         &self.device().device_name
     }
 
-    /// The architecture the kernels were compiled for, e.g. "compute_90".
+    /// What the kernels were loaded as: "sm_90 cubin", or "compute_90 PTX, JIT-compiled by the
+    /// driver (no cubin: why)".
     pub fn arch(&self) -> &str {
         &self.device().arch
     }
@@ -432,8 +565,9 @@ impl CudaDevice {
         check_driver()?;
         match catch_unwind(AssertUnwindSafe(|| Self::init(ordinal))) {
             Ok(r) => r,
-            Err(p) => Err(BackendError::NoGpu(format!(
-                "CUDA initialisation panicked: {}",
+            Err(p) => Err(BackendError::Cuda(format!(
+                "CUDA initialisation of cuda:{ordinal} panicked (driver {}): {}",
+                driver_path(),
                 panic_text(&*p)
             ))),
         }
@@ -468,11 +602,26 @@ impl CudaDevice {
         let (major, minor) = ctx
             .compute_capability()
             .map_err(cuda_err("reading the compute capability"))?;
-        let (ptx, arch) = compile_kernels(major, minor)?;
-        let module = ctx.load_module(ptx).map_err(cuda_err(format_args!(
-            "loading the NVRTC kernels ({arch}) into cuda:{ordinal} (an UNSUPPORTED_PTX_VERSION error means \
-             libnvrtc is newer than the driver)"
-        )))?;
+        // Machine code for this device first; PTX (JIT-compiled by the driver, which must then
+        // be at least as new as NVRTC) when NVRTC cannot make a cubin or the driver refuses it.
+        let cubin = compile_cubin(major, minor).and_then(|bin| {
+            ctx.load_module(Ptx::from_binary(bin))
+                .map_err(|e| format!("the driver refused the sm_{major}{minor} cubin: {e}"))
+        });
+        let (module, arch) = match cubin {
+            Ok(m) => (m, format!("sm_{major}{minor} cubin")),
+            Err(why) => {
+                let (ptx, arch) = compile_kernels(major, minor)?;
+                let m = ctx.load_module(ptx).map_err(cuda_err(format_args!(
+                    "loading the NVRTC kernels ({arch} PTX, after: {why}) into cuda:{ordinal} \
+                     (an UNSUPPORTED_PTX_VERSION error means libnvrtc is newer than the driver)"
+                )))?;
+                (
+                    m,
+                    format!("{arch} PTX, JIT-compiled by the driver (no cubin: {why})"),
+                )
+            }
+        };
         let f = |name: &str| {
             module
                 .load_function(name)
@@ -501,6 +650,14 @@ impl CudaDevice {
         let stats = stream
             .alloc_zeros::<f64>(4)
             .map_err(cuda_err("allocating the statistics"))?;
+        // SAFETY: written by a copy before it is read (stats() reads only after a loss, whose
+        // statistics it copies); flags 0: cached, readable host memory
+        let stats_host = unsafe { ctx.alloc_pinned_with_flags::<f64>(2, 0) }
+            .map_err(cuda_err("allocating pinned host memory for the statistics"))?;
+        let stats_host = (
+            stats_host,
+            ctx.new_event(None).map_err(cuda_err("creating an event"))?,
+        );
         let labels = stream
             .alloc_zeros::<u8>(1)
             .map_err(cuda_err("allocating the labels"))?;
@@ -511,6 +668,8 @@ impl CudaDevice {
             .alloc_zeros::<i32>(1)
             .map_err(cuda_err("allocating the row flags"))?;
         Ok(Self {
+            staging: HashMap::new(),
+            stats_host,
             labels,
             row_loss,
             row_correct,
@@ -531,7 +690,7 @@ impl CudaDevice {
         self.ordinal
     }
 
-    /// The architecture the kernels were compiled for, e.g. "compute_90".
+    /// What the kernels were loaded as (see [`CudaBackend::arch`]).
     pub fn arch(&self) -> &str {
         &self.arch
     }
@@ -637,6 +796,10 @@ impl Device for CudaDevice {
         v.slice_mut(r)
     }
 
+    fn sub<'a, 'b: 'a>(v: &'a CudaViewMut<'b, f32>, r: Range<usize>) -> CudaView<'a, f32> {
+        v.slice(r)
+    }
+
     fn host_view_mut(_: &mut [f32]) -> Option<CudaViewMut<'_, f32>> {
         None
     }
@@ -678,6 +841,60 @@ impl Device for CudaDevice {
         self.stream
             .synchronize()
             .map_err(cuda_err("synchronising after a download"))
+    }
+
+    fn start_download(&mut self, src: CudaView<'_, f32>, slot: usize) -> BackendResult<()> {
+        self.bind()?;
+        let len = src.len();
+        if self
+            .staging
+            .get(&slot)
+            .is_none_or(|p| p.0.len() != len.max(1))
+        {
+            self.staging.remove(&slot);
+            // SAFETY: written by the copy below before finish_download reads it; flags 0:
+            // cached, readable host memory (write-combined memory is slow to read)
+            let p = unsafe { self.ctx.alloc_pinned_with_flags::<f32>(len.max(1), 0) }.map_err(
+                cuda_err(format_args!(
+                    "allocating {len} floats of pinned host memory"
+                )),
+            )?;
+            let e = self
+                .ctx
+                .new_event(None)
+                .map_err(cuda_err("creating an event"))?;
+            self.staging.insert(slot, (p, e));
+        }
+        let (dst, done) = self.staging.get_mut(&slot).expect("inserted above");
+        if len > 0 {
+            self.stream
+                .memcpy_dtoh(&src, dst)
+                .map_err(cuda_err(format_args!(
+                    "queueing a copy of {len} floats to the host"
+                )))?;
+        }
+        // waited for by finish_download: only this copy and what was queued before it
+        done.record(&self.stream)
+            .map_err(cuda_err("recording a download's event"))
+    }
+
+    fn finish_download(&mut self, slot: usize, dst: &mut [f32]) -> BackendResult<()> {
+        self.bind()?;
+        let Some((p, done)) = self.staging.get(&slot) else {
+            return Err(BackendError::Shape(format!(
+                "no download was started in slot {slot}"
+            )));
+        };
+        let len = if dst.is_empty() { 0 } else { p.len() };
+        check_len("the download destination", dst.len(), len)?;
+        done.synchronize().map_err(cuda_err(format_args!(
+            "waiting for the copy of slot {slot}"
+        )))?;
+        let host = p
+            .as_slice()
+            .map_err(cuda_err(format_args!("reading the copy of slot {slot}")))?;
+        dst.copy_from_slice(&host[..len]);
+        Ok(())
     }
 
     fn fill_zero(&mut self, mut v: CudaViewMut<'_, f32>) -> BackendResult<()> {
@@ -821,15 +1038,27 @@ impl Device for CudaDevice {
                 .launch(cfg_rows(n))
         }
         .map_err(cuda_err("launching softmax_xent_f32"))?;
-        self.reduce_rows(rows_i, 0)
+        self.reduce_rows(rows_i, 0)?;
+        let (host, done) = &mut self.stats_host;
+        self.stream
+            .memcpy_dtoh(&self.stats.slice(0..2), host)
+            .map_err(cuda_err("copying the loss and accuracy to the host"))?;
+        done.record(&self.stream)
+            .map_err(cuda_err("recording the statistics' event"))
     }
 
     fn stats(&mut self) -> BackendResult<StepStats> {
         self.bind()?;
-        let [loss_sum, correct] = self.read_stats(0)?;
+        // waits for the copy queued behind the last loss only
+        let (host, done) = &self.stats_host;
+        done.synchronize()
+            .map_err(cuda_err("waiting for the loss and accuracy"))?;
+        let host = host
+            .as_slice()
+            .map_err(cuda_err("reading the loss and accuracy"))?;
         Ok(StepStats {
-            loss_sum,
-            correct: correct as u64,
+            loss_sum: host[0],
+            correct: host[1] as u64,
         })
     }
 
@@ -954,7 +1183,7 @@ mod tests {
     /// its `nvidia/cu13/lib` on LD_LIBRARY_PATH. `PS_PTX_OUT=DIR` also writes the PTX there
     /// (for `ptxas --gpu-name sm_90`).
     #[test]
-    #[ignore = "needs libnvrtc (a CUDA toolkit, or pip's nvidia-cuda-nvrtc on LD_LIBRARY_PATH): run with --ignored"]
+    #[ignore = "needs libnvrtc (a CUDA toolkit, or pip's nvidia-cuda-nvrtc on LD_LIBRARY_PATH): scripts/cuda-harness.sh test runs it"]
     fn nvrtc_compiles_the_kernels() {
         // SAFETY: a dlopen probe only.
         assert!(
@@ -976,6 +1205,28 @@ mod tests {
                 std::fs::write(format!("{dir}/kernels_{arch}.ptx"), &src).unwrap();
             }
         }
+        // Machine code for the architectures of the GPUs we run on (A100, H100): ELF for
+        // EM_CUDA (190) holding every kernel.
+        for (major, minor) in [(8, 0), (9, 0)] {
+            let bin = compile_cubin(major, minor).unwrap();
+            assert_eq!(&bin[..4], b"\x7fELF", "sm_{major}{minor}");
+            assert_eq!(u16::from_le_bytes([bin[18], bin[19]]), 190, "EM_CUDA");
+            // e_flags (at 48 in ELF64): the SM version in bits 8..15
+            let flags = u32::from_le_bytes([bin[48], bin[49], bin[50], bin[51]]);
+            assert_eq!(
+                (flags >> 8) & 0xff,
+                (major * 10 + minor) as u32,
+                "{flags:#x}"
+            );
+            for name in ENTRY_POINTS {
+                assert!(
+                    bin.windows(name.len()).any(|w| w == name.as_bytes()),
+                    "{name} in the sm_{major}{minor} cubin"
+                );
+            }
+        }
+        let e = compile_cubin(1, 0).unwrap_err();
+        assert!(e.contains("sm_10") && !e.contains('\n'), "{e}");
         // An architecture this NVRTC does not know falls back to its default one.
         let (_, arch) = compile_kernels(1, 0).unwrap();
         assert_eq!(arch, "nvrtc default");

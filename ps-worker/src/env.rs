@@ -37,11 +37,18 @@ pub fn resolve(
             })
             .transpose()
     };
+    // the local rank: the flag, else the launcher's (with any rank source: `--rank` beside
+    // torchrun's or Slurm's environment still runs on that launcher's GPU)
+    let env_local =
+        || -> Result<Option<usize>, String> { Ok(get("LOCAL_RANK")?.or(get("SLURM_LOCALID")?)) };
     if let Some(rank) = rank {
         return Ok(Placement {
             rank,
             world,
-            local_rank: local_rank.unwrap_or(0),
+            local_rank: match local_rank {
+                Some(l) => l,
+                None => env_local()?.unwrap_or(0),
+            },
             source: "flags (--rank)",
             world_source: world.map(|_| WORLD_FLAG),
         });
@@ -84,7 +91,10 @@ pub fn resolve(
         return Ok(Placement {
             rank,
             world,
-            local_rank: local_rank.unwrap_or(0),
+            local_rank: match local_rank {
+                Some(l) => l,
+                None => env_local()?.unwrap_or(0),
+            },
             source: "kubernetes (JOB_COMPLETION_INDEX)",
             world_source: world.map(|_| WORLD_FLAG),
         });
@@ -125,6 +135,16 @@ mod tests {
         assert_eq!(p.world_source, Some("flags (--world-size)"));
         let p = resolve(Some(2), Some(4), None, &e).unwrap();
         assert_eq!((p.rank, p.world, p.source), (2, Some(4), "flags (--rank)"));
+        // --rank keeps the launcher's LOCAL_RANK (it used to be 0: every worker on cuda:0);
+        // --local-rank wins
+        assert_eq!(p.local_rank, 1);
+        assert_eq!(resolve(Some(2), None, Some(3), &e).unwrap().local_rank, 3);
+        let p = resolve(Some(0), None, None, &env(&[("SLURM_LOCALID", "2")])).unwrap();
+        assert_eq!(p.local_rank, 2);
+        assert_eq!(
+            resolve(Some(0), None, None, &env(&[])).unwrap().local_rank,
+            0
+        );
         let p = resolve(
             None,
             None,

@@ -5,13 +5,21 @@
 //! A step uploads the batch's features, queues the forward pass, the loss and the backward
 //! pass on the device, and reads the results back once: on a device that computes in host
 //! memory (the CPU) the gradient is written straight into the caller's vector, layer by layer
-//! as backward produces it; on any other device (CUDA) it is computed in a device buffer and
-//! downloaded layer by layer, last layer first, each range handed on as soon as it has arrived.
+//! as backward produces it; on any other device (CUDA) it is computed in a device buffer, each
+//! layer's range copied to the host asynchronously right behind that layer's backward (last
+//! layer first), and handed on as soon as its copy has arrived, while the device computes the
+//! layers below.
 
 use crate::backend::{Backend, BackendError, BackendResult, StepStats, check_shapes};
 use crate::ops::{Device, Mat};
 use ps_common::config::LossReduction;
 use ps_common::layout::MlpLayout;
+use std::ops::Range;
+
+/// Called by the backward pass once a layer's gradient is queued: the device, the layer's
+/// range (weight and bias) and the gradient view.
+type LayerReady<'r, D> =
+    dyn FnMut(&mut D, Range<usize>, &<D as Device>::ViewMut<'_>) -> BackendResult<()> + 'r;
 
 /// The MLP on device `D`: its flat weights and the per-layer buffers of one batch.
 pub struct Mlp<D: Device> {
@@ -310,23 +318,25 @@ impl<D: Device> Mlp<D> {
         self.forward(n)?;
         self.loss(n, reduction)?;
         let p = self.layout.num_params();
-        self.backward(n, D::view_mut(grad, 0..p), &mut |_, _, _| {})
+        self.backward(n, D::view_mut(grad, 0..p), &mut |_, _, _| Ok(()))
     }
 
     /// Backward pass from the logits of the `n` rows in `acts` (already turned into `dL/dz` by
-    /// the loss) into `grad`; calls `ready(start, grad)` when `grad[start..]` is final.
+    /// the loss) into `grad`; calls `ready(device, layer, grad)` once the layer's gradient
+    /// (`layer`, its weight and bias range) is queued, so `grad[layer.start..]` is final once
+    /// the device has run what is queued.
     fn backward(
         &mut self,
         n: usize,
         mut grad: D::ViewMut<'_>,
-        ready: &mut dyn FnMut(&D, usize, &D::ViewMut<'_>),
+        ready: &mut LayerReady<'_, D>,
     ) -> BackendResult<()> {
         let dims = &self.layout.dims;
         let layers = self.layout.num_layers();
         for l in (0..layers).rev() {
             let (wr, br) = self.layout.layer(l);
             let (fan_in, fan_out) = (dims[l], dims[l + 1]);
-            let start = wr.start;
+            let (start, br_end) = (wr.start, br.end);
             let split = l.min(self.deltas.len());
             let (lower, upper) = self.deltas.split_at_mut(split);
             let dz = if l + 1 == layers {
@@ -352,7 +362,7 @@ impl<D: Device> Mlp<D> {
             };
             self.dev
                 .bias_grad(dz, n, fan_out, D::sub_mut(&mut grad, br))?;
-            ready(&self.dev, start, &grad);
+            ready(&mut self.dev, start..br_end, &grad)?;
             if l > 0 {
                 let dz = if l + 1 == layers {
                     D::view(&self.acts[l], 0..n * fan_out)
@@ -375,10 +385,12 @@ impl<D: Device> Mlp<D> {
         Ok(())
     }
 
-    /// A step on a device with its own memory: queues the whole step into the device buffer
-    /// `buf`, then downloads the gradient one layer at a time, last layer first, calling
-    /// `ready` after each (the first download waits for the step; the later ones overlap
-    /// whatever `ready` started, such as pushes of the ranges already downloaded).
+    /// A step on a device with its own memory: queues forward, loss and backward into the
+    /// device buffer `buf`, with an asynchronous copy of each layer's gradient to the host
+    /// queued right behind that layer's backward (last layer first); then waits for the copies
+    /// one layer at a time, calling `ready` after each. So the host hands on (pushes) the last
+    /// layers' ranges while the device still computes the first layers' gradients, as the CPU
+    /// path does.
     fn device_step(
         &mut self,
         n: usize,
@@ -387,12 +399,17 @@ impl<D: Device> Mlp<D> {
         grad: &mut [f32],
         ready: &mut dyn FnMut(usize, &[f32], StepStats),
     ) -> BackendResult<StepStats> {
-        self.queue_step(n, reduction, buf)?;
+        self.forward(n)?;
+        self.loss(n, reduction)?;
+        let p = self.layout.num_params();
+        self.backward(n, D::view_mut(buf, 0..p), &mut |dev, layer, g| {
+            dev.start_download(D::sub(g, layer.clone()), layer.start)
+        })?;
         let mut stats = None;
         for l in (0..self.layout.num_layers()).rev() {
             let (wr, br) = self.layout.layer(l);
             let r = wr.start..br.end;
-            self.dev.download(D::view(buf, r.clone()), &mut grad[r])?;
+            self.dev.finish_download(r.start, &mut grad[r])?;
             let s = match stats {
                 Some(s) => s,
                 None => *stats.insert(self.dev.stats()?),
@@ -458,9 +475,10 @@ impl<D: Device> Backend for Mlp<D> {
             self.loss(n, reduction)?;
             let stats = self.dev.stats()?;
             let view = D::host_view_mut(grad).expect("a host device");
-            self.backward(n, view, &mut |_, start, g| {
+            self.backward(n, view, &mut |_, layer, g| {
                 let g = D::host_of(g).expect("host view");
-                ready(start, &g[start..], stats);
+                ready(layer.start, &g[layer.start..], stats);
+                Ok(())
             })?;
             return Ok(stats);
         }
@@ -504,7 +522,7 @@ mod tests {
     /// path of a GPU (device gradient buffer, downloads layer by layer), so that path is
     /// checked here, bit for bit against the host path, on a machine without a GPU.
     #[derive(Debug)]
-    struct Hostless(CpuDevice);
+    struct Hostless(CpuDevice, std::collections::HashMap<usize, Vec<f32>>);
 
     impl Device for Hostless {
         type Buf = Vec<f32>;
@@ -526,6 +544,21 @@ mod tests {
         }
         fn sub_mut<'a, 'b: 'a>(v: &'a mut &'b mut [f32], r: Range<usize>) -> &'a mut [f32] {
             &mut v[r]
+        }
+        fn sub<'a, 'b: 'a>(v: &'a &'b mut [f32], r: Range<usize>) -> &'a [f32] {
+            &v[r]
+        }
+        fn start_download(&mut self, src: &[f32], slot: usize) -> BackendResult<()> {
+            self.1.insert(slot, src.to_vec());
+            Ok(())
+        }
+        fn finish_download(&mut self, slot: usize, dst: &mut [f32]) -> BackendResult<()> {
+            let src = self
+                .1
+                .get(&slot)
+                .expect("a download was started in this slot");
+            dst.copy_from_slice(src);
+            Ok(())
         }
         fn host_view_mut(_: &mut [f32]) -> Option<&mut [f32]> {
             None
@@ -648,7 +681,11 @@ mod tests {
         let layout = MlpLayout::new(&[6, 9, 5, 4]);
         let w = layout.init_range(3, 0..layout.num_params());
         let mut host = CpuBackend::new(layout.clone(), 1);
-        let mut dev = Mlp::on(layout.clone(), Hostless(CpuDevice::new(1))).unwrap();
+        let mut dev = Mlp::on(
+            layout.clone(),
+            Hostless(CpuDevice::new(1), Default::default()),
+        )
+        .unwrap();
         assert!(dev.host_weights().is_none() && host.host_weights().is_some());
         host.set_weights(&w).unwrap();
         dev.set_weights(&w).unwrap();
@@ -692,7 +729,11 @@ mod tests {
         let s = host
             .forward_backward(&x, &y, LossReduction::Mean, &mut want)
             .unwrap();
-        let mut dev = Mlp::on(layout.clone(), Hostless(CpuDevice::new(1))).unwrap();
+        let mut dev = Mlp::on(
+            layout.clone(),
+            Hostless(CpuDevice::new(1), Default::default()),
+        )
+        .unwrap();
         dev.set_weights(&w).unwrap();
         let mut g = vec![0.0; p];
         let e = dev.download_gradient(&mut g).unwrap_err();

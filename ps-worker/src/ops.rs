@@ -5,8 +5,8 @@
 //! Every matrix is row-major.
 //!
 //! Operations are queued in order and may run asynchronously (the CUDA device queues them on
-//! one stream). Only [`Device::download`], [`Device::stats`], [`Device::count_correct`] and
-//! [`Device::sync`] wait for the device, so a training step's intermediate values stay in
+//! one stream). Only [`Device::download`], [`Device::finish_download`], [`Device::stats`],
+//! [`Device::count_correct`] and [`Device::sync`] wait for the device, so a training step's intermediate values stay in
 //! device buffers and the host waits once, when it reads the gradient.
 
 use crate::backend::{BackendResult, StepStats};
@@ -79,6 +79,10 @@ pub trait Device: Send {
     fn sub_mut<'a, 'b: 'a>(v: &'a mut Self::ViewMut<'b>, r: Range<usize>) -> Self::ViewMut<'a>
     where
         Self: 'b;
+    /// `v[r]` of a writable view, read-only.
+    fn sub<'a, 'b: 'a>(v: &'a Self::ViewMut<'b>, r: Range<usize>) -> Self::View<'a>
+    where
+        Self: 'b;
     /// Host memory as a writable view, when the device computes in host memory (the CPU);
     /// `None` otherwise.
     fn host_view_mut(host: &mut [f32]) -> Option<Self::ViewMut<'_>>;
@@ -90,6 +94,15 @@ pub trait Device: Send {
     fn upload(&mut self, src: &[f32], dst: Self::ViewMut<'_>) -> BackendResult<()>;
     /// Copies `src` into `dst` (same length), waiting for the operations before it.
     fn download(&mut self, src: Self::View<'_>, dst: &mut [f32]) -> BackendResult<()>;
+    /// Queues a copy of `src` to host memory of the device's own (a pinned staging buffer
+    /// named `slot`) behind the operations queued before, without waiting: the device goes on
+    /// with what is queued after it. [`Device::finish_download`] waits for this copy alone.
+    /// A later copy into the same slot replaces it. Devices that compute in host memory (the
+    /// CPU) have nothing to download and refuse it.
+    fn start_download(&mut self, src: Self::View<'_>, slot: usize) -> BackendResult<()>;
+    /// Waits for the copy of [`Device::start_download`] into `slot` (only for it and what was
+    /// queued before it) and copies its values into `dst` (same length).
+    fn finish_download(&mut self, slot: usize, dst: &mut [f32]) -> BackendResult<()>;
     /// Sets every value of `v` to zero.
     fn fill_zero(&mut self, v: Self::ViewMut<'_>) -> BackendResult<()>;
     /// Waits until every queued operation has finished.

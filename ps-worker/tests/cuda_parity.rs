@@ -42,7 +42,10 @@ fn ordinal() -> usize {
 /// The CUDA backend, or a panic saying why there is none (so `--ignored` without a GPU fails).
 fn gpu(layout: &MlpLayout) -> CudaBackend {
     match CudaBackend::new(ordinal(), layout.clone()) {
-        Ok(b) => b,
+        // machine code for the device, not PTX left to the driver's JIT (which needs a
+        // driver at least as new as NVRTC)
+        Ok(b) if b.arch().ends_with(" cubin") => b,
+        Ok(b) => panic!("the kernels were loaded as {}, not as a cubin", b.arch()),
         Err(e) => panic!(
             "these tests need a usable CUDA GPU (cuda:{}) and there is none: {e}; run them on a GPU machine \
              (scripts/gpu-check.sh)",
@@ -482,4 +485,89 @@ fn new_weights_other_threads_empty_batches_and_bad_shapes() {
         matches!(e, BackendError::NoGpu(_)) && !e.to_string().contains('\n'),
         "{e}"
     );
+}
+
+/// The harness's counters of queued and run operations (`cuda_harness_ops_queued`,
+/// `cuda_harness_ops_run` in ps-worker/cuda-harness/harness.cpp), when the CUDA driver of this
+/// process is the harness; `None` on a real driver.
+fn harness_counters() -> Option<(extern "C" fn() -> i64, extern "C" fn() -> i64)> {
+    // SAFETY: dlopen of the driver library the backend has already loaded (the same file,
+    // so the same instance) and dlsym of two functions taking nothing and returning a long.
+    unsafe {
+        let h = libc::dlopen(c"libcuda.so".as_ptr(), libc::RTLD_NOW);
+        if h.is_null() {
+            return None;
+        }
+        let q = libc::dlsym(h, c"cuda_harness_ops_queued".as_ptr());
+        let r = libc::dlsym(h, c"cuda_harness_ops_run".as_ptr());
+        if q.is_null() || r.is_null() {
+            return None;
+        }
+        Some((
+            std::mem::transmute::<*mut libc::c_void, extern "C" fn() -> i64>(q),
+            std::mem::transmute::<*mut libc::c_void, extern "C" fn() -> i64>(r),
+        ))
+    }
+}
+
+/// The gradient is handed on layer by layer, last layer first, while the device still has the
+/// lower layers' backward queued: each layer's range is copied to pinned host memory right
+/// behind its backward and only that copy is waited for. On the harness (which runs queued
+/// work only when the host must see it) the first range arrives with operations still
+/// queued; before, the first download synchronised the whole stream, so nothing was left.
+/// On a GPU the overlap cannot be observed this way; the ranges and values are checked.
+#[test]
+#[ignore = "needs a CUDA GPU: run with --ignored on a GPU machine (scripts/gpu-check.sh)"]
+fn the_gradient_is_handed_on_while_backward_runs() {
+    let layout = MlpLayout::new(&[13, 11, 9, 7, 3]);
+    let p = layout.num_params();
+    let w = layout.init_range(21, 0..p);
+    let mut cpu = CpuBackend::new(layout.clone(), 1);
+    let mut cuda = gpu(&layout);
+    cpu.set_weights(&w).unwrap();
+    cuda.set_weights(&w).unwrap();
+    let (x, labels, _) = batch(&layout, &w, 17, 5);
+    let mut want = vec![0.0f32; p];
+    let s_cpu = cpu
+        .forward_backward(&x, &labels, LossReduction::Mean, &mut want)
+        .unwrap();
+    let counters = harness_counters();
+    let mut got = vec![f32::NAN; p];
+    let mut seen = Vec::new();
+    let s = cuda
+        .forward_backward_overlapped(
+            &x,
+            &labels,
+            LossReduction::Mean,
+            &mut got,
+            &mut |start, tail, stats| {
+                let pending = counters.map(|(q, r)| q() - r());
+                seen.push((start, tail.len(), stats, pending));
+            },
+        )
+        .unwrap();
+    let starts: Vec<usize> = seen.iter().map(|t| t.0).collect();
+    let want_starts: Vec<usize> = (0..layout.num_layers())
+        .rev()
+        .map(|l| layout.layer(l).0.start)
+        .collect();
+    assert_eq!(starts, want_starts, "one call per layer, last layer first");
+    for &(start, len, stats, _) in &seen {
+        assert_eq!(
+            len,
+            p - start,
+            "each call sees the gradient from its start on"
+        );
+        assert_eq!(stats, s, "every call carries the step's figures");
+    }
+    assert!(rel_err(&got, &want) < TOL, "{}", rel_err(&got, &want));
+    assert!((s.loss_sum - s_cpu.loss_sum).abs() < TOL * s_cpu.loss_sum);
+    if counters.is_some() {
+        let pending: Vec<i64> = seen.iter().map(|t| t.3.unwrap()).collect();
+        eprintln!("operations still queued at each hand-over: {pending:?}");
+        assert!(
+            pending[0] > 0 && pending.windows(2).all(|w| w[0] > w[1]),
+            "the last layer's gradient must arrive while the lower layers' work is still queued: {pending:?}"
+        );
+    }
 }

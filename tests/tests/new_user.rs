@@ -346,3 +346,78 @@ fn a_second_live_worker_of_a_rank_is_refused_and_a_restarted_one_accepted() {
     assert!(one.status.success(), "{}", logs());
     assert!(again_ok, "{}", logs());
 }
+
+/// `--check-reference`'s early cluster runs what the run ran: the `--set` settings (here one
+/// worker where the file says two) and the `--worker-arg`s (here `--device=auto`, which the
+/// worker logs; the file's device is the default, `cpu`). It used to re-read the raw file (two
+/// workers) and drop the worker arguments.
+#[test]
+fn the_reference_checks_early_cluster_keeps_set_and_worker_args() {
+    let dir = tempfile::tempdir().unwrap();
+    let (path, _cfg) = small().write(dir.path());
+    let out = dir.path().join("out");
+    let o = Command::new(bin_dir().join("ps-launch"))
+        .arg("--config")
+        .arg(&path)
+        .arg("--out-dir")
+        .arg(&out)
+        .args([
+            "--check-reference",
+            "--set",
+            "cluster.workers=1",
+            "--worker-arg=--device=auto",
+        ])
+        .output()
+        .expect("ps-launch runs");
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "ps-launch failed:\n{stderr}");
+    let logs = out.join("reference-check/logs");
+    let w0 = std::fs::read_to_string(logs.join("worker-0.log")).unwrap();
+    assert!(w0.contains("device auto: "), "{w0}");
+    assert!(
+        !logs.join("worker-1.log").exists(),
+        "the early cluster started the file's 2 workers, not --set cluster.workers=1"
+    );
+}
+
+/// ps-launch gives each local worker its own local rank (which picks its GPU) and says how the
+/// workers are spread over the GPUs, warning when two share one; without a GPU here, the plan
+/// is checked through its log and the workers' placement lines (they run on the CPU). It used
+/// to start every worker with local rank 0, all on cuda:0, silently.
+#[test]
+fn ps_launch_spreads_workers_over_the_gpus_and_says_when_two_share_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = Spec {
+        workers: 3,
+        ..small()
+    };
+    let (path, _cfg) = spec.write(dir.path());
+    let out = dir.path().join("out");
+    let o = Command::new(bin_dir().join("ps-launch"))
+        .arg("--config")
+        .arg(&path)
+        .arg("--out-dir")
+        .arg(&out)
+        .args(["--gpus", "4,7"])
+        .output()
+        .expect("ps-launch runs");
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "ps-launch failed:\n{stderr}");
+    assert!(
+        stderr.contains(
+            "GPUs for CUDA workers, round robin over [4, 7] (from --gpus): worker 0 -> GPU 4, worker 1 -> GPU 7, worker 2 -> GPU 4"
+        ),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("warning: workers 0, 2 share GPU 4 (3 workers, 2 GPU(s))"),
+        "{stderr}"
+    );
+    for r in 0..3 {
+        let log = std::fs::read_to_string(out.join(format!("logs/worker-{r}.log"))).unwrap();
+        assert!(
+            log.contains(&format!("rank {r} of 3, local rank {r}, from flags")),
+            "{log}"
+        );
+    }
+}

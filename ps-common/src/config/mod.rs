@@ -196,8 +196,10 @@ impl Overrides {
         lines.join("\n")
     }
 
-    /// The file's text with [`Overrides::sets`] applied, as a TOML table.
-    fn apply_sets(&self, text: &str) -> Result<toml::Table, String> {
+    /// The file's text with [`Overrides::sets`] applied, as a TOML table (what
+    /// [`Config::load_with`] validates; `ps-launch --check-reference` writes its early config
+    /// from it).
+    pub fn apply_sets(&self, text: &str) -> Result<toml::Table, String> {
         let mut table: toml::Table = toml::from_str(text).map_err(|e| one_line(&e.to_string()))?;
         for s in &self.sets {
             let (section, key) = s.key.split_once('.').expect("checked when added");
