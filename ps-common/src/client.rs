@@ -12,6 +12,7 @@ use crate::auth::{Client, ClientSecurity};
 use crate::pb::parameter_server_client::ParameterServerClient;
 use crate::pb::{
     LeaveRequest, PullRequest, PushChunk, PushHeader, PushReply, RegisterReply, RegisterRequest,
+    UnusedRequest,
 };
 use crate::shm::{Board, params_path};
 use crate::wire::{MAX_MESSAGE_BYTES, chunks_of, decode_chunk_into};
@@ -978,6 +979,13 @@ impl ShardClient {
     pub async fn leave(&mut self, req: LeaveRequest) -> Result<(), ClientError> {
         let refused = refused(self.shard, format!("shard {}: leave refused", self.shard));
         self.rpc.leave(req).await.map(drop).map_err(refused)
+    }
+
+    /// Marks the tensors this worker's backward of a step did not reach, before its push.
+    pub async fn mark_unused(&mut self, req: UnusedRequest) -> Result<(), ClientError> {
+        let what = format!("shard {}: unused-tensor mark refused", self.shard);
+        let refused = refused(self.shard, what);
+        self.rpc.mark_unused(req).await.map(drop).map_err(refused)
     }
 }
 

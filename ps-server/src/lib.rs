@@ -436,6 +436,16 @@ async fn run_generation(
         Outcome::Failed(why) => {
             tracing::error!("shard {index}: run failed: {why}");
             shard.fail(why.clone());
+            if why.contains(service::WORKER_STOPPED) {
+                // the other workers learn the reason from their next request (refused with
+                // it) rather than from a connection that is gone
+                let grace = Duration::from_secs_f64(cfg.server.linger_secs.min(5.0));
+                tracing::info!(
+                    "shard {index}: refusing the other workers' requests with the reason for {:.1} s before stopping",
+                    grace.as_secs_f64()
+                );
+                tokio::time::sleep(grace).await;
+            }
         }
         Outcome::Preempted { saved } => {
             let why = match saved {
@@ -725,12 +735,43 @@ pub fn load_setup(
             cfg.num_shards()
         );
     }
-    // the shard needs the number of samples (the data order) but not the images
-    let classes = cfg.model.dims[cfg.model.dims.len() - 1];
+    // the shard needs the number of samples (the data order) but not the images; a declared
+    // model's workers may bring their own data ([data] train_len), and their evaluation is
+    // theirs too (any test set, any length: no test slices to check)
+    let (train_len, test_len) = match cfg.data.train_len {
+        Some(n) => (n, None),
+        None => idx_lengths(&cfg)?,
+    };
+    let shard0 = shard0.or_else(|| (index > 0).then(|| cfg.cluster.servers[0].clone()));
+    let cfg_metrics = cfg.server.metrics_addrs.get(index).cloned();
+    Ok(ShardSetup {
+        train_len,
+        test_len,
+        cfg,
+        index,
+        shard0,
+        resume_from: None,
+        metrics_listen: cfg_metrics,
+        health_listen: None,
+    })
+}
+
+/// The training set's length from the IDX directory's header, and, for the built-in model, the
+/// test set's (each rank evaluates its slice of it). A declared model's evaluation is the
+/// user's own (any test set, any length): no test length to check it against.
+fn idx_lengths(cfg: &Config) -> anyhow::Result<(usize, Option<usize>)> {
+    // a declared model's labels are the user's business: any byte is a label
+    let classes = match cfg.model.declared {
+        Some(_) => 256,
+        None => cfg.model.dims[cfg.model.dims.len() - 1],
+    };
     let (train_len, features) =
         ps_common::idx::split_shape(&cfg.data.dir, ps_common::idx::Split::Train, classes)
             .context("reading the training set's labels and header")?;
-    if cfg.model.declared.is_none() && features != cfg.model.dims[0] {
+    if cfg.model.declared.is_some() {
+        return Ok((train_len, None));
+    }
+    if features != cfg.model.dims[0] {
         anyhow::bail!(
             "{}: images have {features} pixels but [model] inputs = {}",
             cfg.data.dir.display(),
@@ -740,16 +781,5 @@ pub fn load_setup(
     let (test_len, _) =
         ps_common::idx::split_shape(&cfg.data.dir, ps_common::idx::Split::Test, classes)
             .context("reading the test set's labels and header")?;
-    let shard0 = shard0.or_else(|| (index > 0).then(|| cfg.cluster.servers[0].clone()));
-    let cfg_metrics = cfg.server.metrics_addrs.get(index).cloned();
-    Ok(ShardSetup {
-        train_len,
-        test_len: Some(test_len),
-        cfg,
-        index,
-        shard0,
-        resume_from: None,
-        metrics_listen: cfg_metrics,
-        health_listen: None,
-    })
+    Ok((train_len, Some(test_len)))
 }

@@ -14,6 +14,7 @@ use ps_common::pb::parameter_server_server::ParameterServer;
 use ps_common::pb::{
     LeaveReply, LeaveRequest, PullChunk, PullHeader, PullRequest, PushChunk, PushReply,
     RecoverReply, RecoverRequest, RegisterReply, RegisterRequest, ReportReply, StepReport,
+    UnusedReply, UnusedRequest,
 };
 use ps_common::wire::{StreamCheck, TensorReceiver, check_and_fingerprint, chunks};
 use ps_common::{PROTOCOL_VERSION, PsError, PsResult};
@@ -96,6 +97,10 @@ fn data_rank(meta: &tonic::metadata::MetadataMap) -> PsResult<Option<u32>> {
             ))
         })
 }
+
+/// What a run's failure says when a worker stopped on an error and told the shards (a
+/// `Leave` with `failed`).
+pub const WORKER_STOPPED: &str = "stopped on an error";
 
 /// How far (in steps) a step report may be from shard 0's version.
 pub const REPORT_WINDOW: u64 = 16;
@@ -275,7 +280,8 @@ impl ShardService {
     /// Checks an evaluation `count` reported by `rank` (a known rank) against the rank's slice
     /// of the test set: at most its length in a push (0 when the push carries none); when the
     /// worker leaves, exactly its length (it evaluated its whole slice) or 0 (it evaluates
-    /// nothing: a worker of a user's own model, whose test set the shards do not know).
+    /// nothing). Only the built-in model has test slices: a declared model's evaluation is
+    /// the user's (any test set, any length), checked only for correct <= count.
     fn check_eval(&self, rank: u32, count: u64, leaving: bool) -> PsResult<()> {
         let Some(slice) = self
             .test_slices
@@ -1080,6 +1086,21 @@ impl ParameterServer for ShardService {
             .into());
         }
         self.shard.check_rank(r.rank)?;
+        if !r.failed.is_empty() {
+            // a worker that stopped on an error: the run cannot complete, so it ends now
+            // instead of at the barrier timeout
+            let why = format!(
+                "rank {} {WORKER_STOPPED} at version {}: {}",
+                r.rank,
+                self.shard.version(),
+                r.failed.chars().take(1000).collect::<String>()
+            );
+            if self.shard.version() < self.shard.total_steps && self.shard.failure().is_none() {
+                tracing::error!("shard {}: {why}", self.shard.index);
+                self.shard.fail(why);
+            }
+            return Ok(Response::new(LeaveReply {}));
+        }
         self.check_eval(r.rank, r.eval_count, true)?;
         let all = self.shard.leave(r.rank, (r.eval_correct, r.eval_count))?;
         tracing::debug!(shard = self.shard.index, rank = r.rank, "worker left");
@@ -1087,6 +1108,15 @@ impl ParameterServer for ShardService {
             self.all_left.notify_one();
         }
         Ok(Response::new(LeaveReply {}))
+    }
+
+    async fn mark_unused(
+        &self,
+        request: Request<UnusedRequest>,
+    ) -> Result<Response<UnusedReply>, Status> {
+        let r = request.into_inner();
+        self.shard.mark_unused(r.rank, r.step, r.tensors)?;
+        Ok(Response::new(UnusedReply {}))
     }
 
     async fn report_step(

@@ -7,7 +7,7 @@ use crate::worker::{Peer, board_file, grad_board, pull_all, recover_if_lost, reg
 use anyhow::Context;
 use bytes::Bytes;
 use ps_common::config::{Config, Transport};
-use ps_common::pb::{LeaveRequest, PushHeader, TensorDesc};
+use ps_common::pb::{LeaveRequest, PushHeader, TensorDesc, UnusedRequest};
 use ps_common::shm::{Board, BoardDir};
 use ps_common::wire::encode_push;
 use std::time::{Duration, Instant};
@@ -79,6 +79,14 @@ impl Session {
         model: Vec<TensorDesc>,
         train_len: usize,
     ) -> anyhow::Result<Self> {
+        if let Some(n) = cfg.data.train_len
+            && n != train_len
+        {
+            anyhow::bail!(
+                "a training set of {train_len} samples: {} says [data] train_len = {n} (every worker must bring the same data set)",
+                cfg.path.display()
+            );
+        }
         let total = cfg.total_steps(train_len)?;
         let num_params: usize = model
             .iter()
@@ -374,6 +382,67 @@ impl Session {
                     rank: self.rank as u32,
                     eval_correct,
                     eval_count,
+                    failed: String::new(),
+                })
+                .await?;
+        }
+        Ok(())
+    }
+
+    /// Tells every shard that this worker stopped on an error (`why`) before the run's end, so
+    /// the run fails at once instead of at the barrier timeout. Best effort and bounded: a
+    /// shard that cannot be told within `[worker] connect_timeout_secs` is skipped (its
+    /// barrier timeout still ends the run).
+    pub async fn abandon(&mut self, why: &str) {
+        let limit = Duration::from_secs_f64(self.cfg.worker.connect_timeout_secs.min(10.0));
+        for p in &mut self.peers {
+            let req = LeaveRequest {
+                rank: self.rank as u32,
+                failed: why.to_string(),
+                ..Default::default()
+            };
+            let told = tokio::time::timeout(limit, p.client.leave(req)).await;
+            if !matches!(told, Ok(Ok(()))) {
+                tracing::warn!(
+                    "rank {}: could not tell shard {:?} that this worker stopped",
+                    self.rank,
+                    p.range
+                );
+            }
+        }
+    }
+
+    /// Tells each shard holding part of them which tensors (indices in flat order) this
+    /// worker's backward of `step` did not reach; their gradient is pushed as zeros. A tensor
+    /// no rank reached is not updated (as torch.optim skips a `.grad` of None).
+    pub async fn mark_unused(&mut self, step: u64, tensors: &[u32]) -> anyhow::Result<()> {
+        let offsets: Vec<std::ops::Range<usize>> = self
+            .model
+            .iter()
+            .scan(0usize, |off, t| {
+                let at = *off;
+                *off += t.shape.iter().product::<u64>() as usize;
+                Some(at..*off)
+            })
+            .collect();
+        for p in &mut self.peers {
+            let mine: Vec<u32> = tensors
+                .iter()
+                .copied()
+                .filter(|&t| {
+                    offsets.get(t as usize).is_some_and(|r| {
+                        r.start < p.range.end && p.range.start < r.end && !r.is_empty()
+                    })
+                })
+                .collect();
+            if mine.is_empty() || p.ahead {
+                continue;
+            }
+            p.client
+                .mark_unused(UnusedRequest {
+                    rank: self.rank as u32,
+                    step,
+                    tensors: mine,
                 })
                 .await?;
         }

@@ -319,6 +319,7 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
                 rank: rank as u32,
                 eval_correct: correct,
                 eval_count: count,
+                failed: String::new(),
             })
             .await?;
     }

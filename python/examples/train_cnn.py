@@ -5,19 +5,55 @@ of a ps cluster; start one per rank. For example, with the shards of `run.toml` 
     python examples/train_cnn.py --config run.toml --rank 1 --data ../data/mnist
 
 Write the run's init file first (`--write-init init.safetensors`, named by `[model] init`).
-At the end each rank prints the test accuracy of the final weights on the whole test set."""
+Each rank evaluates its share of the test set (`worker.test_slice`) for the shards' log; at
+the end each rank prints the test accuracy of the final weights on the whole test set. The
+script needs only `ps`, torch and numpy: it runs from anywhere (copy it out of the repository)."""
 
 import argparse
+import gzip
 import json
-import sys
 from pathlib import Path
 
+import numpy as np
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-import ps  # noqa: E402
-from common import SmallCNN, load  # noqa: E402
+import ps
+
+
+class SmallCNN(nn.Module):
+    """Two conv layers with max pooling, then two linear layers (21,490 parameters)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 8, 3)
+        self.conv2 = nn.Conv2d(8, 16, 3)
+        self.fc1 = nn.Linear(16 * 5 * 5, 48)
+        self.fc2 = nn.Linear(48, 10)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.conv1(x)), 2)
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        return self.fc2(F.relu(self.fc1(x.flatten(1))))
+
+
+def load(data_dir: Path, split: str):
+    """An IDX data set (MNIST layout, gzipped or not): float32 images [N, 1, 28, 28] in [0, 1]
+    and int64 labels [N]."""
+    prefix = "train" if split == "train" else "t10k"
+
+    def read(kind, dims):
+        for name in (f"{prefix}-{kind}-idx{dims}-ubyte.gz", f"{prefix}-{kind}-idx{dims}-ubyte"):
+            path = data_dir / name
+            if path.exists():
+                data = gzip.open(path).read() if path.suffix == ".gz" else path.read_bytes()
+                shape = [int.from_bytes(data[4 + 4 * i:8 + 4 * i], "big") for i in range(data[3])]
+                return np.frombuffer(data, np.uint8, offset=4 + 4 * data[3]).reshape(shape)
+        raise FileNotFoundError(f"{data_dir}: no {prefix} {kind}")
+
+    x = torch.from_numpy(read("images", 3).astype(np.float32) / 255.0).unsqueeze(1)
+    return x, torch.from_numpy(read("labels", 1).astype(np.int64))
 
 
 def accuracy(model, x, y):
@@ -47,8 +83,8 @@ def main():
     servers = args.servers.split(",") if args.servers else None
 
     def evaluate(m):  # this rank's share of the test set, for the shards' log
-        lo, hi = len(tx) * worker.rank // worker.world, len(tx) * (worker.rank + 1) // worker.world
-        return accuracy(m, tx[lo:hi], ty[lo:hi]), hi - lo
+        part = worker.test_slice(len(tx))
+        return accuracy(m, tx[part], ty[part]), len(tx[part])
 
     worker = ps.Worker(args.config, model, rank=args.rank, servers=servers, evaluate=evaluate)
     for _, idx in worker.batches(len(x)):

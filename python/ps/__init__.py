@@ -12,6 +12,11 @@ with shards on the same host, gRPC otherwise, the config's token and TLS)::
         loss.backward()
         worker.step(loss_sum=..., correct=...)      # push every .grad, pull the new weights
 
+The data may be the user's own (``[data] train_len = N`` instead of an IDX ``[data] dir``),
+read through the user's own ``DataLoader`` with ``batch_sampler=worker.sampler()`` and
+``worker.steps(loader)`` (prefetching and ``num_workers > 0`` are fine: the sampler yields
+each step's indices ahead of time from the data-order contract).
+
 The run's model is declared by ``[model] init = "init.safetensors"`` in the config: write that
 file with ``ps.save_init(model, path)`` (it carries the ``named_parameters()`` order in its
 metadata, key ``parameter_order``). Every worker starts from the init file's weights (version
@@ -28,8 +33,15 @@ Behaviour with special parameters and buffers:
   with ``UnsupportedModelError`` unless ``allow_buffers=True`` is passed, which states that the
   buffers are constants or that diverging per-worker values are intended (use GroupNorm or
   LayerNorm, or BatchNorm with ``track_running_stats=False``, for an exact run).
-* A trainable parameter whose ``.grad`` is ``None`` at ``step()`` (unused in the forward pass,
-  or ``backward()`` not called) raises ``GradNoneError`` naming it.
+* A trainable parameter whose ``.grad`` is ``None`` at ``step()`` (backward did not reach
+  it: a branch not taken in this batch) is treated exactly as ``torch.optim`` treats it: when
+  no worker's backward reached it in a step, the shards do not update it at all (no momentum,
+  no weight decay, no Adam step count); when some did, it gets the others' zeros (the
+  gradient of the union batch). No flag is needed. A step in which no parameter has a
+  gradient (``backward()`` not called) raises ``GradNoneError``.
+* A worker that stops on an error (or leaves the loop of ``batches()`` early) tells the
+  shards at once: the run fails with its reason and the other workers stop, instead of
+  waiting out the barrier timeout.
 * Parameters must be float32 (``model.float()``).
 
 A lost shard does not end the run: when a shard is restarted with ``ps-server --recover``
@@ -47,17 +59,28 @@ import logging
 
 import numpy as np
 import torch
+import torch.utils.data
 
 from . import _native
 from ._native import ModelMismatchError
 
+try:
+    from importlib.metadata import version as _version
+
+    __version__ = _version("ps-torch")
+except Exception:  # not installed as a distribution (a source tree on sys.path)
+    __version__ = "0+unknown"
+
 __all__ = [
     "Worker",
     "save_init",
+    "export",
     "ModelMismatchError",
     "GradNoneError",
     "UnsupportedModelError",
     "ORDER_KEY",
+    "StepSampler",
+    "__version__",
 ]
 
 ORDER_KEY = _native.ORDER_KEY
@@ -96,6 +119,23 @@ def save_init(model: torch.nn.Module, path) -> None:
     )
 
 
+def export(model: torch.nn.Module, path, metadata: dict | None = None) -> None:
+    """Writes every entry of ``model.state_dict()`` to ``path`` (safetensors): the trained
+    parameters, frozen parameters, tied parameters under each of their names, and buffers
+    (BatchNorm running statistics, ``num_batches_tracked`` in its own dtype), so
+    ``model.load_state_dict(safetensors.torch.load_file(path), strict=True)`` restores the
+    whole model. Call it on a worker after ``batches()`` ended: its model holds the run's final
+    weights, the frozen entries every worker holds alike, and this worker's own buffers (rank
+    0's are the model's, as with DDP). ``ps-launch --export`` writes the shards' trained
+    parameters only."""
+    from safetensors.torch import save_file
+
+    # each entry its own contiguous copy: tied entries share storage, and on a worker the
+    # parameters are views of one flat buffer, which safetensors refuses to write as such
+    tensors = {k: v.detach().cpu().clone().contiguous() for k, v in model.state_dict().items()}
+    save_file(tensors, str(path), metadata={"format": "pt", **(metadata or {})})
+
+
 class Worker:
     """One data-parallel worker of a run: see the module's documentation."""
 
@@ -112,8 +152,9 @@ class Worker:
         """``config``: the run's TOML file. ``rank``: this worker's rank (default: from
         RANK, SLURM_PROCID or JOB_COMPLETION_INDEX). ``servers``: shard addresses instead of
         the config's. ``evaluate``: optional ``f(model) -> (correct, count)`` on this rank's
-        share of the test set, called every ``[train] eval_every`` steps and at the end (the
-        shards log the cluster-wide test accuracy). ``run_id``: the run this worker joins
+        share of a test set of the user's choosing (any length, any split among the ranks;
+        ``test_slice(n)`` gives the shards' split), called every ``[train] eval_every``
+        steps and at the end (the shards sum the counts and log the accuracy). ``run_id``: the run this worker joins
         (default, as ps-worker: PS_RUN_ID, ``[cluster] run_id``, SLURM_JOB_ID, PS_K8S_JOB_UID);
         a shard of another run refuses the worker, naming both ids."""
         buffers = [n for n, _ in model.named_buffers()]
@@ -171,32 +212,119 @@ class Worker:
                 for (_, p), o in zip(self._params, self._offsets):
                     p.data.copy_(self._flat[o : o + p.numel()].view_as(p))
 
-    def batches(self, train_len: int):
-        """Registers with the shards for a training set of ``train_len`` samples, loads the
-        run's current weights into the model, and yields ``(step, indices)`` for every step of
-        the run: ``indices`` (a LongTensor) are this rank's samples of that step's global batch.
-        Call ``step()`` once per yielded step. At the end the model holds the final weights."""
+    def _data_len(self, train_len: int | None) -> int:
+        """``train_len``, or the config's ``[data] train_len`` when None."""
+        if train_len is None:
+            train_len = self._native.train_len
+            if train_len is None:
+                raise ValueError(
+                    "no training-set length: pass train_len (the number of samples of the "
+                    "training set), or set [data] train_len in the config"
+                )
+        return int(train_len)
+
+    def batches(self, train_len: int | None = None):
+        """Registers with the shards for a training set of ``train_len`` samples (default:
+        the config's ``[data] train_len``), loads the run's current weights into the model,
+        and yields ``(step, indices)`` for every step of the run: ``indices`` (a LongTensor)
+        are this rank's samples of that step's global batch. Call ``step()`` once per yielded
+        step. At the end the model holds the final weights."""
+
+        def source(t0):
+            for t in range(t0, self.total_steps):
+                idx = torch.from_numpy(np.asarray(self._native.batch(t), dtype=np.int64))
+                yield t, idx, len(idx)
+
+        yield from self._run(self._data_len(train_len), source)
+
+    def sampler(self, train_len: int | None = None) -> "StepSampler":
+        """A batch sampler for the user's own ``torch.utils.data.DataLoader`` over a data set
+        of ``train_len`` samples (default: the config's ``[data] train_len``): each batch it
+        yields is this rank's indices of one step, in step order from the step the run
+        (re)starts at, computed ahead of time from the data-order contract, so the loader may
+        prefetch (``num_workers > 0``, ``pin_memory``)::
+
+            loader = DataLoader(train_set, batch_sampler=worker.sampler(len(train_set)),
+                                num_workers=2, pin_memory=True)
+            for step, (x, y) in worker.steps(loader):
+                ...
+                worker.step(...)
+        """
+        return StepSampler(self, self._data_len(train_len))
+
+    def steps(self, loader):
+        """As ``batches()``, for a ``DataLoader`` whose ``batch_sampler`` is this worker's
+        ``sampler()``: registers, loads the run's weights and yields ``(step, batch)`` with
+        the loader's batch of each step. After a lost shard's rollback the loader is started
+        again from the step the cluster rolled back to (its prefetched batches are dropped)."""
+        sampler = getattr(loader, "batch_sampler", None)
+        if not isinstance(sampler, StepSampler) or sampler.worker is not self:
+            raise ValueError(
+                "worker.steps(loader): the loader's batch_sampler must be this worker's "
+                "sampler() (DataLoader(data, batch_sampler=worker.sampler(len(data)), ...))"
+            )
+
+        def source(t0):
+            sampler._start = t0
+            batches = iter(loader)
+            for t in range(t0, self.total_steps):
+                yield t, next(batches), sampler.step_len(t)
+
+        yield from self._run(sampler.train_len, source)
+
+    def test_slice(self, n: int) -> slice:
+        """This rank's share of a test set of ``n`` samples, as the shards split one among
+        the ranks (contiguous; the first ``n % world`` ranks get one more): for an
+        ``evaluate`` that covers the whole test set once across the workers. Any other split,
+        or none, is fine too: the shards sum what the workers report."""
+        lo, hi = self._native.slice_of(int(n))
+        return slice(lo, hi)
+
+    def _run(self, train_len: int, source):
+        """The run: registers, pulls the starting weights, and yields ``(step, batch)`` from
+        ``source(first_step)`` (items ``(step, batch, samples)``), expecting ``step()`` once
+        per item; after a rollback, starts ``source`` again from the step rolled back to. At
+        the end reports the final evaluation and leaves."""
         start, total = self._native.connect(int(train_len))
         self.start_step, self.total_steps = start, total
         self._transport = self._native.transport()
         try:
             self._rewind = None
             self._pull_or_rewind(start)
-            t = start if self._rewind is None else self._rewind
-            self._rewind = None
-            while t < total:
-                idx = np.asarray(self._native.batch(t), dtype=np.int64)
-                self._step, self._samples = t, len(idx)
-                yield t, torch.from_numpy(idx)
-                if self._step is not None:
-                    raise RuntimeError(
-                        f"worker.step() was not called for step {t}: call it once per batch"
-                    )
-                # after a lost shard the cluster rolled back: the steps from there are redone
-                # (the same batches, so the run ends as if nothing had happened)
-                t, self._rewind = (t + 1 if self._rewind is None else self._rewind), None
+            t0, self._rewind = (start if self._rewind is None else self._rewind), None
+            while True:
+                redo = None
+                items = source(t0)
+                try:
+                    for t, batch, samples in items:
+                        self._step, self._samples = t, samples
+                        yield t, batch
+                        if self._step is not None:
+                            raise RuntimeError(
+                                f"worker.step() was not called for step {t}: call it once "
+                                "per batch"
+                            )
+                        # after a lost shard the cluster rolled back: the steps from there
+                        # are redone (the same batches, so the run ends as if nothing had
+                        # happened)
+                        if self._rewind is not None:
+                            redo, self._rewind = self._rewind, None
+                            break
+                finally:
+                    items.close()
+                if redo is None:
+                    break
+                t0 = redo
             correct, count = self._run_evaluate()
             self._native.leave(correct, count)
+        except BaseException as e:
+            # the run cannot complete without this worker: the shards end it now, and the
+            # other workers stop with the reason instead of waiting out the barrier timeout
+            why = ("its training loop was left before the run's end (an exception in the "
+                   "loop's body, or a break)"
+                   if isinstance(e, GeneratorExit) else f"{type(e).__name__}: {e}")
+            self._native.abandon(f"{why} (step {self._step})")
+            raise
         finally:
             self._step = None
             self._timing = self._native.timing()
@@ -263,15 +391,16 @@ class Worker:
         # one array per tensor: CPU float32 gradients are read in place (copied once, into
         # the buffer the shards read); others are first copied to the CPU
         parts = []
+        unused = [i for i, (_, p) in enumerate(self._params) if p.grad is None]
+        self._check_reached(unused, t)
         with torch.no_grad():
             for (name, p), o in zip(self._params, self._offsets):
                 g = p.grad
-                if g is None:
-                    raise GradNoneError(
-                        f"parameter {name} has no gradient (.grad is None) at step {t}: it is "
-                        "not used in the forward pass, or backward() was not called. Set "
-                        "requires_grad=False on parameters the model does not train"
-                    )
+                if g is None:  # not reached: zeros, and the shards are told (mark_unused)
+                    buf = self._grad[o : o + p.numel()]
+                    buf.zero_()
+                    parts.append(buf.numpy())
+                    continue
                 if g.device.type == "cpu" and g.dtype == torch.float32 and g.is_contiguous():
                     parts.append(g.reshape(-1).numpy())
                 else:
@@ -286,11 +415,21 @@ class Worker:
         if isinstance(correct, torch.Tensor):
             correct = correct.item()
         n = self._samples if samples is None else int(samples)
-        self._push_and_pull(
-            lambda: self._native.push_parts(
-                t, parts, n, float(loss_sum), int(correct), ev[0], ev[1]
+
+        def push():
+            if unused:
+                self._native.mark_unused(t, unused)
+            self._native.push_parts(t, parts, n, float(loss_sum), int(correct), ev[0], ev[1])
+
+        self._push_and_pull(push)
+
+    def _check_reached(self, unused: list, t: int) -> None:
+        """A step in which no trainable parameter got a gradient is a missing backward()."""
+        if len(unused) == len(self._params):
+            raise GradNoneError(
+                f"no trainable parameter has a gradient at step {t}: call loss.backward() "
+                "before worker.step()"
             )
-        )
 
     def backward(self, loss, correct=0, samples: int | None = None) -> None:
         """``loss.backward()`` and ``step()`` in one, with the push overlapping backward (as
@@ -319,22 +458,25 @@ class Worker:
             loss.backward()
         finally:
             written, self._overlap = self._overlap, None
-        missing = [name for (name, _), w in zip(self._params, written) if not w]
+        missing = [i for i, w in enumerate(written) if not w]
+        if len(missing) == len(self._params):
+            try:
+                self._native.finish_push()  # nothing was written: drops the begun push
+            except RuntimeError:
+                pass
+            self._check_reached(missing, t)
 
         def finish():
-            try:
-                self._native.finish_push()
-            except _native.RolledBack:
-                raise
-            except RuntimeError:
-                if not missing:
-                    raise
+            # parameters backward did not reach: zeros, after telling the shards holding
+            # them (whose pushes wait for these values, so they start only now)
             if missing:
-                raise GradNoneError(
-                    f"parameters {missing[:5]}{' ...' if len(missing) > 5 else ''} got no "
-                    f"gradient from backward at step {t}: they are not used in the forward "
-                    "pass. Set requires_grad=False on parameters the model does not train"
-                )
+                self._native.mark_unused(t, missing)
+                for i in missing:
+                    o, k = self._offsets[i], self._params[i][1].numel()
+                    buf = self._grad[o : o + k]
+                    buf.zero_()
+                    self._native.grad_ready(i, buf.numpy())
+            self._native.finish_push()
 
         self._push_and_pull(finish)
 
@@ -373,3 +515,36 @@ class Worker:
     def transport(self):
         """How tensors travel to each shard ("shared memory", "gRPC", ...), once connected."""
         return self._transport
+
+
+class StepSampler(torch.utils.data.Sampler):
+    """A ``DataLoader`` batch sampler (``Worker.sampler()``): yields this rank's sample
+    indices of each step from the step the run starts at (or was rolled back to), a pure
+    function of the step (the data-order contract), so a loader may read any number ahead."""
+
+    def __init__(self, worker: Worker, train_len: int):
+        self.worker = worker
+        self.train_len = int(train_len)
+        self._start = 0
+        self._native = worker._native
+        self._native.plan(self.train_len)  # the order, before connecting (connect sets it too)
+
+    def step_len(self, step: int) -> int:
+        """How many samples this rank has in step ``step``."""
+        return len(self._native.batch(step))
+
+    def __iter__(self):
+        total = self.worker.total_steps
+        if total is None:
+            raise RuntimeError(
+                "iterate the loader through worker.steps(loader): it registers with the "
+                "shards first, which says the step the run starts at"
+            )
+        for t in range(self._start, total):
+            yield [int(i) for i in self._native.batch(t)]
+
+    def __len__(self) -> int:
+        total = self.worker.total_steps
+        if total is None:
+            total = self._native.total_steps_for(self.train_len)
+        return total - self._start

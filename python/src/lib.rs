@@ -211,6 +211,13 @@ impl Client {
         self.planner = Some(BatchPlanner::new(self.cfg.data_order(train_len)));
     }
 
+    /// The run's total steps for a training set of `n` samples.
+    fn total_steps_for(&self, n: usize) -> PyResult<u64> {
+        self.cfg
+            .total_steps(n)
+            .map_err(|e| PyValueError::new_err(e.to_string()))
+    }
+
     /// This rank's sample indices of step `step`, in order (the data-order contract).
     fn batch(&mut self, step: u64) -> PyResult<Vec<u32>> {
         let (rank, world) = (self.rank, self.cfg.cluster.workers);
@@ -381,6 +388,29 @@ impl Client {
         })
     }
 
+    /// Tells each shard holding part of them that this worker's backward of `step` did not
+    /// reach `tensors` (indices in flat order), before the step's push (whose gradient holds
+    /// zeros there): a tensor no rank reached is not updated, as torch.optim skips it.
+    fn mark_unused(&mut self, py: Python<'_>, step: u64, tensors: Vec<u32>) -> PyResult<()> {
+        let rt = &self.rt;
+        let session = self.session.as_mut().ok_or_else(|| {
+            PyRuntimeError::new_err("not connected: call connect(train_len) first")
+        })?;
+        py.detach(|| {
+            rt.block_on(session.mark_unused(step, &tensors))
+                .map_err(|e| after_failure(rt, session, step, e))
+        })
+    }
+
+    /// Tells every shard that this worker stopped on an error (`why`) before the run's end,
+    /// so the run fails at once instead of at the barrier timeout (best effort, bounded).
+    fn abandon(&mut self, py: Python<'_>, why: &str) {
+        let rt = &self.rt;
+        if let Some(session) = self.session.as_mut() {
+            py.detach(|| rt.block_on(session.abandon(why)));
+        }
+    }
+
     /// Leaves every shard, reporting this rank's final test evaluation (0/0 when none).
     #[pyo3(signature = (eval_correct=0, eval_count=0))]
     fn leave(&mut self, py: Python<'_>, eval_correct: u64, eval_count: u64) -> PyResult<()> {
@@ -437,6 +467,18 @@ impl Client {
     #[getter]
     fn loss_reduction(&self) -> String {
         self.cfg.train.loss_reduction.to_string()
+    }
+    /// This rank's slice `(start, end)` of a data set of `n` samples as the shards split a
+    /// test set among the ranks (`split_even`: the first `n % world` ranks get one more).
+    fn slice_of(&self, n: usize) -> (usize, usize) {
+        let r = ps_common::layout::split_even(n, self.cfg.cluster.workers)[self.rank].clone();
+        (r.start, r.end)
+    }
+    /// `[data] train_len` (the user's own training set's length), None when the config
+    /// names an IDX directory instead.
+    #[getter]
+    fn train_len(&self) -> Option<usize> {
+        self.cfg.data.train_len
     }
     /// `[train] eval_every` (0: at the end only).
     #[getter]

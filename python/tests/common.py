@@ -145,7 +145,11 @@ class Shards:
 
 def config_text(init: Path, data_dir: Path, out_dir: Path, *, workers=2, shards=2,
                 global_batch=64, steps=20, loss_reduction="mean", aggregation="mean",
-                optimizer='kind = "sgd"\nlr = 0.05', eval_every=0, seed=7) -> str:
+                optimizer='kind = "sgd"\nlr = 0.05', eval_every=0, seed=7,
+                train_len=None) -> str:
+    """A run's config; `train_len`: the user's own data of that many samples ([data]
+    train_len, no IDX directory) instead of `data_dir`."""
+    data = f"train_len = {train_len}" if train_len is not None else f'dir = "{data_dir}"'
     servers = ", ".join(f'"127.0.0.1:{50000 + i}"' for i in range(shards))
     return f"""
 [cluster]
@@ -156,7 +160,7 @@ workers = {workers}
 init = "{init}"
 
 [data]
-dir = "{data_dir}"
+{data}
 
 [train]
 seed = {seed}

@@ -47,39 +47,30 @@ def test_a_real_shard_refuses_a_worker_of_another_model(tmp_path):
             next(w.batches(60000))
 
 
-def test_a_gradient_that_is_none_is_named(tmp_path):
-    class Unused(SmallCNN):
-        def __init__(self):
-            super().__init__()
-            self.spare = nn.Linear(3, 3)
-
-    model = Unused()
-    cfg = write_config(tmp_path, model, steps=1, workers=1, shards=1, global_batch=8)
-    from common import load
-
-    x, y = load(DATA, "train")
-    with Shards(cfg, 1, tmp_path) as shards:
-        w = ps.Worker(cfg, model, rank=0, servers=shards.addrs)
-        batches = w.batches(60000)
-        _, idx = next(batches)
-        nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
-        with pytest.raises(ps.GradNoneError, match=r"parameter spare.weight has no gradient"):
-            w.step(loss_sum=0.0, correct=0)
-        batches.close()
-    # the same through Worker.backward, whose pushes start inside backward: nothing of the
-    # incomplete range was pushed, and the error names the parameters (a run of its own)
-    again = tmp_path / "overlapped"
-    again.mkdir()
-    cfg = write_config(again, model, steps=1, workers=1, shards=1, global_batch=8)
-    with Shards(cfg, 1, again) as shards:
-        w = ps.Worker(cfg, model, rank=0, servers=shards.addrs)
-        batches = w.batches(60000)
-        _, idx = next(batches)
-        loss = nn.functional.cross_entropy(model(x[idx]), y[idx])
-        with pytest.raises(ps.GradNoneError,
-                           match=r"\['spare.weight', 'spare.bias'\] got no gradient from backward"):
-            w.backward(loss)
-        batches.close()
+def test_a_step_without_any_gradient_is_refused(tmp_path):
+    """backward() not called (no parameter has a gradient) raises GradNoneError, through
+    step() and through backward() (a loss that reaches no parameter); the run ends at once
+    (the worker tells the shards) instead of at the barrier timeout."""
+    model = SmallCNN()
+    x = torch.zeros(8, 1, 28, 28)
+    for overlapped in (False, True):
+        out = tmp_path / f"overlapped-{overlapped}"
+        out.mkdir()
+        cfg = write_config(out, model, steps=1, workers=1, shards=1, global_batch=8)
+        with Shards(cfg, 1, out) as shards:
+            w = ps.Worker(cfg, model, rank=0, servers=shards.addrs)
+            batches = w.batches(60000)
+            next(batches)
+            model(x)  # a forward pass, but no backward
+            with pytest.raises(ps.GradNoneError, match=r"no trainable parameter has a gradient at step 0: call loss.backward\(\)"):
+                if overlapped:
+                    w.backward(torch.zeros((), requires_grad=True))
+                else:
+                    w.step(loss_sum=0.0, correct=0)
+            batches.close()
+            assert shards.wait(60)[0] != 0
+        log = (out / "shard-0.log").read_text()
+        assert "rank 0 stopped on an error at version 0: its training loop was left" in log, log
 
 
 def test_buffers_are_refused_unless_allowed(tmp_path):

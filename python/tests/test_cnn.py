@@ -47,3 +47,35 @@ def test_two_python_workers_train_a_cnn(data, tmp_path):
     assert len(final) == 1 and abs(final[0]["test_acc"] - accs[0]) < 1e-9, (final, accs)
     losses = [l["loss"] for l in lines if "loss" in l]
     assert losses and losses[-1] < losses[0], losses
+
+
+def test_the_example_copied_out_of_the_repository_trains_with_three_workers(tmp_path):
+    """The example run as a user would, copied out of the repository (it imports only ps,
+    torch and numpy), by 3 workers: every rank evaluates its share of the test set
+    (3334/3333/3333, ``worker.test_slice``) and every process ends with 0; the shards' final
+    accuracy is the whole test set's."""
+    import shutil
+
+    example = tmp_path / "train_cnn.py"
+    shutil.copy(EXAMPLE, example)
+    data_dir = REPO / "data" / "mnist"
+    init = tmp_path / "init.safetensors"
+    subprocess.run([sys.executable, str(example), "--data", str(data_dir), "--write-init",
+                    str(init)], check=True, cwd=tmp_path)
+    cfg = tmp_path / "run.toml"
+    cfg.write_text(config_text(init, data_dir, tmp_path, workers=3, global_batch=48, steps=30))
+    with Shards(cfg, 2, tmp_path) as shards:
+        workers = [subprocess.Popen(
+            [sys.executable, str(example), "--config", str(cfg), "--rank", str(r),
+             "--servers", ",".join(shards.addrs), "--data", str(data_dir),
+             "--result", str(tmp_path / f"rank{r}.json")],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+            for r in range(3)]
+        outs = [w.communicate(timeout=300)[0] for w in workers]
+        for r, (w, out) in enumerate(zip(workers, outs)):
+            assert w.returncode == 0, f"rank {r}: {out}"
+        assert shards.wait(60) == [0, 0]
+    acc = json.loads((tmp_path / "rank0.json").read_text())["test_acc"]
+    lines = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    final = [l for l in lines if l.get("final")]
+    assert len(final) == 1 and abs(final[0]["test_acc"] - acc) < 1e-9, (final, acc)

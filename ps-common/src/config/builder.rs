@@ -51,6 +51,7 @@ impl TestConfig {
             data: RawData {
                 dir: PathBuf::from("data"),
                 dir_as_given: false,
+                train_len: None,
             },
             train: RawTrain {
                 seed: 7,
@@ -154,6 +155,12 @@ impl TestConfig {
     /// `[data] dir`.
     pub fn data_dir(mut self, d: impl Into<PathBuf>) -> Self {
         self.raw.data.dir = d.into();
+        self
+    }
+    /// `[data] train_len` (the user's own data of a declared model), with no `dir`.
+    pub fn train_len(mut self, n: u64) -> Self {
+        self.raw.data.dir = PathBuf::new();
+        self.raw.data.train_len = Some(n);
         self
     }
     /// `[train] seed`.

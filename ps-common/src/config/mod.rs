@@ -59,6 +59,7 @@ struct RawConfig {
     cluster: cluster::RawCluster,
     #[serde(default)]
     model: model::RawModel,
+    #[serde(default)]
     data: train::RawData,
     train: train::RawTrain,
     optimizer: optimizer::RawOptimizer,
@@ -346,6 +347,10 @@ impl Config {
         let worker = raw.worker.validate()?;
         let checkpoint = raw.checkpoint.validate(resolve)?;
         let w = cluster.workers;
+        let data = raw.data.validate(resolve)?;
+        if model.declared.is_none() && data.dir.as_os_str().is_empty() {
+            return Err("[data] dir: required for the built-in model (its workers read the IDX files); train_len alone is for a declared model ([model] init), whose workers bring their own data".into());
+        }
 
         // [train] x [cluster]: the global batch
         if train.batch_from_per_worker {
@@ -378,7 +383,7 @@ impl Config {
             path: path.to_path_buf(),
             cluster,
             model,
-            data: raw.data.validate(resolve),
+            data,
             train,
             optimizer,
             schedule,
@@ -522,6 +527,15 @@ impl Config {
         }
     }
 
+    /// Where the training data comes from, in words: the IDX directory, or the user's own
+    /// data of `[data] train_len` samples.
+    pub fn data_source(&self) -> String {
+        match self.data.train_len {
+            Some(n) => format!("the user's own ({n} samples, [data] train_len)"),
+            None => self.data.dir.display().to_string(),
+        }
+    }
+
     /// Total steps of the run for a training set of `n` samples, or an error if the set is
     /// smaller than one global batch.
     pub fn total_steps(&self, n: usize) -> Result<u64, ConfigError> {
@@ -532,7 +546,7 @@ impl Config {
                 message: format!(
                     "[train] global_batch = {} is larger than the training set ({n} samples in {})",
                     self.train.global_batch,
-                    self.data.dir.display()
+                    self.data_source()
                 ),
             });
         }
@@ -546,7 +560,7 @@ impl Config {
                         file: self.path.clone(),
                         message: format!(
                             "[train] epochs = {e} x {spe} steps per epoch ({n} samples in {}, global batch {}): expected at most {MAX_STEPS} steps",
-                            self.data.dir.display(),
+                            self.data_source(),
                             self.train.global_batch
                         ),
                     })
@@ -660,7 +674,7 @@ impl Config {
                 (false, false) => "no authentication, no TLS",
             },
             self.describe_model(),
-            self.data.dir.display(),
+            self.data_source(),
             self.train.seed,
             self.train.global_batch,
             if self.train.batch_from_per_worker {

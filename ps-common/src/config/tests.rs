@@ -529,3 +529,28 @@ fn wire_defaults_to_f32_and_bf16_is_said_to_be_inexact() {
         "{e}"
     );
 }
+
+#[test]
+fn data_is_an_idx_directory_or_the_users_own_length() {
+    let no_dir = GOOD.replace("dir = \"../data/mnist\"", "");
+    let e = refused(&no_dir);
+    assert!(
+        e.contains("[data]: expected dir") && e.contains("or train_len"),
+        "{e}"
+    );
+    // the built-in model's workers read the IDX files: train_len alone is not enough
+    let e = refused(&no_dir.replace("[data]", "[data]\ntrain_len = 600"));
+    assert!(
+        e.contains("[data] dir: required for the built-in model"),
+        "{e}"
+    );
+    let e = refused(&GOOD.replace("[data]", "[data]\ntrain_len = 0"));
+    assert!(e.contains("[data] train_len = 0: expected 1..="), "{e}");
+    let c = parse(&GOOD.replace("[data]", "[data]\ntrain_len = 600")).unwrap();
+    assert_eq!(c.data.train_len, Some(600));
+    assert!(
+        c.describe().contains("data the user's own (600 samples"),
+        "{}",
+        c.describe()
+    );
+}

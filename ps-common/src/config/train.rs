@@ -6,31 +6,55 @@ use super::limits::{MAX_BATCH, MAX_STEPS, at_most};
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 
-#[derive(Debug, Clone, Deserialize, Serialize)]
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub(super) struct RawData {
+    #[serde(default, skip_serializing_if = "is_empty_path")]
     pub dir: PathBuf,
     /// Set by a command-line override: taken as given, not relative to the file.
     #[serde(skip)]
     pub dir_as_given: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub train_len: Option<u64>,
+}
+
+fn is_empty_path(p: &std::path::Path) -> bool {
+    p.as_os_str().is_empty()
 }
 
 /// `[data]`, validated.
 #[derive(Debug, Clone, PartialEq)]
 pub struct DataConfig {
-    /// Dataset directory (IDX files).
+    /// Dataset directory (IDX files); empty when the run's data is the user's own
+    /// (`train_len` given, a declared model).
     pub dir: PathBuf,
+    /// `train_len`: the number of samples of the user's own training set (a declared model's
+    /// workers bring their data): the shards take the run's length from it instead of reading
+    /// `dir`, and each worker's `batches(train_len)` must name the same number.
+    pub train_len: Option<usize>,
 }
 
 impl RawData {
-    pub(super) fn validate(&self, resolve: &Resolve) -> DataConfig {
-        DataConfig {
-            dir: if self.dir_as_given {
+    pub(super) fn validate(&self, resolve: &Resolve) -> Result<DataConfig, String> {
+        if let Some(n) = self.train_len
+            && (n == 0 || n > u64::from(u32::MAX))
+        {
+            return Err(format!(
+                "[data] train_len = {n}: expected 1..={} samples",
+                u32::MAX
+            ));
+        }
+        if is_empty_path(&self.dir) && self.train_len.is_none() {
+            return Err("[data]: expected dir (a directory of IDX files) or train_len (the number of samples of the user's own training set, for a declared model)".into());
+        }
+        Ok(DataConfig {
+            dir: if self.dir_as_given || is_empty_path(&self.dir) {
                 self.dir.clone()
             } else {
                 resolve.path(&self.dir)
             },
-        }
+            train_len: self.train_len.map(|n| n as usize),
+        })
     }
 }
 

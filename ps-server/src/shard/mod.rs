@@ -7,6 +7,7 @@
 //! - [`intake`]: bounded receive buffers for gRPC gradients, and the step's accumulator that
 //!   folds gradients in rank order as they arrive ([`Shard::fold_ready`]);
 //! - [`update`]: the fused aggregation + optimizer update, a pure function over slices;
+//! - [`unused`]: the tensors a step's backward did not reach (not updated when no rank did);
 //! - [`shm`]: the shard's side of the shared-memory data path (boards, [`Shard::offer_shm`],
 //!   [`Shard::shm_grad`]).
 //!
@@ -25,6 +26,7 @@ pub mod barrier;
 pub mod intake;
 pub mod shm;
 pub mod store;
+pub mod unused;
 pub mod update;
 
 use crate::checkpoint::{self, Saved};
@@ -164,6 +166,8 @@ struct State {
     /// Final test evaluation reported by each rank when it leaves.
     left: Vec<Option<(u64, u64)>>,
     failed: Option<String>,
+    /// Tensors the ranks' backward did not reach, and each tensor's skipped steps.
+    unused: unused::Unused,
 }
 
 /// One shard of the model: its range of the flat vector, optimizer, schedule and barrier.
@@ -283,6 +287,7 @@ impl Shard {
             spare: Vec::new(),
             left: vec![None; w],
             failed: None,
+            unused: unused::Unused::new(w, spec.tensors.len()),
         };
         Arc::new(Self {
             index,
@@ -330,6 +335,27 @@ impl Shard {
     /// A receiver that sees every version bump.
     pub fn subscribe(&self) -> watch::Receiver<u64> {
         self.version_tx.subscribe()
+    }
+
+    /// Records the tensors `rank`'s backward of `step` did not reach (sent before its push of
+    /// the step). A mark of a step already applied changes nothing; one of a step the shard
+    /// has not reached, or naming a tensor outside the model, is refused.
+    pub fn mark_unused(&self, rank: u32, step: u64, tensors: Vec<u32>) -> PsResult<()> {
+        let mut st = self.lock();
+        let r = st.barrier.rank(rank)?;
+        if let Some(why) = &st.failed {
+            return Err(PsError::Unavailable(why.clone()));
+        }
+        let at = st.barrier.step();
+        if step > at {
+            return Err(PsError::BadChunk(format!(
+                "rank {rank} marked unused tensors of step {step}: the shard is at step {at}"
+            )));
+        }
+        if step < at {
+            return Ok(());
+        }
+        st.unused.mark(r, step, tensors)
     }
 
     /// Marks the run failed: pulls and pushes are refused from now on.
@@ -476,6 +502,39 @@ impl Shard {
             cs.push(c);
             ranks.push(s.rank);
         }
+        // tensors no rank reached are not updated; Adam's bias correction of a tensor skipped
+        // before counts its own steps ([`unused`])
+        let (skip, own_steps) = {
+            let st = self.lock();
+            let ranks: Vec<u32> = slots.iter().map(|s| s.rank).collect();
+            let skip = st.unused.skipped_by_all(step, &ranks);
+            let skipped = &st.unused.skipped;
+            let behind: Vec<u32> = match self.optimizer {
+                ps_common::optim::Optimizer::Adam { .. } => (0..skipped.len() as u32)
+                    .filter(|t| skipped[*t as usize] > 0 && skip.binary_search(t).is_err())
+                    .collect(),
+                _ => Vec::new(),
+            };
+            let own_steps: Vec<(u64, Range<usize>)> =
+                unused::local_parts(&self.spec, &self.range, &behind)
+                    .into_iter()
+                    .map(|(t, r)| (opt.steps - skipped[t as usize], r))
+                    .collect();
+            (
+                unused::local_parts(&self.spec, &self.range, &skip),
+                own_steps,
+            )
+        };
+        let kept: Vec<(Range<usize>, Vec<f32>, Vec<f32>)> = skip
+            .iter()
+            .map(|(_, r)| r.clone())
+            .chain(own_steps.iter().map(|(_, r)| r.clone()))
+            .map(|r| {
+                let m = opt.m.get(r.clone()).map_or_else(Vec::new, <[f32]>::to_vec);
+                let v = opt.v.get(r.clone()).map_or_else(Vec::new, <[f32]>::to_vec);
+                (r, m, v)
+            })
+            .collect();
         let (current, next) = pending.buffers();
         let inputs = UpdateInputs {
             optimizer: &self.optimizer,
@@ -487,7 +546,37 @@ impl Shard {
             simd: Simd::Auto,
             checked: usize::from(folded),
         };
-        let updated = fused_update(inputs, next, &mut opt.m, &mut opt.v);
+        let mut updated = fused_update(inputs, next, &mut opt.m, &mut opt.v);
+        if updated.is_ok() && !kept.is_empty() {
+            for (r, m, v) in &kept {
+                next[r.clone()].copy_from_slice(&current[r.clone()]);
+                if !m.is_empty() {
+                    opt.m[r.clone()].copy_from_slice(m);
+                }
+                if !v.is_empty() {
+                    opt.v[r.clone()].copy_from_slice(v);
+                }
+            }
+            for (steps_done, r) in &own_steps {
+                let part: Vec<&[f32]> = grads.iter().map(|g| &g[r.clone()]).collect();
+                let inputs = UpdateInputs {
+                    step: self.optimizer.coeffs(*steps_done, lr as f32),
+                    current: &current[r.clone()],
+                    grads: &part,
+                    threads: 1,
+                    ..inputs
+                };
+                let again = fused_update(
+                    inputs,
+                    &mut next[r.clone()],
+                    &mut opt.m[r.clone()],
+                    &mut opt.v[r.clone()],
+                );
+                if let Err(e) = again {
+                    updated = Err(e);
+                }
+            }
+        }
         let rank_sq = updated
             .as_ref()
             .ok()
@@ -568,6 +657,9 @@ impl Shard {
             let mut st = self.lock();
             st.store.commit(pending);
             st.opt = opt;
+            for (t, _) in &skip {
+                st.unused.skipped[*t as usize] += 1;
+            }
             let done = slots.into_iter().filter_map(|s| match s.grad {
                 Grad::Owned(h) => Some(h.values),
                 _ => None,
