@@ -165,11 +165,44 @@ static std::function<bool()> run_reduce_stats(const char *, dim3_ G, dim3_ B, vo
   return [=] { return simt::launch(G, B, [=] { reduce_stats_f32(rl, rc, rows, out); }); };
 }
 
+static std::function<bool()> run_im2col(const char *, dim3_ G, dim3_ B, void **params) {
+  const float *x = PTR(const float *, 0); float *cols = PTR(float *, 1);
+  int n = arg<int>(params, 2), c = arg<int>(params, 3), h = arg<int>(params, 4), w = arg<int>(params, 5);
+  int k = arg<int>(params, 6), st = arg<int>(params, 7), p = arg<int>(params, 8), oh = arg<int>(params, 9), ow = arg<int>(params, 10);
+  if (st < 1 || k < 1 || oh != (h + 2 * p - k) / st + 1 || ow != (w + 2 * p - k) / st + 1) err("im2col_f32: inconsistent geometry");
+  in_live(x, (size_t)n * c * h * w * 4, "im2col x"); in_live(cols, (size_t)n * c * k * k * oh * ow * 4, "im2col cols");
+  return [=] { return simt::launch(G, B, [=] { im2col_f32(x, cols, n, c, h, w, k, st, p, oh, ow); }, true); };
+}
+static std::function<bool()> run_col2im(const char *, dim3_ G, dim3_ B, void **params) {
+  const float *cols = PTR(const float *, 0); float *dx = PTR(float *, 1);
+  int n = arg<int>(params, 2), c = arg<int>(params, 3), h = arg<int>(params, 4), w = arg<int>(params, 5);
+  int k = arg<int>(params, 6), st = arg<int>(params, 7), p = arg<int>(params, 8), oh = arg<int>(params, 9), ow = arg<int>(params, 10);
+  if (st < 1 || k < 1 || oh != (h + 2 * p - k) / st + 1 || ow != (w + 2 * p - k) / st + 1) err("col2im_f32: inconsistent geometry");
+  in_live(cols, (size_t)n * c * k * k * oh * ow * 4, "col2im cols"); in_live(dx, (size_t)n * c * h * w * 4, "col2im dx");
+  return [=] { return simt::launch(G, B, [=] { col2im_f32(cols, dx, n, c, h, w, k, st, p, oh, ow); }, true); };
+}
+static std::function<bool()> run_maxpool2(const char *, dim3_ G, dim3_ B, void **params) {
+  const float *x = PTR(const float *, 0); float *y = PTR(float *, 1); float *a = PTR(float *, 2);
+  long long pl = arg<long long>(params, 3); int h = arg<int>(params, 4), w = arg<int>(params, 5);
+  size_t out = (size_t)pl * (h / 2) * (w / 2);
+  in_live(x, (size_t)pl * h * w * 4, "maxpool x"); in_live(y, out * 4, "maxpool y"); in_live(a, out * 4, "maxpool arg");
+  return [=] { return simt::launch(G, B, [=] { maxpool2_f32(x, y, a, pl, h, w); }, true); };
+}
+static std::function<bool()> run_maxpool2_backward(const char *, dim3_ G, dim3_ B, void **params) {
+  const float *dy = PTR(const float *, 0); const float *a = PTR(const float *, 1); float *dx = PTR(float *, 2);
+  long long pl = arg<long long>(params, 3); int h = arg<int>(params, 4), w = arg<int>(params, 5);
+  size_t out = (size_t)pl * (h / 2) * (w / 2);
+  in_live(dy, out * 4, "maxpool_backward dy"); in_live(a, out * 4, "maxpool_backward arg"); in_live(dx, (size_t)pl * h * w * 4, "maxpool_backward dx");
+  return [=] { return simt::launch(G, B, [=] { maxpool2_backward_f32(dy, a, dx, pl, h, w); }, true); };
+}
+
 struct Kernel { const char *name; Runner run; };
 static Kernel KERNELS[] = {
     {"bias_act_f32", run_bias_act},         {"relu_backward_f32", run_relu_backward},
     {"softmax_xent_f32", run_softmax_xent}, {"argmax_correct_f32", run_argmax_correct},
     {"bias_grad_f32", run_bias_grad},       {"reduce_stats_f32", run_reduce_stats},
+    {"im2col_f32", run_im2col},             {"col2im_f32", run_col2im},
+    {"maxpool2_f32", run_maxpool2},         {"maxpool2_backward_f32", run_maxpool2_backward},
 };
 static Kernel *find_kernel(const std::string &name) {
   for (auto &k : KERNELS) if (name == k.name) return &k;

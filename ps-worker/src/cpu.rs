@@ -4,7 +4,7 @@
 
 use crate::backend::{BackendError, BackendResult, StepStats};
 use crate::model::Mlp;
-use crate::ops::{Device, Mat};
+use crate::ops::{ConvGeom, Device, Mat, check_pool};
 use ndarray::linalg::general_mat_mul;
 use ndarray::{ArrayView2, ArrayViewMut2};
 use ps_common::layout::MlpLayout;
@@ -272,6 +272,120 @@ impl Device for CpuDevice {
     fn eval_rows(&self) -> usize {
         EVAL_ROWS
     }
+
+    fn im2col(&mut self, x: &[f32], cols: &mut [f32], n: usize, g: ConvGeom) -> BackendResult<()> {
+        let (oh, ow) = g.check(n, x.len(), cols.len())?;
+        let (h, w, k) = (g.height, g.width, g.kernel);
+        let mut out = cols.iter_mut();
+        for xb in x.chunks_exact(g.input_len().max(1)).take(n) {
+            for plane in xb.chunks_exact(h * w) {
+                for ki in 0..k {
+                    for kj in 0..k {
+                        for oy in 0..oh {
+                            let y = (oy * g.stride + ki)
+                                .checked_sub(g.padding)
+                                .filter(|&y| y < h);
+                            for ox in 0..ow {
+                                let xx = (ox * g.stride + kj)
+                                    .checked_sub(g.padding)
+                                    .filter(|&xx| xx < w);
+                                let v = match (y, xx) {
+                                    (Some(y), Some(xx)) => plane[y * w + xx],
+                                    _ => 0.0,
+                                };
+                                *out.next().expect("checked length") = v;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn col2im(&mut self, cols: &[f32], dx: &mut [f32], n: usize, g: ConvGeom) -> BackendResult<()> {
+        let (oh, ow) = g.check(n, dx.len(), cols.len())?;
+        let (h, w, k) = (g.height, g.width, g.kernel);
+        dx.fill(0.0);
+        let mut src = cols.iter();
+        for xb in dx.chunks_exact_mut(g.input_len().max(1)).take(n) {
+            for plane in xb.chunks_exact_mut(h * w) {
+                for ki in 0..k {
+                    for kj in 0..k {
+                        for oy in 0..oh {
+                            let y = (oy * g.stride + ki)
+                                .checked_sub(g.padding)
+                                .filter(|&y| y < h);
+                            for ox in 0..ow {
+                                let v = *src.next().expect("checked length");
+                                let xx = (ox * g.stride + kj)
+                                    .checked_sub(g.padding)
+                                    .filter(|&xx| xx < w);
+                                if let (Some(y), Some(xx)) = (y, xx) {
+                                    plane[y * w + xx] += v;
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn maxpool2(
+        &mut self,
+        x: &[f32],
+        y: &mut [f32],
+        arg: &mut [f32],
+        planes: usize,
+        h: usize,
+        w: usize,
+    ) -> BackendResult<()> {
+        let (oh, ow) = check_pool(planes, h, w, x.len(), y.len(), arg.len())?;
+        for p in 0..planes {
+            let plane = &x[p * h * w..(p + 1) * h * w];
+            for oy in 0..oh {
+                for ox in 0..ow {
+                    let (mut best, mut at) = (f32::NEG_INFINITY, 0usize);
+                    for (i, (dy, dx)) in [(0, 0), (0, 1), (1, 0), (1, 1)].into_iter().enumerate() {
+                        let v = plane[(2 * oy + dy) * w + 2 * ox + dx];
+                        if i == 0 || v > best || (v.is_nan() && !best.is_nan()) {
+                            best = v;
+                            at = i;
+                        }
+                    }
+                    let o = (p * oh + oy) * ow + ox;
+                    y[o] = best;
+                    arg[o] = at as f32;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn maxpool2_backward(
+        &mut self,
+        dy: &[f32],
+        arg: &[f32],
+        dx: &mut [f32],
+        planes: usize,
+        h: usize,
+        w: usize,
+    ) -> BackendResult<()> {
+        let (oh, ow) = check_pool(planes, h, w, dx.len(), dy.len(), arg.len())?;
+        dx.fill(0.0);
+        for p in 0..planes {
+            for oy in 0..oh {
+                for ox in 0..ow {
+                    let o = (p * oh + oy) * ow + ox;
+                    let at = arg[o] as usize;
+                    dx[p * h * w + (2 * oy + at / 2) * w + 2 * ox + at % 2] = dy[o];
+                }
+            }
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]
@@ -381,5 +495,152 @@ mod tests {
             assert!(z.iter().all(|v| v.is_finite()));
             assert_eq!(z[0], -1.0, "softmax of the label row is ~0 at the label");
         }
+    }
+
+    fn rand(seed: u64, len: usize) -> Vec<f32> {
+        (0..len as u64)
+            .map(|i| {
+                (ps_common::layout::splitmix64(seed ^ i.wrapping_mul(0x9e37)) % 2001) as f32
+                    / 1000.0
+                    - 1.0
+            })
+            .collect()
+    }
+
+    /// A convolution as im2col + one matrix product per sample equals the direct sum
+    /// `out[b, o, oy, ox] = sum over ci, ki, kj of w[o, ci, ki, kj] x[b, ci, oy s + ki - p, ox s + kj - p]`,
+    /// and col2im is im2col's adjoint (`<im2col(x), c> = <x, col2im(c)>`), for strides,
+    /// paddings and kernels that do and do not tile the input.
+    #[test]
+    fn im2col_convolution_and_its_adjoint() {
+        let mut d = CpuDevice::new(1);
+        for (c, h, w, k, s, p, oc, n) in [
+            (1, 5, 5, 5, 1, 0, 2, 1),
+            (2, 7, 6, 3, 2, 1, 3, 2),
+            (3, 8, 8, 5, 1, 2, 4, 2),
+            (2, 9, 7, 4, 3, 0, 1, 3),
+        ] {
+            let g = ConvGeom {
+                channels: c,
+                height: h,
+                width: w,
+                kernel: k,
+                stride: s,
+                padding: p,
+            };
+            let (oh, ow) = g.out_hw().unwrap();
+            let x = rand(1, n * g.input_len());
+            let wt = rand(2, oc * g.col_rows());
+            let mut cols = vec![f32::NAN; n * g.col_rows() * oh * ow];
+            d.im2col(&x, &mut cols, n, g).unwrap();
+            for b in 0..n {
+                let col = &cols[b * g.col_rows() * oh * ow..(b + 1) * g.col_rows() * oh * ow];
+                let mut out = vec![0.0f32; oc * oh * ow];
+                d.gemm(
+                    Mat::new(&wt[..], oc, g.col_rows()),
+                    Mat::new(col, g.col_rows(), oh * ow),
+                    &mut out,
+                )
+                .unwrap();
+                for o in 0..oc {
+                    for oy in 0..oh {
+                        for ox in 0..ow {
+                            let mut want = 0.0f64;
+                            for ci in 0..c {
+                                for ki in 0..k {
+                                    for kj in 0..k {
+                                        let (y, xx) = (
+                                            (oy * s + ki) as i64 - p as i64,
+                                            (ox * s + kj) as i64 - p as i64,
+                                        );
+                                        if y < 0 || xx < 0 || y >= h as i64 || xx >= w as i64 {
+                                            continue;
+                                        }
+                                        want += f64::from(wt[((o * c + ci) * k + ki) * k + kj])
+                                            * f64::from(
+                                                x[((b * c + ci) * h + y as usize) * w
+                                                    + xx as usize],
+                                            );
+                                    }
+                                }
+                            }
+                            let got = f64::from(out[(o * oh + oy) * ow + ox]);
+                            assert!(
+                                (got - want).abs() < 1e-5,
+                                "{g:?} b{b} o{o} ({oy},{ox}): {got} vs {want}"
+                            );
+                        }
+                    }
+                }
+            }
+            let cvec = rand(3, cols.len());
+            let mut dx = vec![f32::NAN; x.len()];
+            d.col2im(&cvec, &mut dx, n, g).unwrap();
+            let lhs: f64 = cols
+                .iter()
+                .zip(&cvec)
+                .map(|(a, b)| f64::from(*a) * f64::from(*b))
+                .sum();
+            let rhs: f64 = x
+                .iter()
+                .zip(&dx)
+                .map(|(a, b)| f64::from(*a) * f64::from(*b))
+                .sum();
+            assert!(
+                (lhs - rhs).abs() < 1e-4 * lhs.abs().max(1.0),
+                "{g:?}: {lhs} vs {rhs}"
+            );
+        }
+        let g = ConvGeom {
+            channels: 1,
+            height: 3,
+            width: 3,
+            kernel: 5,
+            stride: 1,
+            padding: 0,
+        };
+        let e = d.im2col(&[0.0; 9], &mut [], 1, g).unwrap_err();
+        assert!(e.to_string().contains("does not fit"), "{e}");
+        let g = ConvGeom { kernel: 3, ..g };
+        let e = d.im2col(&[0.0; 9], &mut [0.0; 8], 1, g).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("the column matrices holds 8 values: expected 9"),
+            "{e}"
+        );
+    }
+
+    /// 2x2 max-pooling: the first largest of each window (a NaN wins), odd edges dropped; its
+    /// gradient goes to that element only.
+    #[test]
+    fn maxpool2_and_its_gradient() {
+        let mut d = CpuDevice::new(1);
+        // one plane of 3 x 5: windows (0,0) tie 4 at index 1 and 2 -> 1; (0,1) NaN at 3
+        #[rustfmt::skip]
+        let x = [
+            1.0, 4.0, 0.0, -1.0, 9.0,
+            4.0, 2.0, -3.0, f32::NAN, 9.0,
+            7.0, 7.0, 7.0, 7.0, 7.0,
+        ];
+        let (mut y, mut arg) = ([0.0f32; 2], [0.0f32; 2]);
+        d.maxpool2(&x, &mut y, &mut arg, 1, 3, 5).unwrap();
+        assert_eq!(y[0], 4.0);
+        assert!(y[1].is_nan());
+        assert_eq!(arg, [1.0, 3.0]);
+        let mut dx = [f32::NAN; 15];
+        d.maxpool2_backward(&[10.0, 20.0], &arg, &mut dx, 1, 3, 5)
+            .unwrap();
+        let mut want = [0.0f32; 15];
+        want[1] = 10.0;
+        want[8] = 20.0;
+        assert_eq!(dx, want);
+        let e = d
+            .maxpool2(&x, &mut [0.0; 3], &mut arg, 1, 3, 5)
+            .unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("the pooling's output holds 3 values: expected 2"),
+            "{e}"
+        );
     }
 }

@@ -16,7 +16,7 @@
 use crate::backend::{BackendError, BackendResult, StepStats};
 use crate::cpu::{check_len, check_rows};
 use crate::model::Mlp;
-use crate::ops::{Device, Mat};
+use crate::ops::{ConvGeom, Device, Mat, check_pool};
 use cudarc::cublas::sys::{cublasMath_t, cublasOperation_t};
 use cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
 use cudarc::driver::{
@@ -173,17 +173,25 @@ struct Kernels {
     argmax_correct: CudaFunction,
     bias_grad: CudaFunction,
     reduce_stats: CudaFunction,
+    im2col: CudaFunction,
+    col2im: CudaFunction,
+    maxpool2: CudaFunction,
+    maxpool2_backward: CudaFunction,
 }
 
 /// Names of the kernels' entry points in [`KERNELS`].
 #[cfg(test)]
-const ENTRY_POINTS: [&str; 6] = [
+const ENTRY_POINTS: [&str; 10] = [
     "bias_act_f32",
     "relu_backward_f32",
     "softmax_xent_f32",
     "argmax_correct_f32",
     "bias_grad_f32",
     "reduce_stats_f32",
+    "im2col_f32",
+    "col2im_f32",
+    "maxpool2_f32",
+    "maxpool2_backward_f32",
 ];
 
 /// Compiles [`KERNELS`] for the device's virtual architecture (`compute_90` on Hopper); if
@@ -383,6 +391,32 @@ const CFG_REDUCE: LaunchConfig = LaunchConfig {
     block_dim: (256, 1, 1),
     shared_mem_bytes: 0,
 };
+
+/// The `int` arguments `n, c, h, w, k, s, p, oh, ow` of the convolution kernels.
+fn conv_args(n: usize, g: ConvGeom, oh: usize, ow: usize) -> BackendResult<[i32; 9]> {
+    let i = check_i32;
+    Ok([
+        i("a batch", n)?,
+        i("channels", g.channels)?,
+        i("a height", g.height)?,
+        i("a width", g.width)?,
+        i("a kernel", g.kernel)?,
+        i("a stride", g.stride)?,
+        i("a padding", g.padding)?,
+        i("an output height", oh)?,
+        i("an output width", ow)?,
+    ])
+}
+
+/// The `planes, h, w` arguments of the pooling kernels.
+fn pool_args(planes: usize, h: usize, w: usize) -> BackendResult<(i64, i32, i32)> {
+    Ok((
+        i64::try_from(planes)
+            .map_err(|_| BackendError::Shape(format!("{planes} planes: too many")))?,
+        check_i32("a height", h)?,
+        check_i32("a width", w)?,
+    ))
+}
 
 fn check_i32(what: &str, v: usize) -> BackendResult<i32> {
     i32::try_from(v)
@@ -634,6 +668,10 @@ impl CudaDevice {
             argmax_correct: f("argmax_correct_f32")?,
             bias_grad: f("bias_grad_f32")?,
             reduce_stats: f("reduce_stats_f32")?,
+            im2col: f("im2col_f32")?,
+            col2im: f("col2im_f32")?,
+            maxpool2: f("maxpool2_f32")?,
+            maxpool2_backward: f("maxpool2_backward_f32")?,
         };
         let blas = CudaBlas::new(stream.clone()).map_err(cuda_err("creating the cuBLAS handle"))?;
         // Full FP32: the default math mode never uses TF32 tensor cores for sgemm; set it
@@ -1130,6 +1168,145 @@ impl Device for CudaDevice {
 
     fn eval_rows(&self) -> usize {
         EVAL_ROWS
+    }
+
+    fn im2col(
+        &mut self,
+        x: CudaView<'_, f32>,
+        mut cols: CudaViewMut<'_, f32>,
+        n: usize,
+        g: ConvGeom,
+    ) -> BackendResult<()> {
+        let (oh, ow) = g.check(n, x.len(), cols.len())?;
+        if cols.is_empty() {
+            return Ok(());
+        }
+        let a = conv_args(n, g, oh, ow)?;
+        let cfg = cfg_elems(cols.len());
+        self.bind()?;
+        // SAFETY: im2col_f32(const float* x, float* cols, int n, c, h, w, k, s, p, oh, ow):
+        // x holds n*c*h*w floats and cols n*c*k*k*oh*ow (checked above); every read index is
+        // inside x (the kernel skips positions outside the input).
+        unsafe {
+            self.stream
+                .launch_builder(&self.k.im2col)
+                .arg(&x)
+                .arg(&mut cols)
+                .arg(&a[0])
+                .arg(&a[1])
+                .arg(&a[2])
+                .arg(&a[3])
+                .arg(&a[4])
+                .arg(&a[5])
+                .arg(&a[6])
+                .arg(&a[7])
+                .arg(&a[8])
+                .launch(cfg)
+        }
+        .map(|_| ())
+        .map_err(cuda_err("launching im2col_f32"))
+    }
+
+    fn col2im(
+        &mut self,
+        cols: CudaView<'_, f32>,
+        mut dx: CudaViewMut<'_, f32>,
+        n: usize,
+        g: ConvGeom,
+    ) -> BackendResult<()> {
+        let (oh, ow) = g.check(n, dx.len(), cols.len())?;
+        if dx.is_empty() {
+            return Ok(());
+        }
+        let a = conv_args(n, g, oh, ow)?;
+        let cfg = cfg_elems(dx.len());
+        self.bind()?;
+        // SAFETY: col2im_f32(const float* cols, float* dx, int n, c, h, w, k, s, p, oh, ow):
+        // lengths checked above; the kernel reads only cols entries of in-range (oy, ox).
+        unsafe {
+            self.stream
+                .launch_builder(&self.k.col2im)
+                .arg(&cols)
+                .arg(&mut dx)
+                .arg(&a[0])
+                .arg(&a[1])
+                .arg(&a[2])
+                .arg(&a[3])
+                .arg(&a[4])
+                .arg(&a[5])
+                .arg(&a[6])
+                .arg(&a[7])
+                .arg(&a[8])
+                .launch(cfg)
+        }
+        .map(|_| ())
+        .map_err(cuda_err("launching col2im_f32"))
+    }
+
+    fn maxpool2(
+        &mut self,
+        x: CudaView<'_, f32>,
+        mut y: CudaViewMut<'_, f32>,
+        mut arg: CudaViewMut<'_, f32>,
+        planes: usize,
+        h: usize,
+        w: usize,
+    ) -> BackendResult<()> {
+        check_pool(planes, h, w, x.len(), y.len(), arg.len())?;
+        if y.is_empty() {
+            return Ok(());
+        }
+        let (pl, hh, ww) = pool_args(planes, h, w)?;
+        let cfg = cfg_elems(y.len());
+        self.bind()?;
+        // SAFETY: maxpool2_f32(const float* x, float* y, float* arg, long long planes, int h,
+        // int w): x holds planes*h*w, y and arg planes*(h/2)*(w/2) floats (checked above).
+        unsafe {
+            self.stream
+                .launch_builder(&self.k.maxpool2)
+                .arg(&x)
+                .arg(&mut y)
+                .arg(&mut arg)
+                .arg(&pl)
+                .arg(&hh)
+                .arg(&ww)
+                .launch(cfg)
+        }
+        .map(|_| ())
+        .map_err(cuda_err("launching maxpool2_f32"))
+    }
+
+    fn maxpool2_backward(
+        &mut self,
+        dy: CudaView<'_, f32>,
+        arg: CudaView<'_, f32>,
+        mut dx: CudaViewMut<'_, f32>,
+        planes: usize,
+        h: usize,
+        w: usize,
+    ) -> BackendResult<()> {
+        check_pool(planes, h, w, dx.len(), dy.len(), arg.len())?;
+        if dx.is_empty() {
+            return Ok(());
+        }
+        let (pl, hh, ww) = pool_args(planes, h, w)?;
+        let cfg = cfg_elems(dx.len());
+        self.bind()?;
+        // SAFETY: maxpool2_backward_f32(const float* dy, const float* arg, float* dx,
+        // long long planes, int h, int w): lengths checked above.
+        unsafe {
+            self.stream
+                .launch_builder(&self.k.maxpool2_backward)
+                .arg(&dy)
+                .arg(&arg)
+                .arg(&mut dx)
+                .arg(&pl)
+                .arg(&hh)
+                .arg(&ww)
+                .launch(cfg)
+        }
+        .map(|_| ())
+        .map_err(cuda_err("launching maxpool2_backward_f32"))
     }
 }
 

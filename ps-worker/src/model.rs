@@ -560,6 +560,46 @@ mod tests {
             dst.copy_from_slice(src);
             Ok(())
         }
+        fn im2col(
+            &mut self,
+            x: &[f32],
+            cols: &mut [f32],
+            n: usize,
+            g: crate::ops::ConvGeom,
+        ) -> BackendResult<()> {
+            self.0.im2col(x, cols, n, g)
+        }
+        fn col2im(
+            &mut self,
+            cols: &[f32],
+            dx: &mut [f32],
+            n: usize,
+            g: crate::ops::ConvGeom,
+        ) -> BackendResult<()> {
+            self.0.col2im(cols, dx, n, g)
+        }
+        fn maxpool2(
+            &mut self,
+            x: &[f32],
+            y: &mut [f32],
+            arg: &mut [f32],
+            planes: usize,
+            h: usize,
+            w: usize,
+        ) -> BackendResult<()> {
+            self.0.maxpool2(x, y, arg, planes, h, w)
+        }
+        fn maxpool2_backward(
+            &mut self,
+            dy: &[f32],
+            arg: &[f32],
+            dx: &mut [f32],
+            planes: usize,
+            h: usize,
+            w: usize,
+        ) -> BackendResult<()> {
+            self.0.maxpool2_backward(dy, arg, dx, planes, h, w)
+        }
         fn host_view_mut(_: &mut [f32]) -> Option<&mut [f32]> {
             None
         }

@@ -9,7 +9,8 @@
 //! [`Device::count_correct`] and [`Device::sync`] wait for the device, so a training step's intermediate values stay in
 //! device buffers and the host waits once, when it reads the gradient.
 
-use crate::backend::{BackendResult, StepStats};
+use crate::backend::{BackendError, BackendResult, StepStats};
+use crate::cpu::check_len;
 use std::ops::Range;
 
 /// A row-major `[rows, cols]` matrix stored in `data`, used as itself or, with `t`, as its
@@ -48,6 +49,79 @@ impl<V> Mat<V> {
             (self.rows, self.cols)
         }
     }
+}
+
+/// The geometry of a 2-D convolution over NCHW tensors (PyTorch's layout): `channels` input
+/// planes of `height x width`, a square `kernel`, `stride` and zero `padding` on every side.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConvGeom {
+    /// Input channels.
+    pub channels: usize,
+    /// Input height.
+    pub height: usize,
+    /// Input width.
+    pub width: usize,
+    /// Kernel side.
+    pub kernel: usize,
+    /// Stride (at least 1).
+    pub stride: usize,
+    /// Zero padding on each side.
+    pub padding: usize,
+}
+
+impl ConvGeom {
+    /// Output height and width: `(h + 2p - k) / s + 1` (`None` when the kernel does not fit
+    /// or the stride is 0).
+    pub fn out_hw(&self) -> Option<(usize, usize)> {
+        let o = |n: usize| {
+            (self.stride > 0 && self.kernel > 0 && n + 2 * self.padding >= self.kernel)
+                .then(|| (n + 2 * self.padding - self.kernel) / self.stride + 1)
+        };
+        Some((o(self.height)?, o(self.width)?))
+    }
+    /// Values of one sample's input, `c * h * w`.
+    pub fn input_len(&self) -> usize {
+        self.channels * self.height * self.width
+    }
+    /// Rows of one sample's column matrix: `c * k * k` (the weight's `[out, c, k, k]` flattened
+    /// to `[out, c * k * k]` multiplies it).
+    pub fn col_rows(&self) -> usize {
+        self.channels * self.kernel * self.kernel
+    }
+
+    /// Checks that an input of `x_len` and column matrices of `cols_len` values hold `n`
+    /// samples of this geometry; the output height and width.
+    pub fn check(&self, n: usize, x_len: usize, cols_len: usize) -> BackendResult<(usize, usize)> {
+        let (oh, ow) = self.out_hw().ok_or_else(|| {
+            BackendError::Shape(format!(
+                "convolution {self:?}: the kernel does not fit the padded input (or stride 0)"
+            ))
+        })?;
+        check_len("the convolution's input", x_len, n * self.input_len())?;
+        check_len(
+            "the column matrices",
+            cols_len,
+            n * self.col_rows() * oh * ow,
+        )?;
+        Ok((oh, ow))
+    }
+}
+
+/// Checks the lengths of a 2x2 max-pooling over `planes` planes of `h x w`: input `x_len`,
+/// output `y_len`, argmax `arg_len`; the output height and width.
+pub fn check_pool(
+    planes: usize,
+    h: usize,
+    w: usize,
+    x_len: usize,
+    y_len: usize,
+    arg_len: usize,
+) -> BackendResult<(usize, usize)> {
+    let (oh, ow) = (h / 2, w / 2);
+    check_len("the pooling's input", x_len, planes * h * w)?;
+    check_len("the pooling's output", y_len, planes * oh * ow)?;
+    check_len("the pooling's argmax", arg_len, planes * oh * ow)?;
+    Ok((oh, ow))
 }
 
 /// A compute device: owned `f32` buffers, views of their ranges, and the operations of a
@@ -157,4 +231,50 @@ pub trait Device: Send {
     ) -> BackendResult<u64>;
     /// Rows per forward pass when evaluating, to bound memory.
     fn eval_rows(&self) -> usize;
+
+    /// The column matrices of a convolution's input: `x` is `[n, c, h, w]`, `cols` becomes
+    /// `[n, c * k * k, oh * ow]` with `cols[b, (ci * k + ki) * k + kj, oy * ow + ox] =
+    /// x[b, ci, oy * s + ki - p, ox * s + kj - p]` (0 outside the input), so each sample's
+    /// output `[out, oh * ow]` is the weight `[out, c * k * k]` times its column matrix.
+    fn im2col(
+        &mut self,
+        x: Self::View<'_>,
+        cols: Self::ViewMut<'_>,
+        n: usize,
+        g: ConvGeom,
+    ) -> BackendResult<()>;
+    /// The adjoint of [`Device::im2col`]: `dx` (`[n, c, h, w]`, overwritten) receives the sum of
+    /// the entries of `cols` that [`Device::im2col`] copies from each input position (the
+    /// gradient of the convolution's input from the gradient of its column matrices).
+    fn col2im(
+        &mut self,
+        cols: Self::View<'_>,
+        dx: Self::ViewMut<'_>,
+        n: usize,
+        g: ConvGeom,
+    ) -> BackendResult<()>;
+    /// 2x2 max-pooling with stride 2 of `x` (`[planes, h, w]`, `planes` = batch x channels)
+    /// into `y` (`[planes, h / 2, w / 2]`, odd edges dropped as PyTorch's `floor` mode does),
+    /// and in `arg` the index (0..4, row-major in the window, stored as f32) of each window's
+    /// maximum: the first largest, a NaN winning as in PyTorch.
+    fn maxpool2(
+        &mut self,
+        x: Self::View<'_>,
+        y: Self::ViewMut<'_>,
+        arg: Self::ViewMut<'_>,
+        planes: usize,
+        h: usize,
+        w: usize,
+    ) -> BackendResult<()>;
+    /// The gradient of [`Device::maxpool2`]: `dx` (`[planes, h, w]`, overwritten) is `dy` at each
+    /// window's maximum (`arg`) and 0 elsewhere.
+    fn maxpool2_backward(
+        &mut self,
+        dy: Self::View<'_>,
+        arg: Self::View<'_>,
+        dx: Self::ViewMut<'_>,
+        planes: usize,
+        h: usize,
+        w: usize,
+    ) -> BackendResult<()>;
 }

@@ -571,3 +571,122 @@ fn the_gradient_is_handed_on_while_backward_runs() {
         );
     }
 }
+
+/// The convolution and pooling operations of the CNN (im2col, col2im, 2x2 max-pooling and its
+/// gradient) on the CUDA device equal the CPU device's, for geometries with and without
+/// padding, strides that do and do not tile the input, odd pooling edges, ties and NaNs. The
+/// copies and the per-element sums run in the same order on both, so equal to the bit is
+/// expected; the bound is the 1e-4 per tensor.
+#[test]
+#[ignore = "needs a CUDA GPU: run with --ignored on a GPU machine (scripts/gpu-check.sh)"]
+fn conv_and_pool_operations_parity() {
+    use ps_worker::cpu::CpuDevice;
+    use ps_worker::cuda::CudaDevice;
+    use ps_worker::ops::{ConvGeom, Device};
+    let rand =
+        |seed: u64, len: usize| -> Vec<f32> { (0..len as u64).map(|i| uniform(seed, i)).collect() };
+    let mut cpu = CpuDevice::new(1);
+    let mut gpu = CudaDevice::new(ordinal()).expect("a CUDA device");
+    let on_gpu = |gpu: &mut CudaDevice, v: &[f32]| {
+        let mut b = gpu.alloc(v.len()).unwrap();
+        gpu.upload(v, CudaDevice::view_mut(&mut b, 0..v.len()))
+            .unwrap();
+        b
+    };
+    let back = |gpu: &mut CudaDevice, b: &cudarc::driver::CudaSlice<f32>, len: usize| {
+        let mut v = vec![f32::NAN; len];
+        gpu.download(CudaDevice::view(b, 0..len), &mut v).unwrap();
+        v
+    };
+    for (n, c, h, w, k, s, p) in [
+        (2, 1, 28, 28, 5, 1, 0),
+        (3, 4, 12, 12, 5, 1, 2),
+        (2, 3, 9, 7, 3, 2, 1),
+        (1, 2, 10, 11, 4, 3, 0),
+    ] {
+        let g = ConvGeom {
+            channels: c,
+            height: h,
+            width: w,
+            kernel: k,
+            stride: s,
+            padding: p,
+        };
+        let (oh, ow) = g.out_hw().unwrap();
+        let what = format!("{g:?} n {n}");
+        let x = rand(31, n * g.input_len());
+        let clen = n * g.col_rows() * oh * ow;
+        let mut cols = vec![f32::NAN; clen];
+        cpu.im2col(&x, &mut cols, n, g).unwrap();
+        let xb = on_gpu(&mut gpu, &x);
+        let mut cb = gpu.alloc(clen).unwrap();
+        gpu.im2col(
+            CudaDevice::view(&xb, 0..x.len()),
+            CudaDevice::view_mut(&mut cb, 0..clen),
+            n,
+            g,
+        )
+        .unwrap();
+        let got = back(&mut gpu, &cb, clen);
+        assert!(rel_err(&got, &cols) < TOL, "{what}: im2col");
+        let dcols = rand(32, clen);
+        let mut dx = vec![f32::NAN; x.len()];
+        cpu.col2im(&dcols, &mut dx, n, g).unwrap();
+        let db = on_gpu(&mut gpu, &dcols);
+        let mut dxb = gpu.alloc(x.len()).unwrap();
+        gpu.col2im(
+            CudaDevice::view(&db, 0..clen),
+            CudaDevice::view_mut(&mut dxb, 0..x.len()),
+            n,
+            g,
+        )
+        .unwrap();
+        let got = back(&mut gpu, &dxb, x.len());
+        let e = rel_err(&got, &dx);
+        assert!(e < TOL, "{what}: col2im {e:e}");
+        // pooling over the n*c planes of the input, with ties and a NaN in it
+        let planes = n * c;
+        let mut xp = x.clone();
+        xp[1] = xp[0];
+        xp[w + 1] = f32::NAN;
+        let olen = planes * (h / 2) * (w / 2);
+        let (mut y, mut arg) = (vec![0.0; olen], vec![0.0; olen]);
+        cpu.maxpool2(&xp, &mut y, &mut arg, planes, h, w).unwrap();
+        let xpb = on_gpu(&mut gpu, &xp);
+        let (mut yb, mut ab) = (gpu.alloc(olen).unwrap(), gpu.alloc(olen).unwrap());
+        gpu.maxpool2(
+            CudaDevice::view(&xpb, 0..xp.len()),
+            CudaDevice::view_mut(&mut yb, 0..olen),
+            CudaDevice::view_mut(&mut ab, 0..olen),
+            planes,
+            h,
+            w,
+        )
+        .unwrap();
+        let (gy, ga) = (back(&mut gpu, &yb, olen), back(&mut gpu, &ab, olen));
+        assert!(
+            gy[0].is_nan() && y[0].is_nan(),
+            "{what}: the NaN wins its window"
+        );
+        assert_eq!(ga, arg, "{what}: argmax");
+        assert!(rel_err(&gy[1..], &y[1..]) < TOL, "{what}: max-pool");
+        let dy = rand(33, olen);
+        let mut dxp = vec![f32::NAN; xp.len()];
+        cpu.maxpool2_backward(&dy, &arg, &mut dxp, planes, h, w)
+            .unwrap();
+        let dyb = on_gpu(&mut gpu, &dy);
+        let mut dxpb = gpu.alloc(xp.len()).unwrap();
+        gpu.maxpool2_backward(
+            CudaDevice::view(&dyb, 0..olen),
+            CudaDevice::view(&ab, 0..olen),
+            CudaDevice::view_mut(&mut dxpb, 0..xp.len()),
+            planes,
+            h,
+            w,
+        )
+        .unwrap();
+        let got = back(&mut gpu, &dxpb, xp.len());
+        assert!(rel_err(&got, &dxp) < TOL, "{what}: max-pool gradient");
+        eprintln!("{what}: im2col, col2im, max-pool and its gradient equal the CPU's");
+    }
+}

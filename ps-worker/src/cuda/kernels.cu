@@ -156,3 +156,96 @@ extern "C" __global__ void reduce_stats_f32(const float* __restrict__ row_loss,
         out[1] = sc[0];
     }
 }
+
+// The column matrices of a convolution (NCHW): cols [n, c*k*k, oh*ow] with
+// cols[b, (ci*k + ki)*k + kj, oy*ow + ox] = x[b, ci, oy*s + ki - p, ox*s + kj - p], 0 outside.
+// Grid-stride, one thread per element of cols.
+extern "C" __global__ void im2col_f32(const float* __restrict__ x, float* __restrict__ cols, int n,
+                                      int c, int h, int w, int k, int s, int p, int oh, int ow) {
+    const long long total = (long long)n * c * k * k * oh * ow;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
+        const int ox = (int)(i % ow);
+        const int oy = (int)((i / ow) % oh);
+        const long long row = i / ((long long)ow * oh); // b * c*k*k + (ci*k + ki)*k + kj
+        const int kj = (int)(row % k);
+        const int ki = (int)((row / k) % k);
+        const long long bc = row / ((long long)k * k); // b * c + ci
+        const int y = oy * s + ki - p;
+        const int xx = ox * s + kj - p;
+        cols[i] = (y >= 0 && y < h && xx >= 0 && xx < w) ? x[(bc * h + y) * w + xx] : 0.0f;
+    }
+}
+
+// The adjoint of im2col_f32: dx[b, ci, y, x] = the sum over (ki, kj) of the cols entry im2col
+// copies from (y, x), in (ki, kj) order (the CPU device's order). One thread per element of
+// dx, no atomics.
+extern "C" __global__ void col2im_f32(const float* __restrict__ cols, float* __restrict__ dx, int n,
+                                      int c, int h, int w, int k, int s, int p, int oh, int ow) {
+    const long long total = (long long)n * c * h * w;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
+        const int xx = (int)(i % w);
+        const int y = (int)((i / w) % h);
+        const long long bc = i / ((long long)w * h);
+        float acc = 0.0f;
+        for (int ki = 0; ki < k; ++ki) {
+            const int ty = y + p - ki;
+            if (ty < 0 || ty % s != 0 || ty / s >= oh) continue;
+            for (int kj = 0; kj < k; ++kj) {
+                const int tx = xx + p - kj;
+                if (tx < 0 || tx % s != 0 || tx / s >= ow) continue;
+                const long long row = (bc * k + ki) * k + kj;
+                acc += cols[(row * oh + ty / s) * ow + tx / s];
+            }
+        }
+        dx[i] = acc;
+    }
+}
+
+// 2x2 max-pooling, stride 2 (odd edges dropped): y[pl, oy, ox] = the window's first largest
+// value (a NaN wins), arg = its index 0..3 in the window (row-major) as a float. One thread
+// per output element.
+extern "C" __global__ void maxpool2_f32(const float* __restrict__ x, float* __restrict__ y,
+                                        float* __restrict__ arg, long long planes, int h, int w) {
+    const int oh = h / 2, ow = w / 2;
+    const long long total = planes * oh * ow;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
+        const int ox = (int)(i % ow);
+        const int oy = (int)((i / ow) % oh);
+        const long long pl = i / ((long long)ow * oh);
+        const float* win = x + (pl * h + 2 * oy) * w + 2 * ox;
+        float best = win[0];
+        int at = 0;
+        for (int j = 1; j < 4; ++j) {
+            const float v = win[(j / 2) * w + (j % 2)];
+            if (v > best || (v != v && best == best)) { best = v; at = j; } // v != v: NaN
+        }
+        y[i] = best;
+        arg[i] = (float)at;
+    }
+}
+
+// The gradient of maxpool2_f32: dx[pl, y, x] = dy of its window when (y, x) is the window's
+// maximum, else 0 (also outside every window). One thread per element of dx.
+extern "C" __global__ void maxpool2_backward_f32(const float* __restrict__ dy,
+                                                 const float* __restrict__ arg,
+                                                 float* __restrict__ dx, long long planes, int h,
+                                                 int w) {
+    const int oh = h / 2, ow = w / 2;
+    const long long total = planes * h * w;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
+        const int xx = (int)(i % w);
+        const int y = (int)((i / w) % h);
+        const long long pl = i / ((long long)w * h);
+        const int oy = y / 2, ox = xx / 2;
+        float v = 0.0f;
+        if (oy < oh && ox < ow) {
+            const long long o = (pl * oh + oy) * ow + ox;
+            if ((int)arg[o] == (y % 2) * 2 + (xx % 2)) v = dy[o];
+        }
+        dx[i] = v;
+    }
+}
