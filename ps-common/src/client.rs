@@ -11,8 +11,8 @@
 use crate::auth::{Client, ClientSecurity};
 use crate::pb::parameter_server_client::ParameterServerClient;
 use crate::pb::{
-    LeaveRequest, PullRequest, PushChunk, PushHeader, PushReply, RegisterReply, RegisterRequest,
-    UnusedRequest,
+    ConstantsRequest, LeaveRequest, PullRequest, PushChunk, PushHeader, PushReply, RegisterReply,
+    RegisterRequest, UnusedRequest,
 };
 use crate::shm::{Board, params_path};
 use crate::wire::{MAX_MESSAGE_BYTES, chunks_of, decode_chunk_into};
@@ -979,6 +979,21 @@ impl ShardClient {
     pub async fn leave(&mut self, req: LeaveRequest) -> Result<(), ClientError> {
         let refused = refused(self.shard, format!("shard {}: leave refused", self.shard));
         self.rpc.leave(req).await.map(drop).map_err(refused)
+    }
+
+    /// Sends this worker's frozen parameters and buffers (fingerprints) to be checked against
+    /// the first worker's.
+    pub async fn check_constants(&mut self, req: ConstantsRequest) -> Result<(), ClientError> {
+        let what = format!(
+            "shard {}: frozen parameters and buffers refused",
+            self.shard
+        );
+        let refused = refused(self.shard, what);
+        self.rpc
+            .check_constants(req)
+            .await
+            .map(drop)
+            .map_err(refused)
     }
 
     /// Marks the tensors this worker's backward of a step did not reach, before its push.

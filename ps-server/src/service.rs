@@ -12,9 +12,9 @@ use ps_common::config::Wire;
 use ps_common::datalink;
 use ps_common::pb::parameter_server_server::ParameterServer;
 use ps_common::pb::{
-    LeaveReply, LeaveRequest, PullChunk, PullHeader, PullRequest, PushChunk, PushReply,
-    RecoverReply, RecoverRequest, RegisterReply, RegisterRequest, ReportReply, StepReport,
-    UnusedReply, UnusedRequest,
+    ConstantsReply, ConstantsRequest, LeaveReply, LeaveRequest, PullChunk, PullHeader, PullRequest,
+    PushChunk, PushReply, RecoverReply, RecoverRequest, RegisterReply, RegisterRequest,
+    ReportReply, StepReport, UnusedReply, UnusedRequest,
 };
 use ps_common::wire::{StreamCheck, TensorReceiver, check_and_fingerprint, chunks};
 use ps_common::{PROTOCOL_VERSION, PsError, PsResult};
@@ -1108,6 +1108,15 @@ impl ParameterServer for ShardService {
             self.all_left.notify_one();
         }
         Ok(Response::new(LeaveReply {}))
+    }
+
+    async fn check_constants(
+        &self,
+        request: Request<ConstantsRequest>,
+    ) -> Result<Response<ConstantsReply>, Status> {
+        let r = request.into_inner();
+        self.shard.check_constants(r.rank, r.entries)?;
+        Ok(Response::new(ConstantsReply {}))
     }
 
     async fn mark_unused(

@@ -412,6 +412,22 @@ impl Session {
         }
     }
 
+    /// Has shard 0 check this worker's frozen parameters and buffers (`entries`: names,
+    /// shapes, dtypes, fingerprints) against the first worker's; refused with the first entry
+    /// that differs.
+    pub async fn check_constants(
+        &mut self,
+        entries: Vec<ps_common::pb::TensorPrint>,
+    ) -> anyhow::Result<()> {
+        let rank = self.rank as u32;
+        if let Some(p) = self.peers.first_mut() {
+            p.client
+                .check_constants(ps_common::pb::ConstantsRequest { rank, entries })
+                .await?;
+        }
+        Ok(())
+    }
+
     /// Tells each shard holding part of them which tensors (indices in flat order) this
     /// worker's backward of `step` did not reach; their gradient is pushed as zeros. A tensor
     /// no rank reached is not updated (as torch.optim skips a `.grad` of None).

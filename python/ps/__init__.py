@@ -26,13 +26,22 @@ with ``ModelMismatchError`` naming the first tensor that differs.
 Behaviour with special parameters and buffers:
 
 * Parameters with ``requires_grad=False`` are not part of the run's model: ``save_init`` and
-  the worker leave them out, the shards never see them, and each worker keeps its local value
-  (so every worker must set them alike, e.g. from the same pretrained file).
-* Buffers (BatchNorm running statistics, ...) are not synchronised by the shards: each worker
-  would keep its own, and the workers would silently diverge. A model with buffers is refused
-  with ``UnsupportedModelError`` unless ``allow_buffers=True`` is passed, which states that the
-  buffers are constants or that diverging per-worker values are intended (use GroupNorm or
-  LayerNorm, or BatchNorm with ``track_running_stats=False``, for an exact run).
+  the worker leave them out, the shards never see them, and each worker keeps its local value.
+  Every worker must hold the same: at registration shard 0 compares each worker's frozen
+  parameters and buffers (fingerprints of their bytes; buffers only at the run's start, as
+  they train) with the first worker's and refuses one that differs with
+  ``ModelMismatchError`` naming the entry (DDP would silently take rank 0's).
+* ``ps.export(model, path)`` writes every ``state_dict`` entry (trained, frozen, tied under
+  each name, buffers in their dtype): ``load_state_dict(..., strict=True)`` restores it.
+* Buffers (BatchNorm running statistics, ...) are not held by the shards: each worker keeps
+  its own. A model with buffers is refused with ``UnsupportedModelError`` unless
+  ``allow_buffers=True`` is passed. With it, BatchNorm trains as under DDP with
+  ``broadcast_buffers``: in training each worker normalises over its own ``b_r`` samples of
+  the step (ghost batch norm of size ``b_r``, not batch norm over the global batch ``B``;
+  ``track_running_stats`` changes nothing there), and rank 0's running statistics are the
+  model's (the other ranks' differ: evaluate and ``ps.export`` on rank 0). The worker logs
+  this statement at start-up. Tested: the parameters and rank 0's buffers equal one process
+  running ghost batch norm (``python/tests/test_export.py``).
 * A trainable parameter whose ``.grad`` is ``None`` at ``step()`` (backward did not reach
   it: a branch not taken in this batch) is treated exactly as ``torch.optim`` treats it: when
   no worker's backward reached it in a step, the shards do not update it at all (no momentum,
@@ -55,6 +64,7 @@ the final weights equal those of a run that never failed; state the user's loop 
 
 from __future__ import annotations
 
+import hashlib
 import logging
 
 import numpy as np
@@ -161,9 +171,21 @@ class Worker:
         if buffers and not allow_buffers:
             raise UnsupportedModelError(
                 f"the model has buffers {buffers[:5]}{' ...' if len(buffers) > 5 else ''}, "
-                "which the shards do not synchronise: each worker would keep its own and the "
-                "workers would silently diverge. Use GroupNorm/LayerNorm or BatchNorm with "
-                "track_running_stats=False, or pass allow_buffers=True if they are constants"
+                "which the shards do not hold: each worker keeps its own. Pass "
+                "allow_buffers=True for DDP's broadcast_buffers semantics (BatchNorm in "
+                "training normalises over each worker's b_r samples, ghost batch norm, not "
+                "over the global batch; rank 0's running statistics are the model's: "
+                "evaluate and export on rank 0), or use GroupNorm/LayerNorm"
+            )
+        norms = [n for n, m in model.named_modules()
+                 if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+        if norms:
+            _log.warning(
+                "BatchNorm layers %s%s normalise over each worker's own b_r samples of a step "
+                "(ghost batch norm of size b_r, as DDP without SyncBatchNorm), not over the "
+                "global batch: the run equals one process only with that batch norm; rank 0's "
+                "running statistics are the model's (evaluate and export on rank 0)",
+                norms[:3], " ..." if len(norms) > 3 else "",
             )
         self.model = model
         self._params = _trainable(model)
@@ -289,6 +311,8 @@ class Worker:
         self.start_step, self.total_steps = start, total
         self._transport = self._native.transport()
         try:
+            # frozen parameters and buffers: every worker's must equal the first worker's
+            self._native.check_constants(self._constants())
             self._rewind = None
             self._pull_or_rewind(start)
             t0, self._rewind = (start if self._rewind is None else self._rewind), None
@@ -329,6 +353,19 @@ class Worker:
             self._step = None
             self._timing = self._native.timing()
             self._native.close()
+
+    def _constants(self):
+        """(name, shape, dtype, fingerprint, is a buffer) of each frozen parameter and buffer."""
+        out = []
+        entries = [(n, p, False) for n, p in self.model.named_parameters() if not p.requires_grad]
+        entries += [(n, b, True) for n, b in self.model.named_buffers()]
+        for name, t, buffer in entries:
+            data = t.detach().cpu().contiguous().reshape(-1)
+            raw = data.view(torch.uint8).numpy().tobytes() if data.numel() else b""
+            digest = hashlib.blake2b(raw, digest_size=8).digest()
+            out.append((name, [int(d) for d in t.shape], str(t.dtype).removeprefix("torch."),
+                        int.from_bytes(digest, "little"), buffer))
+        return out
 
     def _pull_or_rewind(self, version: int) -> None:
         """Pulls ``version``; when a shard was lost meanwhile and the cluster rolled back, pulls

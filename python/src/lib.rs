@@ -402,6 +402,34 @@ impl Client {
         })
     }
 
+    /// Has shard 0 check this worker's frozen parameters and buffers, given as (name, shape,
+    /// dtype, fingerprint, is a buffer), against the first worker's: ModelMismatchError naming
+    /// the first entry that differs.
+    fn check_constants(
+        &mut self,
+        py: Python<'_>,
+        entries: Vec<(String, Vec<u64>, String, u64, bool)>,
+    ) -> PyResult<()> {
+        let entries = entries
+            .into_iter()
+            .map(
+                |(name, shape, dtype, fingerprint, buffer)| ps_common::pb::TensorPrint {
+                    name,
+                    shape,
+                    dtype,
+                    fingerprint,
+                    buffer,
+                },
+            )
+            .collect();
+        let rt = &self.rt;
+        let session = self.session.as_mut().ok_or_else(|| {
+            PyRuntimeError::new_err("not connected: call connect(train_len) first")
+        })?;
+        py.detach(|| rt.block_on(session.check_constants(entries)))
+            .map_err(runtime_err)
+    }
+
     /// Tells every shard that this worker stopped on an error (`why`) before the run's end,
     /// so the run fails at once instead of at the barrier timeout (best effort, bounded).
     fn abandon(&mut self, py: Python<'_>, why: &str) {

@@ -1,7 +1,8 @@
 """A lost shard with Python workers: shard 1 is killed with SIGKILL mid-run and started again
 with --recover on its address; the shards roll back to the newest checkpoint both have, the
 Python workers wait for them, redo the steps from there, and the run ends with the same
-weights, bit for bit, as a run that never lost a shard."""
+weights, bit for bit, as a run that never lost a shard (also with rank 0 reading its batches
+through a prefetching DataLoader over worker.sampler())."""
 
 import copy
 import threading
@@ -10,6 +11,8 @@ import time
 import ps
 import pytest
 import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
 
 from common import REPO, Shards, SmallCNN, config_text, load, train_rank
 
@@ -42,7 +45,16 @@ def run(out, base, x, y, lose_shard: bool, overlap: bool):
 
         def go(r):
             try:
-                train_rank(workers[r], models[r], x, y, "mean", overlap=overlap and r == 1)
+                if overlap == "loader" and r == 0:
+                    # the user's DataLoader, prefetching in 2 processes: after the rollback
+                    # steps() starts it again from the step rolled back to
+                    loader = DataLoader(TensorDataset(x, y), num_workers=2, prefetch_factor=4,
+                                        batch_sampler=workers[r].sampler(len(x)))
+                    for _, (xb, yb) in workers[r].steps(loader):
+                        F.cross_entropy(models[r](xb), yb).backward()
+                        workers[r].step()
+                    return
+                train_rank(workers[r], models[r], x, y, "mean", overlap=overlap is True and r == 1)
             except BaseException as e:  # reported below, with the rank
                 errors.append((r, e))
 
@@ -68,7 +80,7 @@ def run(out, base, x, y, lose_shard: bool, overlap: bool):
     return models
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["step", "backward"])
+@pytest.mark.parametrize("overlap", [False, True, "loader"], ids=["step", "backward", "loader"])
 def test_python_workers_go_on_bit_identical_after_a_lost_shard(tmp_path, mnist, overlap, caplog):
     x, y = mnist
     torch.manual_seed(11)

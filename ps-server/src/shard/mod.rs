@@ -8,6 +8,7 @@
 //!   folds gradients in rank order as they arrive ([`Shard::fold_ready`]);
 //! - [`update`]: the fused aggregation + optimizer update, a pure function over slices;
 //! - [`unused`]: the tensors a step's backward did not reach (not updated when no rank did);
+//! - [`constants`]: the frozen parameters and buffers every worker must hold alike;
 //! - [`shm`]: the shard's side of the shared-memory data path (boards, [`Shard::offer_shm`],
 //!   [`Shard::shm_grad`]).
 //!
@@ -23,6 +24,7 @@
 //! the new version.
 
 pub mod barrier;
+pub mod constants;
 pub mod intake;
 pub mod shm;
 pub mod store;
@@ -168,6 +170,8 @@ struct State {
     failed: Option<String>,
     /// Tensors the ranks' backward did not reach, and each tensor's skipped steps.
     unused: unused::Unused,
+    /// The first worker's frozen parameters and buffers (fingerprints).
+    constants: constants::Constants,
 }
 
 /// One shard of the model: its range of the flat vector, optimizer, schedule and barrier.
@@ -288,6 +292,7 @@ impl Shard {
             left: vec![None; w],
             failed: None,
             unused: unused::Unused::new(w, spec.tensors.len()),
+            constants: Default::default(),
         };
         Arc::new(Self {
             index,
@@ -356,6 +361,19 @@ impl Shard {
             return Ok(());
         }
         st.unused.mark(r, step, tensors)
+    }
+
+    /// Checks `rank`'s frozen parameters and buffers against the first worker's
+    /// ([`constants`]).
+    pub fn check_constants(
+        &self,
+        rank: u32,
+        entries: Vec<ps_common::pb::TensorPrint>,
+    ) -> PsResult<()> {
+        let mut st = self.lock();
+        st.barrier.rank(rank)?;
+        let version = st.barrier.step();
+        st.constants.check(rank, entries, version)
     }
 
     /// Marks the run failed: pulls and pushes are refused from now on.
