@@ -1,9 +1,17 @@
-//! Compiles `proto/ps.proto` with protox (pure Rust), so `cargo build` is the only build step.
+//! Compiles `proto/ps.proto` and TensorFlow's event protos (`proto/tensorflow/`, trimmed, for
+//! the shards' TensorBoard files) with protox (pure Rust), so `cargo build` is the only build
+//! step.
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let proto_dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../proto");
-    let proto = format!("{proto_dir}/ps.proto");
-    println!("cargo:rerun-if-changed={proto}");
-    let fds = protox::compile([&proto], [proto_dir])?;
+    let protos = [
+        format!("{proto_dir}/ps.proto"),
+        format!("{proto_dir}/tensorflow/core/util/event.proto"),
+        format!("{proto_dir}/tensorflow/core/framework/summary.proto"),
+    ];
+    for p in &protos {
+        println!("cargo:rerun-if-changed={p}");
+    }
+    let fds = protox::compile(&protos, [proto_dir])?;
     tonic_prost_build::configure().bytes(".").compile_fds(fds)?;
     Ok(())
 }
