@@ -8,16 +8,20 @@
 #      check that stopped checking fails here;
 #   3. TensorBoard's own reader on the event file of a short real run (ps-launch, 2 shards,
 #      2 workers): every step's loss, accuracy, lr, gradient norm, step time and the test
-#      accuracy equal metrics.jsonl's.
+#      accuracy equal metrics.jsonl's;
+#   4. Prometheus' text parser (prometheus-client) on the live shards' /metrics after the run;
+#   5. TensorBoard's reader after a crash and `ps-launch --resume` (the whole process group
+#      killed past a checkpoint): each step shows once, with the resumed run's value, because
+#      the resumed file starts with a SessionLog START (Event field 7) at the resumed step + 1.
 # Needs the release binaries (the README's test command builds them first) and python3.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ENV="${PS_OPSENV:-target/opsenv}"
-if [ ! -x "$ENV/bin/kubernetes-validate" ] || ! "$ENV/bin/python" -c "import yaml, tensorboard" 2>/dev/null; then
-    echo "deploy-checks: creating $ENV (kubernetes-validate, tensorboard from the package registry)"
+if [ ! -x "$ENV/bin/kubernetes-validate" ] || ! "$ENV/bin/python" -c "import yaml, tensorboard, prometheus_client" 2>/dev/null; then
+    echo "deploy-checks: creating $ENV (kubernetes-validate, tensorboard, prometheus-client from the package registry)"
     python3 -m venv "$ENV"
     "$ENV/bin/pip" install --quiet --upgrade pip
-    "$ENV/bin/pip" install --quiet kubernetes-validate tensorboard
+    "$ENV/bin/pip" install --quiet kubernetes-validate tensorboard prometheus-client
 fi
 PY="$ENV/bin/python"
 manifests=(deploy/k8s/*.yaml)
@@ -122,5 +126,83 @@ for k, v in evals.items():
 print(f"deploy-checks: TensorBoard's EventAccumulator read {len(files)} event file: "
       f"{len(tags)} scalar tags, {checked} step values and {len(test)} test accuracies equal metrics.jsonl "
       f"(final test accuracy {test[final[0]['step']]:.4f})")
+EOF
+# 4. Prometheus' own text parser (prometheus-client) on the live shards' /metrics after the
+# run's end: the shards keep serving until scraped ([server] metrics_linger_secs), so the final
+# version and test accuracy reach the scraper
+target/release/ps-launch --config "$work/mnist-40.toml" --out-dir "$work/prom" --metrics \
+    --set server.metrics_linger_secs=120 > "$work/prom.log" 2>&1 &
+pid=$!
+for _ in $(seq 1200); do
+    [ "$(grep -c '/metrics stays up until it is scraped once more' "$work/prom.log")" -ge 2 ] && break
+    kill -0 "$pid" 2>/dev/null || { tail -30 "$work/prom.log"; echo "deploy-checks: the run ended before lingering" >&2; exit 1; }
+    sleep 0.1
+done
+addrs=$(sed -n 's|.*shard \([0-9]\): Prometheus metrics on http://\([^/]*\)/metrics.*|\1=\2|p' "$work/prom.log" | sort -u)
+"$PY" - "$work/prom" $addrs <<'EOF'
+import json, sys, urllib.request
+from prometheus_client.parser import text_string_to_metric_families
+
+out, addrs = sys.argv[1], dict(a.split("=") for a in sys.argv[2:])
+assert sorted(addrs) == ["0", "1"], addrs
+final = [json.loads(l) for l in open(f"{out}/metrics.jsonl") if '"final"' in l][-1]
+for shard, addr in sorted(addrs.items()):
+    with urllib.request.urlopen(f"http://{addr}/metrics", timeout=30) as r:
+        ctype, body = r.headers["Content-Type"], r.read().decode()
+    assert ctype.startswith("text/plain; version=0.0.4"), ctype
+    families = {f.name: f for f in text_string_to_metric_families(body)}
+    for f in families.values():
+        assert f.documentation and not f.documentation.endswith(".."), (f.name, f.documentation)
+        assert f.type != "unknown", f.name
+    def value(name):
+        return next(s.value for s in families[name].samples if s.name == name)
+    assert value("ps_version") == 40, value("ps_version")
+    assert families["ps_pushes"].type == "counter"
+    if shard == "0":
+        assert abs(value("ps_test_accuracy") - final["test_acc"]) < 1e-9, (value("ps_test_accuracy"), final)
+    print(f"deploy-checks: prometheus-client parsed shard {shard}'s /metrics after the run: "
+          f"{len(families)} families, each with help text, ps_version {value('ps_version'):.0f}")
+EOF
+wait "$pid" || { tail -30 "$work/prom.log"; echo "deploy-checks: the run with /metrics failed" >&2; exit 1; }
+
+# 5. killed past a checkpoint, resumed: TensorBoard shows each step once
+sed -e 's/^epochs = .*/steps = 400/' -e 's|^dir = "../data/mnist"|dir = "../../data/mnist"|' \
+    -e 's/^warmup_steps = .*/warmup_steps = 10/' deploy/mnist.toml > "$work/mnist-400.toml"
+resume_args=(--config "$work/mnist-400.toml" --out-dir "$work/resumed" --set train.log_every=1
+    --set checkpoint.every=10 --set cluster.transport=grpc)
+setsid target/release/ps-launch "${resume_args[@]}" > "$work/killed.log" 2>&1 &
+pid=$!
+for _ in $(seq 1200); do
+    [ "$(cat "$work/resumed/metrics.jsonl" 2>/dev/null | wc -l)" -ge 25 ] && break
+    kill -0 "$pid" 2>/dev/null || { tail -30 "$work/killed.log"; echo "deploy-checks: the run to kill ended early" >&2; exit 1; }
+    sleep 0.1
+done
+[ "$(wc -l < "$work/resumed/metrics.jsonl")" -ge 25 ] || { echo "deploy-checks: no 25 steps in 120 s" >&2; exit 1; }
+kill -KILL -- "-$pid"
+wait "$pid" 2>/dev/null || true
+before=$(wc -l < "$work/resumed/metrics.jsonl")
+target/release/ps-launch "${resume_args[@]}" --resume > "$work/resume.log" 2>&1 \
+    || { tail -30 "$work/resume.log"; exit 1; }
+"$PY" - "$work/resumed" "$before" <<'EOF'
+import collections, glob, json, math, sys
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+out, before = sys.argv[1], int(sys.argv[2])
+files = sorted(glob.glob(f"{out}/events.out.tfevents.*"))
+assert len(files) == 2, files
+acc = EventAccumulator(out)
+acc.Reload()
+lines = [json.loads(l) for l in open(f"{out}/metrics.jsonl")]
+steps = [l for l in lines if "final" not in l]
+assert [l["step"] for l in steps] == list(range(1, 401)), "metrics.jsonl holds each step once"
+loss = acc.Scalars("train/loss")
+seen = collections.Counter(e.step for e in loss)
+twice = sorted(s for s, n in seen.items() if n > 1)
+assert not twice, f"steps TensorBoard shows more than once: {twice}"
+assert sorted(seen) == list(range(1, 401)), sorted(set(range(1, 401)) - set(seen))
+for e, l in zip(sorted(loss, key=lambda e: e.step), steps):
+    assert e.step == l["step"] and math.isclose(e.value, l["loss"], rel_tol=1e-6), (e, l)
+print(f"deploy-checks: killed after {before} steps and resumed: TensorBoard's EventAccumulator read "
+      f"{len(files)} event files and shows each of the 400 steps once, equal to metrics.jsonl")
 EOF
 echo "deploy-checks: all passed"

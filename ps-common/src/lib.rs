@@ -34,6 +34,14 @@ pub mod pb {
     tonic::include_proto!("ps.v1");
 }
 
+/// TensorFlow's `Event`, `Summary` and `SessionLog`, generated from its own `event.proto` and
+/// `summary.proto` (`proto/tensorflow/`, trimmed to what the shards write, field numbers as
+/// upstream), for the TensorBoard event files (`ps_server::tensorboard`).
+pub mod tensorflow {
+    #![allow(missing_docs, clippy::all)]
+    tonic::include_proto!("tensorflow");
+}
+
 pub use tonic;
 
 /// Keeps freed memory mapped instead of returning it to the kernel after every step: tensors of

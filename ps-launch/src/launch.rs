@@ -207,6 +207,59 @@ impl LocalCluster {
         Ok((cmd, log))
     }
 
+    /// Runs the shards' start-up checks without starting a shard (`ps-server --check`, shard 0,
+    /// with `extra`: the config, the overrides, the data set's shape), at most
+    /// [`PREFLIGHT_TIMEOUT`]; the refusal is returned in the shard's words. Writes nothing in
+    /// the output directory, so a launcher can check before it moves an earlier run aside.
+    pub fn preflight(&self, extra: &[String]) -> Result<(), LaunchError> {
+        let dir = fresh_temp_dir("ps-launch-check")?;
+        let result = (|| {
+            let (mut cmd, log) = self.command("ps-server", "check", Some(&dir))?;
+            cmd.args(["--shard", "0", "--check"]).args(extra);
+            cmd.stdout(Stdio::null());
+            let mut child = cmd
+                .spawn()
+                .map_err(|e| LaunchError(format!("cannot start ps-server --check: {e}")))?;
+            let start = Instant::now();
+            let status = loop {
+                match child.try_wait() {
+                    Ok(Some(s)) => break s,
+                    Ok(None) if start.elapsed() < PREFLIGHT_TIMEOUT => {
+                        std::thread::sleep(Duration::from_millis(20))
+                    }
+                    Ok(None) => {
+                        let _ = child.kill();
+                        let _ = child.wait();
+                        return Err(LaunchError(format!(
+                            "ps-server --check (the shards' start-up checks) did not finish in {PREFLIGHT_TIMEOUT:?}"
+                        )));
+                    }
+                    Err(e) => return Err(LaunchError(format!("ps-server --check: {e}"))),
+                }
+            };
+            if status.success() {
+                return Ok(());
+            }
+            let text = log
+                .and_then(|l| std::fs::read_to_string(l).ok())
+                .unwrap_or_default();
+            let why: Vec<&str> = text
+                .lines()
+                .filter(|l| l.starts_with("error: ") || l.contains(" ERROR "))
+                .collect();
+            Err(LaunchError(format!(
+                "the shards would not start ({status}; nothing in the output directory was touched): {}",
+                if why.is_empty() {
+                    text.trim().to_string()
+                } else {
+                    why.join("\n").trim_start_matches("error: ").to_string()
+                }
+            )))
+        })();
+        let _ = std::fs::remove_dir_all(&dir);
+        result
+    }
+
     /// Starts shards `0..num_shards` on 127.0.0.1 port 0 and waits (at most `timeout`) until each
     /// has written its bound address. `extra` is appended to every server's arguments.
     pub fn start_servers(
@@ -217,21 +270,7 @@ impl LocalCluster {
     ) -> Result<(), LaunchError> {
         // a directory nobody used before: a stale address file of an earlier launcher with the
         // same pid would send the workers to a dead port
-        let run_dir = loop {
-            let nanos = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.subsec_nanos());
-            let d = std::env::temp_dir().join(format!(
-                "ps-launch-{}-{}-{nanos}",
-                std::process::id(),
-                unique()
-            ));
-            match std::fs::create_dir(&d) {
-                Ok(()) => break d,
-                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
-                Err(e) => return Err(LaunchError(format!("{}: {e}", d.display()))),
-            }
-        };
+        let run_dir = fresh_temp_dir("ps-launch")?;
         self.server_extra = extra.to_vec();
         let started = self.spawn_servers(num_shards, extra, timeout, &run_dir);
         let _ = std::fs::remove_dir_all(&run_dir);
@@ -445,14 +484,42 @@ impl LocalCluster {
 
     /// Waits until every process has exited, at most `timeout`. The first failure stops the
     /// others and is returned with the end of its log; `interrupted` is polled so a Ctrl-C
-    /// handler can end the wait.
+    /// handler can end the wait. A preemption (a shard that exited 143) or an interruption
+    /// (130) is an error here; [`LocalCluster::wait_signals`] tells them apart.
     pub fn wait(
         &mut self,
         timeout: Duration,
         interrupted: &dyn Fn() -> bool,
     ) -> Result<(), LaunchError> {
+        let stop = || interrupted().then_some(Stop::Interrupt);
+        match self.wait_signals(timeout, &stop)? {
+            Ended::Finished => Ok(()),
+            Ended::Interrupted => Err(LaunchError(
+                "interrupted: stopped every server and worker".into(),
+            )),
+            Ended::Preempted => Err(LaunchError(
+                "preempted: every shard checkpointed and stopped".into(),
+            )),
+        }
+    }
+
+    /// [`LocalCluster::wait`], with the launcher's signals polled through `signal`:
+    /// - [`Stop::Preempt`] (SIGTERM, SIGUSR1 to the launcher), or a shard that exited 143
+    ///   (SIGTERM to the process group or to each process): every process still running gets
+    ///   SIGTERM, so every shard writes a checkpoint of one common version and stops; the
+    ///   workers' exits that follow are no failures. Bounded by [`PREEMPT_WAIT`].
+    /// - [`Stop::Interrupt`] (SIGINT to the launcher), or a shard that exited 130 (Ctrl-C to
+    ///   the process group): every process is stopped at once.
+    pub fn wait_signals(
+        &mut self,
+        timeout: Duration,
+        signal: &dyn Fn() -> Option<Stop>,
+    ) -> Result<Ended, LaunchError> {
         let start = Instant::now();
+        let mut preempting: Option<Instant> = None;
         loop {
+            let exited_with =
+                |p: &Proc, code: i32| p.status.is_some_and(|s| s.code() == Some(code));
             // a lost shard may be started again (the cluster rolls back with it)
             for i in 0..self.servers.len() {
                 let p = &mut self.servers[i];
@@ -460,10 +527,54 @@ impl LocalCluster {
                     && let Ok(Some(s)) = p.child.try_wait()
                 {
                     p.status = Some(s);
-                    if !s.success() {
+                    if !s.success() && preempting.is_none() {
                         self.restart_server(i)?;
                     }
                 }
+            }
+            let signal = signal();
+            if signal == Some(Stop::Interrupt) || self.servers.iter().any(|p| exited_with(p, 130)) {
+                self.kill_all();
+                return Ok(Ended::Interrupted);
+            }
+            if preempting.is_none()
+                && (signal == Some(Stop::Preempt)
+                    || self.servers.iter().any(|p| exited_with(p, 143)))
+            {
+                eprintln!(
+                    "ps-launch: preempted (SIGTERM or SIGUSR1): every shard writes a checkpoint of one common version, then stops (at most {} s)",
+                    PREEMPT_WAIT.as_secs()
+                );
+                self.signal_all(libc::SIGTERM);
+                preempting = Some(Instant::now());
+            }
+            if let Some(since) = preempting {
+                for p in self.servers.iter_mut().chain(self.workers.iter_mut()) {
+                    if p.status.is_none()
+                        && let Ok(Some(s)) = p.child.try_wait()
+                    {
+                        p.status = Some(s);
+                    }
+                }
+                let running: Vec<&str> = self
+                    .servers
+                    .iter()
+                    .chain(self.workers.iter())
+                    .filter(|p| p.status.is_none())
+                    .map(|p| p.name.as_str())
+                    .collect();
+                if running.is_empty() {
+                    return Ok(Ended::Preempted);
+                }
+                if since.elapsed() > PREEMPT_WAIT {
+                    let running = running.join(", ");
+                    self.kill_all();
+                    return Err(LaunchError(format!(
+                        "preempted, but still running {PREEMPT_WAIT:?} after SIGTERM: {running} (stopped now)"
+                    )));
+                }
+                std::thread::sleep(Duration::from_millis(25));
+                continue;
             }
             // a failed worker may be started again (it rejoins at the shards' step)
             for i in 0..self.workers.len() {
@@ -508,13 +619,7 @@ impl LocalCluster {
                 }
             }
             if running.is_empty() {
-                return Ok(());
-            }
-            if interrupted() {
-                self.kill_all();
-                return Err(LaunchError(
-                    "interrupted: stopped every server and worker".into(),
-                ));
+                return Ok(Ended::Finished);
             }
             if start.elapsed() > timeout {
                 self.kill_all();
@@ -524,6 +629,16 @@ impl LocalCluster {
                 )));
             }
             std::thread::sleep(Duration::from_millis(25));
+        }
+    }
+
+    /// Sends `sig` to every process still running.
+    fn signal_all(&self, sig: libc::c_int) {
+        for p in self.servers.iter().chain(self.workers.iter()) {
+            if p.status.is_none() {
+                // SAFETY: kill(2) on our own child's pid.
+                unsafe { libc::kill(p.child.id() as i32, sig) };
+            }
         }
     }
 
@@ -568,6 +683,53 @@ impl Drop for LocalCluster {
     }
 }
 
+/// What the launcher was asked to do by a signal, for [`LocalCluster::wait_signals`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stop {
+    /// SIGINT (Ctrl-C): stop every process at once.
+    Interrupt,
+    /// SIGTERM or SIGUSR1 (a scheduler's preemption): every shard checkpoints, then stops.
+    Preempt,
+}
+
+/// How a run waited for by [`LocalCluster::wait_signals`] ended (a failure is an error).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ended {
+    /// Every process exited 0.
+    Finished,
+    /// Stopped at once (SIGINT): nothing written beyond the periodic checkpoints.
+    Interrupted,
+    /// Every shard checkpointed one common version and stopped: `--resume` continues.
+    Preempted,
+}
+
+/// How long a preemption may take from the SIGTERM until every process exited: the shards'
+/// grace for the next step boundary (`ps_server::PREEMPT_GRACE`) plus the workers' grace to
+/// see the shards go.
+pub const PREEMPT_WAIT: Duration = Duration::from_secs(45);
+
+/// How long [`LocalCluster::preflight`] waits for `ps-server --check`.
+pub const PREFLIGHT_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// A new directory `<tmp>/<prefix>-<pid>-<n>-<nanos>` that nobody used before.
+fn fresh_temp_dir(prefix: &str) -> Result<PathBuf, LaunchError> {
+    loop {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.subsec_nanos());
+        let d = std::env::temp_dir().join(format!(
+            "{prefix}-{}-{}-{nanos}",
+            std::process::id(),
+            unique()
+        ));
+        match std::fs::create_dir(&d) {
+            Ok(()) => return Ok(d),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
+            Err(e) => return Err(LaunchError(format!("{}: {e}", d.display()))),
+        }
+    }
+}
+
 fn unique() -> u64 {
     use std::sync::atomic::{AtomicU64, Ordering};
     static N: AtomicU64 = AtomicU64::new(0);
@@ -596,55 +758,6 @@ pub fn tidy(p: &Path) -> PathBuf {
         return PathBuf::from(".");
     }
     out.iter().collect()
-}
-
-/// What a run writes into its output directory; a new run moves an earlier run's copies aside.
-pub const RUN_OUTPUTS: [&str; 6] = [
-    "run_id",
-    "model.safetensors",
-    "curves.svg",
-    "metrics.jsonl",
-    "logs",
-    "checkpoints",
-];
-
-/// Moves the outputs of an earlier run in `out_dir` (those of [`RUN_OUTPUTS`], the shard
-/// files `shard-*.safetensors` and TensorBoard's `events.out.tfevents.*`) into a new `out_dir/previous-<unix seconds>/`, so the directory
-/// holds one run's story. Returns that directory, or None when there was nothing to move.
-pub fn move_previous_run(out_dir: &Path) -> std::io::Result<Option<PathBuf>> {
-    let Ok(entries) = std::fs::read_dir(out_dir) else {
-        return Ok(None);
-    };
-    let mut found = Vec::new();
-    for e in entries.flatten() {
-        let name = e.file_name();
-        let Some(n) = name.to_str() else { continue };
-        let shard_file = n.starts_with("shard-") && n.ends_with(".safetensors");
-        let tensorboard_file = n.starts_with("events.out.tfevents.");
-        if shard_file || tensorboard_file || RUN_OUTPUTS.contains(&n) {
-            found.push(e.path());
-        }
-    }
-    if found.is_empty() {
-        return Ok(None);
-    }
-    found.sort();
-    let secs = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs());
-    let mut dest = out_dir.join(format!("previous-{secs}"));
-    let mut n = 1;
-    while dest.exists() {
-        n += 1;
-        dest = out_dir.join(format!("previous-{secs}-{n}"));
-    }
-    std::fs::create_dir(&dest)?;
-    for p in found {
-        if let Some(name) = p.file_name() {
-            std::fs::rename(&p, dest.join(name))?;
-        }
-    }
-    Ok(Some(dest))
 }
 
 #[cfg(test)]
@@ -682,29 +795,6 @@ mod tests {
             Some((ids(&["0", "1"]), "the CUDA driver"))
         );
         assert_eq!(visible_gpus(None, None, || 0), None);
-    }
-
-    #[test]
-    fn an_earlier_runs_outputs_move_aside_tensorboard_events_included() {
-        let dir = tempfile::tempdir().unwrap();
-        let out = dir.path();
-        for f in [
-            "metrics.jsonl",
-            "shard-0.safetensors",
-            "events.out.tfevents.1700000000.host",
-            "config.toml",
-        ] {
-            std::fs::write(out.join(f), "x").unwrap();
-        }
-        let prev = move_previous_run(out).unwrap().expect("moved");
-        for f in [
-            "metrics.jsonl",
-            "shard-0.safetensors",
-            "events.out.tfevents.1700000000.host",
-        ] {
-            assert!(prev.join(f).exists() && !out.join(f).exists(), "{f}");
-        }
-        assert!(out.join("config.toml").exists(), "not an output: stays");
     }
 
     #[test]

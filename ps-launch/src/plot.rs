@@ -74,7 +74,8 @@ pub fn curves_svg(metrics: &str, title: &str) -> Result<String, String> {
             ],
         ),
     ];
-    let (w, panel_h, top) = (900.0, 300.0, 40.0);
+    // the legends sit right of the panels, over no curve
+    let (w, panel_h, top) = (1080.0, 300.0, 40.0);
     let mut svg = String::new();
     let _ = write!(
         svg,
@@ -105,7 +106,7 @@ fn draw_panel(
     h: f64,
     x_max: f64,
 ) {
-    let (left, right, pad_top, pad_bottom) = (70.0, 20.0, 20.0, 40.0);
+    let (left, right, pad_top, pad_bottom) = (70.0, LEGEND_WIDTH, 20.0, 40.0);
     let (pw, ph) = (w - left - right, h - pad_top - pad_bottom);
     let ys = series.iter().flat_map(|s| s.points.iter().map(|p| p.1));
     let (mut lo, mut hi) = ys.fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), y| {
@@ -132,16 +133,20 @@ fn draw_panel(
     );
     for k in 0..=4 {
         let y = lo + (hi - lo) * f64::from(k) / 4.0;
-        let x = x_max * f64::from(k) / 4.0;
         let _ = write!(
             svg,
-            r##"<text x="{}" y="{}" text-anchor="end">{}</text><text x="{}" y="{}" text-anchor="middle">{}</text>"##,
+            r##"<text x="{}" y="{}" text-anchor="end">{}</text>"##,
             left - 6.0,
             py(y) + 4.0,
             tick(y),
-            px(x),
+        );
+    }
+    for x in round_ticks(x_max) {
+        let _ = write!(
+            svg,
+            r##"<text x="{}" y="{}" text-anchor="middle">{x}</text>"##,
+            px(x as f64),
             y0 + pad_top + ph + 16.0,
-            x.round()
         );
     }
     let _ = write!(
@@ -150,7 +155,20 @@ fn draw_panel(
         left + pw / 2.0,
         y0 + pad_top + ph + 32.0
     );
-    for (i, s) in series.iter().enumerate() {
+    // a legend entry only for a curve with points
+    for (i, s) in series.iter().filter(|s| !s.points.is_empty()).enumerate() {
+        let _ = write!(
+            svg,
+            r#"<rect x="{}" y="{}" width="12" height="3" fill="{}"/><text x="{}" y="{}">{}</text>"#,
+            left + pw + 12.0,
+            y0 + pad_top + 14.0 + 16.0 * i as f64,
+            s.colour,
+            left + pw + 30.0,
+            y0 + pad_top + 18.0 + 16.0 * i as f64,
+            escape(s.name)
+        );
+    }
+    for s in series {
         if s.dots {
             for &(x, y) in &s.points {
                 let _ = write!(
@@ -174,17 +192,28 @@ fn draw_panel(
                 pts.join(" ")
             );
         }
-        let _ = write!(
-            svg,
-            r#"<rect x="{}" y="{}" width="12" height="3" fill="{}"/><text x="{}" y="{}">{}</text>"#,
-            left + pw - 230.0,
-            y0 + pad_top + 14.0 + 16.0 * i as f64,
-            s.colour,
-            left + pw - 212.0,
-            y0 + pad_top + 18.0 + 16.0 * i as f64,
-            escape(s.name)
-        );
     }
+}
+
+/// Width of the legend column right of the panels.
+const LEGEND_WIDTH: f64 = 200.0;
+
+/// Step ticks from 0 to at most `max` at round numbers: multiples of 1, 2 or 5 times a power
+/// of ten, at most 8 of them past 0.
+fn round_ticks(max: f64) -> Vec<u64> {
+    if max < 1.0 {
+        return vec![0];
+    }
+    let mag = 10f64.powf((max / 8.0).log10().floor()).max(1.0);
+    let step = [1.0, 2.0, 5.0, 10.0]
+        .into_iter()
+        .map(|m| m * mag)
+        .find(|s| max / s <= 8.0)
+        .unwrap_or(10.0 * mag) as u64;
+    (0..)
+        .map(|k| k * step)
+        .take_while(|&x| x as f64 <= max)
+        .collect()
 }
 
 /// At most `max` points: consecutive points averaged in equal groups.
@@ -265,6 +294,26 @@ mod tests {
             1000,
             "3000 steps averaged into 1000 points"
         );
+        // legends right of the panels, ticks at round steps
+        let panel_right = 1080.0 - LEGEND_WIDTH;
+        let legend_x: Vec<f64> = svg
+            .split("<rect x=\"")
+            .skip(1)
+            .filter(|r| r.contains("height=\"3\""))
+            .map(|r| r.split('"').next().unwrap().parse().unwrap())
+            .collect();
+        assert_eq!(legend_x.len(), 3, "loss, train, test");
+        assert!(legend_x.iter().all(|&x| x > panel_right), "{legend_x:?}");
+        assert_eq!(
+            round_ticks(1404.0),
+            [0, 200, 400, 600, 800, 1000, 1200, 1400]
+        );
+        assert_eq!(round_ticks(12.0), [0, 2, 4, 6, 8, 10, 12]);
+        assert_eq!(round_ticks(3000.0), [0, 500, 1000, 1500, 2000, 2500, 3000]);
+        assert!(svg.contains(">1500</text>") && !svg.contains(">750</text>"));
+        // no test entry without test points
+        let no_test = curves_svg("{\"step\": 1, \"loss\": 1, \"train_acc\": 0.5}\n", "x").unwrap();
+        assert!(!no_test.contains(">test</text>"), "{no_test}");
         let e = curves_svg("{\"loss\": 1}\n", "x").unwrap_err();
         assert!(e.contains("line 1: no \"step\""), "{e}");
         assert!(

@@ -62,6 +62,15 @@ pub struct Throttle {
 }
 
 impl Throttle {
+    /// None counted yet (a `const fn`, for statics).
+    pub const fn new() -> Self {
+        Self {
+            count: 0,
+            since_log: 0,
+            last: None,
+        }
+    }
+
     /// Counts one; `Some((since the last log, in all))` when it is time to log.
     pub fn hit(&mut self) -> Option<(u64, u64)> {
         self.count += 1;
@@ -74,6 +83,32 @@ impl Throttle {
         } else {
             None
         }
+    }
+}
+
+/// A [`Throttle`] behind a lock, for a `static` (a warning of a code path without state of
+/// its own, e.g. a failing write).
+#[derive(Debug)]
+pub struct SharedThrottle(std::sync::Mutex<Throttle>);
+
+impl SharedThrottle {
+    /// None counted yet.
+    pub const fn new() -> Self {
+        Self(std::sync::Mutex::new(Throttle::new()))
+    }
+
+    /// [`Throttle::hit`].
+    pub fn hit(&self) -> Option<(u64, u64)> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .hit()
+    }
+}
+
+impl Default for SharedThrottle {
+    fn default() -> Self {
+        Self::new()
     }
 }
 

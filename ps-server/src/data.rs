@@ -52,12 +52,19 @@ impl DataConns {
         });
         let weak = Arc::downgrade(&conns);
         tokio::spawn(async move {
+            let mut failed = crate::accept::Throttle::default();
             loop {
                 let (sock, peer) = match listener.accept().await {
                     Ok(s) => s,
                     Err(e) => {
-                        // out of descriptors and the like: wait, then go on accepting
-                        tracing::warn!("shard {}: data connection accept: {e}", expect.shard);
+                        // out of descriptors and the like: wait, then go on accepting; said
+                        // once per accept::LOG_EVERY with a count, not every 100 ms
+                        if let Some((n, total)) = failed.hit() {
+                            tracing::warn!(
+                                "shard {}: cannot accept data connections: {e} ({n} times since the last report, {total} in all): retrying every 100 ms",
+                                expect.shard
+                            );
+                        }
                         tokio::time::sleep(Duration::from_millis(100)).await;
                         continue;
                     }

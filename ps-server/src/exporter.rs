@@ -1,5 +1,6 @@
-//! A shard's figures in the OpenMetrics text format (which Prometheus scrapes) on `GET
-//! /metrics` (`ps-server --metrics-listen ADDR` or `[server] metrics_addrs`): its version, the
+//! A shard's figures on `GET /metrics` (`ps-server --metrics-listen ADDR` or `[server]
+//! metrics_addrs`), in Prometheus' text format 0.0.4, or in OpenMetrics 1.0 text when the
+//! scraper asks for it (`Accept: application/openmetrics-text`): its version, the
 //! last step's global loss, accuracy, learning rate, timing and workers, samples and pushes
 //! (accepted, and refused by status code); histograms of the step time, the barrier wait and
 //! each rank's arrival lag; the process's memory, CPU time and file descriptors. Encoded by
@@ -22,8 +23,48 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 
-/// The exposition's content type (OpenMetrics 1.0 text).
+/// The content type of the OpenMetrics 1.0 text exposition.
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// The content type of Prometheus' text format 0.0.4, served unless the scraper accepts
+/// OpenMetrics (`promtool check metrics` reads it).
+pub const TEXT_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
+
+/// The OpenMetrics exposition `om` in Prometheus' text format 0.0.4: a counter family is
+/// named after its `_total` samples (in OpenMetrics the family drops the suffix), and the
+/// `# UNIT` and `# EOF` lines, which 0.0.4 lacks, are left out.
+pub fn text_format(om: &str) -> String {
+    let counters: std::collections::HashSet<&str> = om
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE ")?.strip_suffix(" counter"))
+        .collect();
+    let mut out = String::with_capacity(om.len());
+    for line in om.lines() {
+        if line == "# EOF" || line.starts_with("# UNIT ") {
+            continue;
+        }
+        let meta = ["# HELP ", "# TYPE "]
+            .into_iter()
+            .find_map(|p| Some((p, line.strip_prefix(p)?)));
+        match meta {
+            Some((prefix, rest)) => {
+                let (name, tail) = rest.split_once(' ').unwrap_or((rest, ""));
+                let tail = if tail == "unknown" { "untyped" } else { tail };
+                let suffix = if counters.contains(name) {
+                    "_total"
+                } else {
+                    ""
+                };
+                out.push_str(&format!("{prefix}{name}{suffix} {tail}\n"));
+            }
+            None => {
+                out.push_str(line);
+                out.push('\n');
+            }
+        }
+    }
+    out
+}
 
 /// Histogram buckets of the timings, in seconds: 0.5 ms doubling to 65 s (and +Inf).
 pub fn time_buckets() -> impl Iterator<Item = f64> {
@@ -45,6 +86,8 @@ pub struct Metrics {
     barrier_wait_seconds: Histogram,
     arrival_lag_seconds: Family<RankLabel, Histogram, fn() -> Histogram>,
     registry: Registry,
+    /// `GET /metrics` answered so far (for the linger after the run).
+    scrapes: tokio::sync::watch::Sender<u64>,
 }
 
 /// The figures the service updates, encoded at each scrape ([`Figures`]).
@@ -89,19 +132,20 @@ impl Metrics {
             total_steps,
             inner: inner.clone(),
         }));
+        // `register` ends each help text with a full stop itself
         shard_registry.register(
             "ps_step_duration_seconds",
-            "Time between consecutive versions (one training step, as this shard sees it).",
+            "Time between consecutive versions (one training step, as this shard sees it)",
             step_seconds.clone(),
         );
         shard_registry.register(
             "ps_barrier_wait_duration_seconds",
-            "Time from the first to the last gradient of a step.",
+            "Time from the first to the last gradient of a step",
             barrier_wait_seconds.clone(),
         );
         shard_registry.register(
             "ps_arrival_lag_seconds",
-            "How long after a step's first gradient each rank's gradient arrived (0 for the first).",
+            "How long after a step's first gradient each rank's gradient arrived (0 for the first)",
             arrival_lag_seconds.clone(),
         );
         Self {
@@ -110,6 +154,7 @@ impl Metrics {
             barrier_wait_seconds,
             arrival_lag_seconds,
             registry,
+            scrapes: tokio::sync::watch::Sender::new(0),
         }
     }
 
@@ -133,6 +178,11 @@ impl Metrics {
             m.test_accuracy = Some(f.eval.0 as f64 / f.eval.1 as f64);
         }
         m.last = Some(f.clone());
+    }
+
+    /// The final evaluation's test accuracy (shard 0, at the end of the run).
+    pub fn final_test_accuracy(&self, accuracy: f64) {
+        self.lock().test_accuracy = Some(accuracy);
     }
 
     /// A due checkpoint was written, or failed (after its retry).
@@ -166,7 +216,17 @@ impl Metrics {
         *self.lock().refused.entry(format!("{code:?}")).or_default() += 1;
     }
 
-    /// The exposition text (OpenMetrics, ending with `# EOF`).
+    /// After the run: waits until `/metrics` has been scraped once more (the final figures
+    /// reached the scraper), at most `linger`. True when it was.
+    pub async fn linger_for_a_scrape(&self, linger: Duration) -> bool {
+        let mut rx = self.scrapes.subscribe();
+        let seen = *rx.borrow_and_update();
+        tokio::time::timeout(linger, rx.wait_for(|n| *n > seen))
+            .await
+            .is_ok_and(|r| r.is_ok())
+    }
+
+    /// The exposition text (OpenMetrics, ending with `# EOF`; see [`text_format`]).
     pub fn render(&self) -> String {
         let mut out = String::new();
         if let Err(e) = prometheus_client::encoding::text::encode(&mut out, &self.registry) {
@@ -508,20 +568,30 @@ pub async fn serve(listener: TcpListener, metrics: std::sync::Arc<Metrics>) {
             if !matches!(read, Ok(true)) {
                 return;
             }
-            let line = buf[..n].split(|&b| b == b'\r').next().unwrap_or_default();
-            let (status, body) = if line.starts_with(b"GET /metrics ") || line == b"GET /metrics" {
-                ("200 OK", metrics.render())
-            } else {
-                (
-                    "404 Not Found",
-                    "only GET /metrics is served here\n".to_string(),
-                )
-            };
-            let content_type = if status.starts_with("200") {
-                CONTENT_TYPE
-            } else {
-                "text/plain; charset=utf-8"
-            };
+            let head_text = String::from_utf8_lossy(&buf[..n]);
+            let line = head_text.lines().next().unwrap_or_default();
+            // content negotiation: OpenMetrics when the scraper accepts it, else text 0.0.4
+            let openmetrics = head_text.lines().any(|l| {
+                l.split_once(':').is_some_and(|(k, v)| {
+                    k.trim().eq_ignore_ascii_case("accept")
+                        && v.contains("application/openmetrics-text")
+                })
+            });
+            let (status, content_type, body) =
+                if line.starts_with("GET /metrics ") || line == "GET /metrics" {
+                    let om = metrics.render();
+                    if openmetrics {
+                        ("200 OK", CONTENT_TYPE, om)
+                    } else {
+                        ("200 OK", TEXT_CONTENT_TYPE, text_format(&om))
+                    }
+                } else {
+                    (
+                        "404 Not Found",
+                        "text/plain; charset=utf-8",
+                        "only GET /metrics is served here\n".to_string(),
+                    )
+                };
             let head = format!(
                 "HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
                 body.len()
@@ -529,6 +599,9 @@ pub async fn serve(listener: TcpListener, metrics: std::sync::Arc<Metrics>) {
             let _ = sock.write_all(head.as_bytes()).await;
             let _ = sock.write_all(body.as_bytes()).await;
             let _ = sock.shutdown().await;
+            if status.starts_with("200") {
+                metrics.scrapes.send_modify(|n| *n += 1);
+            }
         });
     }
 }

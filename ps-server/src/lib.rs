@@ -236,7 +236,9 @@ async fn run_generation(
         tensorboard_dir: (index == 0).then(|| cfg.server.out_dir.clone()),
         resumed_at,
     });
-    if index == 0 && cfg.num_shards() > 1 && shard_token.is_none() {
+    // on loopback only this machine's processes can send them: nothing to warn about
+    let outside_loopback = listener.local_addr().is_ok_and(|a| !a.ip().is_loopback());
+    if index == 0 && cfg.num_shards() > 1 && shard_token.is_none() && outside_loopback {
         tracing::warn!(
             "shard 0: step reports of the other shards are checked but not authenticated: any client that reaches this shard can send them; set [server] shard_token_file (a token only the shards read)"
         );
@@ -469,6 +471,21 @@ async fn run_generation(
         .set_service_status(HEALTH_SERVICE, tonic_health::ServingStatus::NotServing)
         .await;
     if let Some(e) = exporter {
+        let linger = cfg.server.metrics_linger_secs;
+        if matches!(outcome, Outcome::Finished) && linger > 0.0 {
+            tracing::info!(
+                "shard {index}: the run has ended; /metrics stays up until it is scraped once more, so the final figures reach Prometheus (at most {linger} s, [server] metrics_linger_secs)"
+            );
+            if !watcher
+                .metrics
+                .linger_for_a_scrape(Duration::from_secs_f64(linger))
+                .await
+            {
+                tracing::warn!(
+                    "shard {index}: /metrics was not scraped within {linger} s of the run's end ([server] metrics_linger_secs): the scraper has not seen the final figures"
+                );
+            }
+        }
         e.abort();
     }
     if let Some(h) = health_server {
@@ -599,7 +616,8 @@ async fn preempted(cfg: &Config, svc: &ShardService) -> Outcome {
         saved.wait_for(|v| v.is_some_and(|v| v >= next)),
     )
     .await;
-    let v = *saved.borrow();
+    // what the shard says it stopped at stays its newest checkpoint
+    let v = shard.close_preempt();
     if v.is_none_or(|v| v < next) {
         tracing::warn!(
             "shard {}: version {next} not reached within {} s of the preemption (the workers stopped)",
@@ -631,6 +649,15 @@ async fn watch_run(cfg: &Config, svc: &ShardService) -> Outcome {
                     waited.as_secs_f64(),
                     shard.world - missing.len(),
                     shard.world
+                ),
+                // past barrier_warn_secs, a rank whose push started but does not finish (a
+                // partitioned or slow link, any transport) is named at WARN
+                Verdict::Waiting { step, awaited: Some(rank), queued, waited, warn: true, .. } => tracing::warn!(
+                    "shard {} step {step}: waiting {:.1} s for rank {rank}, whose gradient has started to arrive but not finished (a slow or broken link?); ranks {queued:?} queued behind it ({} of {} gradient buffers held, max_pending_gradients)",
+                    shard.index,
+                    waited.as_secs_f64(),
+                    shard.buffers_held(),
+                    cfg.server.max_pending_gradients
                 ),
                 Verdict::Waiting { step, awaited, queued, waited, .. } => tracing::info!(
                     "shard {} step {step}: {:.1} s; every rank's push is in or under way: receiving rank {}'s gradient, ranks {queued:?} queued ({} of {} gradient buffers held, max_pending_gradients)",
@@ -709,6 +736,8 @@ async fn watch_run(cfg: &Config, svc: &ShardService) -> Outcome {
                 metrics.display()
             );
         }
+        svc.metrics
+            .final_test_accuracy(correct as f64 / count as f64);
         reporter
             .final_eval(shard.total_steps, correct as f64 / count as f64)
             .await;
@@ -735,12 +764,28 @@ pub fn load_setup(
             cfg.num_shards()
         );
     }
+    // where the data directory came from, for an error a person can act on
+    let given = overrides
+        .sets
+        .iter()
+        .rev()
+        .find(|s| s.key == "data.dir")
+        .map(|s| s.source.clone());
+    let data_dir = match (&overrides.data_dir, given) {
+        (Some(_), _) => format!("[data] dir = {} (from --data-dir)", cfg.data.dir.display()),
+        (None, Some(source)) => format!("[data] dir = {} (from {source})", cfg.data.dir.display()),
+        (None, None) => format!(
+            "[data] dir = {} (in {}; a relative dir is taken from the config file's directory)",
+            cfg.data.dir.display(),
+            config.display()
+        ),
+    };
     // the shard needs the number of samples (the data order) but not the images; a declared
     // model's workers may bring their own data ([data] train_len), and their evaluation is
     // theirs too (any test set, any length: no test slices to check)
     let (train_len, test_len) = match cfg.data.train_len {
         Some(n) => (n, None),
-        None => idx_lengths(&cfg)?,
+        None => idx_lengths(&cfg, &data_dir)?,
     };
     let shard0 = shard0.or_else(|| (index > 0).then(|| cfg.cluster.servers[0].clone()));
     let cfg_metrics = cfg.server.metrics_addrs.get(index).cloned();
@@ -758,8 +803,9 @@ pub fn load_setup(
 
 /// The training set's length from the IDX directory's header, and, for the built-in model, the
 /// test set's (each rank evaluates its slice of it). A declared model's evaluation is the
-/// user's own (any test set, any length): no test length to check it against.
-fn idx_lengths(cfg: &Config) -> anyhow::Result<(usize, Option<usize>)> {
+/// user's own (any test set, any length): no test length to check it against. `data_dir` says
+/// where the directory came from, for the error.
+fn idx_lengths(cfg: &Config, data_dir: &str) -> anyhow::Result<(usize, Option<usize>)> {
     // a declared model's labels are the user's business: any byte is a label
     let classes = match cfg.model.declared {
         Some(_) => 256,
@@ -767,7 +813,9 @@ fn idx_lengths(cfg: &Config) -> anyhow::Result<(usize, Option<usize>)> {
     };
     let (train_len, features) =
         ps_common::idx::split_shape(&cfg.data.dir, ps_common::idx::Split::Train, classes)
-            .context("reading the training set's labels and header")?;
+            .with_context(|| {
+                format!("reading the training set's labels and header of {data_dir}")
+            })?;
     if cfg.model.declared.is_some() {
         return Ok((train_len, None));
     }
@@ -780,6 +828,6 @@ fn idx_lengths(cfg: &Config) -> anyhow::Result<(usize, Option<usize>)> {
     }
     let (test_len, _) =
         ps_common::idx::split_shape(&cfg.data.dir, ps_common::idx::Split::Test, classes)
-            .context("reading the test set's labels and header")?;
+            .with_context(|| format!("reading the test set's labels and header of {data_dir}"))?;
     Ok((train_len, Some(test_len)))
 }

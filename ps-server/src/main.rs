@@ -124,7 +124,12 @@ async fn serve(cli: Cli) -> anyhow::Result<Outcome> {
         let total = setup.cfg.total_steps(setup.train_len)?;
         setup.cfg.schedule = setup.cfg.schedule_for(total);
         println!("{}", setup.cfg.describe());
-        println!("{}", setup.cfg.equivalence());
+        let eq = setup.cfg.equivalence();
+        println!("{eq}");
+        // the warnings the run logs, word for word
+        for w in &eq.warnings {
+            println!("warning: {w}");
+        }
         return Ok(Outcome::Finished);
     }
     let mut generation = 0;

@@ -399,11 +399,11 @@ fn emit(
             }
         } else if let Some(s) = smoothed {
             tracing::info!(
-                "gradient noise scale: B_noise ≈ {} (tr(Σ) {:.4e}, |G|² {:.4e}; a noisy estimate, smoothed over about the last {:.0} of {} steps) | {}",
+                "gradient noise scale: B_noise ≈ {} (tr(Σ) {:.4e}, |G|² {:.4e}; a noisy estimate, smoothed over about the last {:.0} steps, {} so far) | {}",
                 s.b_noise.map_or("n/a".into(), |b| format!("{b:.0}")),
                 s.trace_sigma,
                 s.grad_sq,
-                1.0 / (1.0 - NOISE_DECAY),
+                (1.0 / (1.0 - NOISE_DECAY)).min(s.steps as f64),
                 s.steps,
                 noise::advice(s.b_noise, f.samples)
             );
@@ -442,7 +442,14 @@ fn emit(
             line["rank_grad_sq_norms"] = serde_json::Value::Object(by_rank);
         }
         if let Err(e) = writeln!(m, "{line}") {
-            tracing::warn!("cannot append to the metrics file: {e}");
+            // a full disk fails every step: said once per accept::LOG_EVERY, with a count
+            static FAILED: crate::accept::SharedThrottle = crate::accept::SharedThrottle::new();
+            if let Some((n, total)) = FAILED.hit() {
+                tracing::warn!(
+                    "cannot append step {} to the metrics file: {e} ({n} steps since the last report, {total} in all)",
+                    f.step + 1
+                );
+            }
         }
     }
     if let Some(w) = tb {
@@ -463,15 +470,17 @@ fn emit(
     }
 }
 
-/// Writes scalars to the event file; a failure is logged, then only every 1000th (a full disk
-/// must not flood the log).
+/// Writes scalars to the event file; a failure is logged once per `accept::LOG_EVERY` with a
+/// count (a full disk must not flood the log).
 fn tensorboard_scalars(w: &mut crate::tensorboard::EventWriter, step: u64, values: &[(&str, f64)]) {
-    static FAILURES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    if let Err(e) = w.scalars(step, unix_time(), values) {
-        let n = FAILURES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        if n.is_multiple_of(1000) {
-            tracing::warn!("cannot write to {}: {e}", w.path().display());
-        }
+    static FAILED: crate::accept::SharedThrottle = crate::accept::SharedThrottle::new();
+    if let Err(e) = w.scalars(step, unix_time(), values)
+        && let Some((n, total)) = FAILED.hit()
+    {
+        tracing::warn!(
+            "cannot write to {}: {e} ({n} times since the last report, {total} in all)",
+            w.path().display()
+        );
     }
 }
 

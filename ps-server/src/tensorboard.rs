@@ -4,74 +4,21 @@
 //!
 //! The format is TensorFlow's: a sequence of TFRecords (`u64` length little-endian, masked
 //! CRC-32C of the length, the bytes, masked CRC-32C of the bytes), each an `Event` protobuf
-//! (`tensorflow/core/util/event.proto`); the first one says `file_version: "brain.Event:2"`.
-//! Only the fields written here are declared (prost messages with the upstream field numbers).
-//! A resumed run starts its file with a `SessionLog START` at the resumed version: TensorBoard's
-//! loader then drops the earlier file's points past it (the steps the resumed run redoes).
+//! generated from TensorFlow's own `event.proto` and `summary.proto` ([`ps_common::tensorflow`],
+//! trimmed copies in `proto/tensorflow/` with the upstream field numbers); the first one says
+//! `file_version: "brain.Event:2"`. A run resumed at version v starts its file with a
+//! `SessionLog START` at step v + 1: TensorBoard's loader then drops the points of step v + 1
+//! and later from the files before it (the steps the resumed run redoes), so each step shows
+//! once.
 
 use std::io::{self, Read, Write};
 use std::path::{Path, PathBuf};
 
-/// `tensorflow.Event` (the fields used here).
-#[derive(Clone, PartialEq, prost::Message)]
-pub struct Event {
-    /// Seconds since the Unix epoch.
-    #[prost(double, tag = "1")]
-    pub wall_time: f64,
-    /// The global step.
-    #[prost(int64, tag = "2")]
-    pub step: i64,
-    /// `file_version`, `summary` or `session_log`.
-    #[prost(oneof = "What", tags = "3, 5, 6")]
-    pub what: Option<What>,
-}
-
-/// `Event.what`.
-#[derive(Clone, PartialEq, prost::Oneof)]
-pub enum What {
-    /// "brain.Event:2", the first record of a file.
-    #[prost(string, tag = "3")]
-    FileVersion(String),
-    /// Scalars.
-    #[prost(message, tag = "5")]
-    Summary(Summary),
-    /// A session (re)start.
-    #[prost(message, tag = "6")]
-    SessionLog(SessionLog),
-}
-
-/// `tensorflow.Summary`.
-#[derive(Clone, PartialEq, prost::Message)]
-pub struct Summary {
-    /// The values.
-    #[prost(message, repeated, tag = "1")]
-    pub value: Vec<SummaryValue>,
-}
-
-/// `tensorflow.Summary.Value` with a `simple_value`.
-#[derive(Clone, PartialEq, prost::Message)]
-pub struct SummaryValue {
-    /// The tag (the chart's name).
-    #[prost(string, tag = "1")]
-    pub tag: String,
-    /// The value.
-    #[prost(float, optional, tag = "2")]
-    pub simple_value: Option<f32>,
-}
-
-/// `tensorflow.SessionLog`.
-#[derive(Clone, PartialEq, prost::Message)]
-pub struct SessionLog {
-    /// 1 = START.
-    #[prost(int32, tag = "1")]
-    pub status: i32,
-    /// Why.
-    #[prost(string, tag = "3")]
-    pub msg: String,
-}
-
-/// `SessionLog.status` START.
-pub const SESSION_START: i32 = 1;
+pub use ps_common::tensorflow::event::What;
+pub use ps_common::tensorflow::session_log::SessionStatus;
+pub use ps_common::tensorflow::summary::Value as SummaryValue;
+pub use ps_common::tensorflow::summary::value::Value as Scalar;
+pub use ps_common::tensorflow::{Event, SessionLog, Summary};
 
 /// TFRecord's CRC: CRC-32C, rotated right by 15 bits plus a constant.
 pub fn masked_crc(data: &[u8]) -> u32 {
@@ -120,11 +67,14 @@ impl EventWriter {
             what: Some(What::FileVersion("brain.Event:2".into())),
         })?;
         if let Some(v) = resumed_at {
+            // the first step the resumed run writes: TensorBoard purges it and later ones
+            // from the earlier files
             w.write(&Event {
                 wall_time: now,
-                step: v as i64,
+                step: v as i64 + 1,
                 what: Some(What::SessionLog(SessionLog {
-                    status: SESSION_START,
+                    status: SessionStatus::Start as i32,
+                    checkpoint_path: String::new(),
                     msg: format!("resumed at version {v}"),
                 })),
             })?;
@@ -143,8 +93,9 @@ impl EventWriter {
         let value = values
             .iter()
             .map(|&(tag, v)| SummaryValue {
+                node_name: String::new(),
                 tag: tag.to_string(),
-                simple_value: Some(v as f32),
+                value: Some(Scalar::SimpleValue(v as f32)),
             })
             .collect();
         self.write(&Event {
@@ -270,9 +221,10 @@ pub fn scalars(events: &[Event]) -> Vec<(String, u64, f32)> {
             _ => None,
         })
         .flat_map(|(step, s)| {
-            s.value
-                .iter()
-                .filter_map(move |v| Some((v.tag.clone(), step as u64, v.simple_value?)))
+            s.value.iter().filter_map(move |v| match v.value {
+                Some(Scalar::SimpleValue(x)) => Some((v.tag.clone(), step as u64, x)),
+                _ => None,
+            })
         })
         .collect()
 }
@@ -308,6 +260,26 @@ mod tests {
         assert_eq!(masked_crc(&[0u8; 32]), 0x0fd7_fffa);
     }
 
+    /// The bytes TensorFlow's own encoder gives (`Event(step=8, session_log=SessionLog(
+    /// status=START))`: field 2 varint 8, field 7 length-delimited holding field 1 varint 1):
+    /// the restart marker TensorBoard honours is field 7, not 6 (`log_message`).
+    #[test]
+    fn the_restart_marker_is_tensorflows_session_log_field_7() {
+        let ev = Event {
+            wall_time: 0.0,
+            step: 8,
+            what: Some(What::SessionLog(SessionLog {
+                status: SessionStatus::Start as i32,
+                checkpoint_path: String::new(),
+                msg: String::new(),
+            })),
+        };
+        assert_eq!(
+            prost::Message::encode_to_vec(&ev),
+            [0x10, 0x08, 0x3a, 0x02, 0x08, 0x01]
+        );
+    }
+
     #[test]
     fn written_scalars_read_back_and_corruption_is_named() {
         let dir = tempfile::tempdir().unwrap();
@@ -324,8 +296,13 @@ mod tests {
             events[0].what,
             Some(What::FileVersion("brain.Event:2".into()))
         );
-        assert!(matches!(&events[1].what, Some(What::SessionLog(s)) if s.status == SESSION_START));
-        assert_eq!(events[1].step, 7);
+        assert!(
+            matches!(&events[1].what, Some(What::SessionLog(s)) if s.status == SessionStatus::Start as i32)
+        );
+        assert_eq!(
+            events[1].step, 8,
+            "resumed at 7: the marker at the first redone step"
+        );
         assert_eq!(
             scalars(&events),
             vec![

@@ -260,3 +260,64 @@ pub fn register_request(
         model: Vec::new(),
     }
 }
+
+/// Starts `ps-launch --config <config> <args>` in the background as the leader of its own
+/// process group (as a shell job is), stdout and stderr into `<log>.out` / `<log>.err`.
+pub fn spawn_launch(config: &Path, args: &[&str], log: &Path) -> std::process::Child {
+    use std::os::unix::process::CommandExt;
+    let out = std::fs::File::create(log.with_extension("out")).expect("stdout file");
+    let err = std::fs::File::create(log.with_extension("err")).expect("stderr file");
+    std::process::Command::new(bin_dir().join("ps-launch"))
+        .arg("--config")
+        .arg(config)
+        .args(args)
+        .stdin(std::process::Stdio::null())
+        .stdout(out)
+        .stderr(err)
+        .process_group(0)
+        .spawn()
+        .expect("ps-launch starts")
+}
+
+/// Waits (at most `limit`, panicking with `what`) until `file` holds at least `lines` lines.
+pub fn wait_for_lines(file: &Path, lines: usize, limit: Duration, what: &str) {
+    let t0 = std::time::Instant::now();
+    while std::fs::read_to_string(file).map_or(0, |t| t.lines().count()) < lines {
+        assert!(
+            t0.elapsed() < limit,
+            "{what}: {} has fewer than {lines} lines after {limit:?}",
+            file.display()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// The pids a live `ps-launch` recorded in its output directory's lock file: (shards, workers).
+/// Waits (at most `limit`) until it has recorded both.
+pub fn launch_pids(out_dir: &Path, limit: Duration) -> (Vec<i32>, Vec<i32>) {
+    let file = out_dir.join(ps_launch::outdir::LAUNCH_LOCK);
+    let t0 = std::time::Instant::now();
+    loop {
+        let text = std::fs::read_to_string(&file).unwrap_or_default();
+        let list = |key: &str| -> Vec<i32> {
+            text.split("; ")
+                .find_map(|part| part.trim().strip_prefix(key))
+                .map(|l| {
+                    l.split(", ")
+                        .filter_map(|p| p.trim().parse().ok())
+                        .collect()
+                })
+                .unwrap_or_default()
+        };
+        let (s, w) = (list("shard pids "), list("worker pids "));
+        if !s.is_empty() && !w.is_empty() {
+            return (s, w);
+        }
+        assert!(
+            t0.elapsed() < limit,
+            "no pids recorded in {} after {limit:?}: {text}",
+            file.display()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}

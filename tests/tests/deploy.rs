@@ -1164,6 +1164,10 @@ fn slurm_job_runs_a_whole_cluster_with_a_stand_in_srun() {
             "final weights of shard {i} in the job's folder under the template's out_dir"
         );
     }
+    // merged and drawn at the end, as ps-launch does
+    for f in ["model.safetensors", "curves.svg"] {
+        assert!(tmp.join("out/slurm-4242").join(f).exists(), "{f}: {out}");
+    }
     assert!(out.contains("every shard listens"), "{out}");
     for r in 0..2 {
         let log = logs(&format!("worker-{r}.log"));
@@ -1351,4 +1355,169 @@ fn slurm_job_restarts_a_lost_shard_and_ends_with_the_same_weights() {
 
 fn read_opt(path: &Path) -> String {
     std::fs::read_to_string(path).unwrap_or_default()
+}
+
+/// The deploy README's override examples (`PS_SET_TRAIN_STEPS=100`, `--set train.steps=100`),
+/// run on both shipped configs, which state `epochs`: the set key replaces it, and back.
+#[test]
+fn the_readmes_override_examples_work_on_the_shipped_configs() {
+    let readme = read(&deploy().join("README.md"));
+    assert!(
+        readme.contains("`PS_SET_TRAIN_STEPS=100`") && readme.contains("`--set train.steps=100`"),
+        "the examples this test runs are in deploy/README.md"
+    );
+    let slurm_dir = tempfile::tempdir().unwrap();
+    for config in [
+        deploy().join("mnist.toml"),
+        deploy().join("slurm/template.toml"),
+    ] {
+        assert!(
+            read(&config).contains("\nepochs = "),
+            "{}",
+            config.display()
+        );
+        let check = |env: &[(&str, &str)], args: &[&str]| {
+            let out = Command::new(bin_dir().join("ps-server"))
+                .arg("--config")
+                .arg(&config)
+                .args(["--shard", "0", "--check", "--data-dir"])
+                .arg(repo().join("data/mnist"))
+                .args(["--out-dir"])
+                .arg(slurm_dir.path())
+                .args(args)
+                .envs(env.iter().copied())
+                .output()
+                .unwrap();
+            let (stdout, stderr) = (
+                String::from_utf8_lossy(&out.stdout).to_string(),
+                String::from_utf8_lossy(&out.stderr).to_string(),
+            );
+            assert!(
+                out.status.success(),
+                "{} {env:?} {args:?}: {stderr}",
+                config.display()
+            );
+            (stdout, stderr)
+        };
+        let (stdout, stderr) = check(&[("PS_SET_TRAIN_STEPS", "100")], &[]);
+        assert!(stdout.contains("; 100 steps"), "{stdout}");
+        assert!(
+            stderr.contains("train.steps = 100 (from PS_SET_TRAIN_STEPS; clears train.epochs"),
+            "{stderr}"
+        );
+        let (stdout, _) = check(&[], &["--set", "train.steps=100"]);
+        assert!(stdout.contains("; 100 steps"), "{stdout}");
+        // and back to epochs, over the environment's steps
+        let (stdout, _) = check(
+            &[("PS_SET_TRAIN_STEPS", "100")],
+            &["--set", "train.epochs=1"],
+        );
+        assert!(!stdout.contains("; 100 steps"), "{stdout}");
+    }
+}
+
+/// After a node loss (the whole job killed, SIGKILL) a new job with another id continues the
+/// run with one documented setting, `PS_RESUME=1`: it finds the earlier run's folder and id by
+/// itself, resumes from its checkpoints, finishes every step once, and exports
+/// `model.safetensors` and `curves.svg`.
+#[test]
+fn slurm_resume_in_a_new_job_finds_the_earlier_run_by_itself_and_exports() {
+    let dir = tempfile::tempdir().unwrap();
+    let tmp = dir.path().canonicalize().unwrap();
+    let template = small_template(&tmp, 120);
+    // gRPC only: a killed run leaves no shared-memory boards for the next to meet
+    let text = read(&template)
+        .replace("steps = 5", "steps = 300")
+        .replace("[cluster]\n", "[cluster]\ntransport = \"grpc\"\n");
+    std::fs::write(&template, format!("{text}\n[checkpoint]\nevery = 2\n")).unwrap();
+    // the first job, killed with everything it started once some checkpoints exist
+    let env = fake_job_env(&tmp, free_port_pair());
+    let mut cmd = Command::new("bash");
+    cmd.arg(sbatch())
+        .arg(&template)
+        .env_clear()
+        .current_dir(&tmp)
+        .stdin(Stdio::null())
+        .stdout(std::fs::File::create(tmp.join("first.stdout")).unwrap())
+        .stderr(std::fs::File::create(tmp.join("first.stderr")).unwrap())
+        .process_group(0);
+    for (k, v) in &env {
+        cmd.env(k, v);
+    }
+    let mut first = cmd.spawn().unwrap();
+    let group = Group(first.id());
+    let metrics = tmp.join("out/slurm-4242/metrics.jsonl");
+    let t0 = Instant::now();
+    while std::fs::read_to_string(&metrics).map_or(0, |t| t.lines().count()) < 8 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(120),
+            "no progress:\n{}",
+            read(&tmp.join("first.stderr"))
+        );
+        assert!(
+            first.try_wait().unwrap().is_none(),
+            "the first job ended early:\n{}",
+            read(&tmp.join("first.stderr"))
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    drop(group);
+    let _ = first.wait();
+    // the next job: another id, PS_RESUME=1, nothing else
+    let mut env = fake_job_env(&tmp, free_port_pair());
+    for (k, v) in env.iter_mut() {
+        if *k == "SLURM_JOB_ID" {
+            *v = "4343".into();
+        }
+    }
+    env.push(("PS_RESUME", "1".into()));
+    let (st, out, err, _) = run_sbatch(&[&template], &env, &tmp, Duration::from_secs(180));
+    let shard0 = read(&tmp.join("runs/slurm-4343/shard-0.log"));
+    assert!(st.success(), "{st:?}\n{out}\n{err}\n{shard0}");
+    assert!(
+        out.contains("PS_RESUME=1: continuing run 4242 in ") && out.contains("/out/slurm-4242"),
+        "{out}"
+    );
+    assert!(shard0.contains("resuming at version "), "{shard0}");
+    assert!(shard0.contains("run 4242"), "{shard0}");
+    ps_tests::assert_metrics_steps(&read(&metrics), 300);
+    for f in ["model.safetensors", "curves.svg"] {
+        assert!(tmp.join("out/slurm-4242").join(f).exists(), "{f}: {out}");
+    }
+}
+
+/// Only shard pods are scraped: no pod-wide `prometheus.io/scrape` annotation (pods from
+/// PS_SHARDS on run no shard), and the documented scrape job keeps exactly the completion
+/// indices 0..PS_SHARDS; the shards linger for the last scrape.
+#[test]
+fn only_shard_pods_are_scraped_and_the_final_figures_are_served() {
+    let path = deploy().join("k8s/ps-cluster.yaml");
+    let docs = yaml_docs(&path);
+    let job = find(&docs, "Job", "ps-run");
+    let annotations = at(job, "spec.template.metadata");
+    assert!(
+        annotations
+            .get("annotations")
+            .and_then(|a| a.get("prometheus.io/scrape"))
+            .is_none(),
+        "every pod of the Job would be scraped"
+    );
+    let shards: usize = text(env_of(container(job, "shard"), "PS_SHARDS"), "value")
+        .parse()
+        .unwrap();
+    let readme = read(&deploy().join("README.md"));
+    let want = (0..shards)
+        .map(|i| i.to_string())
+        .collect::<Vec<_>>()
+        .join("|");
+    assert!(
+        readme.contains(&format!(
+            "regex: \"{want}\"            # 0 to PS_SHARDS - 1"
+        )),
+        "the README's scrape job keeps indices {want}"
+    );
+    let cm = find(&docs, "ConfigMap", "ps-config");
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = k8s_config(cm, dir.path());
+    assert!(cfg.server.metrics_linger_secs >= 60.0);
 }

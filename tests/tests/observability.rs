@@ -181,11 +181,25 @@ async fn grpc_health_answers_probes_and_follows_the_run() {
     assert!(dir.path().join("out/shard-0.safetensors").exists());
 }
 
-/// `GET /metrics`: the status line, the content type and the body.
+/// `GET /metrics` asking for OpenMetrics: the status line, the content type and the body.
 async fn scrape(addr: &str) -> (String, String, String) {
+    scrape_accepting(
+        addr,
+        "application/openmetrics-text; version=1.0.0,text/plain;q=0.5",
+    )
+    .await
+}
+
+/// `GET /metrics` with `Accept: <accept>` (none when empty).
+async fn scrape_accepting(addr: &str, accept: &str) -> (String, String, String) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut sock = tokio::net::TcpStream::connect(addr).await.unwrap();
-    sock.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+    let accept = if accept.is_empty() {
+        String::new()
+    } else {
+        format!("Accept: {accept}\r\n")
+    };
+    sock.write_all(format!("GET /metrics HTTP/1.1\r\nHost: x\r\n{accept}\r\n").as_bytes())
         .await
         .unwrap();
     let mut text = String::new();
@@ -505,6 +519,128 @@ async fn prometheus_exposition_is_valid_with_histograms_lag_and_process_figures(
 /// Shard 0's TensorBoard event file holds, per step, exactly the figures of `metrics.jsonl`
 /// (as float32), the periodic test accuracies at the version they evaluated, and the final
 /// evaluation; every record's CRCs check. Shard 1 writes none.
+/// Prometheus' text format 0.0.4 (what `promtool check metrics` and a scraper without
+/// OpenMetrics read), checked line by line: every family's HELP and TYPE name its samples'
+/// family (a counter's includes `_total`), help texts end in one full stop, no OpenMetrics-only
+/// lines. Returns (family, type) pairs and samples by name.
+fn parse_text_format(body: &str) -> (BTreeMap<String, String>, BTreeMap<String, f64>) {
+    let mut types = BTreeMap::new();
+    let mut helps = BTreeSet::new();
+    let mut samples = BTreeMap::new();
+    for line in body.lines() {
+        assert!(
+            !line.starts_with("# EOF") && !line.starts_with("# UNIT"),
+            "OpenMetrics only: {line}"
+        );
+        if let Some(rest) = line.strip_prefix("# HELP ") {
+            let (name, help) = rest.split_once(' ').unwrap();
+            assert!(
+                help.ends_with('.') && !help.ends_with(".."),
+                "help text of {name}: {help:?}"
+            );
+            helps.insert(name.to_string());
+        } else if let Some(rest) = line.strip_prefix("# TYPE ") {
+            let (name, kind) = rest.split_once(' ').unwrap();
+            assert!(helps.contains(name), "no help text before TYPE {name}");
+            assert!(
+                ["counter", "gauge", "histogram", "summary", "untyped"].contains(&kind),
+                "{line}"
+            );
+            if kind == "counter" {
+                assert!(name.ends_with("_total"), "counter family {name}");
+            }
+            types.insert(name.to_string(), kind.to_string());
+        } else {
+            let (series, value) = line.rsplit_once(' ').unwrap();
+            let name = series.split('{').next().unwrap();
+            let family = types
+                .keys()
+                .find(|f| {
+                    name == f.as_str()
+                        || ["_bucket", "_sum", "_count"]
+                            .iter()
+                            .any(|s| name == format!("{f}{s}"))
+                })
+                .unwrap_or_else(|| panic!("sample {name} outside a declared family"));
+            assert!(helps.contains(family));
+            let v: f64 = match value {
+                "+Inf" => f64::INFINITY,
+                v => v.parse().unwrap_or_else(|_| panic!("{line}")),
+            };
+            samples.entry(name.to_string()).or_insert(v);
+        }
+    }
+    (types, samples)
+}
+
+/// The final version, loss and test accuracy reach the scraper: with `[server]
+/// metrics_linger_secs`, a shard keeps `/metrics` up after the run until it is scraped once
+/// more, in the plain text format when the scraper does not ask for OpenMetrics.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_final_figures_reach_a_scraper_in_the_text_format_after_the_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = Spec {
+        shards: 1,
+        workers: 2,
+        steps: 12,
+        config: Spec::base().log_every(1),
+        ..Spec::default()
+    };
+    let (path, cfg) = spec.write(dir.path());
+    let logs = dir.path().join("logs");
+    let mut cluster = LocalCluster::new(bin_dir(), path, Some(logs.clone()));
+    cluster
+        .start_servers(
+            1,
+            &[
+                "--metrics-listen".into(),
+                "127.0.0.1:0".into(),
+                "--set".into(),
+                "server.metrics_linger_secs=120".into(),
+            ],
+            Duration::from_secs(60),
+        )
+        .unwrap();
+    let addr = logged_addr(&logs.join("shard-0.log"), "Prometheus metrics on http://");
+    cluster.start_worker(0, 2, &[]).unwrap();
+    cluster.start_worker(1, 2, &[]).unwrap();
+    // the run's end: the shard says it lingers (after metrics.jsonl's final line)
+    let shard_log = logs.join("shard-0.log");
+    let t0 = Instant::now();
+    while !std::fs::read_to_string(&shard_log)
+        .unwrap_or_default()
+        .contains("/metrics stays up until it is scraped once more")
+    {
+        assert!(t0.elapsed() < Duration::from_secs(120), "no end of run");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let (status, content_type, body) = scrape_accepting(&addr, "").await;
+    assert_eq!(status, "HTTP/1.1 200 OK");
+    assert_eq!(content_type, "text/plain; version=0.0.4; charset=utf-8");
+    let (types, samples) = parse_text_format(&body);
+    assert_eq!(types["ps_pushes_total"], "counter");
+    assert_eq!(types["ps_step_duration_seconds"], "histogram");
+    let metrics = std::fs::read_to_string(cfg.server.out_dir.join("metrics.jsonl")).unwrap();
+    let last: serde_json::Value = serde_json::from_str(metrics.lines().last().unwrap()).unwrap();
+    assert_eq!(last["final"], true, "{last}");
+    assert_eq!(samples["ps_version"], 12.0, "{body}");
+    let acc = samples["ps_test_accuracy"];
+    assert!(
+        (acc - last["test_acc"].as_f64().unwrap()).abs() < 1e-6,
+        "{acc} vs {last}"
+    );
+    assert!(samples.contains_key("ps_loss"), "{body}");
+    // scraped: the shard ends now, long before its linger
+    tokio::task::spawn_blocking(move || {
+        cluster
+            .wait(Duration::from_secs(60), &|| false)
+            .map(|_| cluster)
+    })
+    .await
+    .unwrap()
+    .unwrap();
+}
+
 #[test]
 fn tensorboard_events_equal_metrics_jsonl() {
     let dir = tempfile::tempdir().unwrap();

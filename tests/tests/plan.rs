@@ -392,3 +392,56 @@ fn the_readme_example_is_what_the_binary_prints() {
         "README example differs from the output"
     );
 }
+
+/// `ps-plan <recipe> --config IN --out OUT` merges the planned lines into an existing config
+/// (no duplicate keys, a planned `global_batch` clears the file's `per_worker_batch`), keeps
+/// the rest of IN, and the result loads and states the recipe.
+#[test]
+fn plan_merges_into_an_existing_config() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = Spec {
+        workers: 2,
+        ..Spec::default()
+    };
+    let (input, before) = spec.write(dir.path());
+    let text = std::fs::read_to_string(&input).unwrap();
+    assert!(text.contains("global_batch = 32\n"), "{text}");
+    std::fs::write(
+        &input,
+        text.replace("global_batch = 32\n", "per_worker_batch = 16\n"),
+    )
+    .unwrap();
+    let out = dir.path().join("merged.toml");
+    let (code, stdout, stderr) = ps_plan(&format!(
+        "--batch 16 --lr 0.01 --loss mean --momentum 0.9 --workers 4 --config {} --out {}",
+        input.display(),
+        out.display()
+    ));
+    assert_eq!(code, 0, "{stdout}\n{stderr}");
+    assert!(stdout.contains("# written: "), "{stdout}");
+    let merged = Config::load(&out).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(merged.cluster.workers, 4);
+    assert_eq!(
+        (
+            merged.train.global_batch,
+            merged.train.batch_from_per_worker
+        ),
+        (16, false)
+    );
+    assert_eq!(merged.data.dir, before.data.dir, "the rest of IN kept");
+    assert_eq!(merged.server.out_dir, before.server.out_dir);
+    assert_eq!(merged.train.steps, before.train.steps);
+    assert!(
+        stdout.contains(
+            "# ps-server will print: equivalent to one process with batch 16, mean loss, lr 0.01"
+        ),
+        "{stdout}"
+    );
+    // a recipe with --config but no --out says what is missing
+    let (code, _, stderr) = ps_plan(&format!(
+        "--batch 16 --lr 0.01 --loss mean --workers 4 --config {}",
+        input.display()
+    ));
+    assert_eq!(code, 2);
+    assert!(stderr.contains("give --out OUT"), "{stderr}");
+}

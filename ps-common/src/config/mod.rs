@@ -119,6 +119,29 @@ pub struct Setting {
 /// The prefix of the environment variables that override config keys.
 pub const ENV_PREFIX: &str = "PS_SET_";
 
+/// Keys that exclude each other, by section: an override that sets one clears the others (a
+/// file stating `epochs` takes `--set train.steps=100`, and back).
+pub const ALTERNATIVES: [(&str, &[&str]); 2] = [
+    ("train", &["steps", "epochs"]),
+    ("train", &["global_batch", "per_worker_batch"]),
+];
+
+/// The keys `section.key` excludes ([`ALTERNATIVES`]), as `section.other`.
+fn alternatives_of(key: &str) -> Vec<String> {
+    let Some((section, k)) = key.split_once('.') else {
+        return Vec::new();
+    };
+    ALTERNATIVES
+        .iter()
+        .filter(|(s, keys)| *s == section && keys.contains(&k))
+        .flat_map(|(s, keys)| {
+            keys.iter()
+                .filter(|o| **o != k)
+                .map(move |o| format!("{s}.{o}"))
+        })
+        .collect()
+}
+
 impl Overrides {
     /// The overrides of `env`: `PS_SET_<SECTION>_<KEY>=value` sets `section.key` (the section
     /// is the first word: `PS_SET_SERVER_BARRIER_TIMEOUT_SECS` is `server.barrier_timeout_secs`),
@@ -176,8 +199,14 @@ impl Overrides {
             .sets
             .iter()
             .map(|s| {
+                let cleared = alternatives_of(&s.key);
+                let clears = if cleared.is_empty() {
+                    String::new()
+                } else {
+                    format!("; clears {}, which it excludes", cleared.join(" and "))
+                };
                 format!(
-                    "config override: {} = {} (from {})",
+                    "config override: {} = {} (from {}{clears})",
                     s.key, s.value, s.source
                 )
             })
@@ -217,6 +246,11 @@ impl Overrides {
                     s.source, s.key, s.value
                 ));
             };
+            for other in alternatives_of(&s.key) {
+                if let Some((_, k)) = other.split_once('.') {
+                    sec.remove(k);
+                }
+            }
             sec.insert(key.to_string(), value);
         }
         Ok(table)

@@ -19,6 +19,7 @@ pub(super) struct RawServer {
     pub linger_secs: f64,
     pub chunk_bytes: usize,
     pub metrics_addrs: Vec<String>,
+    pub metrics_linger_secs: f64,
     pub barrier_policy: BarrierPolicy,
     pub max_pending_gradients: usize,
     pub stream_idle_secs: f64,
@@ -56,6 +57,7 @@ impl Default for RawServer {
             linger_secs: 30.0,
             chunk_bytes: crate::wire::DEFAULT_CHUNK_BYTES,
             metrics_addrs: Vec::new(),
+            metrics_linger_secs: 0.0,
             barrier_policy: BarrierPolicy::Fail,
             max_pending_gradients: DEFAULT_MAX_PENDING_GRADIENTS,
             stream_idle_secs: 60.0,
@@ -87,6 +89,10 @@ pub struct ServerConfig {
     pub chunk_bytes: usize,
     /// Where shard `i` serves Prometheus metrics (`GET /metrics`): none, or one per shard.
     pub metrics_addrs: Vec<String>,
+    /// After the run, how long a shard that serves `/metrics` keeps serving it until the
+    /// first scrape since the end (so the final version, loss and accuracy reach the scraper;
+    /// set it to the scrape interval or more); 0: it stops with the run.
+    pub metrics_linger_secs: f64,
     /// What a shard does when a step's barrier times out.
     pub barrier_policy: BarrierPolicy,
     /// Most gRPC gradients (shard-sized receive buffers) a shard holds at once; pushes beyond
@@ -127,6 +133,10 @@ impl RawServer {
             ("[server] linger_secs", self.linger_secs),
         ] {
             secs(key, v)?;
+        }
+        // 0: no linger
+        if self.metrics_linger_secs != 0.0 {
+            secs("[server] metrics_linger_secs", self.metrics_linger_secs)?;
         }
         secs("[server] stream_idle_secs", self.stream_idle_secs)?;
         secs("[server] keepalive_secs", self.keepalive_secs)?;
@@ -185,6 +195,7 @@ impl RawServer {
             linger_secs: self.linger_secs,
             chunk_bytes: self.chunk_bytes,
             metrics_addrs: self.metrics_addrs.clone(),
+            metrics_linger_secs: self.metrics_linger_secs,
             barrier_policy: self.barrier_policy,
             max_pending_gradients: self.max_pending_gradients,
             stream_idle_secs: self.stream_idle_secs,

@@ -499,6 +499,43 @@ fn any_key_is_overridable_from_the_environment_and_the_command_line() {
 }
 
 #[test]
+fn a_set_key_clears_its_alternative_steps_for_epochs_and_back() {
+    let path = Path::new("/etc/ps/run.toml");
+    let epochs = GOOD.replace("steps = 20", "epochs = 2");
+    assert!(epochs.contains("epochs = 2"), "{epochs}");
+    // the file states epochs: --set train.steps replaces it
+    let mut o = Overrides::default();
+    o.set_from_cli(&["train.steps=100".into()]).unwrap();
+    let c = Config::parse_with(&epochs, path, &o, &Host::this()).unwrap();
+    assert_eq!((c.train.steps, c.train.epochs), (Some(100), None));
+    assert!(
+        o.describe()
+            .contains("train.steps = 100 (from --set; clears train.epochs, which it excludes)"),
+        "{}",
+        o.describe()
+    );
+    // the environment's PS_SET_TRAIN_STEPS does the same
+    let env: std::collections::HashMap<String, String> =
+        [("PS_SET_TRAIN_STEPS".to_string(), "100".to_string())].into();
+    let c = Config::parse_with(&epochs, path, &Overrides::from_env(&env), &Host::this()).unwrap();
+    assert_eq!((c.train.steps, c.train.epochs), (Some(100), None));
+    // and back: a steps file takes --set train.epochs
+    let mut o = Overrides::default();
+    o.set_from_cli(&["train.epochs=1".into()]).unwrap();
+    let c = Config::parse_with(GOOD, path, &o, &Host::this()).unwrap();
+    assert_eq!((c.train.steps, c.train.epochs), (None, Some(1)));
+    // the batch's two forms exclude each other too
+    let mut o = Overrides::default();
+    o.set_from_cli(&["train.per_worker_batch=4".into()])
+        .unwrap();
+    let c = Config::parse_with(GOOD, path, &o, &Host::this()).unwrap();
+    assert_eq!(
+        (c.train.global_batch, c.train.batch_from_per_worker),
+        (16, true)
+    );
+}
+
+#[test]
 fn wire_defaults_to_f32_and_bf16_is_said_to_be_inexact() {
     let c = parse(GOOD).unwrap();
     assert_eq!(c.cluster.wire, Wire::F32);

@@ -1,6 +1,8 @@
 //! `ps-plan`: from a single-process recipe and a cluster shape, the config lines that reproduce
-//! it exactly (`ps_common::plan`); `ps-plan --config F` says what an existing config equals.
-//! Bad input exits 2 with the reason.
+//! it exactly (`ps_common::plan`); `ps-plan --config F` says what an existing config equals;
+//! `ps-plan <recipe> --config IN --out OUT` writes IN with the planned lines merged in (a
+//! planned key replaces the file's, and clears the key it excludes: `global_batch` and
+//! `per_worker_batch`), checked like any config. Bad input exits 2 with the reason.
 
 use clap::{Parser, ValueEnum};
 use ps_common::config::{Aggregation, Config, LossReduction};
@@ -16,9 +18,14 @@ use std::process::ExitCode;
     about = "Plan a cluster config that reproduces a single-process training run, or explain a config"
 )]
 struct Cli {
-    /// Explain this config: which single-process run it equals, and its warnings.
-    #[arg(long, conflicts_with_all = ["batch", "lr", "loss", "workers", "nodes", "data_parallel", "ddp", "keep_per_worker_batch", "aggregation"])]
+    /// Explain this config: which single-process run it equals, and its warnings. With a
+    /// recipe and --out: the config to merge the planned lines into.
+    #[arg(long)]
     config: Option<PathBuf>,
+    /// With a recipe and --config IN: write IN with the planned lines merged in here (comments
+    /// of IN are not kept; relative paths stay relative to IN's directory, so write it beside IN).
+    #[arg(long, requires = "config", requires = "batch")]
+    out: Option<PathBuf>,
     /// The recipe's batch (with --ddp: each process's batch).
     #[arg(long, required_unless_present = "config")]
     batch: Option<usize>,
@@ -101,10 +108,19 @@ fn main() -> ExitCode {
 }
 
 fn run(cli: Cli) -> Result<String, String> {
-    if let Some(f) = &cli.config {
+    if let (Some(f), None) = (&cli.config, &cli.batch) {
         let cfg = Config::load(f).map_err(|e| e.to_string())?;
         return Ok(explain(&cfg));
     }
+    let merge = match (&cli.config, &cli.out) {
+        (Some(into), Some(out)) => Some((into.clone(), out.clone())),
+        (Some(_), None) => {
+            return Err(
+                "--config with a recipe: give --out OUT too (the merged config is written there), or leave the recipe out to explain the config".into(),
+            );
+        }
+        _ => None,
+    };
     let shape = match (cli.workers, cli.nodes, cli.gpus_per_node) {
         (Some(w), _, _) => Shape::workers(w),
         (None, Some(n), Some(g)) => Shape::nodes(n, g),
@@ -159,5 +175,56 @@ fn run(cli: Cli) -> Result<String, String> {
         }),
         keep_per_worker_batch: cli.keep_per_worker_batch,
     };
-    plan(&req).map(|p| p.text).map_err(|e| e.to_string())
+    let text = plan(&req).map(|p| p.text).map_err(|e| e.to_string())?;
+    let Some((into, out)) = merge else {
+        return Ok(text);
+    };
+    let merged = merge_into(&into, &text)?;
+    // checked like any config before it is written (paths relative to IN's directory)
+    let cfg = Config::parse(&merged, &into).map_err(|e| {
+        format!(
+            "{} with the planned lines merged in is not a valid config: {}",
+            into.display(),
+            e.message
+        )
+    })?;
+    std::fs::write(&out, &merged).map_err(|e| format!("{}: {e}", out.display()))?;
+    Ok(format!(
+        "{text}# written: {} with the lines above merged in -> {}\n# ps-server will print: {}\n",
+        into.display(),
+        out.display(),
+        cfg.equivalence()
+    ))
+}
+
+/// The config file `into` with the planned `lines` (TOML) merged in: each planned key replaces
+/// the file's, and clears the keys it excludes (`ps_common::config::ALTERNATIVES`).
+fn merge_into(into: &std::path::Path, lines: &str) -> Result<String, String> {
+    let text = std::fs::read_to_string(into).map_err(|e| format!("{}: {e}", into.display()))?;
+    let mut table: toml::Table =
+        toml::from_str(&text).map_err(|e| format!("{}: {e}", into.display()))?;
+    let planned: toml::Table =
+        toml::from_str(lines).map_err(|e| format!("the planned lines: {e}"))?;
+    for (section, values) in planned {
+        let toml::Value::Table(values) = values else {
+            continue;
+        };
+        let entry = table
+            .entry(section.clone())
+            .or_insert_with(|| toml::Value::Table(Default::default()));
+        let toml::Value::Table(target) = entry else {
+            return Err(format!("{}: {section} is not a [section]", into.display()));
+        };
+        for (key, value) in values {
+            for (s, keys) in ps_common::config::ALTERNATIVES {
+                if s == section && keys.contains(&key.as_str()) {
+                    for other in keys.iter().filter(|k| **k != key) {
+                        target.remove(*other);
+                    }
+                }
+            }
+            target.insert(key, value);
+        }
+    }
+    toml::to_string(&table).map_err(|e| e.to_string())
 }

@@ -207,6 +207,9 @@ pub struct Shard {
     preempt_plan: checkpoint::Plan,
     /// The newest version of which a preemption checkpoint was written (None: none yet).
     preempt_saved: watch::Sender<Option<u64>>,
+    /// Held while a preemption checkpoint is written; true once the shard said which version
+    /// it stopped at ([`Shard::close_preempt`]): no newer one is written after that.
+    preempt_closed: std::sync::Mutex<bool>,
 }
 
 impl Shard {
@@ -314,6 +317,7 @@ impl Shard {
             preempt: Default::default(),
             preempt_plan: checkpoint::Plan::for_preemption(cfg, index, Self::range_of(cfg, index)),
             preempt_saved: watch::Sender::new(None),
+            preempt_closed: std::sync::Mutex::new(false),
         })
     }
 
@@ -878,10 +882,29 @@ impl Shard {
         self.preempt_saved.subscribe()
     }
 
+    /// Ends the preemption's checkpoints and returns the newest written: one being written now
+    /// is waited for, none is written after (an update still in flight would otherwise add the
+    /// next version after the shard said where it stopped).
+    pub fn close_preempt(&self) -> Option<u64> {
+        let mut closed = self
+            .preempt_closed
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        *closed = true;
+        *self.preempt_saved.borrow()
+    }
+
     /// Writes the preemption checkpoint of `version` with optimizer state `opt` (taken at that
     /// version), once per version; the parameters are read as of `version` (the double buffer
     /// keeps it while the next update writes the other half).
     fn write_preempt(&self, version: u64, opt: OptState) {
+        let closed = self
+            .preempt_closed
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if *closed {
+            return;
+        }
         // the boundary after an update can be written before the version the preemption
         // found (both race for the disk): an older one adds nothing then
         if self.preempt_saved.borrow().is_some_and(|v| v >= version) {
