@@ -33,6 +33,10 @@ pub struct OptState {
     pub steps: u64,
     pub m: Vec<f32>,
     pub v: Vec<f32>,
+    /// Per tensor of the model: the steps in which no worker's backward reached it, so it was
+    /// not updated (Adam's bias correction counts each tensor's own steps: `steps - skipped`);
+    /// empty while none was skipped.
+    pub skipped: Vec<u64>,
 }
 
 impl Optimizer {
@@ -48,11 +52,13 @@ impl Optimizer {
                     Vec::new()
                 },
                 v: Vec::new(),
+                skipped: Vec::new(),
             },
             Optimizer::Adam { .. } => OptState {
                 steps: 0,
                 m: vec![0.0; len],
                 v: vec![0.0; len],
+                skipped: Vec::new(),
             },
         }
     }

@@ -144,6 +144,9 @@ impl Plan {
     }
 }
 
+/// Metadata key of each tensor's skipped steps ([`OptState::skipped`]), when any.
+const SKIPPED_KEY: &str = "tensor_skipped_steps";
+
 /// A shard's state at a version, as written to and read from a checkpoint.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Saved {
@@ -262,12 +265,12 @@ pub fn write(dir: &Path, id: &Identity, saved: &Saved, keep: usize) -> Result<Pa
     if !saved.opt.v.is_empty() {
         tensors.push(("opt.v", &v_shape, &saved.opt.v));
     }
-    write_safetensors(
-        &path,
-        &tensors,
-        &id.metadata(saved.version, saved.opt.steps),
-    )
-    .map_err(|e| e.to_string())?;
+    let mut meta = id.metadata(saved.version, saved.opt.steps);
+    if !saved.opt.skipped.is_empty() {
+        let skipped = serde_json::to_string(&saved.opt.skipped).map_err(|e| e.to_string())?;
+        meta.insert(SKIPPED_KEY.to_string(), skipped);
+    }
+    write_safetensors(&path, &tensors, &meta).map_err(|e| e.to_string())?;
     for old in prunable(dir, id.shard, id.num_shards, keep) {
         let _ = std::fs::remove_file(file(dir, id.shard, id.num_shards, old));
     }
@@ -387,6 +390,17 @@ pub fn read(dir: &Path, id: &Identity, version: u64, fresh: &OptState) -> Result
     let params = take("flat", id.range.len())?;
     let m = take("opt.m", fresh.m.len())?;
     let v = take("opt.v", fresh.v.len())?;
+    let skipped: Vec<u64> = match meta.get(SKIPPED_KEY) {
+        None => Vec::new(),
+        Some(s) => serde_json::from_str(s)
+            .ok()
+            .filter(|k: &Vec<u64>| k.iter().all(|&n| n <= opt_steps))
+            .ok_or_else(|| {
+                bad(format!(
+                    "metadata {SKIPPED_KEY} = {s:?}: expected a JSON list of step counts of at most opt_steps"
+                ))
+            })?,
+    };
     Ok(Saved {
         version,
         params,
@@ -394,6 +408,7 @@ pub fn read(dir: &Path, id: &Identity, version: u64, fresh: &OptState) -> Result
             steps: opt_steps,
             m,
             v,
+            skipped,
         },
     })
 }
@@ -423,12 +438,14 @@ mod tests {
                 steps: version,
                 m: vec![0.5; 5],
                 v: Vec::new(),
+                skipped: vec![0, version / 5],
             },
         };
         let fresh = OptState {
             steps: 0,
             m: vec![0.0; 5],
             v: Vec::new(),
+            skipped: Vec::new(),
         };
         // shard 1 first: a shard prunes only below a version every shard has
         write(dir.path(), &id(1), &saved(20), 2).unwrap();
@@ -465,6 +482,7 @@ mod tests {
                 steps: 0,
                 m: vec![0.0; 5],
                 v: vec![0.0; 5],
+                skipped: Vec::new(),
             },
         )
         .unwrap_err();
@@ -491,6 +509,7 @@ mod tests {
                 steps: version,
                 m: Vec::new(),
                 v: Vec::new(),
+                skipped: Vec::new(),
             },
         };
         for v in [5, 10] {

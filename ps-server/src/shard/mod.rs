@@ -168,7 +168,7 @@ struct State {
     /// Final test evaluation reported by each rank when it leaves.
     left: Vec<Option<(u64, u64)>>,
     failed: Option<String>,
-    /// Tensors the ranks' backward did not reach, and each tensor's skipped steps.
+    /// Tensors the ranks' backward of the step being gathered did not reach.
     unused: unused::Unused,
     /// The first worker's frozen parameters and buffers (fingerprints).
     constants: constants::Constants,
@@ -530,7 +530,7 @@ impl Shard {
             let st = self.lock();
             let ranks: Vec<u32> = slots.iter().map(|s| s.rank).collect();
             let skip = st.unused.skipped_by_all(step, &ranks);
-            let skipped = &st.unused.skipped;
+            let skipped = &opt.skipped;
             let behind: Vec<u32> = match self.optimizer {
                 ps_common::optim::Optimizer::Adam { .. } => (0..skipped.len() as u32)
                     .filter(|t| skipped[*t as usize] > 0 && skip.binary_search(t).is_err())
@@ -679,8 +679,11 @@ impl Shard {
             let mut st = self.lock();
             st.store.commit(pending);
             st.opt = opt;
+            if !skip.is_empty() && st.opt.skipped.len() < self.spec.tensors.len() {
+                st.opt.skipped.resize(self.spec.tensors.len(), 0);
+            }
             for (t, _) in &skip {
-                st.unused.skipped[*t as usize] += 1;
+                st.opt.skipped[*t as usize] += 1;
             }
             let done = slots.into_iter().filter_map(|s| match s.grad {
                 Grad::Owned(h) => Some(h.values),

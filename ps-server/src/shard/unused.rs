@@ -3,34 +3,35 @@
 //! there); a tensor that no rank of the step reached is not updated at all (no momentum,
 //! weight decay or Adam step), and one that some ranks reached is updated with the others'
 //! zeros. Adam's bias correction counts each tensor's own steps: a tensor skipped `k` times
-//! takes `k` fewer steps than the shard's count.
+//! takes `k` fewer steps than the shard's count (`OptState::skipped`, checkpointed with the
+//! optimizer state, so a resumed or rolled-back run counts as one that never stopped).
 
 use ps_common::layout::ModelSpec;
 use ps_common::{PsError, PsResult};
 use std::ops::Range;
 
-/// The marks of the step being gathered, and each tensor's skipped steps so far.
+/// The marks of the step being gathered.
 #[derive(Debug, Clone, Default)]
 pub struct Unused {
     /// Per rank: the step it marked and its tensors (sorted, no repeats).
     marks: Vec<Option<(u64, Vec<u32>)>>,
-    /// Per tensor of the model: the steps it was skipped in (no rank reached it).
-    pub skipped: Vec<u64>,
+    /// The model's tensor count.
+    tensors: usize,
 }
 
 impl Unused {
-    /// No marks, nothing skipped, for `world` ranks and a model of `tensors` tensors.
+    /// No marks, for `world` ranks and a model of `tensors` tensors.
     pub fn new(world: usize, tensors: usize) -> Self {
         Self {
             marks: vec![None; world],
-            skipped: vec![0; tensors],
+            tensors,
         }
     }
 
     /// Records that `rank`'s backward of `step` did not reach `tensors`. Refused (nothing
     /// changes) for a tensor index outside the model.
     pub fn mark(&mut self, rank: usize, step: u64, mut tensors: Vec<u32>) -> PsResult<()> {
-        let n = self.skipped.len();
+        let n = self.tensors;
         if let Some(&t) = tensors.iter().find(|&&t| t as usize >= n) {
             return Err(PsError::BadChunk(format!(
                 "rank {rank} marked tensor {t} unused at step {step}: the model has {n} tensors"
