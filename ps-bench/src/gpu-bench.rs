@@ -23,80 +23,56 @@ use ps_worker::cuda::CudaBackend;
 use std::process::ExitCode;
 use std::time::Instant;
 
-const USAGE: &str = "usage: gpu-bench [--json PATH] [--steps N] [--warmup N] [--device N] \
-[--models 784-1024-1024-10,784-4096-4096-10] [--batches 64,256,1024]";
-
-#[derive(Debug)]
+/// The command line.
+#[derive(Debug, clap::Parser)]
+#[command(
+    name = "gpu-bench",
+    version,
+    about = "Time the CUDA backend per layer and per step, for each model and batch (a markdown table; without a GPU it says so and exits 0)"
+)]
 struct Args {
+    /// Also write the figures as JSON to this file.
+    #[arg(long, value_name = "PATH")]
     json: Option<String>,
+    /// Timed steps per figure (the median is reported).
+    #[arg(long, default_value = "50", value_parser = positive)]
     steps: usize,
+    /// Untimed steps before the timed ones.
+    #[arg(long, default_value_t = 10)]
     warmup: usize,
+    /// CUDA device index.
+    #[arg(long, default_value_t = 0)]
     device: usize,
+    /// Models as layer widths joined by '-', comma-separated (at least two widths each).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "784-1024-1024-10,784-4096-4096-10",
+        value_parser = parse_model
+    )]
     models: Vec<Vec<usize>>,
+    /// Global batch sizes, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "64,256,1024", value_parser = positive)]
     batches: Vec<usize>,
 }
 
-fn parse_list(s: &str, sep: char, what: &str) -> Result<Vec<usize>, String> {
-    s.split(sep)
-        .map(|v| {
-            v.trim()
-                .parse::<usize>()
-                .map_err(|_| format!("bad {what} {s:?}"))
-        })
-        .collect()
+/// A positive integer.
+fn positive(s: &str) -> Result<usize, String> {
+    match s.trim().parse::<usize>() {
+        Ok(n) if n > 0 => Ok(n),
+        _ => Err(format!("{s:?}: expected a positive integer")),
+    }
 }
 
-fn parse_args() -> Result<Args, String> {
-    let mut a = Args {
-        json: None,
-        steps: 50,
-        warmup: 10,
-        device: 0,
-        models: vec![vec![784, 1024, 1024, 10], vec![784, 4096, 4096, 10]],
-        batches: vec![64, 256, 1024],
-    };
-    let mut it = std::env::args().skip(1);
-    while let Some(flag) = it.next() {
-        if flag == "-V" || flag == "--version" {
-            println!("gpu-bench {}", env!("CARGO_PKG_VERSION"));
-            std::process::exit(0);
-        }
-        if flag == "-h" || flag == "--help" {
-            return Err(USAGE.to_string());
-        }
-        let value = it
-            .next()
-            .ok_or_else(|| format!("{flag} needs a value\n{USAGE}"))?;
-        let num = |v: &str| {
-            v.parse::<usize>()
-                .map_err(|_| format!("{flag}: not a number: {v:?}"))
-        };
-        match flag.as_str() {
-            "--json" => a.json = Some(value),
-            "--steps" => a.steps = num(&value)?.max(1),
-            "--warmup" => a.warmup = num(&value)?,
-            "--device" => a.device = num(&value)?,
-            "--models" => {
-                a.models = value
-                    .split(',')
-                    .map(|m| parse_list(m, '-', "model"))
-                    .collect::<Result<_, _>>()?;
-                if a.models.iter().any(|m| m.len() < 2 || m.contains(&0)) {
-                    return Err(format!(
-                        "--models {value:?}: each model is at least two widths like 784-10"
-                    ));
-                }
-            }
-            "--batches" => {
-                a.batches = parse_list(&value, ',', "batch size")?;
-                if a.batches.contains(&0) {
-                    return Err("--batches: sizes must be positive".into());
-                }
-            }
-            _ => return Err(format!("unknown argument {flag:?}\n{USAGE}")),
-        }
+/// One `--models` entry: positive widths joined by '-', at least two (e.g. 784-10).
+fn parse_model(s: &str) -> Result<Vec<usize>, String> {
+    let dims: Vec<usize> = s.split('-').map(positive).collect::<Result<_, _>>()?;
+    if dims.len() < 2 {
+        return Err(format!(
+            "{s:?}: a model is at least two widths, like 784-10"
+        ));
     }
-    Ok(a)
+    Ok(dims)
 }
 
 /// Median of the wall times of `steps` calls of `f`, in milliseconds, after `warmup` calls.
@@ -297,18 +273,7 @@ fn json(device: &str, arch: &str, a: &Args, rows: &[Row]) -> String {
 }
 
 fn main() -> ExitCode {
-    let a = match parse_args() {
-        Ok(a) => a,
-        Err(e) => {
-            let help = e == USAGE;
-            eprintln!("{e}");
-            return if help {
-                ExitCode::SUCCESS
-            } else {
-                ExitCode::from(2)
-            };
-        }
-    };
+    let a = <Args as clap::Parser>::parse();
     let mut rows = Vec::new();
     let (mut device, mut arch) = (String::new(), String::new());
     for dims in &a.models {

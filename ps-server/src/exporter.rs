@@ -216,11 +216,16 @@ impl Metrics {
         *self.lock().refused.entry(format!("{code:?}")).or_default() += 1;
     }
 
-    /// After the run: waits until `/metrics` has been scraped once more (the final figures
-    /// reached the scraper), at most `linger`. True when it was.
-    pub async fn linger_for_a_scrape(&self, linger: Duration) -> bool {
+    /// `GET /metrics` answered so far.
+    pub fn scrapes(&self) -> u64 {
+        *self.scrapes.borrow()
+    }
+
+    /// After the run: waits until `/metrics` has been scraped more than `seen` times (take
+    /// [`Metrics::scrapes`] before saying the run ended, so a scrape right after it counts),
+    /// at most `linger`. True when it was.
+    pub async fn linger_for_a_scrape(&self, seen: u64, linger: Duration) -> bool {
         let mut rx = self.scrapes.subscribe();
-        let seen = *rx.borrow_and_update();
         tokio::time::timeout(linger, rx.wait_for(|n| *n > seen))
             .await
             .is_ok_and(|r| r.is_ok())

@@ -473,12 +473,14 @@ async fn run_generation(
     if let Some(e) = exporter {
         let linger = cfg.server.metrics_linger_secs;
         if matches!(outcome, Outcome::Finished) && linger > 0.0 {
+            // counted before the line that tells a scraper the run has ended
+            let seen = watcher.metrics.scrapes();
             tracing::info!(
                 "shard {index}: the run has ended; /metrics stays up until it is scraped once more, so the final figures reach Prometheus (at most {linger} s, [server] metrics_linger_secs)"
             );
             if !watcher
                 .metrics
-                .linger_for_a_scrape(Duration::from_secs_f64(linger))
+                .linger_for_a_scrape(seen, Duration::from_secs_f64(linger))
                 .await
             {
                 tracing::warn!(

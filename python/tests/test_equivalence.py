@@ -121,6 +121,11 @@ def reference(base, cfg, x, y, make_opt, per_worker=False):
     return model
 
 
+def test_the_readmes_cnn_has_20986_parameters():
+    # the README's figure for the test CNN comes from here
+    assert sum(p.numel() for p in SmallCNN().parameters()) == 20_986
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_cluster_equals_single_process_torch(case, tmp_path, mnist):
     x, y = mnist
