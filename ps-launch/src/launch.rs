@@ -86,6 +86,10 @@ pub struct LocalCluster {
     pub shard_restarts: usize,
     /// The extra arguments the shards were started with, to start one again.
     server_extra: Vec<String>,
+    /// The shard credential this launcher generated for its shards (`PS_SHARD_TOKEN`; a
+    /// `[server] shard_token_file` in the config wins): shard-to-shard calls need one, and
+    /// its workers never see it.
+    shard_token: ps_common::auth::Token,
 }
 
 impl LocalCluster {
@@ -106,6 +110,7 @@ impl LocalCluster {
             run_id: None,
             shard_restarts: 0,
             server_extra: Vec::new(),
+            shard_token: ps_common::auth::Token::random(),
         }
     }
 
@@ -126,6 +131,11 @@ impl LocalCluster {
         cmd.arg("--config").arg(&self.config).stdin(Stdio::null());
         if let Some(id) = &self.run_id {
             cmd.arg("--run-id").arg(id);
+        }
+        if bin == "ps-server" {
+            cmd.env(ps_common::auth::SHARD_TOKEN_ENV, self.shard_token.secret());
+        } else {
+            cmd.env_remove(ps_common::auth::SHARD_TOKEN_ENV);
         }
         // SAFETY: prctl is async-signal-safe and touches only the child's own process state.
         unsafe {

@@ -374,6 +374,7 @@ impl Session {
                     rank: self.rank as u32,
                     eval_correct,
                     eval_count,
+                    lease: None,
                 })
                 .await?;
         }
