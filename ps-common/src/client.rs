@@ -356,10 +356,13 @@ pub struct ShardClient {
 /// The leases a client's registrations were granted (`ps_server::lease`), presented by its
 /// pushes, pulls and leaves: each rank's, and the latest (a pull's).
 #[derive(Debug, Clone, Default)]
-struct HeldLeases(std::sync::Arc<std::sync::Mutex<(HashMap<u32, Lease>, Option<Lease>)>>);
+struct HeldLeases(std::sync::Arc<std::sync::Mutex<LeaseTable>>);
+
+/// Each rank's lease, and the latest granted.
+type LeaseTable = (HashMap<u32, Lease>, Option<Lease>);
 
 impl HeldLeases {
-    fn lock(&self) -> std::sync::MutexGuard<'_, (HashMap<u32, Lease>, Option<Lease>)> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, LeaseTable> {
         self.0.lock().unwrap_or_else(|e| e.into_inner())
     }
 

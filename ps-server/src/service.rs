@@ -130,7 +130,6 @@ impl ShardService {
             })?;
         let h = first
             .header
-            .clone()
             .ok_or_else(|| PsError::BadChunk("first push chunk has no header".into()))?;
         self.leases.check(first.lease.as_ref(), Some(h.rank), || {
             format!("push of step {} from rank {}", h.step, h.rank)
