@@ -59,6 +59,32 @@ impl Token {
         format!("Bearer {}", self.0)
     }
 
+    /// A token from `text` (surrounding whitespace trimmed), checked as [`Token::read`] checks
+    /// a file's; `what` names the source in the error.
+    pub fn parse(text: &str, what: &str) -> Result<Self, String> {
+        let t = text.trim();
+        if t.len() < 16 || !t.bytes().all(|b| b.is_ascii_graphic()) {
+            return Err(format!(
+                "{what}: expected one token of at least 16 printable ASCII characters without spaces (e.g. `openssl rand -hex 32`)"
+            ));
+        }
+        Ok(Self(t.into()))
+    }
+
+    /// A fresh random token (32 hex digits): the shard credential `ps-launch` gives its shards.
+    pub fn random() -> Self {
+        let hex: String = random_bytes::<16>()
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        Self(hex.into())
+    }
+
+    /// The token's text (to hand to a child process; never log it).
+    pub fn secret(&self) -> &str {
+        &self.0
+    }
+
     /// The token as a metadata value (for [`SHARD_TOKEN_KEY`]).
     pub fn metadata_value(&self) -> AsciiMetadataValue {
         self.0
@@ -69,6 +95,25 @@ impl Token {
     /// True when `got` is this token (compared in constant time).
     pub fn matches(&self, got: &[u8]) -> bool {
         constant_time_eq(got, self.0.as_bytes())
+    }
+}
+
+/// The environment variable that gives a shard its shard credential when `[server]
+/// shard_token_file` is not set (`ps-launch` sets it for the shards it starts, with a fresh
+/// random token; workers never get it).
+pub const SHARD_TOKEN_ENV: &str = "PS_SHARD_TOKEN";
+
+/// The shard credential of this process: `[server] shard_token_file` (`file`) when set, else
+/// [`SHARD_TOKEN_ENV`]; None without either.
+pub fn shard_token(file: Option<&Path>) -> Result<Option<Token>, String> {
+    if let Some(f) = file {
+        return Token::read(f)
+            .map(Some)
+            .map_err(|e| format!("[server] shard_token_file: {e}"));
+    }
+    match std::env::var(SHARD_TOKEN_ENV) {
+        Ok(v) => Token::parse(&v, SHARD_TOKEN_ENV).map(Some),
+        Err(_) => Ok(None),
     }
 }
 
@@ -319,8 +364,33 @@ impl Interceptor for CheckToken {
     }
 }
 
+/// `N` random bytes from the kernel (`getrandom(2)`): lease ids, generated shard credentials.
+pub fn random_bytes<const N: usize>() -> [u8; N] {
+    let mut b = [0u8; N];
+    let mut filled = 0;
+    while filled < N {
+        // SAFETY: getrandom(2) writes at most `N - filled` bytes into the rest of `b`.
+        let n = unsafe {
+            libc::getrandom(
+                b[filled..].as_mut_ptr().cast::<libc::c_void>(),
+                N - filled,
+                0,
+            )
+        };
+        if n > 0 {
+            filled += n as usize;
+        } else if std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted {
+            panic!(
+                "getrandom(2) failed: {}: no random bytes for a credential",
+                std::io::Error::last_os_error()
+            );
+        }
+    }
+    b
+}
+
 /// `a == b`, in a time that depends on the lengths only, not on where they differ.
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     let mut diff = u8::from(a.len() != b.len());
     for (i, &y) in b.iter().enumerate() {
         diff |= a.get(i).copied().unwrap_or(0) ^ y;

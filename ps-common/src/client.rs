@@ -11,8 +11,8 @@
 use crate::auth::{Client, ClientSecurity};
 use crate::pb::parameter_server_client::ParameterServerClient;
 use crate::pb::{
-    ConstantsRequest, LeaveRequest, PullRequest, PushChunk, PushHeader, PushReply, RegisterReply,
-    RegisterRequest, UnusedRequest,
+    ConstantsRequest, Lease, LeaveRequest, PullRequest, PushChunk, PushHeader, PushReply,
+    RegisterReply, RegisterRequest, UnusedRequest,
 };
 use crate::shm::{Board, params_path};
 use crate::wire::{MAX_MESSAGE_BYTES, chunks_of, decode_chunk_into};
@@ -21,6 +21,7 @@ use crate::wire::{MAX_MESSAGE_BYTES, chunks_of, decode_chunk_into};
 /// shard's `DATA_RANK_KEY`).
 pub const DATA_RANK_KEY: &str = "x-ps-data-rank";
 use bytes::Bytes;
+use std::collections::HashMap;
 use std::path::Path;
 use std::time::{Duration, Instant};
 use tonic::transport::Endpoint;
@@ -166,6 +167,7 @@ pub fn push_chunks_of(
             header: (i == 0).then_some(header),
             offset,
             data,
+            lease: None,
         })
         .collect();
     if msgs.is_empty() {
@@ -174,6 +176,7 @@ pub fn push_chunks_of(
             header: Some(header),
             offset: 0,
             data: Bytes::new(),
+            lease: None,
         });
     }
     msgs
@@ -197,6 +200,7 @@ pub fn push_messages_of(
         header: Some(header),
         offset: 0,
         data: Bytes::new(),
+        lease: None,
     }];
     if !bytes.is_empty() {
         msgs.extend(
@@ -204,8 +208,17 @@ pub fn push_messages_of(
                 header: None,
                 offset,
                 data,
+                lease: None,
             }),
         );
+    }
+    msgs
+}
+
+/// `msgs` (a push's chunks) with `lease` on the first: the lease the pushing rank presents.
+pub fn with_lease(mut msgs: Vec<PushChunk>, lease: Option<Lease>) -> Vec<PushChunk> {
+    if let Some(first) = msgs.first_mut() {
+        first.lease = lease;
     }
     msgs
 }
@@ -219,11 +232,13 @@ pub type PieceReceiver = tokio::sync::mpsc::UnboundedReceiver<(usize, Bytes)>;
 fn header_on_link(
     link: &DataLink,
     header: PushHeader,
+    lease: Option<Lease>,
 ) -> tonic::Request<tokio_stream::Iter<std::vec::IntoIter<PushChunk>>> {
     let mut request = tonic::Request::new(tokio_stream::iter(vec![PushChunk {
         header: Some(header),
         offset: 0,
         data: Bytes::new(),
+        lease,
     }]));
     request
         .metadata_mut()
@@ -334,6 +349,39 @@ pub struct ShardClient {
     /// How this client's pushes encode their values over the network (`[cluster] wire`):
     /// registration says it ([`WIRE_KEY`]) and pushes chunk their bytes by it.
     wire: crate::config::Wire,
+    /// The leases registration granted (shared by clones).
+    leases: HeldLeases,
+}
+
+/// The leases a client's registrations were granted (`ps_server::lease`), presented by its
+/// pushes, pulls and leaves: each rank's, and the latest (a pull's).
+#[derive(Debug, Clone, Default)]
+struct HeldLeases(std::sync::Arc<std::sync::Mutex<LeaseTable>>);
+
+/// Each rank's lease, and the latest granted.
+type LeaseTable = (HashMap<u32, Lease>, Option<Lease>);
+
+impl HeldLeases {
+    fn lock(&self) -> std::sync::MutexGuard<'_, LeaseTable> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn record(&self, rank: u32, lease: Option<Lease>) {
+        let mut l = self.lock();
+        match &lease {
+            Some(x) => l.0.insert(rank, x.clone()),
+            None => l.0.remove(&rank),
+        };
+        l.1 = lease;
+    }
+
+    fn of(&self, rank: u32) -> Option<Lease> {
+        self.lock().0.get(&rank).cloned()
+    }
+
+    fn latest(&self) -> Option<Lease> {
+        self.lock().1.clone()
+    }
 }
 
 /// Metadata key of a registration whose worker pushes values as `[cluster] wire` says
@@ -382,6 +430,7 @@ impl ShardClient {
                         data: None,
                         security: security.clone(),
                         wire: crate::config::Wire::F32,
+                        leases: HeldLeases::default(),
                     });
                 }
                 Err(e) if start.elapsed() < patience => {
@@ -406,6 +455,12 @@ impl ShardClient {
                 }
             }
         }
+    }
+
+    /// The lease `rank`'s registration through this client was granted (None: not
+    /// registered through it).
+    pub fn lease(&self, rank: u32) -> Option<Lease> {
+        self.leases.of(rank)
     }
 
     /// The shard's index.
@@ -435,7 +490,7 @@ impl ShardClient {
     /// port the shard's registration reply named (`data_port`, 0: none), as `rank`, with this
     /// client's credentials; [`ShardClient::register`] calls it with each reply. Without TLS
     /// only: the connection is not encrypted.
-    pub fn use_data_link(&mut self, port: u32, rank: u32) {
+    pub fn use_data_link(&mut self, port: u32, rank: u32, lease: Option<&Lease>) {
         let security = &self.security;
         if port == 0 || port > u32::from(u16::MAX) || security.uses_tls() {
             self.data = None;
@@ -445,24 +500,29 @@ impl ShardClient {
             Some((h, _)) => h.to_string(),
             None => return,
         };
-        if let Some(d) = &self.data
-            && d.target == format!("{host}:{port}")
-            && d.rank_number == rank
-        {
-            return; // the same connection (a registration again)
-        }
         let hello = crate::datalink::Hello {
             rank,
             token: security.token_bytes().to_vec(),
             run_id: security.run_id().to_string(),
-        };
+            generation: lease.map_or(0, |l| l.generation),
+            lease: lease.map(|l| l.id.to_vec()).unwrap_or_default(),
+        }
+        .encode();
+        let target = format!("{host}:{port}");
+        // a registration again: a new lease, so a new connection (the shard refuses frames on
+        // the old one); one found unreachable stays so
+        let unreachable = self
+            .data
+            .as_ref()
+            .filter(|d| d.target == target)
+            .is_some_and(|d| d.unreachable.load(std::sync::atomic::Ordering::Relaxed));
         self.data = Some(std::sync::Arc::new(DataLink {
-            target: format!("{host}:{port}"),
-            hello: hello.encode(),
+            target,
+            hello,
             rank: rank.to_string().parse().expect("digits"),
             rank_number: rank,
             conn: Default::default(),
-            unreachable: Default::default(),
+            unreachable: unreachable.into(),
         }));
     }
 
@@ -523,7 +583,8 @@ impl ShardClient {
                 return Err(refused(Status::new(st.code(), words)));
             }
         };
-        self.use_data_link(reply.data_port, rank);
+        self.use_data_link(reply.data_port, rank, reply.lease.as_ref());
+        self.leases.record(rank, reply.lease.clone());
         Ok(reply)
     }
 
@@ -565,6 +626,7 @@ impl ShardClient {
                 min_version: version,
                 shm: via_board,
                 exact,
+                lease: self.leases.latest(),
             });
             // the data connection is open before the shard is asked to write on it
             let mut conn = None;
@@ -697,7 +759,10 @@ impl ShardClient {
         {
             return self.push_on_link(link, header, bytes, chunk_bytes).await;
         }
-        let msgs = push_messages_of(header, bytes, chunk_bytes, self.wire.value_bytes());
+        let msgs = with_lease(
+            push_messages_of(header, bytes, chunk_bytes, self.wire.value_bytes()),
+            self.leases.of(header.rank),
+        );
         self.rpc
             .clone()
             .push(tokio_stream::iter(msgs))
@@ -730,7 +795,10 @@ impl ShardClient {
                     self.shard,
                     header.step
                 );
-                let msgs = push_messages_of(header, bytes, chunk_bytes, self.wire.value_bytes());
+                let msgs = with_lease(
+                    push_messages_of(header, bytes, chunk_bytes, self.wire.value_bytes()),
+                    self.leases.of(header.rank),
+                );
                 return self
                     .rpc
                     .clone()
@@ -741,7 +809,7 @@ impl ShardClient {
             }
         };
         let mut rpc = self.rpc.clone();
-        let call = rpc.push(header_on_link(link, header));
+        let call = rpc.push(header_on_link(link, header, self.leases.of(header.rank)));
         tokio::pin!(call);
         let (reply, written) = {
             let write = crate::datalink::write_frame(&mut conn, header.step, bytes);
@@ -893,7 +961,7 @@ impl ShardClient {
         let vb = self.wire.value_bytes();
         let total = header.len as usize * vb;
         let mut rpc = self.rpc.clone();
-        let call = rpc.push(header_on_link(link, header));
+        let call = rpc.push(header_on_link(link, header, self.leases.of(header.rank)));
         tokio::pin!(call);
         let (reply, written) = {
             let write = async {
@@ -976,14 +1044,23 @@ impl ShardClient {
     }
 
     /// Leaves, reporting this rank's share of the final evaluation.
-    pub async fn leave(&mut self, req: LeaveRequest) -> Result<(), ClientError> {
+    pub async fn leave(&mut self, mut req: LeaveRequest) -> Result<(), ClientError> {
+        if req.lease.is_none() {
+            req.lease = self.leases.of(req.rank);
+        }
         let refused = refused(self.shard, format!("shard {}: leave refused", self.shard));
         self.rpc.leave(req).await.map(drop).map_err(refused)
     }
 
     /// Sends this worker's frozen parameters and buffers (fingerprints) to be checked against
     /// the first worker's.
-    pub async fn check_constants(&mut self, req: ConstantsRequest) -> Result<(), ClientError> {
+    pub async fn check_constants(
+        &mut self,
+        mut req: ConstantsRequest,
+    ) -> Result<(), ClientError> {
+        if req.lease.is_none() {
+            req.lease = self.leases.of(req.rank);
+        }
         let what = format!(
             "shard {}: frozen parameters and buffers refused",
             self.shard
@@ -997,7 +1074,10 @@ impl ShardClient {
     }
 
     /// Marks the tensors this worker's backward of a step did not reach, before its push.
-    pub async fn mark_unused(&mut self, req: UnusedRequest) -> Result<(), ClientError> {
+    pub async fn mark_unused(&mut self, mut req: UnusedRequest) -> Result<(), ClientError> {
+        if req.lease.is_none() {
+            req.lease = self.leases.of(req.rank);
+        }
         let what = format!("shard {}: unused-tensor mark refused", self.shard);
         let refused = refused(self.shard, what);
         self.rpc.mark_unused(req).await.map(drop).map_err(refused)

@@ -6,8 +6,10 @@
 //! the kernel, as raw TCP).
 //!
 //! - The worker opens it with a [`Hello`]: magic, rank, the token and the run id (the same
-//!   credentials as its gRPC calls); the shard answers one byte, [`HELLO_OK`] or [`HELLO_NO`]
-//!   (and closes).
+//!   credentials as its gRPC calls), and the rank's lease (its generation and id, from the
+//!   registration reply); the shard answers one byte, [`HELLO_OK`] or [`HELLO_NO`] (and
+//!   closes). The connection is bound to that lease: once the rank holds another, the shard
+//!   refuses the connection's next frame and closes it.
 //! - A push with `data_tcp` sends its header through gRPC and then one frame worker → shard:
 //!   `step: u64, bytes: u64` (little-endian; `bytes`: the value bytes of the shard's whole
 //!   range), then the values (little-endian f32, or bfloat16 with `[cluster] wire = "bf16"`).
@@ -32,7 +34,7 @@ use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 /// The first bytes of a hello.
-pub const MAGIC: &[u8; 8] = b"PSDATA01";
+pub const MAGIC: &[u8; 8] = b"PSDATA02";
 /// Largest token or run id a hello may carry.
 pub const MAX_HELLO_FIELD: usize = 4096;
 /// The shard accepted the hello.
@@ -58,6 +60,10 @@ pub struct Hello {
     pub token: Vec<u8>,
     /// The run id (empty: the unnamed run).
     pub run_id: String,
+    /// The cluster generation of the rank's lease.
+    pub generation: u64,
+    /// The id of the rank's lease (the registration reply's).
+    pub lease: Vec<u8>,
 }
 
 impl Hello {
@@ -70,7 +76,19 @@ impl Hello {
         b.extend_from_slice(&self.token);
         b.extend_from_slice(&(self.run_id.len() as u32).to_le_bytes());
         b.extend_from_slice(self.run_id.as_bytes());
+        b.extend_from_slice(&self.generation.to_le_bytes());
+        b.extend_from_slice(&(self.lease.len() as u32).to_le_bytes());
+        b.extend_from_slice(&self.lease);
         b
+    }
+
+    /// The lease this hello presents.
+    pub fn lease(&self) -> crate::pb::Lease {
+        crate::pb::Lease {
+            rank: self.rank,
+            generation: self.generation,
+            id: self.lease.clone().into(),
+        }
     }
 
     /// Reads a hello, refusing a wrong magic or an oversized field with a precise error.
@@ -89,10 +107,14 @@ impl Hello {
         let run = read_field(r, "run id").await?;
         let run_id = String::from_utf8(run)
             .map_err(|_| PsError::BadChunk("data connection hello: run id is not UTF-8".into()))?;
+        let generation = r.read_u64_le().await.map_err(io)?;
+        let lease = read_field(r, "lease").await?;
         Ok(Self {
             rank,
             token,
             run_id,
+            generation,
+            lease,
         })
     }
 }
@@ -558,13 +580,15 @@ mod tests {
             rank: 3,
             token: b"0123456789abcdef".to_vec(),
             run_id: "run-7".into(),
+            generation: 2,
+            lease: vec![9; 16],
         };
         let bytes = h.encode();
         assert_eq!(Hello::read(&mut &bytes[..]).await.unwrap(), h);
         let mut bad = bytes.clone();
         bad[0] = b'X';
         let e = Hello::read(&mut &bad[..]).await.unwrap_err();
-        assert!(e.to_string().contains("expected \"PSDATA01\""), "{e}");
+        assert!(e.to_string().contains("expected \"PSDATA02\""), "{e}");
         let mut huge = MAGIC.to_vec();
         huge.extend_from_slice(&1u32.to_le_bytes());
         huge.extend_from_slice(&(1u32 << 30).to_le_bytes());

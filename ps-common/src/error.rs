@@ -134,6 +134,38 @@ pub enum PsError {
     /// The request lacks the cluster's shared token, or carries another.
     #[error("unauthenticated {0}")]
     Unauthenticated(String),
+    /// A request without a lease (a process that never registered with this shard).
+    #[error(
+        "{what} presents no lease: register this rank with the shard first (Register grants the rank's lease, which every push, pull and data connection presents)"
+    )]
+    NoLease {
+        /// The request, in words.
+        what: String,
+    },
+    /// A request whose lease is not the one the rank holds on this shard.
+    #[error(
+        "{what}: its lease is not rank {rank}'s lease on this shard (the rank registered again since, from this or another process, or the lease is forged): only the rank's latest registration may act for it"
+    )]
+    LeaseRefused {
+        /// The rank the request acts for.
+        rank: u32,
+        /// The request, in words.
+        what: String,
+    },
+    /// A request of an older cluster generation: the cluster rolled back since.
+    #[error(
+        "rolled back: {what} is of cluster generation {theirs}, shard {shard} is at generation {ours} (a shard was lost and the cluster rolled back since): register again and redo the steps from the version it rolled back to"
+    )]
+    RolledBack {
+        /// The shard.
+        shard: usize,
+        /// The request, in words.
+        what: String,
+        /// The request's generation.
+        theirs: u64,
+        /// The shard's.
+        ours: u64,
+    },
     /// The request comes from a process of another run (`ps_common::runid`).
     #[error(
         "shard {shard} belongs to {ours}, but this request comes from {theirs}: a process of another run cannot join (two jobs on the same ports or folders? give each job its own ports and run id)"
@@ -169,6 +201,9 @@ impl PsError {
             PsError::Unavailable(_) => Code::Unavailable,
             PsError::Internal(_) => Code::Internal,
             PsError::Unauthenticated(_) => Code::Unauthenticated,
+            PsError::NoLease { .. } => Code::FailedPrecondition,
+            PsError::LeaseRefused { .. } => Code::PermissionDenied,
+            PsError::RolledBack { .. } => Code::Aborted,
         }
     }
 }

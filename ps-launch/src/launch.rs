@@ -90,6 +90,10 @@ pub struct LocalCluster {
     /// gets them as `CUDA_VISIBLE_DEVICES`, and worker `r` `--local-rank r`, so a CUDA worker
     /// uses the `r % n`-th of them (see [`gpu_plan`]).
     pub gpus: Option<Vec<String>>,
+    /// The shard credential this launcher generated for its shards (`PS_SHARD_TOKEN`; a
+    /// `[server] shard_token_file` in the config wins): shard-to-shard calls need one, and
+    /// its workers never see it.
+    shard_token: ps_common::auth::Token,
 }
 
 /// The GPUs local workers may use and where that list came from: `--gpus` (`flag`), else
@@ -163,6 +167,7 @@ impl LocalCluster {
             shard_restarts: 0,
             server_extra: Vec::new(),
             gpus: None,
+            shard_token: ps_common::auth::Token::random(),
         }
     }
 
@@ -183,6 +188,11 @@ impl LocalCluster {
         cmd.arg("--config").arg(&self.config).stdin(Stdio::null());
         if let Some(id) = &self.run_id {
             cmd.arg("--run-id").arg(id);
+        }
+        if bin == "ps-server" {
+            cmd.env(ps_common::auth::SHARD_TOKEN_ENV, self.shard_token.secret());
+        } else {
+            cmd.env_remove(ps_common::auth::SHARD_TOKEN_ENV);
         }
         // SAFETY: prctl is async-signal-safe and touches only the child's own process state.
         unsafe {

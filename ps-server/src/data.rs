@@ -1,11 +1,16 @@
 //! The shard's end of the tensor data connections (`ps_common::datalink`): a listener beside
-//! the gRPC one, the hello check (token, run id, rank), and one connection per rank, split into
-//! the half pushes read and the half pulls write. A newer hello of a rank replaces its
-//! connection; a request that fails on a connection drops it.
+//! the gRPC one, the hello check (token, run id, and the rank's lease: `crate::lease`), and one
+//! connection per rank, split into the half pushes read and the half pulls write. Each
+//! connection is bound to the lease its hello presented: taking a half checks that lease again,
+//! so a connection of a lease the rank no longer holds carries no frame. A newer hello of the
+//! rank's holder replaces its connection; a request refused or failed on a connection closes
+//! it (both halves).
 
-use ps_common::PsError;
+use crate::lease::Leases;
 use ps_common::auth::Token;
 use ps_common::datalink::{HELLO_NO, HELLO_OK, Hello};
+use ps_common::pb::Lease;
+use ps_common::{PsError, PsResult};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::io::AsyncWriteExt;
@@ -23,6 +28,18 @@ pub struct DataConns {
     pub port: u16,
     reads: Vec<Mutex<Option<OwnedReadHalf>>>,
     writes: Vec<Mutex<Option<OwnedWriteHalf>>>,
+    /// Each rank's connection: the lease its hello presented, and a number that changes with
+    /// every new or closed connection (a half taken out goes back only to the same one).
+    bound: std::sync::Mutex<Vec<(Option<Lease>, u64)>>,
+    leases: Arc<Leases>,
+}
+
+/// A half of a rank's data connection, taken out for one frame; `epoch` names the connection.
+#[derive(Debug)]
+pub struct Taken<H> {
+    /// The half.
+    pub half: H,
+    epoch: u64,
 }
 
 /// What a hello must carry.
@@ -43,12 +60,15 @@ impl DataConns {
         world: usize,
         expect: Expect,
         idle: Duration,
+        leases: Arc<Leases>,
     ) -> std::io::Result<Arc<Self>> {
         let port = listener.local_addr()?.port();
         let conns = Arc::new(Self {
             port,
             reads: (0..world).map(|_| Mutex::new(None)).collect(),
             writes: (0..world).map(|_| Mutex::new(None)).collect(),
+            bound: std::sync::Mutex::new(vec![(None, 0); world]),
+            leases,
         });
         let weak = Arc::downgrade(&conns);
         tokio::spawn(async move {
@@ -120,7 +140,11 @@ impl DataConns {
                 self.reads.len()
             )))
         } else {
-            None
+            self.leases
+                .check(Some(&h.lease()), Some(h.rank), || {
+                    format!("data connection of rank {}", h.rank)
+                })
+                .err()
         };
         if let Some(e) = refusal {
             let _ = sock.write_all(&[HELLO_NO]).await;
@@ -130,8 +154,18 @@ impl DataConns {
         // once must find them (a pull waits on the write half's lock until then)
         let (r, mut w) = sock.into_split();
         let rank = h.rank as usize;
-        *self.reads[rank].lock().await = Some(r);
+        let mut read_slot = self.reads[rank].lock().await;
         let mut write_slot = self.writes[rank].lock().await;
+        {
+            let mut bound = self.bound();
+            bound[rank].0 = Some(h.lease());
+            bound[rank].1 += 1;
+        }
+        *read_slot = Some(r);
+        // the previous connection's write half closes here (a half taken out by a frame
+        // under way is not given back: its epoch is past)
+        write_slot.take();
+        drop(read_slot);
         match tokio::time::timeout(idle, w.write_all(&[HELLO_OK])).await {
             Ok(Ok(())) => {}
             // a dead connection: the read half left in place fails its first push, which
@@ -149,40 +183,110 @@ impl DataConns {
         Ok(())
     }
 
-    /// Takes `rank`'s read half (a push's frame is read from it), None when it has none.
-    pub async fn take_read(&self, rank: u32) -> Option<OwnedReadHalf> {
-        self.reads.get(rank as usize)?.lock().await.take()
+    fn bound(&self) -> std::sync::MutexGuard<'_, Vec<(Option<Lease>, u64)>> {
+        self.bound.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Gives a read half back after a frame was read in full (unless a newer hello replaced it).
-    pub async fn put_read(&self, rank: u32, r: OwnedReadHalf) {
+    /// `rank`'s connection's lease and epoch, checked against the lease the rank holds now
+    /// (`crate::lease`); a connection of a lease the rank no longer holds is closed.
+    async fn check_bound(&self, rank: u32, what: &str) -> PsResult<u64> {
+        let (lease, epoch) = self
+            .bound()
+            .get(rank as usize)
+            .cloned()
+            .unwrap_or((None, 0));
+        if lease.is_none() {
+            return Err(PsError::Unavailable(format!(
+                "rank {rank} has no data connection open (never opened, or closed after a failed request): open one and push again"
+            )));
+        }
+        let checked = self.leases.check(lease.as_ref(), Some(rank), || {
+            format!("{what} of rank {rank}")
+        });
+        if let Err(e) = checked {
+            self.close(rank).await;
+            return Err(e);
+        }
+        Ok(epoch)
+    }
+
+    /// Takes `rank`'s read half (a push's frame is read from it): refused when it has none or
+    /// its connection's lease is not the rank's any more.
+    pub async fn take_read(&self, rank: u32) -> PsResult<Taken<OwnedReadHalf>> {
+        let epoch = self
+            .check_bound(rank, "data connection frame (push)")
+            .await?;
+        let half = self
+            .reads
+            .get(rank as usize)
+            .ok_or_else(|| PsError::Internal(format!("no data connection slot for rank {rank}")))?
+            .lock()
+            .await
+            .take()
+            .ok_or_else(|| {
+                PsError::Unavailable(format!(
+                    "rank {rank}'s data connection is in use by another push: push again"
+                ))
+            })?;
+        Ok(Taken { half, epoch })
+    }
+
+    /// Gives a read half back after a frame was read in full, unless its connection was
+    /// replaced or closed meanwhile.
+    pub async fn put_read(&self, rank: u32, r: Taken<OwnedReadHalf>) {
         if let Some(slot) = self.reads.get(rank as usize) {
             let mut s = slot.lock().await;
-            if s.is_none() {
-                *s = Some(r);
+            if s.is_none() && self.current(rank, r.epoch) {
+                *s = Some(r.half);
             }
         }
     }
 
-    /// Drops `rank`'s read half (a push that failed before its frame was read in full: what is
-    /// left of the frame must never be taken for the next one).
-    pub async fn drop_read(&self, rank: u32) {
-        if let Some(slot) = self.reads.get(rank as usize) {
-            slot.lock().await.take();
+    fn current(&self, rank: u32, epoch: u64) -> bool {
+        self.bound()
+            .get(rank as usize)
+            .is_some_and(|b| b.1 == epoch)
+    }
+
+    /// Closes `rank`'s connection (both halves; a half taken out is not given back): a push
+    /// that was refused or failed before its frame was read in full, since what is left of the
+    /// frame must never be taken for the next one.
+    pub async fn close(&self, rank: u32) {
+        let (Some(r), Some(w)) = (
+            self.reads.get(rank as usize),
+            self.writes.get(rank as usize),
+        ) else {
+            return;
+        };
+        let mut r = r.lock().await;
+        let mut w = w.lock().await;
+        {
+            let mut bound = self.bound();
+            bound[rank as usize].0 = None;
+            bound[rank as usize].1 += 1;
         }
+        r.take();
+        w.take();
     }
 
-    /// Takes `rank`'s write half now if nobody is writing on it.
-    pub fn try_take_write(&self, rank: u32) -> Option<OwnedWriteHalf> {
-        self.writes.get(rank as usize)?.try_lock().ok()?.take()
+    /// Takes `rank`'s write half now if nobody is writing on it and its connection's lease is
+    /// the rank's (a pull answered on it); None otherwise (the pull is answered in chunks).
+    pub async fn try_take_write(&self, rank: u32) -> Option<Taken<OwnedWriteHalf>> {
+        let epoch = self
+            .check_bound(rank, "data connection frame (pull)")
+            .await
+            .ok()?;
+        let half = self.writes.get(rank as usize)?.try_lock().ok()?.take()?;
+        Some(Taken { half, epoch })
     }
 
-    /// Gives a write half back after a frame was written in full.
-    pub async fn put_write(&self, rank: u32, w: OwnedWriteHalf) {
+    /// Gives a write half back after a frame was written in full, unless its connection was
+    /// replaced or closed meanwhile.
+    pub async fn put_write(&self, rank: u32, w: Taken<OwnedWriteHalf>) {
         if let Some(slot) = self.writes.get(rank as usize) {
             let mut s = slot.lock().await;
-            if s.is_none() {
-                *s = Some(w);
+            if s.is_none() && self.current(rank, w.epoch) {
+                *s = Some(w.half);
             }
         }
     }

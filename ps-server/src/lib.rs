@@ -18,6 +18,7 @@ pub mod accept;
 pub mod checkpoint;
 pub mod data;
 pub mod exporter;
+pub mod lease;
 pub mod memory;
 pub mod peers;
 pub mod recovery;
@@ -198,13 +199,8 @@ async fn run_generation(
         health_listen,
     } = setup;
     let total_steps = cfg.total_steps(train_len)?;
-    let shard_token = match &cfg.server.shard_token_file {
-        Some(f) => Some(
-            ps_common::auth::Token::read(f)
-                .map_err(|e| anyhow::anyhow!("[server] shard_token_file: {e}"))?,
-        ),
-        None => None,
-    };
+    let shard_token = ps_common::auth::shard_token(cfg.server.shard_token_file.as_deref())
+        .map_err(anyhow::Error::msg)?;
     let resumed = resume_from.is_some();
     let resumed_at = resume_from.as_ref().map(|s| s.version);
     if let (Some(saved), 0) = (&resume_from, index) {
@@ -236,11 +232,10 @@ async fn run_generation(
         tensorboard_dir: (index == 0).then(|| cfg.server.out_dir.clone()),
         resumed_at,
     });
-    // on loopback only this machine's processes can send them: nothing to warn about
-    let outside_loopback = listener.local_addr().is_ok_and(|a| !a.ip().is_loopback());
-    if index == 0 && cfg.num_shards() > 1 && shard_token.is_none() && outside_loopback {
+    if cfg.num_shards() > 1 && shard_token.is_none() {
         tracing::warn!(
-            "shard 0: step reports of the other shards are checked but not authenticated: any client that reaches this shard can send them; set [server] shard_token_file (a token only the shards read)"
+            "shard {index}: no shard credential ([server] shard_token_file, or {} as ps-launch sets it): shard-to-shard calls (step reports, recovery from a lost shard) are refused; set [server] shard_token_file to a token only the shards read",
+            ps_common::auth::SHARD_TOKEN_ENV
         );
     }
     let all_left = Arc::new(Notify::new());
@@ -293,6 +288,13 @@ async fn run_generation(
         }
         None => None,
     };
+    let peers: Arc<peers::Peers> = Default::default();
+    let leases = Arc::new(lease::Leases::new(
+        index,
+        cfg.cluster.workers,
+        cell.generation(),
+        peers.clone(),
+    ));
     // tensor data connections beside gRPC, on the same address (not with TLS: unencrypted)
     let data = if cfg.cluster.tls.is_none() && cfg.server.data_connections {
         let local = listener.local_addr()?;
@@ -323,7 +325,7 @@ async fn run_generation(
             shard: index,
         };
         let idle = Duration::from_secs_f64(cfg.server.stream_idle_secs);
-        let conns = data::DataConns::serve(l, cfg.cluster.workers, expect, idle)?;
+        let conns = data::DataConns::serve(l, cfg.cluster.workers, expect, idle, leases.clone())?;
         tracing::info!(
             "shard {index}: tensor data connections on port {}",
             conns.port
@@ -341,7 +343,8 @@ async fn run_generation(
         all_left: all_left.clone(),
         run_id: cfg.cluster.run_id.clone().unwrap_or_default(),
         metrics,
-        peers: Default::default(),
+        peers,
+        leases,
         test_slices: test_len.map(|n| {
             ps_common::layout::split_even(n, cfg.cluster.workers)
                 .iter()

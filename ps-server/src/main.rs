@@ -141,13 +141,9 @@ async fn serve(cli: Cli) -> anyhow::Result<Outcome> {
         } else {
             cli.peers.clone()
         };
-        let shard_token = match &setup.cfg.server.shard_token_file {
-            Some(f) => Some(
-                ps_common::auth::Token::read(f)
-                    .map_err(|e| anyhow::anyhow!("[server] shard_token_file: {e}"))?,
-            ),
-            None => None,
-        };
+        let shard_token =
+            ps_common::auth::shard_token(setup.cfg.server.shard_token_file.as_deref())
+                .map_err(anyhow::Error::msg)?;
         let r =
             ps_server::recovery::handshake(&setup.cfg, setup.index, &peers, shard_token.as_ref())
                 .await?;

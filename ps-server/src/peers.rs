@@ -1,7 +1,6 @@
-//! Which workers are alive: every accepted connection is recorded while it is open, and each
-//! rank remembers the connection it registered from. A second worker registering a rank whose
-//! holder's connection is still open is refused; a restarted worker (its predecessor's
-//! connection closed when the process died) is accepted.
+//! Which connections are alive: every accepted connection is recorded while it is open (a
+//! rank's lease holder whose connection closed is gone: `crate::lease`), and the calls under
+//! way on each.
 
 use std::collections::{HashMap, HashSet};
 use std::io;
@@ -9,20 +8,14 @@ use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
-use std::time::{Duration, Instant};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 use tonic::transport::server::{Connected, TcpConnectInfo};
 
-/// How long a registration waits for a rank's previous holder to disconnect before refusing:
-/// a worker killed and restarted at once may register before its old connection is seen closed.
-pub const HOLDER_GRACE: Duration = Duration::from_secs(10);
-
-/// Open connections and the connection each rank registered from.
+/// Open connections and the calls under way on each.
 #[derive(Debug, Default)]
 pub struct Peers {
     open: Mutex<HashSet<SocketAddr>>,
-    holders: Mutex<HashMap<u32, SocketAddr>>,
     /// Calls under way per connection.
     streams: Mutex<HashMap<SocketAddr, usize>>,
     /// Connections that reached `[server] max_streams_per_connection`, logged once per interval.
@@ -103,40 +96,12 @@ impl Peers {
         self.open.lock().unwrap_or_else(|e| e.into_inner()).len()
     }
 
-    fn is_open(&self, addr: &SocketAddr) -> bool {
+    /// Whether the connection from `addr` is open.
+    pub fn is_open(&self, addr: &SocketAddr) -> bool {
         self.open
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .contains(addr)
-    }
-
-    /// Records `peer` as the holder of `rank`, waiting up to [`HOLDER_GRACE`] for another live
-    /// holder to go away; `Err(holder)` when it is still connected then.
-    pub async fn claim(&self, rank: u32, peer: SocketAddr) -> Result<(), SocketAddr> {
-        let start = Instant::now();
-        loop {
-            let holder = self
-                .holders
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .get(&rank)
-                .copied();
-            match holder {
-                Some(h) if h != peer && self.is_open(&h) => {
-                    if start.elapsed() >= HOLDER_GRACE {
-                        return Err(h);
-                    }
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                }
-                _ => {
-                    self.holders
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .insert(rank, peer);
-                    return Ok(());
-                }
-            }
-        }
     }
 }
 

@@ -241,6 +241,16 @@ async fn negotiate(
     let version = common_version(&mine, &theirs);
     let generation = states.iter().map(|(_, r)| r.generation).max().unwrap_or(0) + 1;
     let furthest = states.iter().map(|(_, r)| r.version).max().unwrap_or(0);
+    // the directory removed and then refilled by the other shards' next checkpoints looks
+    // like a directory: but this shard, at most a step from the others, would hold a
+    // checkpoint of its own once they are past the first one plus a step
+    let every = cfg.checkpoint.every;
+    if every > 0 && mine.is_empty() && furthest >= every + 2 {
+        anyhow::bail!(
+            "shard {index} was lost and cannot be recovered: its checkpoint directory {} is gone or was emptied (none of this shard's checkpoints is there, yet the others are at version {furthest}, past the first checkpoint at version {every}), so the weights it held cannot be known; the run stops rather than train from wrong weights (restore the directory and start the cluster again with --resume)",
+            dir.display()
+        );
+    }
     if version == 0 && (!mine.is_empty() || theirs.iter().any(|t| !t.is_empty())) {
         tracing::warn!(
             "shard {index}: no version that every shard has a checkpoint of (this shard: {mine:?}; the others: {}): the run restarts from version 0, the initial weights",

@@ -39,8 +39,10 @@ pub struct ShardService {
     pub all_left: Arc<Notify>,
     /// What `GET /metrics` shows.
     pub metrics: Arc<Metrics>,
-    /// Open connections and each rank's holder (a second live worker of a rank is refused).
+    /// Open connections and the calls under way on each.
     pub peers: Arc<crate::peers::Peers>,
+    /// Each rank's lease: who may act for it (`crate::lease`), checked by every transport.
+    pub leases: Arc<crate::lease::Leases>,
     /// The length of each rank's slice of the test set, which its evaluations cover; None
     /// when the shard does not know the test set.
     pub test_slices: Option<Vec<u64>>,
@@ -106,10 +108,13 @@ pub const WORKER_STOPPED: &str = "stopped on an error";
 pub const REPORT_WINDOW: u64 = 16;
 
 impl ShardService {
+    /// A push; `leased` is set once its header presented the rank's lease (only then may a
+    /// failure close the rank's data connection).
     async fn push_inner(
         &self,
         mut stream: Streaming<PushChunk>,
         via_data: Option<u32>,
+        leased: &mut bool,
     ) -> PsResult<PushReply> {
         let first = tokio::time::timeout(self.stream_idle, stream.message())
             .await
@@ -131,6 +136,10 @@ impl ShardService {
         let h = first
             .header
             .ok_or_else(|| PsError::BadChunk("first push chunk has no header".into()))?;
+        self.leases.check(first.lease.as_ref(), Some(h.rank), || {
+            format!("push of step {} from rank {}", h.step, h.rank)
+        })?;
+        *leased = true;
         if let Some(r) = via_data
             && (r != h.rank || h.shm || self.data.is_none())
         {
@@ -336,9 +345,17 @@ impl ShardService {
         let read = async {
             let bytes = (wire.value_bytes() * len) as u64;
             let pieces =
-                datalink::read_push_header(&mut conn, step, bytes, wire, &what, idle).await?;
-            datalink::read_push_into_vec(&mut conn, &mut values, len, wire, pieces, &what, idle)
-                .await
+                datalink::read_push_header(&mut conn.half, step, bytes, wire, &what, idle).await?;
+            datalink::read_push_into_vec(
+                &mut conn.half,
+                &mut values,
+                len,
+                wire,
+                pieces,
+                &what,
+                idle,
+            )
+            .await
         };
         if let Err(e) = read.await {
             self.shard.return_buffer(values);
@@ -363,11 +380,22 @@ impl ShardService {
         let (wire, idle) = (self.wire, self.stream_idle);
         let vb = wire.value_bytes();
         let total = (vb * len) as u64;
-        let pieces = datalink::read_push_header(&mut conn, step, total, wire, &what, idle).await?;
+        let pieces =
+            datalink::read_push_header(&mut conn.half, step, total, wire, &what, idle).await?;
         let mut check = StreamCheck::new(len).on_wire(wire);
         let mut scratch = vec![0u8; ps_common::wire::DEFAULT_CHUNK_BYTES.min(vb * len.max(1))];
         if !pieces {
-            stream_check(&mut conn, &mut check, &mut scratch, 0, len, vb, &what, idle).await?;
+            stream_check(
+                &mut conn.half,
+                &mut check,
+                &mut scratch,
+                0,
+                len,
+                vb,
+                &what,
+                idle,
+            )
+            .await?;
         } else {
             // pieces in ascending contiguous order stream through the check; from the first
             // one out of order on, the rest is read into a buffer (under a permit, as a kept
@@ -378,13 +406,13 @@ impl ShardService {
             let read = async {
                 while !cov.complete() {
                     let (offset, n) =
-                        datalink::read_piece_header(&mut conn, &cov, &what, idle).await?;
+                        datalink::read_piece_header(&mut conn.half, &cov, &what, idle).await?;
                     cov.add(offset, n, &what)?;
                     let (v0, count) = ((offset / vb as u64) as usize, (n / vb as u64) as usize);
                     let piece = format!("{what}, piece at bytes {offset}..{}", offset + n);
                     if held.is_none() && v0 == streamed {
                         stream_check(
-                            &mut conn,
+                            &mut conn.half,
                             &mut check,
                             &mut scratch,
                             v0,
@@ -410,7 +438,7 @@ impl ShardService {
                     }
                     let (buf, _) = held.as_mut().expect("held just above");
                     datalink::read_piece_into(
-                        &mut conn,
+                        &mut conn.half,
                         &mut buf[v0..v0 + count],
                         wire,
                         &piece,
@@ -467,7 +495,10 @@ impl ShardService {
         first: &PushChunk,
         stream: &mut Streaming<PushChunk>,
         rank: u32,
-    ) -> PsResult<(&Arc<crate::data::DataConns>, tokio::net::tcp::OwnedReadHalf)> {
+    ) -> PsResult<(
+        &Arc<crate::data::DataConns>,
+        crate::data::Taken<tokio::net::tcp::OwnedReadHalf>,
+    )> {
         let extra = !first.data.is_empty()
             || tokio::time::timeout(self.stream_idle, stream.message())
                 .await
@@ -489,11 +520,7 @@ impl ShardService {
             .data
             .as_ref()
             .ok_or_else(|| PsError::Internal("no data connections".into()))?;
-        let conn = data.take_read(rank).await.ok_or_else(|| {
-            PsError::Unavailable(format!(
-                "rank {rank} has no data connection open (never opened, or dropped after a failed request): open one and push again"
-            ))
-        })?;
+        let conn = data.take_read(rank).await?;
         Ok((data, conn))
     }
 
@@ -523,6 +550,9 @@ impl ShardService {
         req: PullRequest,
         via_data: Option<u32>,
     ) -> PsResult<Vec<PullChunk>> {
+        let puller = self.leases.check(req.lease.as_ref(), via_data, || {
+            format!("pull of version {}", req.min_version)
+        })?;
         let last = self.shard.total_steps;
         if req.min_version > last {
             return Err(PsError::VersionOutOfRange {
@@ -550,6 +580,7 @@ impl ShardService {
             Ok(Err(_)) => return Err(PsError::Unavailable("shard is shutting down".into())),
             Ok(Ok(_)) => {}
         }
+        drop(waited);
         if req.exact {
             let (version, snapshot) = self.shard.exactly(req.min_version)?;
             return Ok(pull_chunks(
@@ -574,14 +605,13 @@ impl ShardService {
             }]);
         }
         let (version, snapshot) = self.shard.snapshot()?;
-        if let (Some(rank), Some(data)) = (via_data, &self.data) {
-            self.shard.check_rank(rank)?;
+        if let (Some(rank), Some(data)) = (via_data.map(|_| puller), &self.data) {
             // the rank's connection, unless another frame is being written on it: chunks then
-            if let Some(mut w) = data.try_take_write(rank) {
+            if let Some(mut w) = data.try_take_write(rank).await {
                 let (data, idle, len) = (data.clone(), self.stream_idle, snapshot.len());
                 let shard = self.shard.index;
                 tokio::spawn(async move {
-                    let write = datalink::write_frame(&mut w, version, &snapshot);
+                    let write = datalink::write_frame(&mut w.half, version, &snapshot);
                     match tokio::time::timeout(idle, write).await {
                         Ok(Ok(())) => data.put_write(rank, w).await,
                         Ok(Err(e)) => tracing::warn!(
@@ -765,14 +795,36 @@ impl Stream for IdlePull {
 }
 
 impl ShardService {
-    /// A shard-to-shard request (`what`) must carry the shard credential, when one is
-    /// configured (`[server] shard_token_file`).
+    /// A refusal as the worker must see it: once this shard was ordered to roll back, the
+    /// failure it answers with meanwhile is [`PsError::RolledBack`] (`ABORTED`), as a request
+    /// of an older generation is answered by the next state: the worker registers again.
+    fn fence(&self, e: PsError) -> PsError {
+        match (e, self.recovery.ordered()) {
+            (PsError::Unavailable(why), Some(o)) => PsError::RolledBack {
+                shard: self.shard.index,
+                what: format!("this request ({why})"),
+                theirs: self.leases.generation(),
+                ours: o.generation,
+            },
+            (e, _) => e,
+        }
+    }
+
+    /// A shard-to-shard request (`what`) must carry the shard credential (`[server]
+    /// shard_token_file`, or `PS_SHARD_TOKEN` as `ps-launch` sets it); a shard without one
+    /// refuses them all.
     fn check_shard_credential(
         &self,
         metadata: &tonic::metadata::MetadataMap,
         what: &str,
     ) -> PsResult<()> {
-        if let Some(t) = &self.shard_token {
+        let Some(t) = &self.shard_token else {
+            return Err(PsError::Unauthenticated(format!(
+                "{what}: this shard has no shard credential ([server] shard_token_file, or {}): shard-to-shard calls are refused",
+                ps_common::auth::SHARD_TOKEN_ENV
+            )));
+        };
+        {
             let got = metadata
                 .get(ps_common::auth::SHARD_TOKEN_KEY)
                 .map_or(&[][..], |v| v.as_bytes());
@@ -982,15 +1034,7 @@ impl ParameterServer for ShardService {
         if let Some(why) = s.failure() {
             return Err(PsError::Unavailable(why).into());
         }
-        if let Some(peer) = peer
-            && let Err(holder) = self.peers.claim(r.rank, peer).await
-        {
-            return Err(PsError::RankTaken {
-                rank: r.rank,
-                holder: holder.to_string(),
-            }
-            .into());
-        }
+        let lease = self.leases.grant(r.rank, peer).await?;
         let (version, counted) = s.register(r.rank)?;
         let (shm_dir, shm_token) = if r.shared_memory {
             s.offer_shm(r.rank)?.unwrap_or_default()
@@ -1030,6 +1074,7 @@ impl ParameterServer for ShardService {
             generation: self.recovery.generation(),
             data_port: self.data.as_ref().map_or(0, |d| u32::from(d.port)),
             counted,
+            lease: Some(lease),
         }))
     }
 
@@ -1041,15 +1086,22 @@ impl ParameterServer for ShardService {
             .peers
             .stream(request.remote_addr(), self.max_streams, self.shard.index);
         let via_data = data_rank(request.metadata())?;
-        match self.push_inner(request.into_inner(), via_data).await {
+        let mut leased = false;
+        match self
+            .push_inner(request.into_inner(), via_data, &mut leased)
+            .await
+        {
             Ok(r) => {
                 self.metrics.accepted();
                 Ok(Response::new(r))
             }
             Err(e) => {
-                // what is left of the frame must never be read as the next one
-                if let (Some(rank), Some(data)) = (via_data, &self.data) {
-                    data.drop_read(rank).await;
+                let e = self.fence(e);
+                // what is left of the frame must never be read as the next one: the rank's
+                // connection is closed (only by its lease holder: anyone else's refused push
+                // leaves it alone)
+                if let (Some(rank), Some(data), true) = (via_data, &self.data, leased) {
+                    data.close(rank).await;
                 }
                 self.metrics.refused(e.code());
                 tracing::warn!(shard = self.shard.index, "push refused: {e}");
@@ -1068,7 +1120,10 @@ impl ParameterServer for ShardService {
             .peers
             .stream(request.remote_addr(), self.max_streams, self.shard.index);
         let via_data = data_rank(request.metadata())?;
-        let chunks = self.pull_inner(request.into_inner(), via_data).await?;
+        let chunks = self
+            .pull_inner(request.into_inner(), via_data)
+            .await
+            .map_err(|e| self.fence(e))?;
         Ok(Response::new(Box::pin(IdlePull::start(
             chunks,
             self.stream_idle,
@@ -1086,6 +1141,9 @@ impl ParameterServer for ShardService {
             .into());
         }
         self.shard.check_rank(r.rank)?;
+        self.leases.check(r.lease.as_ref(), Some(r.rank), || {
+            format!("leave of rank {}", r.rank)
+        })?;
         if !r.failed.is_empty() {
             // a worker that stopped on an error: the run cannot complete, so it ends now
             // instead of at the barrier timeout
@@ -1115,6 +1173,9 @@ impl ParameterServer for ShardService {
         request: Request<ConstantsRequest>,
     ) -> Result<Response<ConstantsReply>, Status> {
         let r = request.into_inner();
+        self.leases.check(r.lease.as_ref(), Some(r.rank), || {
+            format!("constants check of rank {}", r.rank)
+        })?;
         self.shard.check_constants(r.rank, r.entries)?;
         Ok(Response::new(ConstantsReply {}))
     }
@@ -1124,6 +1185,9 @@ impl ParameterServer for ShardService {
         request: Request<UnusedRequest>,
     ) -> Result<Response<UnusedReply>, Status> {
         let r = request.into_inner();
+        self.leases.check(r.lease.as_ref(), Some(r.rank), || {
+            format!("unused-tensor mark of rank {}", r.rank)
+        })?;
         self.shard.mark_unused(r.rank, r.step, r.tensors)?;
         Ok(Response::new(UnusedReply {}))
     }

@@ -383,6 +383,7 @@ impl Session {
                     eval_correct,
                     eval_count,
                     failed: String::new(),
+                    lease: None,
                 })
                 .await?;
         }
@@ -422,7 +423,11 @@ impl Session {
         let rank = self.rank as u32;
         if let Some(p) = self.peers.first_mut() {
             p.client
-                .check_constants(ps_common::pb::ConstantsRequest { rank, entries })
+                .check_constants(ps_common::pb::ConstantsRequest {
+                    rank,
+                    entries,
+                    lease: None,
+                })
                 .await?;
         }
         Ok(())
@@ -459,6 +464,7 @@ impl Session {
                     rank: self.rank as u32,
                     step,
                     tensors: mine,
+                    lease: None,
                 })
                 .await?;
         }

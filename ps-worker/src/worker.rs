@@ -320,6 +320,7 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
                 eval_correct: correct,
                 eval_count: count,
                 failed: String::new(),
+                lease: None,
             })
             .await?;
     }
@@ -499,8 +500,9 @@ async fn await_recovery(
 }
 
 /// Whether `err` looks like a lost shard: a connection that failed, a shard that says it
-/// rolled back, or one that does not know this worker's registration (a replacement); every
-/// other refusal stands as it is.
+/// rolled back (`ABORTED`: the request's lease is of an older generation, or the shard's
+/// state is being rolled back), or one that does not know this worker's registration (a
+/// replacement); every other refusal stands as it is.
 fn lost_shard_symptom(err: &anyhow::Error) -> bool {
     use ps_common::client::ClientError;
     err.chain().any(|e| match e.downcast_ref::<ClientError>() {
@@ -508,7 +510,9 @@ fn lost_shard_symptom(err: &anyhow::Error) -> bool {
         Some(ClientError::Refused { status, .. }) => {
             let text = ps_common::neterr::chain(status);
             match status.code() {
-                ps_common::tonic::Code::Unknown | ps_common::tonic::Code::Cancelled => true,
+                ps_common::tonic::Code::Unknown
+                | ps_common::tonic::Code::Cancelled
+                | ps_common::tonic::Code::Aborted => true,
                 ps_common::tonic::Code::FailedPrecondition => status
                     .message()
                     .contains("has not registered with this shard"),

@@ -321,3 +321,69 @@ pub fn launch_pids(out_dir: &Path, limit: Duration) -> (Vec<i32>, Vec<i32>) {
         std::thread::sleep(Duration::from_millis(10));
     }
 }
+
+/// A raw generated gRPC client (for requests `ShardClient` would not send) that keeps the
+/// lease each registration through it was granted, as a worker does, so that its pushes,
+/// pulls and leaves can present it.
+#[derive(Clone)]
+pub struct RawClient {
+    /// The generated client.
+    pub rpc:
+        ps_common::pb::parameter_server_client::ParameterServerClient<tonic::transport::Channel>,
+    leases: std::collections::HashMap<u32, ps_common::pb::Lease>,
+}
+
+impl RawClient {
+    /// Connects to `url` (`http://host:port`).
+    pub async fn connect(url: String) -> Result<Self, tonic::transport::Error> {
+        Ok(Self {
+            rpc: ps_common::pb::parameter_server_client::ParameterServerClient::connect(url)
+                .await?,
+            leases: Default::default(),
+        })
+    }
+
+    /// Registers, keeping the lease granted.
+    pub async fn register(
+        &mut self,
+        req: ps_common::pb::RegisterRequest,
+    ) -> Result<tonic::Response<ps_common::pb::RegisterReply>, tonic::Status> {
+        let rank = req.rank;
+        let r = self.rpc.register(req).await?;
+        if let Some(l) = &r.get_ref().lease {
+            self.leases.insert(rank, l.clone());
+        }
+        Ok(r)
+    }
+
+    /// The lease `rank` was granted through this client.
+    pub fn lease(&self, rank: u32) -> Option<ps_common::pb::Lease> {
+        self.leases.get(&rank).cloned()
+    }
+
+    /// Presents `lease` (granted through another client) for its rank from now on.
+    pub fn adopt(&mut self, lease: Option<ps_common::pb::Lease>) {
+        if let Some(l) = lease {
+            self.leases.insert(l.rank, l);
+        }
+    }
+
+    /// Any lease this client holds (the lowest rank's): what its pulls present.
+    pub fn any_lease(&self) -> Option<ps_common::pb::Lease> {
+        self.leases
+            .iter()
+            .min_by_key(|(r, _)| **r)
+            .map(|(_, l)| l.clone())
+    }
+
+    /// Pushes `msgs` (a push's chunks), the first presenting the lease of its header's rank.
+    pub async fn push(
+        &mut self,
+        msgs: Vec<ps_common::pb::PushChunk>,
+    ) -> Result<tonic::Response<ps_common::pb::PushReply>, tonic::Status> {
+        let rank = msgs.first().and_then(|c| c.header.as_ref()).map(|h| h.rank);
+        let lease = rank.and_then(|r| self.lease(r));
+        let msgs = ps_common::client::with_lease(msgs, lease);
+        self.rpc.push(tokio_stream::iter(msgs)).await
+    }
+}

@@ -23,12 +23,14 @@ async fn push(c: &mut Client, h: PushHeader, values: &[f32]) -> Result<PushReply
 
 /// Pulls through the raw stream, checking every chunk with a `TensorReceiver`.
 async fn pull(c: &mut Client, version: u64) -> Result<Vec<f32>, tonic::Status> {
+    let lease = c.lease(0);
     let mut s = c
         .rpc()
         .pull(PullRequest {
             min_version: version,
             shm: false,
             exact: false,
+            lease,
         })
         .await?
         .into_inner();
@@ -149,7 +151,7 @@ async fn live_server_refuses_bad_pushes_and_still_steps() {
     expect_err(
         push(&mut c, header(0, 0, n), &g0).await,
         Code::FailedPrecondition,
-        "has not registered",
+        "presents no lease",
     );
 
     let r = c.register(reg(0)).await.unwrap();
@@ -340,12 +342,14 @@ async fn shared_memory_pushes_are_validated_like_grpc_ones() {
     let r = push(&mut c, header(1, 0, n), &g1).await.unwrap();
     assert_eq!((r.counted, r.ranks_in), (true, 2));
 
+    let lease = c.lease(0);
     let mut s = c
         .rpc()
         .pull(PullRequest {
             min_version: 1,
             shm: true,
             exact: false,
+            lease,
         })
         .await
         .unwrap()
@@ -479,11 +483,13 @@ async fn evaluation_figures_are_checked_against_the_rank_slice_of_the_test_set()
     let reg = |rank: u32| register_request(rank, 2, n);
     c.register(reg(0)).await.unwrap();
     c.register(reg(1)).await.unwrap();
+    let leases = [c.lease(0), c.lease(1)];
     let leave = |rank: u32, correct: u64, count: u64| LeaveRequest {
         rank,
         eval_correct: correct,
         eval_count: count,
         failed: String::new(),
+        lease: leases.get(rank as usize).cloned().flatten(),
     };
     for (correct, count) in [(2, 4), (u64::MAX - 1, u64::MAX), (0, 5001)] {
         expect_err(

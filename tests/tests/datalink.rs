@@ -71,11 +71,15 @@ async fn data_connections_refuse_bad_hellos_and_frames_and_still_step() {
     // hellos: garbage, a wrong run id, an unknown rank are refused; a good one is accepted
     let (_, a) = hello(&data_addr, b"GET / HTTP/1.1\r\n\r\n").await;
     assert_eq!(a, None, "garbage: closed without an answer");
+    let leases = [c.lease(0), c1.lease(1)];
     let h = |rank: u32, run: &str| {
+        let lease = leases.get(rank as usize).cloned().flatten();
         Hello {
             rank,
             token: Vec::new(),
             run_id: run.into(),
+            generation: lease.as_ref().map_or(0, |l| l.generation),
+            lease: lease.map(|l| l.id.to_vec()).unwrap_or_default(),
         }
         .encode()
     };
@@ -90,6 +94,7 @@ async fn data_connections_refuse_bad_hellos_and_frames_and_still_step() {
             header: Some(h),
             offset: 0,
             data: bytes::Bytes::new(),
+            lease: leases[h.rank as usize].clone(),
         }]));
         req.metadata_mut()
             .insert(DATA_RANK_KEY, rank_meta.to_string().parse().unwrap());
@@ -114,7 +119,10 @@ async fn data_connections_refuse_bad_hellos_and_frames_and_still_step() {
     let g1: Vec<f32> = (0..n).map(|i| ((i % 7) as f32 - 3.0) * 0.02).collect();
     // a frame cut short: the connection ends in the middle
     let mut rpc = c.rpc().clone();
-    let call = tokio::spawn(async move { rpc.push(raw_push(1, header(1, 0, n))).await });
+    let call = {
+        let req = raw_push(1, header(1, 0, n));
+        tokio::spawn(async move { rpc.push(req).await })
+    };
     conn.write_all(&frame_header(0, 4 * n as u64))
         .await
         .unwrap();
@@ -136,7 +144,10 @@ async fn data_connections_refuse_bad_hellos_and_frames_and_still_step() {
     let (mut conn, a) = hello(&data_addr, &h(1, "")).await;
     assert_eq!(a, Some(HELLO_OK));
     let mut rpc = c.rpc().clone();
-    let call = tokio::spawn(async move { rpc.push(raw_push(1, header(1, 0, n))).await });
+    let call = {
+        let req = raw_push(1, header(1, 0, n));
+        tokio::spawn(async move { rpc.push(req).await })
+    };
     conn.write_all(&frame_header(0, 4 * (n as u64 - 1)))
         .await
         .unwrap();
@@ -176,9 +187,8 @@ async fn data_connections_refuse_bad_hellos_and_frames_and_still_step() {
         );
     }
     // the same version through gRPC chunks is the same bits
-    let mut grpc = ShardClient::connect(0, &cluster.addrs[0], &sec, Duration::from_secs(10))
-        .await
-        .unwrap();
+    let mut grpc = c.clone();
+    grpc.use_data_link(0, 0, None);
     let mut again = vec![0f32; n];
     grpc.pull_into(1, false, None, &mut again).await.unwrap();
     assert!(!grpc.has_data_link());
@@ -242,10 +252,13 @@ async fn data_port_of(config: ps_common::config::TestConfig, port: u16) -> u32 {
         .unwrap();
     if reply.data_port > 0 {
         let data_addr = format!("127.0.0.1:{}", reply.data_port);
+        let lease = reply.lease.clone().unwrap();
         let hello_ok = Hello {
             rank: 0,
             token: Vec::new(),
             run_id: String::new(),
+            generation: lease.generation,
+            lease: lease.id.to_vec(),
         }
         .encode();
         assert_eq!(hello(&data_addr, &hello_ok).await.1, Some(HELLO_OK));
@@ -345,11 +358,13 @@ async fn two_steps(pieces: bool, max_pending: usize) -> Vec<u32> {
     let g0: Vec<f32> = (0..n).map(|i| ((i % 13) as f32 - 6.0) * 0.01).collect();
     let g1: Vec<f32> = (0..n).map(|i| ((i % 7) as f32 - 3.0) * 0.02).collect();
     let total = 4 * n as u64;
+    let lease1 = c1.lease(1);
     let raw_push = |h: PushHeader| {
         let mut req = tonic::Request::new(tokio_stream::iter(vec![PushChunk {
             header: Some(h),
             offset: 0,
             data: bytes::Bytes::new(),
+            lease: lease1.clone(),
         }]));
         req.metadata_mut()
             .insert(DATA_RANK_KEY, "1".parse().unwrap());
@@ -360,6 +375,8 @@ async fn two_steps(pieces: bool, max_pending: usize) -> Vec<u32> {
             rank: 1,
             token: Vec::new(),
             run_id: String::new(),
+            generation: 0,
+            lease: lease1.as_ref().unwrap().id.to_vec(),
         }
         .encode();
         let (conn, a) = hello(&data_addr, &hello_1).await;
@@ -380,7 +397,10 @@ async fn two_steps(pieces: bool, max_pending: usize) -> Vec<u32> {
         // overlapping pieces: refused by name, nothing counted
         let mut conn = open_rank1().await;
         let mut rpc = c.rpc().clone();
-        let call = tokio::spawn(async move { rpc.push(raw_push(header(1, 0, n))).await });
+        let call = {
+            let req = raw_push(header(1, 0, n));
+            tokio::spawn(async move { rpc.push(req).await })
+        };
         conn.write_all(&frame(as_le_bytes(&g1), &[(0, 800), (400, 1200)]))
             .await
             .unwrap();
@@ -396,7 +416,10 @@ async fn two_steps(pieces: bool, max_pending: usize) -> Vec<u32> {
         // its gradient in reverse order on a new connection: counted
         let mut conn = open_rank1().await;
         let mut rpc = c.rpc().clone();
-        let call = tokio::spawn(async move { rpc.push(raw_push(header(1, 0, n))).await });
+        let call = {
+            let req = raw_push(header(1, 0, n));
+            tokio::spawn(async move { rpc.push(req).await })
+        };
         let reversed = [(8000, t), (4000, 8000), (0, 4000)];
         conn.write_all(&frame(as_le_bytes(&g1), &reversed))
             .await

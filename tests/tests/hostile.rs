@@ -13,9 +13,8 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 use tonic::Code;
-use tonic::transport::Channel;
 
-type Client = ParameterServerClient<Channel>;
+type Client = ps_tests::RawClient;
 
 fn rss_mib(pid: u32) -> f64 {
     let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
@@ -39,8 +38,9 @@ fn cpu_secs(pid: u32) -> f64 {
     ticks / unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64
 }
 
-fn header_only(rank: u32, n: usize) -> PushChunk {
+fn header_only(rank: u32, n: usize, lease: Option<ps_common::pb::Lease>) -> PushChunk {
     PushChunk {
+        lease,
         header: Some(PushHeader {
             rank,
             step: 0,
@@ -66,7 +66,7 @@ fn stalled_push(
 ) -> tokio::task::JoinHandle<Result<(), tonic::Status>> {
     let mut c = c.clone();
     let mut hold = hold.clone();
-    let first = header_only(rank, n);
+    let first = header_only(rank, n, c.lease(rank));
     tokio::spawn(async move {
         let s = futures::StreamExt::chain(
             futures::stream::once(async move { first }),
@@ -77,7 +77,7 @@ fn stalled_push(
                 |_| async { None::<PushChunk> },
             ),
         );
-        c.push(s).await.map(drop)
+        c.rpc.push(s).await.map(drop)
     })
 }
 
@@ -88,11 +88,14 @@ async fn pull_ms(c: &mut Client) -> f64 {
 
 async fn try_pull_ms(c: &mut Client) -> Result<f64, tonic::Status> {
     let t = Instant::now();
+    let lease = c.any_lease();
     let mut s = c
+        .rpc
         .pull(PullRequest {
             min_version: 0,
             shm: false,
             exact: false,
+            lease,
         })
         .await?
         .into_inner();
@@ -142,7 +145,11 @@ async fn header_only_streams_cost_no_buffers_and_are_ended_when_idle() {
     for i in 0..60 {
         // a few connections, many streams each (within max_streams_per_connection)
         if i % 15 == 0 {
-            attackers.push(Client::connect(url.clone()).await.unwrap());
+            let mut a = Client::connect(url.clone()).await.unwrap();
+            // stalled pushes of a lease holder (the lease is a bearer credential)
+            a.adopt(good.lease(0));
+            a.adopt(good.lease(1));
+            attackers.push(a);
         }
         streams.push(stalled_push(attackers.last().unwrap(), i % 2, n, &hold));
     }
@@ -228,7 +235,7 @@ async fn step_reports_need_the_shard_credential_and_a_step_near_the_shards() {
         .connect()
         .await
         .unwrap();
-    let mut c = Client::new(ch);
+    let mut c = ParameterServerClient::new(ch);
     let report = |shard: u32, step: u64, with_shard_token: bool| {
         let mut r = tonic::Request::new(StepReport {
             shard,
@@ -366,6 +373,7 @@ async fn descriptor_floods_neither_spin_nor_stop_the_shard() {
             _ => assert!(t.elapsed() < Duration::from_secs(10), "no new connection"),
         }
     };
+    fresh.adopt(good.lease(0));
     pull_ms(&mut fresh).await;
     // SAFETY: kill(2) on our own child.
     unsafe { libc::kill(pid as i32, libc::SIGTERM) };
@@ -390,21 +398,28 @@ async fn connections_past_the_limit_are_closed_and_logged() {
         config: Spec::base().max_connections(4),
         ..Spec::default()
     };
-    let (mut cluster, _) = live(&spec, dir.path());
+    let (mut cluster, n) = live(&spec, dir.path());
     let url = format!("http://{}", cluster.addrs[0]);
-    let mut held = Vec::new();
+    let mut held: Vec<Client> = Vec::new();
     for _ in 0..4 {
         let mut c = Client::connect(url.clone()).await.unwrap();
+        match held.first() {
+            None => drop(c.register(register_request(0, 2, n)).await.unwrap()),
+            Some(first) => c.adopt(first.lease(0)),
+        }
         pull_ms(&mut c).await;
         held.push(c);
     }
+    let lease = held[0].lease(0);
     let refused = match Client::connect(url.clone()).await {
         Err(_) => true,
         Ok(mut c) => c
+            .rpc
             .pull(PullRequest {
                 min_version: 0,
                 shm: false,
                 exact: false,
+                lease,
             })
             .await
             .is_err(),
@@ -412,9 +427,11 @@ async fn connections_past_the_limit_are_closed_and_logged() {
     assert!(refused, "a fifth connection is closed");
     // the connections within the limit still work
     pull_ms(&mut held[0]).await;
+    let lease = held[0].lease(0);
     drop(held);
     tokio::time::sleep(Duration::from_millis(300)).await;
     let mut c = Client::connect(url.clone()).await.unwrap();
+    c.adopt(lease);
     pull_ms(&mut c).await;
     cluster.kill_all();
     let log = log_of(dir.path(), 0);

@@ -3,10 +3,10 @@
 //! their turn neither deadlock nor count as missing for the barrier timeout, and retries and
 //! conflicts are still recognised while other pushes wait.
 
-use ps_common::client::push_chunks;
+use ps_common::client::{push_chunks, with_lease};
 use ps_common::config::{Aggregation, Transport};
 use ps_common::pb::parameter_server_client::ParameterServerClient;
-use ps_common::pb::{PullRequest, PushChunk, PushHeader, PushReply};
+use ps_common::pb::{Lease, PullRequest, PushChunk, PushHeader, PushReply};
 use ps_common::wire::{TensorReceiver, f32_to_bytes};
 use ps_launch::{LocalCluster, bin_dir};
 use ps_tests::{
@@ -41,8 +41,16 @@ fn grad(n: usize, rank: u32, step: u64) -> Vec<f32> {
         .collect()
 }
 
-async fn push(c: &mut Client, h: PushHeader, values: &[f32]) -> Result<PushReply, tonic::Status> {
-    let msgs = push_chunks(h, &f32_to_bytes(values), 16 << 10);
+async fn push(
+    c: &mut Client,
+    lease: &Option<Lease>,
+    h: PushHeader,
+    values: &[f32],
+) -> Result<PushReply, tonic::Status> {
+    let msgs = with_lease(
+        push_chunks(h, &f32_to_bytes(values), 16 << 10),
+        lease.clone(),
+    );
     c.push(tokio_stream::iter(msgs))
         .await
         .map(|r| r.into_inner())
@@ -51,11 +59,15 @@ async fn push(c: &mut Client, h: PushHeader, values: &[f32]) -> Result<PushReply
 /// A push whose header goes out at once and whose data follows after `pause`.
 async fn slow_push(
     c: &mut Client,
+    lease: &Option<Lease>,
     h: PushHeader,
     values: &[f32],
     pause: Duration,
 ) -> Result<PushReply, tonic::Status> {
-    let mut msgs = push_chunks(h, &f32_to_bytes(values), 16 << 10);
+    let mut msgs = with_lease(
+        push_chunks(h, &f32_to_bytes(values), 16 << 10),
+        lease.clone(),
+    );
     let rest: Vec<PushChunk> = msgs.split_off(1);
     let head = tokio_stream::iter(msgs);
     let tail = futures::StreamExt::then(tokio_stream::iter(rest), move |c| async move {
@@ -76,12 +88,13 @@ async fn slow_push(
     c.push(all).await.map(|r| r.into_inner())
 }
 
-async fn pull(c: &mut Client, version: u64) -> (u64, Vec<f32>) {
+async fn pull(c: &mut Client, lease: &Option<Lease>, version: u64) -> (u64, Vec<f32>) {
     let mut s = c
         .pull(PullRequest {
             min_version: version,
             shm: false,
             exact: false,
+            lease: lease.clone(),
         })
         .await
         .unwrap()
@@ -127,27 +140,30 @@ async fn two_steps(
         .start_servers(1, &[], Duration::from_secs(60))
         .unwrap();
     let url = format!("http://{}", cluster.addrs[0]);
-    let mut clients = Vec::new();
+    let (mut clients, mut leases) = (Vec::new(), Vec::new());
     for rank in 0..W as u32 {
         let mut c = Client::connect(url.clone()).await.unwrap();
-        c.register(register_request(rank, W as u32, n))
+        let r = c
+            .register(register_request(rank, W as u32, n))
             .await
             .unwrap();
+        leases.push(r.into_inner().lease);
         clients.push(c);
     }
-    let mut versions = vec![pull(&mut clients[0], 0).await.1];
+    let mut versions = vec![pull(&mut clients[0], &leases[0], 0).await.1];
     for step in 0..2u64 {
         let mut tasks = Vec::new();
         for (i, &rank) in order.iter().enumerate() {
             let mut c = clients[rank as usize].clone();
             let g = grad(n, rank, step);
+            let lease = leases[rank as usize].clone();
             tasks.push(tokio::spawn(async move {
                 tokio::time::sleep(Duration::from_millis(150 * i as u64)).await;
                 let h = header(rank, step, n);
                 if i == W - 1 {
-                    slow_push(&mut c, h, &g, Duration::from_millis(1500)).await
+                    slow_push(&mut c, &lease, h, &g, Duration::from_millis(1500)).await
                 } else {
-                    push(&mut c, h, &g).await
+                    push(&mut c, &lease, h, &g).await
                 }
             }));
         }
@@ -156,9 +172,11 @@ async fn two_steps(
             // counted, and a different gradient for step 0 is refused
             tokio::time::sleep(Duration::from_millis(700)).await;
             let mut c = clients[2].clone();
-            let r = push(&mut c, header(2, 0, n), &grad(n, 2, 0)).await.unwrap();
+            let r = push(&mut c, &leases[2], header(2, 0, n), &grad(n, 2, 0))
+                .await
+                .unwrap();
             assert!(!r.counted, "a retry of step 0 is not counted again: {r:?}");
-            let e = push(&mut c, header(2, 0, n), &grad(n, 3, 0))
+            let e = push(&mut c, &leases[2], header(2, 0, n), &grad(n, 3, 0))
                 .await
                 .expect_err("a different gradient for a step applied");
             assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
@@ -171,12 +189,12 @@ async fn two_steps(
                 .unwrap_or_else(|e| panic!("limit {limit}, order {order:?}: {e:?}"));
             assert!(r.counted, "{r:?}");
         }
-        let (v, w) = pull(&mut clients[0], step + 1).await;
+        let (v, w) = pull(&mut clients[0], &leases[0], step + 1).await;
         assert_eq!(v, step + 1);
         versions.push(w);
     }
     // a retry of step 1's rank 1 after the step: recognised
-    let r = push(&mut clients[1], header(1, 1, n), &grad(n, 1, 1))
+    let r = push(&mut clients[1], &leases[1], header(1, 1, n), &grad(n, 1, 1))
         .await
         .unwrap();
     assert!(!r.counted);

@@ -10,7 +10,6 @@
 use ps_common::PROTOCOL_VERSION;
 use ps_common::client::push_chunks;
 use ps_common::config::Transport;
-use ps_common::pb::parameter_server_client::ParameterServerClient;
 use ps_common::pb::{PullRequest, PushHeader, PushReply, RegisterRequest};
 use ps_common::shm::{Board, BoardDir, grad_path, params_path, shm_root};
 use ps_common::wire::{TensorReceiver, f32_to_bytes};
@@ -19,9 +18,8 @@ use ps_tests::Spec;
 use std::path::Path;
 use std::time::{Duration, Instant};
 use tonic::Code;
-use tonic::transport::Channel;
 
-type Client = ParameterServerClient<Channel>;
+type Client = ps_tests::RawClient;
 
 fn header(rank: u32, step: u64, len: usize, shm: bool) -> PushHeader {
     PushHeader {
@@ -39,17 +37,18 @@ fn header(rank: u32, step: u64, len: usize, shm: bool) -> PushHeader {
 
 async fn push(c: &mut Client, h: PushHeader, values: &[f32]) -> Result<PushReply, tonic::Status> {
     let msgs = push_chunks(h, &f32_to_bytes(values), 4096);
-    c.push(tokio_stream::iter(msgs))
-        .await
-        .map(|r| r.into_inner())
+    c.push(msgs).await.map(|r| r.into_inner())
 }
 
 async fn pull(c: &mut Client, version: u64) -> Result<(u64, Vec<f32>), tonic::Status> {
+    let lease = c.any_lease();
     let mut s = c
+        .rpc
         .pull(PullRequest {
             min_version: version,
             shm: false,
             exact: false,
+            lease,
         })
         .await?
         .into_inner();

@@ -4,7 +4,7 @@
 //! 2 bytes a value (4 are refused), on gRPC chunks and on the data connection.
 
 use ps_common::auth::ClientSecurity;
-use ps_common::client::{ShardClient, push_chunks_of};
+use ps_common::client::{ShardClient, push_chunks_of, with_lease};
 use ps_common::config::{Transport, Wire};
 use ps_common::idx::{Split, load_split};
 use ps_common::wire::{Bf16Encoder, f32_to_bytes};
@@ -129,7 +129,10 @@ async fn a_bf16_shard_refuses_an_f32_worker_and_takes_half_the_bytes() {
     // f32 bytes (4 a value) through gRPC chunks under bf16: refused, said in values
     let f32_bytes = f32_to_bytes(&g0);
     assert_eq!(f32_bytes.len(), 4 * n);
-    let msgs = push_chunks_of(header(0, 0, n), &f32_bytes, 4096, 2);
+    let msgs = with_lease(
+        push_chunks_of(header(0, 0, n), &f32_bytes, 4096, 2),
+        c0.lease(0),
+    );
     let e = c0.rpc().push(tokio_stream::iter(msgs)).await.unwrap_err();
     assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
     assert!(
@@ -143,6 +146,7 @@ async fn a_bf16_shard_refuses_an_f32_worker_and_takes_half_the_bytes() {
         header: Some(header(0, 0, n)),
         offset: 0,
         data: odd,
+        lease: c0.lease(0),
     }];
     let e = c0.rpc().push(tokio_stream::iter(msgs)).await.unwrap_err();
     assert!(
@@ -170,8 +174,9 @@ async fn a_bf16_shard_refuses_an_f32_worker_and_takes_half_the_bytes() {
     let b1 = Bf16Encoder::new().encode_reusing(&g1, None);
     assert_eq!((b0.len(), b1.len()), (2 * n, 2 * n));
     let rpc0 = c0.rpc().clone();
+    let lease0 = c0.lease(0);
     let push_grpc = |b: &bytes::Bytes| {
-        let msgs = push_chunks_of(header(0, 0, n), b, 64, 2);
+        let msgs = with_lease(push_chunks_of(header(0, 0, n), b, 64, 2), lease0.clone());
         let mut rpc = rpc0.clone();
         async move {
             rpc.push(tokio_stream::iter(msgs))
