@@ -453,6 +453,10 @@ async fn run_generation(
             }
         }
         Outcome::Preempted { saved } => {
+            // the step lines of every version applied are out (shard 0 waits for the others'
+            // reports otherwise): a resume trims metrics.jsonl to its version and goes on
+            // after it, so a line still waiting here would be lost
+            reporter.flush().await;
             let why = match saved {
                 Some(v) => format!(
                     "shard {index} was preempted: checkpoint of version {v} written; start the cluster again with --resume"
