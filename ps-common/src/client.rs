@@ -1054,10 +1054,7 @@ impl ShardClient {
 
     /// Sends this worker's frozen parameters and buffers (fingerprints) to be checked against
     /// the first worker's.
-    pub async fn check_constants(
-        &mut self,
-        mut req: ConstantsRequest,
-    ) -> Result<(), ClientError> {
+    pub async fn check_constants(&mut self, mut req: ConstantsRequest) -> Result<(), ClientError> {
         if req.lease.is_none() {
             req.lease = self.leases.of(req.rank);
         }
