@@ -13,7 +13,8 @@ if [ ! -x "$ENV/bin/python" ] || ! "$ENV/bin/python" -c "import torch, numpy, sa
     "$ENV/bin/pip" install --quiet --upgrade pip
     "$ENV/bin/pip" install --quiet torch numpy safetensors maturin pytest
 fi
-export PATH="$PWD/$ENV/bin:$PATH"
+ENV="$(cd "$ENV" && pwd)"  # PS_PYENV may be relative or absolute
+export PATH="$ENV/bin:$PATH"
 cargo build --release --bin ps-server --bin ps-worker --bin ps-launch
 pip install --quiet --no-build-isolation --force-reinstall --no-deps ./python
 cd python/tests

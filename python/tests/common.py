@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import os
+import secrets
 import socket
 import subprocess
 import time
@@ -73,6 +74,9 @@ class Shards:
         self.addrs = []
         self.logs = []
         self.config, self.out_dir, self.timeout = config, out_dir, timeout
+        # the shard credential of this cluster (shard-to-shard calls: step reports, recovery),
+        # as ps-launch gives its shards one; workers never see it
+        self.env = {**os.environ, "PS_SHARD_TOKEN": secrets.token_hex(16)}
         for i in range(num_shards):
             self.procs.append(None)
             self.logs.append(None)
@@ -91,7 +95,8 @@ class Shards:
                 "--out-dir", str(out_dir), *extra]
         if i > 0:
             args += ["--shard0", self.addrs[0]]
-        self.procs[i] = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+        self.procs[i] = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
+                                         env=self.env)
         begun = time.time()
         while not (addr_file.exists() and addr_file.read_text().strip()):
             if self.procs[i].poll() is not None or time.time() - begun > self.timeout:
