@@ -209,3 +209,21 @@ def max_rel_diff(a: nn.Module, b: nn.Module) -> tuple[float, str]:
         if dev / scale >= worst[0]:
             worst = (dev / scale, n)
     return worst
+
+
+def lose_shard_after_checkpoint(shards: Shards, out: Path, errors: list, shard: int = 1,
+                                version: int = 10) -> None:
+    """While workers train in threads (their exceptions collected in ``errors``): SIGKILLs
+    ``shard`` once it has written its checkpoint of ``version``, then starts its replacement
+    with --recover, so the cluster rolls back to the newest common checkpoint."""
+    ckpt = (out / "checkpoints" /
+            f"shard-{shard}-of-{len(shards.procs)}-v{version:08d}.safetensors")
+    begun = time.time()
+    while not ckpt.exists():
+        assert time.time() - begun < 60, f"shard {shard} did not checkpoint version {version}"
+        assert not errors, errors
+        time.sleep(0.005)
+    assert shards.procs[shard].poll() is None, f"the run ended before shard {shard} was lost"
+    shards.kill(shard)
+    time.sleep(0.3)  # the workers find it gone
+    shards.recover(shard)

@@ -6,7 +6,6 @@ through a prefetching DataLoader over worker.sampler())."""
 
 import copy
 import threading
-import time
 
 import ps
 import pytest
@@ -14,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from common import REPO, Shards, SmallCNN, config_text, load, train_rank
+from common import REPO, Shards, lose_shard_after_checkpoint, SmallCNN, config_text, load, train_rank
 
 DATA = REPO / "data" / "mnist"
 STEPS = 120
@@ -62,16 +61,7 @@ def run(out, base, x, y, lose_shard: bool, overlap: bool):
         for t in threads:
             t.start()
         if lose_shard:
-            ckpt = out / "checkpoints" / "shard-1-of-2-v00000010.safetensors"
-            begun = time.time()
-            while not ckpt.exists():
-                assert time.time() - begun < 60, "shard 1 did not checkpoint version 10"
-                assert not errors, errors
-                time.sleep(0.005)
-            assert shards.procs[1].poll() is None, "the run ended before shard 1 was lost"
-            shards.kill(1)
-            time.sleep(0.3)  # the workers find it gone
-            shards.recover(1)
+            lose_shard_after_checkpoint(shards, out, errors)
         for t in threads:
             t.join(180)
         assert not any(t.is_alive() for t in threads), "a worker did not finish"

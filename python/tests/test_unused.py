@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 import ps
 from ps import _native
-from common import REPO, Shards, config_text, max_rel_diff
+from common import REPO, Shards, lose_shard_after_checkpoint, config_text, max_rel_diff
 
 STEPS = 20
 HEADS = 6
@@ -173,8 +173,7 @@ def test_a_lost_shard_under_adam_with_skipped_heads_ends_bit_identical(tmp_path)
     """Adam with heads skipped in some steps (their own step counts, checkpointed with the
     optimizer state): shard 1 is killed once both shards checkpointed version 10 and
     recovered; the shards roll back and the run ends bit for bit as one that lost nothing."""
-    import time
-
+    
     torch.manual_seed(1)
     base = Routed()
     x, y = data()
@@ -208,16 +207,7 @@ def test_a_lost_shard_under_adam_with_skipped_heads_ends_bit_identical(tmp_path)
             for t in threads:
                 t.start()
             if lose:
-                ckpt = out / "checkpoints" / "shard-1-of-2-v00000010.safetensors"
-                begun = time.time()
-                while not ckpt.exists():
-                    assert time.time() - begun < 60, "shard 1 did not checkpoint version 10"
-                    assert not errors, errors
-                    time.sleep(0.005)
-                assert shards.procs[1].poll() is None, "the run ended before shard 1 was lost"
-                shards.kill(1)
-                time.sleep(0.3)  # the workers find it gone
-                shards.recover(1)
+                lose_shard_after_checkpoint(shards, out, errors)
             for t in threads:
                 t.join(180)
             assert not any(t.is_alive() for t in threads), "a worker did not finish"
