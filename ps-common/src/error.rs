@@ -113,9 +113,13 @@ pub enum PsError {
     /// A bounded wait ran out.
     #[error("{0}")]
     Timeout(String),
-    /// The shard stopped (failed barrier, shutdown).
+    /// The shard is stopping or not yet serving: a retry may succeed.
     #[error("{0}")]
     Unavailable(String),
+    /// The run failed (a worker stopped on an error, a barrier timed out, a gradient went bad):
+    /// every later request is refused with the reason, and no retry can succeed.
+    #[error("the run failed: {0}")]
+    RunFailed(String),
     /// A bug or an I/O failure on the server side.
     #[error("internal error: {0}")]
     Internal(String),
@@ -199,6 +203,7 @@ impl PsError {
             | PsError::StepOutOfRange { .. } => Code::OutOfRange,
             PsError::Timeout(_) => Code::DeadlineExceeded,
             PsError::Unavailable(_) => Code::Unavailable,
+            PsError::RunFailed(_) => Code::FailedPrecondition,
             PsError::Internal(_) => Code::Internal,
             PsError::Unauthenticated(_) => Code::Unauthenticated,
             PsError::NoLease { .. } => Code::FailedPrecondition,

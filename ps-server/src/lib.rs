@@ -443,13 +443,20 @@ async fn run_generation(
             shard.fail(why.clone());
             if why.contains(service::WORKER_STOPPED) {
                 // the other workers learn the reason from their next request (refused with
-                // it) rather than from a connection that is gone
-                let grace = Duration::from_secs_f64(cfg.server.linger_secs.min(5.0));
+                // it) rather than from a connection that is gone: the shard stays up until
+                // each rank was refused with it or left
+                let bound = Duration::from_secs_f64(cfg.server.linger_secs);
                 tracing::info!(
-                    "shard {index}: refusing the other workers' requests with the reason for {:.1} s before stopping",
-                    grace.as_secs_f64()
+                    "shard {index}: refusing the other workers' requests with the reason until each has been told (at most {:.1} s, [server] linger_secs)",
+                    bound.as_secs_f64()
                 );
-                tokio::time::sleep(grace).await;
+                let untold = shard.wait_all_told(bound).await;
+                if !untold.is_empty() {
+                    tracing::warn!(
+                        "shard {index}: ranks {untold:?} made no request within {:.1} s of the failure ([server] linger_secs): they will find the shard gone",
+                        bound.as_secs_f64()
+                    );
+                }
             }
         }
         Outcome::Preempted { saved } => {

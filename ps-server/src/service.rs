@@ -277,7 +277,7 @@ impl ShardService {
             if let Some(attempted) = shard.checkpoint_if_due() {
                 metrics.checkpoint(&attempted);
                 if let Some(why) = attempted.fatal {
-                    return Err(PsError::Unavailable(why));
+                    return Err(PsError::RunFailed(why));
                 }
             }
             Ok(())
@@ -564,9 +564,7 @@ impl ShardService {
         let shard = &self.shard;
         let ready = rx.wait_for(|&v| v >= req.min_version || shard.failure().is_some());
         let waited = tokio::time::timeout(self.pull_timeout, ready).await;
-        if let Some(why) = self.shard.failure() {
-            return Err(PsError::Unavailable(why));
-        }
+        self.shard.refuse_failed(puller)?;
         match waited {
             Err(_) => {
                 return Err(PsError::Timeout(format!(
@@ -800,7 +798,7 @@ impl ShardService {
     /// of an older generation is answered by the next state: the worker registers again.
     fn fence(&self, e: PsError) -> PsError {
         match (e, self.recovery.ordered()) {
-            (PsError::Unavailable(why), Some(o)) => PsError::RolledBack {
+            (PsError::Unavailable(why) | PsError::RunFailed(why), Some(o)) => PsError::RolledBack {
                 shard: self.shard.index,
                 what: format!("this request ({why})"),
                 theirs: self.leases.generation(),
@@ -1032,6 +1030,8 @@ impl ParameterServer for ShardService {
         mismatch("shard count", u64::from(r.num_shards), s.num_shards as u64)?;
         s.check_rank(r.rank)?;
         if let Some(why) = s.failure() {
+            // retryable: a rollback fails the shard's state until its new generation serves
+            s.told(r.rank);
             return Err(PsError::Unavailable(why).into());
         }
         let lease = self.leases.grant(r.rank, peer).await?;
@@ -1157,6 +1157,7 @@ impl ParameterServer for ShardService {
                 tracing::error!("shard {}: {why}", self.shard.index);
                 self.shard.fail(why);
             }
+            self.shard.told(r.rank);
             return Ok(Response::new(LeaveReply {}));
         }
         self.check_eval(r.rank, r.eval_count, true)?;
@@ -1188,7 +1189,9 @@ impl ParameterServer for ShardService {
         self.leases.check(r.lease.as_ref(), Some(r.rank), || {
             format!("unused-tensor mark of rank {}", r.rank)
         })?;
-        self.shard.mark_unused(r.rank, r.step, r.tensors)?;
+        self.shard
+            .mark_unused(r.rank, r.step, r.tensors)
+            .map_err(|e| self.fence(e))?;
         Ok(Response::new(UnusedReply {}))
     }
 

@@ -111,8 +111,15 @@ async fn pull(c: &mut Client, lease: &Option<Lease>, version: u64) -> (u64, Vec<
 
 /// Runs two steps on a live one-shard server of W = 4 with `limit` pending gradients,
 /// pushing in `order` (each push starting 150 ms after the previous one, the last rank of
-/// the order sending its data 1.5 s after its header); returns the weights of versions 0, 1
+/// the order sending its data 3.5 s after its header); returns the weights of versions 0, 1
 /// and 2 and the shard's log.
+///
+/// The barrier timeout (2.5 s) must be shorter than that pause, to show that pushes waiting
+/// for their turn do not count as missing, and longer than the time from a step's start to
+/// the last header: for step 0 that is from the shard's start (its barrier clock starts
+/// there), through the four registrations and the first pull, to the last push's header.
+/// Once every header is in, no rank is missing and the timeout cannot fire whatever the load;
+/// before that, 1 s was too short on a loaded 2-core machine (the shard failed at step 0).
 async fn two_steps(
     limit: usize,
     order: [u32; W],
@@ -129,7 +136,7 @@ async fn two_steps(
             .sgd(0.5, 0.9)
             .max_pending_gradients(limit)
             .barrier_warn_secs(0.3)
-            .barrier_timeout_secs(1.0),
+            .barrier_timeout_secs(2.5),
         ..Spec::default()
     };
     let dir = tempfile::tempdir().unwrap();
@@ -161,7 +168,7 @@ async fn two_steps(
                 tokio::time::sleep(Duration::from_millis(150 * i as u64)).await;
                 let h = header(rank, step, n);
                 if i == W - 1 {
-                    slow_push(&mut c, &lease, h, &g, Duration::from_millis(1500)).await
+                    slow_push(&mut c, &lease, h, &g, Duration::from_millis(3500)).await
                 } else {
                     push(&mut c, &lease, h, &g).await
                 }
@@ -219,8 +226,8 @@ async fn reverse_rank_order_with_one_pending_gradient_equals_all_at_once() {
                 &format!("{aggregation}: version {v}"),
             );
         }
-        // waiting for their turn did not make ranks "missing" (the barrier timeout is 1 s,
-        // rank 0, pushed last, sent its data 1.5 s after its header while ranks 3, 2 and 1
+        // waiting for their turn did not make ranks "missing" (the barrier timeout is 2.5 s,
+        // rank 0, pushed last, sent its data 3.5 s after its header while ranks 3, 2 and 1
         // waited), and the log said who was awaited
         assert!(!log.contains("run failed"), "{log}");
         assert!(

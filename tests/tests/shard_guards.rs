@@ -223,7 +223,7 @@ async fn a_gradient_board_written_after_its_push_never_reaches_the_weights() {
     // rank 1's push completes the barrier; the update finds the NaN where it reads it
     expect_err(
         push(&mut c, header(1, 0, n, false), &g1).await,
-        Code::Unavailable,
+        Code::FailedPrecondition,
         "rank 0's gradient holds NaN at index 5",
     );
     // the step was not applied: version 0 is intact and finite in the board, no version 1
@@ -310,7 +310,7 @@ async fn a_gradient_board_truncated_during_the_update_is_refused_and_the_shard_s
     truncate(&grad);
     expect_err(
         push(&mut c, header(1, 0, n, false), &g1).await,
-        Code::Unavailable,
+        Code::FailedPrecondition,
         "rank 0's shared-memory gradient board was truncated while the update read it",
     );
     let mut copy = vec![0f32; n];

@@ -315,11 +315,9 @@ impl Shard {
             tokio::pin!(notified);
             notified.as_mut().enable();
             {
-                let st = self.lock();
-                if let Some(why) = &st.failed {
-                    return Err(PsError::Unavailable(why.clone()));
-                }
+                let mut st = self.lock();
                 let r = st.barrier.rank(rank)?;
+                self.refuse_if_failed(&mut st, r)?;
                 if !st.barrier.needs_buffer(r, step) {
                     return Ok(None);
                 }
@@ -452,7 +450,7 @@ impl Shard {
                 tracing::error!("shard {}: {why}", self.index);
                 acc.values = None;
                 self.fail(why.clone());
-                return Err(PsError::Unavailable(why));
+                return Err(PsError::RunFailed(why));
             }
             acc.next = r + 1;
             self.wake();

@@ -168,6 +168,8 @@ struct State {
     /// Final test evaluation reported by each rank when it leaves.
     left: Vec<Option<(u64, u64)>>,
     failed: Option<String>,
+    /// Ranks that learned of the failure: a request of theirs was refused with it, or they left.
+    told: Vec<bool>,
     /// Tensors the ranks' backward of the step being gathered did not reach.
     unused: unused::Unused,
     /// The first worker's frozen parameters and buffers (fingerprints).
@@ -200,6 +202,8 @@ pub struct Shard {
     /// The step's running aggregate; held during a fold, so an update waits for it.
     acc: Mutex<Acc>,
     version_tx: watch::Sender<u64>,
+    /// Signalled when a rank learns of the run's failure ([`Shard::wait_all_told`]).
+    told_changed: tokio::sync::Notify,
     shm: Option<ShmHost>,
     checkpoint: Option<checkpoint::Plan>,
     /// Preemption (SIGTERM, SIGUSR1): requested, and the plan its checkpoints follow.
@@ -294,6 +298,7 @@ impl Shard {
             spare: Vec::new(),
             left: vec![None; w],
             failed: None,
+            told: vec![false; w],
             unused: unused::Unused::new(w, spec.tensors.len()),
             constants: Default::default(),
         };
@@ -312,6 +317,7 @@ impl Shard {
             gate: Gate::new(cfg.server.max_pending_gradients),
             acc: Mutex::new(Acc::default()),
             version_tx: watch::Sender::new(version),
+            told_changed: tokio::sync::Notify::new(),
             shm,
             checkpoint: checkpoint::Plan::of(cfg, index, Self::range_of(cfg, index)),
             preempt: Default::default(),
@@ -352,9 +358,7 @@ impl Shard {
     pub fn mark_unused(&self, rank: u32, step: u64, tensors: Vec<u32>) -> PsResult<()> {
         let mut st = self.lock();
         let r = st.barrier.rank(rank)?;
-        if let Some(why) = &st.failed {
-            return Err(PsError::Unavailable(why.clone()));
-        }
+        self.refuse_if_failed(&mut st, r)?;
         let at = st.barrier.step();
         if step > at {
             return Err(PsError::BadChunk(format!(
@@ -393,6 +397,61 @@ impl Shard {
         self.lock().failed.clone()
     }
 
+    /// [`PsError::RunFailed`] once the run failed, noting that `rank` (when it is one) has
+    /// now been told; changes nothing otherwise.
+    pub fn refuse_failed(&self, rank: u32) -> PsResult<()> {
+        let mut st = self.lock();
+        match st.barrier.rank(rank) {
+            Ok(r) => self.refuse_if_failed(&mut st, r),
+            Err(_) => st
+                .failed
+                .clone()
+                .map_or(Ok(()), |why| Err(PsError::RunFailed(why))),
+        }
+    }
+
+    /// Notes that `rank` learned of the run's failure (it said it stopped, or was refused).
+    pub fn told(&self, rank: u32) {
+        let mut st = self.lock();
+        if let Ok(r) = st.barrier.rank(rank) {
+            st.told[r] = true;
+            drop(st);
+            self.told_changed.notify_waiters();
+        }
+    }
+
+    fn refuse_if_failed(&self, st: &mut State, r: usize) -> PsResult<()> {
+        let Some(why) = &st.failed else { return Ok(()) };
+        let e = PsError::RunFailed(why.clone());
+        if !std::mem::replace(&mut st.told[r], true) {
+            self.told_changed.notify_waiters();
+        }
+        Err(e)
+    }
+
+    /// Waits until every rank has learned of the run's failure (a request of its refused with
+    /// the reason, or it left), at most `bound`. The ranks that did not, in order.
+    pub async fn wait_all_told(&self, bound: Duration) -> Vec<usize> {
+        let untold = |st: &State| -> Vec<usize> {
+            (0..self.world)
+                .filter(|&r| !st.told[r] && st.left[r].is_none())
+                .collect()
+        };
+        let all = async {
+            loop {
+                let changed = self.told_changed.notified();
+                tokio::pin!(changed);
+                changed.as_mut().enable();
+                if untold(&self.lock()).is_empty() {
+                    return;
+                }
+                changed.await;
+            }
+        };
+        let _ = tokio::time::timeout(bound, all).await;
+        untold(&self.lock())
+    }
+
     /// [`PsError::UnknownRank`] unless `rank` is below the world size; changes nothing.
     pub fn check_rank(&self, rank: u32) -> PsResult<()> {
         self.lock().barrier.rank(rank).map(drop)
@@ -413,11 +472,9 @@ impl Shard {
     /// step of the run that can still be accepted (the current one, or the previous one as a
     /// retry).
     pub fn precheck(&self, rank: u32, step: u64, len: u64) -> PsResult<()> {
-        let st = self.lock();
-        st.barrier.rank(rank)?;
-        if let Some(why) = &st.failed {
-            return Err(PsError::Unavailable(why.clone()));
-        }
+        let mut st = self.lock();
+        let r = st.barrier.rank(rank)?;
+        self.refuse_if_failed(&mut st, r)?;
         if !st.barrier.registered(rank) {
             return Err(PsError::NotRegistered(rank));
         }
@@ -439,10 +496,8 @@ impl Shard {
         fingerprint: u64,
     ) -> PsResult<(PushOutcome, Option<Vec<Slot>>)> {
         let mut st = self.lock();
-        st.barrier.rank(meta.rank)?;
-        if let Some(why) = &st.failed {
-            return Err(PsError::Unavailable(why.clone()));
-        }
+        let r = st.barrier.rank(meta.rank)?;
+        self.refuse_if_failed(&mut st, r)?;
         let slot = Slot {
             rank: meta.rank,
             grad,
@@ -638,7 +693,7 @@ impl Shard {
                 }
                 self.wake();
                 self.version_tx.send_modify(|_| {});
-                return Err(PsError::Unavailable(why));
+                return Err(PsError::RunFailed(why));
             }
         };
         opt.steps += 1;
@@ -745,7 +800,7 @@ impl Shard {
         let reuse = {
             let mut st = self.lock();
             if let Some(why) = &st.failed {
-                return Err(PsError::Unavailable(why.clone()));
+                return Err(PsError::RunFailed(why.clone()));
             }
             if let Some(snap) = st.store.snapshot(st.barrier.step()) {
                 return Ok((st.barrier.step(), snap));
