@@ -1150,6 +1150,8 @@ mod tests {
             PsError::Conflict { rank: 0, step: 1 },
             PsError::Timeout("barrier".into()),
             PsError::Unauthenticated("request".into()),
+            // a failed run: a retry would only meet the same refusal (or a shard gone)
+            PsError::RunFailed("rank 1 stopped on an error".into()),
         ] {
             let code = e.code();
             let e = refusal(e);
