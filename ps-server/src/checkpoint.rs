@@ -8,10 +8,17 @@
 //! newest version that all S shards have a checkpoint of, so the shards agree on the step
 //! (with a directory every shard sees); workers then start at that step, and the data order,
 //! a pure function of the step, makes the resumed run continue exactly where it stopped.
+//!
+//! Every file carries a checksum ([`checksum`]: CRC-32C over its metadata and its values,
+//! in the metadata key `checksum`). Reading verifies it: a resume ([`latest_intact_common`]) and
+//! a recovery ([`intact_versions`]) skip a corrupted or truncated file, saying which (WARN,
+//! naming the file and the version), and fall back to the newest version every shard holds
+//! intact. A file written before checksums existed (no `checksum` key) is accepted with a
+//! warning that it could not be verified.
 
 use ps_common::config::Config;
 use ps_common::optim::OptState;
-use ps_common::weights::{read_safetensors, write_safetensors};
+use ps_common::weights::{NamedTensor, read_safetensors, write_safetensors};
 use std::collections::BTreeMap;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
@@ -144,6 +151,120 @@ impl Plan {
     }
 }
 
+/// Metadata key of the file's [`checksum`].
+const CHECKSUM_KEY: &str = "checksum";
+
+/// The checksum of a checkpoint, as written in its metadata: `crc32c:` and 8 hex digits, the
+/// CRC-32C (Castagnoli) of its metadata (every key but `checksum`, in key order) and then its
+/// tensors (in name order), each string and each tensor's values preceded by its length as a
+/// little-endian u64, values as little-endian f32 bytes. It covers everything a reader uses:
+/// a changed value, a truncated file or an edited header each give another checksum (or a
+/// file that does not parse).
+pub fn checksum(meta: &BTreeMap<String, String>, tensors: &[(&str, &[f32])]) -> String {
+    fn field(crc: u32, bytes: &[u8]) -> u32 {
+        let crc = crc32c::crc32c_append(crc, &(bytes.len() as u64).to_le_bytes());
+        crc32c::crc32c_append(crc, bytes)
+    }
+    let mut crc = 0;
+    for (k, v) in meta.iter().filter(|(k, _)| *k != CHECKSUM_KEY) {
+        crc = field(crc, k.as_bytes());
+        crc = field(crc, v.as_bytes());
+    }
+    let mut sorted = tensors.to_vec();
+    sorted.sort_by(|a, b| a.0.cmp(b.0));
+    let mut buf = Vec::with_capacity(64 * 1024);
+    for (name, values) in sorted {
+        crc = field(crc, name.as_bytes());
+        crc = crc32c::crc32c_append(crc, &(values.len() as u64).to_le_bytes());
+        for chunk in values.chunks(16 * 1024) {
+            buf.clear();
+            buf.extend(chunk.iter().flat_map(|v| v.to_le_bytes()));
+            crc = crc32c::crc32c_append(crc, &buf);
+        }
+    }
+    format!("crc32c:{crc:08x}")
+}
+
+/// Checks the [`checksum`] of a file's `tensors` and `meta` against the one it carries; the
+/// error says what differs. A file without one (written before checksums) passes, with a
+/// warning naming it.
+fn verify(
+    path: &Path,
+    tensors: &[NamedTensor],
+    meta: &BTreeMap<String, String>,
+) -> Result<(), String> {
+    let Some(want) = meta.get(CHECKSUM_KEY) else {
+        tracing::warn!(
+            "{}: no checksum (a checkpoint written before checkpoints carried one): its values cannot be verified; accepted as it is",
+            path.display()
+        );
+        return Ok(());
+    };
+    let views: Vec<(&str, &[f32])> = tensors
+        .iter()
+        .map(|t| (t.name.as_str(), t.data.as_slice()))
+        .collect();
+    let got = checksum(meta, &views);
+    if &got != want {
+        return Err(format!(
+            "{}: checksum mismatch: the file says {want}, its contents give {got}: the file is corrupted",
+            path.display()
+        ));
+    }
+    Ok(())
+}
+
+/// Reads the file of shard `shard` of `num_shards` at `version` and verifies its checksum
+/// (not its identity: see [`read`]); the error names the file and what is wrong (it does not
+/// parse: truncated, say; or its checksum does not match).
+pub fn check_intact(
+    dir: &Path,
+    shard: usize,
+    num_shards: usize,
+    version: u64,
+) -> Result<(), String> {
+    let path = file(dir, shard, num_shards, version);
+    let (tensors, meta) = read_safetensors(&path).map_err(|e| e.to_string())?;
+    verify(&path, &tensors, &meta)
+}
+
+/// The versions of shard `shard`'s checkpoints in `dir` up to `upto`, ascending, that are
+/// intact ([`check_intact`]); each one skipped is named in a WARN.
+pub fn intact_versions(dir: &Path, shard: usize, num_shards: usize, upto: u64) -> Vec<u64> {
+    versions(dir, shard, num_shards)
+        .into_iter()
+        .filter(|&v| v <= upto)
+        .filter(|&v| match check_intact(dir, shard, num_shards, v) {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::warn!(
+                    "shard {shard}: skipping its checkpoint of version {v}, which is not intact: {e}"
+                );
+                false
+            }
+        })
+        .collect()
+}
+
+/// The newest version of which every one of `num_shards` shards has an intact checkpoint in
+/// `dir` (each shard's file of it verified, newest version first), or None; and one line per
+/// version skipped for a file that is not intact, naming the file (also logged at WARN).
+pub fn latest_intact_common(dir: &Path, num_shards: usize) -> (Option<u64>, Vec<String>) {
+    let mut skipped = Vec::new();
+    for v in common_versions(dir, num_shards).into_iter().rev() {
+        let broken: Vec<String> = (0..num_shards)
+            .filter_map(|s| check_intact(dir, s, num_shards, v).err())
+            .collect();
+        if broken.is_empty() {
+            return (Some(v), skipped);
+        }
+        let line = format!("version {v} skipped: {}", broken.join("; "));
+        tracing::warn!("{line}");
+        skipped.push(line);
+    }
+    (None, skipped)
+}
+
 /// Metadata key of each tensor's skipped steps ([`OptState::skipped`]), when any.
 const SKIPPED_KEY: &str = "tensor_skipped_steps";
 
@@ -270,6 +391,8 @@ pub fn write(dir: &Path, id: &Identity, saved: &Saved, keep: usize) -> Result<Pa
         let skipped = serde_json::to_string(&saved.opt.skipped).map_err(|e| e.to_string())?;
         meta.insert(SKIPPED_KEY.to_string(), skipped);
     }
+    let views: Vec<(&str, &[f32])> = tensors.iter().map(|(n, _, d)| (*n, *d)).collect();
+    meta.insert(CHECKSUM_KEY.to_string(), checksum(&meta, &views));
     write_safetensors(&path, &tensors, &meta).map_err(|e| e.to_string())?;
     for old in prunable(dir, id.shard, id.num_shards, keep) {
         let _ = std::fs::remove_file(file(dir, id.shard, id.num_shards, old));
@@ -341,6 +464,7 @@ pub fn any_checkpoint(dir: &Path) -> bool {
 pub fn read(dir: &Path, id: &Identity, version: u64, fresh: &OptState) -> Result<Saved, String> {
     let path = file(dir, id.shard, id.num_shards, version);
     let (tensors, meta) = read_safetensors(&path).map_err(|e| e.to_string())?;
+    verify(&path, &tensors, &meta)?;
     let bad = |what: String| format!("{}: {what}", path.display());
     let expected = id.metadata(version, 0);
     // another run's checkpoint (files without a run id are the unnamed run's)
@@ -542,6 +666,93 @@ mod tests {
             describe_versions(empty.path(), 2),
             "shard 0: none; shard 1: none"
         );
+    }
+
+    /// The checksum: a changed value, a changed header and a truncated file are caught by
+    /// name; the newest intact common version skips them; a file without a checksum (the
+    /// format before it) is read.
+    #[test]
+    fn corrupted_and_truncated_checkpoints_are_caught_and_skipped() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        let saved = |version: u64| Saved {
+            version,
+            params: vec![version as f32; 5],
+            opt: OptState {
+                steps: version,
+                m: vec![0.25; 5],
+                v: Vec::new(),
+                skipped: Vec::new(),
+            },
+        };
+        let fresh = OptState {
+            steps: 0,
+            m: vec![0.0; 5],
+            v: Vec::new(),
+            skipped: Vec::new(),
+        };
+        for v in [5, 10] {
+            for s in 0..2 {
+                write(d, &id(s), &saved(v), 2).unwrap();
+            }
+        }
+        assert_eq!(latest_intact_common(d, 2), (Some(10), vec![]));
+        // one value of shard 1's newest file changed (the last 4 bytes: opt.m's last value)
+        let f = file(d, 1, 2, 10);
+        let mut bytes = std::fs::read(&f).unwrap();
+        let n = bytes.len();
+        bytes[n - 4..].copy_from_slice(&0.75f32.to_le_bytes());
+        std::fs::write(&f, &bytes).unwrap();
+        let e = check_intact(d, 1, 2, 10).unwrap_err();
+        assert!(
+            e.contains("shard-1-of-2-v00000010.safetensors: checksum mismatch"),
+            "{e}"
+        );
+        let e = read(d, &id(1), 10, &fresh).unwrap_err();
+        assert!(e.contains("checksum mismatch"), "{e}");
+        assert_eq!(intact_versions(d, 1, 2, u64::MAX), vec![5]);
+        assert_eq!(intact_versions(d, 0, 2, 7), vec![5], "up to 7");
+        let (v, skipped) = latest_intact_common(d, 2);
+        assert_eq!(v, Some(5));
+        assert!(
+            skipped.len() == 1
+                && skipped[0].starts_with("version 10 skipped: ")
+                && skipped[0].contains("shard-1-of-2-v00000010"),
+            "{skipped:?}"
+        );
+        // truncated: it does not parse
+        let f = file(d, 0, 2, 5);
+        let bytes = std::fs::read(&f).unwrap();
+        std::fs::write(&f, &bytes[..bytes.len() - 3]).unwrap();
+        let e = check_intact(d, 0, 2, 5).unwrap_err();
+        assert!(e.contains("shard-0-of-2-v00000005.safetensors"), "{e}");
+        let (v, skipped) = latest_intact_common(d, 2);
+        assert_eq!((v, skipped.len()), (None, 2), "{skipped:?}");
+        // a header value edited (the version, keeping the length): caught too
+        let f = file(d, 0, 2, 10);
+        let text = std::fs::read(&f).unwrap();
+        let edited =
+            String::from_utf8_lossy(&text).replace("\"opt_steps\":\"10\"", "\"opt_steps\":\"11\"");
+        assert_ne!(edited.as_bytes(), &text[..]);
+        std::fs::write(&f, edited.as_bytes()).unwrap();
+        assert!(
+            check_intact(d, 0, 2, 10)
+                .unwrap_err()
+                .contains("checksum mismatch")
+        );
+        // the format before checksums: read as it is (with a warning)
+        let old = tempfile::tempdir().unwrap();
+        let path = file(old.path(), 0, 2, 5);
+        let mut meta = id(0).metadata(5, 5);
+        meta.remove(CHECKSUM_KEY);
+        let s = saved(5);
+        write_safetensors(
+            &path,
+            &[("flat", &[5], &s.params), ("opt.m", &[5], &s.opt.m)],
+            &meta,
+        )
+        .unwrap();
+        assert_eq!(read(old.path(), &id(0), 5, &fresh).unwrap(), s);
     }
 
     /// A write that fails leaves no temporary file, is retried once, and the run is told to

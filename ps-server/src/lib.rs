@@ -334,6 +334,16 @@ async fn run_generation(
     } else {
         None
     };
+    // enough stream slots per connection that ranks sharing one cannot deadlock on it
+    let max_streams =
+        accept::streams_per_connection(cfg.server.max_streams_per_connection, cfg.cluster.workers);
+    if max_streams > cfg.server.max_streams_per_connection {
+        tracing::info!(
+            "shard {index}: [server] max_streams_per_connection = {} raised to {max_streams} (2 x {} workers + 4), so that ranks sharing a connection cannot fill it with waiting pulls",
+            cfg.server.max_streams_per_connection,
+            cfg.cluster.workers
+        );
+    }
     let svc = ShardService {
         data,
         shard: shard.clone(),
@@ -354,7 +364,7 @@ async fn run_generation(
         stream_idle: Duration::from_secs_f64(cfg.server.stream_idle_secs),
         shard_token: shard_token.clone(),
         refused_reports: Default::default(),
-        max_streams: cfg.server.max_streams_per_connection,
+        max_streams,
         recovery: cell.clone(),
         wire: cfg.cluster.wire,
     };
@@ -386,6 +396,8 @@ async fn run_generation(
         svc_peers.clone(),
         cfg.server.max_connections,
         index,
+        cfg.cluster.tls.is_some(),
+        Duration::from_secs_f64(cfg.server.handshake_timeout_secs),
     );
     let mut builder = tonic::transport::Server::builder();
     if let Some(tls) = &cfg.cluster.tls {
@@ -395,8 +407,11 @@ async fn run_generation(
     }
     let serve = builder
         .initial_stream_window_size(cfg.server.stream_window_bytes as u32)
-        .initial_connection_window_size(2 * cfg.server.stream_window_bytes as u32)
-        .max_concurrent_streams(cfg.server.max_streams_per_connection as u32)
+        .initial_connection_window_size(accept::connection_window(
+            cfg.server.stream_window_bytes,
+            cfg.cluster.workers,
+        ))
+        .max_concurrent_streams(max_streams as u32)
         .http2_keepalive_interval(Some(Duration::from_secs_f64(cfg.server.keepalive_secs)))
         .http2_keepalive_timeout(Some(Duration::from_secs_f64(cfg.server.keepalive_secs)))
         // frames no larger than the window: what a connection buffers stays near it
@@ -525,6 +540,37 @@ async fn run_generation(
     Ok(outcome)
 }
 
+/// Whether shard `index` may serve on `bound`: outside loopback, a shard with no credential at
+/// all (neither the workers' `[cluster] token_file` nor a shard credential) would let anyone who
+/// can reach the port register, push, read the weights and order rollbacks, so it refuses to
+/// start (the error says what to set) unless `[server] allow_unauthenticated = true`. Ok holds
+/// the warning to log, if any: the opt-out taken, or a port with a shard credential but no
+/// workers' token.
+pub fn check_exposure(
+    cfg: &Config,
+    index: usize,
+    bound: std::net::SocketAddr,
+    shard_credential: bool,
+) -> Result<Option<String>, String> {
+    // a token without a shard credential is safe: the shard refuses every shard-to-shard call
+    if bound.ip().is_loopback() || cfg.cluster.token.is_some() {
+        return Ok(None);
+    }
+    if shard_credential {
+        return Ok(Some(format!(
+            "shard {index} listens on {bound}, outside loopback, without a token: anyone who can reach this port can register, push gradients and read the weights; set [cluster] token_file (and TLS: tls_cert, tls_key, tls_ca)"
+        )));
+    }
+    if cfg.server.allow_unauthenticated {
+        return Ok(Some(format!(
+            "shard {index} listens on {bound}, outside loopback, WITHOUT ANY CREDENTIAL ([server] allow_unauthenticated = true): anyone who can reach this port can register, push gradients, read the weights and stop or roll back the run"
+        )));
+    }
+    Err(format!(
+        "shard {index} would listen on {bound}, outside loopback, without any credential: anyone who can reach this port could register, push gradients, read the weights and stop or roll back the run. Set [cluster] token_file (the workers' token, e.g. `openssl rand -hex 32 > token`) and a shard credential ([server] shard_token_file or PS_SHARD_TOKEN; ps-launch, the Slurm recipe and the Kubernetes manifests set one), or listen on loopback (--listen 127.0.0.1:PORT); on a network where every host is trusted, [server] allow_unauthenticated = true (or --set server.allow_unauthenticated=true) starts it anyway"
+    ))
+}
+
 /// Checks that the output directory (final weights, metrics) and, when the run writes
 /// checkpoints, the checkpoint directory can be written: each is created if missing and a probe
 /// file is written and removed. `ps-server` calls it before listening, so that a run that
@@ -561,8 +607,9 @@ fn check_writable(dir: &std::path::Path) -> std::io::Result<()> {
     written
 }
 
-/// The state shard `index` resumes from: the newest version of which every shard has a
-/// checkpoint in the config's checkpoint directory; the error says what is missing or wrong.
+/// The state shard `index` resumes from: the newest version of which every shard has an
+/// intact checkpoint (its checksum verified) in the config's checkpoint directory, the
+/// versions skipped named at WARN; the error says what is missing or wrong.
 pub fn load_checkpoint(cfg: &Config, index: usize, train_len: usize) -> anyhow::Result<Saved> {
     load_checkpoint_of(cfg, index, train_len, None)
 }
@@ -578,8 +625,15 @@ pub fn load_checkpoint_of(
     let total_steps = cfg.total_steps(train_len)?;
     let dir = cfg.checkpoint_dir();
     let s = cfg.num_shards();
-    let version = checkpoint::latest_common(&dir, s).ok_or_else(|| {
-        if checkpoint::any_checkpoint(&dir) {
+    let (version, skipped) = checkpoint::latest_intact_common(&dir, s);
+    let version = version.ok_or_else(|| {
+        if !skipped.is_empty() {
+            anyhow::anyhow!(
+                "--resume: no version that all {s} shards have an intact checkpoint of in {}: {}",
+                dir.display(),
+                skipped.join("; ")
+            )
+        } else if checkpoint::any_checkpoint(&dir) {
             anyhow::anyhow!(
                 "--resume: no version that all {s} shards have a checkpoint of in {} ({}; files of another shard count do not count)",
                 dir.display(),
@@ -592,6 +646,12 @@ pub fn load_checkpoint_of(
             )
         }
     })?;
+    if !skipped.is_empty() {
+        tracing::warn!(
+            "shard {index}: --resume: the newest version every shard holds intact is {version}; skipped: {}",
+            skipped.join("; ")
+        );
+    }
     if version > total_steps {
         anyhow::bail!(
             "--resume: the checkpoints in {} are at version {version}, past the end of this run ({total_steps} steps)",

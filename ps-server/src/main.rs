@@ -185,11 +185,14 @@ async fn serve(cli: Cli) -> anyhow::Result<Outcome> {
         .and_then(|l| l.set_nonblocking(true).map(|()| l))
         .map_err(|e| anyhow::anyhow!("cannot listen on {addr}: {e}"))?;
     let bound = listener.local_addr()?;
-    if !bound.ip().is_loopback() && setup.cfg.cluster.token.is_none() {
-        tracing::warn!(
-            "shard {} listens on {bound}, outside loopback, without a token: anyone who can reach this port can register, push gradients and read the weights; set [cluster] token_file (and TLS: tls_cert, tls_key, tls_ca)",
-            setup.index
-        );
+    let shard_credential =
+        ps_common::auth::shard_token(setup.cfg.server.shard_token_file.as_deref())
+            .map_err(anyhow::Error::msg)?;
+    let exposure =
+        ps_server::check_exposure(&setup.cfg, setup.index, bound, shard_credential.is_some())
+            .map_err(anyhow::Error::msg)?;
+    if let Some(w) = exposure {
+        tracing::warn!("{w}");
     }
     if let Some(f) = &cli.addr_file {
         let tmp = f.with_extension("tmp");

@@ -45,7 +45,11 @@ impl Drop for StreamGuard {
 
 impl Peers {
     /// Wraps an accepted socket so that it counts as open until it is dropped.
-    pub fn track(self: &Arc<Self>, inner: TcpStream) -> Tracked {
+    pub fn track(
+        self: &Arc<Self>,
+        inner: TcpStream,
+        handshake: Option<crate::accept::Handshake>,
+    ) -> Tracked {
         let addr = inner.peer_addr().ok();
         if let Some(a) = addr {
             self.open
@@ -57,6 +61,7 @@ impl Peers {
             inner,
             addr,
             peers: self.clone(),
+            handshake,
         }
     }
 
@@ -111,6 +116,8 @@ pub struct Tracked {
     inner: TcpStream,
     addr: Option<SocketAddr>,
     peers: Arc<Peers>,
+    /// Until the connection completes its handshake in time (None after).
+    handshake: Option<crate::accept::Handshake>,
 }
 
 impl Drop for Tracked {
@@ -138,7 +145,25 @@ impl AsyncRead for Tracked {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.inner).poll_read(cx, buf)
+        let before = buf.filled().len();
+        let this = &mut *self;
+        let r = Pin::new(&mut this.inner).poll_read(cx, buf);
+        if let Some(h) = &mut this.handshake {
+            match &r {
+                Poll::Ready(Ok(())) => {
+                    if h.observe(&buf.filled()[before..]) {
+                        this.handshake = None;
+                    }
+                }
+                Poll::Pending => {
+                    if let Poll::Ready(e) = h.poll_expired(cx, this.addr) {
+                        return Poll::Ready(Err(e));
+                    }
+                }
+                Poll::Ready(Err(_)) => {}
+            }
+        }
+        r
     }
 }
 

@@ -6,8 +6,9 @@
 //!
 //! 1. it asks every other shard (`Recover`, `rollback = false`) for its version, its cluster
 //!    generation and the versions it holds checkpoints of;
-//! 2. it picks the newest version that every shard, itself included, has a checkpoint of
-//!    (0, the initial weights, when there is none) and the next generation (one more than any
+//! 2. it picks the newest version that every shard, itself included, has an intact checkpoint
+//!    of (each shard verifies its own files' checksums and leaves out, naming them at WARN, those
+//!    that are corrupted or truncated; 0, the initial weights, when there is none) and the next generation (one more than any
 //!    shard's);
 //! 3. it orders every other shard to roll back to that version (`rollback = true`): each reads
 //!    its own checkpoint of it, refuses from then on what its current state is asked (pushes,
@@ -79,13 +80,12 @@ impl Cell {
         self.generation
     }
 
-    /// The versions this shard holds checkpoints of, up to `version` (ascending).
+    /// The versions this shard holds intact checkpoints of (checksums verified: a file that
+    /// is not intact is named at WARN and left out), up to `version` (ascending). Reads every
+    /// file: call it off the async threads.
     pub fn checkpoints(&self, version: u64) -> Vec<u64> {
         let dir = self.cfg.checkpoint_dir();
-        checkpoint::versions(&dir, self.index, self.cfg.num_shards())
-            .into_iter()
-            .filter(|&v| v <= version)
-            .collect()
+        checkpoint::intact_versions(&dir, self.index, self.cfg.num_shards(), version)
     }
 
     /// Reads this shard's state at `version` (None for version 0: the initial weights).
@@ -224,7 +224,8 @@ async fn negotiate(
             cfg.checkpoint.every
         );
     }
-    let mine = checkpoint::versions(&dir, index, s);
+    let mine = checkpoint::intact_versions(&dir, index, s, u64::MAX);
+    let any_of_mine = !checkpoint::versions(&dir, index, s).is_empty();
     let mut states = Vec::new();
     for (j, c) in clients.iter_mut() {
         let req = RecoverRequest {
@@ -245,7 +246,7 @@ async fn negotiate(
     // like a directory: but this shard, at most a step from the others, would hold a
     // checkpoint of its own once they are past the first one plus a step
     let every = cfg.checkpoint.every;
-    if every > 0 && mine.is_empty() && furthest >= every + 2 {
+    if every > 0 && !any_of_mine && furthest >= every + 2 {
         anyhow::bail!(
             "shard {index} was lost and cannot be recovered: its checkpoint directory {} is gone or was emptied (none of this shard's checkpoints is there, yet the others are at version {furthest}, past the first checkpoint at version {every}), so the weights it held cannot be known; the run stops rather than train from wrong weights (restore the directory and start the cluster again with --resume)",
             dir.display()
@@ -253,7 +254,7 @@ async fn negotiate(
     }
     if version == 0 && (!mine.is_empty() || theirs.iter().any(|t| !t.is_empty())) {
         tracing::warn!(
-            "shard {index}: no version that every shard has a checkpoint of (this shard: {mine:?}; the others: {}): the run restarts from version 0, the initial weights",
+            "shard {index}: no version that every shard has an intact checkpoint of (this shard: {mine:?}; the others: {}): the run restarts from version 0, the initial weights",
             describe(&states)
         );
     }

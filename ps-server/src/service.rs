@@ -859,11 +859,15 @@ impl ShardService {
             .into());
         }
         let version = s.version();
+        let cell = self.recovery.clone();
+        let checkpoints = tokio::task::spawn_blocking(move || cell.checkpoints(version))
+            .await
+            .map_err(|e| Status::internal(format!("listing the checkpoints: {e}")))?;
         let reply = RecoverReply {
             shard: s.index as u32,
             version,
             generation: self.recovery.generation(),
-            checkpoints: self.recovery.checkpoints(version),
+            checkpoints,
         };
         if !r.abort.is_empty() {
             let why = format!(

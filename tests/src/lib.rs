@@ -387,3 +387,30 @@ impl RawClient {
         self.rpc.push(tokio_stream::iter(msgs)).await
     }
 }
+
+/// A way to damage a checkpoint file: [`corrupt_first_value`], [`truncate_file`].
+pub type Damage = fn(&Path);
+
+/// Damages a checkpoint (a safetensors file) as a bad disk would: adds 0.5 to its first value
+/// (the first f32 after the header), leaving its length and header as they are.
+pub fn corrupt_first_value(path: &Path) {
+    let mut bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let at = 8 + n;
+    let v = f32::from_le_bytes(bytes[at..at + 4].try_into().unwrap()) + 0.5;
+    bytes[at..at + 4].copy_from_slice(&v.to_le_bytes());
+    std::fs::write(path, bytes).unwrap();
+}
+
+/// Truncates a file to three quarters of its length (a write cut short by a full disk).
+pub fn truncate_file(path: &Path) {
+    let len = std::fs::metadata(path)
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+        .len();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(path)
+        .unwrap()
+        .set_len(len * 3 / 4)
+        .unwrap();
+}

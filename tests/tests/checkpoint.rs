@@ -1,7 +1,8 @@
 //! Checkpoints and resume with real processes: a run stopped and resumed from its checkpoints
 //! ends with bit-identical weights to a run that was never interrupted; the shards agree on
 //! the newest version they all have; a resume without checkpoints, or from another model's,
-//! is refused with a message that says what was expected; `ps-launch --export` merges the
+//! is refused with a message that says what was expected; a corrupted or truncated newest
+//! checkpoint is skipped for the newest version every shard holds intact; `ps-launch --export` merges the
 //! shards into one PyTorch-named `model.safetensors` and draws `curves.svg`.
 
 use ps_common::config::TestConfig;
@@ -107,6 +108,66 @@ fn a_resumed_run_equals_an_uninterrupted_one_bit_for_bit() {
         svg.matches("<polyline").count(),
         2,
         "loss and accuracy curves"
+    );
+}
+
+/// A resume verifies the checkpoints' checksums: shard 1's newest file with a value changed,
+/// or truncated, makes both shards resume from the newest version all hold intact (the one
+/// before), naming the file skipped; the final weights equal an uninterrupted run's bit for
+/// bit. With no version intact on every shard, the shard refuses to start, naming the files.
+#[test]
+fn a_resume_skips_a_corrupted_or_truncated_checkpoint_for_the_newest_intact_common_version() {
+    let straight = ps_tests::uninterrupted_weights(&spec(20));
+    let dir = tempfile::tempdir().unwrap();
+    let (path, cfg) = spec(12).write(dir.path());
+    run_cluster(&path, &cfg, &Start::default());
+    let ck = cfg.checkpoint_dir();
+    let backup = dir.path().join("checkpoints-at-12");
+    copy_dir(&ck, &backup);
+    let (path, cfg) = spec(20).write(dir.path());
+    let newest = "shard-1-of-2-v00000010.safetensors";
+    let damages: [(&str, ps_tests::Damage); 2] = [
+        ("a value changed", ps_tests::corrupt_first_value),
+        ("truncated", ps_tests::truncate_file),
+    ];
+    for (how, damage) in damages {
+        std::fs::remove_dir_all(&ck).unwrap();
+        copy_dir(&backup, &ck);
+        damage(&ck.join(newest));
+        run_cluster(&path, &cfg, &resume());
+        for s in 0..2 {
+            let log =
+                std::fs::read_to_string(dir.path().join(format!("logs/shard-{s}.log"))).unwrap();
+            assert!(log.contains("resuming at version 5"), "{how}: {log}");
+            let skipped = log
+                .lines()
+                .find(|l| l.contains("WARN") && l.contains("version 10 skipped: "))
+                .unwrap_or_else(|| panic!("{how}: no WARN naming version 10: {log}"));
+            assert!(skipped.contains(newest), "{how}: {skipped}");
+        }
+        ps_tests::assert_bit_identical(
+            &cluster_weights(&cfg),
+            &straight,
+            &format!("resumed at 5, newest checkpoint {how}"),
+        );
+    }
+    // shard 0's version 5 broken too: no version intact on both shards
+    std::fs::remove_dir_all(&ck).unwrap();
+    copy_dir(&backup, &ck);
+    ps_tests::corrupt_first_value(&ck.join(newest));
+    ps_tests::truncate_file(&ck.join("shard-0-of-2-v00000005.safetensors"));
+    let (code, log) = failed_resume(&path, dir.path());
+    assert_eq!(code, Some(2), "{log}");
+    assert!(
+        log.contains("no version that all 2 shards have an intact checkpoint of")
+            && log.contains(&format!(
+                "version 10 skipped: {}",
+                ck.join(newest).display()
+            ))
+            && log.contains("checksum mismatch")
+            && log.contains("version 5 skipped: ")
+            && log.contains("shard-0-of-2-v00000005.safetensors"),
+        "{log}"
     );
 }
 

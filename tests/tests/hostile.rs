@@ -2,7 +2,9 @@
 //! the shard no receive buffers, stalled streams are ended after `stream_idle_secs`, step
 //! reports need the shard credential and a step near the shard's, connections past
 //! `max_connections` are closed, and running out of descriptors neither spins the accept loop
-//! nor stops a connected client's pulls. Each attack also times a correct client's pull.
+//! nor stops a connected client's pulls; connections that never complete the HTTP/2 preface or
+//! TLS handshake are closed; 128 ranks on one connection cannot fill it with waiting pulls.
+//! Each attack also times a correct client's pull.
 
 use ps_common::config::Transport;
 use ps_common::pb::parameter_server_client::ParameterServerClient;
@@ -436,4 +438,207 @@ async fn connections_past_the_limit_are_closed_and_logged() {
     cluster.kill_all();
     let log = log_of(dir.path(), 0);
     assert!(log.contains("max_connections allows"), "{log}");
+}
+
+/// A correct client (`ShardClient`, with TLS when the config has it) registered as rank 0 of
+/// the only shard of `cfg` at `addr`.
+async fn correct_client(
+    cfg: &ps_common::config::Config,
+    addr: &str,
+    rank: u32,
+    n: usize,
+) -> ps_common::client::ShardClient {
+    let security = cfg.client_security();
+    let mut c =
+        ps_common::client::ShardClient::connect(0, addr, &security, Duration::from_secs(30))
+            .await
+            .unwrap();
+    c.register(register_request(rank, cfg.cluster.workers as u32, n))
+        .await
+        .unwrap();
+    c
+}
+
+/// Connections that never complete their handshake: 16 raw TCP connections that send nothing,
+/// and one that stops inside the HTTP/2 preface (or, with TLS, inside its ClientHello), are
+/// closed by the shard once `[server] handshake_timeout_secs` (1 s here) has passed (the old
+/// shard kept them open for good); a correct client's pull that waits meanwhile, on a
+/// connection older than the timeout, is served when the step completes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_that_never_complete_their_handshake_are_closed() {
+    use std::io::{Read, Write};
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("data/tls");
+    for tls in [false, true] {
+        let dir = tempfile::tempdir().unwrap();
+        let mut config = Spec::base().handshake_timeout_secs(1.0);
+        if tls {
+            config = config.tls(
+                fixtures.join("shard.pem"),
+                fixtures.join("shard.key"),
+                fixtures.join("ca.pem"),
+            );
+        }
+        let spec = Spec {
+            shards: 1,
+            workers: 1,
+            transport: Transport::Grpc,
+            config,
+            ..Spec::default()
+        };
+        let (mut cluster, n) = live(&spec, dir.path());
+        let cfg = ps_common::config::Config::load(&dir.path().join("config.toml")).unwrap();
+        let addr = cluster.addrs[0].clone();
+        let c = correct_client(&cfg, &addr, 0, n).await;
+        // a pull of version 1, waiting for the step while the silent connections are closed
+        let mut puller = c.clone();
+        let waiting = tokio::spawn(async move {
+            let mut w = vec![0f32; n];
+            puller.pull_into(1, false, None, &mut w).await.map(|()| w)
+        });
+        let mut silent: Vec<std::net::TcpStream> = (0..16)
+            .map(|_| std::net::TcpStream::connect(&addr).unwrap())
+            .collect();
+        let mut partial = std::net::TcpStream::connect(&addr).unwrap();
+        if tls {
+            // a TLS handshake record header announcing 512 bytes, and 1 of them
+            partial
+                .write_all(&[0x16, 0x03, 0x01, 0x02, 0x00, 0x01])
+                .unwrap();
+        } else {
+            partial.write_all(b"PRI * HTTP/2.0\r\n").unwrap();
+        }
+        silent.push(partial);
+        let still_open = tokio::task::spawn_blocking(move || {
+            silent
+                .into_iter()
+                .filter(|s| {
+                    let mut s = s;
+                    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+                    let mut b = [0u8; 256];
+                    loop {
+                        match s.read(&mut b) {
+                            Ok(0) => return false,
+                            // what the shard wrote before closing (its HTTP/2 settings)
+                            Ok(_) => continue,
+                            Err(e)
+                                if matches!(
+                                    e.kind(),
+                                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                                ) =>
+                            {
+                                return true;
+                            }
+                            Err(_) => return false,
+                        }
+                    }
+                })
+                .count()
+        })
+        .await
+        .unwrap();
+        assert_eq!(
+            still_open, 0,
+            "tls {tls}: connections still open 60 s after they were made"
+        );
+        // the step: the waiting pull, on a connection older than the timeout, gets version 1
+        let h = ps_tests::push_header(0, 0, n);
+        let reply = c
+            .push(h, &ps_common::wire::f32_to_bytes(&vec![0.5; n]), 4096)
+            .await
+            .unwrap();
+        assert!(reply.counted, "{reply:?}");
+        let w = waiting
+            .await
+            .unwrap()
+            .unwrap_or_else(|e| panic!("tls {tls}: the waiting pull: {e}"));
+        assert!(w.iter().all(|v| v.is_finite()) && w.len() == n);
+        cluster.kill_all();
+        let log = log_of(dir.path(), 0);
+        let what = if tls {
+            "did not complete the TLS handshake within 1s"
+        } else {
+            "did not complete the HTTP/2 connection preface within 1s"
+        };
+        assert!(log.contains(what), "{what}: {log}");
+    }
+}
+
+/// 128 ranks sharing one HTTP/2 connection (one `ShardClient` and its clones), with the
+/// configured 64 streams per connection: 127 push step 0 and all 128 pull version 1 at once
+/// (waiting for the step), then the last rank pushes. The shard raises the stream limit to
+/// `2 x W + 4`, so the push finds a slot and every pull ends with version 1; the old shard's
+/// 64 slots filled with waiting pulls and the push never started.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_ranks_on_one_connection_cannot_fill_it_with_waiting_pulls() {
+    const W: usize = 128;
+    let dir = tempfile::tempdir().unwrap();
+    let spec = Spec {
+        shards: 1,
+        workers: W,
+        hidden: vec![4],
+        global_batch: W,
+        transport: Transport::Grpc,
+        // every value through HTTP/2 (the data connection is one per client)
+        config: Spec::base()
+            .max_streams_per_connection(64)
+            .data_connections(false, 0),
+        ..Spec::default()
+    };
+    let (mut cluster, n) = live(&spec, dir.path());
+    let cfg = ps_common::config::Config::load(&dir.path().join("config.toml")).unwrap();
+    let addr = cluster.addrs[0].clone();
+    let mut c = correct_client(&cfg, &addr, 0, n).await;
+    for r in 1..W as u32 {
+        c.register(register_request(r, W as u32, n)).await.unwrap();
+    }
+    let grad = ps_common::wire::f32_to_bytes(&vec![0.25; n]);
+    let pushes: Vec<_> = (0..W as u32 - 1)
+        .map(|r| {
+            let (p, grad) = (c.clone(), grad.clone());
+            tokio::spawn(async move { p.push(ps_tests::push_header(r, 0, n), &grad, 4096).await })
+        })
+        .collect();
+    let pulls: Vec<_> = (0..W)
+        .map(|_| {
+            let mut p = c.clone();
+            tokio::spawn(async move {
+                let mut w = vec![0f32; n];
+                p.pull_into(1, false, None, &mut w).await.map(|()| w)
+            })
+        })
+        .collect();
+    let last = c.clone();
+    let all = async move {
+        let reply = last
+            .push(ps_tests::push_header(W as u32 - 1, 0, n), &grad, 4096)
+            .await
+            .unwrap();
+        assert!(reply.counted, "{reply:?}");
+        for (r, p) in pushes.into_iter().enumerate() {
+            let reply = p.await.unwrap().unwrap();
+            assert!(reply.counted, "rank {r}: {reply:?}");
+        }
+        let mut weights = Vec::new();
+        for p in pulls {
+            weights.push(p.await.unwrap().unwrap());
+        }
+        weights
+    };
+    // a bound so that the deadlock fails the test rather than hanging it
+    let weights = tokio::time::timeout(Duration::from_secs(120), all)
+        .await
+        .expect("128 waiting pulls and the last push on one connection: not done after 120 s (deadlocked)");
+    assert_eq!(weights.len(), W);
+    assert!(
+        weights.windows(2).all(|p| p[0] == p[1]),
+        "every pull got the same version 1"
+    );
+    cluster.kill_all();
+    let log = log_of(dir.path(), 0);
+    assert!(
+        log.contains(
+            "[server] max_streams_per_connection = 64 raised to 260 (2 x 128 workers + 4)"
+        ),
+        "{log}"
+    );
 }

@@ -1,7 +1,7 @@
 //! What a new user meets (issue 17): ps-launch's summary on stdout, tidy paths, the note on
 //! replaced ports, a previous run moved aside, the final evaluation in metrics.jsonl, the input
 //! scaling in model.safetensors, `--check-reference`'s report and verdict, `--version` on every
-//! binary, the world size's source in errors, and the shard's warning without a token.
+//! binary, the world size's source in errors, and a public shard without any credential refused.
 
 use ps_launch::bin_dir;
 use ps_tests::Spec;
@@ -187,11 +187,39 @@ fn a_world_size_error_names_its_own_source() {
     );
 }
 
+/// A shard outside loopback without any credential (neither `[cluster] token_file` nor a shard
+/// credential) refuses to start, saying what to set; `[server] allow_unauthenticated = true`
+/// starts it with a loud warning; with a shard credential but no token it starts and warns; on
+/// loopback it starts quietly.
 #[test]
-fn a_shard_outside_loopback_without_a_token_warns() {
+fn a_public_shard_without_any_credential_refuses_to_start_unless_told() {
     let dir = tempfile::tempdir().unwrap();
     let (path, _) = small().write(dir.path());
-    for (listen, warns) in [("0.0.0.0:0", true), ("127.0.0.1:0", false)] {
+    let opt_out = ["--set", "server.allow_unauthenticated=true"];
+    let credential = [(ps_common::auth::SHARD_TOKEN_ENV, "0123456789abcdef0123")];
+    type Case<'a> = (
+        &'a str,
+        &'a [&'a str],
+        &'a [(&'a str, &'a str)],
+        Option<&'a str>,
+    );
+    let cases: [Case; 4] = [
+        ("0.0.0.0:0", &[], &[], None),
+        (
+            "0.0.0.0:0",
+            &opt_out,
+            &[],
+            Some("WITHOUT ANY CREDENTIAL ([server] allow_unauthenticated = true)"),
+        ),
+        (
+            "0.0.0.0:0",
+            &[],
+            &credential,
+            Some("outside loopback, without a token"),
+        ),
+        ("127.0.0.1:0", &[], &[], None),
+    ];
+    for (i, (listen, args, env, warning)) in cases.into_iter().enumerate() {
         let addr = dir.path().join("addr");
         let _ = std::fs::remove_file(&addr);
         let log = dir.path().join("shard.log");
@@ -200,23 +228,55 @@ fn a_shard_outside_loopback_without_a_token_warns() {
             .arg(&path)
             .args(["--shard", "0", "--listen", listen, "--addr-file"])
             .arg(&addr)
+            .args(args)
+            .env_remove(ps_common::auth::SHARD_TOKEN_ENV)
+            .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&log).unwrap())
             .spawn()
             .unwrap();
+        let refused = i == 0;
         let start = Instant::now();
-        while !addr.exists() {
-            assert!(start.elapsed() < Duration::from_secs(30), "shard listens");
+        let status = loop {
+            if addr.exists() {
+                break None;
+            }
+            if let Some(st) = shard.try_wait().unwrap() {
+                break Some(st);
+            }
+            assert!(
+                start.elapsed() < Duration::from_secs(30),
+                "case {i}: shard neither listens nor exits"
+            );
             std::thread::sleep(Duration::from_millis(20));
+        };
+        if status.is_none() {
+            shard.kill().unwrap();
+            shard.wait().unwrap();
         }
-        shard.kill().unwrap();
-        shard.wait().unwrap();
         let text = std::fs::read_to_string(&log).unwrap();
-        assert_eq!(
-            text.contains("outside loopback, without a token"),
-            warns,
-            "{listen}: {text}"
+        if refused {
+            assert_eq!(status.and_then(|s| s.code()), Some(2), "{listen}: {text}");
+            assert!(
+                text.contains("outside loopback, without any credential")
+                    && text.contains("Set [cluster] token_file")
+                    && text.contains("[server] shard_token_file or PS_SHARD_TOKEN")
+                    && text.contains("[server] allow_unauthenticated = true"),
+                "{listen}: {text}"
+            );
+            continue;
+        }
+        assert!(
+            status.is_none(),
+            "case {i}, {listen}: the shard listens: {text}"
         );
+        match warning {
+            Some(w) => assert!(
+                text.contains(w) && text.contains("WARN"),
+                "case {i}: {w}: {text}"
+            ),
+            None => assert!(!text.contains("outside loopback"), "case {i}: {text}"),
+        }
     }
 }
 

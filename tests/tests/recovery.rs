@@ -2,7 +2,8 @@
 //! killed with SIGKILL mid-run is started again; every shard rolls back to the newest version
 //! all have a checkpoint of (version 0 before the first), the workers redo the steps since, and
 //! the final weights equal those of a run that never lost a shard, bit for bit. A replacement
-//! whose checkpoint directory is gone stops the run, saying why. A bounded chaos run kills
+//! whose checkpoint directory is gone stops the run, saying why; a corrupted or truncated
+//! newest checkpoint is skipped for the version before. A bounded chaos run kills
 //! random shards and workers.
 
 use ps_common::config::Config;
@@ -119,6 +120,41 @@ impl Launch {
         let pid = self.pid_of(bin, flag, value);
         // SAFETY: kill(2) on a process this test's child started.
         unsafe { libc::kill(pid, libc::SIGKILL) };
+    }
+
+    /// Stops shard `shard` (SIGSTOP, waiting until it is stopped: it writes nothing more),
+    /// damages its newest checkpoint with `damage`, then kills it (SIGKILL). Returns that
+    /// checkpoint's version and file.
+    fn damage_newest_checkpoint_and_kill(
+        &self,
+        shard: usize,
+        damage: ps_tests::Damage,
+    ) -> (u64, PathBuf) {
+        let pid = self.pid_of("ps-server", "--shard", shard);
+        // SAFETY: kill(2) on a process this test's child started.
+        unsafe { libc::kill(pid, libc::SIGSTOP) };
+        let t0 = Instant::now();
+        while !std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .unwrap_or_default()
+            .rsplit_once(')')
+            .is_some_and(|(_, rest)| rest.trim_start().starts_with('T'))
+        {
+            assert!(
+                t0.elapsed() < Duration::from_secs(30),
+                "shard {shard} (pid {pid}) not stopped after 30 s"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let dir = self.cfg.checkpoint_dir();
+        let s = self.cfg.num_shards();
+        let version = *ps_server::checkpoint::versions(&dir, shard, s)
+            .last()
+            .unwrap_or_else(|| panic!("shard {shard} wrote no checkpoint:\n{}", self.log()));
+        let file = ps_server::checkpoint::file(&dir, shard, s, version);
+        damage(&file);
+        // SAFETY: as above.
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+        (version, file)
     }
 
     /// Waits for ps-launch to end; its exit status, log, config and directory (removed when
@@ -331,6 +367,41 @@ fn a_replacement_whose_checkpoint_directory_is_gone_stops_the_run_saying_why() {
     assert!(
         !cfg.server.out_dir.join("shard-0.safetensors").exists(),
         "no final weights"
+    );
+}
+
+/// A replacement verifies the checkpoints' checksums: shard 1's newest checkpoint with a value
+/// changed (first loss), then truncated (second loss), is skipped with a WARN naming it, and
+/// every shard rolls back to the version before, which all hold intact; the final weights equal
+/// those of the run that lost nothing, bit for bit.
+#[test]
+fn a_corrupted_or_truncated_newest_checkpoint_is_skipped_by_the_recovery() {
+    let _ = straight();
+    let mut l = Launch::start(&spec(10), &["--restart-shards", "2"]);
+    let mut damaged = Vec::new();
+    let damages: [(usize, ps_tests::Damage); 2] = [
+        (75, ps_tests::corrupt_first_value),
+        (150, ps_tests::truncate_file),
+    ];
+    for (at, damage) in damages {
+        l.wait_steps(at);
+        damaged.push(l.damage_newest_checkpoint_and_kill(1, damage));
+    }
+    let (st, log, cfg, _dir) = l.finish();
+    assert!(st.success(), "{st}:\n{log}");
+    recovered(&log, 2);
+    let expected: Vec<u64> = damaged.iter().map(|(v, _)| v - 10).collect();
+    assert_eq!(rolled_back_to(&log), expected, "{damaged:?}:\n{log}");
+    for (v, file) in &damaged {
+        let warn = format!(
+            "skipping its checkpoint of version {v}, which is not intact: {}",
+            file.display()
+        );
+        assert!(log.contains(&warn), "{warn}:\n{log}");
+    }
+    assert_same_weights(
+        &cfg,
+        "newest checkpoint corrupted, then truncated, vs straight",
     );
 }
 

@@ -324,6 +324,11 @@ impl TestConfig {
         self.raw.server.stream_idle_secs = s;
         self
     }
+    /// `[server] handshake_timeout_secs`.
+    pub fn handshake_timeout_secs(mut self, s: f64) -> Self {
+        self.raw.server.handshake_timeout_secs = s;
+        self
+    }
     /// `[server] max_streams_per_connection`.
     pub fn max_streams_per_connection(mut self, n: usize) -> Self {
         self.raw.server.max_streams_per_connection = n;
@@ -338,6 +343,11 @@ impl TestConfig {
     pub fn data_connections(mut self, on: bool, port_offset: u32) -> Self {
         self.raw.server.data_connections = on;
         self.raw.server.data_port_offset = port_offset;
+        self
+    }
+    /// `[server] allow_unauthenticated`.
+    pub fn allow_unauthenticated(mut self, on: bool) -> Self {
+        self.raw.server.allow_unauthenticated = on;
         self
     }
     /// `[server] shard_token_file`.

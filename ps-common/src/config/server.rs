@@ -24,6 +24,7 @@ pub(super) struct RawServer {
     pub max_pending_gradients: usize,
     pub stream_idle_secs: f64,
     pub keepalive_secs: f64,
+    pub handshake_timeout_secs: f64,
     pub max_streams_per_connection: usize,
     pub max_connections: usize,
     pub stream_window_bytes: usize,
@@ -31,6 +32,7 @@ pub(super) struct RawServer {
     pub shard_token_file: Option<PathBuf>,
     pub data_connections: bool,
     pub data_port_offset: u32,
+    pub allow_unauthenticated: bool,
 }
 
 /// The default of `[server] max_pending_gradients`.
@@ -62,12 +64,14 @@ impl Default for RawServer {
             max_pending_gradients: DEFAULT_MAX_PENDING_GRADIENTS,
             stream_idle_secs: 60.0,
             keepalive_secs: 30.0,
+            handshake_timeout_secs: 10.0,
             max_streams_per_connection: 64,
             max_connections: 4 * super::limits::MAX_WORKERS,
             stream_window_bytes: 256 << 10,
             shard_token_file: None,
             data_connections: true,
             data_port_offset: 0,
+            allow_unauthenticated: false,
         }
     }
 }
@@ -104,6 +108,9 @@ pub struct ServerConfig {
     /// HTTP/2 keepalive: a ping after this long without traffic; no answer within it closes
     /// the connection.
     pub keepalive_secs: f64,
+    /// A new connection that has not completed the HTTP/2 preface (or, with TLS, the TLS
+    /// handshake) this long after it was accepted is closed.
+    pub handshake_timeout_secs: f64,
     /// Most concurrent streams (calls) per connection.
     pub max_streams_per_connection: usize,
     /// Most open connections per shard; more are closed at once.
@@ -122,6 +129,10 @@ pub struct ServerConfig {
     /// workers at registration); N, the shard's gRPC port + N (for firewalls that open known
     /// ports only).
     pub data_port_offset: u32,
+    /// A shard that listens outside loopback with no credential at all (neither `[cluster]
+    /// token_file` nor a shard credential) refuses to start unless this is true (then it
+    /// warns loudly): only for a network where every host that can reach it is trusted.
+    pub allow_unauthenticated: bool,
 }
 
 impl RawServer {
@@ -140,6 +151,10 @@ impl RawServer {
         }
         secs("[server] stream_idle_secs", self.stream_idle_secs)?;
         secs("[server] keepalive_secs", self.keepalive_secs)?;
+        secs(
+            "[server] handshake_timeout_secs",
+            self.handshake_timeout_secs,
+        )?;
         for (key, v, max) in [
             (
                 "[server] max_pending_gradients",
@@ -200,12 +215,14 @@ impl RawServer {
             max_pending_gradients: self.max_pending_gradients,
             stream_idle_secs: self.stream_idle_secs,
             keepalive_secs: self.keepalive_secs,
+            handshake_timeout_secs: self.handshake_timeout_secs,
             max_streams_per_connection: self.max_streams_per_connection,
             max_connections: self.max_connections,
             stream_window_bytes: self.stream_window_bytes,
             shard_token_file: self.shard_token_file.as_deref().map(|f| resolve.path(f)),
             data_connections: self.data_connections,
             data_port_offset: self.data_port_offset,
+            allow_unauthenticated: self.allow_unauthenticated,
         })
     }
 }
