@@ -155,11 +155,11 @@ fn a_short_run_finishes_cleanly_with_workers_leaving() {
     };
     let dir = tempfile::tempdir().unwrap();
     let (path, cfg) = spec.write(dir.path());
-    let t0 = Instant::now();
     run_cluster(&path, &cfg, &Start::default());
-    // servers exit as soon as every worker has left, not after linger_secs (30 s)
-    assert!(t0.elapsed() < Duration::from_secs(20), "{:?}", t0.elapsed());
     let log = std::fs::read_to_string(dir.path().join("logs/shard-0.log")).unwrap();
+    // servers exit as soon as every worker has left, not after linger_secs (30 s): said by
+    // the log (a wall-clock bound would fail on a loaded machine)
+    assert!(!log.contains("did not leave within"), "{log}");
     assert!(
         log.contains("training finished: 3 steps; final test accuracy"),
         "{log}"
