@@ -12,7 +12,9 @@
 #   4. Prometheus' text parser (prometheus-client) on the live shards' /metrics after the run;
 #   5. TensorBoard's reader after a crash and `ps-launch --resume` (the whole process group
 #      killed past a checkpoint): each step shows once, with the resumed run's value, because
-#      the resumed file starts with a SessionLog START (Event field 7) at the resumed step + 1.
+#      the resumed file starts with a SessionLog START (Event field 7) at the resumed step + 1;
+#   6. the README's main job (`ps-launch --config deploy/mnist.toml --check-reference`): the
+#      numbers of the README's example output, each within the band the README states.
 # Needs the release binaries (the README's test command builds them first) and python3.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -204,5 +206,51 @@ for e, l in zip(sorted(loss, key=lambda e: e.step), steps):
     assert e.step == l["step"] and math.isclose(e.value, l["loss"], rel_tol=1e-6), (e, l)
 print(f"deploy-checks: killed after {before} steps and resumed: TensorBoard's EventAccumulator read "
       f"{len(files)} event files and shows each of the 400 steps once, equal to metrics.jsonl")
+EOF
+
+# 6. the README's main job, and the numbers the README shows of it
+target/release/ps-launch --config deploy/mnist.toml --check-reference --out-dir "$work/main" \
+    > "$work/main.out" 2> "$work/main.err" || { tail -30 "$work/main.err"; cat "$work/main.out"; exit 1; }
+"$PY" - README.md "$work/main.out" "$work/main.err" <<'EOF'
+import re, sys
+
+readme, out, err = (open(p).read() for p in sys.argv[1:4])
+
+def figures(text):
+    """The numbers of the main job's output (the README's example block, or a real run's)."""
+    def one(pattern):
+        m = re.search(pattern, text)
+        assert m, f"no match for {pattern!r} in:\n{text}"
+        return m.groups()
+    params, version = one(r"\(([\d,]+) parameters\), version (\d+)\)")
+    early, = one(r"after 1 step\(s\):  largest relative weight difference ([\d.e+-]+)")
+    final, = one(r"after \d+ steps:  largest relative weight difference ([\d.e+-]+)")
+    loss = one(r"final loss\s+([\d.]+)\s+([\d.]+)")
+    acc = one(r"test accuracy\s+([\d.]+)%\s+([\d.]+)%")
+    verdict, = one(r"verdict: (the runs agree|the runs DO NOT agree)")
+    return dict(params=params, version=int(version), early=float(early), final=float(final),
+                loss=[float(x) for x in loss], acc=[float(x) for x in acc], verdict=verdict)
+
+block = readme[readme.index("ps-launch: cluster finished in"):]
+block = block[:block.index("```")]
+want, got = figures(block), figures(out)
+# exact: the model and the run's length; bands (stated in the README): CPU kernels round
+# differently on other machines, so the digits may differ a little
+assert got["params"] == want["params"] and got["version"] == want["version"], (got, want)
+assert got["verdict"] == want["verdict"] == "the runs agree", (got, want)
+assert got["early"] < 1e-6 and want["early"] < 1e-6, (got["early"], want["early"])
+assert got["final"] > 1e-2 and want["final"] > 1e-2, (got["final"], want["final"])
+for g, w in zip(got["acc"], want["acc"]):
+    assert abs(g - w) <= 0.3, ("test accuracy, percent", got["acc"], want["acc"])
+for g, w in zip(got["loss"], want["loss"]):
+    assert abs(g - w) <= 0.005, ("final loss", got["loss"], want["loss"])
+# the log's closing line, as the README shows it
+pat = r"training finished: (\d+) steps; final test accuracy ([\d.]+)%"
+m, w = re.search(pat, err), re.search(pat, readme)
+assert m and w and m.group(1) == w.group(1) and abs(float(m.group(2)) - float(w.group(2))) <= 0.3, (m, w)
+print(f"deploy-checks: the README's main job: {got['version']} steps, {got['params']} parameters, "
+      f"early-step difference {got['early']:.1e} (README {want['early']:.1e}, both < 1e-6), test accuracy "
+      f"{got['acc'][0]:.2f}% / {got['acc'][1]:.2f}% (README {want['acc'][0]:.2f}% / {want['acc'][1]:.2f}%, "
+      f"within 0.3 points), final loss {got['loss']} (README {want['loss']}, within 0.005)")
 EOF
 echo "deploy-checks: all passed"

@@ -11,6 +11,7 @@
 
 use crate::error::PsError;
 use crate::pb::parameter_server_client::ParameterServerClient;
+use crate::throttle::{Repeats, ThrottleMap};
 use std::fmt;
 use std::path::Path;
 use std::sync::Arc;
@@ -321,10 +322,12 @@ impl CheckToken {
             crate::runid::show(self.run_id.as_deref()),
             crate::runid::show(theirs.as_deref()),
         );
-        tracing::warn!(
-            "shard {}: refused a request from {peer} of {theirs} (this shard belongs to {ours})",
-            self.shard
-        );
+        if let Some(r) = REFUSED.hit(&"of another run") {
+            tracing::warn!(
+                "shard {}: refused a request from {peer} of {theirs} (this shard belongs to {ours}){r}",
+                self.shard
+            );
+        }
         Err(PsError::RunMismatch {
             shard: self.shard,
             ours,
@@ -332,6 +335,16 @@ impl CheckToken {
         }
         .into())
     }
+}
+
+/// Requests refused by [`CheckToken`] (a scanner or a stale worker repeats them), by kind,
+/// logged at most once per [`crate::throttle::LOG_EVERY`] with a count.
+static REFUSED: ThrottleMap<&'static str> = ThrottleMap::new();
+
+/// The requests [`CheckToken`] refused but did not log yet, by kind, now reported (for the
+/// shard's closing lines).
+pub fn unreported_refusals() -> Vec<(&'static str, Repeats)> {
+    REFUSED.unreported()
 }
 
 impl Interceptor for CheckToken {
@@ -356,7 +369,12 @@ impl Interceptor for CheckToken {
         } else {
             "with a wrong token"
         };
-        tracing::warn!("shard {}: refused a request from {peer} {what}", self.shard);
+        if let Some(r) = REFUSED.hit(&what) {
+            tracing::warn!(
+                "shard {}: refused a request from {peer} {what}{r}",
+                self.shard
+            );
+        }
         Err(PsError::Unauthenticated(format!(
             "request {what}: expected the cluster's shared token (`authorization: Bearer <token>`, from [cluster] token_file)"
         ))

@@ -2,7 +2,8 @@
 //! layout and its split into shards, the initial weights, the data files and the data order,
 //! the optimizers, the wire format of tensors and the shared-memory boards, the client of a
 //! shard (`client`), the shared token and TLS (and connection errors in words, `neterr`), and
-//! the typed errors and their gRPC status codes. (The process launcher and the loss-curve
+//! the typed errors and their gRPC status codes, and the rate limit of repeated warnings
+//! (`throttle`). (The process launcher and the loss-curve
 //! plot live in the `ps-launch` crate; the benchmarks in `ps-bench`.)
 
 pub mod auth;
@@ -20,6 +21,7 @@ pub mod order;
 pub mod plan;
 pub mod runid;
 pub mod shm;
+pub mod throttle;
 pub mod weights;
 pub mod wire;
 

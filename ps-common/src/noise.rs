@@ -154,26 +154,71 @@ impl NoiseScale {
     }
 }
 
-/// One line of advice for a global batch of `batch` samples. (McCandlish et al.: the steps
-/// needed go as 1 + B_noise / B, so below B_noise a bigger batch cuts them nearly in
-/// proportion, above it hardly at all.)
-pub fn advice(b_noise: Option<f64>, batch: u64) -> String {
-    let Some(bn) = b_noise else {
-        return "the noise dominates the gradient (|G|² estimate ≤ 0): a larger batch would average it; keep watching".into();
-    };
-    let b = batch as f64;
-    if b < bn / 4.0 {
-        format!(
-            "a global batch of {batch} is far below B_noise ≈ {bn:.0}: a bigger batch (more workers, or more samples per worker, with a scaled lr) would cut the steps needed nearly in proportion"
-        )
-    } else if b > 4.0 * bn {
-        format!(
-            "a global batch of {batch} is far above B_noise ≈ {bn:.0}: diminishing returns, more samples per step buy little; a smaller batch would need about as many steps for less compute"
-        )
-    } else {
-        format!(
-            "a global batch of {batch} is near B_noise ≈ {bn:.0}: a good trade-off between steps and compute per step"
-        )
+/// Where the global batch stands against B_noise.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    /// `B < B_noise / 4`: a bigger batch cuts the steps nearly in proportion.
+    FarBelow,
+    /// Between: a good trade-off.
+    Near,
+    /// `B > 4 B_noise`: more samples per step buy little.
+    FarAbove,
+}
+
+/// The advice on the global batch, given step after step from a noisy estimate. A verdict
+/// changes only when the estimate moves well past a boundary (hysteresis): it goes "far"
+/// when `B` is beyond a factor of 4 from B_noise and comes back "near" only within a factor
+/// of 2, so an estimate that wobbles around one boundary does not flip the advice from one
+/// line to the next. (McCandlish et al.: the steps needed go as 1 + B_noise / B, so below
+/// B_noise a bigger batch cuts them nearly in proportion, above it hardly at all.)
+#[derive(Debug, Clone, Default)]
+pub struct Advisor {
+    verdict: Option<Verdict>,
+}
+
+impl Advisor {
+    /// No verdict yet.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The verdict so far (None before the first estimate).
+    pub fn verdict(&self) -> Option<Verdict> {
+        self.verdict
+    }
+
+    /// Takes the smoothed `b_noise` for a global batch of `batch` samples; one line of advice.
+    /// An estimate that is not positive (None) leaves the verdict as it was.
+    pub fn advise(&mut self, b_noise: Option<f64>, batch: u64) -> String {
+        let Some(bn) = b_noise.filter(|b| b.is_finite() && *b > 0.0) else {
+            return match self.verdict {
+                None => "the noise dominates the gradient (|G|² estimate ≤ 0): a larger batch would average it; keep watching".into(),
+                Some(_) => "the |G|² estimate is ≤ 0 this time (the noise dominates it): the advice so far stands".into(),
+            };
+        };
+        let r = batch as f64 / bn;
+        let v = match self.verdict {
+            None | Some(Verdict::Near) if r < 0.25 => Verdict::FarBelow,
+            None | Some(Verdict::Near) if r > 4.0 => Verdict::FarAbove,
+            None | Some(Verdict::Near) => Verdict::Near,
+            Some(Verdict::FarBelow) if r > 4.0 => Verdict::FarAbove,
+            Some(Verdict::FarBelow) if r > 0.5 => Verdict::Near,
+            Some(Verdict::FarAbove) if r < 0.25 => Verdict::FarBelow,
+            Some(Verdict::FarAbove) if r < 2.0 => Verdict::Near,
+            Some(v) => v,
+        };
+        self.verdict = Some(v);
+        match v {
+            Verdict::FarBelow => format!(
+                "a global batch of {batch} is far below B_noise ≈ {bn:.0}: a bigger batch (more workers, or more samples per worker, with a scaled lr) would cut the steps needed nearly in proportion"
+            ),
+            Verdict::FarAbove => format!(
+                "a global batch of {batch} is far above B_noise ≈ {bn:.0}: diminishing returns, more samples per step buy little; a smaller batch would need about as many steps for less compute"
+            ),
+            Verdict::Near => format!(
+                "a global batch of {batch} is near B_noise ≈ {bn:.0}: a good trade-off between steps and compute per step"
+            ),
+        }
     }
 }
 
@@ -301,9 +346,50 @@ mod tests {
 
     #[test]
     fn advice_reads_both_ways() {
-        assert!(advice(Some(1000.0), 32).contains("far below"));
-        assert!(advice(Some(10.0), 512).contains("diminishing returns"));
-        assert!(advice(Some(100.0), 128).contains("near"));
-        assert!(advice(None, 128).contains("noise dominates"));
+        let first = |bn, b| Advisor::new().advise(bn, b);
+        assert!(first(Some(1000.0), 32).contains("far below"));
+        assert!(first(Some(10.0), 512).contains("diminishing returns"));
+        assert!(first(Some(100.0), 128).contains("near"));
+        assert!(first(None, 128).contains("noise dominates"));
+    }
+
+    /// An estimate wobbling around a boundary (B = 32 against B_noise 100..160, across
+    /// 4 B = 128) changes the verdict at most once; only a move well back (within a factor of
+    /// 2) changes it again. The stateless advice flipped between "near" and "far below" from
+    /// one line to the next (7 times here).
+    #[test]
+    fn the_advice_does_not_flip_on_a_wobbling_estimate() {
+        let mut a = Advisor::new();
+        let wobble = [110.0, 140.0, 120.0, 150.0, 100.0, 135.0, 125.0, 160.0];
+        let verdicts: Vec<&str> = wobble
+            .iter()
+            .map(|&b| {
+                let l = a.advise(Some(b), 32);
+                if l.contains("is near") {
+                    "near"
+                } else {
+                    "far below"
+                }
+            })
+            .collect();
+        let changes = verdicts.windows(2).filter(|w| w[0] != w[1]).count();
+        assert!(changes <= 1, "{verdicts:?}");
+        assert_eq!(a.verdict(), Some(Verdict::FarBelow));
+        // well past the boundary: far below, and it stays so while the estimate wobbles
+        // back towards it
+        assert!(a.advise(Some(400.0), 32).contains("far below"));
+        for b in [120.0, 100.0, 70.0] {
+            assert!(a.advise(Some(b), 32).contains("far below"), "{b}");
+        }
+        assert_eq!(a.verdict(), Some(Verdict::FarBelow));
+        // back within a factor of 2: near again
+        assert!(a.advise(Some(60.0), 32).contains("is near"));
+        // a non-positive estimate leaves it
+        assert!(a.advise(None, 32).contains("the advice so far stands"));
+        assert_eq!(a.verdict(), Some(Verdict::Near));
+        // far above, and back
+        assert!(a.advise(Some(4.0), 32).contains("far above"));
+        assert!(a.advise(Some(12.0), 32).contains("far above"));
+        assert!(a.advise(Some(20.0), 32).contains("is near"));
     }
 }

@@ -172,10 +172,11 @@ fn target(r: &Recipe) -> Result<Target, PlanError> {
         Source::Single => (r.batch, r.lr),
         Source::DataParallel(g) => {
             notes.push(format!(
-                "torch.nn.DataParallel on {g} GPUs splits each batch of {b} over the GPUs, gathers the outputs and computes the {l} loss over all {b} samples; the replicas' gradients are summed, and that sum IS the gradient of that one loss. So the recipe is one process with batch {b}, {l} loss, lr {lr}. Do not copy the summing into aggregation = \"sum\" with a mean loss: that multiplies the lr by the number of workers.",
+                "torch.nn.DataParallel on {g} GPUs splits each batch of {b} over the GPUs, gathers the outputs and computes the {l} loss over all {b} samples; the replicas' gradients are summed, and that sum IS the gradient of that one loss. So the recipe is one process with batch {b}, {l} loss, lr {lr}. {sum_or_mean}.",
                 b = r.batch,
                 l = r.loss,
-                lr = r.lr
+                lr = r.lr,
+                sum_or_mean = crate::config::SUM_OR_MEAN
             ));
             (r.batch, r.lr)
         }

@@ -3,7 +3,10 @@
 //! Two comparisons, because a long run cannot be compared weight for weight:
 //! - **early**: the same config cut to [`EARLY_STEPS`] steps, run once more as a small cluster and
 //!   once as the single-process reference; their weights differ only by float rounding
-//!   (about 1e-7 relative) and must be within [`EARLY_TOLERANCE`];
+//!   (about 1e-7 relative) and must be within [`EARLY_TOLERANCE`]. The reference is the single
+//!   process the run equals: the global batch's gradient, or, for `aggregation = "mean"` over
+//!   uneven per-worker batches, the mean of the workers' mean gradients (the report then also
+//!   says how far the global-batch process is, and why);
 //! - **final**: the whole run's weights, training loss and test accuracy beside the reference's;
 //!   the test accuracies must be within [`ACCURACY_TOLERANCE_POINTS`].
 
@@ -12,6 +15,7 @@ use ps_common::config::{Config, Overrides};
 use ps_common::idx::{Dataset, Split, load_split};
 use ps_launch::launch::{LocalCluster, bin_dir};
 use ps_worker::backend::Backend;
+use ps_worker::reference::{Kind, run_reference_of};
 use std::fmt;
 use std::path::Path;
 use std::time::Duration;
@@ -28,6 +32,12 @@ pub const ACCURACY_TOLERANCE_POINTS: f64 = 0.5;
 pub struct Report {
     /// The config's equivalence in words.
     pub equivalence: String,
+    /// For `aggregation = "mean"` over uneven per-worker batches: the reference is the mean of
+    /// the workers' mean gradients, which the run equals; this is the early difference of the
+    /// cluster from the global-batch single process instead (the weighting, not rounding).
+    pub global_batch_early_diff: Option<(f64, String)>,
+    /// `W`.
+    pub workers: usize,
     /// Steps of the early comparison (fewer when the run is shorter).
     pub early_steps: u64,
     /// Largest relative weight difference after them, and its tensor.
@@ -54,6 +64,17 @@ impl fmt::Display for Report {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let loss = |l: Option<f64>| l.map_or("-".to_string(), |l| format!("{l:.4}"));
         writeln!(f, "reference check: {}", self.equivalence)?;
+        match &self.global_batch_early_diff {
+            Some((d, tensor)) => writeln!(
+                f,
+                "  compared with: one process that averages the {} workers' mean gradients with equal weights (mean of means), which is what aggregation \"mean\" computes over uneven per-worker batches; the single process of the whole global batch differs from the cluster by {d:.1e} after {} step(s) (in {tensor}): that is the mean-of-means weighting, not float rounding (aggregation = \"weighted\" equals the global batch)",
+                self.workers, self.early_steps
+            )?,
+            None => writeln!(
+                f,
+                "  compared with: one process that computes the gradient of the whole global batch"
+            )?,
+        }
         writeln!(
             f,
             "  after {} step(s):  largest relative weight difference {:.1e} (in {}; tolerance {:.0e})",
@@ -135,7 +156,13 @@ pub fn check_reference(
     // the whole run
     let (cluster, version) =
         ps_common::weights::read_shards(out_dir, cfg.num_shards(), layout.num_params())?;
-    let reference = ps_worker::reference::run_reference(cfg, &train)?;
+    let eq = cfg.equivalence();
+    let kind = if eq.mean_of_means {
+        Kind::MeanOfMeans
+    } else {
+        Kind::GlobalBatch
+    };
+    let reference = run_reference_of(cfg, &train, kind)?;
     if version != reference.steps {
         anyhow::bail!(
             "the cluster's weights are at version {version}, the reference ran {} steps",
@@ -155,10 +182,23 @@ pub fn check_reference(
     let early = run_early(&early_cfg_path, &early_cfg, &early_dir, run);
     let _ = std::fs::remove_file(&early_cfg_path);
     let early_cluster = early?;
-    let early_ref = ps_worker::reference::run_reference(&early_cfg, &train)?;
+    let early_ref = run_reference_of(&early_cfg, &train, kind)?;
     let early_diff = ps_common::weights::max_rel_diff(&layout, &early_cluster, &early_ref.weights);
+    let global_batch_early_diff = match kind {
+        Kind::MeanOfMeans => {
+            let global = run_reference_of(&early_cfg, &train, Kind::GlobalBatch)?;
+            Some(ps_common::weights::max_rel_diff(
+                &layout,
+                &early_cluster,
+                &global.weights,
+            ))
+        }
+        Kind::GlobalBatch => None,
+    };
     Ok(Report {
-        equivalence: cfg.equivalence().to_string(),
+        equivalence: eq.to_string(),
+        global_batch_early_diff,
+        workers: cfg.cluster.workers,
         early_steps,
         early_diff,
         steps: reference.steps,

@@ -13,11 +13,11 @@ use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use tokio::net::TcpListener;
 
-/// At most one log line per this long for each kind of event of the accept loop.
-pub const LOG_EVERY: Duration = Duration::from_secs(5);
+pub use ps_common::throttle::LOG_EVERY;
+use ps_common::throttle::{Repeats, SharedThrottle, Throttle};
 
 /// Pause after the accept fails for want of a descriptor (a connection waits in the listen
 /// backlog meanwhile and is accepted once one is free).
@@ -55,65 +55,6 @@ pub fn raise_fd_limit(index: usize) {
             lim.rlim_max,
             io::Error::last_os_error()
         );
-    }
-}
-
-/// Counts an event and says when it is time to log it (once per [`LOG_EVERY`]).
-#[derive(Debug, Default)]
-pub struct Throttle {
-    count: u64,
-    since_log: u64,
-    last: Option<Instant>,
-}
-
-impl Throttle {
-    /// None counted yet (a `const fn`, for statics).
-    pub const fn new() -> Self {
-        Self {
-            count: 0,
-            since_log: 0,
-            last: None,
-        }
-    }
-
-    /// Counts one; `Some((since the last log, in all))` when it is time to log.
-    pub fn hit(&mut self) -> Option<(u64, u64)> {
-        self.count += 1;
-        self.since_log += 1;
-        let now = Instant::now();
-        if self.last.is_none_or(|t| now.duration_since(t) >= LOG_EVERY) {
-            self.last = Some(now);
-            let n = std::mem::take(&mut self.since_log);
-            Some((n, self.count))
-        } else {
-            None
-        }
-    }
-}
-
-/// A [`Throttle`] behind a lock, for a `static` (a warning of a code path without state of
-/// its own, e.g. a failing write).
-#[derive(Debug)]
-pub struct SharedThrottle(std::sync::Mutex<Throttle>);
-
-impl SharedThrottle {
-    /// None counted yet.
-    pub const fn new() -> Self {
-        Self(std::sync::Mutex::new(Throttle::new()))
-    }
-
-    /// [`Throttle::hit`].
-    pub fn hit(&self) -> Option<(u64, u64)> {
-        self.0
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .hit()
-    }
-}
-
-impl Default for SharedThrottle {
-    fn default() -> Self {
-        Self::new()
     }
 }
 
@@ -227,7 +168,7 @@ impl Handshake {
         } else {
             "the HTTP/2 connection preface"
         };
-        if let Some((n, total)) = STALLED.hit() {
+        if let Some(Repeats { since: n, total }) = STALLED.hit() {
             tracing::warn!(
                 "closed {n} connection(s) that did not complete {what} within {:?} ([server] handshake_timeout_secs; the latest from {}; {total} in all)",
                 self.timeout,
@@ -284,10 +225,12 @@ pub fn incoming(
                     let open = st.peers.open_count();
                     if open >= st.max_connections {
                         drop(sock);
-                        if let Some((n, total)) = st.over.hit() {
+                        if let Some(r) = st.over.hit() {
                             tracing::warn!(
-                                "shard {}: {open} connections open, the most [server] max_connections allows: closed {n} new ones (the latest from {addr}; {total} in all)",
-                                st.index
+                                "shard {}: {open} connections open, the most [server] max_connections allows: closed {} new ones (the latest from {addr}; {} in all)",
+                                st.index,
+                                r.since,
+                                r.total
                             );
                         }
                         continue;
@@ -300,9 +243,9 @@ pub fn incoming(
                     return Some((Ok(st.peers.track(sock, Some(handshake))), st));
                 }
                 Err(e) if out_of_descriptors(&e) => {
-                    if let Some((n, total)) = st.no_fd.hit() {
+                    if let Some(r) = st.no_fd.hit() {
                         tracing::warn!(
-                            "shard {}: cannot accept connections: {e} ({n} times since the last report, {total} in all; {} connections open): backing off {FD_BACKOFF:?} each time",
+                            "shard {}: cannot accept connections: {e}{r}; {} connections open: backing off {FD_BACKOFF:?} each time",
                             st.index,
                             st.peers.open_count()
                         );
@@ -310,11 +253,8 @@ pub fn incoming(
                     tokio::time::sleep(FD_BACKOFF).await;
                 }
                 Err(e) => {
-                    if let Some((n, total)) = st.other.hit() {
-                        tracing::warn!(
-                            "shard {}: accept failed: {e} ({n} times since the last report, {total} in all)",
-                            st.index
-                        );
+                    if let Some(r) = st.other.hit() {
+                        tracing::warn!("shard {}: accept failed: {e}{r}", st.index);
                     }
                     tokio::time::sleep(Duration::from_millis(1)).await;
                 }

@@ -72,16 +72,17 @@ impl DataConns {
         });
         let weak = Arc::downgrade(&conns);
         tokio::spawn(async move {
-            let mut failed = crate::accept::Throttle::default();
+            let mut failed = ps_common::throttle::Throttle::default();
+            let refused = Arc::new(ps_common::throttle::SharedThrottle::new());
             loop {
                 let (sock, peer) = match listener.accept().await {
                     Ok(s) => s,
                     Err(e) => {
                         // out of descriptors and the like: wait, then go on accepting; said
-                        // once per accept::LOG_EVERY with a count, not every 100 ms
-                        if let Some((n, total)) = failed.hit() {
+                        // once per throttle::LOG_EVERY with a count, not every 100 ms
+                        if let Some(r) = failed.hit() {
                             tracing::warn!(
-                                "shard {}: cannot accept data connections: {e} ({n} times since the last report, {total} in all): retrying every 100 ms",
+                                "shard {}: cannot accept data connections: {e}{r}: retrying every 100 ms",
                                 expect.shard
                             );
                         }
@@ -91,10 +92,13 @@ impl DataConns {
                 };
                 let Some(conns) = weak.upgrade() else { return };
                 let expect = expect.clone();
+                let refused = refused.clone();
                 tokio::spawn(async move {
-                    if let Err(e) = conns.hello(sock, &expect, idle).await {
+                    if let Err(e) = conns.hello(sock, &expect, idle).await
+                        && let Some(r) = refused.hit()
+                    {
                         tracing::warn!(
-                            "shard {}: data connection from {peer} refused: {e}",
+                            "shard {}: data connection from {peer} refused: {e}{r}",
                             expect.shard
                         );
                     }

@@ -363,7 +363,7 @@ async fn run_generation(
         }),
         stream_idle: Duration::from_secs_f64(cfg.server.stream_idle_secs),
         shard_token: shard_token.clone(),
-        refused_reports: Default::default(),
+        refusals: Default::default(),
         max_streams,
         recovery: cell.clone(),
         wire: cfg.cluster.wire,
@@ -537,6 +537,7 @@ async fn run_generation(
         ),
         _ => {}
     }
+    watcher.log_unreported_refusals();
     Ok(outcome)
 }
 

@@ -19,7 +19,7 @@ pub struct Peers {
     /// Calls under way per connection.
     streams: Mutex<HashMap<SocketAddr, usize>>,
     /// Connections that reached `[server] max_streams_per_connection`, logged once per interval.
-    full: Mutex<crate::accept::Throttle>,
+    full: Mutex<ps_common::throttle::Throttle>,
 }
 
 /// A call under way on a connection ([`Peers::stream`]); counted until dropped.
@@ -82,11 +82,10 @@ impl Peers {
                 *n
             };
             if n >= max
-                && let Some((times, total)) =
-                    self.full.lock().unwrap_or_else(|e| e.into_inner()).hit()
+                && let Some(r) = self.full.lock().unwrap_or_else(|e| e.into_inner()).hit()
             {
                 tracing::warn!(
-                    "shard {shard}: connection {a} has {n} calls under way, the most [server] max_streams_per_connection allows: further streams on it are refused until one ends ({times} times since the last report, {total} in all)"
+                    "shard {shard}: connection {a} has {n} calls under way, the most [server] max_streams_per_connection allows: further streams on it are refused until one ends{r}"
                 );
             }
         }

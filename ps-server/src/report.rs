@@ -15,6 +15,7 @@ use ps_common::config::{Aggregation, Config, LossReduction};
 use ps_common::noise::{self, NoiseScale};
 use ps_common::pb::parameter_server_client::ParameterServerClient;
 use ps_common::pb::{RankSqNorm, StepReport};
+use ps_common::throttle::SharedThrottle;
 use serde_json::json;
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -219,6 +220,8 @@ impl Pending {
 /// Shard 0's gradient noise scale over the run.
 struct Noise {
     scale: NoiseScale,
+    /// The advice on the global batch, stable against a wobbling estimate.
+    advisor: noise::Advisor,
     /// The W = 1 line was logged.
     said_one_worker: bool,
 }
@@ -255,6 +258,7 @@ async fn run(cfg: ReporterConfig, mut rx: mpsc::UnboundedReceiver<Event>) {
     let mut pending: BTreeMap<u64, Pending> = BTreeMap::new();
     let mut noise = Noise {
         scale: NoiseScale::new(NOISE_DECAY),
+        advisor: noise::Advisor::new(),
         said_one_worker: false,
     };
     let mut tick = tokio::time::interval(Duration::from_secs(1));
@@ -320,7 +324,11 @@ async fn run(cfg: ReporterConfig, mut rx: mpsc::UnboundedReceiver<Event>) {
                     .collect();
                 for s in stale {
                     let p = pending.remove(&s).expect("present");
-                    tracing::warn!("step {s}: only {} of {} shards reported; the gradient norm covers those", p.remote + 1, cfg.num_shards);
+                    // a shard whose reports fail does so every step: once per LOG_EVERY
+                    static PARTIAL: SharedThrottle = SharedThrottle::new();
+                    if let Some(r) = PARTIAL.hit() {
+                        tracing::warn!("step {s}: only {} of {} shards reported; the gradient norm covers those{r}", p.remote + 1, cfg.num_shards);
+                    }
                     emit(&cfg, p, metrics.as_mut(), tb.as_mut(), &mut noise);
                 }
                 // reports of a step this shard never applied (it failed, or they were wrong)
@@ -405,7 +413,7 @@ fn emit(
                 s.grad_sq,
                 (1.0 / (1.0 - NOISE_DECAY)).min(s.steps as f64),
                 s.steps,
-                noise::advice(s.b_noise, f.samples)
+                noise.advisor.advise(s.b_noise, f.samples)
             );
         }
     }
@@ -442,11 +450,11 @@ fn emit(
             line["rank_grad_sq_norms"] = serde_json::Value::Object(by_rank);
         }
         if let Err(e) = writeln!(m, "{line}") {
-            // a full disk fails every step: said once per accept::LOG_EVERY, with a count
-            static FAILED: crate::accept::SharedThrottle = crate::accept::SharedThrottle::new();
-            if let Some((n, total)) = FAILED.hit() {
+            // a full disk fails every step: said once per throttle::LOG_EVERY, with a count
+            static FAILED: SharedThrottle = SharedThrottle::new();
+            if let Some(r) = FAILED.hit() {
                 tracing::warn!(
-                    "cannot append step {} to the metrics file: {e} ({n} steps since the last report, {total} in all)",
+                    "cannot append step {} to the metrics file: {e}{r}",
                     f.step + 1
                 );
             }
@@ -470,17 +478,14 @@ fn emit(
     }
 }
 
-/// Writes scalars to the event file; a failure is logged once per `accept::LOG_EVERY` with a
+/// Writes scalars to the event file; a failure is logged once per `throttle::LOG_EVERY` with a
 /// count (a full disk must not flood the log).
 fn tensorboard_scalars(w: &mut crate::tensorboard::EventWriter, step: u64, values: &[(&str, f64)]) {
-    static FAILED: crate::accept::SharedThrottle = crate::accept::SharedThrottle::new();
+    static FAILED: SharedThrottle = SharedThrottle::new();
     if let Err(e) = w.scalars(step, unix_time(), values)
-        && let Some((n, total)) = FAILED.hit()
+        && let Some(r) = FAILED.hit()
     {
-        tracing::warn!(
-            "cannot write to {}: {e} ({n} times since the last report, {total} in all)",
-            w.path().display()
-        );
+        tracing::warn!("cannot write to {}: {e}{r}", w.path().display());
     }
 }
 

@@ -16,6 +16,7 @@ use ps_common::pb::{
     PushChunk, PushReply, RecoverReply, RecoverRequest, RegisterReply, RegisterRequest,
     ReportReply, StepReport, UnusedReply, UnusedRequest,
 };
+use ps_common::throttle::ThrottleMap;
 use ps_common::wire::{StreamCheck, TensorReceiver, check_and_fingerprint, chunks};
 use ps_common::{PROTOCOL_VERSION, PsError, PsResult};
 use std::pin::Pin;
@@ -53,8 +54,10 @@ pub struct ShardService {
     pub shard_token: Option<ps_common::auth::Token>,
     /// `[server] max_streams_per_connection` (enforced by HTTP/2; logged here when reached).
     pub max_streams: usize,
-    /// Refused step reports, logged once per interval.
-    pub refused_reports: Arc<std::sync::Mutex<crate::accept::Throttle>>,
+    /// Refused requests (pushes by gRPC code, step reports), logged once per
+    /// `throttle::LOG_EVERY` for each kind with a count; the rest is said when the shard stops
+    /// ([`ShardService::log_unreported_refusals`]).
+    pub refusals: Arc<ThrottleMap<(&'static str, String)>>,
     /// The run this shard belongs to (empty: unnamed), told to registering workers.
     pub run_id: String,
     /// The cluster generation this shard serves, and the rollback it may be ordered to make
@@ -108,6 +111,27 @@ pub const WORKER_STOPPED: &str = "stopped on an error";
 pub const REPORT_WINDOW: u64 = 16;
 
 impl ShardService {
+    /// The refusals counted but not logged yet (rate-limited), in one line per kind, so that
+    /// the counts in the log add up to every refusal; called when the shard stops.
+    pub fn log_unreported_refusals(&self) {
+        for ((what, code), r) in self.refusals.unreported() {
+            tracing::warn!(
+                "shard {}: {} more refused {what} ({code}) since the last report, {} in all",
+                self.shard.index,
+                r.since,
+                r.total
+            );
+        }
+        for (what, r) in ps_common::auth::unreported_refusals() {
+            tracing::warn!(
+                "shard {}: {} more requests {what} refused since the last report, {} in all",
+                self.shard.index,
+                r.since,
+                r.total
+            );
+        }
+    }
+
     /// A push; `leased` is set once its header presented the rank's lease (only then may a
     /// failure close the rank's data connection).
     async fn push_inner(
@@ -1108,7 +1132,9 @@ impl ParameterServer for ShardService {
                     data.close(rank).await;
                 }
                 self.metrics.refused(e.code());
-                tracing::warn!(shard = self.shard.index, "push refused: {e}");
+                if let Some(r) = self.refusals.hit(&("pushes", format!("{:?}", e.code()))) {
+                    tracing::warn!(shard = self.shard.index, "push refused: {e}{r}");
+                }
                 Err(e.into())
             }
         }
@@ -1205,19 +1231,16 @@ impl ParameterServer for ShardService {
     ) -> Result<Response<ReportReply>, Status> {
         let peer = request.remote_addr();
         let checked = self.check_report(&request);
-        if let Err(e) = &checked {
-            let hit = self
-                .refused_reports
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .hit();
-            if let Some((n, total)) = hit {
-                tracing::warn!(
-                    "shard {}: refused {n} step reports ({total} in all), the latest from {}: {e}",
-                    self.shard.index,
-                    peer.map_or_else(|| "an unknown peer".into(), |a| a.to_string())
-                );
-            }
+        if let Err(e) = &checked
+            && let Some(r) = self
+                .refusals
+                .hit(&("step reports", format!("{:?}", e.code())))
+        {
+            tracing::warn!(
+                "shard {}: refused a step report from {}: {e}{r}",
+                self.shard.index,
+                peer.map_or_else(|| "an unknown peer".into(), |a| a.to_string())
+            );
         }
         checked?;
         let r = request.into_inner();

@@ -19,10 +19,28 @@ pub struct ReferenceRun {
     pub last_loss: f64,
 }
 
+/// Which single process a reference run is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// One gradient of the whole global batch (the single-process run of
+    /// [`Config::equivalence`]).
+    GlobalBatch,
+    /// The mean of the `W` workers' mean gradients, each of its own part of the global batch,
+    /// with equal weights: what `aggregation = "mean"` computes when the parts are uneven
+    /// ([`ps_common::config::Equivalence::mean_of_means`]). Equals [`Kind::GlobalBatch`] up
+    /// to rounding when every part has the same length.
+    MeanOfMeans,
+}
+
 /// Trains `cfg`'s model in one process on `train` for the run's steps, as the single-process
 /// run of [`Config::equivalence`]: batch `B`, the configured loss reduction, and the
 /// equivalent learning rate (or gradient scale, when the optimizer makes them differ).
 pub fn run_reference(cfg: &Config, train: &Dataset) -> anyhow::Result<ReferenceRun> {
+    run_reference_of(cfg, train, Kind::GlobalBatch)
+}
+
+/// [`run_reference`], computing each step's gradient as `kind` says.
+pub fn run_reference_of(cfg: &Config, train: &Dataset, kind: Kind) -> anyhow::Result<ReferenceRun> {
     let layout = cfg.layout();
     let total = cfg.total_steps(train.len())?;
     let eq = cfg.equivalence();
@@ -40,13 +58,35 @@ pub fn run_reference(cfg: &Config, train: &Dataset) -> anyhow::Result<ReferenceR
     let mut backend = CpuBackend::new(layout.clone(), 0);
     let mut planner = BatchPlanner::new(cfg.data_order(train.len()));
     let mut grad = vec![0f32; params.len()];
+    let mut part = vec![0f32; params.len()];
     let (mut x, mut y) = (Vec::new(), Vec::new());
     let mut last_loss = 0.0;
+    let world = cfg.cluster.workers;
     for t in 0..total {
-        train.gather(planner.global_batch(t), &mut x, &mut y);
         backend.set_weights(&params)?;
-        let stats = backend.forward_backward(&x, &y, cfg.train.loss_reduction, &mut grad)?;
-        last_loss = stats.loss_sum / y.len().max(1) as f64;
+        if kind == Kind::GlobalBatch {
+            train.gather(planner.global_batch(t), &mut x, &mut y);
+            let stats = backend.forward_backward(&x, &y, cfg.train.loss_reduction, &mut grad)?;
+            last_loss = stats.loss_sum / y.len().max(1) as f64;
+        } else {
+            // each worker's mean gradient, summed in rank order with coefficient 1/W as the
+            // shards do; a worker without samples contributes nothing
+            grad.iter_mut().for_each(|g| *g = 0.0);
+            let (mut loss_sum, mut samples) = (0.0, 0usize);
+            let c = 1.0 / world as f32;
+            for rank in 0..world {
+                train.gather(planner.worker_batch(t, rank, world), &mut x, &mut y);
+                if y.is_empty() {
+                    continue;
+                }
+                let stats =
+                    backend.forward_backward(&x, &y, cfg.train.loss_reduction, &mut part)?;
+                loss_sum += stats.loss_sum;
+                samples += y.len();
+                grad.iter_mut().zip(&part).for_each(|(g, p)| *g += c * p);
+            }
+            last_loss = loss_sum / samples.max(1) as f64;
+        }
         if grad_factor != 1.0 {
             grad.iter_mut().for_each(|g| *g *= grad_factor);
         }

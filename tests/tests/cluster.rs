@@ -12,6 +12,12 @@ use std::time::Duration;
 const TOL: f64 = 1e-5;
 
 fn equivalence(spec: Spec) -> f64 {
+    run_equivalence(spec).0
+}
+
+/// Runs `spec` as a cluster; its largest relative difference from the single process, its
+/// config and its final weights.
+fn run_equivalence(spec: Spec) -> (f64, ps_common::config::Config, Vec<f32>) {
     let dir = tempfile::tempdir().unwrap();
     let (path, cfg) = spec.write(dir.path());
     run_cluster(&path, &cfg, &Start::default());
@@ -28,7 +34,7 @@ fn equivalence(spec: Spec) -> f64 {
         cfg.equivalence(),
         spec.aggregation
     );
-    d
+    (d, cfg, got)
 }
 
 #[test]
@@ -70,15 +76,36 @@ fn c_weighted_aggregation_with_uneven_batches_equals_one_process() {
 }
 
 #[test]
-fn d_plain_mean_with_uneven_batches_is_biased() {
-    let d = equivalence(Spec {
+fn d_plain_mean_with_uneven_batches_is_biased_and_equals_the_mean_of_means() {
+    let spec = Spec {
         global_batch: 30,
         aggregation: Aggregation::Mean,
         ..Spec::default()
-    });
+    };
+    let (d, cfg, got) = run_equivalence(spec);
+    let eq = cfg.equivalence();
+    assert!(!eq.exact && eq.mean_of_means, "{eq}");
+    assert!(
+        eq.to_string()
+            .contains("it equals (up to float rounding) one process that averages the 4 workers' mean gradients with equal weights (mean of means)"),
+        "{eq}"
+    );
     assert!(
         d > 10.0 * TOL,
         "mean of means with batches 8,8,7,7 should differ: {d:.3e}"
+    );
+    // what the run does equal: the mean of the workers' mean gradients
+    let want = ps_worker::reference::run_reference_of(
+        &cfg,
+        ps_tests::mnist_train(),
+        ps_worker::reference::Kind::MeanOfMeans,
+    )
+    .unwrap()
+    .weights;
+    let m = rel_diff(&cfg, &got, &want);
+    assert!(
+        m < TOL,
+        "mean of means: relative difference {m:.3e} >= {TOL:e}"
     );
 }
 

@@ -25,16 +25,12 @@ fn a_missing_rank_is_named_then_the_barrier_times_out() {
         .start_servers(1, &[], Duration::from_secs(60))
         .unwrap();
     cluster.start_worker(0, cfg.cluster.workers, &[]).unwrap();
-    let started = Instant::now();
+    // bounded by the barrier timeout: the shard's exit code and log below say it ended there
+    // (a wall-clock bound would say nothing more, and fail on a loaded machine)
     let err = cluster
         .wait(Duration::from_secs(60), &|| false)
         .unwrap_err()
         .to_string();
-    assert!(
-        started.elapsed() < Duration::from_secs(30),
-        "bounded: {:?}",
-        started.elapsed()
-    );
     let log = std::fs::read_to_string(dir.path().join("logs/shard-0.log")).unwrap();
     assert!(
         log.contains("for ranks [1] (1 of 2 in)"),
@@ -155,11 +151,11 @@ fn a_short_run_finishes_cleanly_with_workers_leaving() {
     };
     let dir = tempfile::tempdir().unwrap();
     let (path, cfg) = spec.write(dir.path());
-    let t0 = Instant::now();
     run_cluster(&path, &cfg, &Start::default());
-    // servers exit as soon as every worker has left, not after linger_secs (30 s)
-    assert!(t0.elapsed() < Duration::from_secs(20), "{:?}", t0.elapsed());
     let log = std::fs::read_to_string(dir.path().join("logs/shard-0.log")).unwrap();
+    // servers exit as soon as every worker has left, not after linger_secs (30 s): said by
+    // the log (a wall-clock bound would fail on a loaded machine)
+    assert!(!log.contains("did not leave within"), "{log}");
     assert!(
         log.contains("training finished: 3 steps; final test accuracy"),
         "{log}"

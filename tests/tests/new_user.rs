@@ -481,3 +481,55 @@ fn ps_launch_spreads_workers_over_the_gpus_and_says_when_two_share_one() {
         );
     }
 }
+
+/// `--check-reference` on `aggregation = "mean"` over an uneven split (17/17/16), which the run
+/// calls "approximately (not exactly) equivalent": it compares with what the run equals (the
+/// mean of the workers' mean gradients), agrees, and says how far the global-batch process is
+/// and why. It used to compare with the global batch, exit 1 with "DO NOT agree" and blame
+/// float rounding.
+#[test]
+fn check_reference_on_uneven_mean_aggregation_compares_with_the_mean_of_means() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = Spec {
+        shards: 1,
+        workers: 3,
+        global_batch: 50,
+        steps: 4,
+        aggregation: ps_common::config::Aggregation::Mean,
+        ..Spec::default()
+    };
+    let (path, _cfg) = spec.write(dir.path());
+    let out = dir.path().join("out");
+    let (stdout, _) = launch(&path, out.to_str().unwrap());
+    assert!(
+        stdout.contains("approximately (not exactly) equivalent to one process with batch 50")
+            && stdout.contains("it equals (up to float rounding) one process that averages the 3 workers' mean gradients"),
+        "{stdout}"
+    );
+    let number = |line: &str, after: &str| -> f64 {
+        line.split(after)
+            .nth(1)
+            .and_then(|r| r.split(' ').next())
+            .and_then(|x| x.parse().ok())
+            .unwrap_or_else(|| panic!("a number after {after:?} in {line}"))
+    };
+    let early = stdout
+        .lines()
+        .find(|l| l.contains("after 1 step(s):"))
+        .unwrap_or_else(|| panic!("{stdout}"));
+    assert!(number(early, "difference ") < 1e-5, "{stdout}");
+    let compared = stdout
+        .lines()
+        .find(|l| l.contains("compared with:"))
+        .unwrap_or_else(|| panic!("{stdout}"));
+    assert!(
+        compared.contains("(mean of means)") && compared.contains("not float rounding"),
+        "{compared}"
+    );
+    // the global batch is beyond the tolerance: the weighting, not rounding
+    assert!(
+        number(compared, "differs from the cluster by ") > 1e-5,
+        "{compared}"
+    );
+    assert!(stdout.contains("verdict: the runs agree"), "{stdout}");
+}

@@ -445,3 +445,55 @@ fn plan_merges_into_an_existing_config() {
     assert_eq!(code, 2);
     assert!(stderr.contains("give --out OUT"), "{stderr}");
 }
+
+/// One answer to "D2L sums, DDP averages", word for word in the README, `ps-plan
+/// --data-parallel`, `ps-server --check` and the run's log (the last two with the warning of a
+/// mean loss summed over the workers). They used to answer it in opposite-sounding ways
+/// ("rescales your lr" / "Do not copy the summing"), and `--check` omitted the warning.
+#[test]
+fn one_answer_to_d2l_sums_ddp_averages_in_the_readme_ps_plan_check_and_the_log() {
+    let answer = ps_common::config::SUM_OR_MEAN;
+    let readme =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md")).unwrap();
+    assert!(readme.contains(answer), "README.md lacks: {answer}");
+    let out = plan_ok("--batch 64 --lr 0.1 --loss mean --data-parallel 4 --workers 4");
+    // ps-plan wraps its comments at 100 columns: the sentence, its lines joined
+    let unwrapped = out.replace("\n# ", " ");
+    assert!(
+        unwrapped.contains(answer),
+        "ps-plan --data-parallel:\n{out}"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let (path, _) = Spec {
+        shards: 1,
+        aggregation: Aggregation::Sum,
+        ..Spec::default()
+    }
+    .write(dir.path());
+    let check = Command::new(bin_dir().join("ps-server"))
+        .arg("--config")
+        .arg(&path)
+        .args(["--shard", "0", "--listen", "127.0.0.1:0", "--check"])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&check.stdout);
+    assert!(check.status.success(), "{stdout}");
+    let warning = stdout
+        .lines()
+        .find(|l| l.starts_with("warning: loss_reduction \"mean\" with aggregation \"sum\""))
+        .unwrap_or_else(|| panic!("ps-server --check:\n{stdout}"));
+    assert!(warning.contains(answer), "{warning}");
+    // the run's log: the shard's start-up lines
+    let mut cluster =
+        ps_launch::LocalCluster::new(bin_dir(), path.clone(), Some(dir.path().join("logs")));
+    cluster
+        .start_servers(1, &[], std::time::Duration::from_secs(60))
+        .unwrap();
+    let log = std::fs::read_to_string(dir.path().join("logs/shard-0.log")).unwrap();
+    cluster.kill_all();
+    let logged = log
+        .lines()
+        .find(|l| l.contains(" WARN ") && l.contains("with aggregation \"sum\" makes the gradient"))
+        .unwrap_or_else(|| panic!("the run's log:\n{log}"));
+    assert!(logged.contains(answer), "{logged}");
+}

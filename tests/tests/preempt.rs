@@ -61,16 +61,23 @@ fn sigterm_checkpoints_at_a_common_step_and_the_resume_is_bit_identical() {
         // SAFETY: kill(2) on this test's own child.
         unsafe { libc::kill(p.child.id() as i32, libc::SIGTERM) };
     }
+    // each shard stops on its own (within PREEMPT_GRACE plus its stop, more on a loaded
+    // machine): a bounded wait that names what it waits for, not a speed assertion
     let t1 = Instant::now();
     for p in cluster.servers.iter_mut() {
-        let st = p.child.wait().unwrap();
+        let st = loop {
+            if let Some(st) = p.child.try_wait().unwrap() {
+                break st;
+            }
+            assert!(
+                t1.elapsed() < Duration::from_secs(120),
+                "{} has not exited 120 s after SIGTERM",
+                p.name
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        };
         assert_eq!(st.code(), Some(143), "{}: {st:?}", p.name);
     }
-    assert!(
-        t1.elapsed() < Duration::from_secs(15),
-        "bounded: {:?}",
-        t1.elapsed()
-    );
     for p in cluster.workers.iter_mut() {
         let _ = p.child.wait();
     }

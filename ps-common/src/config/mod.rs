@@ -119,6 +119,11 @@ pub struct Setting {
 /// The prefix of the environment variables that override config keys.
 pub const ENV_PREFIX: &str = "PS_SET_";
 
+/// The one answer to "D2L sums, DDP averages", word for word wherever it is given: the README,
+/// `ps-server --check` and the run's log (with the warning of a mean loss summed over workers),
+/// and `ps-plan --data-parallel`.
+pub const SUM_OR_MEAN: &str = "D2L sums, DDP averages: both are one process with the global batch and its lr, which aggregation = \"mean\" (or \"weighted\") reproduces at that lr; aggregation = \"sum\" with a mean loss multiplies the lr by the number of workers";
+
 /// Keys that exclude each other, by section: an override that sets one clears the others (a
 /// file stating `epochs` takes `--set train.steps=100`, and back).
 pub const ALTERNATIVES: [(&str, &[&str]); 2] = [
@@ -628,22 +633,24 @@ impl Config {
         let b = self.worker_batches();
         let uneven = b.iter().any(|&x| x != b[0]);
         let mut warnings = Vec::new();
+        let mut mean_of_means = false;
         let (grad_scale, exact) = match (self.train.loss_reduction, self.train.aggregation) {
             (LossReduction::Mean, Aggregation::Mean) => {
                 if uneven {
                     warnings.push(format!(
-                        "aggregation \"mean\" with uneven per-worker batches {b:?} weights every worker equally, so samples on smaller workers count more: the result is NOT exactly the single-process run; use aggregation = \"weighted\""
+                        "aggregation \"mean\" with uneven per-worker batches {b:?} weights every worker equally, so samples on smaller workers count more: the result is NOT exactly the single-process run (it is exactly the mean of the workers' mean gradients); use aggregation = \"weighted\""
                     ));
                 }
                 if self.train.keep_last {
                     warnings.push("aggregation \"mean\" with keep_last = true: the short last batch of each epoch is split unevenly, and mean of means is biased there; use aggregation = \"weighted\"".into());
                 }
-                (1.0, !uneven && !self.train.keep_last)
+                mean_of_means = uneven || self.train.keep_last;
+                (1.0, !mean_of_means)
             }
             (LossReduction::Mean, Aggregation::Weighted) => (1.0, true),
             (LossReduction::Mean, Aggregation::Sum) => {
                 warnings.push(format!(
-                    "loss_reduction \"mean\" with aggregation \"sum\" makes the gradient {w} times the single-process mean gradient: this is the learning rate times {w} (use aggregation = \"mean\" or \"weighted\" to keep the lr you set)"
+                    "loss_reduction \"mean\" with aggregation \"sum\" makes the gradient {w} times the single-process mean gradient: this is the learning rate times {w} (use aggregation = \"mean\" or \"weighted\" to keep the lr you set). {SUM_OR_MEAN}."
                 ));
                 (w, !uneven)
             }
@@ -676,6 +683,8 @@ impl Config {
             lr: self.schedule.base_lr * grad_scale,
             lr_is_scale,
             exact,
+            mean_of_means,
+            workers: self.cluster.workers,
             warnings,
         }
     }
@@ -762,6 +771,13 @@ pub struct Equivalence {
     pub lr_is_scale: bool,
     /// False when the combination is only approximately a single-process run.
     pub exact: bool,
+    /// True for `aggregation = "mean"` over per-worker batches that are not all equal (uneven
+    /// split, or a kept short last batch): the run then equals exactly one process that
+    /// averages the workers' mean gradients with equal weights (mean of means), not the
+    /// global-batch mean; `--check-reference` compares with that.
+    pub mean_of_means: bool,
+    /// `W`, the workers whose mean gradients are averaged.
+    pub workers: usize,
     /// Plain-words warnings (rescaled lr, biased mean).
     pub warnings: Vec<String>,
 }
@@ -780,7 +796,15 @@ impl fmt::Display for Equivalence {
                 self.global_batch,
                 self.loss_reduction,
                 fmt_num(self.lr)
-            )
+            )?;
+            if self.mean_of_means {
+                write!(
+                    f,
+                    "; it equals (up to float rounding) one process that averages the {} workers' mean gradients with equal weights (mean of means)",
+                    self.workers
+                )?;
+            }
+            Ok(())
         } else {
             write!(
                 f,
