@@ -12,7 +12,8 @@
 #   4. Prometheus' text parser (prometheus-client) on the live shards' /metrics after the run;
 #   5. TensorBoard's reader after a crash and `ps-launch --resume` (the whole process group
 #      killed past a checkpoint): each step shows once, with the resumed run's value, because
-#      the resumed file starts with a SessionLog START (Event field 7) at the resumed step + 1.
+#      the resumed file starts with a SessionLog START (Event field 7) at the resumed step + 1;
+#   6. the README's Fashion-MNIST CNN job (deploy/fashion-cnn.toml), cut to 40 steps.
 # Needs the release binaries (the README's test command builds them first) and python3.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -204,5 +205,23 @@ for e, l in zip(sorted(loss, key=lambda e: e.step), steps):
     assert e.step == l["step"] and math.isclose(e.value, l["loss"], rel_tol=1e-6), (e, l)
 print(f"deploy-checks: killed after {before} steps and resumed: TensorBoard's EventAccumulator read "
       f"{len(files)} event files and shows each of the 400 steps once, equal to metrics.jsonl")
+EOF
+# 6. the README's Fashion-MNIST CNN job (deploy/fashion-cnn.toml) runs, cut to 40 steps: the
+# command whose full run gives the README's accuracy, with the CNN's tensors in the export
+echo "deploy-checks: ps-launch --config deploy/fashion-cnn.toml, cut to 40 steps"
+target/release/ps-launch --config deploy/fashion-cnn.toml --set train.steps=40 --set train.eval_every=0 \
+    --out-dir "$work/fashion-cnn" > "$work/fashion-cnn.log" 2>&1 || { tail -30 "$work/fashion-cnn.log"; exit 1; }
+"$PY" - "$work/fashion-cnn" <<'EOF'
+import json, sys
+out = sys.argv[1]
+lines = [json.loads(l) for l in open(f"{out}/metrics.jsonl")]
+final = [l for l in lines if "final" in l]
+assert final and final[-1]["test_acc"] > 0.2, final  # chance is 0.1; 0.33 measured
+f = open(f"{out}/model.safetensors", "rb")
+n = int.from_bytes(f.read(8), "little")
+meta = json.loads(f.read(n))
+assert meta["conv1.weight"]["shape"] == [16, 1, 5, 5] and meta["fc2.bias"]["shape"] == [10], meta
+print(f"deploy-checks: deploy/fashion-cnn.toml cut to 40 steps: test accuracy {final[-1]['test_acc']:.4f}, "
+      f"model.safetensors holds conv1.weight [16, 1, 5, 5] ... fc2.bias [10]")
 EOF
 echo "deploy-checks: all passed"
