@@ -1,7 +1,7 @@
 //! Section 6: the built-in CNN's CPU forward+backward against PyTorch's on the same machine, in
 //! the same run: one thread each (`MATMUL_NUM_THREADS=1` here, `torch.set_num_threads(1)`
 //! there), the same batch and geometry (the CNN of `deploy/fashion-cnn.toml`: 1 x 28 x 28,
-//! conv 5x5 8 and 16 channels, 2x2 max-pooling, linear 256 -> 64 -> 10), synthetic pixels.
+//! conv 5x5 16 and 32 channels, 2x2 max-pooling, linear 512 -> 64 -> 10), synthetic pixels.
 //! Figure: median milliseconds of forward + loss + backward, and the ratio ours / PyTorch's.
 
 use ps_common::config::LossReduction;
@@ -19,8 +19,8 @@ batch, repeats, warmup = (int(a) for a in sys.argv[1:4])
 class CNN(nn.Module):
     def __init__(self):
         super().__init__()
-        self.conv1 = nn.Conv2d(1, 8, 5); self.conv2 = nn.Conv2d(8, 16, 5)
-        self.fc1 = nn.Linear(256, 64); self.fc2 = nn.Linear(64, 10)
+        self.conv1 = nn.Conv2d(1, 16, 5); self.conv2 = nn.Conv2d(16, 32, 5)
+        self.fc1 = nn.Linear(512, 64); self.fc2 = nn.Linear(64, 10)
     def forward(self, x):
         x = F.max_pool2d(F.relu(self.conv1(x)), 2)
         x = F.max_pool2d(F.relu(self.conv2(x)), 2)
@@ -41,7 +41,7 @@ print(json.dumps({"ms": out, "torch": torch.__version__}))
 fn layout() -> CnnLayout {
     CnnLayout::new(CnnShape {
         image: [1, 28, 28],
-        channels: vec![8, 16],
+        channels: vec![16, 32],
         kernel: 5,
         stride: 1,
         padding: 0,

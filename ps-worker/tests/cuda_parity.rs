@@ -25,7 +25,8 @@ use ps_common::config::LossReduction;
 use ps_common::layout::{MlpLayout, splitmix64};
 use ps_worker::backend::{Backend, BackendError, StepStats};
 use ps_worker::cpu::CpuBackend;
-use ps_worker::cuda::{CudaBackend, EVAL_ROWS};
+use ps_worker::cuda::{CudaBackend, CudaDevice, EVAL_ROWS};
+use ps_worker::ops::Device;
 
 /// Largest accepted relative error of a gradient tensor or a loss sum.
 const TOL: f64 = 1e-4;
@@ -97,6 +98,26 @@ fn prefixes(layout: &MlpLayout, w: &[f32]) -> Vec<CpuBackend> {
             b
         })
         .collect()
+}
+
+/// `len` values uniform in [-1, 1), a function of `seed`.
+fn rand(seed: u64, len: usize) -> Vec<f32> {
+    (0..len as u64).map(|i| uniform(seed, i)).collect()
+}
+
+/// A device buffer holding `v`.
+fn on_gpu(gpu: &mut CudaDevice, v: &[f32]) -> cudarc::driver::CudaSlice<f32> {
+    let mut b = gpu.alloc(v.len()).unwrap();
+    gpu.upload(v, CudaDevice::view_mut(&mut b, 0..v.len()))
+        .unwrap();
+    b
+}
+
+/// The first `len` values of a device buffer.
+fn back(gpu: &mut CudaDevice, b: &cudarc::driver::CudaSlice<f32>, len: usize) -> Vec<f32> {
+    let mut v = vec![f32::NAN; len];
+    gpu.download(CudaDevice::view(b, 0..len), &mut v).unwrap();
+    v
 }
 
 /// For each row of `x`, its logits when every hidden pre-activation is at least `MARGIN` from
@@ -581,23 +602,9 @@ fn the_gradient_is_handed_on_while_backward_runs() {
 #[ignore = "needs a CUDA GPU: run with --ignored on a GPU machine (scripts/gpu-check.sh)"]
 fn conv_and_pool_operations_parity() {
     use ps_worker::cpu::CpuDevice;
-    use ps_worker::cuda::CudaDevice;
-    use ps_worker::ops::{ConvGeom, Device};
-    let rand =
-        |seed: u64, len: usize| -> Vec<f32> { (0..len as u64).map(|i| uniform(seed, i)).collect() };
+    use ps_worker::ops::ConvGeom;
     let mut cpu = CpuDevice::new(1);
     let mut gpu = CudaDevice::new(ordinal()).expect("a CUDA device");
-    let on_gpu = |gpu: &mut CudaDevice, v: &[f32]| {
-        let mut b = gpu.alloc(v.len()).unwrap();
-        gpu.upload(v, CudaDevice::view_mut(&mut b, 0..v.len()))
-            .unwrap();
-        b
-    };
-    let back = |gpu: &mut CudaDevice, b: &cudarc::driver::CudaSlice<f32>, len: usize| {
-        let mut v = vec![f32::NAN; len];
-        gpu.download(CudaDevice::view(b, 0..len), &mut v).unwrap();
-        v
-    };
     for (n, c, h, w, k, s, p) in [
         (2, 1, 28, 28, 5, 1, 0),
         (3, 4, 12, 12, 5, 1, 2),
@@ -698,23 +705,9 @@ fn conv_and_pool_operations_parity() {
 #[ignore = "needs a CUDA GPU: run with --ignored on a GPU machine (scripts/gpu-check.sh)"]
 fn channel_bias_and_accumulating_product_parity() {
     use ps_worker::cpu::CpuDevice;
-    use ps_worker::cuda::CudaDevice;
-    use ps_worker::ops::{Device, Mat};
-    let rand =
-        |seed: u64, len: usize| -> Vec<f32> { (0..len as u64).map(|i| uniform(seed, i)).collect() };
+    use ps_worker::ops::Mat;
     let mut cpu = CpuDevice::new(1);
     let mut gpu = CudaDevice::new(ordinal()).expect("a CUDA device");
-    let on_gpu = |gpu: &mut CudaDevice, v: &[f32]| {
-        let mut b = gpu.alloc(v.len()).unwrap();
-        gpu.upload(v, CudaDevice::view_mut(&mut b, 0..v.len()))
-            .unwrap();
-        b
-    };
-    let back = |gpu: &mut CudaDevice, b: &cudarc::driver::CudaSlice<f32>, len: usize| {
-        let mut v = vec![f32::NAN; len];
-        gpu.download(CudaDevice::view(b, 0..len), &mut v).unwrap();
-        v
-    };
     for (n, c, plane) in [(3, 5, 7), (2, 8, 576), (1, 300, 1)] {
         let len = n * c * plane;
         let z = rand(41, len);
