@@ -14,7 +14,8 @@
 #      killed past a checkpoint): each step shows once, with the resumed run's value, because
 #      the resumed file starts with a SessionLog START (Event field 7) at the resumed step + 1;
 #   6. the README's main job (`ps-launch --config deploy/mnist.toml --check-reference`): the
-#      numbers of the README's example output, each within the band the README states.
+#      numbers of the README's example output, each within the band the README states;
+#   7. the README's Fashion-MNIST CNN job (deploy/fashion-cnn.toml), cut to 40 steps.
 # Needs the release binaries (the README's test command builds them first) and python3.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -252,5 +253,24 @@ print(f"deploy-checks: the README's main job: {got['version']} steps, {got['para
       f"early-step difference {got['early']:.1e} (README {want['early']:.1e}, both < 1e-6), test accuracy "
       f"{got['acc'][0]:.2f}% / {got['acc'][1]:.2f}% (README {want['acc'][0]:.2f}% / {want['acc'][1]:.2f}%, "
       f"within 0.3 points), final loss {got['loss']} (README {want['loss']}, within 0.005)")
+EOF
+
+# 7. the README's Fashion-MNIST CNN job (deploy/fashion-cnn.toml) runs, cut to 40 steps: the
+# command whose full run gives the README's accuracy, with the CNN's tensors in the export
+echo "deploy-checks: ps-launch --config deploy/fashion-cnn.toml, cut to 40 steps"
+target/release/ps-launch --config deploy/fashion-cnn.toml --set train.steps=40 --set train.eval_every=0 \
+    --out-dir "$work/fashion-cnn" > "$work/fashion-cnn.log" 2>&1 || { tail -30 "$work/fashion-cnn.log"; exit 1; }
+"$PY" - "$work/fashion-cnn" <<'EOF'
+import json, sys
+out = sys.argv[1]
+lines = [json.loads(l) for l in open(f"{out}/metrics.jsonl")]
+final = [l for l in lines if "final" in l]
+assert final and final[-1]["test_acc"] > 0.2, final  # chance is 0.1; 0.33 measured
+f = open(f"{out}/model.safetensors", "rb")
+n = int.from_bytes(f.read(8), "little")
+meta = json.loads(f.read(n))
+assert meta["conv1.weight"]["shape"] == [16, 1, 5, 5] and meta["fc2.bias"]["shape"] == [10], meta
+print(f"deploy-checks: deploy/fashion-cnn.toml cut to 40 steps: test accuracy {final[-1]['test_acc']:.4f}, "
+      f"model.safetensors holds conv1.weight [16, 1, 5, 5] ... fc2.bias [10]")
 EOF
 echo "deploy-checks: all passed"

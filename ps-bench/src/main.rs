@@ -19,13 +19,18 @@
 //! 3. **End-to-end training** with real `ps-server` and `ps-worker` processes (`LocalCluster`)
 //!    on the shipped MNIST, batch 64 per worker, plain SGD: median `step_ms` of shard 0's
 //!    `metrics.jsonl` after skipping the first steps, steps/s and samples/s; beside the same
-//!    model's single-process step (CpuBackend forward+backward at batch 64, one matmul thread,
+//!    model's single-process step (forward+backward at batch 64, one matmul thread,
 //!    plus the SGD update) and the compute bound `single · ceil(W / cores)`.
 //! 4. **Server memory**: each shard's peak resident memory (VmHWM, polled from
 //!    `/proc/<pid>/status` while the run goes) against its parameter bytes.
 //!
+//! 6. **The CNN against PyTorch**: the built-in CNN's CPU forward+backward and PyTorch's on one
+//!    thread each, batch 64, the same geometry, in the same run (`--python`, see `cnn.rs`).
+//!
 //! Every figure is the median of several repeats. Needs the `ps-server` and `ps-worker`
 //! binaries next to this one: `cargo build --release --bins` first.
+
+mod cnn;
 
 use anyhow::{Context, bail};
 use bytes::Bytes;
@@ -40,8 +45,6 @@ use ps_common::wire::f32_to_bytes;
 use ps_launch::{LocalCluster, bin_dir};
 use ps_server::shard::{PushMeta, Shard};
 use ps_server::{ShardSetup, run_shard};
-use ps_worker::backend::Backend;
-use ps_worker::cpu::CpuBackend;
 use serde_json::{Value, json};
 use std::fmt::Write as _;
 use std::future::Future;
@@ -75,7 +78,8 @@ struct Cli {
     #[arg(long)]
     json: Option<PathBuf>,
     /// Sections to run (3 includes 4, the memory of its runs; 5 is the scale section: one
-    /// ps-server process, W = 8, 32, 64 in-process clients pushing real gradient bytes).
+    /// ps-server process, W = 8, 32, 64 in-process clients pushing real gradient bytes; 6 the
+    /// CNN's CPU forward+backward against PyTorch's, one thread each, batch 64).
     #[arg(long, value_delimiter = ',', default_value = "1,2,3")]
     sections: Vec<u32>,
     /// Section 5: worker counts (default 2, 4, 8, 32, 64).
@@ -86,6 +90,10 @@ struct Cli {
     /// The shard's peak is about (3 + this) x its parameter bytes.
     #[arg(long, value_delimiter = ',')]
     scale_pending: Vec<usize>,
+    /// Section 6 (the CNN's forward+backward against PyTorch's): the Python that imports
+    /// torch.
+    #[arg(long, default_value = "python3")]
+    python: String,
     /// Section 5: the directory of the ps-server binary to measure (default: this build's),
     /// e.g. an older build to compare with.
     #[arg(long)]
@@ -250,6 +258,13 @@ fn run(cli: &Cli) -> anyhow::Result<bool> {
         let rows = section_scale(&tmp, &plan, &ws, &pending, &bin)?;
         println!("{}", table_scale(&rows));
         out["scale"] = Value::Array(rows);
+    }
+
+    if want(6) {
+        eprintln!("ps-bench: section 6, the CNN's forward+backward against PyTorch's");
+        let row = cnn::section_cnn(&cli.python, BATCH, if cli.quick { 10 } else { 30 })?;
+        println!("{}", cnn::table_cnn(&row));
+        out["cnn"] = row;
     }
 
     let load_end = loadavg();
@@ -958,9 +973,9 @@ fn single_process(cfg: &Config, repeats: usize, warmup: usize) -> anyhow::Result
     let lr = cfg.schedule.lr(0) as f32;
     let mut params = layout.init_range(cfg.train.seed, 0..n);
     let mut state = optimizer.init_state(n);
-    let mut backend = CpuBackend::new(layout, 1);
+    let mut backend = ps_worker::cpu::cpu_model(&layout, 1);
     // synthetic pixels in [0, 1] (the cost does not depend on the data)
-    let x: Vec<f32> = (0..BATCH * 784)
+    let x: Vec<f32> = (0..BATCH * layout.inputs())
         .map(|i| ((i * 7919) % 256) as f32 / 255.0)
         .collect();
     let y: Vec<u8> = (0..BATCH).map(|i| (i % 10) as u8).collect();

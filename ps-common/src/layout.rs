@@ -1,7 +1,8 @@
 //! The model as a list of named tensor specs in PyTorch `state_dict` order, flattened into one
 //! `f32` vector ([`ModelSpec`]); the split of that vector into shards; and the initial weights,
 //! a pure function of the seed and the flat index so every shard initialises its own range.
-//! [`MlpLayout`] is the built-in MLP: its widths plus the [`ModelSpec`] it produces.
+//! [`MlpLayout`] is the built-in MLP and [`CnnLayout`] the built-in CNN, each its geometry plus
+//! the [`ModelSpec`] it produces; [`ModelLayout`] is either.
 
 use std::ops::{Deref, Range};
 
@@ -11,8 +12,9 @@ use std::ops::{Deref, Range};
 pub enum Init {
     /// All zeros.
     Zeros,
-    /// PyTorch's default `nn.Linear` init for weights and biases: U(-1/sqrt(fan_in),
-    /// 1/sqrt(fan_in)).
+    /// PyTorch's default `nn.Linear` and `nn.Conv2d` init for weights and biases:
+    /// U(-1/sqrt(fan_in), 1/sqrt(fan_in)) (`kaiming_uniform_(a = sqrt(5))` for the weight),
+    /// `fan_in` being the inputs of a linear layer or `in_channels * k * k` of a convolution.
     LinearUniform {
         /// Inputs of the layer the tensor belongs to.
         fan_in: usize,
@@ -227,6 +229,267 @@ impl MlpLayout {
     }
 }
 
+/// The geometry of the built-in CNN: `conv k x k -> ReLU -> maxpool 2` for each of `channels`,
+/// then linear layers with ReLU between them (`hidden` widths, then `classes`), as PyTorch's
+/// `nn.Conv2d`/`nn.MaxPool2d(2)`/`nn.Linear` compute it over NCHW images.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CnnShape {
+    /// The input image: channels, height, width (`inputs` = their product).
+    pub image: [usize; 3],
+    /// Output channels of each convolution, in order (`conv1`, `conv2`, ...).
+    pub channels: Vec<usize>,
+    /// Kernel side of every convolution.
+    pub kernel: usize,
+    /// Stride of every convolution.
+    pub stride: usize,
+    /// Zero padding of every convolution, on each side.
+    pub padding: usize,
+    /// Widths of the hidden linear layers after the convolutions (`fc1`, ...).
+    pub hidden: Vec<usize>,
+    /// Output classes (the last linear layer's width).
+    pub classes: usize,
+}
+
+/// One convolution stage of a [`CnnLayout`]: `conv -> ReLU -> maxpool 2`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConvStage {
+    /// Input channels, height and width.
+    pub input: [usize; 3],
+    /// Output channels.
+    pub out_channels: usize,
+    /// The convolution's output height and width (before the pooling).
+    pub conv_hw: [usize; 2],
+    /// The pooling's output height and width (half of `conv_hw`).
+    pub pool_hw: [usize; 2],
+}
+
+/// The built-in CNN: its [`CnnShape`], the stages it implies, and its [`ModelSpec`] with
+/// PyTorch's names and layouts (`conv1.weight [out, in, k, k]`, `conv1.bias [out]`, ...,
+/// `fc1.weight [out, in]`, ...; the flattened features are in NCHW order as `torch.flatten`
+/// gives them). Dereferences to its [`ModelSpec`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CnnLayout {
+    /// The geometry.
+    pub shape: CnnShape,
+    /// The convolution stages in order.
+    pub stages: Vec<ConvStage>,
+    /// The linear layers after the convolutions, as an MLP over the flattened features
+    /// (its ranges start at 0: add [`CnnLayout::head_offset`]).
+    pub head: MlpLayout,
+    /// The tensors.
+    pub spec: ModelSpec,
+}
+
+impl Deref for CnnLayout {
+    type Target = ModelSpec;
+    fn deref(&self) -> &ModelSpec {
+        &self.spec
+    }
+}
+
+impl CnnLayout {
+    /// The layout of `shape`, or why it is not a CNN this worker computes: a zero size, a
+    /// kernel larger than the padded input, a stride that does not divide the padded input
+    /// minus the kernel, or a convolution output that 2x2 pooling does not halve exactly.
+    pub fn new(shape: CnnShape) -> Result<Self, String> {
+        let CnnShape {
+            image,
+            kernel: k,
+            stride: s,
+            padding: p,
+            ..
+        } = shape;
+        if image.contains(&0) || k == 0 || s == 0 || shape.classes < 2 {
+            return Err(format!(
+                "image = {image:?}, kernel = {k}, stride = {s}, classes = {}: expected every size >= 1 and classes >= 2",
+                shape.classes
+            ));
+        }
+        if shape.channels.is_empty() || shape.channels.contains(&0) || shape.hidden.contains(&0) {
+            return Err(format!(
+                "channels = {:?}, hidden = {:?}: expected at least one convolution and every width >= 1",
+                shape.channels, shape.hidden
+            ));
+        }
+        let mut stages = Vec::new();
+        let mut tensors = Vec::new();
+        let [mut c, mut h, mut w] = image;
+        for (i, &out) in shape.channels.iter().enumerate() {
+            let conv = format!("conv{}", i + 1);
+            let side = |n: usize, what: &str| -> Result<usize, String> {
+                let padded = n + 2 * p;
+                if padded < k {
+                    return Err(format!(
+                        "{conv}: input {what} {n} + 2 x padding {p} = {padded} is smaller than the kernel {k}"
+                    ));
+                }
+                if !(padded - k).is_multiple_of(s) {
+                    return Err(format!(
+                        "{conv}: stride {s} does not divide input {what} {n} + 2 x padding {p} - kernel {k} = {}",
+                        padded - k
+                    ));
+                }
+                let o = (padded - k) / s + 1;
+                if !o.is_multiple_of(2) {
+                    return Err(format!(
+                        "{conv}: output {what} {o} is odd: 2x2 max-pooling would drop its last row or column (change kernel, stride or padding)"
+                    ));
+                }
+                Ok(o)
+            };
+            let (oh, ow) = (side(h, "height")?, side(w, "width")?);
+            let fan_in = c * k * k;
+            let init = Init::LinearUniform { fan_in };
+            tensors.push((format!("{conv}.weight"), vec![out, c, k, k], init.clone()));
+            tensors.push((format!("{conv}.bias"), vec![out], init));
+            stages.push(ConvStage {
+                input: [c, h, w],
+                out_channels: out,
+                conv_hw: [oh, ow],
+                pool_hw: [oh / 2, ow / 2],
+            });
+            (c, h, w) = (out, oh / 2, ow / 2);
+        }
+        let mut dims = vec![c * h * w];
+        dims.extend(&shape.hidden);
+        dims.push(shape.classes);
+        let head = MlpLayout::new(&dims);
+        tensors.extend(
+            head.tensors
+                .iter()
+                .map(|t| (t.name.clone(), t.shape.clone(), t.init.clone())),
+        );
+        Ok(Self {
+            shape,
+            stages,
+            head,
+            spec: ModelSpec::new(tensors),
+        })
+    }
+
+    /// Input features per sample (`c * h * w` of the image).
+    pub fn inputs(&self) -> usize {
+        self.shape.image.iter().product()
+    }
+
+    /// Flat offset of the first linear layer's weight (the parameters of the convolutions
+    /// come first).
+    pub fn head_offset(&self) -> usize {
+        self.spec.tensors[2 * self.stages.len()].offset
+    }
+
+    /// Ranges of the weight and the bias of convolution `i` (0-based).
+    pub fn conv(&self, i: usize) -> (Range<usize>, Range<usize>) {
+        (self.tensors[2 * i].range(), self.tensors[2 * i + 1].range())
+    }
+
+    /// "cnn 1x28x28 conv5x5 8-16 pool2, fc 256-64-10 (21,840 parameters)".
+    pub fn describe(&self) -> String {
+        let s = &self.shape;
+        let join = |v: &[usize]| {
+            v.iter()
+                .map(|d| d.to_string())
+                .collect::<Vec<_>>()
+                .join("-")
+        };
+        let pad = if s.padding > 0 {
+            format!(" padding {}", s.padding)
+        } else {
+            String::new()
+        };
+        let stride = if s.stride > 1 {
+            format!(" stride {}", s.stride)
+        } else {
+            String::new()
+        };
+        format!(
+            "cnn {}x{}x{} conv{k}x{k}{stride}{pad} {} maxpool2, fc {} ({} parameters)",
+            s.image[0],
+            s.image[1],
+            s.image[2],
+            join(&s.channels),
+            join(&self.head.dims),
+            group_thousands(self.num_params()),
+            k = s.kernel,
+        )
+    }
+}
+
+/// The built-in model of a run: the MLP or the CNN. Dereferences to its [`ModelSpec`], which is
+/// all that shards, checkpoints, export and comparisons need; the workers build the model's
+/// computation from it (`ps_worker::model`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ModelLayout {
+    /// The MLP of `[model] hidden`.
+    Mlp(MlpLayout),
+    /// The CNN of `[model] kind = "cnn"`.
+    Cnn(CnnLayout),
+}
+
+impl Deref for ModelLayout {
+    type Target = ModelSpec;
+    fn deref(&self) -> &ModelSpec {
+        match self {
+            ModelLayout::Mlp(m) => &m.spec,
+            ModelLayout::Cnn(c) => &c.spec,
+        }
+    }
+}
+
+impl From<MlpLayout> for ModelLayout {
+    fn from(m: MlpLayout) -> Self {
+        ModelLayout::Mlp(m)
+    }
+}
+
+impl From<CnnLayout> for ModelLayout {
+    fn from(c: CnnLayout) -> Self {
+        ModelLayout::Cnn(c)
+    }
+}
+
+impl ModelLayout {
+    /// Input features per sample.
+    pub fn inputs(&self) -> usize {
+        match self {
+            ModelLayout::Mlp(m) => m.dims[0],
+            ModelLayout::Cnn(c) => c.inputs(),
+        }
+    }
+
+    /// Output classes.
+    pub fn classes(&self) -> usize {
+        match self {
+            ModelLayout::Mlp(m) => *m.dims.last().expect("dims"),
+            ModelLayout::Cnn(c) => c.shape.classes,
+        }
+    }
+
+    /// The model in words ([`MlpLayout::describe`], [`CnnLayout::describe`]).
+    pub fn describe(&self) -> String {
+        match self {
+            ModelLayout::Mlp(m) => m.describe(),
+            ModelLayout::Cnn(c) => c.describe(),
+        }
+    }
+
+    /// Its tensors.
+    pub fn into_spec(self) -> ModelSpec {
+        match self {
+            ModelLayout::Mlp(m) => m.spec,
+            ModelLayout::Cnn(c) => c.spec,
+        }
+    }
+
+    /// The MLP, when it is one.
+    pub fn mlp(&self) -> Option<&MlpLayout> {
+        match self {
+            ModelLayout::Mlp(m) => Some(m),
+            ModelLayout::Cnn(_) => None,
+        }
+    }
+}
+
 /// The contiguous, near-equal ranges of `num_params` split `num_shards` ways, independent of
 /// tensor boundaries: the first `num_params % num_shards` shards hold one extra element.
 pub fn shard_ranges(num_params: usize, num_shards: usize) -> Vec<Range<usize>> {
@@ -371,5 +634,83 @@ mod tests {
         }
         let mean = all.iter().sum::<f32>() / all.len() as f32;
         assert!(mean.abs() < 0.05, "mean {mean}");
+    }
+
+    fn lenet() -> CnnShape {
+        CnnShape {
+            image: [1, 28, 28],
+            channels: vec![6, 16],
+            kernel: 5,
+            stride: 1,
+            padding: 0,
+            hidden: vec![120],
+            classes: 10,
+        }
+    }
+
+    /// The names, shapes and count of `nn.Conv2d(1, 6, 5)`, `nn.Conv2d(6, 16, 5)`,
+    /// `nn.Linear(256, 120)`, `nn.Linear(120, 10)` (torch: 34,622 parameters).
+    #[test]
+    fn the_cnn_has_pytorchs_names_shapes_and_count() {
+        let c = CnnLayout::new(lenet()).unwrap();
+        let got: Vec<(&str, &[usize])> = c
+            .tensors
+            .iter()
+            .map(|t| (t.name.as_str(), t.shape.as_slice()))
+            .collect();
+        let want: Vec<(&str, &[usize])> = vec![
+            ("conv1.weight", &[6, 1, 5, 5]),
+            ("conv1.bias", &[6]),
+            ("conv2.weight", &[16, 6, 5, 5]),
+            ("conv2.bias", &[16]),
+            ("fc1.weight", &[120, 256]),
+            ("fc1.bias", &[120]),
+            ("fc2.weight", &[10, 120]),
+            ("fc2.bias", &[10]),
+        ];
+        assert_eq!(got, want);
+        assert_eq!(c.num_params(), 34_622);
+        assert_eq!(c.head.dims, [256, 120, 10]);
+        assert_eq!(c.head_offset(), 156 + 2416);
+        assert_eq!(c.stages[1].conv_hw, [8, 8]);
+        assert_eq!(c.tensors[2].init, Init::LinearUniform { fan_in: 150 });
+        assert_eq!(
+            c.describe(),
+            "cnn 1x28x28 conv5x5 6-16 maxpool2, fc 256-120-10 (34,622 parameters)"
+        );
+        let l = ModelLayout::from(c);
+        assert_eq!((l.inputs(), l.classes()), (784, 10));
+        // padding 2 keeps each convolution's input size: 28 -> pool 14 -> 14 -> pool 7
+        let padded = CnnLayout::new(CnnShape {
+            padding: 2,
+            ..lenet()
+        })
+        .unwrap();
+        assert_eq!(padded.stages[0].conv_hw, [28, 28]);
+        assert_eq!(padded.head.dims[0], 16 * 7 * 7);
+    }
+
+    #[test]
+    fn a_cnn_that_does_not_fit_is_refused_precisely() {
+        let bad = |f: fn(&mut CnnShape)| {
+            let mut s = lenet();
+            f(&mut s);
+            CnnLayout::new(s).unwrap_err()
+        };
+        assert_eq!(
+            bad(|s| s.stride = 2),
+            "conv1: stride 2 does not divide input height 28 + 2 x padding 0 - kernel 5 = 23"
+        );
+        assert_eq!(
+            bad(|s| s.kernel = 4),
+            "conv1: output height 25 is odd: 2x2 max-pooling would drop its last row or column (change kernel, stride or padding)"
+        );
+        assert_eq!(
+            bad(|s| s.channels = vec![4, 4, 4]),
+            "conv3: input height 4 + 2 x padding 0 = 4 is smaller than the kernel 5"
+        );
+        assert!(bad(|s| s.channels = vec![]).contains("at least one convolution"));
+        assert!(bad(|s| s.kernel = 0).contains("every size >= 1"));
+        assert!(bad(|s| s.hidden = vec![0]).contains("every width >= 1"));
     }
 }

@@ -14,7 +14,6 @@ use anyhow::Context;
 use ps_common::config::{Config, Overrides};
 use ps_common::idx::{Dataset, Split, load_split};
 use ps_launch::launch::{LocalCluster, bin_dir};
-use ps_worker::backend::Backend;
 use ps_worker::reference::{Kind, run_reference_of};
 use std::fmt;
 use std::path::Path;
@@ -271,7 +270,7 @@ fn run_early(path: &Path, cfg: &Config, dir: &Path, run: &RunArgs<'_>) -> anyhow
 
 /// Test accuracy in percent of `weights`, computed by the workers' CPU code.
 fn accuracy(cfg: &Config, weights: &[f32], test: &Dataset) -> anyhow::Result<f64> {
-    let mut backend = ps_worker::cpu::CpuBackend::new(cfg.layout(), 0);
+    let mut backend = ps_worker::cpu::cpu_model(&cfg.layout(), 0);
     backend.set_weights(weights)?;
     let (mut x, mut y) = (Vec::new(), Vec::new());
     let mut correct = 0u64;

@@ -153,7 +153,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         && cfg.spec().names_and_shapes() != cfg.layout().names_and_shapes()
     {
         anyhow::bail!(
-            "{}: [model] init declares a model other than the built-in MLP of [model] inputs/classes (ps-worker trains only that): start the shards with ps-server and the workers with the Python package (python/), then merge the weights with ps-launch --export",
+            "{}: [model] init declares a model other than the built-in MLP of [model] inputs/classes or the CNN of kind = \"cnn\" (ps-worker trains only those): start the shards with ps-server and the workers with the Python package (python/), then merge the weights with ps-launch --export",
             cli.config.display()
         );
     }

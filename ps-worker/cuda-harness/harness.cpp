@@ -196,6 +196,21 @@ static std::function<bool()> run_maxpool2_backward(const char *, dim3_ G, dim3_ 
   return [=] { return simt::launch(G, B, [=] { maxpool2_backward_f32(dy, a, dx, pl, h, w); }, true); };
 }
 
+static std::function<bool()> run_channel_bias_act(const char *, dim3_ G, dim3_ B, void **params) {
+  float *z = PTR(float *, 0); const float *b = PTR(const float *, 1);
+  long long total = arg<long long>(params, 2); int ch = arg<int>(params, 3), plane = arg<int>(params, 4), relu = arg<int>(params, 5);
+  if (ch < 1 || plane < 1 || total % ((long long)ch * plane) != 0) err("channel_bias_act_f32: %lld values are not whole [n, %d, %d] samples", total, ch, plane);
+  in_live(z, (size_t)total * 4, "channel_bias_act z"); in_live(b, (size_t)ch * 4, "channel_bias_act b");
+  return [=] { return simt::launch(G, B, [=] { channel_bias_act_f32(z, b, total, ch, plane, relu); }, true); };
+}
+static std::function<bool()> run_channel_bias_grad(const char *, dim3_ G, dim3_ B, void **params) {
+  const float *dz = PTR(const float *, 0); float *db = PTR(float *, 1);
+  int n = arg<int>(params, 2), ch = arg<int>(params, 3), plane = arg<int>(params, 4);
+  if (B.x != 256 || B.y != 1 || B.z != 1) err("channel_bias_grad_f32: block (%u,%u,%u), the kernel needs (256,1,1)", B.x, B.y, B.z);
+  in_live(dz, (size_t)n * ch * plane * 4, "channel_bias_grad dz"); in_live(db, (size_t)ch * 4, "channel_bias_grad db");
+  return [=] { return simt::launch(G, B, [=] { channel_bias_grad_f32(dz, db, n, ch, plane); }); };
+}
+
 struct Kernel { const char *name; Runner run; };
 static Kernel KERNELS[] = {
     {"bias_act_f32", run_bias_act},         {"relu_backward_f32", run_relu_backward},
@@ -203,6 +218,7 @@ static Kernel KERNELS[] = {
     {"bias_grad_f32", run_bias_grad},       {"reduce_stats_f32", run_reduce_stats},
     {"im2col_f32", run_im2col},             {"col2im_f32", run_col2im},
     {"maxpool2_f32", run_maxpool2},         {"maxpool2_backward_f32", run_maxpool2_backward},
+    {"channel_bias_act_f32", run_channel_bias_act}, {"channel_bias_grad_f32", run_channel_bias_grad},
 };
 static Kernel *find_kernel(const std::string &name) {
   for (auto &k : KERNELS) if (name == k.name) return &k;

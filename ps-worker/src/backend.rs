@@ -1,7 +1,7 @@
 //! The compute backend a worker runs the model on: one trait, a CPU implementation (ndarray)
 //! that always builds and runs, and a CUDA implementation (cudarc) loaded at run time.
-//! The model is the MLP of [`ps_common::layout::MlpLayout`]: linear layers with ReLU between
-//! them and a softmax cross-entropy loss over the last layer's outputs.
+//! The models are those of [`ps_common::layout::ModelLayout`] (the MLP and the CNN), each with
+//! a softmax cross-entropy loss over its last layer's outputs ([`crate::model`]).
 
 use ps_common::config::LossReduction;
 
@@ -34,7 +34,8 @@ pub struct StepStats {
     pub correct: u64,
 }
 
-/// A device that computes the MLP's loss gradient.
+/// A model on a device, computing its loss gradient: what the worker's loop, the reference
+/// run and the benchmarks call, whatever the model and the device ([`crate::model::Model`]).
 pub trait Backend: Send {
     /// "cpu (2 threads)", "cuda:0 (NVIDIA H100 80GB HBM3)".
     fn name(&self) -> String;
@@ -81,30 +82,28 @@ pub trait Backend: Send {
     fn evaluate(&mut self, x: &[f32], labels: &[u8]) -> BackendResult<u64>;
 }
 
-/// Checks the common argument shapes of [`Backend::forward_backward`].
+/// Checks the common argument shapes of [`Backend::forward_backward`]: `x` is `labels.len()`
+/// rows of `inputs` features, every label is below `classes`, `grad` (if given) holds
+/// `num_params` values.
 pub fn check_shapes(
-    dims: &[usize],
+    inputs: usize,
+    classes: usize,
     num_params: usize,
     x: &[f32],
     labels: &[u8],
     grad: Option<&[f32]>,
 ) -> BackendResult<()> {
     let n = labels.len();
-    if x.len() != n * dims[0] {
+    if x.len() != n * inputs {
         return Err(BackendError::Shape(format!(
-            "features hold {} values: expected {n} samples x {} inputs = {}",
+            "features hold {} values: expected {n} samples x {inputs} inputs = {}",
             x.len(),
-            dims[0],
-            n * dims[0]
+            n * inputs
         )));
     }
-    if let Some(bad) = labels
-        .iter()
-        .find(|&&l| usize::from(l) >= *dims.last().expect("dims"))
-    {
+    if let Some(bad) = labels.iter().find(|&&l| usize::from(l) >= classes) {
         return Err(BackendError::Shape(format!(
-            "label {bad}: expected < {}",
-            dims.last().expect("dims")
+            "label {bad}: expected < {classes}"
         )));
     }
     if let Some(g) = grad

@@ -1,13 +1,15 @@
 //! The CPU device: ndarray matrix products (matrixmultiply, threaded) over slices of host
 //! memory, so the model's weights and gradients are ranges of the flat vectors themselves,
-//! never copied into separate tensors. [`CpuBackend`] is the MLP on it.
+//! never copied into separate tensors. [`CpuBackend`] is the MLP on it, [`cpu_model`] any
+//! built-in model.
 
+use crate::backend::Backend;
 use crate::backend::{BackendError, BackendResult, StepStats};
 use crate::model::Mlp;
 use crate::ops::{ConvGeom, Device, Mat, check_pool};
 use ndarray::linalg::general_mat_mul;
 use ndarray::{ArrayView2, ArrayViewMut2};
-use ps_common::layout::MlpLayout;
+use ps_common::layout::{MlpLayout, ModelLayout};
 use std::ops::Range;
 
 /// Rows per forward pass when evaluating, to bound memory.
@@ -60,6 +62,11 @@ impl CpuBackend {
     pub fn new(layout: MlpLayout, threads: usize) -> Self {
         Mlp::on(layout, CpuDevice::new(threads)).expect("host allocation does not fail")
     }
+}
+
+/// The model of `layout` (the MLP or the CNN) on the CPU; `threads` is only reported.
+pub fn cpu_model(layout: &ModelLayout, threads: usize) -> Box<dyn Backend> {
+    crate::model::build(layout, CpuDevice::new(threads)).expect("host allocation does not fail")
 }
 
 fn view2(data: &[f32], rows: usize, cols: usize) -> BackendResult<ArrayView2<'_, f32>> {
@@ -152,22 +159,53 @@ impl Device for CpuDevice {
     }
 
     fn gemm(&mut self, a: Mat<&[f32]>, b: Mat<&[f32]>, c: &mut [f32]) -> BackendResult<()> {
-        let (m, k) = a.dim();
-        let (k2, n) = b.dim();
-        if k != k2 {
-            return Err(BackendError::Shape(format!(
-                "product of [{m}, {k}] and [{k2}, {n}]"
-            )));
+        gemm_beta(a, b, c, 0.0)
+    }
+
+    fn gemm_acc(&mut self, a: Mat<&[f32]>, b: Mat<&[f32]>, c: &mut [f32]) -> BackendResult<()> {
+        gemm_beta(a, b, c, 1.0)
+    }
+
+    fn channel_bias_act(
+        &mut self,
+        z: &mut [f32],
+        bias: &[f32],
+        n: usize,
+        channels: usize,
+        plane: usize,
+        relu: bool,
+    ) -> BackendResult<()> {
+        check_len("the convolution's output", z.len(), n * channels * plane)?;
+        check_len("the channel bias", bias.len(), channels)?;
+        if plane == 0 {
+            return Ok(());
         }
-        let av = view2(a.data, a.rows, a.cols)?;
-        let bv = view2(b.data, b.rows, b.cols)?;
-        let (av, bv) = (
-            if a.t { av.reversed_axes() } else { av },
-            if b.t { bv.reversed_axes() } else { bv },
-        );
-        let mut cv = ArrayViewMut2::from_shape((m, n), c)
-            .map_err(|e| BackendError::Shape(format!("product [{m}, {n}]: {e}")))?;
-        general_mat_mul(1.0, &av, &bv, 0.0, &mut cv);
+        for (p, &b) in z.chunks_exact_mut(plane).zip(bias.iter().cycle()) {
+            for v in p {
+                let t = *v + b;
+                *v = if relu { t.max(0.0) } else { t };
+            }
+        }
+        Ok(())
+    }
+
+    fn channel_bias_grad(
+        &mut self,
+        dz: &[f32],
+        n: usize,
+        channels: usize,
+        plane: usize,
+        out: &mut [f32],
+    ) -> BackendResult<()> {
+        check_len("dL/dz", dz.len(), n * channels * plane)?;
+        check_len("the channel bias gradient", out.len(), channels)?;
+        out.fill(0.0);
+        if plane == 0 {
+            return Ok(());
+        }
+        for (p, g) in dz.chunks_exact(plane).zip((0..channels).cycle()) {
+            out[g] += p.iter().sum::<f32>();
+        }
         Ok(())
     }
 
@@ -388,6 +426,27 @@ impl Device for CpuDevice {
     }
 }
 
+/// `c = a · b + beta c`, on the calling thread (matrixmultiply's threads).
+fn gemm_beta(a: Mat<&[f32]>, b: Mat<&[f32]>, c: &mut [f32], beta: f32) -> BackendResult<()> {
+    let (m, k) = a.dim();
+    let (k2, n) = b.dim();
+    if k != k2 {
+        return Err(BackendError::Shape(format!(
+            "product of [{m}, {k}] and [{k2}, {n}]"
+        )));
+    }
+    let av = view2(a.data, a.rows, a.cols)?;
+    let bv = view2(b.data, b.rows, b.cols)?;
+    let (av, bv) = (
+        if a.t { av.reversed_axes() } else { av },
+        if b.t { bv.reversed_axes() } else { bv },
+    );
+    let mut cv = ArrayViewMut2::from_shape((m, n), c)
+        .map_err(|e| BackendError::Shape(format!("product [{m}, {n}]: {e}")))?;
+    general_mat_mul(1.0, &av, &bv, beta, &mut cv);
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -397,7 +456,7 @@ mod tests {
     /// Loss of the whole batch in f64, for finite differences.
     fn loss(b: &mut CpuBackend, x: &[f32], labels: &[u8]) -> f64 {
         let logits = b.logits(x).unwrap();
-        let classes = b.layout().dims.last().copied().unwrap();
+        let classes = b.layout().classes();
         let mut total = 0.0;
         for (row, &y) in logits.chunks(classes).zip(labels) {
             let m = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max) as f64;

@@ -13,9 +13,10 @@
 //! row-major product `C = op(A)·op(B)` is computed as the column-major `Cᵀ = op(B)ᵀ·op(A)ᵀ`
 //! (see `GemmShape::row_major`).
 
+use crate::backend::Backend;
 use crate::backend::{BackendError, BackendResult, StepStats};
 use crate::cpu::{check_len, check_rows};
-use crate::model::Mlp;
+use crate::model::{Cnn, Mlp, Model, Net};
 use crate::ops::{ConvGeom, Device, Mat, check_pool};
 use cudarc::cublas::sys::{cublasMath_t, cublasOperation_t};
 use cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
@@ -25,7 +26,7 @@ use cudarc::driver::{
 };
 use cudarc::nvrtc::{CompileError, CompileOptions, Ptx, compile_ptx_with_opts};
 use ps_common::config::LossReduction;
-use ps_common::layout::MlpLayout;
+use ps_common::layout::{MlpLayout, ModelLayout};
 use std::collections::HashMap;
 use std::fmt::Display;
 use std::ops::Range;
@@ -177,11 +178,13 @@ struct Kernels {
     col2im: CudaFunction,
     maxpool2: CudaFunction,
     maxpool2_backward: CudaFunction,
+    channel_bias_act: CudaFunction,
+    channel_bias_grad: CudaFunction,
 }
 
 /// Names of the kernels' entry points in [`KERNELS`].
 #[cfg(test)]
-const ENTRY_POINTS: [&str; 10] = [
+const ENTRY_POINTS: [&str; 12] = [
     "bias_act_f32",
     "relu_backward_f32",
     "softmax_xent_f32",
@@ -192,6 +195,8 @@ const ENTRY_POINTS: [&str; 10] = [
     "col2im_f32",
     "maxpool2_f32",
     "maxpool2_backward_f32",
+    "channel_bias_act_f32",
+    "channel_bias_grad_f32",
 ];
 
 /// Compiles [`KERNELS`] for the device's virtual architecture (`compute_90` on Hopper); if
@@ -318,7 +323,7 @@ impl GemmShape {
     }
 }
 
-/// cuBLAS's column-major `C = op(A)·op(B)` (alpha 1, beta 0) in full FP32 on the handle's
+/// cuBLAS's column-major `C = op(A)·op(B) + beta C` (alpha 1) in full FP32 on the handle's
 /// stream; `a` and `b` are cuBLAS's operands, so [`CudaDevice::gemm`] passes the storage of
 /// the row-major right matrix as `a` and of the left one as `b` (see [`GemmShape::row_major`]).
 ///
@@ -329,6 +334,7 @@ impl GemmShape {
 unsafe fn sgemm(
     blas: &CudaBlas,
     g: GemmShape,
+    beta: f32,
     a: &CudaView<'_, f32>,
     b: &CudaView<'_, f32>,
     c: &mut CudaViewMut<'_, f32>,
@@ -343,7 +349,7 @@ unsafe fn sgemm(
         alpha: 1.0f32,
         lda: i("a leading dimension", g.lda)?,
         ldb: i("a leading dimension", g.ldb)?,
-        beta: 0.0f32,
+        beta,
         ldc: i("a leading dimension", g.ldc)?,
     };
     // SAFETY: as the caller promises; alpha and beta are host values (the default host
@@ -381,6 +387,15 @@ fn cfg_cols(cols: usize) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (grid(cols, 32), 1, 1),
         block_dim: (32, BIAS_GRAD_ROWS, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// `channel_bias_grad_f32`: one block of 256 threads (its shared array) per channel.
+fn cfg_channels(channels: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (grid(channels, 1), 1, 1),
+        block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
     }
 }
@@ -478,101 +493,59 @@ impl Drop for CudaDevice {
 pub type CudaBackend = Mlp<CudaDevice>;
 
 impl CudaBackend {
-    /// The MLP of `layout` on device `ordinal` ([`CudaDevice::new`]), checked by a one-sample
-    /// self-test that runs every kernel, sgemm and copy once, so that a broken installation
-    /// fails here. `NoGpu` when the driver, NVRTC or cuBLAS is missing or the device does not
-    /// exist; `Cuda` when a CUDA call fails. Never panics (a panic inside cudarc is caught).
+    /// The MLP of `layout` on device `ordinal` ([`CudaDevice::new`]), checked by the self-test
+    /// of [`open`].
     pub fn new(ordinal: usize, layout: MlpLayout) -> BackendResult<Self> {
-        for &d in &layout.dims {
-            check_i32("a layer width", d)?;
+        checked(ordinal, &layout.clone().into(), |dev| Mlp::on(layout, dev))
+    }
+}
+
+/// The model of `layout` on device `ordinal` ([`CudaDevice::new`]), checked by a three-sample
+/// self-test that runs every kernel, sgemm and copy of its step once against the CPU device,
+/// so that a broken installation fails here; with what the kernels were loaded as. `NoGpu`
+/// when the driver, NVRTC or cuBLAS is missing or the device does not exist; `Cuda` when a
+/// CUDA call fails. Never panics (a panic inside cudarc is caught).
+pub fn open(ordinal: usize, layout: &ModelLayout) -> BackendResult<(Box<dyn Backend>, String)> {
+    Ok(match layout {
+        ModelLayout::Mlp(m) => {
+            let b = CudaBackend::new(ordinal, m.clone())?;
+            let arch = b.arch().to_string();
+            (Box::new(b), arch)
         }
-        let dev = CudaDevice::new(ordinal)?;
-        match catch_unwind(AssertUnwindSafe(move || {
-            let mut me = Mlp::on(layout, dev)?;
-            me.self_test()?;
-            Ok(me)
-        })) {
-            Ok(r) => r,
-            Err(p) => Err(BackendError::Cuda(format!(
-                "the self-test on cuda:{ordinal} panicked: {}",
-                panic_text(&*p)
-            ))),
+        ModelLayout::Cnn(c) => {
+            let b = checked(ordinal, layout, |dev| Cnn::on(c.clone(), dev))?;
+            let arch = b.arch().to_string();
+            (Box::new(b), arch)
+        }
+    })
+}
+
+/// The model `make` builds on device `ordinal`, after [`self_test`].
+fn checked<N: Net<CudaDevice>>(
+    ordinal: usize,
+    layout: &ModelLayout,
+    make: impl FnOnce(CudaDevice) -> BackendResult<Model<CudaDevice, N>>,
+) -> BackendResult<Model<CudaDevice, N>> {
+    for t in &layout.tensors {
+        for &d in &t.shape {
+            check_i32("a tensor dimension", d)?;
         }
     }
-
-    /// Three samples through the layout's initial weights of a fixed seed, against the CPU
-    /// device: the loss within [`SELF_TEST_TOL`] relative, and every tensor of the gradient
-    /// within [`SELF_TEST_TOL`] of the CPU's, relative to the tensor's largest value. Random
-    /// weights, so a wrong sgemm (a transposed operand, a dropped term) cannot pass as it did
-    /// with zero weights, where every product is zero. The weights are zero again afterwards.
-    fn self_test(&mut self) -> BackendResult<()> {
-        use crate::backend::Backend;
-        let layout = self.layout().clone();
-        let p = layout.num_params();
-        let inputs = layout.dims[0];
-        let classes = *layout.dims.last().expect("dims");
-        let rows = 3;
-        let weights = layout.init_range(SELF_TEST_SEED, 0..p);
-        let x: Vec<f32> = (0..rows * inputs)
-            .map(|i| ((i * 7919 + 13) % 199) as f32 / 99.0 - 1.0)
-            .collect();
-        let labels: Vec<u8> = (0..rows)
-            .map(|r| u8::try_from((r * 5 + 1) % classes.min(256)).unwrap_or(0))
-            .collect();
-        let mut cpu = crate::cpu::CpuBackend::new(layout.clone(), 1);
-        cpu.set_weights(&weights)?;
-        let mut want = vec![0.0f32; p];
-        let want_stats = cpu.forward_backward(&x, &labels, LossReduction::Mean, &mut want)?;
-        self.set_weights(&weights)?;
-        let mut got = vec![f32::NAN; p];
-        let stats = self.forward_backward(&x, &labels, LossReduction::Mean, &mut got)?;
-        self.set_weights(&vec![0.0; p])?;
-        let fail = |what: String| {
-            BackendError::Cuda(format!(
-                "self-test on cuda:{} failed (seeded random weights, {rows} samples, against the CPU device, tolerance {SELF_TEST_TOL:e}): {what}",
-                self.ordinal()
-            ))
-        };
-        let loss_err =
-            (stats.loss_sum - want_stats.loss_sum).abs() / want_stats.loss_sum.abs().max(1e-6);
-        if loss_err.is_nan() || loss_err > SELF_TEST_TOL {
-            return Err(fail(format!(
-                "loss {} where the CPU has {}",
-                stats.loss_sum, want_stats.loss_sum
-            )));
-        }
-        let tensors = (0..layout.num_layers()).flat_map(|l| {
-            let (w, b) = layout.layer(l);
-            [
-                (format!("fc{}.weight", l + 1), w),
-                (format!("fc{}.bias", l + 1), b),
-            ]
-        });
-        for (name, r) in tensors {
-            let scale = want[r.clone()]
-                .iter()
-                .fold(0f32, |m, v| m.max(v.abs()))
-                .max(1e-12);
-            let err = got[r.clone()]
-                .iter()
-                .zip(&want[r.clone()])
-                .map(|(a, b)| (a - b).abs() / scale)
-                .fold(0f32, |m, e| {
-                    if e.is_nan() || m.is_nan() {
-                        f32::NAN
-                    } else {
-                        m.max(e)
-                    }
-                });
-            if err.is_nan() || f64::from(err) > SELF_TEST_TOL {
-                return Err(fail(format!(
-                    "gradient of {name} differs by {err:e} of its largest value"
-                )));
-            }
-        }
-        Ok(())
+    let dev = CudaDevice::new(ordinal)?;
+    match catch_unwind(AssertUnwindSafe(move || {
+        let mut me = make(dev)?;
+        self_test(&mut me)?;
+        Ok(me)
+    })) {
+        Ok(r) => r,
+        Err(p) => Err(BackendError::Cuda(format!(
+            "the self-test on cuda:{ordinal} panicked: {}",
+            panic_text(&*p)
+        ))),
     }
+}
 
+impl<N: Net<CudaDevice>> Model<CudaDevice, N> {
     /// The device ordinal.
     pub fn ordinal(&self) -> usize {
         self.device().ordinal
@@ -590,7 +563,141 @@ impl CudaBackend {
     }
 }
 
+/// Three samples through the layout's initial weights of a fixed seed, against the CPU
+/// device: the loss within [`SELF_TEST_TOL`] relative, and every tensor of the gradient
+/// within [`SELF_TEST_TOL`] of the CPU's, relative to the tensor's largest value. Random
+/// weights, so a wrong sgemm (a transposed operand, a dropped term) cannot pass as it did
+/// with zero weights, where every product is zero. The weights are zero again afterwards.
+fn self_test<N: Net<CudaDevice>>(m: &mut Model<CudaDevice, N>) -> BackendResult<()> {
+    let layout = m.layout().clone();
+    let p = layout.num_params();
+    let (inputs, classes) = (layout.inputs(), layout.classes());
+    let rows = 3;
+    let weights = layout.init_range(SELF_TEST_SEED, 0..p);
+    let x: Vec<f32> = (0..rows * inputs)
+        .map(|i| ((i * 7919 + 13) % 199) as f32 / 99.0 - 1.0)
+        .collect();
+    let labels: Vec<u8> = (0..rows)
+        .map(|r| u8::try_from((r * 5 + 1) % classes.min(256)).unwrap_or(0))
+        .collect();
+    let mut cpu = crate::model::build(&layout, crate::cpu::CpuDevice::new(1))?;
+    cpu.set_weights(&weights)?;
+    let mut want = vec![0.0f32; p];
+    let want_stats = cpu.forward_backward(&x, &labels, LossReduction::Mean, &mut want)?;
+    m.set_weights(&weights)?;
+    let mut got = vec![f32::NAN; p];
+    let stats = m.forward_backward(&x, &labels, LossReduction::Mean, &mut got)?;
+    m.set_weights(&vec![0.0; p])?;
+    let fail = |what: String| {
+        BackendError::Cuda(format!(
+            "self-test on cuda:{} failed (seeded random weights, {rows} samples, against the CPU device, tolerance {SELF_TEST_TOL:e}): {what}",
+            m.ordinal()
+        ))
+    };
+    let loss_err =
+        (stats.loss_sum - want_stats.loss_sum).abs() / want_stats.loss_sum.abs().max(1e-6);
+    if loss_err.is_nan() || loss_err > SELF_TEST_TOL {
+        return Err(fail(format!(
+            "loss {} where the CPU has {}",
+            stats.loss_sum, want_stats.loss_sum
+        )));
+    }
+    let tensors = layout.tensors.iter().map(|t| (t.name.clone(), t.range()));
+    for (name, r) in tensors {
+        let scale = want[r.clone()]
+            .iter()
+            .fold(0f32, |m, v| m.max(v.abs()))
+            .max(1e-12);
+        let err = got[r.clone()]
+            .iter()
+            .zip(&want[r.clone()])
+            .map(|(a, b)| (a - b).abs() / scale)
+            .fold(0f32, |m, e| {
+                if e.is_nan() || m.is_nan() {
+                    f32::NAN
+                } else {
+                    m.max(e)
+                }
+            });
+        if err.is_nan() || f64::from(err) > SELF_TEST_TOL {
+            return Err(fail(format!(
+                "gradient of {name} differs by {err:e} of its largest value"
+            )));
+        }
+    }
+    Ok(())
+}
+
 impl CudaDevice {
+    /// Launches the convolution kernel `name` (`im2col_f32` or `col2im_f32`, both
+    /// `(const float* src, float* dst, int n, c, h, w, k, s, p, oh, ow)`) with one thread per
+    /// element of `dst` (grid-stride).
+    ///
+    /// # Safety
+    /// `src` and `dst` must hold exactly the elements the kernel addresses for `a`.
+    unsafe fn launch_conv(
+        &mut self,
+        name: &str,
+        src: &CudaView<'_, f32>,
+        dst: &mut CudaViewMut<'_, f32>,
+        a: [i32; 9],
+    ) -> BackendResult<()> {
+        if dst.is_empty() {
+            return Ok(());
+        }
+        let f = match name {
+            "im2col_f32" => &self.k.im2col,
+            "col2im_f32" => &self.k.col2im,
+            other => {
+                return Err(BackendError::Cuda(format!(
+                    "{other}: not a convolution kernel"
+                )));
+            }
+        };
+        let cfg = cfg_elems(dst.len());
+        self.bind()?;
+        let mut b = self.stream.launch_builder(f);
+        b.arg(src).arg(dst);
+        for v in &a {
+            b.arg(v);
+        }
+        // SAFETY: as the caller promises.
+        unsafe { b.launch(cfg) }
+            .map(|_| ())
+            .map_err(cuda_err(format_args!("launching {name}")))
+    }
+
+    /// `c = a · b + beta c` with cuBLAS ([`Device::gemm`], [`Device::gemm_acc`]).
+    fn gemm_beta(
+        &mut self,
+        a: Mat<CudaView<'_, f32>>,
+        b: Mat<CudaView<'_, f32>>,
+        mut c: CudaViewMut<'_, f32>,
+        beta: f32,
+    ) -> BackendResult<()> {
+        let (m, k) = a.dim();
+        let (k2, n) = b.dim();
+        if k != k2 {
+            return Err(BackendError::Shape(format!(
+                "product of [{m}, {k}] and [{k2}, {n}]"
+            )));
+        }
+        check_len("a product's left matrix", a.data.len(), a.rows * a.cols)?;
+        check_len("a product's right matrix", b.data.len(), b.rows * b.cols)?;
+        check_len("a product", c.len(), m * n)?;
+        if m == 0 || n == 0 || (k == 0 && beta != 0.0) {
+            return Ok(());
+        }
+        if k == 0 {
+            return self.fill_zero(c);
+        }
+        let g = GemmShape::row_major((a.rows, a.cols, a.t), (b.rows, b.cols, b.t));
+        self.bind()?;
+        // SAFETY: a, b and c are exactly their row-major matrices (checked above), which is
+        // what `GemmShape::row_major` addresses; all three are on the handle's stream.
+        unsafe { sgemm(&self.blas, g, beta, &b.data, &a.data, &mut c) }
+    }
+
     /// Device `ordinal`: checks the libraries, creates the context and a stream, compiles the
     /// kernels with NVRTC and creates a cuBLAS handle on the stream. `NoGpu` when the driver,
     /// NVRTC or cuBLAS is missing or the device does not exist; `Cuda` when a CUDA call fails.
@@ -672,6 +779,8 @@ impl CudaDevice {
             col2im: f("col2im_f32")?,
             maxpool2: f("maxpool2_f32")?,
             maxpool2_backward: f("maxpool2_backward_f32")?,
+            channel_bias_act: f("channel_bias_act_f32")?,
+            channel_bias_grad: f("channel_bias_grad_f32")?,
         };
         let blas = CudaBlas::new(stream.clone()).map_err(cuda_err("creating the cuBLAS handle"))?;
         // Full FP32: the default math mode never uses TF32 tensor cores for sgemm; set it
@@ -956,29 +1065,98 @@ impl Device for CudaDevice {
         &mut self,
         a: Mat<CudaView<'_, f32>>,
         b: Mat<CudaView<'_, f32>>,
-        mut c: CudaViewMut<'_, f32>,
+        c: CudaViewMut<'_, f32>,
     ) -> BackendResult<()> {
-        let (m, k) = a.dim();
-        let (k2, n) = b.dim();
-        if k != k2 {
-            return Err(BackendError::Shape(format!(
-                "product of [{m}, {k}] and [{k2}, {n}]"
-            )));
-        }
-        check_len("a product's left matrix", a.data.len(), a.rows * a.cols)?;
-        check_len("a product's right matrix", b.data.len(), b.rows * b.cols)?;
-        check_len("a product", c.len(), m * n)?;
-        if m == 0 || n == 0 {
+        self.gemm_beta(a, b, c, 0.0)
+    }
+
+    fn gemm_acc(
+        &mut self,
+        a: Mat<CudaView<'_, f32>>,
+        b: Mat<CudaView<'_, f32>>,
+        c: CudaViewMut<'_, f32>,
+    ) -> BackendResult<()> {
+        self.gemm_beta(a, b, c, 1.0)
+    }
+
+    fn channel_bias_act(
+        &mut self,
+        mut z: CudaViewMut<'_, f32>,
+        bias: CudaView<'_, f32>,
+        n: usize,
+        channels: usize,
+        plane: usize,
+        relu: bool,
+    ) -> BackendResult<()> {
+        check_len("the convolution's output", z.len(), n * channels * plane)?;
+        check_len("the channel bias", bias.len(), channels)?;
+        if z.is_empty() {
             return Ok(());
         }
-        if k == 0 {
-            return self.fill_zero(c);
-        }
-        let g = GemmShape::row_major((a.rows, a.cols, a.t), (b.rows, b.cols, b.t));
+        let len = z.len();
+        let total = len as i64;
+        let (c_i, p_i) = (
+            check_i32("channels", channels)?,
+            check_i32("a plane", plane)?,
+        );
+        let relu = i32::from(relu);
         self.bind()?;
-        // SAFETY: a, b and c are exactly their row-major matrices (checked above), which is
-        // what `GemmShape::row_major` addresses; all three are on the handle's stream.
-        unsafe { sgemm(&self.blas, g, &b.data, &a.data, &mut c) }
+        // SAFETY: channel_bias_act_f32(float* z, const float* b, long long total, int channels,
+        // int plane, int relu): `z` holds exactly total = n*channels*plane floats and `bias`
+        // channels (checked above, all > 0 as z is not empty); the kernel reads b[c] for
+        // c < channels only.
+        unsafe {
+            self.stream
+                .launch_builder(&self.k.channel_bias_act)
+                .arg(&mut z)
+                .arg(&bias)
+                .arg(&total)
+                .arg(&c_i)
+                .arg(&p_i)
+                .arg(&relu)
+                .launch(cfg_elems(len))
+        }
+        .map(|_| ())
+        .map_err(cuda_err("launching channel_bias_act_f32"))
+    }
+
+    fn channel_bias_grad(
+        &mut self,
+        dz: CudaView<'_, f32>,
+        n: usize,
+        channels: usize,
+        plane: usize,
+        mut out: CudaViewMut<'_, f32>,
+    ) -> BackendResult<()> {
+        check_len("dL/dz", dz.len(), n * channels * plane)?;
+        check_len("the channel bias gradient", out.len(), channels)?;
+        if channels == 0 {
+            return Ok(());
+        }
+        if dz.is_empty() {
+            return self.fill_zero(out);
+        }
+        let (n_i, c_i, p_i) = (
+            check_i32("a batch", n)?,
+            check_i32("channels", channels)?,
+            check_i32("a plane", plane)?,
+        );
+        self.bind()?;
+        // SAFETY: channel_bias_grad_f32(const float* dz, float* db, int n, int channels,
+        // int plane): `dz` holds exactly n*channels*plane floats and `out` channels (checked
+        // above); blocks of 256 threads, the size of the kernel's shared array.
+        unsafe {
+            self.stream
+                .launch_builder(&self.k.channel_bias_grad)
+                .arg(&dz)
+                .arg(&mut out)
+                .arg(&n_i)
+                .arg(&c_i)
+                .arg(&p_i)
+                .launch(cfg_channels(channels))
+        }
+        .map(|_| ())
+        .map_err(cuda_err("launching channel_bias_grad_f32"))
     }
 
     fn bias_act(
@@ -1178,33 +1356,10 @@ impl Device for CudaDevice {
         g: ConvGeom,
     ) -> BackendResult<()> {
         let (oh, ow) = g.check(n, x.len(), cols.len())?;
-        if cols.is_empty() {
-            return Ok(());
-        }
         let a = conv_args(n, g, oh, ow)?;
-        let cfg = cfg_elems(cols.len());
-        self.bind()?;
-        // SAFETY: im2col_f32(const float* x, float* cols, int n, c, h, w, k, s, p, oh, ow):
-        // x holds n*c*h*w floats and cols n*c*k*k*oh*ow (checked above); every read index is
-        // inside x (the kernel skips positions outside the input).
-        unsafe {
-            self.stream
-                .launch_builder(&self.k.im2col)
-                .arg(&x)
-                .arg(&mut cols)
-                .arg(&a[0])
-                .arg(&a[1])
-                .arg(&a[2])
-                .arg(&a[3])
-                .arg(&a[4])
-                .arg(&a[5])
-                .arg(&a[6])
-                .arg(&a[7])
-                .arg(&a[8])
-                .launch(cfg)
-        }
-        .map(|_| ())
-        .map_err(cuda_err("launching im2col_f32"))
+        // SAFETY: x holds n*c*h*w floats and cols n*c*k*k*oh*ow (checked above); every read
+        // index is inside x (the kernel skips positions outside the input).
+        unsafe { self.launch_conv("im2col_f32", &x, &mut cols, a) }
     }
 
     fn col2im(
@@ -1215,32 +1370,10 @@ impl Device for CudaDevice {
         g: ConvGeom,
     ) -> BackendResult<()> {
         let (oh, ow) = g.check(n, dx.len(), cols.len())?;
-        if dx.is_empty() {
-            return Ok(());
-        }
         let a = conv_args(n, g, oh, ow)?;
-        let cfg = cfg_elems(dx.len());
-        self.bind()?;
-        // SAFETY: col2im_f32(const float* cols, float* dx, int n, c, h, w, k, s, p, oh, ow):
-        // lengths checked above; the kernel reads only cols entries of in-range (oy, ox).
-        unsafe {
-            self.stream
-                .launch_builder(&self.k.col2im)
-                .arg(&cols)
-                .arg(&mut dx)
-                .arg(&a[0])
-                .arg(&a[1])
-                .arg(&a[2])
-                .arg(&a[3])
-                .arg(&a[4])
-                .arg(&a[5])
-                .arg(&a[6])
-                .arg(&a[7])
-                .arg(&a[8])
-                .launch(cfg)
-        }
-        .map(|_| ())
-        .map_err(cuda_err("launching col2im_f32"))
+        // SAFETY: lengths checked above; the kernel reads only cols entries of in-range
+        // (oy, ox).
+        unsafe { self.launch_conv("col2im_f32", &cols, &mut dx, a) }
     }
 
     fn maxpool2(

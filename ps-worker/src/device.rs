@@ -2,9 +2,9 @@
 //! worker's local rank), `cuda:N`, or `auto` (CUDA when a GPU is usable, else the CPU).
 
 use crate::backend::{Backend, BackendError};
-use crate::cpu::CpuBackend;
-use crate::cuda::{CudaBackend, device_count};
-use ps_common::layout::MlpLayout;
+use crate::cpu::cpu_model;
+use crate::cuda::device_count;
+use ps_common::layout::ModelLayout;
 
 /// A parsed `--device` value.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -60,13 +60,13 @@ pub fn parse_spec(spec: &str) -> Result<DeviceSpec, BackendError> {
     }
 }
 
-/// The CUDA backend of device `ordinal`, or of `local_rank % count` when `None`; with the
-/// reason for the choice.
+/// The model on CUDA device `ordinal`, or `local_rank % count` when `None`; with what the
+/// kernels loaded as and the reason for the choice.
 fn open_cuda(
     ordinal: Option<usize>,
     local_rank: usize,
-    layout: &MlpLayout,
-) -> Result<(CudaBackend, String), BackendError> {
+    layout: &ModelLayout,
+) -> Result<(Box<dyn Backend>, String, String), BackendError> {
     let (ordinal, why) = match ordinal {
         Some(n) => (n, "as requested".to_string()),
         None => {
@@ -83,8 +83,8 @@ fn open_cuda(
             )
         }
     };
-    let b = CudaBackend::new(ordinal, layout.clone())?;
-    Ok((b, why))
+    let (b, arch) = crate::cuda::open(ordinal, layout)?;
+    Ok((b, arch, why))
 }
 
 /// Opens the backend named by `spec` (`cpu`, `cuda`, `cuda:N`, `auto`) for this worker:
@@ -97,10 +97,10 @@ fn open_cuda(
 pub fn open_backend(
     spec: &str,
     local_rank: usize,
-    layout: &MlpLayout,
+    layout: &ModelLayout,
     cpu_threads: usize,
 ) -> Result<(Box<dyn Backend>, String), BackendError> {
-    let cpu = || -> Box<dyn Backend> { Box::new(CpuBackend::new(layout.clone(), cpu_threads)) };
+    let cpu = || cpu_model(layout, cpu_threads);
     let parsed = parse_spec(spec)?;
     match parsed {
         DeviceSpec::Cpu => {
@@ -109,14 +109,14 @@ pub fn open_backend(
             Ok((b, msg))
         }
         DeviceSpec::Cuda(ordinal) => {
-            let (b, why) = open_cuda(ordinal, local_rank, layout)?;
-            let msg = format!("device {parsed}: using {} [{}], {why}", b.name(), b.arch());
-            Ok((Box::new(b), msg))
+            let (b, arch, why) = open_cuda(ordinal, local_rank, layout)?;
+            let msg = format!("device {parsed}: using {} [{arch}], {why}", b.name());
+            Ok((b, msg))
         }
         DeviceSpec::Auto => match open_cuda(None, local_rank, layout) {
-            Ok((b, why)) => {
-                let msg = format!("device auto: using {} [{}], {why}", b.name(), b.arch());
-                Ok((Box::new(b), msg))
+            Ok((b, arch, why)) => {
+                let msg = format!("device auto: using {} [{arch}], {why}", b.name());
+                Ok((b, msg))
             }
             Err(BackendError::NoGpu(reason)) => {
                 let b = cpu();
@@ -132,6 +132,7 @@ pub fn open_backend(
 mod tests {
     use super::*;
     use ps_common::config::LossReduction;
+    use ps_common::layout::MlpLayout;
 
     #[test]
     fn parses_specs() {
@@ -157,12 +158,12 @@ mod tests {
                 format!("device {bad:?}: expected cpu, cuda, cuda:N or auto")
             );
         }
-        assert!(open_backend("tpu", 0, &MlpLayout::new(&[2, 2]), 1).is_err());
+        assert!(open_backend("tpu", 0, &ModelLayout::from(MlpLayout::new(&[2, 2])), 1).is_err());
     }
 
     #[test]
     fn cpu_works() {
-        let layout = MlpLayout::new(&[4, 3, 2]);
+        let layout = ModelLayout::from(MlpLayout::new(&[4, 3, 2]));
         let (mut b, msg) = open_backend("cpu", 3, &layout, 2).unwrap();
         assert_eq!(msg, "device cpu: using cpu (2 matmul threads)");
         b.set_weights(&layout.init_range(1, 0..layout.num_params()))
@@ -177,7 +178,7 @@ mod tests {
     /// Passes with and without a GPU: on a GPU machine `auto` picks CUDA.
     #[test]
     fn auto_falls_back_to_cpu_without_a_gpu() {
-        let layout = MlpLayout::new(&[4, 3, 2]);
+        let layout = ModelLayout::from(MlpLayout::new(&[4, 3, 2]));
         let (b, msg) = open_backend("auto", 0, &layout, 2).unwrap();
         assert!(!msg.contains('\n'), "{msg:?}");
         if b.name().starts_with("cpu") {
@@ -191,7 +192,7 @@ mod tests {
     /// Passes with and without a GPU: without one, `cuda` is a one-line "no GPU" error.
     #[test]
     fn cuda_without_a_gpu_is_a_one_line_error() {
-        let layout = MlpLayout::new(&[4, 3, 2]);
+        let layout = ModelLayout::from(MlpLayout::new(&[4, 3, 2]));
         for spec in ["cuda", "cuda:0"] {
             match open_backend(spec, 5, &layout, 1) {
                 Ok((b, msg)) => {

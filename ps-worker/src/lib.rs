@@ -3,9 +3,10 @@
 //! torchrun, Slurm, Kubernetes), and the single-process reference run used to check that a
 //! distributed run equals one process.
 //!
-//! The model: `ops` (the device operations trait), `model` (the MLP written once over it),
-//! `cpu` and `cuda` (the two devices, `CpuBackend` and `CudaBackend` the MLP on each),
-//! `backend` (the trait the worker calls), `device` (choosing one from `--device`).
+//! The model: `ops` (the device operations trait), `model` (the MLP and the CNN written once
+//! over it: `Model<D, N>` with `MlpNet`/`CnnNet`, `model::build` for a `ModelLayout`), `cpu`
+//! and `cuda` (the two devices), `backend` (the trait the worker calls), `device` (choosing one
+//! from `--device`).
 
 pub mod backend;
 pub mod cpu;

@@ -118,10 +118,11 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     // matrixmultiply reads it once, at its first threaded product.
     unsafe { std::env::set_var("MATMUL_NUM_THREADS", threads.to_string()) };
     if let Some(d) = &cfg.model.declared
+        && cfg.model.cnn.is_none()
         && ps_common::layout::MlpLayout::from_spec(&d.spec).is_none()
     {
         anyhow::bail!(
-            "{}: [model] init = {} declares a model other than an MLP (fc1.weight, fc1.bias, ...): ps-worker trains only the built-in MLP; use the Python worker (python/) for this model",
+            "{}: [model] init = {} declares a model other than an MLP (fc1.weight, fc1.bias, ...): ps-worker trains only the built-in MLP and CNN ([model] kind = \"cnn\"); use the Python worker (python/) for this model",
             cli.config.display(),
             d.path.display()
         );

@@ -1,6 +1,10 @@
-//! The MLP of [`MlpLayout`] written once over the [`Device`] operations: linear layers with
-//! ReLU between them and a softmax cross-entropy loss over the last layer's outputs. Weights
-//! and gradients are ranges of one flat vector in PyTorch `state_dict` order.
+//! The models written once over the [`Device`] operations: [`Model`] holds what every model
+//! needs (the flat weights, the batch, the device gradient buffer, the step's plumbing) and a
+//! [`Net`], the computation of one model kind: [`MlpNet`] (linear layers with ReLU between
+//! them) and [`CnnNet`] (convolution -> ReLU -> 2x2 max-pooling stages, then an [`MlpNet`] over
+//! the flattened features). Both end in a softmax cross-entropy loss. Weights and gradients are
+//! ranges of one flat vector in PyTorch `state_dict` order. [`build`] makes the model of a
+//! [`ModelLayout`] on a device, as the [`Backend`] the worker calls.
 //!
 //! A step uploads the batch's features, queues the forward pass, the loss and the backward
 //! pass on the device, and reads the results back once: on a device that computes in host
@@ -11,50 +15,88 @@
 //! layers below.
 
 use crate::backend::{Backend, BackendError, BackendResult, StepStats, check_shapes};
-use crate::ops::{Device, Mat};
+use crate::ops::{ConvGeom, Device, Mat};
 use ps_common::config::LossReduction;
-use ps_common::layout::MlpLayout;
+use ps_common::layout::{CnnLayout, MlpLayout, ModelLayout};
 use std::ops::Range;
 
 /// Called by the backward pass once a layer's gradient is queued: the device, the layer's
 /// range (weight and bias) and the gradient view.
-type LayerReady<'r, D> =
+pub type LayerReady<'r, D> =
     dyn FnMut(&mut D, Range<usize>, &<D as Device>::ViewMut<'_>) -> BackendResult<()> + 'r;
 
-/// The MLP on device `D`: its flat weights and the per-layer buffers of one batch.
-pub struct Mlp<D: Device> {
-    layout: MlpLayout,
+/// The computation of one model kind on device `D`: its per-batch buffers, its forward pass
+/// into logits and its backward pass from their gradient. [`Model`] does the rest.
+pub trait Net<D: Device>: Send {
+    /// The flat range of each layer's parameters (its weight and bias), in flat order; the
+    /// backward pass finishes them last first.
+    fn layers(&self) -> Vec<Range<usize>>;
+    /// Releases the batch buffers, then allocates them for `rows` rows.
+    fn alloc_rows(&mut self, dev: &mut D, rows: usize) -> BackendResult<()>;
+    /// Forward pass of the `n` rows of `x` (`[n, inputs]`) with weights `w` into the logits.
+    fn forward(&mut self, dev: &mut D, w: &D::Buf, x: D::View<'_>, n: usize) -> BackendResult<()>;
+    /// The buffer whose first `n * classes` values are the logits after [`Net::forward`] (and
+    /// the loss's gradient after the loss).
+    fn logits(&self) -> &D::Buf;
+    /// [`Net::logits`], writable.
+    fn logits_mut(&mut self) -> &mut D::Buf;
+    /// Backward pass of the `n` rows of `x` from the logits' gradient into `grad` (the whole
+    /// flat vector); calls `ready(device, layer, grad)` once a layer's range is queued.
+    fn backward(
+        &mut self,
+        dev: &mut D,
+        w: &D::Buf,
+        x: D::View<'_>,
+        n: usize,
+        grad: &mut D::ViewMut<'_>,
+        ready: &mut LayerReady<'_, D>,
+    ) -> BackendResult<()>;
+}
+
+/// A model on device `D`: its flat weights, the batch, and the computation `N`.
+pub struct Model<D: Device, N: Net<D>> {
+    layout: ModelLayout,
+    net: N,
     weights: D::Buf,
     /// The gradient on the device: always used by a device that cannot write host memory, and
-    /// by [`Mlp::compute_uploaded`] on any device. Allocated at its first use.
+    /// by [`Model::compute_uploaded`] on any device. Allocated at its first use.
     grad: Option<D::Buf>,
     /// Whether the device computes in host memory (the backward pass then writes the caller's
     /// gradient directly).
     host: bool,
     x: D::Buf,
-    /// Labels of the batch whose features are in `x` (see [`Mlp::upload_batch`]).
+    /// Labels of the batch whose features are in `x` (see [`Model::upload_batch`]).
     labels: Vec<u8>,
-    /// Output of layer `l` (`[rows, dims[l + 1]]`): post-ReLU for hidden layers, logits last.
-    acts: Vec<D::Buf>,
-    /// `dL/dz` of hidden layer `l` (`[rows, dims[l + 1]]`).
-    deltas: Vec<D::Buf>,
     /// Rows the batch buffers hold; a smaller batch uses their first rows.
     rows: usize,
     /// Last, so the buffers above are released while the device is still there.
     dev: D,
 }
 
-impl<D: Device> std::fmt::Debug for Mlp<D> {
+/// The MLP on device `D`.
+pub type Mlp<D> = Model<D, MlpNet<D>>;
+/// The CNN on device `D`.
+pub type Cnn<D> = Model<D, CnnNet<D>>;
+
+/// The model of `layout` on `dev`, weights zero, as a [`Backend`].
+pub fn build<D: Device + 'static>(layout: &ModelLayout, dev: D) -> BackendResult<Box<dyn Backend>> {
+    Ok(match layout {
+        ModelLayout::Mlp(m) => Box::new(Mlp::on(m.clone(), dev)?),
+        ModelLayout::Cnn(c) => Box::new(Cnn::on(c.clone(), dev)?),
+    })
+}
+
+impl<D: Device, N: Net<D>> std::fmt::Debug for Model<D, N> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Mlp")
-            .field("dims", &self.layout.dims)
+        f.debug_struct("Model")
+            .field("model", &self.layout.describe())
             .field("device", &self.dev.name())
             .field("rows", &self.rows)
             .finish()
     }
 }
 
-impl<D: Device> Drop for Mlp<D> {
+impl<D: Device, N: Net<D>> Drop for Model<D, N> {
     fn drop(&mut self) {
         // Wait for queued work before the buffers go (on CUDA this also makes the device's
         // context current on the dropping thread). An error has nowhere to go here.
@@ -64,26 +106,63 @@ impl<D: Device> Drop for Mlp<D> {
 
 impl<D: Device> Mlp<D> {
     /// The MLP of `layout` on `dev`, weights zero.
-    pub fn on(layout: MlpLayout, mut dev: D) -> BackendResult<Self> {
+    pub fn on(layout: MlpLayout, dev: D) -> BackendResult<Self> {
+        let net = MlpNet::new(layout.clone(), 0);
+        Model::with(layout.into(), net, dev)
+    }
+
+    /// The MLP's layout.
+    pub fn mlp_layout(&self) -> &MlpLayout {
+        &self.net.layout
+    }
+
+    /// Benchmark helper: queues only the matrix products of a step over `rows` rows (per layer
+    /// the forward product, the weight gradient and, except for the first layer, the input
+    /// gradient), on whatever the buffers hold. Does not wait; overwrites the activations, the
+    /// backward buffers and the device's gradient buffer.
+    pub fn gemm_only(&mut self, rows: usize) -> BackendResult<()> {
+        if rows == 0 {
+            return Ok(());
+        }
+        self.ensure_rows(rows)?;
+        let mut buf = self.take_grad()?;
+        let result = self
+            .net
+            .gemms(&mut self.dev, &self.weights, &self.x, rows, &mut buf);
+        self.grad = Some(buf);
+        result
+    }
+}
+
+impl<D: Device> Cnn<D> {
+    /// The CNN of `layout` on `dev`, weights zero.
+    pub fn on(layout: CnnLayout, dev: D) -> BackendResult<Self> {
+        let net = CnnNet::new(layout.clone());
+        Model::with(layout.into(), net, dev)
+    }
+}
+
+impl<D: Device, N: Net<D>> Model<D, N> {
+    /// The model of `layout` computed by `net` on `dev`, weights zero.
+    pub fn with(layout: ModelLayout, net: N, mut dev: D) -> BackendResult<Self> {
         let weights = dev.alloc(layout.num_params())?;
         let host = D::host_view_mut(&mut []).is_some();
         let x = dev.alloc(0)?;
         Ok(Self {
             layout,
+            net,
             weights,
             grad: None,
             host,
             x,
             labels: Vec::new(),
-            acts: Vec::new(),
-            deltas: Vec::new(),
             rows: 0,
             dev,
         })
     }
 
     /// The layout.
-    pub fn layout(&self) -> &MlpLayout {
+    pub fn layout(&self) -> &ModelLayout {
         &self.layout
     }
 
@@ -107,13 +186,17 @@ impl<D: Device> Mlp<D> {
         self.dev.sync()
     }
 
+    fn check(&self, x: &[f32], labels: &[u8], grad: Option<&[f32]>) -> BackendResult<()> {
+        let l = &self.layout;
+        check_shapes(l.inputs(), l.classes(), l.num_params(), x, labels, grad)
+    }
+
     /// The logits (`[n, classes]`, row-major) of the rows of `x`. Replaces the batch of
-    /// [`Mlp::upload_batch`] (by an empty one).
+    /// [`Model::upload_batch`] (by an empty one).
     pub fn logits(&mut self, x: &[f32]) -> BackendResult<Vec<f32>> {
-        let dims = self.layout.dims.clone();
-        let n = x.len() / dims[0];
-        check_shapes(&dims, self.layout.num_params(), x, &vec![0; n], None)?;
-        let classes = *dims.last().expect("dims");
+        let (inputs, classes) = (self.layout.inputs(), self.layout.classes());
+        let n = x.len() / inputs;
+        self.check(x, &vec![0; n], None)?;
         let mut out = vec![0f32; n * classes];
         self.labels.clear();
         if n == 0 {
@@ -122,23 +205,23 @@ impl<D: Device> Mlp<D> {
         self.ensure_rows(n)?;
         self.upload_x(x)?;
         self.forward(n)?;
-        let last = self.acts.len() - 1;
         self.dev
-            .download(D::view(&self.acts[last], 0..n * classes), &mut out)?;
+            .download(D::view(self.net.logits(), 0..n * classes), &mut out)?;
         Ok(out)
     }
 
     /// Copies a batch (`x` row-major `[n, inputs]`, `n` labels) to the device for
-    /// [`Mlp::compute_uploaded`], growing the batch buffers when needed. [`Mlp::logits`],
+    /// [`Model::compute_uploaded`], growing the batch buffers when needed. [`Model::logits`],
     /// [`Backend::evaluate`] and the [`Backend`] steps replace it.
     pub fn upload_batch(&mut self, x: &[f32], labels: &[u8]) -> BackendResult<()> {
-        check_shapes(&self.layout.dims, self.layout.num_params(), x, labels, None)?;
+        self.check(x, labels, None)?;
         self.stage(x, labels)
     }
 
-    /// Forward and backward on the batch of [`Mlp::upload_batch`], leaving the gradient in the
-    /// device's gradient buffer (see [`Mlp::download_gradient`]); returns the loss sum and
-    /// correct count, reading which waits for the device. An empty batch zeroes the gradient.
+    /// Forward and backward on the batch of [`Model::upload_batch`], leaving the gradient in
+    /// the device's gradient buffer (see [`Model::download_gradient`]); returns the loss sum
+    /// and correct count, reading which waits for the device. An empty batch zeroes the
+    /// gradient.
     pub fn compute_uploaded(&mut self, reduction: LossReduction) -> BackendResult<StepStats> {
         let n = self.labels.len();
         let mut buf = self.take_grad()?;
@@ -155,8 +238,8 @@ impl<D: Device> Mlp<D> {
         result
     }
 
-    /// Copies the device's gradient buffer (of the last [`Mlp::compute_uploaded`]) into `grad`
-    /// (length = number of parameters).
+    /// Copies the device's gradient buffer (of the last [`Model::compute_uploaded`]) into
+    /// `grad` (length = number of parameters).
     pub fn download_gradient(&mut self, grad: &mut [f32]) -> BackendResult<()> {
         let p = self.layout.num_params();
         if grad.len() != p {
@@ -171,50 +254,6 @@ impl<D: Device> Mlp<D> {
             ));
         };
         self.dev.download(D::view(buf, 0..p), grad)
-    }
-
-    /// Benchmark helper: queues only the matrix products of a step over `rows` rows (per layer
-    /// the forward product, the weight gradient and, except for the first layer, the input
-    /// gradient), on whatever the buffers hold. Does not wait; overwrites the activations, the
-    /// backward buffers and the device's gradient buffer.
-    pub fn gemm_only(&mut self, rows: usize) -> BackendResult<()> {
-        if rows == 0 {
-            return Ok(());
-        }
-        self.ensure_rows(rows)?;
-        let mut buf = self.take_grad()?;
-        let result = self.gemms(rows, &mut buf);
-        self.grad = Some(buf);
-        result
-    }
-
-    fn gemms(&mut self, n: usize, grad: &mut D::Buf) -> BackendResult<()> {
-        let dims = &self.layout.dims;
-        for l in 0..self.layout.num_layers() {
-            let (wr, _) = self.layout.layer(l);
-            let (fan_in, fan_out) = (dims[l], dims[l + 1]);
-            let (before, rest) = self.acts.split_at_mut(l);
-            let input = if l == 0 { &self.x } else { &before[l - 1] };
-            let z = &mut rest[0];
-            self.dev.gemm(
-                Mat::new(D::view(input, 0..n * fan_in), n, fan_in),
-                Mat::new(D::view(&self.weights, wr.clone()), fan_out, fan_in).t(),
-                D::view_mut(z, 0..n * fan_out),
-            )?;
-            self.dev.gemm(
-                Mat::new(D::view(z, 0..n * fan_out), n, fan_out).t(),
-                Mat::new(D::view(input, 0..n * fan_in), n, fan_in),
-                D::view_mut(grad, wr.clone()),
-            )?;
-            if l > 0 {
-                self.dev.gemm(
-                    Mat::new(D::view(z, 0..n * fan_out), n, fan_out),
-                    Mat::new(D::view(&self.weights, wr), fan_out, fan_in),
-                    D::view_mut(&mut self.deltas[l - 1], 0..n * fan_in),
-                )?;
-            }
-        }
-        Ok(())
     }
 
     /// The device gradient buffer, allocated at its first use (the caller puts it back).
@@ -232,17 +271,10 @@ impl<D: Device> Mlp<D> {
             return Ok(());
         }
         self.rows = 0;
-        self.acts.clear();
-        self.deltas.clear();
         self.x = self.dev.alloc(0)?;
-        let dims = &self.layout.dims;
-        self.x = self.dev.alloc(rows * dims[0])?;
-        for l in 0..self.layout.num_layers() {
-            self.acts.push(self.dev.alloc(rows * dims[l + 1])?);
-            if l + 1 < self.layout.num_layers() {
-                self.deltas.push(self.dev.alloc(rows * dims[l + 1])?);
-            }
-        }
+        self.net.alloc_rows(&mut self.dev, 0)?;
+        self.x = self.dev.alloc(rows * self.layout.inputs())?;
+        self.net.alloc_rows(&mut self.dev, rows)?;
         self.rows = rows;
         Ok(())
     }
@@ -265,35 +297,10 @@ impl<D: Device> Mlp<D> {
         self.dev.upload(x, v)
     }
 
-    /// Forward pass over the `n` uploaded rows into `acts`.
+    /// Forward pass over the `n` uploaded rows.
     fn forward(&mut self, n: usize) -> BackendResult<()> {
-        let dims = &self.layout.dims;
-        let layers = self.layout.num_layers();
-        for l in 0..layers {
-            let (wr, br) = self.layout.layer(l);
-            let (fan_in, fan_out) = (dims[l], dims[l + 1]);
-            let (before, rest) = self.acts.split_at_mut(l);
-            let input = if l == 0 {
-                D::view(&self.x, 0..n * fan_in)
-            } else {
-                D::view(&before[l - 1], 0..n * fan_in)
-            };
-            let w = Mat::new(D::view(&self.weights, wr), fan_out, fan_in).t();
-            let z = &mut rest[0];
-            self.dev.gemm(
-                Mat::new(input, n, fan_in),
-                w,
-                D::view_mut(z, 0..n * fan_out),
-            )?;
-            self.dev.bias_act(
-                D::view_mut(z, 0..n * fan_out),
-                D::view(&self.weights, br),
-                n,
-                fan_out,
-                l + 1 < layers,
-            )?;
-        }
-        Ok(())
+        let x = D::view(&self.x, 0..n * self.layout.inputs());
+        self.net.forward(&mut self.dev, &self.weights, x, n)
     }
 
     /// Queues the softmax cross-entropy of the `n` staged rows' logits: they become `dL/dz`.
@@ -302,10 +309,21 @@ impl<D: Device> Mlp<D> {
             LossReduction::Mean => 1.0 / n as f32,
             LossReduction::Sum => 1.0,
         };
-        let classes = *self.layout.dims.last().expect("dims");
-        let last = self.acts.len() - 1;
-        let logits = D::view_mut(&mut self.acts[last], 0..n * classes);
+        let classes = self.layout.classes();
+        let logits = D::view_mut(self.net.logits_mut(), 0..n * classes);
         self.dev.softmax_xent(logits, &self.labels, classes, scale)
+    }
+
+    /// Backward pass of the `n` staged rows into `grad`.
+    fn backward(
+        &mut self,
+        n: usize,
+        mut grad: D::ViewMut<'_>,
+        ready: &mut LayerReady<'_, D>,
+    ) -> BackendResult<()> {
+        let x = D::view(&self.x, 0..n * self.layout.inputs());
+        self.net
+            .backward(&mut self.dev, &self.weights, x, n, &mut grad, ready)
     }
 
     /// Queues forward, loss and backward of the `n` staged rows into the device buffer `grad`.
@@ -319,70 +337,6 @@ impl<D: Device> Mlp<D> {
         self.loss(n, reduction)?;
         let p = self.layout.num_params();
         self.backward(n, D::view_mut(grad, 0..p), &mut |_, _, _| Ok(()))
-    }
-
-    /// Backward pass from the logits of the `n` rows in `acts` (already turned into `dL/dz` by
-    /// the loss) into `grad`; calls `ready(device, layer, grad)` once the layer's gradient
-    /// (`layer`, its weight and bias range) is queued, so `grad[layer.start..]` is final once
-    /// the device has run what is queued.
-    fn backward(
-        &mut self,
-        n: usize,
-        mut grad: D::ViewMut<'_>,
-        ready: &mut LayerReady<'_, D>,
-    ) -> BackendResult<()> {
-        let dims = &self.layout.dims;
-        let layers = self.layout.num_layers();
-        for l in (0..layers).rev() {
-            let (wr, br) = self.layout.layer(l);
-            let (fan_in, fan_out) = (dims[l], dims[l + 1]);
-            let (start, br_end) = (wr.start, br.end);
-            let split = l.min(self.deltas.len());
-            let (lower, upper) = self.deltas.split_at_mut(split);
-            let dz = if l + 1 == layers {
-                D::view(&self.acts[l], 0..n * fan_out)
-            } else {
-                D::view(&upper[0], 0..n * fan_out)
-            };
-            let input = if l == 0 {
-                D::view(&self.x, 0..n * fan_in)
-            } else {
-                D::view(&self.acts[l - 1], 0..n * fan_in)
-            };
-            // dW [out, in] = dzᵀ · input
-            self.dev.gemm(
-                Mat::new(dz, n, fan_out).t(),
-                Mat::new(input, n, fan_in),
-                D::sub_mut(&mut grad, wr.clone()),
-            )?;
-            let dz = if l + 1 == layers {
-                D::view(&self.acts[l], 0..n * fan_out)
-            } else {
-                D::view(&upper[0], 0..n * fan_out)
-            };
-            self.dev
-                .bias_grad(dz, n, fan_out, D::sub_mut(&mut grad, br))?;
-            ready(&mut self.dev, start..br_end, &grad)?;
-            if l > 0 {
-                let dz = if l + 1 == layers {
-                    D::view(&self.acts[l], 0..n * fan_out)
-                } else {
-                    D::view(&upper[0], 0..n * fan_out)
-                };
-                // d(input) [n, in] = dz · W, then through the ReLU of layer l - 1
-                let da = &mut lower[l - 1];
-                self.dev.gemm(
-                    Mat::new(dz, n, fan_out),
-                    Mat::new(D::view(&self.weights, wr), fan_out, fan_in),
-                    D::view_mut(da, 0..n * fan_in),
-                )?;
-                self.dev.relu_backward(
-                    D::view_mut(da, 0..n * fan_in),
-                    D::view(&self.acts[l - 1], 0..n * fan_in),
-                )?;
-            }
-        }
-        Ok(())
     }
 
     /// A step on a device with its own memory: queues forward, loss and backward into the
@@ -406,21 +360,19 @@ impl<D: Device> Mlp<D> {
             dev.start_download(D::sub(g, layer.clone()), layer.start)
         })?;
         let mut stats = None;
-        for l in (0..self.layout.num_layers()).rev() {
-            let (wr, br) = self.layout.layer(l);
-            let r = wr.start..br.end;
-            self.dev.finish_download(r.start, &mut grad[r])?;
+        for r in self.net.layers().into_iter().rev() {
+            self.dev.finish_download(r.start, &mut grad[r.clone()])?;
             let s = match stats {
                 Some(s) => s,
                 None => *stats.insert(self.dev.stats()?),
             };
-            ready(wr.start, &grad[wr.start..], s);
+            ready(r.start, &grad[r.start..], s);
         }
         Ok(stats.unwrap_or_default())
     }
 }
 
-impl<D: Device> Backend for Mlp<D> {
+impl<D: Device, N: Net<D>> Backend for Model<D, N> {
     fn name(&self) -> String {
         self.dev.name()
     }
@@ -459,8 +411,7 @@ impl<D: Device> Backend for Mlp<D> {
         grad: &mut [f32],
         ready: &mut dyn FnMut(usize, &[f32], StepStats),
     ) -> BackendResult<StepStats> {
-        let num_params = self.layout.num_params();
-        check_shapes(&self.layout.dims, num_params, x, labels, Some(grad))?;
+        self.check(x, labels, Some(grad))?;
         let n = labels.len();
         self.stage(x, labels)?;
         if n == 0 {
@@ -489,11 +440,10 @@ impl<D: Device> Backend for Mlp<D> {
     }
 
     fn evaluate(&mut self, x: &[f32], labels: &[u8]) -> BackendResult<u64> {
-        let dims = self.layout.dims.clone();
-        check_shapes(&dims, self.layout.num_params(), x, labels, None)?;
+        self.check(x, labels, None)?;
         let n = labels.len();
         let chunk = self.dev.eval_rows().max(1);
-        let (inputs, classes) = (dims[0], *dims.last().expect("dims"));
+        let (inputs, classes) = (self.layout.inputs(), self.layout.classes());
         let mut correct = 0;
         self.labels.clear();
         for start in (0..n).step_by(chunk) {
@@ -501,9 +451,8 @@ impl<D: Device> Backend for Mlp<D> {
             let rows = end - start;
             self.stage(&x[start * inputs..end * inputs], &labels[start..end])?;
             self.forward(rows)?;
-            let last = self.acts.len() - 1;
             correct += self.dev.count_correct(
-                D::view(&self.acts[last], 0..rows * classes),
+                D::view(self.net.logits(), 0..rows * classes),
                 &self.labels,
                 classes,
             )?;
@@ -512,10 +461,474 @@ impl<D: Device> Backend for Mlp<D> {
     }
 }
 
+/// The MLP's computation: linear layers with ReLU between them, over its input rows. Also the
+/// CNN's head, over the flattened features, its parameters starting at `base`.
+pub struct MlpNet<D: Device> {
+    layout: MlpLayout,
+    /// Flat offset of `fc1.weight`: 0 in the MLP, after the convolutions' in the CNN.
+    base: usize,
+    /// Output of layer `l` (`[rows, dims[l + 1]]`): post-ReLU for hidden layers, logits last.
+    acts: Vec<D::Buf>,
+    /// `dL/dz` of hidden layer `l` (`[rows, dims[l + 1]]`).
+    deltas: Vec<D::Buf>,
+}
+
+impl<D: Device> MlpNet<D> {
+    /// The layers of `layout`, their parameters from flat index `base` on.
+    pub fn new(layout: MlpLayout, base: usize) -> Self {
+        Self {
+            layout,
+            base,
+            acts: Vec::new(),
+            deltas: Vec::new(),
+        }
+    }
+
+    /// Flat ranges of the weight and the bias of layer `l`.
+    fn layer(&self, l: usize) -> (Range<usize>, Range<usize>) {
+        let (w, b) = self.layout.layer(l);
+        let o = self.base;
+        (w.start + o..w.end + o, b.start + o..b.end + o)
+    }
+
+    fn gemms(
+        &mut self,
+        dev: &mut D,
+        weights: &D::Buf,
+        x: &D::Buf,
+        n: usize,
+        grad: &mut D::Buf,
+    ) -> BackendResult<()> {
+        let dims = &self.layout.dims;
+        for l in 0..self.layout.num_layers() {
+            let (wr, _) = self.layer(l);
+            let (fan_in, fan_out) = (dims[l], dims[l + 1]);
+            let (before, rest) = self.acts.split_at_mut(l);
+            let input = if l == 0 { x } else { &before[l - 1] };
+            let z = &mut rest[0];
+            dev.gemm(
+                Mat::new(D::view(input, 0..n * fan_in), n, fan_in),
+                Mat::new(D::view(weights, wr.clone()), fan_out, fan_in).t(),
+                D::view_mut(z, 0..n * fan_out),
+            )?;
+            dev.gemm(
+                Mat::new(D::view(z, 0..n * fan_out), n, fan_out).t(),
+                Mat::new(D::view(input, 0..n * fan_in), n, fan_in),
+                D::view_mut(grad, wr.clone()),
+            )?;
+            if l > 0 {
+                dev.gemm(
+                    Mat::new(D::view(z, 0..n * fan_out), n, fan_out),
+                    Mat::new(D::view(weights, wr), fan_out, fan_in),
+                    D::view_mut(&mut self.deltas[l - 1], 0..n * fan_in),
+                )?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The backward pass, writing the gradient of the input rows into `d_input` when given
+    /// (the CNN's head: the gradient of the pooled features).
+    #[allow(clippy::too_many_arguments)]
+    fn backward_into(
+        &mut self,
+        dev: &mut D,
+        w: &D::Buf,
+        input: D::View<'_>,
+        n: usize,
+        grad: &mut D::ViewMut<'_>,
+        mut d_input: Option<D::ViewMut<'_>>,
+        ready: &mut LayerReady<'_, D>,
+    ) -> BackendResult<()> {
+        let layers = self.layout.num_layers();
+        let mut input = Some(input);
+        for l in (0..layers).rev() {
+            let (wr, br) = self.layer(l);
+            let (fan_in, fan_out) = (self.layout.dims[l], self.layout.dims[l + 1]);
+            let (start, br_end) = (wr.start, br.end);
+            let split = l.min(self.deltas.len());
+            let (lower, upper) = self.deltas.split_at_mut(split);
+            let acts = &self.acts;
+            // dL/dz of layer l: the loss's gradient in the logits for the last layer
+            macro_rules! dz {
+                () => {
+                    if l + 1 == layers {
+                        D::view(&acts[l], 0..n * fan_out)
+                    } else {
+                        D::view(&upper[0], 0..n * fan_out)
+                    }
+                };
+            }
+            // dW [out, in] = dzᵀ · input
+            let dz_t = Mat::new(dz!(), n, fan_out).t();
+            let dw = D::sub_mut(grad, wr.clone());
+            if l == 0 {
+                let x = input.take().expect("layer 0 is reached once");
+                dev.gemm(dz_t, Mat::new(x, n, fan_in), dw)?;
+            } else {
+                let a = D::view(&acts[l - 1], 0..n * fan_in);
+                dev.gemm(dz_t, Mat::new(a, n, fan_in), dw)?;
+            }
+            dev.bias_grad(dz!(), n, fan_out, D::sub_mut(grad, br))?;
+            ready(dev, start..br_end, grad)?;
+            // d(input) [n, in] = dz · W
+            let wm = Mat::new(D::view(w, wr), fan_out, fan_in);
+            if l > 0 {
+                let da = &mut lower[l - 1];
+                dev.gemm(
+                    Mat::new(dz!(), n, fan_out),
+                    wm,
+                    D::view_mut(da, 0..n * fan_in),
+                )?;
+                // through the ReLU of layer l - 1
+                dev.relu_backward(
+                    D::view_mut(da, 0..n * fan_in),
+                    D::view(&acts[l - 1], 0..n * fan_in),
+                )?;
+            } else if let Some(da) = d_input.take() {
+                dev.gemm(Mat::new(dz!(), n, fan_out), wm, da)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl<D: Device> Net<D> for MlpNet<D> {
+    fn layers(&self) -> Vec<Range<usize>> {
+        (0..self.layout.num_layers())
+            .map(|l| {
+                let (w, b) = self.layer(l);
+                w.start..b.end
+            })
+            .collect()
+    }
+
+    fn alloc_rows(&mut self, dev: &mut D, rows: usize) -> BackendResult<()> {
+        self.acts.clear();
+        self.deltas.clear();
+        if rows == 0 {
+            return Ok(());
+        }
+        let dims = &self.layout.dims;
+        for l in 0..self.layout.num_layers() {
+            self.acts.push(dev.alloc(rows * dims[l + 1])?);
+            if l + 1 < self.layout.num_layers() {
+                self.deltas.push(dev.alloc(rows * dims[l + 1])?);
+            }
+        }
+        Ok(())
+    }
+
+    fn forward(&mut self, dev: &mut D, w: &D::Buf, x: D::View<'_>, n: usize) -> BackendResult<()> {
+        let dims = &self.layout.dims;
+        let layers = self.layout.num_layers();
+        let mut x = Some(x);
+        for l in 0..layers {
+            let (wr, br) = self.layer(l);
+            let (fan_in, fan_out) = (dims[l], dims[l + 1]);
+            let (before, rest) = self.acts.split_at_mut(l);
+            let z = &mut rest[0];
+            let wt = Mat::new(D::view(w, wr), fan_out, fan_in).t();
+            let out = D::view_mut(z, 0..n * fan_out);
+            if l == 0 {
+                let x = x.take().expect("layer 0 is reached once");
+                dev.gemm(Mat::new(x, n, fan_in), wt, out)?;
+            } else {
+                let a = D::view(&before[l - 1], 0..n * fan_in);
+                dev.gemm(Mat::new(a, n, fan_in), wt, out)?;
+            }
+            dev.bias_act(
+                D::view_mut(z, 0..n * fan_out),
+                D::view(w, br),
+                n,
+                fan_out,
+                l + 1 < layers,
+            )?;
+        }
+        Ok(())
+    }
+
+    fn logits(&self) -> &D::Buf {
+        self.acts
+            .last()
+            .expect("buffers allocated before the forward pass")
+    }
+
+    fn logits_mut(&mut self) -> &mut D::Buf {
+        self.acts
+            .last_mut()
+            .expect("buffers allocated before the forward pass")
+    }
+
+    fn backward(
+        &mut self,
+        dev: &mut D,
+        w: &D::Buf,
+        x: D::View<'_>,
+        n: usize,
+        grad: &mut D::ViewMut<'_>,
+        ready: &mut LayerReady<'_, D>,
+    ) -> BackendResult<()> {
+        self.backward_into(dev, w, x, n, grad, None, ready)
+    }
+}
+
+/// One `conv -> ReLU -> maxpool 2` stage of the CNN and its batch buffers.
+struct Stage<D: Device> {
+    /// The convolution's input geometry.
+    geom: ConvGeom,
+    /// Output channels.
+    out: usize,
+    /// The convolution's output height and width.
+    conv_hw: (usize, usize),
+    /// Positions per channel of the convolution's output and of the pooling's.
+    plane: usize,
+    pooled: usize,
+    /// Column matrices of the input (`[rows, c * k * k, plane]`); in backward, once the
+    /// weight gradient is queued, the gradient of the column matrices.
+    cols: D::Buf,
+    /// The convolution's output after bias and ReLU (`[rows, out, plane]`).
+    z: D::Buf,
+    /// `dL/dz` (`[rows, out, plane]`).
+    dz: D::Buf,
+    /// The pooled output (`[rows, out, pooled]`), its argmax and its gradient.
+    y: D::Buf,
+    arg: D::Buf,
+    dy: D::Buf,
+}
+
+/// The CNN's computation: convolution stages (im2col, one product per sample with the weight
+/// `[out, c * k * k]`, per-channel bias and ReLU, 2x2 max-pooling), then the linear layers of
+/// an [`MlpNet`] over the flattened pooled features (NCHW order, as `torch.flatten`).
+pub struct CnnNet<D: Device> {
+    layout: CnnLayout,
+    stages: Vec<Stage<D>>,
+    head: MlpNet<D>,
+}
+
+impl<D: Device> CnnNet<D> {
+    /// The computation of `layout`.
+    pub fn new(layout: CnnLayout) -> Self {
+        let head = MlpNet::new(layout.head.clone(), layout.head_offset());
+        Self {
+            layout,
+            stages: Vec::new(),
+            head,
+        }
+    }
+
+    /// Values per sample of the pooled output of the last stage (the head's input).
+    fn features(&self) -> usize {
+        self.layout.head.dims[0]
+    }
+}
+
+impl<D: Device> Net<D> for CnnNet<D> {
+    fn layers(&self) -> Vec<Range<usize>> {
+        let mut v: Vec<Range<usize>> = (0..self.layout.stages.len())
+            .map(|i| {
+                let (w, b) = self.layout.conv(i);
+                w.start..b.end
+            })
+            .collect();
+        v.extend(self.head.layers());
+        v
+    }
+
+    fn alloc_rows(&mut self, dev: &mut D, rows: usize) -> BackendResult<()> {
+        self.stages.clear();
+        self.head.alloc_rows(dev, 0)?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let s = &self.layout.shape;
+        for st in &self.layout.stages {
+            let geom = ConvGeom {
+                channels: st.input[0],
+                height: st.input[1],
+                width: st.input[2],
+                kernel: s.kernel,
+                stride: s.stride,
+                padding: s.padding,
+            };
+            let plane = st.conv_hw[0] * st.conv_hw[1];
+            let pooled = st.pool_hw[0] * st.pool_hw[1];
+            let out = st.out_channels;
+            self.stages.push(Stage {
+                geom,
+                out,
+                conv_hw: (st.conv_hw[0], st.conv_hw[1]),
+                plane,
+                pooled,
+                cols: dev.alloc(rows * geom.col_rows() * plane)?,
+                z: dev.alloc(rows * out * plane)?,
+                dz: dev.alloc(rows * out * plane)?,
+                y: dev.alloc(rows * out * pooled)?,
+                arg: dev.alloc(rows * out * pooled)?,
+                dy: dev.alloc(rows * out * pooled)?,
+            });
+        }
+        self.head.alloc_rows(dev, rows)
+    }
+
+    fn forward(&mut self, dev: &mut D, w: &D::Buf, x: D::View<'_>, n: usize) -> BackendResult<()> {
+        let mut x = Some(x);
+        for s in 0..self.stages.len() {
+            let (wr, br) = self.layout.conv(s);
+            let (before, rest) = self.stages.split_at_mut(s);
+            let st = &mut rest[0];
+            let (g, out, plane, pooled) = (st.geom, st.out, st.plane, st.pooled);
+            let ckk = g.col_rows();
+            let cols = D::view_mut(&mut st.cols, 0..n * ckk * plane);
+            if s == 0 {
+                let x = x.take().expect("stage 0 is reached once");
+                dev.im2col(x, cols, n, g)?;
+            } else {
+                let y = D::view(&before[s - 1].y, 0..n * g.input_len());
+                dev.im2col(y, cols, n, g)?;
+            }
+            // z[b] [out, plane] = W [out, c k k] · cols[b] [c k k, plane]
+            for b in 0..n {
+                dev.gemm(
+                    Mat::new(D::view(w, wr.clone()), out, ckk),
+                    Mat::new(
+                        D::view(&st.cols, b * ckk * plane..(b + 1) * ckk * plane),
+                        ckk,
+                        plane,
+                    ),
+                    D::view_mut(&mut st.z, b * out * plane..(b + 1) * out * plane),
+                )?;
+            }
+            dev.channel_bias_act(
+                D::view_mut(&mut st.z, 0..n * out * plane),
+                D::view(w, br),
+                n,
+                out,
+                plane,
+                true,
+            )?;
+            dev.maxpool2(
+                D::view(&st.z, 0..n * out * plane),
+                D::view_mut(&mut st.y, 0..n * out * pooled),
+                D::view_mut(&mut st.arg, 0..n * out * pooled),
+                n * out,
+                st.conv_hw.0,
+                st.conv_hw.1,
+            )?;
+        }
+        let f = self.features();
+        let last = self.stages.last().expect("a CNN has a convolution");
+        self.head.forward(dev, w, D::view(&last.y, 0..n * f), n)
+    }
+
+    fn logits(&self) -> &D::Buf {
+        self.head.logits()
+    }
+
+    fn logits_mut(&mut self) -> &mut D::Buf {
+        self.head.logits_mut()
+    }
+
+    fn backward(
+        &mut self,
+        dev: &mut D,
+        w: &D::Buf,
+        _x: D::View<'_>,
+        n: usize,
+        grad: &mut D::ViewMut<'_>,
+        ready: &mut LayerReady<'_, D>,
+    ) -> BackendResult<()> {
+        let f = self.features();
+        {
+            let last = self.stages.last_mut().expect("a CNN has a convolution");
+            let d_input = D::view_mut(&mut last.dy, 0..n * f);
+            self.head.backward_into(
+                dev,
+                w,
+                D::view(&last.y, 0..n * f),
+                n,
+                grad,
+                Some(d_input),
+                ready,
+            )?;
+        }
+        for s in (0..self.stages.len()).rev() {
+            let (wr, br) = self.layout.conv(s);
+            let (before, rest) = self.stages.split_at_mut(s);
+            let st = &mut rest[0];
+            let (g, out, plane, pooled) = (st.geom, st.out, st.plane, st.pooled);
+            let ckk = g.col_rows();
+            dev.maxpool2_backward(
+                D::view(&st.dy, 0..n * out * pooled),
+                D::view(&st.arg, 0..n * out * pooled),
+                D::view_mut(&mut st.dz, 0..n * out * plane),
+                n * out,
+                st.conv_hw.0,
+                st.conv_hw.1,
+            )?;
+            dev.relu_backward(
+                D::view_mut(&mut st.dz, 0..n * out * plane),
+                D::view(&st.z, 0..n * out * plane),
+            )?;
+            dev.channel_bias_grad(
+                D::view(&st.dz, 0..n * out * plane),
+                n,
+                out,
+                plane,
+                D::sub_mut(grad, br.clone()),
+            )?;
+            // dW [out, c k k] = sum over b of dz[b] [out, plane] · cols[b]ᵀ [plane, c k k]
+            for b in 0..n {
+                let dz = Mat::new(
+                    D::view(&st.dz, b * out * plane..(b + 1) * out * plane),
+                    out,
+                    plane,
+                );
+                let cols = Mat::new(
+                    D::view(&st.cols, b * ckk * plane..(b + 1) * ckk * plane),
+                    ckk,
+                    plane,
+                )
+                .t();
+                let dw = D::sub_mut(grad, wr.clone());
+                if b == 0 {
+                    dev.gemm(dz, cols, dw)?;
+                } else {
+                    dev.gemm_acc(dz, cols, dw)?;
+                }
+            }
+            ready(dev, wr.start..br.end, grad)?;
+            if s > 0 {
+                // d cols[b] [c k k, plane] = Wᵀ · dz[b], into the column buffer, then summed
+                // back onto the previous stage's pooled output
+                for b in 0..n {
+                    dev.gemm(
+                        Mat::new(D::view(w, wr.clone()), out, ckk).t(),
+                        Mat::new(
+                            D::view(&st.dz, b * out * plane..(b + 1) * out * plane),
+                            out,
+                            plane,
+                        ),
+                        D::view_mut(&mut st.cols, b * ckk * plane..(b + 1) * ckk * plane),
+                    )?;
+                }
+                dev.col2im(
+                    D::view(&st.cols, 0..n * ckk * plane),
+                    D::view_mut(&mut before[s - 1].dy, 0..n * g.input_len()),
+                    n,
+                    g,
+                )?;
+            }
+        }
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::cpu::{CpuBackend, CpuDevice};
+    use ps_common::layout::{CnnShape, ModelSpec};
     use std::ops::Range;
 
     /// The CPU device, but claiming it cannot write host memory: an [`Mlp`] on it takes the
@@ -634,6 +1047,30 @@ mod tests {
         ) -> BackendResult<()> {
             self.0.bias_act(z, bias, rows, cols, relu)
         }
+        fn gemm_acc(&mut self, a: Mat<&[f32]>, b: Mat<&[f32]>, c: &mut [f32]) -> BackendResult<()> {
+            self.0.gemm_acc(a, b, c)
+        }
+        fn channel_bias_act(
+            &mut self,
+            z: &mut [f32],
+            bias: &[f32],
+            n: usize,
+            channels: usize,
+            plane: usize,
+            relu: bool,
+        ) -> BackendResult<()> {
+            self.0.channel_bias_act(z, bias, n, channels, plane, relu)
+        }
+        fn channel_bias_grad(
+            &mut self,
+            dz: &[f32],
+            n: usize,
+            channels: usize,
+            plane: usize,
+            out: &mut [f32],
+        ) -> BackendResult<()> {
+            self.0.channel_bias_grad(dz, n, channels, plane, out)
+        }
         fn relu_backward(&mut self, d: &mut [f32], act: &[f32]) -> BackendResult<()> {
             self.0.relu_backward(d, act)
         }
@@ -671,11 +1108,11 @@ mod tests {
         }
     }
 
-    fn batch(layout: &MlpLayout, n: usize, seed: usize) -> (Vec<f32>, Vec<u8>) {
-        let x = (0..n * layout.dims[0])
+    fn batch(layout: &ModelLayout, n: usize, seed: usize) -> (Vec<f32>, Vec<u8>) {
+        let x = (0..n * layout.inputs())
             .map(|i| (((i * 37 + seed * 11) % 23) as f32 - 11.0) / 7.0)
             .collect();
-        let classes = *layout.dims.last().unwrap();
+        let classes = layout.classes();
         let y = (0..n).map(|i| ((i * 5 + seed) % classes) as u8).collect();
         (x, y)
     }
@@ -690,7 +1127,7 @@ mod tests {
     /// Runs a step with the overlapped API and checks each handed-on range is final.
     fn step(
         b: &mut dyn Backend,
-        layout: &MlpLayout,
+        layout: &ModelSpec,
         x: &[f32],
         y: &[u8],
         reduction: LossReduction,
@@ -731,7 +1168,7 @@ mod tests {
         dev.set_weights(&w).unwrap();
         let starts: Vec<usize> = (0..3).rev().map(|l| layout.layer(l).0.start).collect();
         for (i, n) in [5usize, 40, 1, 17, 0, 3].into_iter().enumerate() {
-            let (x, y) = batch(&layout, n, i);
+            let (x, y) = batch(&layout.clone().into(), n, i);
             for reduction in [LossReduction::Mean, LossReduction::Sum] {
                 let (sh, gh, seen_h) = step(&mut host, &layout, &x, &y, reduction);
                 let (sd, gd, seen_d) = step(&mut dev, &layout, &x, &y, reduction);
@@ -748,7 +1185,7 @@ mod tests {
             }
             assert_eq!(dev.capacity_rows(), if i == 0 { 5 } else { 40 });
         }
-        let (x, y) = batch(&layout, 30, 9);
+        let (x, y) = batch(&layout.clone().into(), 30, 9);
         let want = host.evaluate(&x, &y).unwrap();
         assert_eq!(dev.evaluate(&x, &y).unwrap(), want);
         assert!(want > 0);
@@ -761,7 +1198,7 @@ mod tests {
     fn split_step_equals_forward_backward() {
         let layout = MlpLayout::new(&[6, 9, 4]);
         let w = layout.init_range(5, 0..layout.num_params());
-        let (x, y) = batch(&layout, 12, 1);
+        let (x, y) = batch(&layout.clone().into(), 12, 1);
         let p = layout.num_params();
         let mut want = vec![0.0; p];
         let mut host = CpuBackend::new(layout.clone(), 1);
@@ -853,5 +1290,173 @@ mod tests {
         assert_eq!(s.correct, 1);
         assert_eq!(d.count_correct(&[5.0, 0.0, 0.0], &[0], 3).unwrap(), 1);
         assert_eq!(d.stats().unwrap(), s);
+    }
+
+    /// A CNN small enough for finite differences: 2 x 8 x 8 images, 3 x 3 kernels with padding
+    /// 1, channels 3 and 4, a hidden linear layer of 5, 3 classes.
+    fn small_cnn() -> CnnLayout {
+        CnnLayout::new(CnnShape {
+            image: [2, 8, 8],
+            channels: vec![3, 4],
+            kernel: 3,
+            stride: 1,
+            padding: 1,
+            hidden: vec![5],
+            classes: 3,
+        })
+        .unwrap()
+    }
+
+    /// Loss of the whole batch in f64 from the model's logits, for finite differences.
+    fn loss_f64(b: &mut dyn Logits, x: &[f32], labels: &[u8], classes: usize) -> f64 {
+        let logits = b.logits_of(x);
+        let mut total = 0.0;
+        for (row, &y) in logits.chunks(classes).zip(labels) {
+            let m = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max) as f64;
+            let lse = row.iter().map(|&v| (v as f64 - m).exp()).sum::<f64>().ln() + m;
+            total += lse - row[usize::from(y)] as f64;
+        }
+        total
+    }
+
+    trait Logits: Backend {
+        fn logits_of(&mut self, x: &[f32]) -> Vec<f32>;
+    }
+    impl<D: Device, N: Net<D>> Logits for Model<D, N> {
+        fn logits_of(&mut self, x: &[f32]) -> Vec<f32> {
+            self.logits(x).unwrap()
+        }
+    }
+
+    /// The CNN's gradient (convolutions, per-channel bias, pooling, head) is the derivative of
+    /// its loss: central differences of every parameter agree, for a stride-1 padded geometry
+    /// and for a stride-2 one.
+    #[test]
+    fn cnn_gradient_matches_finite_differences() {
+        let strided = CnnLayout::new(CnnShape {
+            image: [1, 15, 15],
+            channels: vec![2],
+            kernel: 3,
+            stride: 2,
+            padding: 1,
+            hidden: vec![],
+            classes: 3,
+        })
+        .unwrap();
+        for layout in [small_cnn(), strided] {
+            let ml: ModelLayout = layout.clone().into();
+            let mut b = Cnn::on(layout.clone(), CpuDevice::new(1)).unwrap();
+            let p = layout.num_params();
+            let w = layout.init_range(17, 0..p);
+            b.set_weights(&w).unwrap();
+            let (x, labels) = batch(&ml, 4, 2);
+            let mut g = vec![0.0; p];
+            let stats = b
+                .forward_backward(&x, &labels, LossReduction::Sum, &mut g)
+                .unwrap();
+            let classes = ml.classes();
+            assert!((stats.loss_sum - loss_f64(&mut b, &x, &labels, classes)).abs() < 1e-4);
+            let eps = 1e-3f32;
+            let mut worst = (0.0f64, 0);
+            for i in 0..p {
+                let mut wp = w.clone();
+                wp[i] += eps;
+                b.set_weights(&wp).unwrap();
+                let lp = loss_f64(&mut b, &x, &labels, classes);
+                wp[i] -= 2.0 * eps;
+                b.set_weights(&wp).unwrap();
+                let lm = loss_f64(&mut b, &x, &labels, classes);
+                let fd = (lp - lm) / (2.0 * eps as f64);
+                let e = (fd - g[i] as f64).abs();
+                if e > worst.0 {
+                    worst = (e, i);
+                }
+            }
+            assert!(
+                worst.0 < 2e-3,
+                "{}: largest |finite difference - gradient| = {} at {}",
+                layout.describe(),
+                worst.0,
+                worst.1
+            );
+            assert!(g.iter().filter(|v| **v != 0.0).count() > p / 2);
+        }
+    }
+
+    /// The CNN's device path (gradient buffer on the device, downloaded layer by layer) gives
+    /// the same bits as its host path, over growing and shrinking batches and both reductions,
+    /// handing on one range per layer, last layer first; evaluation in chunks agrees too.
+    #[test]
+    fn cnn_device_path_equals_host_path() {
+        let layout = small_cnn();
+        let ml: ModelLayout = layout.clone().into();
+        let p = layout.num_params();
+        let w = layout.init_range(3, 0..p);
+        let mut host = crate::cpu::cpu_model(&ml, 1);
+        let mut dev = Cnn::on(
+            layout.clone(),
+            Hostless(CpuDevice::new(1), Default::default()),
+        )
+        .unwrap();
+        host.set_weights(&w).unwrap();
+        dev.set_weights(&w).unwrap();
+        let starts: Vec<usize> = ["fc2.weight", "fc1.weight", "conv2.weight", "conv1.weight"]
+            .iter()
+            .map(|n| layout.tensor(n).unwrap().offset)
+            .collect();
+        for (i, n) in [5usize, 9, 1, 0, 3].into_iter().enumerate() {
+            let (x, y) = batch(&ml, n, i);
+            for reduction in [LossReduction::Mean, LossReduction::Sum] {
+                let (sh, gh, seen_h) = step(host.as_mut(), &layout, &x, &y, reduction);
+                let (sd, gd, seen_d) = step(&mut dev, &layout, &x, &y, reduction);
+                assert_eq!(sh, sd, "batch {n} {reduction}");
+                assert_eq!(bits(&gh), bits(&gd), "batch {n} {reduction}");
+                let s: Vec<usize> = seen_d.iter().map(|(s, _)| *s).collect();
+                let sh: Vec<usize> = seen_h.iter().map(|(s, _)| *s).collect();
+                if n > 0 {
+                    assert_eq!(s, starts);
+                    assert_eq!(sh, starts);
+                }
+            }
+        }
+        let (x, y) = batch(&ml, 30, 9);
+        let want = host.evaluate(&x, &y).unwrap();
+        assert_eq!(dev.evaluate(&x, &y).unwrap(), want);
+        // a wrong shape is a typed error, not a panic
+        assert!(matches!(
+            dev.forward_backward(&x[1..], &y, LossReduction::Mean, &mut vec![0.0; p]),
+            Err(BackendError::Shape(_))
+        ));
+    }
+
+    /// The per-channel bias and its gradient, and the accumulating product, on the CPU.
+    #[test]
+    fn channel_bias_and_accumulating_product() {
+        let mut d = CpuDevice::new(1);
+        // [n 2, channels 3, plane 2]
+        let mut z: Vec<f32> = (0..12).map(|i| i as f32 - 6.0).collect();
+        d.channel_bias_act(&mut z, &[1.0, 10.0, 100.0], 2, 3, 2, false)
+            .unwrap();
+        assert_eq!(
+            z,
+            [-5., -4., 6., 7., 98., 99., 1., 2., 12., 13., 104., 105.]
+        );
+        let mut r = z.clone();
+        d.channel_bias_act(&mut r, &[0.0; 3], 2, 3, 2, true)
+            .unwrap();
+        assert_eq!(r[..2], [0.0, 0.0]);
+        let mut gb = [0.0; 3];
+        d.channel_bias_grad(&z, 2, 3, 2, &mut gb).unwrap();
+        assert_eq!(gb, [-6.0, 38.0, 406.0]);
+        assert!(d.channel_bias_grad(&z, 2, 3, 3, &mut gb).is_err());
+        assert!(
+            d.channel_bias_act(&mut z, &[0.0; 2], 2, 3, 2, true)
+                .is_err()
+        );
+        let mut c = vec![1.0f32; 4];
+        let a = [1.0f32, 2.0, 3.0, 4.0];
+        d.gemm_acc(Mat::new(&a[..], 2, 2), Mat::new(&a[..], 2, 2), &mut c)
+            .unwrap();
+        assert_eq!(c, [8.0, 11.0, 16.0, 23.0]);
     }
 }

@@ -1,6 +1,8 @@
 //! The operations a model needs from a device: buffers, upload and download, matrix products
-//! with transposes, bias and activation, the ReLU backward mask, softmax cross-entropy and the
-//! bias gradient. A model ([`crate::model::Mlp`]) is written once over this trait; the CPU
+//! with transposes (overwriting or accumulating), bias and activation (per column or per
+//! channel), the ReLU backward mask, softmax cross-entropy, the bias gradients, and the
+//! convolution's column matrices and 2x2 max-pooling. A model ([`crate::model`]: the MLP and
+//! the CNN) is written once over this trait; the CPU
 //! ([`crate::cpu::CpuDevice`]) and CUDA ([`crate::cuda::CudaDevice`]) devices implement it.
 //! Every matrix is row-major.
 //!
@@ -189,6 +191,14 @@ pub trait Device: Send {
         b: Mat<Self::View<'_>>,
         c: Self::ViewMut<'_>,
     ) -> BackendResult<()>;
+    /// `c += a · b` (`[m, k] · [k, n]`, `c` `[m, n]` accumulated into): a sum of products,
+    /// such as a convolution's weight gradient over the samples of a batch.
+    fn gemm_acc(
+        &mut self,
+        a: Mat<Self::View<'_>>,
+        b: Mat<Self::View<'_>>,
+        c: Self::ViewMut<'_>,
+    ) -> BackendResult<()>;
     /// `z[r, c] += bias[c]` over `[rows, cols]`, then ReLU when `relu`.
     fn bias_act(
         &mut self,
@@ -197,6 +207,27 @@ pub trait Device: Send {
         rows: usize,
         cols: usize,
         relu: bool,
+    ) -> BackendResult<()>;
+    /// `z[b, c, i] += bias[c]` over `[n, channels, plane]` (a convolution's output: one bias per
+    /// channel, added to each of its `plane` positions), then ReLU when `relu`.
+    fn channel_bias_act(
+        &mut self,
+        z: Self::ViewMut<'_>,
+        bias: Self::View<'_>,
+        n: usize,
+        channels: usize,
+        plane: usize,
+        relu: bool,
+    ) -> BackendResult<()>;
+    /// `out[c] = sum over b and i of dz[b, c, i]`, `dz` `[n, channels, plane]` (the gradient of
+    /// [`Device::channel_bias_act`]'s bias).
+    fn channel_bias_grad(
+        &mut self,
+        dz: Self::View<'_>,
+        n: usize,
+        channels: usize,
+        plane: usize,
+        out: Self::ViewMut<'_>,
     ) -> BackendResult<()>;
     /// `d[i] = 0` where `act[i] <= 0` (the gradient through a ReLU whose output is `act`).
     fn relu_backward(&mut self, d: Self::ViewMut<'_>, act: Self::View<'_>) -> BackendResult<()>;

@@ -2,8 +2,6 @@
 //! order, no network. A distributed run must end at its weights, bit for bit with one
 //! worker.
 
-use crate::backend::Backend;
-use crate::cpu::CpuBackend;
 use ps_common::config::Config;
 use ps_common::idx::Dataset;
 use ps_common::order::BatchPlanner;
@@ -50,12 +48,12 @@ pub fn run_reference_of(cfg: &Config, train: &Dataset, kind: Kind) -> anyhow::Re
     } else {
         (1.0, eq.grad_scale as f32)
     };
-    // the seeded init, or a declared MLP's init file
+    // the seeded init, or the init file of a declared MLP or of the CNN
     let mut params = cfg
         .initial_range(0..layout.num_params())
         .map_err(anyhow::Error::msg)?;
     let mut opt = cfg.optimizer.init_state(params.len());
-    let mut backend = CpuBackend::new(layout.clone(), 0);
+    let mut backend = crate::cpu::cpu_model(&layout, 0);
     let mut planner = BatchPlanner::new(cfg.data_order(train.len()));
     let mut grad = vec![0f32; params.len()];
     let mut part = vec![0f32; params.len()];

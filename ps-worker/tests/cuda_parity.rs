@@ -25,7 +25,8 @@ use ps_common::config::LossReduction;
 use ps_common::layout::{MlpLayout, splitmix64};
 use ps_worker::backend::{Backend, BackendError, StepStats};
 use ps_worker::cpu::CpuBackend;
-use ps_worker::cuda::{CudaBackend, EVAL_ROWS};
+use ps_worker::cuda::{CudaBackend, CudaDevice, EVAL_ROWS};
+use ps_worker::ops::Device;
 
 /// Largest accepted relative error of a gradient tensor or a loss sum.
 const TOL: f64 = 1e-4;
@@ -99,6 +100,26 @@ fn prefixes(layout: &MlpLayout, w: &[f32]) -> Vec<CpuBackend> {
         .collect()
 }
 
+/// `len` values uniform in [-1, 1), a function of `seed`.
+fn rand(seed: u64, len: usize) -> Vec<f32> {
+    (0..len as u64).map(|i| uniform(seed, i)).collect()
+}
+
+/// A device buffer holding `v`.
+fn on_gpu(gpu: &mut CudaDevice, v: &[f32]) -> cudarc::driver::CudaSlice<f32> {
+    let mut b = gpu.alloc(v.len()).unwrap();
+    gpu.upload(v, CudaDevice::view_mut(&mut b, 0..v.len()))
+        .unwrap();
+    b
+}
+
+/// The first `len` values of a device buffer.
+fn back(gpu: &mut CudaDevice, b: &cudarc::driver::CudaSlice<f32>, len: usize) -> Vec<f32> {
+    let mut v = vec![f32::NAN; len];
+    gpu.download(CudaDevice::view(b, 0..len), &mut v).unwrap();
+    v
+}
+
 /// For each row of `x`, its logits when every hidden pre-activation is at least `MARGIN` from
 /// 0 and the two largest logits are at least `MARGIN` apart; `None` otherwise.
 fn checked_logits(prefixes: &mut [CpuBackend], x: &[f32], inputs: usize) -> Vec<Option<Vec<f32>>> {
@@ -106,13 +127,13 @@ fn checked_logits(prefixes: &mut [CpuBackend], x: &[f32], inputs: usize) -> Vec<
     let mut ok = vec![true; n];
     let (last, hidden) = prefixes.split_last_mut().unwrap();
     for p in hidden {
-        let width = *p.layout().dims.last().unwrap();
+        let width = *p.mlp_layout().dims.last().unwrap();
         let z = p.logits(x).unwrap();
         for (r, row) in z.chunks(width).enumerate() {
             ok[r] &= row.iter().all(|v| v.abs() >= MARGIN);
         }
     }
-    let classes = *last.layout().dims.last().unwrap();
+    let classes = *last.mlp_layout().dims.last().unwrap();
     let z = last.logits(x).unwrap();
     z.chunks(classes)
         .zip(ok)
@@ -581,23 +602,9 @@ fn the_gradient_is_handed_on_while_backward_runs() {
 #[ignore = "needs a CUDA GPU: run with --ignored on a GPU machine (scripts/gpu-check.sh)"]
 fn conv_and_pool_operations_parity() {
     use ps_worker::cpu::CpuDevice;
-    use ps_worker::cuda::CudaDevice;
-    use ps_worker::ops::{ConvGeom, Device};
-    let rand =
-        |seed: u64, len: usize| -> Vec<f32> { (0..len as u64).map(|i| uniform(seed, i)).collect() };
+    use ps_worker::ops::ConvGeom;
     let mut cpu = CpuDevice::new(1);
     let mut gpu = CudaDevice::new(ordinal()).expect("a CUDA device");
-    let on_gpu = |gpu: &mut CudaDevice, v: &[f32]| {
-        let mut b = gpu.alloc(v.len()).unwrap();
-        gpu.upload(v, CudaDevice::view_mut(&mut b, 0..v.len()))
-            .unwrap();
-        b
-    };
-    let back = |gpu: &mut CudaDevice, b: &cudarc::driver::CudaSlice<f32>, len: usize| {
-        let mut v = vec![f32::NAN; len];
-        gpu.download(CudaDevice::view(b, 0..len), &mut v).unwrap();
-        v
-    };
     for (n, c, h, w, k, s, p) in [
         (2, 1, 28, 28, 5, 1, 0),
         (3, 4, 12, 12, 5, 1, 2),
@@ -688,5 +695,138 @@ fn conv_and_pool_operations_parity() {
         let got = back(&mut gpu, &dxpb, xp.len());
         assert!(rel_err(&got, &dxp) < TOL, "{what}: max-pool gradient");
         eprintln!("{what}: im2col, col2im, max-pool and its gradient equal the CPU's");
+    }
+}
+
+/// The CNN's other device operations on the CUDA device equal the CPU device's: the
+/// per-channel bias with and without ReLU, its gradient (a fixed-order tree sum on the GPU, so
+/// within rounding, not to the bit) and the accumulating product.
+#[test]
+#[ignore = "needs a CUDA GPU: run with --ignored on a GPU machine (scripts/gpu-check.sh)"]
+fn channel_bias_and_accumulating_product_parity() {
+    use ps_worker::cpu::CpuDevice;
+    use ps_worker::ops::Mat;
+    let mut cpu = CpuDevice::new(1);
+    let mut gpu = CudaDevice::new(ordinal()).expect("a CUDA device");
+    for (n, c, plane) in [(3, 5, 7), (2, 8, 576), (1, 300, 1)] {
+        let len = n * c * plane;
+        let z = rand(41, len);
+        let bias = rand(42, c);
+        let bb = on_gpu(&mut gpu, &bias);
+        for relu in [false, true] {
+            let mut want = z.clone();
+            cpu.channel_bias_act(&mut want, &bias, n, c, plane, relu)
+                .unwrap();
+            let mut zb = on_gpu(&mut gpu, &z);
+            gpu.channel_bias_act(
+                CudaDevice::view_mut(&mut zb, 0..len),
+                CudaDevice::view(&bb, 0..c),
+                n,
+                c,
+                plane,
+                relu,
+            )
+            .unwrap();
+            assert_eq!(
+                back(&mut gpu, &zb, len),
+                want,
+                "[{n}, {c}, {plane}] relu {relu}"
+            );
+        }
+        let mut want = vec![f32::NAN; c];
+        cpu.channel_bias_grad(&z, n, c, plane, &mut want).unwrap();
+        let zb = on_gpu(&mut gpu, &z);
+        let mut gb = gpu.alloc(c).unwrap();
+        gpu.channel_bias_grad(
+            CudaDevice::view(&zb, 0..len),
+            n,
+            c,
+            plane,
+            CudaDevice::view_mut(&mut gb, 0..c),
+        )
+        .unwrap();
+        let e = rel_err(&back(&mut gpu, &gb, c), &want);
+        assert!(e < TOL, "[{n}, {c}, {plane}]: channel bias gradient {e:e}");
+    }
+    // c [m, n] += a [m, k] · bᵀ, both operands in every transpose
+    let (m, k, nn) = (6, 9, 5);
+    let a = rand(43, m * k);
+    let b = rand(44, nn * k);
+    let c0 = rand(45, m * nn);
+    let mut want = c0.clone();
+    cpu.gemm_acc(
+        Mat::new(&a[..], m, k),
+        Mat::new(&b[..], nn, k).t(),
+        &mut want,
+    )
+    .unwrap();
+    let (ab, bb) = (on_gpu(&mut gpu, &a), on_gpu(&mut gpu, &b));
+    let mut cb = on_gpu(&mut gpu, &c0);
+    gpu.gemm_acc(
+        Mat::new(CudaDevice::view(&ab, 0..m * k), m, k),
+        Mat::new(CudaDevice::view(&bb, 0..nn * k), nn, k).t(),
+        CudaDevice::view_mut(&mut cb, 0..m * nn),
+    )
+    .unwrap();
+    let e = rel_err(&back(&mut gpu, &cb, m * nn), &want);
+    assert!(e < TOL, "accumulating product {e:e}");
+}
+
+/// A CNN step (the built-in CNN, `ps_worker::model::Cnn`) on the CUDA device against the CPU
+/// device: every gradient tensor and the loss within 1e-4 relative, the correct counts and
+/// `evaluate` equal, over growing and shrinking batches and both reductions, the weights
+/// changed between steps.
+#[test]
+#[ignore = "needs a CUDA GPU: run with --ignored on a GPU machine (scripts/gpu-check.sh)"]
+fn cnn_step_parity() {
+    use ps_common::layout::{CnnLayout, CnnShape, ModelLayout};
+    let layout = CnnLayout::new(CnnShape {
+        image: [1, 28, 28],
+        channels: vec![4, 8],
+        kernel: 5,
+        stride: 1,
+        padding: 0,
+        hidden: vec![16],
+        classes: 10,
+    })
+    .unwrap();
+    let ml = ModelLayout::from(layout.clone());
+    let (mut gpu, arch) = ps_worker::cuda::open(ordinal(), &ml).unwrap_or_else(|e| {
+        panic!(
+            "these tests need a usable CUDA GPU (cuda:{}): {e}",
+            ordinal()
+        )
+    });
+    eprintln!("cnn on {} [{arch}]", gpu.name());
+    let mut cpu = ps_worker::cpu::cpu_model(&ml, 1);
+    let p = layout.num_params();
+    for (i, n) in [16usize, 5, 33, 1].into_iter().enumerate() {
+        let w = layout.init_range(100 + i as u64, 0..p);
+        cpu.set_weights(&w).unwrap();
+        gpu.set_weights(&w).unwrap();
+        let x: Vec<f32> = (0..(n * 784) as u64)
+            .map(|j| (uniform(7 + i as u64, j) + 1.0) / 2.0)
+            .collect();
+        let y: Vec<u8> = (0..n as u64)
+            .map(|j| (splitmix64(j + 31 * i as u64) % 10) as u8)
+            .collect();
+        for reduction in [LossReduction::Mean, LossReduction::Sum] {
+            let mut want = vec![f32::NAN; p];
+            let mut got = vec![f32::NAN; p];
+            let sw = cpu.forward_backward(&x, &y, reduction, &mut want).unwrap();
+            let sg = gpu.forward_backward(&x, &y, reduction, &mut got).unwrap();
+            assert_eq!(sg.correct, sw.correct, "batch {n} {reduction}");
+            let le = (sg.loss_sum - sw.loss_sum).abs() / sw.loss_sum.abs().max(1e-6);
+            assert!(le < TOL, "batch {n} {reduction}: loss {le:e}");
+            for t in &layout.tensors {
+                let e = rel_err(&got[t.range()], &want[t.range()]);
+                assert!(
+                    e < TOL,
+                    "batch {n} {reduction}: {} differs by {e:e}",
+                    t.name
+                );
+            }
+        }
+        assert_eq!(gpu.evaluate(&x, &y).unwrap(), cpu.evaluate(&x, &y).unwrap());
     }
 }

@@ -5,7 +5,6 @@
 use ps_common::config::{Aggregation, LossReduction, Transport};
 use ps_common::idx::{Split, load_split};
 use ps_tests::{Spec, Start, cluster_weights, mnist_dir, reference_weights, rel_diff, run_cluster};
-use ps_worker::backend::Backend;
 use std::time::Duration;
 
 /// Tolerance of every equivalence: float rounding only, after 20+ steps.
@@ -227,7 +226,7 @@ fn converges_on_mnist_and_logs_metrics() {
     run_cluster(&path, &cfg, &Start::default());
     let weights = cluster_weights(&cfg);
     let test = load_split(&mnist_dir(), Split::Test, 10).unwrap();
-    let mut cpu = ps_worker::cpu::CpuBackend::new(cfg.layout(), 1);
+    let mut cpu = ps_worker::cpu::cpu_model(&cfg.layout(), 1);
     cpu.set_weights(&weights).unwrap();
     let (mut x, mut y) = (Vec::new(), Vec::new());
     test.gather(&(0..test.len() as u32).collect::<Vec<_>>(), &mut x, &mut y);

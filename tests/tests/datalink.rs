@@ -520,7 +520,7 @@ fn progressive_pushes_of_real_workers_give_the_shared_memory_weights() {
             // pieces of their own (the last layer's part waits for the next piece)
             let layout = cfg.layout();
             let r = layout.shard_ranges(2)[1].clone();
-            let (w2, _) = layout.layer(1);
+            let (w2, _) = layout.mlp().expect("the MLP").layer(1);
             let min = ps_worker::worker::MIN_PIECE_VALUES;
             assert!(
                 r.start < w2.start && w2.start - r.start >= min,

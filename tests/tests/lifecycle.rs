@@ -345,7 +345,6 @@ impl RankOneDied {
         use ps_common::layout::shard_ranges;
         use ps_common::order::BatchPlanner;
         use ps_common::pb::PushHeader;
-        use ps_worker::backend::Backend;
         let spec = Spec {
             shards: 2,
             workers: 2,
@@ -396,7 +395,7 @@ impl RankOneDied {
         let mut planner = BatchPlanner::new(died.cfg.data_order(train.len()));
         let (mut x, mut y) = (Vec::new(), Vec::new());
         train.gather(planner.worker_batch(0, 1, 2), &mut x, &mut y);
-        let mut backend = ps_worker::cpu::CpuBackend::new(layout.clone(), 1);
+        let mut backend = ps_worker::cpu::cpu_model(&layout, 1);
         backend.set_weights(&died.w0).unwrap();
         let mut grad = vec![0f32; n];
         let stats = backend

@@ -9,7 +9,6 @@ use ps_common::config::{Aggregation, Config, LossReduction, Transport};
 use ps_common::noise;
 use ps_common::order::BatchPlanner;
 use ps_tests::{Spec, Start, mnist_train, run_cluster};
-use ps_worker::backend::Backend;
 use serde_json::Value;
 use std::path::Path;
 
@@ -37,7 +36,7 @@ fn step0_gradients(cfg: &Config) -> Vec<Vec<f32>> {
     let train = mnist_train();
     let n = cfg.layout().num_params();
     let params = cfg.initial_range(0..n).unwrap();
-    let mut backend = ps_worker::cpu::CpuBackend::new(cfg.layout(), 1);
+    let mut backend = ps_worker::cpu::cpu_model(&cfg.layout(), 1);
     backend.set_weights(&params).unwrap();
     let mut planner = BatchPlanner::new(cfg.data_order(train.len()));
     let w = cfg.cluster.workers;

@@ -10,7 +10,6 @@ use ps_common::idx::{Split, load_split};
 use ps_common::wire::{Bf16Encoder, f32_to_bytes};
 use ps_launch::{LocalCluster, bin_dir};
 use ps_tests::{Spec, Start, cluster_weights, mnist_dir, register_request, run_cluster};
-use ps_worker::backend::Backend;
 use std::time::Duration;
 use tonic::Code;
 
@@ -39,7 +38,7 @@ fn default_job(wire: Wire) -> (f64, Vec<f32>, String) {
     run_cluster(&path, &cfg, &Start::default());
     let weights = cluster_weights(&cfg);
     let test = load_split(&mnist_dir(), Split::Test, 10).unwrap();
-    let mut cpu = ps_worker::cpu::CpuBackend::new(cfg.layout(), 1);
+    let mut cpu = ps_worker::cpu::cpu_model(&cfg.layout(), 1);
     cpu.set_weights(&weights).unwrap();
     let (mut x, mut y) = (Vec::new(), Vec::new());
     test.gather(&(0..test.len() as u32).collect::<Vec<_>>(), &mut x, &mut y);

@@ -146,6 +146,22 @@ impl TestConfig {
         self.raw.model.hidden = Some(h.to_vec());
         self
     }
+    /// `[model] kind = "cnn"` with these convolution `channels` (kernel 5, stride 1, no
+    /// padding, 1 x 28 x 28 images unless set by [`TestConfig::cnn_geometry`]).
+    pub fn cnn(mut self, channels: &[usize]) -> Self {
+        self.raw.model.kind = Some("cnn".into());
+        self.raw.model.channels = Some(channels.to_vec());
+        self
+    }
+
+    /// `[model] kernel`, `stride`, `padding` of the CNN.
+    pub fn cnn_geometry(mut self, kernel: usize, stride: usize, padding: usize) -> Self {
+        self.raw.model.kernel = Some(kernel);
+        self.raw.model.stride = Some(stride);
+        self.raw.model.padding = Some(padding);
+        self
+    }
+
     /// `[model] init`: a declared model's safetensors file.
     pub fn model_init(mut self, p: impl Into<PathBuf>) -> Self {
         self.raw.model.init = Some(p.into());

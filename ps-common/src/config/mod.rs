@@ -35,7 +35,7 @@ pub use model::ModelConfig;
 pub use server::{CheckpointConfig, DEFAULT_MAX_PENDING_GRADIENTS, ServerConfig, WorkerConfig};
 pub use train::{DataConfig, TrainConfig};
 
-use crate::layout::{MlpLayout, ModelSpec, split_even};
+use crate::layout::{CnnLayout, MlpLayout, ModelLayout, ModelSpec, split_even};
 use crate::optim::{Decay, LrSchedule, Optimizer};
 use limits::MAX_STEPS;
 use serde::{Deserialize, Serialize};
@@ -444,9 +444,10 @@ impl Config {
         let p = self.model.num_params();
         let b = *self.worker_batches().iter().max()? as u64;
         // a declared model's activations are unknown here (its worker is the user's code)
-        let units: u64 = match self.model.declared {
-            Some(_) => 0,
-            None => self.model.dims.iter().map(|&d| d as u64).sum(),
+        let units: u64 = match (&self.model.declared, &self.model.cnn) {
+            (_, Some(_)) => self.model.activation_units(),
+            (Some(_), None) => 0,
+            (None, None) => self.model.dims.iter().map(|&d| d as u64).sum(),
         };
         let worker = p
             .checked_mul(3)?
@@ -516,23 +517,36 @@ impl Config {
             .unwrap_or_else(|| self.server.out_dir.join("checkpoints"))
     }
 
-    /// The built-in MLP's layout (of `[model] hidden`; see [`Config::spec`] for the model the
-    /// run trains, which may be declared instead).
-    pub fn layout(&self) -> MlpLayout {
-        MlpLayout::new(&self.model.dims)
+    /// The built-in model's layout: the CNN of `[model] kind = "cnn"`, else the MLP of
+    /// `[model] hidden` (see [`Config::spec`] for the model the run trains, which may be
+    /// declared instead).
+    pub fn layout(&self) -> ModelLayout {
+        match &self.model.cnn {
+            Some(shape) => {
+                ModelLayout::Cnn(CnnLayout::new(shape.clone()).expect("[model] was validated"))
+            }
+            None => ModelLayout::Mlp(MlpLayout::new(&self.model.dims)),
+        }
     }
 
-    /// The model the run trains: the declared one (`[model] init`) or the built-in MLP.
+    /// The model the run trains: the declared one (`[model] init`) or the built-in model.
     pub fn spec(&self) -> ModelSpec {
         match &self.model.declared {
             Some(d) => d.spec.clone(),
-            None => self.layout().spec,
+            None => self.layout().into_spec(),
         }
     }
 
     /// The model in words: the MLP's widths, or the declared model's tensors and file.
     pub fn describe_model(&self) -> String {
         match &self.model.declared {
+            Some(d) if self.model.cnn.is_some() => {
+                format!(
+                    "{}, initial weights from {}",
+                    self.layout().describe(),
+                    d.path.display()
+                )
+            }
             Some(d) => format!(
                 "declared model of {} from {}",
                 d.spec.describe(),

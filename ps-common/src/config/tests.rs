@@ -591,3 +591,47 @@ fn data_is_an_idx_directory_or_the_users_own_length() {
         c.describe()
     );
 }
+
+/// `[model] kind = "cnn"`: the defaults, the geometry in the layout, and a precise error for
+/// each bad value (a stride that does not divide, an odd convolution output, an image that is
+/// not `inputs` values, a CNN key on the MLP, an unknown kind).
+#[test]
+fn the_cnn_is_configured_in_model_and_bad_geometry_is_refused() {
+    let cnn = |keys: &str| GOOD.replace("hidden = [32]", keys);
+    let c = parse(&cnn("kind = \"cnn\"")).unwrap();
+    assert_eq!(c.model.dims, [784, 64, 10]);
+    let l = c.layout();
+    assert_eq!(l.tensors[0].name, "conv1.weight");
+    assert_eq!(l.tensors[0].shape, [8, 1, 5, 5]);
+    assert_eq!(l.num_params() as u64, c.model.num_params());
+    assert_eq!(c.spec().names_and_shapes(), l.names_and_shapes());
+    assert!(
+        c.describe_model()
+            .starts_with("cnn 1x28x28 conv5x5 8-16 maxpool2, fc 256-64-10")
+    );
+    let c = parse(&cnn(
+        "kind = \"cnn\"\nchannels = [4]\nkernel = 3\npadding = 1\nhidden = []",
+    ))
+    .unwrap();
+    assert_eq!(c.layout().names_and_shapes()[2].1, [10, 4 * 14 * 14]);
+    let err = |keys: &str| parse(&cnn(keys)).unwrap_err().to_string();
+    assert_eq!(
+        err("kind = \"cnn\"\nstride = 2"),
+        "/etc/ps/run.toml: [model] kind = \"cnn\": conv1: stride 2 does not divide input height 28 + 2 x padding 0 - kernel 5 = 23"
+    );
+    assert!(
+        err("kind = \"cnn\"\nkernel = 4").contains("conv1: output height 25 is odd"),
+        "{}",
+        err("kind = \"cnn\"\nkernel = 4")
+    );
+    assert!(
+        err("kind = \"cnn\"\nimage = [3, 28, 28]")
+            .contains("[model] image = [3, 28, 28] is 2352 values per sample but inputs = 784")
+    );
+    assert!(err("kind = \"cnn\"\nchannels = [8, 8, 8]").contains("smaller than the kernel 5"));
+    assert!(err("channels = [8]").contains("[model] channels is a key of the CNN"));
+    assert!(
+        err("kind = \"resnet\"").contains("[model] kind = \"resnet\": expected \"mlp\" or \"cnn\"")
+    );
+    assert!(err("kind = \"cnn\"\nchannels = [1048576, 1048576]").contains("convolution weights"));
+}

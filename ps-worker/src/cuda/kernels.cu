@@ -249,3 +249,42 @@ extern "C" __global__ void maxpool2_backward_f32(const float* __restrict__ dy,
         dx[i] = v;
     }
 }
+
+// z[(b * channels + c) * plane + i] += bias[c] over the n * channels * plane elements of a
+// convolution's output, then ReLU when relu != 0 (fmaxf maps NaN to 0 like Rust's f32::max).
+// Grid-stride; needs plane > 0 and channels > 0.
+extern "C" __global__ void channel_bias_act_f32(float* __restrict__ z, const float* __restrict__ b,
+                                                long long total, int channels, int plane, int relu) {
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += stride) {
+        const int c = (int)((i / plane) % channels);
+        const float v = z[i] + b[c];
+        z[i] = relu ? fmaxf(v, 0.0f) : v;
+    }
+}
+
+// db[c] = sum over b < n and i < plane of dz[(b * channels + c) * plane + i]. One block of
+// CHANNEL_GRAD_THREADS threads per channel (grid-stride over the channels): each thread sums a
+// fixed strided subset, then a tree in shared memory adds the partial sums in a fixed order.
+// The channel loop depends on blockIdx only, so every thread reaches each __syncthreads.
+#define CHANNEL_GRAD_THREADS 256
+extern "C" __global__ void channel_bias_grad_f32(const float* __restrict__ dz, float* __restrict__ db,
+                                                 int n, int channels, int plane) {
+    __shared__ float part[CHANNEL_GRAD_THREADS];
+    const long long per = (long long)n * plane;
+    for (int c = blockIdx.x; c < channels; c += gridDim.x) {
+        float s = 0.0f;
+        for (long long j = threadIdx.x; j < per; j += CHANNEL_GRAD_THREADS) {
+            const long long b = j / plane, i = j % plane;
+            s += dz[(b * channels + c) * plane + i];
+        }
+        part[threadIdx.x] = s;
+        __syncthreads();
+        for (int off = CHANNEL_GRAD_THREADS / 2; off > 0; off >>= 1) {
+            if (threadIdx.x < off) part[threadIdx.x] += part[threadIdx.x + off];
+            __syncthreads();
+        }
+        if (threadIdx.x == 0) db[c] = part[0];
+        __syncthreads();
+    }
+}
