@@ -8,6 +8,8 @@
 //! newest version that all S shards have a checkpoint of, so the shards agree on the step
 //! (with a directory every shard sees); workers then start at that step, and the data order,
 //! a pure function of the step, makes the resumed run continue exactly where it stopped.
+//! Shard 0 of a declared model with buffers also keeps the buffers of the version, in the
+//! metadata ([`BUFFERS_KEY`], hex of their safetensors serialization).
 
 use ps_common::config::Config;
 use ps_common::optim::OptState;
@@ -147,6 +149,10 @@ impl Plan {
 /// Metadata key of each tensor's skipped steps ([`OptState::skipped`]), when any.
 const SKIPPED_KEY: &str = "tensor_skipped_steps";
 
+/// Metadata key of the model's buffers at the version (shard 0 of a model with buffers): the
+/// hex digits of their safetensors serialization.
+pub const BUFFERS_KEY: &str = "buffers_safetensors_hex";
+
 /// A shard's state at a version, as written to and read from a checkpoint.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Saved {
@@ -156,6 +162,23 @@ pub struct Saved {
     pub params: Vec<f32>,
     /// The optimizer's state.
     pub opt: OptState,
+    /// The model's buffers at the version (shard 0 of a declared model with buffers; a
+    /// safetensors serialization), else None.
+    pub buffers: Option<bytes::Bytes>,
+}
+
+fn to_hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+fn from_hex(s: &str) -> Option<Vec<u8>> {
+    if !s.len().is_multiple_of(2) {
+        return None;
+    }
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok())
+        .collect()
 }
 
 /// What identifies a shard's place in a run: a checkpoint of another shard layout or model is
@@ -269,6 +292,9 @@ pub fn write(dir: &Path, id: &Identity, saved: &Saved, keep: usize) -> Result<Pa
     if !saved.opt.skipped.is_empty() {
         let skipped = serde_json::to_string(&saved.opt.skipped).map_err(|e| e.to_string())?;
         meta.insert(SKIPPED_KEY.to_string(), skipped);
+    }
+    if let Some(b) = &saved.buffers {
+        meta.insert(BUFFERS_KEY.to_string(), to_hex(b));
     }
     write_safetensors(&path, &tensors, &meta).map_err(|e| e.to_string())?;
     for old in prunable(dir, id.shard, id.num_shards, keep) {
@@ -401,6 +427,12 @@ pub fn read(dir: &Path, id: &Identity, version: u64, fresh: &OptState) -> Result
                 ))
             })?,
     };
+    let buffers = match meta.get(BUFFERS_KEY) {
+        None => None,
+        Some(h) => Some(bytes::Bytes::from(from_hex(h).ok_or_else(|| {
+            bad(format!("metadata {BUFFERS_KEY}: not hex digits"))
+        })?)),
+    };
     Ok(Saved {
         version,
         params,
@@ -410,6 +442,7 @@ pub fn read(dir: &Path, id: &Identity, version: u64, fresh: &OptState) -> Result
             v,
             skipped,
         },
+        buffers,
     })
 }
 
@@ -440,6 +473,9 @@ mod tests {
                 v: Vec::new(),
                 skipped: vec![0, version / 5],
             },
+            buffers: version
+                .is_multiple_of(2)
+                .then(|| bytes::Bytes::from(vec![0u8, 7, 255, version as u8])),
         };
         let fresh = OptState {
             steps: 0,
@@ -511,6 +547,7 @@ mod tests {
                 v: Vec::new(),
                 skipped: Vec::new(),
             },
+            buffers: None,
         };
         for v in [5, 10] {
             write(d, &id(0), &saved(v), 1).unwrap();
@@ -565,6 +602,7 @@ mod tests {
                 version,
                 params: vec![1.0; 5],
                 opt: OptState::default(),
+                buffers: None,
             })
         };
         let a = plan.write_retrying(1, saved(1));

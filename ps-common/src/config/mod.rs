@@ -677,6 +677,15 @@ impl Config {
             lr_is_scale,
             exact,
             warnings,
+            buffers: self.model.declared.as_ref().and_then(|d| {
+                (!d.buffers.is_empty()).then(|| {
+                    format!(
+                        "; the model's {} buffers (BatchNorm statistics, ...) as DDP's broadcast_buffers: each worker's forward pass, BatchNorm included, sees only its own samples of a step (per-worker batch statistics: batch norm over b_r = {b:?}, ghost batch norm, not over {}), and every worker starts each step from rank 0's buffers, which are the model's",
+                        d.buffers.len(),
+                        self.train.global_batch
+                    )
+                })
+            }),
         }
     }
 
@@ -764,6 +773,8 @@ pub struct Equivalence {
     pub exact: bool,
     /// Plain-words warnings (rescaled lr, biased mean).
     pub warnings: Vec<String>,
+    /// A declared model with buffers: what its BatchNorm equals (appended to the statement).
+    pub buffers: Option<String>,
 }
 
 impl fmt::Display for Equivalence {
@@ -780,7 +791,7 @@ impl fmt::Display for Equivalence {
                 self.global_batch,
                 self.loss_reduction,
                 fmt_num(self.lr)
-            )
+            )?;
         } else {
             write!(
                 f,
@@ -788,8 +799,9 @@ impl fmt::Display for Equivalence {
                 self.global_batch,
                 self.loss_reduction,
                 fmt_num(self.grad_scale)
-            )
+            )?;
         }
+        f.write_str(self.buffers.as_deref().unwrap_or(""))
     }
 }
 
