@@ -208,7 +208,7 @@ impl Identity {
             num_shards: cfg.num_shards(),
             range,
             num_params: cfg.spec().num_params(),
-            optimizer: cfg.optimizer.describe(),
+            optimizer: cfg.optimizer.describe() + &ps_common::config::describe_groups(&cfg.groups),
             run_id: cfg.cluster.run_id.clone(),
         }
     }

@@ -23,6 +23,7 @@ mod kinds;
 pub mod limits;
 mod model;
 mod optimizer;
+pub use optimizer::{ParamGroup, describe_groups, glob};
 mod server;
 mod train;
 
@@ -301,6 +302,9 @@ pub struct Config {
     pub optimizer: Optimizer,
     /// `[schedule]` (with `[optimizer] lr` as its base): the learning-rate schedule.
     pub schedule: LrSchedule,
+    /// `[[optimizer.groups]]`: parameter groups with their own settings (resolved against
+    /// the model's tensor names); empty when none.
+    pub groups: Vec<optimizer::ParamGroup>,
     /// `[server]`: shard settings.
     pub server: ServerConfig,
     /// `[worker]`: worker settings.
@@ -413,6 +417,13 @@ impl Config {
                 cluster.servers.len()
             ));
         }
+        let spec = match &model.declared {
+            Some(d) => d.spec.clone(),
+            None => MlpLayout::new(&model.dims).spec,
+        };
+        let names: Vec<String> = spec.tensors.iter().map(|t| t.name.clone()).collect();
+        let names: Vec<&str> = names.iter().map(String::as_str).collect();
+        let groups = optimizer::resolve_groups(&raw.optimizer.groups, &names, &optimizer)?;
         let cfg = Config {
             path: path.to_path_buf(),
             cluster,
@@ -421,6 +432,7 @@ impl Config {
             train,
             optimizer,
             schedule,
+            groups,
             server,
             worker,
             checkpoint,
@@ -733,7 +745,7 @@ impl Config {
             },
             self.train.loss_reduction,
             self.train.aggregation,
-            self.optimizer.describe(),
+            self.optimizer.describe() + &optimizer::describe_groups(&self.groups),
             self.schedule.describe(),
             self.train.log_every,
             if self.train.eval_every == 0 {

@@ -200,6 +200,10 @@ pub struct Shard {
     pub total_steps: u64,
     aggregation: Aggregation,
     optimizer: Optimizer,
+    /// `[[optimizer.groups]]`, and the group of each tensor of the model (None: the
+    /// `[optimizer]` settings).
+    groups: Vec<ps_common::config::ParamGroup>,
+    group_of: Vec<Option<usize>>,
     schedule: LrSchedule,
     state: Mutex<State>,
     /// Permits to hold gRPC gradient buffers (`[server] max_pending_gradients`).
@@ -344,6 +348,16 @@ impl Shard {
             total_steps,
             aggregation: cfg.train.aggregation,
             optimizer: cfg.optimizer.clone(),
+            group_of: {
+                let mut of = vec![None; cfg.spec().tensors.len()];
+                for (g, group) in cfg.groups.iter().enumerate() {
+                    for &t in &group.tensors {
+                        of[t as usize] = Some(g);
+                    }
+                }
+                of
+            },
+            groups: cfg.groups.clone(),
             schedule: cfg.schedule_for(total_steps),
             state: Mutex::new(state),
             gate: Gate::new(cfg.server.max_pending_gradients),
@@ -635,32 +649,38 @@ impl Shard {
             ranks.push(s.rank);
         }
         // tensors no rank reached are not updated; Adam's bias correction of a tensor skipped
-        // before counts its own steps ([`unused`])
-        let (skip, own_steps) = {
+        // before counts its own steps ([`unused`]); a tensor of a parameter group is updated
+        // with its group's settings: both are updated again on their own after the fused
+        // update, from the state kept before it
+        let (skip, reruns) = {
             let st = self.lock();
             let ranks: Vec<u32> = slots.iter().map(|s| s.rank).collect();
             let skip = st.unused.skipped_by_all(step, &ranks);
             let skipped = &opt.skipped;
-            let behind: Vec<u32> = match self.optimizer {
-                ps_common::optim::Optimizer::Adam { .. } => (0..skipped.len() as u32)
-                    .filter(|t| skipped[*t as usize] > 0 && skip.binary_search(t).is_err())
-                    .collect(),
-                _ => Vec::new(),
-            };
-            let own_steps: Vec<(u64, Range<usize>)> =
-                unused::local_parts(&self.spec, &self.range, &behind)
+            let adam = matches!(self.optimizer, ps_common::optim::Optimizer::Adam { .. });
+            let behind = |t: u32| adam && skipped.get(t as usize).is_some_and(|&k| k > 0);
+            let again: Vec<u32> = (0..self.spec.tensors.len() as u32)
+                .filter(|t| skip.binary_search(t).is_err())
+                .filter(|&t| behind(t) || self.group_of[t as usize].is_some())
+                .collect();
+            let reruns: Vec<(u64, Range<usize>, Option<usize>)> =
+                unused::local_parts(&self.spec, &self.range, &again)
                     .into_iter()
-                    .map(|(t, r)| (opt.steps - skipped[t as usize], r))
+                    .map(|(t, r)| {
+                        let own = if behind(t) {
+                            opt.steps - skipped[t as usize]
+                        } else {
+                            opt.steps
+                        };
+                        (own, r, self.group_of[t as usize])
+                    })
                     .collect();
-            (
-                unused::local_parts(&self.spec, &self.range, &skip),
-                own_steps,
-            )
+            (unused::local_parts(&self.spec, &self.range, &skip), reruns)
         };
         let kept: Vec<(Range<usize>, Vec<f32>, Vec<f32>)> = skip
             .iter()
             .map(|(_, r)| r.clone())
-            .chain(own_steps.iter().map(|(_, r)| r.clone()))
+            .chain(reruns.iter().map(|(_, r, _)| r.clone()))
             .map(|r| {
                 let m = opt.m.get(r.clone()).map_or_else(Vec::new, <[f32]>::to_vec);
                 let v = opt.v.get(r.clone()).map_or_else(Vec::new, <[f32]>::to_vec);
@@ -689,10 +709,15 @@ impl Shard {
                     opt.v[r.clone()].copy_from_slice(v);
                 }
             }
-            for (steps_done, r) in &own_steps {
+            for (steps_done, r, group) in &reruns {
+                let (optimizer, lr) = match group {
+                    Some(g) => (&self.groups[*g].optimizer, lr * self.groups[*g].lr_scale),
+                    None => (&self.optimizer, lr),
+                };
                 let part: Vec<&[f32]> = grads.iter().map(|g| &g[r.clone()]).collect();
                 let inputs = UpdateInputs {
-                    step: self.optimizer.coeffs(*steps_done, lr as f32),
+                    optimizer,
+                    step: optimizer.coeffs(*steps_done, lr as f32),
                     current: &current[r.clone()],
                     grads: &part,
                     threads: 1,
@@ -701,8 +726,8 @@ impl Shard {
                 let again = fused_update(
                     inputs,
                     &mut next[r.clone()],
-                    &mut opt.m[r.clone()],
-                    &mut opt.v[r.clone()],
+                    block(&mut opt.m, r),
+                    block(&mut opt.v, r),
                 );
                 if let Err(e) = again {
                     updated = Err(e);
@@ -1098,6 +1123,11 @@ impl Shard {
             .collect();
         (sum, missing)
     }
+}
+
+/// `v[r]`, or `v` itself when empty (an optimizer buffer the optimizer does not keep).
+fn block<'a>(v: &'a mut [f32], r: &Range<usize>) -> &'a mut [f32] {
+    if v.is_empty() { v } else { &mut v[r.clone()] }
 }
 
 fn ms(d: Duration) -> f64 {
