@@ -31,6 +31,11 @@ For a loop that keeps its shape (as with DDP), ``ps.distributed`` wraps the mode
         loss.backward()
         model.opt_step(loss)                            # instead of optimizer.step()
 
+Gradient accumulation: ``for part, scale in worker.micro_batches(batch, k): (loss(part) *
+scale).backward()`` then ``step()`` once (the whole batch's gradient). Parameter groups (lr
+multiplier, weight decay, betas by tensor-name pattern) are the config's
+``[[optimizer.groups]]``, applied by the shards.
+
 Behaviour with special parameters and buffers:
 
 * Parameters with ``requires_grad=False`` are not part of the run's model: ``save_init`` and
