@@ -1070,6 +1070,36 @@ impl ShardClient {
             .map_err(refused)
     }
 
+    /// Puts rank 0's buffers after the forward pass of a step (the shard holding them).
+    pub async fn put_buffers(&mut self, mut req: crate::pb::BuffersPut) -> Result<(), ClientError> {
+        if req.lease.is_none() {
+            req.lease = self.leases.of(req.rank);
+        }
+        let what = format!("shard {}: buffers of step {} refused", self.shard, req.step);
+        let refused = refused(self.shard, what);
+        self.rpc.put_buffers(req).await.map(drop).map_err(refused)
+    }
+
+    /// The buffers of a version (the shard waits for the version, bounded by its pull timeout).
+    pub async fn get_buffers(
+        &mut self,
+        mut req: crate::pb::BuffersRequest,
+    ) -> Result<crate::pb::BuffersReply, ClientError> {
+        if req.lease.is_none() {
+            req.lease = self.leases.of(req.rank);
+        }
+        let what = format!(
+            "shard {}: buffers of version {} refused",
+            self.shard, req.version
+        );
+        let refused = refused(self.shard, what);
+        self.rpc
+            .get_buffers(req)
+            .await
+            .map(tonic::Response::into_inner)
+            .map_err(refused)
+    }
+
     /// Marks the tensors this worker's backward of a step did not reach, before its push.
     pub async fn mark_unused(&mut self, mut req: UnusedRequest) -> Result<(), ClientError> {
         if req.lease.is_none() {

@@ -6,6 +6,14 @@
 //! [`Declared::open`] reads only the header (bounded) and checks it against the file's length;
 //! [`Declared::read_range`] reads one range of the flat vector (a shard's) and nothing else.
 //! Every error names the file and, where one is at fault, the tensor.
+//!
+//! Besides the trained parameters the file may hold the model's other `state_dict` entries,
+//! each named in a metadata list and kept in its own dtype: [`BUFFER_KEY`] (buffers, e.g.
+//! BatchNorm running statistics: shard 0 holds them through the run, [`Declared::buffers`]),
+//! [`CONSTANT_KEY`] (frozen parameters, constant through the run) and [`ALIAS_KEY`] (a JSON
+//! object naming, for each tied entry, the entry it shares storage with). The export
+//! ([`write_full_model`]) writes them all, so PyTorch's `load_state_dict(strict=True)` restores
+//! the whole model.
 
 use crate::layout::{Init, ModelSpec};
 use safetensors::tensor::{Dtype, Metadata};
@@ -16,6 +24,14 @@ use std::path::{Path, PathBuf};
 
 /// The metadata key of the flat order: a JSON array of tensor names.
 pub const ORDER_KEY: &str = "parameter_order";
+/// The metadata key of the buffers: a JSON array of tensor names (any dtype).
+pub const BUFFER_KEY: &str = "buffer_order";
+/// The metadata key of the frozen parameters: a JSON array of tensor names (any dtype).
+pub const CONSTANT_KEY: &str = "constant_order";
+/// The metadata key of tied entries: a JSON object `{"alias": "entry it shares storage with"}`.
+pub const ALIAS_KEY: &str = "aliases";
+/// Most bytes of all buffers together: they travel in one gRPC message per step.
+pub const MAX_BUFFER_BYTES: u64 = 32 << 20;
 /// Largest header read (the JSON that names, shapes and places the tensors).
 pub const MAX_HEADER_BYTES: u64 = 64 << 20;
 /// Most tensors of a declared model.
@@ -30,7 +46,43 @@ pub struct Declared {
     pub path: PathBuf,
     /// Names, shapes and flat offsets; each tensor's init is its place in the file.
     pub spec: ModelSpec,
+    /// The buffers ([`BUFFER_KEY`]), in the file's order.
+    pub buffers: Vec<Extra>,
+    /// The frozen parameters ([`CONSTANT_KEY`]).
+    pub constants: Vec<Extra>,
+    /// Tied entries ([`ALIAS_KEY`]): (alias, the entry it is a copy of).
+    pub aliases: Vec<(String, String)>,
 }
+
+/// A `state_dict` entry of a declared model that the shards do not train (a buffer, a frozen
+/// parameter), in its own dtype.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Extra {
+    /// PyTorch's name.
+    pub name: String,
+    /// Its dtype.
+    pub dtype: Dtype,
+    /// Its shape.
+    pub shape: Vec<usize>,
+    /// Where its bytes start in the file.
+    pub byte_offset: u64,
+    /// How many bytes it has.
+    pub byte_len: u64,
+}
+
+/// The dtypes a buffer or frozen entry may have (PyTorch's float, integer and bool types).
+pub const EXTRA_DTYPES: [Dtype; 10] = [
+    Dtype::F32,
+    Dtype::F64,
+    Dtype::F16,
+    Dtype::BF16,
+    Dtype::I64,
+    Dtype::I32,
+    Dtype::I16,
+    Dtype::I8,
+    Dtype::U8,
+    Dtype::BOOL,
+];
 
 impl Declared {
     /// Reads and checks the header of `path`: every tensor F32, the order metadata naming each
@@ -92,11 +144,11 @@ impl Declared {
                 "metadata \"{ORDER_KEY}\" is not a JSON list of tensor names: {err}"
             ))
         })?;
-        let mut seen = HashSet::new();
+        let mut seen: HashSet<String> = HashSet::new();
         let mut specs = Vec::with_capacity(order.len());
         let mut total: u64 = 0;
         for name in &order {
-            if !seen.insert(name.as_str()) {
+            if !seen.insert(name.clone()) {
                 return Err(e(format!(
                     "metadata \"{ORDER_KEY}\" names tensor {name:?} twice"
                 )));
@@ -134,18 +186,91 @@ impl Declared {
                 },
             ));
         }
+        let list = |key: &str| -> Result<Vec<String>, String> {
+            match meta.metadata().as_ref().and_then(|m| m.get(key)) {
+                None => Ok(Vec::new()),
+                Some(text) => serde_json::from_str(text).map_err(|err| {
+                    e(format!(
+                        "metadata \"{key}\" is not a JSON list of tensor names: {err}"
+                    ))
+                }),
+            }
+        };
+        let mut extras = |key: &str| -> Result<Vec<Extra>, String> {
+            let mut out = Vec::new();
+            for name in list(key)? {
+                if !seen.insert(name.clone()) {
+                    return Err(e(format!(
+                        "metadata \"{key}\" names tensor {name:?}, which another list (or this one) names too"
+                    )));
+                }
+                let info = tensors.get(&name).ok_or_else(|| {
+                    e(format!(
+                        "metadata \"{key}\" names tensor {name:?}, which the file does not hold"
+                    ))
+                })?;
+                if !EXTRA_DTYPES.contains(&info.dtype) {
+                    return Err(e(format!(
+                        "tensor {name:?} is {:?}: a buffer or frozen entry must be one of {EXTRA_DTYPES:?}",
+                        info.dtype
+                    )));
+                }
+                out.push(Extra {
+                    name,
+                    dtype: info.dtype,
+                    shape: info.shape.clone(),
+                    byte_offset: data_start + info.data_offsets.0 as u64,
+                    byte_len: (info.data_offsets.1 - info.data_offsets.0) as u64,
+                });
+            }
+            Ok(out)
+        };
+        let buffers = extras(BUFFER_KEY)?;
+        let constants = extras(CONSTANT_KEY)?;
+        let buffer_bytes: u64 = buffers.iter().map(|b| b.byte_len).sum();
+        if buffer_bytes > MAX_BUFFER_BYTES {
+            return Err(e(format!(
+                "the buffers ({BUFFER_KEY}) hold {buffer_bytes} bytes: at most {MAX_BUFFER_BYTES} (they travel in one message per step)"
+            )));
+        }
+        let aliases: Vec<(String, String)> = match meta
+            .metadata()
+            .as_ref()
+            .and_then(|m| m.get(ALIAS_KEY))
+        {
+            None => Vec::new(),
+            Some(text) => {
+                let map: std::collections::BTreeMap<String, String> = serde_json::from_str(text)
+                    .map_err(|err| {
+                        e(format!(
+                            "metadata \"{ALIAS_KEY}\" is not a JSON object of names: {err}"
+                        ))
+                    })?;
+                for (alias, target) in &map {
+                    if seen.contains(alias.as_str()) || !seen.contains(target.as_str()) {
+                        return Err(e(format!(
+                            "metadata \"{ALIAS_KEY}\": {alias:?} -> {target:?}: an alias must name an entry the file does not hold, tied to one it holds"
+                        )));
+                    }
+                }
+                map.into_iter().collect()
+            }
+        };
         if let Some(extra) = meta
             .offset_keys()
             .into_iter()
             .find(|k| !seen.contains(k.as_str()))
         {
             return Err(e(format!(
-                "tensor {extra:?} is in the file but not in metadata \"{ORDER_KEY}\": every tensor of the file must be a parameter of the model (write only named_parameters(), not buffers)"
+                "tensor {extra:?} is in the file but in none of the metadata lists \"{ORDER_KEY}\", \"{BUFFER_KEY}\", \"{CONSTANT_KEY}\": write the file with ps.save_init(model, path)"
             )));
         }
         Ok(Self {
             path: path.to_path_buf(),
             spec: ModelSpec::new(specs),
+            buffers,
+            constants,
+            aliases,
         })
     }
 
@@ -177,6 +302,166 @@ impl Declared {
         }
         Ok(out)
     }
+}
+
+impl Declared {
+    /// The entries `which` read from the file, as one safetensors serialization (names,
+    /// dtypes, shapes, bytes): what [`Declared::check_buffers`] accepts for the buffers.
+    pub fn read_extras(&self, which: &[Extra]) -> Result<Vec<u8>, String> {
+        let e = |m: String| format!("[model] init = {:?}: {m}", self.path.display().to_string());
+        let file =
+            std::fs::File::open(&self.path).map_err(|err| e(format!("cannot open: {err}")))?;
+        let mut raw = Vec::with_capacity(which.len());
+        for x in which {
+            let mut bytes = vec![0u8; x.byte_len as usize];
+            file.read_exact_at(&mut bytes, x.byte_offset)
+                .map_err(|err| e(format!("cannot read tensor {:?}: {err}", x.name)))?;
+            raw.push(bytes);
+        }
+        let views = which
+            .iter()
+            .zip(&raw)
+            .map(|(x, b)| {
+                safetensors::tensor::TensorView::new(x.dtype, x.shape.clone(), b)
+                    .map(|v| (x.name.clone(), v))
+                    .map_err(|err| e(format!("tensor {:?}: {err}", x.name)))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        safetensors::serialize(views, None).map_err(|err| e(err.to_string()))
+    }
+
+    /// The buffers' initial values (None when the model has none).
+    pub fn initial_buffers(&self) -> Result<Option<Vec<u8>>, String> {
+        if self.buffers.is_empty() {
+            return Ok(None);
+        }
+        self.read_extras(&self.buffers).map(Some)
+    }
+
+    /// Checks that `blob` (a safetensors serialization) holds exactly the model's buffers:
+    /// the same names, dtypes and shapes, nothing else; the error names the first difference.
+    pub fn check_buffers(&self, blob: &[u8]) -> Result<(), String> {
+        if self.buffers.is_empty() {
+            return Err("the run's model has no buffers (its init file names none in \"buffer_order\"): write it with ps.save_init(model, path) from the model that has them".into());
+        }
+        let st = safetensors::SafeTensors::deserialize(blob)
+            .map_err(|err| format!("buffers: not a safetensors serialization: {err}"))?;
+        for x in &self.buffers {
+            let t = st.tensor(&x.name).map_err(|_| {
+                format!(
+                    "buffers: {:?} missing (the run's model has buffers {:?})",
+                    x.name,
+                    self.buffers
+                        .iter()
+                        .map(|b| b.name.as_str())
+                        .collect::<Vec<_>>()
+                )
+            })?;
+            if t.dtype() != x.dtype || t.shape() != x.shape.as_slice() {
+                return Err(format!(
+                    "buffers: {:?} is {:?} {:?}: the run's model has {:?} {:?}",
+                    x.name,
+                    t.dtype(),
+                    t.shape(),
+                    x.dtype,
+                    x.shape
+                ));
+            }
+        }
+        if st.len() != self.buffers.len() {
+            let extra = st
+                .names()
+                .into_iter()
+                .find(|n| !self.buffers.iter().any(|b| b.name == *n))
+                .unwrap_or_default()
+                .to_string();
+            return Err(format!(
+                "buffers: {extra:?} is not a buffer of the run's model"
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Writes a declared model's whole `state_dict` to `path` (safetensors): the parameters from
+/// `flat` (float32, the flat order), the buffers from `buffers` (a serialization
+/// [`Declared::check_buffers`] accepts; required when the model has buffers), the frozen
+/// parameters from the init file, and each tied alias as a copy of its entry; `meta` as the
+/// file's metadata. `torch`'s `load_state_dict(strict=True)` restores the model from it.
+pub fn write_full_model(
+    path: &Path,
+    d: &Declared,
+    flat: &[f32],
+    buffers: Option<&[u8]>,
+    meta: &std::collections::BTreeMap<String, String>,
+) -> Result<(), String> {
+    let mut entries: Vec<Entry> = Vec::new();
+    for t in &d.spec.tensors {
+        let bytes = flat[t.range()]
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        entries.push((t.name.clone(), Dtype::F32, t.shape.clone(), bytes));
+    }
+    if !d.buffers.is_empty() {
+        let blob = buffers.ok_or_else(|| {
+            format!(
+                "{}: the model has buffers ({}) but the run wrote none",
+                path.display(),
+                d.buffers.len()
+            )
+        })?;
+        d.check_buffers(blob)?;
+        let st = safetensors::SafeTensors::deserialize(blob).map_err(|e| e.to_string())?;
+        for x in &d.buffers {
+            let t = st.tensor(&x.name).map_err(|e| e.to_string())?;
+            entries.push((x.name.clone(), x.dtype, x.shape.clone(), t.data().to_vec()));
+        }
+    }
+    let constants = safetensors_blob_entries(&d.read_extras(&d.constants)?)?;
+    entries.extend(constants);
+    for (alias, target) in &d.aliases {
+        let (_, dtype, shape, bytes) = entries
+            .iter()
+            .find(|(n, ..)| n == target)
+            .cloned()
+            .ok_or_else(|| format!("alias {alias:?}: no entry {target:?}"))?;
+        entries.push((alias.clone(), dtype, shape, bytes));
+    }
+    let views = entries
+        .iter()
+        .map(|(n, dt, shape, b)| {
+            safetensors::tensor::TensorView::new(*dt, shape.clone(), b)
+                .map(|v| (n.clone(), v))
+                .map_err(|e| format!("tensor {n:?}: {e}"))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let info: std::collections::HashMap<String, String> =
+        meta.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+    let bytes = safetensors::serialize(views, Some(info)).map_err(|e| e.to_string())?;
+    let tmp = path.with_extension("safetensors.tmp");
+    std::fs::write(&tmp, &bytes)
+        .and_then(|()| std::fs::rename(&tmp, path))
+        .map_err(|e| {
+            let _ = std::fs::remove_file(&tmp);
+            format!("{}: cannot write: {e}", path.display())
+        })
+}
+
+/// One entry of an export: (name, dtype, shape, bytes).
+type Entry = (String, Dtype, Vec<usize>, Vec<u8>);
+
+/// The tensors of a safetensors serialization.
+fn safetensors_blob_entries(blob: &[u8]) -> Result<Vec<Entry>, String> {
+    if blob.is_empty() {
+        return Ok(Vec::new());
+    }
+    let st = safetensors::SafeTensors::deserialize(blob).map_err(|e| e.to_string())?;
+    Ok(st
+        .tensors()
+        .into_iter()
+        .map(|(n, t)| (n, t.dtype(), t.shape().to_vec(), t.data().to_vec()))
+        .collect())
 }
 
 /// The first difference between the model a shard holds and one a worker describes (names and
@@ -256,6 +541,68 @@ mod tests {
         assert!(msg.contains("lacks tensor 1 \"a\""), "{msg}");
     }
 
+    /// A file with a buffer (int64), a frozen entry and an alias: the buffers' blob is checked
+    /// exactly, and the full export holds every entry in its dtype.
+    #[test]
+    fn buffers_constants_and_aliases() {
+        use safetensors::tensor::TensorView;
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("init.safetensors");
+        let w: Vec<u8> = [1f32, 2.].iter().flat_map(|v| v.to_le_bytes()).collect();
+        let n: Vec<u8> = 7i64.to_le_bytes().to_vec();
+        let f: Vec<u8> = [3f64].iter().flat_map(|v| v.to_le_bytes()).collect();
+        let meta: std::collections::HashMap<String, String> = [
+            (ORDER_KEY, r#"["w"]"#),
+            (BUFFER_KEY, r#"["n"]"#),
+            (CONSTANT_KEY, r#"["f"]"#),
+            (ALIAS_KEY, r#"{"w2": "w"}"#),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+        let views = vec![
+            ("w", TensorView::new(Dtype::F32, vec![2], &w).unwrap()),
+            ("n", TensorView::new(Dtype::I64, vec![], &n).unwrap()),
+            ("f", TensorView::new(Dtype::F64, vec![1], &f).unwrap()),
+        ];
+        std::fs::write(&p, safetensors::serialize(views, Some(meta)).unwrap()).unwrap();
+        let m = Declared::open(&p).unwrap();
+        assert_eq!(m.spec.num_params(), 2);
+        assert_eq!((m.buffers.len(), m.constants.len()), (1, 1));
+        let blob = m.initial_buffers().unwrap().unwrap();
+        m.check_buffers(&blob).unwrap();
+        let other = safetensors::serialize(
+            vec![("n", TensorView::new(Dtype::I32, vec![], &n[..4]).unwrap())],
+            None,
+        )
+        .unwrap();
+        let e = m.check_buffers(&other).unwrap_err();
+        assert!(
+            e.contains("\"n\" is I32 []: the run's model has I64 []"),
+            "{e}"
+        );
+        assert!(
+            m.check_buffers(b"junk")
+                .unwrap_err()
+                .contains("not a safetensors")
+        );
+        let out = d.path().join("model.safetensors");
+        write_full_model(&out, &m, &[5., 6.], Some(&blob), &Default::default()).unwrap();
+        let bytes = std::fs::read(&out).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let mut names = st.names();
+        names.sort();
+        assert_eq!(names, ["f", "n", "w", "w2"]);
+        assert_eq!(st.tensor("n").unwrap().data(), &n[..]);
+        assert_eq!(
+            st.tensor("w2").unwrap().data(),
+            st.tensor("w").unwrap().data()
+        );
+        assert_eq!(st.tensor("f").unwrap().dtype(), Dtype::F64);
+        // no buffers given for a model that has them
+        assert!(write_full_model(&out, &m, &[5., 6.], None, &Default::default()).is_err());
+    }
+
     #[test]
     fn bad_files_are_refused_naming_what_is_wrong() {
         let d = tempfile::tempdir().unwrap();
@@ -266,7 +613,7 @@ mod tests {
         };
         assert!(err(None).contains("no \"parameter_order\""));
         assert!(err(Some("nope")).contains("not a JSON list"));
-        assert!(err(Some(r#"["w"]"#)).contains("tensor \"v\" is in the file but not"));
+        assert!(err(Some(r#"["w"]"#)).contains("tensor \"v\" is in the file but in none"));
         assert!(err(Some(r#"["w","v","x"]"#)).contains("\"x\", which the file does not hold"));
         assert!(err(Some(r#"["w","w","v"]"#)).contains("twice"));
         let missing = Declared::open(&d.path().join("none.safetensors")).unwrap_err();

@@ -165,6 +165,12 @@ pub fn shard_file(out_dir: &Path, shard: usize) -> PathBuf {
     out_dir.join(format!("shard-{shard}.safetensors"))
 }
 
+/// File name of the model's final buffers inside the output directory (shard 0 writes it for
+/// a declared model with buffers: their safetensors serialization).
+pub fn buffers_file(out_dir: &Path) -> PathBuf {
+    out_dir.join("buffers.safetensors")
+}
+
 /// Writes one shard's flat range.
 pub fn write_shard(
     out_dir: &Path,

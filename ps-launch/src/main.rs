@@ -362,7 +362,8 @@ fn resume_command() -> String {
 }
 
 /// Merges the final shard files of `out_dir` into `out_dir/model.safetensors`, with the
-/// PyTorch names and shapes (`fc1.weight [out, in]`, ...), which `torch`/`safetensors` load,
+/// PyTorch names and shapes (`fc1.weight [out, in]`, ...), which `torch`/`safetensors` load
+/// (a declared model's whole `state_dict`: with its buffers, frozen and tied entries),
 /// and draws the loss and accuracy curves of its `metrics.jsonl` into `curves.svg`.
 fn export(cfg: &Config, out_dir: &std::path::Path) -> anyhow::Result<()> {
     // the model the run trained: the built-in MLP or a declared one ([model] init)
@@ -380,10 +381,29 @@ fn export(cfg: &Config, out_dir: &std::path::Path) -> anyhow::Result<()> {
         ),
     ]
     .into();
-    if cfg.model.declared.is_none() {
-        meta.insert("input_scaling".to_string(), INPUT_SCALING.to_string());
+    match &cfg.model.declared {
+        None => {
+            meta.insert("input_scaling".to_string(), INPUT_SCALING.to_string());
+            ps_common::weights::write_model(&path, &spec, &flat, &meta)?;
+        }
+        // the whole state_dict: parameters, buffers (shard 0's final ones), frozen and tied
+        // entries (from the init file)
+        Some(d) => {
+            let buffers_path = ps_common::weights::buffers_file(out_dir);
+            let buffers = if d.buffers.is_empty() {
+                None
+            } else {
+                Some(std::fs::read(&buffers_path).with_context(|| {
+                    format!(
+                        "{}: the model's buffers (shard 0 writes them at the run's end)",
+                        buffers_path.display()
+                    )
+                })?)
+            };
+            ps_common::declared::write_full_model(&path, d, &flat, buffers.as_deref(), &meta)
+                .map_err(anyhow::Error::msg)?;
+        }
     }
-    ps_common::weights::write_model(&path, &spec, &flat, &meta)?;
     println!(
         "ps-launch: weights ({model}, version {version}) in {}",
         path.display()

@@ -15,6 +15,10 @@
 //! naming the file and the version), and fall back to the newest version every shard holds
 //! intact. A file written before checksums existed (no `checksum` key) is accepted with a
 //! warning that it could not be verified.
+//!
+//! Shard 0 of a declared model with buffers also keeps the buffers of the version, in the
+//! metadata ([`BUFFERS_KEY`], hex of their safetensors serialization), which the checksum
+//! covers with the rest of the metadata.
 
 use ps_common::config::Config;
 use ps_common::optim::OptState;
@@ -268,6 +272,10 @@ pub fn latest_intact_common(dir: &Path, num_shards: usize) -> (Option<u64>, Vec<
 /// Metadata key of each tensor's skipped steps ([`OptState::skipped`]), when any.
 const SKIPPED_KEY: &str = "tensor_skipped_steps";
 
+/// Metadata key of the model's buffers at the version (shard 0 of a model with buffers): the
+/// hex digits of their safetensors serialization.
+pub const BUFFERS_KEY: &str = "buffers_safetensors_hex";
+
 /// A shard's state at a version, as written to and read from a checkpoint.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Saved {
@@ -277,6 +285,23 @@ pub struct Saved {
     pub params: Vec<f32>,
     /// The optimizer's state.
     pub opt: OptState,
+    /// The model's buffers at the version (shard 0 of a declared model with buffers; a
+    /// safetensors serialization), else None.
+    pub buffers: Option<bytes::Bytes>,
+}
+
+fn to_hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+fn from_hex(s: &str) -> Option<Vec<u8>> {
+    if !s.len().is_multiple_of(2) {
+        return None;
+    }
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok())
+        .collect()
 }
 
 /// What identifies a shard's place in a run: a checkpoint of another shard layout or model is
@@ -306,7 +331,7 @@ impl Identity {
             num_shards: cfg.num_shards(),
             range,
             num_params: cfg.spec().num_params(),
-            optimizer: cfg.optimizer.describe(),
+            optimizer: cfg.optimizer.describe() + &ps_common::config::describe_groups(&cfg.groups),
             run_id: cfg.cluster.run_id.clone(),
         }
     }
@@ -390,6 +415,9 @@ pub fn write(dir: &Path, id: &Identity, saved: &Saved, keep: usize) -> Result<Pa
     if !saved.opt.skipped.is_empty() {
         let skipped = serde_json::to_string(&saved.opt.skipped).map_err(|e| e.to_string())?;
         meta.insert(SKIPPED_KEY.to_string(), skipped);
+    }
+    if let Some(b) = &saved.buffers {
+        meta.insert(BUFFERS_KEY.to_string(), to_hex(b));
     }
     let views: Vec<(&str, &[f32])> = tensors.iter().map(|(n, _, d)| (*n, *d)).collect();
     meta.insert(CHECKSUM_KEY.to_string(), checksum(&meta, &views));
@@ -525,6 +553,12 @@ pub fn read(dir: &Path, id: &Identity, version: u64, fresh: &OptState) -> Result
                 ))
             })?,
     };
+    let buffers = match meta.get(BUFFERS_KEY) {
+        None => None,
+        Some(h) => Some(bytes::Bytes::from(from_hex(h).ok_or_else(|| {
+            bad(format!("metadata {BUFFERS_KEY}: not hex digits"))
+        })?)),
+    };
     Ok(Saved {
         version,
         params,
@@ -534,6 +568,7 @@ pub fn read(dir: &Path, id: &Identity, version: u64, fresh: &OptState) -> Result
             v,
             skipped,
         },
+        buffers,
     })
 }
 
@@ -564,6 +599,9 @@ mod tests {
                 v: Vec::new(),
                 skipped: vec![0, version / 5],
             },
+            buffers: version
+                .is_multiple_of(2)
+                .then(|| bytes::Bytes::from(vec![0u8, 7, 255, version as u8])),
         };
         let fresh = OptState {
             steps: 0,
@@ -635,6 +673,7 @@ mod tests {
                 v: Vec::new(),
                 skipped: Vec::new(),
             },
+            buffers: None,
         };
         for v in [5, 10] {
             write(d, &id(0), &saved(v), 1).unwrap();
@@ -684,6 +723,7 @@ mod tests {
                 v: Vec::new(),
                 skipped: Vec::new(),
             },
+            buffers: None,
         };
         let fresh = OptState {
             steps: 0,
@@ -776,6 +816,7 @@ mod tests {
                 version,
                 params: vec![1.0; 5],
                 opt: OptState::default(),
+                buffers: None,
             })
         };
         let a = plan.write_retrying(1, saved(1));

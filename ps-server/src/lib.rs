@@ -783,6 +783,23 @@ async fn watch_run(cfg: &Config, svc: &ShardService) -> Outcome {
         ),
         Err(e) => return Outcome::Failed(format!("cannot write the final weights: {e}")),
     }
+    if let Some(buffers) = shard.current_buffers() {
+        let path = ps_common::weights::buffers_file(&cfg.server.out_dir);
+        let tmp = path.with_extension("safetensors.tmp");
+        match std::fs::write(&tmp, &buffers).and_then(|()| std::fs::rename(&tmp, &path)) {
+            Ok(()) => tracing::info!(
+                "shard {}: the model's buffers (version {version}) written to {}",
+                shard.index,
+                path.display()
+            ),
+            Err(e) => {
+                return Outcome::Failed(format!(
+                    "cannot write the final buffers to {}: {e}",
+                    path.display()
+                ));
+            }
+        }
+    }
     let linger = Duration::from_secs_f64(cfg.server.linger_secs);
     let left = tokio::time::timeout(linger, async {
         while !shard.final_eval().1.is_empty() {

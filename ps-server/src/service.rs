@@ -12,9 +12,10 @@ use ps_common::config::Wire;
 use ps_common::datalink;
 use ps_common::pb::parameter_server_server::ParameterServer;
 use ps_common::pb::{
-    ConstantsReply, ConstantsRequest, LeaveReply, LeaveRequest, PullChunk, PullHeader, PullRequest,
-    PushChunk, PushReply, RecoverReply, RecoverRequest, RegisterReply, RegisterRequest,
-    ReportReply, StepReport, UnusedReply, UnusedRequest,
+    BuffersPut, BuffersPutReply, BuffersReply, BuffersRequest, ConstantsReply, ConstantsRequest,
+    LeaveReply, LeaveRequest, PullChunk, PullHeader, PullRequest, PushChunk, PushReply,
+    RecoverReply, RecoverRequest, RegisterReply, RegisterRequest, ReportReply, StepReport,
+    UnusedReply, UnusedRequest,
 };
 use ps_common::throttle::ThrottleMap;
 use ps_common::wire::{StreamCheck, TensorReceiver, check_and_fingerprint, chunks};
@@ -1209,6 +1210,49 @@ impl ParameterServer for ShardService {
         })?;
         self.shard.check_constants(r.rank, r.entries)?;
         Ok(Response::new(ConstantsReply {}))
+    }
+
+    async fn put_buffers(
+        &self,
+        request: Request<BuffersPut>,
+    ) -> Result<Response<BuffersPutReply>, Status> {
+        let r = request.into_inner();
+        self.leases.check(r.lease.as_ref(), Some(r.rank), || {
+            format!("buffers of rank {}", r.rank)
+        })?;
+        self.shard.put_buffers(r.rank, r.step, r.data)?;
+        Ok(Response::new(BuffersPutReply {}))
+    }
+
+    async fn get_buffers(
+        &self,
+        request: Request<BuffersRequest>,
+    ) -> Result<Response<BuffersReply>, Status> {
+        let r = request.into_inner();
+        self.leases.check(r.lease.as_ref(), Some(r.rank), || {
+            format!("buffers pull of rank {}", r.rank)
+        })?;
+        let mut versions = self.shard.subscribe();
+        let wait = async {
+            loop {
+                if let Some((version, data)) = self.shard.buffers(r.version)? {
+                    return Ok(BuffersReply { version, data });
+                }
+                if versions.changed().await.is_err() {
+                    return Err(PsError::Unavailable("the shard is stopping".into()));
+                }
+            }
+        };
+        match tokio::time::timeout(self.pull_timeout, wait).await {
+            Ok(reply) => Ok(Response::new(reply?)),
+            Err(_) => Err(PsError::Timeout(format!(
+                "the buffers of version {} (the shard is at version {}) after {:.1} s",
+                r.version,
+                self.shard.version(),
+                self.pull_timeout.as_secs_f64()
+            ))
+            .into()),
+        }
     }
 
     async fn mark_unused(

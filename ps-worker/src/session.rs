@@ -433,6 +433,43 @@ impl Session {
         Ok(())
     }
 
+    /// Puts this worker's buffers after the forward pass of `step` to shard 0, which holds the
+    /// model's buffers (rank 0 only: its are the model's, as DDP's broadcast_buffers).
+    pub async fn put_buffers(&mut self, step: u64, data: bytes::Bytes) -> anyhow::Result<()> {
+        let rank = self.rank as u32;
+        let p = self
+            .peers
+            .first_mut()
+            .ok_or_else(|| anyhow::anyhow!("no shard"))?;
+        p.client
+            .put_buffers(ps_common::pb::BuffersPut {
+                rank,
+                step,
+                data,
+                lease: None,
+            })
+            .await?;
+        Ok(())
+    }
+
+    /// The model's buffers of `version` from shard 0 (a safetensors serialization).
+    pub async fn get_buffers(&mut self, version: u64) -> anyhow::Result<bytes::Bytes> {
+        let rank = self.rank as u32;
+        let p = self
+            .peers
+            .first_mut()
+            .ok_or_else(|| anyhow::anyhow!("no shard"))?;
+        let reply = p
+            .client
+            .get_buffers(ps_common::pb::BuffersRequest {
+                rank,
+                version,
+                lease: None,
+            })
+            .await?;
+        Ok(reply.data)
+    }
+
     /// Tells each shard holding part of them which tensors (indices in flat order) this
     /// worker's backward of `step` did not reach; their gradient is pushed as zeros. A tensor
     /// no rank reached is not updated (as torch.optim skips a `.grad` of None).

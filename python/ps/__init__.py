@@ -23,6 +23,19 @@ metadata, key ``parameter_order``). Every worker starts from the init file's wei
 0 pulled from the shards); a worker whose model differs (names, shapes or order) is refused
 with ``ModelMismatchError`` naming the first tensor that differs.
 
+For a loop that keeps its shape (as with DDP), ``ps.distributed`` wraps the model::
+
+    model = ps.distributed(model, "run.toml")          # registers on first use
+    for x, y in model.loader(train_set, num_workers=2):  # this rank's batch of each step
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        model.opt_step(loss)                            # instead of optimizer.step()
+
+Gradient accumulation: ``for part, scale in worker.micro_batches(batch, k): (loss(part) *
+scale).backward()`` then ``step()`` once (the whole batch's gradient). Parameter groups (lr
+multiplier, weight decay, betas by tensor-name pattern) are the config's
+``[[optimizer.groups]]``, applied by the shards.
+
 Behaviour with special parameters and buffers:
 
 * Parameters with ``requires_grad=False`` are not part of the run's model: ``save_init`` and
@@ -33,15 +46,21 @@ Behaviour with special parameters and buffers:
   ``ModelMismatchError`` naming the entry (DDP would silently take rank 0's).
 * ``ps.export(model, path)`` writes every ``state_dict`` entry (trained, frozen, tied under
   each name, buffers in their dtype): ``load_state_dict(..., strict=True)`` restores it.
-* Buffers (BatchNorm running statistics, ...) are not held by the shards: each worker keeps
-  its own. A model with buffers is refused with ``UnsupportedModelError`` unless
-  ``allow_buffers=True`` is passed. With it, BatchNorm trains as under DDP with
-  ``broadcast_buffers``: in training each worker normalises over its own ``b_r`` samples of
-  the step (ghost batch norm of size ``b_r``, not batch norm over the global batch ``B``;
-  ``track_running_stats`` changes nothing there), and rank 0's running statistics are the
-  model's (the other ranks' differ: evaluate and ``ps.export`` on rank 0). The worker logs
-  this statement at start-up. Tested: the parameters and rank 0's buffers equal one process
-  running ghost batch norm (``python/tests/test_export.py``).
+* Buffers (BatchNorm's ``running_mean``, ``running_var``, ``num_batches_tracked``, any
+  registered persistent buffer) are part of the run's model: ``save_init`` writes them into
+  the init file in their own dtypes, shard 0 holds them beside its parameters, checkpoints
+  them (they survive a lost shard and ``--resume``) and writes them at the end
+  (``buffers.safetensors``, merged by ``ps-launch --export``). Their semantics are DDP's
+  ``broadcast_buffers``: rank 0's buffers are the model's; rank 0 sends them after its
+  forward pass of each step, and every worker starts each step from them (it gets them with
+  the weights). So BatchNorm in training normalises over each worker's own ``b_r`` samples of
+  the step (ghost batch norm of size ``b_r``, not batch norm over the global batch ``B``; a
+  SyncBatchNorm-like option is not offered), and the running statistics are those rank 0's
+  forward passes make. Integer buffers are kept exactly. The shards' start-up statement and
+  the worker's log say so. Cost: one more request per step to shard 0 for each worker (rank 0
+  also sends). Tested: parameters and buffers equal one process running ghost batch norm
+  (``python/tests/test_export.py``). Non-persistent buffers (``persistent=False``, not in the
+  ``state_dict``) stay each worker's own.
 * A trainable parameter whose ``.grad`` is ``None`` at ``step()`` (backward did not reach
   it: a branch not taken in this batch) is treated exactly as ``torch.optim`` treats it: when
   no worker's backward reached it in a step, the shards do not update it at all (no momentum,
@@ -83,6 +102,8 @@ except Exception:  # not installed as a distribution (a source tree on sys.path)
 
 __all__ = [
     "Worker",
+    "distributed",
+    "Distributed",
     "save_init",
     "export",
     "ModelMismatchError",
@@ -103,7 +124,38 @@ class GradNoneError(RuntimeError):
 
 
 class UnsupportedModelError(ValueError):
-    """The model has something the cluster cannot keep in step (buffers, non-float32)."""
+    """The model has something the cluster cannot keep in step (a parameter that is not
+    float32, a buffer or frozen entry of a dtype safetensors cannot hold)."""
+
+
+# dtypes a buffer or frozen parameter may have (ps_common::declared::EXTRA_DTYPES)
+_EXTRA_DTYPES = {
+    torch.float32: "F32", torch.float64: "F64", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL",
+}
+
+
+def _entries(model: torch.nn.Module):
+    """The model's ``state_dict`` entries by role: (trainable parameters, frozen parameters,
+    persistent buffers, aliases {tied name: the name it shares a tensor with}); each a list of
+    (name, tensor) in the model's order. Refuses a buffer or frozen parameter of a dtype the
+    init file cannot hold."""
+    params = _trainable(model)
+    frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
+    keys = model.state_dict(keep_vars=True)
+    buffers = [(n, b) for n, b in model.named_buffers() if n in keys]
+    for kind, items in (("buffer", buffers), ("frozen parameter", frozen)):
+        for n, t in items:
+            if t.dtype not in _EXTRA_DTYPES:
+                raise UnsupportedModelError(
+                    f"{kind} {n} is {t.dtype}: supported are "
+                    f"{', '.join(str(d).removeprefix('torch.') for d in _EXTRA_DTYPES)}"
+                )
+    canonical = {id(t): n for n, t in params + frozen + buffers}
+    aliases = {k: canonical[id(v)] for k, v in keys.items()
+               if k not in canonical.values() and id(v) in canonical}
+    return params, frozen, buffers, aliases
 
 
 def _trainable(model: torch.nn.Module):
@@ -119,14 +171,25 @@ def _trainable(model: torch.nn.Module):
 
 
 def save_init(model: torch.nn.Module, path) -> None:
-    """Writes the initial weights of ``model``'s trainable parameters to ``path``
-    (safetensors, float32), in ``named_parameters()`` order, carried in the file's metadata
-    under ``parameter_order``: the file ``[model] init`` names."""
-    params = _trainable(model)
-    flat = torch.cat([p.detach().reshape(-1).float().cpu() for _, p in params]).numpy()
-    _native.save_init(
-        str(path), [n for n, _ in params], [list(p.shape) for _, p in params], flat
-    )
+    """Writes the run's model, the file ``[model] init`` names (safetensors): the initial
+    weights of ``model``'s trainable parameters (float32) in ``named_parameters()`` order,
+    carried in the file's metadata under ``parameter_order``; its persistent buffers
+    (``buffer_order``: the shards hold them through the run) and frozen parameters
+    (``constant_order``), each in its own dtype; and its tied entries (``aliases``), so that
+    the shards' export holds the whole ``state_dict``."""
+    import json
+
+    from safetensors.torch import save_file
+
+    params, frozen, buffers, aliases = _entries(model)
+    tensors = {n: t.detach().cpu().clone().contiguous() for n, t in params + frozen + buffers}
+    meta = {
+        ORDER_KEY: json.dumps([n for n, _ in params]),
+        "buffer_order": json.dumps([n for n, _ in buffers]),
+        "constant_order": json.dumps([n for n, _ in frozen]),
+        "aliases": json.dumps(aliases),
+    }
+    save_file(tensors, str(path), metadata=meta)
 
 
 def export(model: torch.nn.Module, path, metadata: dict | None = None) -> None:
@@ -135,9 +198,9 @@ def export(model: torch.nn.Module, path, metadata: dict | None = None) -> None:
     (BatchNorm running statistics, ``num_batches_tracked`` in its own dtype), so
     ``model.load_state_dict(safetensors.torch.load_file(path), strict=True)`` restores the
     whole model. Call it on a worker after ``batches()`` ended: its model holds the run's final
-    weights, the frozen entries every worker holds alike, and this worker's own buffers (rank
-    0's are the model's, as with DDP). ``ps-launch --export`` writes the shards' trained
-    parameters only."""
+    weights, the frozen entries every worker holds alike, and the model's buffers (rank 0's,
+    which every worker got with the final weights). ``ps-launch --export`` writes the same
+    entries from the shards' final files and the init file."""
     from safetensors.torch import save_file
 
     # each entry its own contiguous copy: tied entries share storage, and on a worker the
@@ -166,31 +229,24 @@ class Worker:
         ``test_slice(n)`` gives the shards' split), called every ``[train] eval_every``
         steps and at the end (the shards sum the counts and log the accuracy). ``run_id``: the run this worker joins
         (default, as ps-worker: PS_RUN_ID, ``[cluster] run_id``, SLURM_JOB_ID, PS_K8S_JOB_UID);
-        a shard of another run refuses the worker, naming both ids."""
-        buffers = [n for n, _ in model.named_buffers()]
-        if buffers and not allow_buffers:
-            raise UnsupportedModelError(
-                f"the model has buffers {buffers[:5]}{' ...' if len(buffers) > 5 else ''}, "
-                "which the shards do not hold: each worker keeps its own. Pass "
-                "allow_buffers=True for DDP's broadcast_buffers semantics (BatchNorm in "
-                "training normalises over each worker's b_r samples, ghost batch norm, not "
-                "over the global batch; rank 0's running statistics are the model's: "
-                "evaluate and export on rank 0), or use GroupNorm/LayerNorm"
-            )
+        a shard of another run refuses the worker, naming both ids. ``allow_buffers``: no
+        longer needed (buffers are part of the run's model), accepted for old scripts."""
+        self.model = model
+        self._params, _, self._buffers, _ = _entries(model)
+        desc = [(n, [int(d) for d in p.shape]) for n, p in self._params]
+        self._native = _native.Client(str(config), desc, rank, servers, run_id)
+        self._check_buffers(config)
         norms = [n for n, m in model.named_modules()
                  if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
         if norms:
             _log.warning(
                 "BatchNorm layers %s%s normalise over each worker's own b_r samples of a step "
-                "(ghost batch norm of size b_r, as DDP without SyncBatchNorm), not over the "
-                "global batch: the run equals one process only with that batch norm; rank 0's "
-                "running statistics are the model's (evaluate and export on rank 0)",
+                "(ghost batch norm of size b_r, as DDP with broadcast_buffers and without "
+                "SyncBatchNorm), not over the global batch: the run equals one process with "
+                "that batch norm; the running statistics are rank 0's (every worker starts "
+                "each step from them)",
                 norms[:3], " ..." if len(norms) > 3 else "",
             )
-        self.model = model
-        self._params = _trainable(model)
-        desc = [(n, [int(d) for d in p.shape]) for n, p in self._params]
-        self._native = _native.Client(str(config), desc, rank, servers, run_id)
         self.rank = self._native.rank
         self.world = self._native.world
         self.loss_reduction = self._native.loss_reduction
@@ -227,12 +283,42 @@ class Worker:
         self.start_step = None
         self.total_steps = None
 
+    def _check_buffers(self, config) -> None:
+        """The model's persistent buffers must be the run's (names, dtypes, shapes)."""
+        theirs = {n: (d, list(s)) for n, d, s in self._native.buffer_specs}
+        mine = {n: (_EXTRA_DTYPES[b.dtype], [int(d) for d in b.shape]) for n, b in self._buffers}
+        if mine and not theirs:
+            raise UnsupportedModelError(
+                f"the model has buffers {list(mine)[:5]}, but the run's init file ({config}: "
+                "[model] init) declares none: write it with ps.save_init(model, path), which "
+                "includes them"
+            )
+        if mine != theirs:
+            first = next(n for n in list(mine) + list(theirs) if mine.get(n) != theirs.get(n))
+            raise ModelMismatchError(
+                f"model mismatch: buffer {first!r}: the worker's model has "
+                f"{mine.get(first, 'none')} (dtype, shape), the run's {theirs.get(first, 'none')}"
+            )
+
+    def _buffer_blob(self) -> bytes:
+        from safetensors.torch import save
+
+        return save({n: b.detach().cpu().contiguous() for n, b in self._buffers})
+
     def _pull(self, version: int) -> None:
         self._native.pull(version, self._flat.numpy())
         if not self._views:
             with torch.no_grad():
                 for (_, p), o in zip(self._params, self._offsets):
                     p.data.copy_(self._flat[o : o + p.numel()].view_as(p))
+        if self._buffers:
+            # the model's buffers of this version: rank 0's after its forward of the step before
+            from safetensors.torch import load
+
+            got = load(self._native.get_buffers(version))
+            with torch.no_grad():
+                for n, b in self._buffers:
+                    b.copy_(got[n])
 
     def _data_len(self, train_len: int | None) -> int:
         """``train_len``, or the config's ``[data] train_len`` when None."""
@@ -293,6 +379,46 @@ class Worker:
                 yield t, next(batches), sampler.step_len(t)
 
         yield from self._run(sampler.train_len, source)
+
+    def micro_batches(self, batch, k: int):
+        """Gradient accumulation: splits this step's ``batch`` (a tensor, or a tuple/list of
+        tensors sharing the first dimension, e.g. ``(x, y)`` or the indices) into ``k``
+        micro-batches and yields ``(micro_batch, scale)``: call ``(loss * scale).backward()``
+        on each, then ``step()`` once. ``scale`` makes the accumulated ``.grad`` the gradient
+        of the whole batch (the micro-batch's share of it with a mean loss, 1 with a sum), so
+        the run equals one process with the same global batch (except layers whose forward
+        depends on the batch, such as BatchNorm, which then sees the micro-batch). ``k``
+        must divide this rank's batch of every step: checked for all steps before the
+        first."""
+        k = int(k)
+        if k < 1:
+            raise ValueError(f"micro_batches: k = {k}: expected 1 or more")
+        self._check_accumulation(k)
+        parts = batch if isinstance(batch, (tuple, list)) else (batch,)
+        n = len(parts[0])
+        size = n // k
+        mean = self.loss_reduction == "mean"
+        for i in range(k):
+            chunk = tuple(p[i * size:(i + 1) * size] for p in parts)
+            yield (chunk if isinstance(batch, (tuple, list)) else chunk[0]), (
+                size / n if mean else 1.0)
+
+    def _check_accumulation(self, k: int) -> None:
+        """``k`` divides this rank's batch of every step of the run (checked once per k)."""
+        checked = getattr(self, "_accumulation_ok", set())
+        if k in checked:
+            return
+        for t in range(self.start_step or 0, self.total_steps or 0):
+            b = len(self._native.batch(t))
+            if b % k:
+                raise ValueError(
+                    f"micro_batches: k = {k} does not divide rank {self.rank}'s batch of "
+                    f"step {t} ({b} samples): pick k dividing every per-worker batch (the "
+                    "config's per-worker batches, and the short last batch of an epoch with "
+                    "keep_last)"
+                )
+        checked.add(k)
+        self._accumulation_ok = checked
 
     def test_slice(self, n: int) -> slice:
         """This rank's share of a test set of ``n`` samples, as the shards split one among
@@ -355,10 +481,10 @@ class Worker:
             self._native.close()
 
     def _constants(self):
-        """(name, shape, dtype, fingerprint, is a buffer) of each frozen parameter and buffer."""
+        """(name, shape, dtype, fingerprint, is a buffer) of each frozen parameter (the
+        buffers are the run's, from shard 0: not compared)."""
         out = []
         entries = [(n, p, False) for n, p in self.model.named_parameters() if not p.requires_grad]
-        entries += [(n, b, True) for n, b in self.model.named_buffers()]
         for name, t, buffer in entries:
             data = t.detach().cpu().contiguous().reshape(-1)
             raw = data.view(torch.uint8).numpy().tobytes() if data.numel() else b""
@@ -454,11 +580,18 @@ class Worker:
         n = self._samples if samples is None else int(samples)
 
         def push():
+            self._put_buffers(t)
             if unused:
                 self._native.mark_unused(t, unused)
             self._native.push_parts(t, parts, n, float(loss_sum), int(correct), ev[0], ev[1])
 
         self._push_and_pull(push)
+
+    def _put_buffers(self, t: int) -> None:
+        """Rank 0: its buffers after the forward pass of step ``t`` go to shard 0 (they are
+        the buffers of version ``t + 1``), before its push of the step."""
+        if self._buffers and self.rank == 0:
+            self._native.put_buffers(t, self._buffer_blob())
 
     def _check_reached(self, unused: list, t: int) -> None:
         """A step in which no trainable parameter got a gradient is a missing backward()."""
@@ -489,6 +622,12 @@ class Worker:
             ev = self._run_evaluate()  # the weights of version t, as step() evaluates them
         for _, p in self._params:
             p.grad = None
+        try:
+            self._put_buffers(t)  # the forward pass is done: its buffers go before the push
+        except _native.RolledBack as e:
+            self._pull_or_rewind(self._rolled_back(e))
+            self._step = None
+            return
         self._native.begin_push(t, n, loss_sum, int(correct), ev[0], ev[1])
         self._overlap = [False] * len(self._params)
         try:
@@ -585,3 +724,64 @@ class StepSampler(torch.utils.data.Sampler):
         if total is None:
             total = self._native.total_steps_for(self.train_len)
         return total - self._start
+
+
+def distributed(model: torch.nn.Module, config, **worker_args) -> "Distributed":
+    """Wraps ``model`` for a run of ``config``, as ``DistributedDataParallel`` wraps a model:
+    the loop keeps its shape (forward through the wrapper, ``loss.backward()``, then
+    ``opt_step()`` where ``optimizer.step()`` was; the shards run the optimizer of the
+    config). ``worker_args`` go to ``ps.Worker`` (rank, servers, evaluate, run_id)."""
+    return Distributed(model, config, **worker_args)
+
+
+class Distributed(torch.nn.Module):
+    """``ps.distributed(model, config)``: the model, a ``ps.Worker`` beside it, and the run's
+    data order. ``loader(dataset, ...)`` yields this rank's batch of each step of the run
+    (through a ``DataLoader``: ``num_workers``, ``pin_memory`` and the other ``DataLoader``
+    arguments are the user's; after a lost shard's rollback it goes on from the step rolled
+    back to), ``opt_step()`` pushes the gradients and loads the next weights (and buffers).
+    ``module`` is the wrapped model (export it with ``ps.export(model.module, path)``);
+    ``worker`` the ``ps.Worker``; ``step_number`` the run's step being computed."""
+
+    def __init__(self, model: torch.nn.Module, config, **worker_args):
+        super().__init__()
+        self.module = model
+        self.worker = Worker(config, model, **worker_args)
+        self.step_number = None
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def loader(self, dataset, **loader_args):
+        """This rank's batch of each step of the run, as a ``DataLoader`` over ``dataset``
+        with ``batch_sampler=worker.sampler(len(dataset))`` makes it (``loader_args``: the
+        other ``DataLoader`` arguments). Registers with the shards and loads the run's
+        weights first; call ``opt_step()`` once per batch."""
+        if "batch_size" in loader_args or "sampler" in loader_args or "shuffle" in loader_args:
+            raise ValueError(
+                "loader(): batch_size, sampler and shuffle come from the run (its global batch "
+                "and data order); pass the other DataLoader arguments only"
+            )
+        loader = torch.utils.data.DataLoader(
+            dataset, batch_sampler=self.worker.sampler(len(dataset)), **loader_args
+        )
+        try:
+            for t, batch in self.worker.steps(loader):
+                self.step_number = t
+                yield batch
+        finally:
+            self.step_number = None
+
+    def opt_step(self, loss=None, correct=0) -> None:
+        """Pushes every ``.grad`` of this step (``loss``: the batch's loss, for the shards'
+        log only) and pulls the new weights into the model; clears the gradients."""
+        loss_sum = 0.0
+        if loss is not None:
+            n = self.worker._samples
+            value = float(loss.detach())
+            loss_sum = value * n if self.worker.loss_reduction == "mean" else value
+        self.worker.step(loss_sum=loss_sum, correct=correct)
+
+    def micro_batches(self, batch, k: int):
+        """``Worker.micro_batches`` of this step's batch."""
+        return self.worker.micro_batches(batch, k)

@@ -430,6 +430,49 @@ impl Client {
             .map_err(runtime_err)
     }
 
+    /// Puts this worker's buffers (`data`: a safetensors serialization of every buffer of the
+    /// model) after the forward pass of `step`: rank 0 only, before its push of the step.
+    fn put_buffers(&mut self, py: Python<'_>, step: u64, data: Vec<u8>) -> PyResult<()> {
+        let rt = &self.rt;
+        let session = self.session.as_mut().ok_or_else(|| {
+            PyRuntimeError::new_err("not connected: call connect(train_len) first")
+        })?;
+        py.detach(|| {
+            rt.block_on(session.put_buffers(step, bytes::Bytes::from(data)))
+                .map_err(|e| after_failure(rt, session, step, e))
+        })
+    }
+
+    /// The model's buffers of `version` (a safetensors serialization), from shard 0.
+    fn get_buffers<'py>(
+        &mut self,
+        py: Python<'py>,
+        version: u64,
+    ) -> PyResult<Bound<'py, pyo3::types::PyBytes>> {
+        let rt = &self.rt;
+        let session = self.session.as_mut().ok_or_else(|| {
+            PyRuntimeError::new_err("not connected: call connect(train_len) first")
+        })?;
+        let data = py.detach(|| {
+            rt.block_on(session.get_buffers(version))
+                .map_err(|e| after_failure(rt, session, version, e))
+        })?;
+        Ok(pyo3::types::PyBytes::new(py, &data))
+    }
+
+    /// The buffers of the run's model as (name, dtype, shape): the init file's `buffer_order`
+    /// (safetensors dtype names: "F32", "I64", ...); empty when it has none.
+    #[getter]
+    fn buffer_specs(&self) -> Vec<(String, String, Vec<usize>)> {
+        self.cfg
+            .model
+            .declared
+            .iter()
+            .flat_map(|d| &d.buffers)
+            .map(|b| (b.name.clone(), format!("{:?}", b.dtype), b.shape.clone()))
+            .collect()
+    }
+
     /// Tells every shard that this worker stopped on an error (`why`) before the run's end,
     /// so the run fails at once instead of at the barrier timeout (best effort, bounded).
     fn abandon(&mut self, py: Python<'_>, why: &str) {

@@ -1,9 +1,11 @@
 """Frozen, tied and buffer entries of a model: every worker must hold the same frozen
-parameters and buffers at registration (checked by shard 0 against the first worker's, naming
-the entry that differs), and ``ps.export`` writes every ``state_dict`` entry, so a strict load
-restores the whole model."""
+parameters at registration (checked by shard 0 against the first worker's, naming the entry
+that differs); buffers live on shard 0 (DDP's broadcast_buffers: rank 0's, every worker starts
+each step from them), checkpointed; ``ps.export`` and ``ps-launch --export`` write every
+``state_dict`` entry, so a strict load restores the whole model."""
 
 import copy
+import subprocess
 import threading
 
 import pytest
@@ -13,7 +15,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 import ps
-from common import Shards, config_text
+from common import BIN, Shards, config_text, lose_shard_after_checkpoint
 
 
 class Full(nn.Module):
@@ -46,14 +48,20 @@ def write_config(tmp_path, model):
     return cfg
 
 
-def train(cfg, models, addrs, x, y):
+def train(cfg, models, addrs, x, y, during=None, overlap=False):
+    """Trains each model as one rank in a thread; ``during(errors)`` runs meanwhile (a lost
+    shard); returns the errors (rank, exception)."""
     errors = []
 
     def go(r):
         try:
-            w = ps.Worker(cfg, models[r], rank=r, servers=addrs, allow_buffers=True)
+            w = ps.Worker(cfg, models[r], rank=r, servers=addrs)
             for _, idx in w.batches():
-                F.cross_entropy(models[r](x[idx]), y[idx]).backward()
+                loss = F.cross_entropy(models[r](x[idx]), y[idx])
+                if overlap and r == 0:
+                    w.backward(loss)
+                    continue
+                loss.backward()
                 w.step()
         except BaseException as e:  # reported below, with the rank
             errors.append((r, e))
@@ -61,9 +69,20 @@ def train(cfg, models, addrs, x, y):
     threads = [threading.Thread(target=go, args=(r,)) for r in range(len(models))]
     for t in threads:
         t.start()
+    if during is not None:
+        during(errors)
     for t in threads:
         t.join(120)
     return errors
+
+
+def launch_export(cfg, out):
+    """``ps-launch --export``: merges the shards' final files of ``out`` into
+    ``out/model.safetensors``; returns its tensors."""
+    done = subprocess.run([str(BIN / "ps-launch"), "--config", str(cfg), "--out-dir", str(out),
+                           "--export"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return load_file(str(out / "model.safetensors"))
 
 
 def test_export_loads_strictly_with_frozen_tied_and_buffers(tmp_path):
@@ -88,6 +107,15 @@ def test_export_loads_strictly_with_frozen_tied_and_buffers(tmp_path):
         assert torch.equal(fresh.state_dict()[k], v), k
     assert not torch.equal(fresh.emb.weight, base.emb.weight), "the export holds the trained weights"
     assert fresh.head.weight is fresh.emb.weight, "still tied after loading"
+    # the shards' export holds the same entries: frozen and tied from the init file, buffers
+    # from shard 0
+    merged = launch_export(cfg, tmp_path)
+    assert set(merged) == set(saved)
+    fresh = Full()
+    fresh.load_state_dict(merged, strict=True)
+    for k, v in models[0].state_dict().items():
+        assert torch.equal(fresh.state_dict()[k], v), k
+        assert merged[k].dtype == v.dtype, k
 
 
 def test_a_worker_whose_frozen_parameter_differs_is_refused_naming_it(tmp_path):
@@ -98,8 +126,7 @@ def test_a_worker_whose_frozen_parameter_differs_is_refused_naming_it(tmp_path):
     with torch.no_grad():
         models[1].frozen.weight[0, 0] += 0.5
     with Shards(cfg, 2, tmp_path) as shards:
-        ws = [ps.Worker(cfg, m, rank=r, servers=shards.addrs, allow_buffers=True)
-              for r, m in enumerate(models)]
+        ws = [ps.Worker(cfg, m, rank=r, servers=shards.addrs) for r, m in enumerate(models)]
         first = ws[0].batches()
         next(first)  # rank 0 registered, its entries are the reference
         with pytest.raises(ps.ModelMismatchError,
@@ -119,12 +146,49 @@ class Bn(nn.Module):
         return self.fc2(torch.relu(self.bn(self.fc1(x))))
 
 
-def test_batchnorm_equals_one_process_with_ghost_batch_norm(tmp_path):
-    """allow_buffers: DDP's broadcast_buffers semantics. Each worker's BatchNorm normalises
-    over its own b_r = 16 samples; one process doing the same (ghost batch norm: each worker's
-    sub-batch through the model on its own, loss = the mean of their mean losses) with
-    torch.optim ends within 1e-5 after 20 steps, and rank 0's running statistics (the model's,
-    as with DDP) equal that process's when it updates them from rank 0's sub-batches."""
+def ghost_batch_norm_reference(cfg, base, x, y, steps):
+    """One process with the cluster's semantics: each worker's sub-batch of a step through the
+    model on its own (ghost batch norm of b_r), the loss the mean of their mean losses,
+    torch.optim's SGD with momentum; the running statistics are updated by rank 0's sub-batch
+    only (the others run on copies of them)."""
+    from ps import _native
+    desc = [(k, list(p.shape)) for k, p in base.named_parameters()]
+    plans = [_native.Client(str(cfg), desc, rank=r, servers=["x:1", "x:2"]) for r in range(2)]
+    for p in plans:
+        p.plan(len(x))
+    ref = copy.deepcopy(base)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for t in range(steps):
+        opt.zero_grad()
+        losses = []
+        for r, p in enumerate(plans):
+            idx = torch.tensor(p.batch(t), dtype=torch.int64)
+            kept = dict(ref.bn._buffers)
+            if r > 0:
+                ref.bn._buffers.update({k: b.clone() for k, b in kept.items()})
+            losses.append(F.cross_entropy(ref(x[idx]), y[idx]))
+            ref.bn._buffers.update(kept)
+        (sum(losses) / len(losses)).backward()
+        opt.step()
+    return ref
+
+
+def assert_state_equal(model, ref, who):
+    """Parameters within 1e-5 (relative to the tensor's largest value), float buffers too,
+    integer buffers exactly."""
+    got = model.state_dict()
+    for k, b in ref.state_dict().items():
+        mine = got[k]
+        assert mine.dtype == b.dtype, (who, k)
+        if not b.is_floating_point():
+            assert torch.equal(mine, b), (who, k, mine, b)
+            continue
+        diff = ((mine - b).abs().max() / b.abs().max()).item()
+        print(f"{who}'s {k} vs one process with ghost batch norm: {diff:.2e}")
+        assert diff < 1e-5, (who, k, diff)
+
+
+def bn_setup(tmp_path, steps=20, extra=""):
     torch.manual_seed(6)
     base = Bn()
     g = torch.Generator().manual_seed(8)
@@ -133,45 +197,48 @@ def test_batchnorm_equals_one_process_with_ghost_batch_norm(tmp_path):
     init = tmp_path / "init.safetensors"
     ps.save_init(base, init)
     cfg = tmp_path / "run.toml"
-    cfg.write_text(config_text(init, None, tmp_path, global_batch=32, steps=20, train_len=640,
-                               optimizer='kind = "sgd"\nlr = 0.1\nmomentum = 0.9'))
+    cfg.write_text(config_text(init, None, tmp_path, global_batch=32, steps=steps, train_len=640,
+                               optimizer='kind = "sgd"\nlr = 0.1\nmomentum = 0.9') + extra)
+    return base, x, y, cfg
+
+
+def test_batchnorm_equals_one_process_with_ghost_batch_norm(tmp_path):
+    """Buffers on the shards, DDP's broadcast_buffers semantics: each worker's BatchNorm
+    normalises over its own b_r = 16 samples, and every worker starts each step from rank 0's
+    running statistics. One process doing the same (ghost batch norm, statistics from rank 0's
+    sub-batches) with torch.optim ends within 1e-5 after 20 steps on every rank, parameters
+    and buffers (num_batches_tracked exactly), and the shards' export (buffers from shard 0)
+    loads with strict=True and holds the same."""
+    base, x, y, cfg = bn_setup(tmp_path)
     models = [copy.deepcopy(base) for _ in range(2)]
     with Shards(cfg, 2, tmp_path) as shards:
-        assert train(cfg, models, shards.addrs, x, y) == []
+        assert train(cfg, models, shards.addrs, x, y, overlap=True) == []
         assert shards.wait(60) == [0, 0]
-    from ps import _native
-    desc = [(k, list(p.shape)) for k, p in base.named_parameters()]
-    plans = [_native.Client(str(cfg), desc, rank=r, servers=["x:1", "x:2"]) for r in range(2)]
-    for p in plans:
-        p.plan(len(x))
-    ref = copy.deepcopy(base)
-    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    for t in range(20):
-        opt.zero_grad()
-        losses = []
-        for r, p in enumerate(plans):
-            idx = torch.tensor(p.batch(t), dtype=torch.int64)
-            # only rank 0's forward updates the model's running statistics: the others run
-            # on copies of them (the originals are put back afterwards)
-            kept = dict(ref.bn._buffers)
-            if r > 0:
-                ref.bn._buffers.update({k: b.clone() for k, b in kept.items()})
-            losses.append(F.cross_entropy(ref(x[idx]), y[idx]))
-            ref.bn._buffers.update(kept)
-        (sum(losses) / len(losses)).backward()
-        opt.step()
+    log = (tmp_path / "shard-0.log").read_text()
+    assert "batch norm over b_r = [16, 16], ghost batch norm, not over 32" in log, log[-3000:]
+    ref = ghost_batch_norm_reference(cfg, base, x, y, 20)
+    assert int(ref.bn.num_batches_tracked) == 20
     for r, m in enumerate(models):
-        for (k, a), b in zip(m.named_parameters(), ref.parameters()):
-            diff = ((a - b).abs().max() / b.abs().max()).item()
-            print(f"rank {r}'s {k} vs one process with ghost batch norm: {diff:.2e}")
-            assert diff < 1e-5, (r, k, diff)
-    for k, b in ref.named_buffers():
-        mine = dict(models[0].named_buffers())[k]
-        if b.dtype == torch.int64:
-            assert torch.equal(mine, b), k
-        else:
-            diff = ((mine - b).abs().max() / b.abs().max()).item()
-            print(f"rank 0's {k} vs one process: {diff:.2e}")
-            assert diff < 1e-5, (k, diff)
-    # the other rank's statistics are its own: they differ (the reason export is rank 0's)
-    assert not torch.equal(models[1].bn.running_mean, ref.bn.running_mean)
+        assert_state_equal(m, ref, f"rank {r}")
+    merged = Bn()
+    merged.load_state_dict(launch_export(cfg, tmp_path), strict=True)
+    assert_state_equal(merged, ref, "ps-launch --export")
+
+
+def test_buffers_survive_a_lost_shard_0(tmp_path):
+    """Shard 0, which holds the buffers, is killed after its checkpoint of version 10 and
+    replaced: the cluster rolls back, the buffers come back from the checkpoint, and the run
+    ends equal to one process (as above) after 30 steps."""
+    base, x, y, cfg = bn_setup(
+        tmp_path, steps=30,
+        extra="\n[checkpoint]\nevery = 5\nkeep = 2\n\n[worker]\nconnect_timeout_secs = 60\n")
+    models = [copy.deepcopy(base) for _ in range(2)]
+    with Shards(cfg, 2, tmp_path) as shards:
+        lose = lambda errors: lose_shard_after_checkpoint(shards, tmp_path, errors, shard=0)
+        assert train(cfg, models, shards.addrs, x, y, during=lose) == []
+        assert shards.wait(60) == [0, 0]
+    log = (tmp_path / "shard-0.recover.log").read_text()
+    assert "every shard rolls back to version" in log, log[-3000:]
+    ref = ghost_batch_norm_reference(cfg, base, x, y, 30)
+    for r, m in enumerate(models):
+        assert_state_equal(m, ref, f"rank {r}")

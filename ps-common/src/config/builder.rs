@@ -74,6 +74,7 @@ impl TestConfig {
                 beta1: default_beta1(),
                 beta2: default_beta2(),
                 eps: default_eps(),
+                groups: Vec::new(),
             },
             schedule: RawSchedule::default(),
             server: RawServer {
@@ -260,6 +261,7 @@ impl TestConfig {
             beta1: default_beta1(),
             beta2: default_beta2(),
             eps: default_eps(),
+            groups: Vec::new(),
         };
         self
     }

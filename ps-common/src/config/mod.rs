@@ -23,6 +23,7 @@ mod kinds;
 pub mod limits;
 mod model;
 mod optimizer;
+pub use optimizer::{ParamGroup, describe_groups, glob};
 mod server;
 mod train;
 
@@ -306,6 +307,9 @@ pub struct Config {
     pub optimizer: Optimizer,
     /// `[schedule]` (with `[optimizer] lr` as its base): the learning-rate schedule.
     pub schedule: LrSchedule,
+    /// `[[optimizer.groups]]`: parameter groups with their own settings (resolved against
+    /// the model's tensor names); empty when none.
+    pub groups: Vec<optimizer::ParamGroup>,
     /// `[server]`: shard settings.
     pub server: ServerConfig,
     /// `[worker]`: worker settings.
@@ -418,6 +422,13 @@ impl Config {
                 cluster.servers.len()
             ));
         }
+        let spec = match &model.declared {
+            Some(d) => d.spec.clone(),
+            None => MlpLayout::new(&model.dims).spec,
+        };
+        let names: Vec<String> = spec.tensors.iter().map(|t| t.name.clone()).collect();
+        let names: Vec<&str> = names.iter().map(String::as_str).collect();
+        let groups = optimizer::resolve_groups(&raw.optimizer.groups, &names, &optimizer)?;
         let cfg = Config {
             path: path.to_path_buf(),
             cluster,
@@ -426,6 +437,7 @@ impl Config {
             train,
             optimizer,
             schedule,
+            groups,
             server,
             worker,
             checkpoint,
@@ -700,6 +712,15 @@ impl Config {
             mean_of_means,
             workers: self.cluster.workers,
             warnings,
+            buffers: self.model.declared.as_ref().and_then(|d| {
+                (!d.buffers.is_empty()).then(|| {
+                    format!(
+                        "; the model's {} buffers (BatchNorm statistics, ...) as DDP's broadcast_buffers: each worker's forward pass, BatchNorm included, sees only its own samples of a step (per-worker batch statistics: batch norm over b_r = {b:?}, ghost batch norm, not over {}), and every worker starts each step from rank 0's buffers, which are the model's",
+                        d.buffers.len(),
+                        self.train.global_batch
+                    )
+                })
+            }),
         }
     }
 
@@ -747,7 +768,7 @@ impl Config {
             },
             self.train.loss_reduction,
             self.train.aggregation,
-            self.optimizer.describe(),
+            self.optimizer.describe() + &optimizer::describe_groups(&self.groups),
             self.schedule.describe(),
             self.train.log_every,
             if self.train.eval_every == 0 {
@@ -794,6 +815,8 @@ pub struct Equivalence {
     pub workers: usize,
     /// Plain-words warnings (rescaled lr, biased mean).
     pub warnings: Vec<String>,
+    /// A declared model with buffers: what its BatchNorm equals (appended to the statement).
+    pub buffers: Option<String>,
 }
 
 impl fmt::Display for Equivalence {
@@ -818,7 +841,6 @@ impl fmt::Display for Equivalence {
                     self.workers
                 )?;
             }
-            Ok(())
         } else {
             write!(
                 f,
@@ -826,8 +848,9 @@ impl fmt::Display for Equivalence {
                 self.global_batch,
                 self.loss_reduction,
                 fmt_num(self.grad_scale)
-            )
+            )?;
         }
+        f.write_str(self.buffers.as_deref().unwrap_or(""))
     }
 }
 

@@ -22,6 +22,176 @@ pub(super) struct RawOptimizer {
     pub beta2: f32,
     #[serde(default = "default_eps")]
     pub eps: f32,
+    /// `[[optimizer.groups]]`: parameter groups by tensor-name pattern.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub groups: Vec<RawGroup>,
+}
+
+/// One `[[optimizer.groups]]` table: the tensors whose names match one of `params` (glob
+/// patterns: `*` any run of characters, `?` one) train with these settings instead of the
+/// `[optimizer]` ones (those not given are the `[optimizer]` ones).
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawGroup {
+    pub params: Vec<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lr_scale: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weight_decay: Option<f32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub beta1: Option<f32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub beta2: Option<f32>,
+}
+
+/// A parameter group, resolved against the model: its tensors (indices in flat order), the
+/// optimizer with the group's settings, and its learning-rate multiplier.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ParamGroup {
+    /// Tensor indices (flat order of the model), ascending.
+    pub tensors: Vec<u32>,
+    /// The optimizer with the group's weight decay and betas.
+    pub optimizer: Optimizer,
+    /// Its lr is the schedule's times this.
+    pub lr_scale: f64,
+    /// The patterns, as written (for the description).
+    pub patterns: Vec<String>,
+}
+
+/// `*` (any run of characters) and `?` (one character) glob matching.
+pub fn glob(pattern: &str, name: &str) -> bool {
+    let (p, n): (Vec<char>, Vec<char>) = (pattern.chars().collect(), name.chars().collect());
+    // dp[j]: pattern[..i] matches name[..j]
+    let mut dp = vec![false; n.len() + 1];
+    dp[0] = true;
+    for &c in &p {
+        let mut next = vec![false; n.len() + 1];
+        if c == '*' {
+            let mut any = false;
+            for j in 0..=n.len() {
+                any |= dp[j];
+                next[j] = any;
+            }
+        } else {
+            for j in 1..=n.len() {
+                next[j] = dp[j - 1] && (c == '?' || c == n[j - 1]);
+            }
+        }
+        dp = next;
+    }
+    dp[n.len()]
+}
+
+/// Resolves `groups` against the model's tensor `names` (flat order) and the base
+/// `optimizer`: every pattern must match a tensor, no tensor may be in two groups, the
+/// settings must be valid for the optimizer. The errors name the group and what is wrong.
+pub(super) fn resolve_groups(
+    groups: &[RawGroup],
+    names: &[&str],
+    optimizer: &Optimizer,
+) -> Result<Vec<ParamGroup>, String> {
+    let mut owner: Vec<Option<usize>> = vec![None; names.len()];
+    let mut out = Vec::with_capacity(groups.len());
+    for (i, g) in groups.iter().enumerate() {
+        let at = format!("[[optimizer.groups]] {i} (params = {:?})", g.params);
+        if g.params.is_empty() {
+            return Err(format!("{at}: params is empty: expected name patterns"));
+        }
+        let mut tensors = Vec::new();
+        for pat in &g.params {
+            let hits: Vec<usize> = (0..names.len()).filter(|&t| glob(pat, names[t])).collect();
+            if hits.is_empty() {
+                let shown: Vec<&str> = names.iter().take(8).copied().collect();
+                return Err(format!(
+                    "{at}: pattern {pat:?} matches no tensor of the model (its tensors: {shown:?}{})",
+                    if names.len() > 8 { " ..." } else { "" }
+                ));
+            }
+            for t in hits {
+                match owner[t] {
+                    Some(j) if j != i => {
+                        return Err(format!(
+                            "{at}: tensor {:?} is in group {j} too: each tensor may be in one group only",
+                            names[t]
+                        ));
+                    }
+                    _ => {
+                        owner[t] = Some(i);
+                        tensors.push(t as u32);
+                    }
+                }
+            }
+        }
+        tensors.sort_unstable();
+        tensors.dedup();
+        let lr_scale = g.lr_scale.unwrap_or(1.0);
+        if !(lr_scale.is_finite() && lr_scale > 0.0) {
+            return Err(format!(
+                "{at}: lr_scale = {}: expected a positive number",
+                show(lr_scale)
+            ));
+        }
+        if let Some(wd) = g.weight_decay
+            && !(wd.is_finite() && wd >= 0.0)
+        {
+            return Err(format!("{at}: weight_decay = {wd}: expected 0 or more"));
+        }
+        let mut opt = optimizer.clone();
+        match &mut opt {
+            Optimizer::Sgd { weight_decay, .. } => {
+                if g.beta1.is_some() || g.beta2.is_some() {
+                    return Err(format!(
+                        "{at}: beta1/beta2 are Adam settings; the optimizer is SGD"
+                    ));
+                }
+                if let Some(wd) = g.weight_decay {
+                    *weight_decay = wd;
+                }
+            }
+            Optimizer::Adam {
+                beta1,
+                beta2,
+                weight_decay,
+                ..
+            } => {
+                for (k, v) in [("beta1", g.beta1), ("beta2", g.beta2)] {
+                    if let Some(v) = v
+                        && !(0.0..1.0).contains(&v)
+                    {
+                        return Err(format!("{at}: {k} = {v}: expected 0 <= {k} < 1"));
+                    }
+                }
+                *beta1 = g.beta1.unwrap_or(*beta1);
+                *beta2 = g.beta2.unwrap_or(*beta2);
+                if let Some(wd) = g.weight_decay {
+                    *weight_decay = wd;
+                }
+            }
+        }
+        out.push(ParamGroup {
+            tensors,
+            optimizer: opt,
+            lr_scale,
+            patterns: g.params.clone(),
+        });
+    }
+    Ok(out)
+}
+
+/// The groups in words (empty when there are none): `; groups: ["*.bias"] sgd(...) lr x 1`.
+pub fn describe_groups(groups: &[ParamGroup]) -> String {
+    groups
+        .iter()
+        .map(|g| {
+            format!(
+                "; group {:?} ({} tensors): {}, lr x {}",
+                g.patterns,
+                g.tensors.len(),
+                g.optimizer.describe(),
+                g.lr_scale
+            )
+        })
+        .collect()
 }
 
 pub(super) fn default_beta1() -> f32 {
@@ -174,5 +344,21 @@ impl RawSchedule {
             warmup_steps: self.warmup_steps,
             decay,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::glob;
+
+    #[test]
+    fn glob_matches_star_and_question_mark() {
+        assert!(glob("*.bias", "fc1.bias"));
+        assert!(glob("*bn*", "blocks.0.bn1.weight"));
+        assert!(glob("fc?.weight", "fc2.weight"));
+        assert!(!glob("fc?.weight", "fc12.weight"));
+        assert!(!glob("*.bias", "fc1.bias.x"));
+        assert!(glob("*", ""));
+        assert!(!glob("a", ""));
     }
 }

@@ -8,7 +8,10 @@
 //!   folds gradients in rank order as they arrive ([`Shard::fold_ready`]);
 //! - [`update`]: the fused aggregation + optimizer update, a pure function over slices;
 //! - [`unused`]: the tensors a step's backward did not reach (not updated when no rank did);
-//! - [`constants`]: the frozen parameters and buffers every worker must hold alike;
+//! - [`constants`]: the frozen parameters every worker must hold alike;
+//! - the model's buffers (shard 0 of a declared model with buffers): rank 0 puts them after
+//!   the forward pass of step t ([`Shard::put_buffers`]), they become the buffers of version
+//!   t + 1 when the step is applied ([`Shard::buffers`]), and are checkpointed with it;
 //! - [`shm`]: the shard's side of the shared-memory data path (boards, [`Shard::offer_shm`],
 //!   [`Shard::shm_grad`]).
 //!
@@ -174,6 +177,10 @@ struct State {
     unused: unused::Unused,
     /// The first worker's frozen parameters and buffers (fingerprints).
     constants: constants::Constants,
+    /// The model's buffers of the current version (shard 0 of a model with buffers).
+    buffers: Option<Bytes>,
+    /// Rank 0's buffers put for a step not yet applied: (step, buffers).
+    next_buffers: Option<(u64, Bytes)>,
 }
 
 /// One shard of the model: its range of the flat vector, optimizer, schedule and barrier.
@@ -195,6 +202,10 @@ pub struct Shard {
     pub total_steps: u64,
     aggregation: Aggregation,
     optimizer: Optimizer,
+    /// `[[optimizer.groups]]`, and the group of each tensor of the model (None: the
+    /// `[optimizer]` settings).
+    groups: Vec<ps_common::config::ParamGroup>,
+    group_of: Vec<Option<usize>>,
     schedule: LrSchedule,
     state: Mutex<State>,
     /// Permits to hold gRPC gradient buffers (`[server] max_pending_gradients`).
@@ -209,6 +220,8 @@ pub struct Shard {
     /// Preemption (SIGTERM, SIGUSR1): requested, and the plan its checkpoints follow.
     preempt: std::sync::atomic::AtomicBool,
     preempt_plan: checkpoint::Plan,
+    /// The declared model, on the shard that holds its buffers (shard 0, when it has any).
+    buffer_model: Option<ps_common::declared::Declared>,
     /// The newest version of which a preemption checkpoint was written (None: none yet).
     preempt_saved: watch::Sender<Option<u64>>,
     /// Held while a preemption checkpoint is written; true once the shard said which version
@@ -243,10 +256,12 @@ impl Shard {
                 .initial_range(range.clone())
                 .unwrap_or_else(|_| vec![f32::NAN; range.len()]);
             let opt = cfg.optimizer.init_state(init.len());
+            let buffers = Self::initial_buffers(cfg, index).ok().flatten();
             Some(Saved {
                 version: 0,
                 params: init,
                 opt,
+                buffers,
             })
         });
         Self::build(cfg, index, total_steps, saved.expect("filled in"))
@@ -268,16 +283,40 @@ impl Shard {
                     version: 0,
                     params: init,
                     opt,
+                    buffers: Self::initial_buffers(cfg, index)?,
                 }
             }
         };
+        if saved.buffers.is_none() && Self::buffer_model(cfg, index).is_some() {
+            return Err(format!(
+                "the checkpoint of version {} holds no buffers, but the run's model has buffers ([model] init names them): a checkpoint of another model",
+                saved.version
+            ));
+        }
         Ok(Self::build(cfg, index, total_steps, saved))
+    }
+
+    /// The declared model when shard `index` holds its buffers (shard 0, a model with buffers).
+    fn buffer_model(cfg: &Config, index: usize) -> Option<ps_common::declared::Declared> {
+        cfg.model
+            .declared
+            .as_ref()
+            .filter(|d| index == 0 && !d.buffers.is_empty())
+            .cloned()
+    }
+
+    /// The buffers of version 0 on shard `index` (from the init file), None when it holds none.
+    fn initial_buffers(cfg: &Config, index: usize) -> Result<Option<Bytes>, String> {
+        match Self::buffer_model(cfg, index) {
+            Some(d) => Ok(d.initial_buffers()?.map(Bytes::from)),
+            None => Ok(None),
+        }
     }
 
     fn build(cfg: &Config, index: usize, total_steps: u64, saved: Saved) -> Arc<Self> {
         let spec = cfg.spec();
         let range = Self::range_of(cfg, index);
-        let (version, init, opt) = (saved.version, saved.params, saved.opt);
+        let (version, init, opt, buffers) = (saved.version, saved.params, saved.opt, saved.buffers);
         let w = cfg.cluster.workers;
         let shm = match (cfg.cluster.transport, shm_root()) {
             (Transport::Auto, Some(root)) => {
@@ -301,6 +340,8 @@ impl Shard {
             told: vec![false; w],
             unused: unused::Unused::new(w, spec.tensors.len()),
             constants: Default::default(),
+            buffers,
+            next_buffers: None,
         };
         Arc::new(Self {
             index,
@@ -312,6 +353,16 @@ impl Shard {
             total_steps,
             aggregation: cfg.train.aggregation,
             optimizer: cfg.optimizer.clone(),
+            group_of: {
+                let mut of = vec![None; cfg.spec().tensors.len()];
+                for (g, group) in cfg.groups.iter().enumerate() {
+                    for &t in &group.tensors {
+                        of[t as usize] = Some(g);
+                    }
+                }
+                of
+            },
+            groups: cfg.groups.clone(),
             schedule: cfg.schedule_for(total_steps),
             state: Mutex::new(state),
             gate: Gate::new(cfg.server.max_pending_gradients),
@@ -322,6 +373,7 @@ impl Shard {
             checkpoint: checkpoint::Plan::of(cfg, index, Self::range_of(cfg, index)),
             preempt: Default::default(),
             preempt_plan: checkpoint::Plan::for_preemption(cfg, index, Self::range_of(cfg, index)),
+            buffer_model: Self::buffer_model(cfg, index),
             preempt_saved: watch::Sender::new(None),
             preempt_closed: std::sync::Mutex::new(false),
         })
@@ -382,6 +434,78 @@ impl Shard {
         st.barrier.rank(rank)?;
         let version = st.barrier.step();
         st.constants.check(rank, entries, version)
+    }
+
+    /// Rank 0's buffers after the forward pass of `step` (a safetensors serialization of the
+    /// model's buffers, checked against the declared ones): they become the buffers of
+    /// version `step + 1` when the step is applied. Only rank 0 puts buffers (its are the
+    /// model's, as DDP's broadcast_buffers); a put for a step already applied changes nothing
+    /// (a retry); one for a step the shard has not reached, from another rank, or on a shard
+    /// that holds no buffers is refused, changing nothing.
+    pub fn put_buffers(&self, rank: u32, step: u64, data: Bytes) -> PsResult<()> {
+        let Some(model) = &self.buffer_model else {
+            return Err(PsError::BadChunk(format!(
+                "shard {}: holds no buffers (the run's model declares none, or they are on shard 0)",
+                self.index
+            )));
+        };
+        if rank != 0 {
+            return Err(PsError::BadChunk(format!(
+                "rank {rank} put buffers: only rank 0's buffers are the model's"
+            )));
+        }
+        model.check_buffers(&data).map_err(PsError::BadChunk)?;
+        let mut st = self.lock();
+        st.barrier.rank(rank)?;
+        if let Some(why) = &st.failed {
+            return Err(PsError::Unavailable(why.clone()));
+        }
+        if !st.barrier.registered(rank) {
+            return Err(PsError::NotRegistered(rank));
+        }
+        let at = st.barrier.step();
+        if step > at {
+            return Err(PsError::BadChunk(format!(
+                "rank {rank} put buffers of step {step}: the shard is at step {at}"
+            )));
+        }
+        if step == at && !st.barrier.applying() {
+            st.next_buffers = Some((step, data));
+        }
+        Ok(())
+    }
+
+    /// The buffers of the current version when it is `version` (None: not reached yet); a
+    /// version already left behind is [`PsError::VersionGone`].
+    pub fn buffers(&self, version: u64) -> PsResult<Option<(u64, Bytes)>> {
+        if self.buffer_model.is_none() {
+            return Err(PsError::BadChunk(format!(
+                "shard {}: holds no buffers (the run's model declares none, or they are on shard 0)",
+                self.index
+            )));
+        }
+        let st = self.lock();
+        if let Some(why) = &st.failed {
+            return Err(PsError::Unavailable(why.clone()));
+        }
+        let at = st.barrier.step();
+        if version > at {
+            return Ok(None);
+        }
+        if version < at {
+            return Err(PsError::VersionGone {
+                asked: version,
+                shard: self.index,
+                current: at,
+            });
+        }
+        Ok(st.buffers.clone().map(|b| (at, b)))
+    }
+
+    /// The buffers of the current version (the final ones at the run's end), if the shard
+    /// holds any.
+    pub fn current_buffers(&self) -> Option<Bytes> {
+        self.lock().buffers.clone()
     }
 
     /// Marks the run failed: pulls and pushes are refused from now on.
@@ -580,32 +704,38 @@ impl Shard {
             ranks.push(s.rank);
         }
         // tensors no rank reached are not updated; Adam's bias correction of a tensor skipped
-        // before counts its own steps ([`unused`])
-        let (skip, own_steps) = {
+        // before counts its own steps ([`unused`]); a tensor of a parameter group is updated
+        // with its group's settings: both are updated again on their own after the fused
+        // update, from the state kept before it
+        let (skip, reruns) = {
             let st = self.lock();
             let ranks: Vec<u32> = slots.iter().map(|s| s.rank).collect();
             let skip = st.unused.skipped_by_all(step, &ranks);
             let skipped = &opt.skipped;
-            let behind: Vec<u32> = match self.optimizer {
-                ps_common::optim::Optimizer::Adam { .. } => (0..skipped.len() as u32)
-                    .filter(|t| skipped[*t as usize] > 0 && skip.binary_search(t).is_err())
-                    .collect(),
-                _ => Vec::new(),
-            };
-            let own_steps: Vec<(u64, Range<usize>)> =
-                unused::local_parts(&self.spec, &self.range, &behind)
+            let adam = matches!(self.optimizer, ps_common::optim::Optimizer::Adam { .. });
+            let behind = |t: u32| adam && skipped.get(t as usize).is_some_and(|&k| k > 0);
+            let again: Vec<u32> = (0..self.spec.tensors.len() as u32)
+                .filter(|t| skip.binary_search(t).is_err())
+                .filter(|&t| behind(t) || self.group_of[t as usize].is_some())
+                .collect();
+            let reruns: Vec<(u64, Range<usize>, Option<usize>)> =
+                unused::local_parts(&self.spec, &self.range, &again)
                     .into_iter()
-                    .map(|(t, r)| (opt.steps - skipped[t as usize], r))
+                    .map(|(t, r)| {
+                        let own = if behind(t) {
+                            opt.steps - skipped[t as usize]
+                        } else {
+                            opt.steps
+                        };
+                        (own, r, self.group_of[t as usize])
+                    })
                     .collect();
-            (
-                unused::local_parts(&self.spec, &self.range, &skip),
-                own_steps,
-            )
+            (unused::local_parts(&self.spec, &self.range, &skip), reruns)
         };
         let kept: Vec<(Range<usize>, Vec<f32>, Vec<f32>)> = skip
             .iter()
             .map(|(_, r)| r.clone())
-            .chain(own_steps.iter().map(|(_, r)| r.clone()))
+            .chain(reruns.iter().map(|(_, r, _)| r.clone()))
             .map(|r| {
                 let m = opt.m.get(r.clone()).map_or_else(Vec::new, <[f32]>::to_vec);
                 let v = opt.v.get(r.clone()).map_or_else(Vec::new, <[f32]>::to_vec);
@@ -634,10 +764,15 @@ impl Shard {
                     opt.v[r.clone()].copy_from_slice(v);
                 }
             }
-            for (steps_done, r) in &own_steps {
+            for (steps_done, r, group) in &reruns {
+                let (optimizer, lr) = match group {
+                    Some(g) => (&self.groups[*g].optimizer, lr * self.groups[*g].lr_scale),
+                    None => (&self.optimizer, lr),
+                };
                 let part: Vec<&[f32]> = grads.iter().map(|g| &g[r.clone()]).collect();
                 let inputs = UpdateInputs {
-                    step: self.optimizer.coeffs(*steps_done, lr as f32),
+                    optimizer,
+                    step: optimizer.coeffs(*steps_done, lr as f32),
                     current: &current[r.clone()],
                     grads: &part,
                     threads: 1,
@@ -646,8 +781,8 @@ impl Shard {
                 let again = fused_update(
                     inputs,
                     &mut next[r.clone()],
-                    &mut opt.m[r.clone()],
-                    &mut opt.v[r.clone()],
+                    block(&mut opt.m, r),
+                    block(&mut opt.v, r),
                 );
                 if let Err(e) = again {
                     updated = Err(e);
@@ -734,6 +869,13 @@ impl Shard {
             let mut st = self.lock();
             st.store.commit(pending);
             st.opt = opt;
+            // rank 0's buffers of the step are those of the new version (a step settled
+            // without rank 0 keeps the buffers it had)
+            if let Some((s, b)) = st.next_buffers.take()
+                && s == step
+            {
+                st.buffers = Some(b);
+            }
             if !skip.is_empty() && st.opt.skipped.len() < self.spec.tensors.len() {
                 st.opt.skipped.resize(self.spec.tensors.len(), 0);
             }
@@ -888,8 +1030,11 @@ impl Shard {
         if self.preempt.load(std::sync::atomic::Ordering::SeqCst) {
             // the step boundary a preemption waits for: the same state as below
             let version = self.version();
-            let opt = self.lock().opt.clone();
-            self.write_preempt(version, opt);
+            let (opt, buffers) = {
+                let st = self.lock();
+                (st.opt.clone(), st.buffers.clone())
+            };
+            self.write_preempt(version, opt, buffers);
             return None;
         }
         let plan = self.checkpoint.as_ref()?;
@@ -897,13 +1042,17 @@ impl Shard {
         if !plan.due(version) {
             return None;
         }
-        let opt = self.lock().opt.clone();
+        let (opt, buffers) = {
+            let st = self.lock();
+            (st.opt.clone(), st.buffers.clone())
+        };
         let saved = self
             .params()
             .map(|(version, params)| Saved {
                 version,
                 params,
                 opt,
+                buffers,
             })
             .map_err(|e| e.to_string());
         let attempted = plan.write_retrying(version, saved);
@@ -926,11 +1075,11 @@ impl Shard {
             let st = self.lock();
             (
                 st.barrier.step(),
-                (!st.barrier.applying()).then(|| st.opt.clone()),
+                (!st.barrier.applying()).then(|| (st.opt.clone(), st.buffers.clone())),
             )
         };
-        if let Some(opt) = opt {
-            self.write_preempt(version, opt);
+        if let Some((opt, buffers)) = opt {
+            self.write_preempt(version, opt, buffers);
         }
         version
     }
@@ -955,7 +1104,7 @@ impl Shard {
     /// Writes the preemption checkpoint of `version` with optimizer state `opt` (taken at that
     /// version), once per version; the parameters are read as of `version` (the double buffer
     /// keeps it while the next update writes the other half).
-    fn write_preempt(&self, version: u64, opt: OptState) {
+    fn write_preempt(&self, version: u64, opt: OptState, buffers: Option<Bytes>) {
         let closed = self
             .preempt_closed
             .lock()
@@ -975,6 +1124,7 @@ impl Shard {
                 version,
                 params,
                 opt,
+                buffers,
             })
             .ok_or_else(|| format!("version {version} left the buffer during the copy"));
         if self.preempt_plan.write_checked(version, saved) {
@@ -1028,6 +1178,11 @@ impl Shard {
             .collect();
         (sum, missing)
     }
+}
+
+/// `v[r]`, or `v` itself when empty (an optimizer buffer the optimizer does not keep).
+fn block<'a>(v: &'a mut [f32], r: &Range<usize>) -> &'a mut [f32] {
+    if v.is_empty() { v } else { &mut v[r.clone()] }
 }
 
 fn ms(d: Duration) -> f64 {
