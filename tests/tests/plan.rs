@@ -317,7 +317,7 @@ fn an_existing_config_is_explained() {
     assert_lines(
         &out,
         &[
-            "# ps-server will print: approximately (not exactly) equivalent to one process with batch 30, mean loss, lr 0.1",
+            "# ps-server will print: approximately (not exactly) equivalent to one process with batch 30, mean loss, lr 0.1; it equals (up to float rounding) one process that averages the 4 workers' mean gradients with equal weights (mean of means)",
             "aggregation = \"weighted\"",
         ],
     );
