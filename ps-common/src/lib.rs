@@ -1,50 +1,26 @@
-//! Everything ps-server and ps-worker agree on: the config file, the model's flat parameter
-//! layout and its split into shards, the initial weights, the data files and the data order,
-//! the optimizers, the wire format of tensors and the shared-memory boards, the client of a
-//! shard (`client`), the shared token and TLS (and connection errors in words, `neterr`), and
-//! the typed errors and their gRPC status codes, and the rate limit of repeated warnings
-//! (`throttle`). (The process launcher and the loss-curve
-//! plot live in the `ps-launch` crate; the benchmarks in `ps-bench`.)
+//! What ps-server and ps-worker share, under the paths they have always used: a facade over
+//! the crates that hold each concept, plus the process helpers every binary calls at start-up
+//! (allocator tuning, logging, signals).
+//!
+//! - `ps-proto`: generated code (`pb`, `tensorflow`), `PROTOCOL_VERSION`, the `x-ps-*` metadata
+//!   `keys`, `PsError` and its gRPC status table (`error`);
+//! - `ps-net`: both ends of each transport (`client`, `datalink`, `shm`, `wire`), `auth`,
+//!   `neterr`, `throttle`;
+//! - `ps-config`: the config file (`config`), `plan`, `noise`, `runid`, `credential`;
+//! - `ps-model`: `layout`, `declared`, `weights`;
+//! - `ps-data`: `idx`, `order`;
+//! - `ps-optim`: `optim`.
+//!
+//! New code may name those crates directly. (The process launcher and the loss-curve plot live
+//! in the `ps-launch` crate, the planner's binary in `ps-plan`, the benchmarks in `ps-bench`.)
 
-pub mod auth;
-pub mod client;
-pub mod config;
-pub mod datalink;
-pub mod declared;
-pub mod error;
-pub mod idx;
-pub mod layout;
-pub mod neterr;
-pub mod noise;
-pub mod optim;
-pub mod order;
-pub mod plan;
-pub mod runid;
-pub mod shm;
-pub mod throttle;
-pub mod weights;
-pub mod wire;
-
-pub use error::{PsError, PsResult};
-
-/// Sent on registration; a worker and a shard of different protocol versions refuse each other.
-pub const PROTOCOL_VERSION: u32 = 1;
-
-/// The generated gRPC code for `proto/ps.proto`.
-#[allow(clippy::all, missing_docs)]
-pub mod pb {
-    tonic::include_proto!("ps.v1");
-}
-
-/// TensorFlow's `Event`, `Summary` and `SessionLog`, generated from its own `event.proto` and
-/// `summary.proto` (`proto/tensorflow/`, trimmed to what the shards write, field numbers as
-/// upstream), for the TensorBoard event files (`ps_server::tensorboard`).
-pub mod tensorflow {
-    #![allow(missing_docs, clippy::all)]
-    tonic::include_proto!("tensorflow");
-}
-
-pub use tonic;
+pub use ps_config as config;
+pub use ps_config::{credential, noise, plan, runid};
+pub use ps_data::{idx, order};
+pub use ps_model::{declared, layout, weights};
+pub use ps_net::{auth, client, datalink, neterr, shm, throttle, wire};
+pub use ps_optim as optim;
+pub use ps_proto::{PROTOCOL_VERSION, PsError, PsResult, error, keys, pb, tensorflow, tonic};
 
 /// Keeps freed memory mapped instead of returning it to the kernel after every step: tensors of
 /// megabytes are allocated and freed each step (gRPC buffers, activations), and glibc would

@@ -3,7 +3,7 @@
 use super::Resolve;
 use super::kinds::{Transport, Wire};
 use super::limits::{MAX_SHARDS, MAX_WORKERS, at_most};
-use crate::auth::{TlsFiles, Token};
+use crate::credential::{TlsFiles, Token};
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 

@@ -96,7 +96,7 @@ kind_enum!(
         #[default]
         F32 = "f32",
         /// Little-endian bfloat16, 2 bytes a value, rounded to nearest even; each worker
-        /// carries the rounding error into its next push (`crate::wire::Bf16Encoder`).
+        /// carries the rounding error into its next push (`ps_net::wire::Bf16Encoder`).
         Bf16 = "bf16",
     }
 );

@@ -16,13 +16,25 @@
 //!
 //! It also answers the question users come with: which single-process run a configuration
 //! is equivalent to ([`Config::equivalence`]).
+//!
+//! Beside the file, what follows from it alone, with nothing of gRPC in this crate (so that
+//! `ps-plan` builds without tonic):
+//! - `plan`: the planner (`ps-plan`), the config lines that reproduce a single-process run;
+//! - `noise`: the gradient noise scale from the ranks' gradient norms, for the config's
+//!   aggregation and loss;
+//! - `runid`: the run identity (from the flag, the environment or `[cluster] run_id`);
+//! - `credential`: the token and TLS files the file names, read and checked.
 
 mod builder;
 mod cluster;
+pub mod credential;
 mod kinds;
 pub mod limits;
 mod model;
+pub mod noise;
 mod optimizer;
+pub mod plan;
+pub mod runid;
 pub use optimizer::{ParamGroup, describe_groups, glob};
 mod server;
 mod train;
@@ -36,9 +48,9 @@ pub use model::ModelConfig;
 pub use server::{CheckpointConfig, DEFAULT_MAX_PENDING_GRADIENTS, ServerConfig, WorkerConfig};
 pub use train::{DataConfig, TrainConfig};
 
-use crate::layout::{CnnLayout, MlpLayout, ModelLayout, ModelSpec, split_even};
-use crate::optim::{Decay, LrSchedule, Optimizer};
 use limits::MAX_STEPS;
+use ps_model::layout::{CnnLayout, MlpLayout, ModelLayout, ModelSpec, split_even};
+use ps_optim::{Decay, LrSchedule, Optimizer};
 use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -515,12 +527,6 @@ impl Config {
         Ok(r)
     }
 
-    /// How this config's processes reach a shard (token and TLS).
-    pub fn client_security(&self) -> crate::auth::ClientSecurity {
-        crate::auth::ClientSecurity::new(self.cluster.token.clone(), self.cluster.tls.clone())
-            .with_run_id(self.cluster.run_id.clone())
-    }
-
     /// The directory of the shards' checkpoints.
     pub fn checkpoint_dir(&self) -> PathBuf {
         self.checkpoint
@@ -583,8 +589,8 @@ impl Config {
     }
 
     /// The data order for a training set of `n` samples.
-    pub fn data_order(&self, n: usize) -> crate::order::DataOrder {
-        crate::order::DataOrder {
+    pub fn data_order(&self, n: usize) -> ps_data::order::DataOrder {
+        ps_data::order::DataOrder {
             seed: self.train.seed,
             n,
             global_batch: self.train.global_batch,

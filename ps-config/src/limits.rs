@@ -14,9 +14,7 @@ pub const MAX_WORKERS: usize = 4096;
 pub const MAX_WIDTH: usize = 1 << 20;
 /// Most hidden layers.
 pub const MAX_HIDDEN_LAYERS: usize = 64;
-/// Most parameters of the model (2^31 - 1: the largest a CUDA GEMM dimension or a 32-bit
-/// element count can index; 8 GiB of f32).
-pub const MAX_PARAMS: u64 = i32::MAX as u64;
+pub use ps_model::MAX_PARAMS;
 /// Largest global batch (`global_batch`, or `per_worker_batch` x workers).
 pub const MAX_BATCH: u64 = 1 << 20;
 /// Largest step count of any kind: `steps`, `epochs`, epochs x steps per epoch, `log_every`,
@@ -102,3 +100,12 @@ pub fn host_available_bytes() -> Option<u64> {
 
 /// Largest config file read.
 pub const MAX_CONFIG_FILE_BYTES: u64 = 1 << 20;
+
+/// Default payload per chunk: 1 MiB streams well over HTTP/2: a chunk is about one frame of
+/// `ps_net::client::MAX_FRAME_BYTES`, eight fit in the stream window
+/// (`ps_net::client::STREAM_WINDOW_BYTES`), and gRPC's per-message cost is negligible beside
+/// it, while a whole tensor in one message would be copied and held at once on both sides.
+pub const DEFAULT_CHUNK_BYTES: usize = 1 << 20;
+
+/// Largest gRPC message either side accepts; chunks stay far below it.
+pub const MAX_MESSAGE_BYTES: usize = 64 << 20;

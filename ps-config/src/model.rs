@@ -1,11 +1,11 @@
 //! `[model]`: the built-in MLP's layer widths, the built-in CNN's geometry (`kind = "cnn"`),
-//! or a model declared by its init file (`init = "init.safetensors"`, see [`crate::declared`]),
+//! or a model declared by its init file (`init = "init.safetensors"`, see [`ps_model::declared`]),
 //! and what it costs in memory.
 
 use super::Resolve;
 use super::limits::{MAX_HIDDEN_LAYERS, MAX_PARAMS, MAX_WIDTH};
-use crate::declared::Declared;
-use crate::layout::{CnnLayout, CnnShape};
+use ps_model::declared::Declared;
+use ps_model::layout::{CnnLayout, CnnShape};
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 
@@ -138,7 +138,7 @@ impl RawModel {
         // a declared model shaped like the built-in MLP: its widths (the MLP worker can train it)
         if let Some(m) = declared
             .as_ref()
-            .and_then(|d| crate::layout::MlpLayout::from_spec(&d.spec))
+            .and_then(|d| ps_model::layout::MlpLayout::from_spec(&d.spec))
         {
             dims = m.dims;
         }

@@ -16,7 +16,7 @@
 //! B_small = b, B_big = W b.) It needs two workers with samples: with one there is nothing to
 //! compare.
 
-use crate::config::{Aggregation, LossReduction};
+use crate::{Aggregation, LossReduction};
 
 /// The shard's aggregation coefficient of each worker with these sample counts (in f64; the
 /// shard applies them rounded to f32).

@@ -2,7 +2,7 @@
 
 use super::kinds::{OptimizerKind, ScheduleKind};
 use super::limits::{MAX_STEPS, at_most, show};
-use crate::optim::{Decay, LrSchedule, Optimizer};
+use ps_optim::{Decay, LrSchedule, Optimizer};
 use serde::{Deserialize, Serialize};
 
 #[derive(Debug, Clone, Deserialize, Serialize)]

@@ -6,9 +6,9 @@
 //! by [`Config::parse`] and stated by [`Config::equivalence`], exactly as `ps-server` will at
 //! start-up, and a plan is only printed after that statement was checked to be the recipe.
 
-use crate::config::{Aggregation, Config, Equivalence, LossReduction};
-use crate::layout::split_even;
-use crate::optim::Optimizer;
+use crate::{Aggregation, Config, Equivalence, LossReduction};
+use ps_model::layout::split_even;
+use ps_optim::Optimizer;
 use std::fmt::Write as _;
 use std::path::Path;
 
@@ -176,7 +176,7 @@ fn target(r: &Recipe) -> Result<Target, PlanError> {
                 b = r.batch,
                 l = r.loss,
                 lr = r.lr,
-                sum_or_mean = crate::config::SUM_OR_MEAN
+                sum_or_mean = crate::SUM_OR_MEAN
             ));
             (r.batch, r.lr)
         }

@@ -1,9 +1,9 @@
 //! Run identity: every process of one training run carries the same run id, so that two runs
 //! on one host or one network (the same ports, the same folders) refuse each other instead of
-//! mixing. The id travels as the `x-ps-run-id` metadata of every request (registration, push,
-//! pull, leave, the shards' step reports; added by `auth::AddToken`, checked by
-//! `auth::CheckToken`), in the names of the shared-memory board directories and in checkpoint
-//! metadata.
+//! mixing. The id travels as the `x-ps-run-id` metadata (`ps_proto::keys::RUN_ID`) of every
+//! request (registration, push, pull, leave, the shards' step reports; added by
+//! `ps_net::auth::AddToken`, checked by `ps_net::auth::CheckToken`), in the names of the
+//! shared-memory board directories and in checkpoint metadata.
 //!
 //! Where it comes from, first found wins ([`resolve`]): the `--run-id` flag, the `PS_RUN_ID`
 //! environment variable, `[cluster] run_id`, `SLURM_JOB_ID`, a Kubernetes UID (`PS_K8S_JOB_UID`,
@@ -15,9 +15,6 @@
 use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
 use std::path::Path;
-
-/// The metadata key that carries the run id on every request.
-pub const HEADER: &str = "x-ps-run-id";
 
 /// Longest run id, in bytes.
 pub const MAX_LEN: usize = 64;

@@ -57,7 +57,7 @@ impl Default for RawServer {
             barrier_timeout_secs: 300.0,
             pull_timeout_secs: 600.0,
             linger_secs: 30.0,
-            chunk_bytes: crate::wire::DEFAULT_CHUNK_BYTES,
+            chunk_bytes: crate::limits::DEFAULT_CHUNK_BYTES,
             metrics_addrs: Vec::new(),
             metrics_linger_secs: 0.0,
             barrier_policy: BarrierPolicy::Fail,
@@ -191,7 +191,7 @@ impl RawServer {
                 self.data_port_offset
             ));
         }
-        let max_chunk = crate::wire::MAX_MESSAGE_BYTES / 2;
+        let max_chunk = crate::limits::MAX_MESSAGE_BYTES / 2;
         if !(1024..=max_chunk).contains(&self.chunk_bytes) {
             return Err(format!(
                 "[server] chunk_bytes = {}: expected 1024 to {max_chunk}",

@@ -4,7 +4,7 @@
 //! function of `(seed, step, rank, W, B)`, so a single-process run with batch `B` sees exactly
 //! the same global batches and a restarted worker needs no other state.
 
-use crate::layout::{split_even, splitmix64};
+use ps_model::layout::{split_even, splitmix64};
 use std::ops::Range;
 
 /// How a run walks through the training set.

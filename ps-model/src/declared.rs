@@ -172,11 +172,8 @@ impl Declared {
             }
             let numel: u64 = info.shape.iter().map(|&d| d as u64).product();
             total += numel;
-            if total > crate::config::limits::MAX_PARAMS {
-                return Err(e(format!(
-                    "more than {} parameters",
-                    crate::config::limits::MAX_PARAMS
-                )));
+            if total > crate::MAX_PARAMS {
+                return Err(e(format!("more than {} parameters", crate::MAX_PARAMS)));
             }
             specs.push((
                 name.clone(),

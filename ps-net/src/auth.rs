@@ -9,11 +9,14 @@
 //! Without either nothing is checked or encrypted: keep such a cluster on loopback or a trusted
 //! network.
 
-use crate::error::PsError;
-use crate::pb::parameter_server_client::ParameterServerClient;
 use crate::throttle::{Repeats, ThrottleMap};
-use std::fmt;
-use std::path::Path;
+pub use ps_config::credential::{
+    SHARD_TOKEN_ENV, TlsFiles, Token, constant_time_eq, random_bytes, shard_token,
+};
+use ps_config::runid;
+use ps_proto::PsError;
+pub use ps_proto::keys::SHARD_TOKEN_KEY;
+use ps_proto::pb::parameter_server_client::ParameterServerClient;
 use std::sync::Arc;
 use tonic::metadata::AsciiMetadataValue;
 use tonic::service::Interceptor;
@@ -26,152 +29,17 @@ use tonic::{Request, Status};
 /// A client of a shard, with the cluster's token on every request.
 pub type Client = ParameterServerClient<InterceptedService<Channel, AddToken>>;
 
-/// The shared token, kept out of `Debug` output and logs.
-#[derive(Clone, PartialEq, Eq)]
-pub struct Token(Arc<str>);
-
-impl fmt::Debug for Token {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("Token(<redacted>)")
-    }
+/// The token as a metadata value (for [`SHARD_TOKEN_KEY`]).
+pub fn metadata_value(token: &Token) -> AsciiMetadataValue {
+    token
+        .secret()
+        .parse()
+        .expect("a token of printable ASCII is a valid header value")
 }
 
-impl Token {
-    /// Reads the token from `path` (surrounding whitespace trimmed), at most
-    /// [`MAX_TOKEN_FILE_BYTES`](crate::config::limits::MAX_TOKEN_FILE_BYTES) bytes: a larger
-    /// or endless file (`/dev/zero`) is refused, never read without bound. The error says what
-    /// was expected, never what the file holds.
-    pub fn read(path: &Path) -> Result<Self, String> {
-        let max = crate::config::limits::MAX_TOKEN_FILE_BYTES;
-        let bytes = crate::config::limits::read_bounded(path, max)
-            .map_err(|e| format!("cannot read the token file {}: {e}", path.display()))?;
-        let text = String::from_utf8_lossy(&bytes);
-        let t = text.trim();
-        if t.len() < 16 || !t.bytes().all(|b| b.is_ascii_graphic()) {
-            return Err(format!(
-                "token file {}: expected one token of at least 16 printable ASCII characters without spaces (e.g. `openssl rand -hex 32`)",
-                path.display()
-            ));
-        }
-        Ok(Self(t.into()))
-    }
-
-    fn header(&self) -> String {
-        format!("Bearer {}", self.0)
-    }
-
-    /// A token from `text` (surrounding whitespace trimmed), checked as [`Token::read`] checks
-    /// a file's; `what` names the source in the error.
-    pub fn parse(text: &str, what: &str) -> Result<Self, String> {
-        let t = text.trim();
-        if t.len() < 16 || !t.bytes().all(|b| b.is_ascii_graphic()) {
-            return Err(format!(
-                "{what}: expected one token of at least 16 printable ASCII characters without spaces (e.g. `openssl rand -hex 32`)"
-            ));
-        }
-        Ok(Self(t.into()))
-    }
-
-    /// A fresh random token (32 hex digits): the shard credential `ps-launch` gives its shards.
-    pub fn random() -> Self {
-        let hex: String = random_bytes::<16>()
-            .iter()
-            .map(|b| format!("{b:02x}"))
-            .collect();
-        Self(hex.into())
-    }
-
-    /// The token's text (to hand to a child process; never log it).
-    pub fn secret(&self) -> &str {
-        &self.0
-    }
-
-    /// The token as a metadata value (for [`SHARD_TOKEN_KEY`]).
-    pub fn metadata_value(&self) -> AsciiMetadataValue {
-        self.0
-            .parse()
-            .expect("a token of printable ASCII is a valid header value")
-    }
-
-    /// True when `got` is this token (compared in constant time).
-    pub fn matches(&self, got: &[u8]) -> bool {
-        constant_time_eq(got, self.0.as_bytes())
-    }
-}
-
-/// The environment variable that gives a shard its shard credential when `[server]
-/// shard_token_file` is not set (`ps-launch` sets it for the shards it starts, with a fresh
-/// random token; workers never get it).
-pub const SHARD_TOKEN_ENV: &str = "PS_SHARD_TOKEN";
-
-/// The shard credential of this process: `[server] shard_token_file` (`file`) when set, else
-/// [`SHARD_TOKEN_ENV`]; None without either.
-pub fn shard_token(file: Option<&Path>) -> Result<Option<Token>, String> {
-    if let Some(f) = file {
-        return Token::read(f)
-            .map(Some)
-            .map_err(|e| format!("[server] shard_token_file: {e}"));
-    }
-    match std::env::var(SHARD_TOKEN_ENV) {
-        Ok(v) => Token::parse(&v, SHARD_TOKEN_ENV).map(Some),
-        Err(_) => Ok(None),
-    }
-}
-
-/// The metadata key of the shard credential (`[server] shard_token_file`) that shards put on
-/// their step reports to shard 0; workers do not have it.
-pub const SHARD_TOKEN_KEY: &str = "x-ps-shard-token";
-
-/// The PEM files of `[cluster] tls_*`, read once (the key stays out of `Debug` output).
-#[derive(Clone, PartialEq, Eq)]
-pub struct TlsFiles {
-    cert: Arc<[u8]>,
-    key: Arc<[u8]>,
-    ca: Arc<[u8]>,
-    domain: Option<String>,
-}
-
-impl fmt::Debug for TlsFiles {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("TlsFiles")
-            .field("domain", &self.domain)
-            .finish_non_exhaustive()
-    }
-}
-
-impl TlsFiles {
-    /// Reads the shards' certificate chain, its key and the CA (all PEM); `domain` is the name
-    /// clients check the certificate against (default: each shard address's host).
-    pub fn read(
-        cert: &Path,
-        key: &Path,
-        ca: &Path,
-        domain: Option<String>,
-    ) -> Result<Self, String> {
-        let pem = |p: &Path, what: &str| -> Result<Arc<[u8]>, String> {
-            let b =
-                crate::config::limits::read_bounded(p, crate::config::limits::MAX_PEM_FILE_BYTES)
-                    .map_err(|e| format!("cannot read {what} {}: {e}", p.display()))?;
-            if !b.windows(11).any(|w| w == b"-----BEGIN ") {
-                return Err(format!(
-                    "{what} {}: expected PEM (-----BEGIN ...)",
-                    p.display()
-                ));
-            }
-            Ok(b.into())
-        };
-        Ok(Self {
-            cert: pem(cert, "certificate")?,
-            key: pem(key, "private key")?,
-            ca: pem(ca, "CA certificate")?,
-            domain,
-        })
-    }
-
-    /// The shard side: its certificate and key.
-    pub fn server(&self) -> ServerTlsConfig {
-        ServerTlsConfig::new().identity(Identity::from_pem(&*self.cert, &*self.key))
-    }
+/// The shard side of TLS: its certificate and key.
+pub fn server_tls(tls: &TlsFiles) -> ServerTlsConfig {
+    ServerTlsConfig::new().identity(Identity::from_pem(tls.cert(), tls.key()))
 }
 
 /// How a process reaches a shard: the token to add, and TLS to use.
@@ -179,11 +47,17 @@ impl TlsFiles {
 pub struct ClientSecurity {
     token: Option<Token>,
     tls: Option<TlsFiles>,
-    /// The run id sent on every request (`crate::runid`); None for the unnamed run.
+    /// The run id sent on every request (`ps_config::runid`); None for the unnamed run.
     run_id: Option<String>,
 }
 
 impl ClientSecurity {
+    /// How `cfg`'s processes reach a shard: its `[cluster]` token, TLS files and run id.
+    pub fn of(cfg: &ps_config::Config) -> Self {
+        Self::new(cfg.cluster.token.clone(), cfg.cluster.tls.clone())
+            .with_run_id(cfg.cluster.run_id.clone())
+    }
+
     /// What `[cluster]` asks for.
     pub fn new(token: Option<Token>, tls: Option<TlsFiles>) -> Self {
         Self {
@@ -193,7 +67,7 @@ impl ClientSecurity {
         }
     }
 
-    /// The same, sending `run_id` (a valid id, `crate::runid::validate`) on every request.
+    /// The same, sending `run_id` (a valid id, `runid::validate`) on every request.
     pub fn with_run_id(mut self, run_id: Option<String>) -> Self {
         self.run_id = run_id;
         self
@@ -201,7 +75,9 @@ impl ClientSecurity {
 
     /// The token's bytes (empty without one), for the tensor data connection's hello.
     pub fn token_bytes(&self) -> &[u8] {
-        self.token.as_ref().map_or(&[][..], |t| t.0.as_bytes())
+        self.token
+            .as_ref()
+            .map_or(&[][..], |t| t.secret().as_bytes())
     }
 
     /// The run id sent with every request (empty: the unnamed run).
@@ -225,12 +101,11 @@ impl ClientSecurity {
         };
         let host = addr.rsplit_once(':').map_or(addr, |(h, _)| h);
         let domain = tls
-            .domain
-            .clone()
-            .unwrap_or_else(|| host.trim_matches(['[', ']']).to_string());
+            .domain()
+            .map_or_else(|| host.trim_matches(['[', ']']).to_string(), str::to_string);
         e.tls_config(
             ClientTlsConfig::new()
-                .ca_certificate(Certificate::from_pem(&*tls.ca))
+                .ca_certificate(Certificate::from_pem(tls.ca()))
                 .domain_name(domain),
         )
         .map_err(|e| format!("TLS set-up for {addr}: {e}"))
@@ -260,7 +135,7 @@ impl AddToken {
         )
     }
 
-    /// Also adds `run_id` (an id that [`crate::runid::validate`] accepts is a valid header
+    /// Also adds `run_id` (an id that [`runid::validate`] accepts is a valid header
     /// value; another is left out, and the shard then refuses the request as another run's).
     pub fn with_run_id(mut self, run_id: Option<&str>) -> Self {
         self.1 = run_id.and_then(|id| id.parse().ok());
@@ -274,14 +149,14 @@ impl Interceptor for AddToken {
             req.metadata_mut().insert("authorization", v.clone());
         }
         if let Some(v) = &self.1 {
-            req.metadata_mut().insert(crate::runid::HEADER, v.clone());
+            req.metadata_mut().insert(ps_proto::keys::RUN_ID, v.clone());
         }
         Ok(req)
     }
 }
 
 /// Server side: refuses every request that does not carry the token (accepts all without one),
-/// and every request of another run (a run id other than the shard's, `crate::runid`).
+/// and every request of another run (a run id other than the shard's, `ps_config::runid`).
 #[derive(Clone, Debug, Default)]
 pub struct CheckToken {
     expected: Option<Arc<[u8]>>,
@@ -310,7 +185,7 @@ impl CheckToken {
     fn check_run(&self, req: &Request<()>) -> Result<(), Status> {
         let theirs = req
             .metadata()
-            .get(crate::runid::HEADER)
+            .get(ps_proto::keys::RUN_ID)
             .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned());
         if theirs.as_deref() == self.run_id.as_deref() {
             return Ok(());
@@ -319,8 +194,8 @@ impl CheckToken {
             .remote_addr()
             .map_or_else(|| "an unknown peer".to_string(), |a| a.to_string());
         let (ours, theirs) = (
-            crate::runid::show(self.run_id.as_deref()),
-            crate::runid::show(theirs.as_deref()),
+            runid::show(self.run_id.as_deref()),
+            runid::show(theirs.as_deref()),
         );
         if let Some(r) = REFUSED.hit(&"of another run") {
             tracing::warn!(
@@ -380,40 +255,6 @@ impl Interceptor for CheckToken {
         ))
         .into())
     }
-}
-
-/// `N` random bytes from the kernel (`getrandom(2)`): lease ids, generated shard credentials.
-pub fn random_bytes<const N: usize>() -> [u8; N] {
-    let mut b = [0u8; N];
-    let mut filled = 0;
-    while filled < N {
-        // SAFETY: getrandom(2) writes at most `N - filled` bytes into the rest of `b`.
-        let n = unsafe {
-            libc::getrandom(
-                b[filled..].as_mut_ptr().cast::<libc::c_void>(),
-                N - filled,
-                0,
-            )
-        };
-        if n > 0 {
-            filled += n as usize;
-        } else if std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted {
-            panic!(
-                "getrandom(2) failed: {}: no random bytes for a credential",
-                std::io::Error::last_os_error()
-            );
-        }
-    }
-    b
-}
-
-/// `a == b`, in a time that depends on the lengths only, not on where they differ.
-pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    let mut diff = u8::from(a.len() != b.len());
-    for (i, &y) in b.iter().enumerate() {
-        diff |= a.get(i).copied().unwrap_or(0) ^ y;
-    }
-    diff == 0
 }
 
 #[cfg(test)]

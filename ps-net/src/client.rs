@@ -9,18 +9,16 @@
 //! generated client) and [`push_chunks`] (any header over any bytes).
 
 use crate::auth::{Client, ClientSecurity};
-use crate::pb::parameter_server_client::ParameterServerClient;
-use crate::pb::{
+use crate::shm::{Board, params_path};
+use crate::wire::{MAX_MESSAGE_BYTES, chunks_of, decode_chunk_into};
+use ps_proto::pb::parameter_server_client::ParameterServerClient;
+use ps_proto::pb::{
     ConstantsRequest, Lease, LeaveRequest, PullRequest, PushChunk, PushHeader, PushReply,
     RegisterReply, RegisterRequest, UnusedRequest,
 };
-use crate::shm::{Board, params_path};
-use crate::wire::{MAX_MESSAGE_BYTES, chunks_of, decode_chunk_into};
 
-/// Metadata key of a push or pull whose values move on the data connection of this rank (the
-/// shard's `DATA_RANK_KEY`).
-pub const DATA_RANK_KEY: &str = "x-ps-data-rank";
 use bytes::Bytes;
+pub use ps_proto::keys::{DATA_RANK_KEY, WIRE_KEY};
 use std::collections::HashMap;
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -348,7 +346,7 @@ pub struct ShardClient {
     security: ClientSecurity,
     /// How this client's pushes encode their values over the network (`[cluster] wire`):
     /// registration says it ([`WIRE_KEY`]) and pushes chunk their bytes by it.
-    wire: crate::config::Wire,
+    wire: ps_config::Wire,
     /// The leases registration granted (shared by clones).
     leases: HeldLeases,
 }
@@ -383,10 +381,6 @@ impl HeldLeases {
         self.lock().1.clone()
     }
 }
-
-/// Metadata key of a registration whose worker pushes values as `[cluster] wire` says
-/// (`"bf16"`); absent: `"f32"`. The shard refuses a worker whose wire differs from its own.
-pub const WIRE_KEY: &str = "x-ps-wire";
 
 impl std::fmt::Debug for ShardClient {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -429,7 +423,7 @@ impl ShardClient {
                         tls: security.uses_tls(),
                         data: None,
                         security: security.clone(),
-                        wire: crate::config::Wire::F32,
+                        wire: ps_config::Wire::F32,
                         leases: HeldLeases::default(),
                     });
                 }
@@ -542,12 +536,12 @@ impl ShardClient {
     /// Sets how this client's pushes encode their values over the network: registration then
     /// says it, and the bytes given to [`ShardClient::push`] must be encoded so
     /// (`crate::wire::encode_push`).
-    pub fn set_wire(&mut self, wire: crate::config::Wire) {
+    pub fn set_wire(&mut self, wire: ps_config::Wire) {
         self.wire = wire;
     }
 
     /// How this client's pushes encode their values over the network.
-    pub fn wire(&self) -> crate::config::Wire {
+    pub fn wire(&self) -> ps_config::Wire {
         self.wire
     }
 
@@ -560,7 +554,7 @@ impl ShardClient {
         let tls = self.tls;
         let rank = req.rank;
         let mut req = tonic::Request::new(req);
-        if self.wire != crate::config::Wire::F32 {
+        if self.wire != ps_config::Wire::F32 {
             req.metadata_mut().insert(
                 WIRE_KEY,
                 tonic::metadata::AsciiMetadataValue::from_static(self.wire.name()),
@@ -1071,7 +1065,10 @@ impl ShardClient {
     }
 
     /// Puts rank 0's buffers after the forward pass of a step (the shard holding them).
-    pub async fn put_buffers(&mut self, mut req: crate::pb::BuffersPut) -> Result<(), ClientError> {
+    pub async fn put_buffers(
+        &mut self,
+        mut req: ps_proto::pb::BuffersPut,
+    ) -> Result<(), ClientError> {
         if req.lease.is_none() {
             req.lease = self.leases.of(req.rank);
         }
@@ -1083,8 +1080,8 @@ impl ShardClient {
     /// The buffers of a version (the shard waits for the version, bounded by its pull timeout).
     pub async fn get_buffers(
         &mut self,
-        mut req: crate::pb::BuffersRequest,
-    ) -> Result<crate::pb::BuffersReply, ClientError> {
+        mut req: ps_proto::pb::BuffersRequest,
+    ) -> Result<ps_proto::pb::BuffersReply, ClientError> {
         if req.lease.is_none() {
             req.lease = self.leases.of(req.rank);
         }
@@ -1157,7 +1154,7 @@ impl ShmLink {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::PsError;
+    use ps_proto::PsError;
 
     #[test]
     fn retryable_only_where_the_same_call_can_succeed() {

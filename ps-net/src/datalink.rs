@@ -27,8 +27,8 @@
 //! belongs to) drops it; the worker opens a new one for its next request. Not used with TLS:
 //! the connection is not encrypted.
 
-use crate::config::Wire;
-use crate::error::PsError;
+use ps_config::Wire;
+use ps_proto::PsError;
 use std::mem::MaybeUninit;
 use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
@@ -83,8 +83,8 @@ impl Hello {
     }
 
     /// The lease this hello presents.
-    pub fn lease(&self) -> crate::pb::Lease {
-        crate::pb::Lease {
+    pub fn lease(&self) -> ps_proto::pb::Lease {
+        ps_proto::pb::Lease {
             rank: self.rank,
             generation: self.generation,
             id: self.lease.clone().into(),
@@ -181,7 +181,7 @@ pub async fn read_frame_header<R: AsyncRead + Unpin>(
     what: &str,
     idle: Duration,
 ) -> Result<(), PsError> {
-    read_frame_header_on(r, tag, bytes, crate::config::Wire::F32, what, idle).await
+    read_frame_header_on(r, tag, bytes, ps_config::Wire::F32, what, idle).await
 }
 
 /// [`read_frame_header`] for a frame of values encoded as `wire` says: a byte count that is
@@ -191,7 +191,7 @@ pub async fn read_frame_header_on<R: AsyncRead + Unpin>(
     r: &mut R,
     tag: u64,
     bytes: u64,
-    wire: crate::config::Wire,
+    wire: ps_config::Wire,
     what: &str,
     idle: Duration,
 ) -> Result<(), PsError> {
@@ -205,7 +205,7 @@ pub async fn read_push_header<R: AsyncRead + Unpin>(
     r: &mut R,
     step: u64,
     bytes: u64,
-    wire: crate::config::Wire,
+    wire: ps_config::Wire,
     what: &str,
     idle: Duration,
 ) -> Result<bool, PsError> {
@@ -233,7 +233,7 @@ fn check_frame_header(
     got_bytes: u64,
     tag: u64,
     bytes: u64,
-    wire: crate::config::Wire,
+    wire: ps_config::Wire,
     what: &str,
 ) -> Result<(), PsError> {
     if got_tag != tag {
@@ -242,10 +242,7 @@ fn check_frame_header(
         )));
     }
     if got_bytes != bytes {
-        if wire == crate::config::Wire::F32
-            && got_bytes.is_multiple_of(4)
-            && bytes.is_multiple_of(4)
-        {
+        if wire == ps_config::Wire::F32 && got_bytes.is_multiple_of(4) && bytes.is_multiple_of(4) {
             return Err(PsError::WrongLength {
                 expected: bytes / 4,
                 got: got_bytes / 4,

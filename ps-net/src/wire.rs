@@ -7,8 +7,8 @@
 //! widens them back to f32 as they arrive ([`TensorReceiver::on_wire`],
 //! [`StreamCheck::on_wire`]). Pulls are always f32.
 
-use crate::config::Wire;
-use crate::error::PsError;
+use ps_config::Wire;
+use ps_proto::PsError;
 
 #[cfg(target_endian = "big")]
 compile_error!(
@@ -16,14 +16,8 @@ compile_error!(
 );
 use bytes::{Bytes, BytesMut};
 
-/// Default payload per chunk: 1 MiB streams well over HTTP/2: a chunk is about one frame of
-/// [`crate::client::MAX_FRAME_BYTES`], eight fit in the stream window
-/// ([`crate::client::STREAM_WINDOW_BYTES`]), and gRPC's per-message cost is negligible beside
-/// it, while a whole tensor in one message would be copied and held at once on both sides.
-pub const DEFAULT_CHUNK_BYTES: usize = 1 << 20;
-
-/// Largest gRPC message either side accepts; chunks stay far below it.
-pub const MAX_MESSAGE_BYTES: usize = 64 << 20;
+/// The chunk sizes, stated with the config's limits (a config default and maximum).
+pub use ps_config::limits::{DEFAULT_CHUNK_BYTES, MAX_MESSAGE_BYTES};
 
 /// Encodes `values` as little-endian bytes (one copy).
 pub fn f32_to_bytes(values: &[f32]) -> Bytes {

@@ -1,13 +1,13 @@
 //! `ps-plan`: from a single-process recipe and a cluster shape, the config lines that reproduce
-//! it exactly (`ps_common::plan`); `ps-plan --config F` says what an existing config equals;
+//! it exactly (`ps_config::plan`); `ps-plan --config F` says what an existing config equals;
 //! `ps-plan <recipe> --config IN --out OUT` writes IN with the planned lines merged in (a
 //! planned key replaces the file's, and clears the key it excludes: `global_batch` and
 //! `per_worker_batch`), checked like any config. Bad input exits 2 with the reason.
 
 use clap::{Parser, ValueEnum};
-use ps_common::config::{Aggregation, Config, LossReduction};
-use ps_common::optim::Optimizer;
-use ps_common::plan::{Recipe, Request, Shape, Source, explain, plan};
+use ps_config::plan::{Recipe, Request, Shape, Source, explain, plan};
+use ps_config::{Aggregation, Config, LossReduction};
+use ps_optim::Optimizer;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -198,7 +198,7 @@ fn run(cli: Cli) -> Result<String, String> {
 }
 
 /// The config file `into` with the planned `lines` (TOML) merged in: each planned key replaces
-/// the file's, and clears the keys it excludes (`ps_common::config::ALTERNATIVES`).
+/// the file's, and clears the keys it excludes (`ps_config::ALTERNATIVES`).
 fn merge_into(into: &std::path::Path, lines: &str) -> Result<String, String> {
     let text = std::fs::read_to_string(into).map_err(|e| format!("{}: {e}", into.display()))?;
     let mut table: toml::Table =
@@ -216,7 +216,7 @@ fn merge_into(into: &std::path::Path, lines: &str) -> Result<String, String> {
             return Err(format!("{}: {section} is not a [section]", into.display()));
         };
         for (key, value) in values {
-            for (s, keys) in ps_common::config::ALTERNATIVES {
+            for (s, keys) in ps_config::ALTERNATIVES {
                 if s == section && keys.contains(&key.as_str()) {
                     for other in keys.iter().filter(|k| **k != key) {
                         target.remove(*other);

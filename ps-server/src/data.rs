@@ -18,8 +18,7 @@ use tokio::net::TcpListener;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::Mutex;
 
-/// Metadata key of a push or pull that moves its values on the data connection of this rank.
-pub const DATA_RANK_KEY: &str = "x-ps-data-rank";
+pub use ps_common::keys::DATA_RANK_KEY;
 
 /// Every rank's data connection.
 #[derive(Debug)]

@@ -227,7 +227,7 @@ async fn run_generation(
         metrics_file: (index == 0).then(|| cfg.server.out_dir.join("metrics.jsonl")),
         append_metrics: resumed,
         shard0,
-        security: cfg.client_security(),
+        security: ps_common::auth::ClientSecurity::of(&cfg),
         shard_token: shard_token.clone(),
         tensorboard_dir: (index == 0).then(|| cfg.server.out_dir.clone()),
         resumed_at,
@@ -402,7 +402,7 @@ async fn run_generation(
     let mut builder = tonic::transport::Server::builder();
     if let Some(tls) = &cfg.cluster.tls {
         builder = builder
-            .tls_config(tls.server())
+            .tls_config(ps_common::auth::server_tls(tls))
             .context("TLS: the certificate or key in [cluster] tls_cert / tls_key")?;
     }
     let serve = builder

@@ -183,7 +183,7 @@ pub async fn handshake(
         s - 1
     );
     let patience = Duration::from_secs_f64(cfg.worker.connect_timeout_secs.max(1.0));
-    let security = cfg.client_security();
+    let security = ps_common::auth::ClientSecurity::of(cfg);
     let mut clients = Vec::new();
     for (j, addr) in peers.iter().enumerate() {
         if j == index {
@@ -308,9 +308,10 @@ async fn call(
     let mut request = tonic::Request::new(req);
     request.set_timeout(Duration::from_secs(60));
     if let Some(t) = shard_token {
-        request
-            .metadata_mut()
-            .insert(ps_common::auth::SHARD_TOKEN_KEY, t.metadata_value());
+        request.metadata_mut().insert(
+            ps_common::auth::SHARD_TOKEN_KEY,
+            ps_common::auth::metadata_value(t),
+        );
     }
     c.rpc()
         .recover(request)

@@ -554,9 +554,10 @@ async fn forward_to_shard0(cfg: ReporterConfig, mut rx: mpsc::UnboundedReceiver<
         }
         let mut request = tonic::Request::new(report);
         if let Some(t) = &cfg.shard_token {
-            request
-                .metadata_mut()
-                .insert(ps_common::auth::SHARD_TOKEN_KEY, t.metadata_value());
+            request.metadata_mut().insert(
+                ps_common::auth::SHARD_TOKEN_KEY,
+                ps_common::auth::metadata_value(t),
+            );
         }
         let sent = match client.as_mut() {
             Some(c) => c

@@ -358,7 +358,7 @@ pub(crate) async fn register_all(
         .sum();
     let ranges = shard_ranges(num_params, servers.len());
     let connect_timeout = Duration::from_secs_f64(cfg.worker.connect_timeout_secs);
-    let security = cfg.client_security();
+    let security = ps_common::auth::ClientSecurity::of(cfg);
     let mut peers = Vec::with_capacity(servers.len());
     for ((s, addr), range) in servers.iter().enumerate().zip(ranges) {
         let mut client = ShardClient::connect(s, addr, &security, connect_timeout).await?;

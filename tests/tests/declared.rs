@@ -205,7 +205,7 @@ fn a_shard_refuses_another_model_naming_the_first_differing_tensor() {
             let mut c = ShardClient::connect(
                 0,
                 &cluster.addrs[0],
-                &cfg.client_security(),
+                &ps_common::auth::ClientSecurity::of(&cfg),
                 Duration::from_secs(10),
             )
             .await

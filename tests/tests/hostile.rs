@@ -252,7 +252,7 @@ async fn step_reports_need_the_shard_credential_and_a_step_near_the_shards() {
         );
         if with_shard_token {
             r.metadata_mut().insert(
-                "x-ps-shard-token",
+                ps_common::keys::SHARD_TOKEN_KEY,
                 "shard-token-fedcba9876543210".parse().unwrap(),
             );
         }
@@ -462,7 +462,7 @@ async fn correct_client(
     rank: u32,
     n: usize,
 ) -> ps_common::client::ShardClient {
-    let security = cfg.client_security();
+    let security = ps_common::auth::ClientSecurity::of(cfg);
     let mut c =
         ps_common::client::ShardClient::connect(0, addr, &security, Duration::from_secs(30))
             .await

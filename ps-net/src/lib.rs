@@ -1,0 +1,20 @@
+//! Both ends of every transport between the processes, and their security:
+//! - `client`: a worker's (or a shard's) client of one shard over gRPC, the data connection
+//!   and the shared-memory boards, with retries and errors in words;
+//! - `wire`: tensors as bytes on gRPC (f32, bf16 with error feedback), chunking and checks;
+//! - `datalink`: the plain-TCP tensor data connection's framing (hello, frames, pieces);
+//! - `shm`: the shared-memory boards of a host;
+//! - `auth`: the shared token and TLS on gRPC (interceptors, endpoints);
+//! - `neterr`: connection errors in words;
+//! - `throttle`: the rate limit of repeated warnings.
+//!
+//! The credentials themselves are read by `ps_config::credential`; the messages and the error
+//! table are `ps_proto`'s.
+
+pub mod auth;
+pub mod client;
+pub mod datalink;
+pub mod neterr;
+pub mod shm;
+pub mod throttle;
+pub mod wire;
