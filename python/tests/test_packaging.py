@@ -1,5 +1,5 @@
 """The package as a user installs it: a source distribution that holds what its build needs
-(the protocol file ps-common's build script compiles, the type-hint marker), and a version."""
+(the protocol file ps-proto's build script compiles, the type-hint marker), and a version."""
 
 import shutil
 import subprocess
@@ -29,7 +29,7 @@ def test_the_sdist_holds_the_protocol_and_the_type_hints(tmp_path):
     with tarfile.open(sdist) as t:
         names = {n.split("/", 1)[1] for n in t.getnames() if "/" in n}
         proto = t.extractfile(next(m for m in t.getmembers()
-                                   if m.name.endswith("ps-common/proto/ps.proto"))).read()
-    assert {"ps-common/build.rs", "ps-common/proto/ps.proto", "ps/py.typed",
+                                   if m.name.endswith("ps-proto/proto/ps.proto"))).read()
+    assert {"ps-proto/build.rs", "ps-proto/proto/ps.proto", "ps/py.typed",
             "ps/__init__.py"} <= names, sorted(names)
     assert proto == (REPO / "proto" / "ps.proto").read_bytes()
