@@ -181,6 +181,54 @@ pub async fn run_shard_recovering(
     }
 }
 
+/// Serves `/metrics` on `addr` in a task. After a rollback (`generation` > 0) the previous
+/// state's exporter may still hold the port a moment: binding is retried for up to 3 s.
+async fn serve_metrics(
+    addr: &str,
+    index: usize,
+    generation: u64,
+    metrics: Arc<exporter::Metrics>,
+) -> anyhow::Result<tokio::task::JoinHandle<()>> {
+    let mut tries = 0;
+    let l = loop {
+        match TcpListener::bind(addr).await {
+            Err(e) if e.kind() == std::io::ErrorKind::AddrInUse && generation > 0 && tries < 30 => {
+                tries += 1;
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            r => break r,
+        }
+    }
+    .with_context(|| format!("cannot listen for /metrics on {addr}"))?;
+    tracing::info!(
+        "shard {index}: Prometheus metrics on http://{}/metrics",
+        l.local_addr()?
+    );
+    Ok(tokio::spawn(exporter::serve(l, metrics)))
+}
+
+/// Serves gRPC health (`grpc.health.v1`, plaintext; `health` is its service) on `addr` in a
+/// task.
+async fn serve_health(
+    addr: &str,
+    index: usize,
+    health: tonic::service::Routes,
+) -> anyhow::Result<tokio::task::JoinHandle<Result<(), tonic::transport::Error>>> {
+    let l = TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("cannot listen for gRPC health on {addr}"))?;
+    tracing::info!(
+        "shard {index}: gRPC health (grpc.health.v1, plaintext) on {}",
+        l.local_addr()?
+    );
+    let incoming = tokio_stream::wrappers::TcpListenerStream::new(l);
+    Ok(tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_routes(health)
+            .serve_with_incoming(incoming),
+    ))
+}
+
 async fn run_generation(
     setup: ShardSetup,
     listener: TcpListener,
@@ -244,48 +292,19 @@ async fn run_generation(
     metrics.set_expected_memory(plan.total());
     accept::raise_fd_limit(index);
     let exporter = match &metrics_listen {
-        Some(addr) => {
-            // after a rollback the previous state's exporter may still hold the port a moment
-            let mut tries = 0;
-            let l = loop {
-                match TcpListener::bind(addr).await {
-                    Err(e)
-                        if e.kind() == std::io::ErrorKind::AddrInUse
-                            && cell.generation() > 0
-                            && tries < 30 =>
-                    {
-                        tries += 1;
-                        tokio::time::sleep(Duration::from_millis(100)).await;
-                    }
-                    r => break r,
-                }
-            }
-            .with_context(|| format!("cannot listen for /metrics on {addr}"))?;
-            tracing::info!(
-                "shard {index}: Prometheus metrics on http://{}/metrics",
-                l.local_addr()?
-            );
-            Some(tokio::spawn(exporter::serve(l, metrics.clone())))
-        }
+        Some(addr) => Some(serve_metrics(addr, index, cell.generation(), metrics.clone()).await?),
         None => None,
     };
     let (health, health_service) = tonic_health::server::health_reporter();
     let health_server = match &health_listen {
-        Some(addr) => {
-            let l = TcpListener::bind(addr)
-                .await
-                .with_context(|| format!("cannot listen for gRPC health on {addr}"))?;
-            tracing::info!(
-                "shard {index}: gRPC health (grpc.health.v1, plaintext) on {}",
-                l.local_addr()?
-            );
-            let incoming = tokio_stream::wrappers::TcpListenerStream::new(l);
-            Some(tokio::spawn(
-                tonic::transport::Server::builder()
-                    .add_service(health_service.clone())
-                    .serve_with_incoming(incoming),
-            ))
-        }
+        Some(addr) => Some(
+            serve_health(
+                addr,
+                index,
+                tonic::service::Routes::new(health_service.clone()),
+            )
+            .await?,
+        ),
         None => None,
     };
     let peers: Arc<peers::Peers> = Default::default();
