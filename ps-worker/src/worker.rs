@@ -274,17 +274,7 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
         })?;
         drop(senders);
         let t2 = Instant::now();
-        let mut refused = None;
-        for p in pushes {
-            match p.await.context("push task")? {
-                Ok((s, mut bufs)) if !progressive[s] => peers[s].push_buf = bufs.pop(),
-                Ok((s, bufs)) => peers[s].piece_bufs = bufs.into_iter().map(Some).collect(),
-                Err(e) => {
-                    refused.get_or_insert(e);
-                }
-            }
-        }
-        if let Some(e) = refused {
+        if let Some(e) = await_pushes(pushes, &progressive, &mut peers).await? {
             t = after_failure(
                 elastic,
                 &cfg,
@@ -313,17 +303,7 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
     pull_all(&mut peers, total, &mut weights).await?;
     backend.set_weights(&weights)?;
     let (correct, count) = evaluate(backend.as_mut(), &test, &test_idx, &mut x, &mut y)?;
-    for p in &mut peers {
-        p.client
-            .leave(LeaveRequest {
-                rank: rank as u32,
-                eval_correct: correct,
-                eval_count: count,
-                failed: String::new(),
-                lease: None,
-            })
-            .await?;
-    }
+    leave_all(&mut peers, rank, (correct, count)).await?;
     let per = |d: Duration| d.as_secs_f64() * 1e3 / timing.steps.max(1) as f64;
     tracing::info!(
         "worker {rank}: done after {} steps; per step pull {:.2} ms, compute {:.2} ms, push {:.2} ms; test accuracy on its slice {:.2}% ({correct}/{count})",
@@ -334,6 +314,45 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
         100.0 * correct as f64 / count.max(1) as f64
     );
     Ok(timing)
+}
+
+/// A push under way to one shard: its index and the buffers to reuse for the next step.
+type PushTask = tokio::task::JoinHandle<anyhow::Result<(usize, Vec<Bytes>)>>;
+
+/// Waits for the step's pushes and takes back their buffers (each shard's whole-range buffer,
+/// or its pieces' when it was pushed piece by piece, `progressive`); the first refusal, if any.
+async fn await_pushes(
+    pushes: Vec<PushTask>,
+    progressive: &[bool],
+    peers: &mut [Peer],
+) -> anyhow::Result<Option<anyhow::Error>> {
+    let mut refused = None;
+    for p in pushes {
+        match p.await.context("push task")? {
+            Ok((s, mut bufs)) if !progressive[s] => peers[s].push_buf = bufs.pop(),
+            Ok((s, bufs)) => peers[s].piece_bufs = bufs.into_iter().map(Some).collect(),
+            Err(e) => {
+                refused.get_or_insert(e);
+            }
+        }
+    }
+    Ok(refused)
+}
+
+/// Leaves every shard at the end of the run, with this rank's test result `(correct, count)`.
+async fn leave_all(peers: &mut [Peer], rank: usize, eval: (u64, u64)) -> anyhow::Result<()> {
+    for p in peers {
+        p.client
+            .leave(LeaveRequest {
+                rank: rank as u32,
+                eval_correct: eval.0,
+                eval_count: eval.1,
+                failed: String::new(),
+                lease: None,
+            })
+            .await?;
+    }
+    Ok(())
 }
 
 /// Connects and registers with every shard (each retrying for `[worker] connect_timeout_secs`,
