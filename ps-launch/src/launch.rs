@@ -604,21 +604,21 @@ impl LocalCluster {
                     }
                 }
             }
+            // only the exits the two loops above saw, which had their chance of a restart: a
+            // process that exits after its loop polled it is seen on the next round. (Reaping
+            // here too failed the run when a shard died while a worker killed with it was being
+            // restarted: "shard 1 failed with signal: 9", never started again.)
             let mut running = Vec::new();
             let tolerated = &self.tolerated;
             let workers = self
                 .workers
-                .iter_mut()
+                .iter()
                 .enumerate()
                 .filter(|(i, _)| !tolerated.contains(i))
                 .map(|(_, p)| p);
-            for p in self.servers.iter_mut().chain(workers) {
+            for p in self.servers.iter().chain(workers) {
                 if p.status.is_none() {
-                    match p.child.try_wait() {
-                        Ok(Some(s)) => p.status = Some(s),
-                        Ok(None) => running.push(p.name.clone()),
-                        Err(e) => return Err(LaunchError(format!("{}: {e}", p.name))),
-                    }
+                    running.push(p.name.clone());
                 }
                 if let Some(s) = p.status
                     && !s.success()

@@ -449,7 +449,7 @@ fn emit(
                 .collect();
             line["rank_grad_sq_norms"] = serde_json::Value::Object(by_rank);
         }
-        if let Err(e) = writeln!(m, "{line}") {
+        if let Err(e) = append_line(m, &line) {
             // a full disk fails every step: said once per throttle::LOG_EVERY, with a count
             static FAILED: SharedThrottle = SharedThrottle::new();
             if let Some(r) = FAILED.hit() {
@@ -586,18 +586,30 @@ pub fn unix_time() -> f64 {
         .map_or(0.0, |d| (d.as_secs_f64() * 1e3).round() / 1e3)
 }
 
+/// Appends one line of `metrics.jsonl` with a single `write` call: a process killed (SIGKILL)
+/// while appending leaves the whole line or none of it. (`writeln!` on the file wrote each
+/// piece of the JSON with its own call, so a kill could leave half a line, which the resumed
+/// run kept and `ps-launch` then refused to read.)
+fn append_line(f: &mut impl Write, line: &serde_json::Value) -> std::io::Result<()> {
+    let mut text = line.to_string();
+    text.push('\n');
+    f.write_all(text.as_bytes())
+}
+
 /// Before a run resumed at `version` appends to `metrics.jsonl`: drops the lines of the steps
 /// after `version` (the interrupted run went further than its checkpoint; the resumed run
 /// redoes them) and the earlier part's closing line, so every step appears once. A missing
-/// file is fine; a line that is not JSON is kept.
+/// file is fine; a line that is not JSON is kept, except a last line without its newline,
+/// which is a write the interrupted process did not finish.
 pub fn truncate_metrics(path: &std::path::Path, version: u64) -> std::io::Result<()> {
     let text = match std::fs::read_to_string(path) {
         Ok(t) => t,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
         Err(e) => return Err(e),
     };
+    let torn = (!text.ends_with('\n')).then(|| text.lines().count());
     let mut kept = String::with_capacity(text.len());
-    for line in text.lines() {
+    for (i, line) in text.lines().enumerate() {
         let keep = match serde_json::from_str::<serde_json::Value>(line) {
             Ok(v) => {
                 v.get("final").is_none()
@@ -605,7 +617,7 @@ pub fn truncate_metrics(path: &std::path::Path, version: u64) -> std::io::Result
                         .and_then(|s| s.as_u64())
                         .is_none_or(|s| s <= version)
             }
-            Err(_) => true,
+            Err(_) => torn != Some(i + 1),
         };
         if keep {
             kept.push_str(line);
@@ -633,5 +645,63 @@ pub fn append_final_eval(
         .append(true)
         .create(true)
         .open(path)?;
-    writeln!(f, "{line}")
+    append_line(&mut f, &line)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Counts the `write` calls it gets.
+    #[derive(Default)]
+    struct Calls(usize, Vec<u8>);
+
+    impl Write for Calls {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0 += 1;
+            self.1.extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_metrics_line_is_one_write_call() {
+        let line = json!({"step": 94, "loss": 0.25, "lr": 0.01, "rank_grad_sq_norms": {"0": 1.5, "1": 2.5}});
+        let mut w = Calls::default();
+        append_line(&mut w, &line).unwrap();
+        assert_eq!(w.0, 1, "one write call for the whole line");
+        assert_eq!(w.1, format!("{line}\n").into_bytes());
+    }
+
+    #[test]
+    fn truncation_drops_a_torn_last_line_and_the_steps_past_the_version() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("metrics.jsonl");
+        let full: String = (1..=93)
+            .map(|s| format!("{{\"step\": {s}, \"loss\": 0.5}}\n"))
+            .collect();
+        // killed while appending step 94: half a line, no newline
+        std::fs::write(&path, format!("{full}{{\"step\": 94, \"lo")).unwrap();
+        truncate_metrics(&path, 90).unwrap();
+        let text = std::fs::read_to_string(&path).unwrap();
+        let steps: Vec<u64> = text
+            .lines()
+            .map(|l| {
+                serde_json::from_str::<serde_json::Value>(l).unwrap()["step"]
+                    .as_u64()
+                    .unwrap()
+            })
+            .collect();
+        assert_eq!(steps, (1..=90).collect::<Vec<_>>(), "{text}");
+        // a line that is not JSON but complete stays (someone wrote it on purpose)
+        std::fs::write(&path, "# note\n{\"step\": 1}\n{\"step\": 2}\n").unwrap();
+        truncate_metrics(&path, 1).unwrap();
+        assert_eq!(
+            std::fs::read_to_string(&path).unwrap(),
+            "# note\n{\"step\": 1}\n"
+        );
+    }
 }

@@ -225,5 +225,6 @@ def lose_shard_after_checkpoint(shards: Shards, out: Path, errors: list, shard: 
         time.sleep(0.005)
     assert shards.procs[shard].poll() is None, f"the run ended before shard {shard} was lost"
     shards.kill(shard)
-    time.sleep(0.3)  # the workers find it gone
+    # the replacement starts at once, as ps-launch --restart-shards starts it: the workers learn
+    # of the loss from a refused call or from the rollback, whichever comes first
     shards.recover(shard)

@@ -99,13 +99,10 @@ impl Launch {
     fn pid_of(&self, bin: &str, flag: &str, value: usize) -> i32 {
         let t0 = Instant::now();
         loop {
-            if let Some(p) = children(self.child.id() as i32).into_iter().find(|&p| {
-                let args = cmdline(p);
-                args.first().is_some_and(|a| a.ends_with(bin))
-                    && args
-                        .windows(2)
-                        .any(|w| w[0] == flag && w[1] == value.to_string())
-            }) {
+            if let Some(p) = children(self.child.id() as i32)
+                .into_iter()
+                .find(|&p| runs(p, bin, flag, value))
+            {
                 return p;
             }
             assert!(
@@ -116,10 +113,22 @@ impl Launch {
         }
     }
 
-    fn kill(&self, bin: &str, flag: &str, value: usize) {
-        let pid = self.pid_of(bin, flag, value);
+    /// Kills (SIGKILL) the launcher's child running `bin` with `flag value` once
+    /// `metrics.jsonl` holds `n` steps, and returns how many it held right after the kill.
+    /// The pid is looked up before the wait, so the kill lands within one poll (5 ms) of step
+    /// `n`: looking it up after the wait (a scan of /proc) let a fast run go tens of steps
+    /// further on a loaded machine, past a checkpoint a test counted on not existing yet.
+    fn kill_after(&mut self, n: usize, bin: &str, flag: &str, value: usize) -> usize {
+        let mut pid = self.pid_of(bin, flag, value);
+        self.wait_steps(n);
+        // the process found may have ended meanwhile (one killed just before, still exiting
+        // when looked up): then the one running now
+        if !runs(pid, bin, flag, value) {
+            pid = self.pid_of(bin, flag, value);
+        }
         // SAFETY: kill(2) on a process this test's child started.
         unsafe { libc::kill(pid, libc::SIGKILL) };
+        self.steps()
     }
 
     /// Stops shard `shard` (SIGSTOP, waiting until it is stopped: it writes nothing more),
@@ -198,6 +207,17 @@ fn children(parent: i32) -> Vec<i32> {
     out
 }
 
+/// Whether `pid` runs `bin` with `flag value`, and is not ps-launch's start-up check
+/// (`ps-server --shard 0 --check`, which ends at once).
+fn runs(pid: i32, bin: &str, flag: &str, value: usize) -> bool {
+    let args = cmdline(pid);
+    args.first().is_some_and(|a| a.ends_with(bin))
+        && args
+            .windows(2)
+            .any(|w| w[0] == flag && w[1] == value.to_string())
+        && !args.iter().any(|a| a == "--check")
+}
+
 fn cmdline(pid: i32) -> Vec<String> {
     std::fs::read(format!("/proc/{pid}/cmdline"))
         .unwrap_or_default()
@@ -240,9 +260,8 @@ fn recovered(log: &str, n: usize) {
 fn a_shard_killed_mid_run_is_recovered_bit_identically() {
     let _ = straight();
     let mut l = Launch::start(&spec(10), &["--restart-shards", "2"]);
-    l.wait_steps(75);
+    l.kill_after(75, "ps-server", "--shard", 1);
     let killed = Instant::now();
-    l.kill("ps-server", "--shard", 1);
     let (st, log, cfg, _dir) = l.finish();
     assert!(st.success(), "{st}:\n{log}");
     recovered(&log, 1);
@@ -279,12 +298,11 @@ fn a_shard_killed_mid_run_is_recovered_bit_identically() {
 fn a_shard_killed_twice_and_shard_zero_are_recovered_bit_identically() {
     let _ = straight();
     let mut l = Launch::start(&spec(10), &["--restart-shards", "2"]);
-    l.wait_steps(50);
-    l.kill("ps-server", "--shard", 0);
-    // past the first loss: the recovery is over
-    l.wait_steps(110);
-    l.kill("ps-server", "--shard", 0);
-    l.wait_steps(170);
+    let reached = l.kill_after(50, "ps-server", "--shard", 0);
+    // the second loss only once the cluster has recovered from the first and gone on: steps
+    // past those written at the first kill (shard 0 trims metrics.jsonl to the version it
+    // rolls back to, so only steps made after the recovery count)
+    l.kill_after((reached + 10).max(110), "ps-server", "--shard", 0);
     let (st, log, cfg, _dir) = l.finish();
     assert!(st.success(), "{st}:\n{log}");
     recovered(&log, 2);
@@ -299,9 +317,9 @@ fn a_worker_and_a_shard_killed_together_are_recovered_bit_identically() {
         &spec(10),
         &["--restart-shards", "1", "--restart-workers", "1"],
     );
-    l.wait_steps(60);
     let shard = l.pid_of("ps-server", "--shard", 1);
     let worker = l.pid_of("ps-worker", "--rank", 1);
+    l.wait_steps(60);
     // SAFETY: kill(2) on processes this test's child started.
     unsafe {
         libc::kill(worker, libc::SIGKILL);
@@ -318,8 +336,8 @@ fn a_worker_and_a_shard_killed_together_are_recovered_bit_identically() {
 fn a_shard_killed_before_the_first_checkpoint_restarts_the_run_from_version_0() {
     let _ = straight();
     let mut l = Launch::start(&spec(100), &["--restart-shards", "1"]);
-    l.wait_steps(20);
-    l.kill("ps-server", "--shard", 1);
+    // killed within a poll of step 20, far from the first checkpoint at 100
+    l.kill_after(20, "ps-server", "--shard", 1);
     let (st, log, cfg, _dir) = l.finish();
     assert!(st.success(), "{st}:\n{log}");
     recovered(&log, 1);
@@ -383,9 +401,13 @@ fn a_corrupted_or_truncated_newest_checkpoint_is_skipped_by_the_recovery() {
         (75, ps_tests::corrupt_first_value),
         (150, ps_tests::truncate_file),
     ];
+    let mut reached = 0;
     for (at, damage) in damages {
-        l.wait_steps(at);
+        // the second loss only once the cluster has recovered from the first and gone on:
+        // steps past those written at the first kill (see kill_after)
+        l.wait_steps(at.max(reached + 10));
         damaged.push(l.damage_newest_checkpoint_and_kill(1, damage));
+        reached = l.steps();
     }
     let (st, log, cfg, _dir) = l.finish();
     assert!(st.success(), "{st}:\n{log}");
@@ -406,7 +428,8 @@ fn a_corrupted_or_truncated_newest_checkpoint_is_skipped_by_the_recovery() {
 }
 
 /// Random SIGKILLs of shards and workers (a few, one at a time, each after the run went on
-/// past the previous one), then the weights are compared with the run that lost nothing.
+/// past the step it had reached at the previous one), then the weights are compared with the
+/// run that lost nothing.
 #[test]
 fn chaos_random_shard_and_worker_kills_leave_the_weights_unchanged() {
     let _ = straight();
@@ -434,13 +457,19 @@ fn chaos_random_shard_and_worker_kills_leave_the_weights_unchanged() {
         if at + 20 >= STEPS as usize {
             break;
         }
-        l.wait_steps(at);
         let what = match next(4) {
             0 => ("ps-worker", "--rank", next(2) as usize),
             _ => ("ps-server", "--shard", next(2) as usize),
         };
-        l.kill(what.0, what.1, what.2);
-        kills.push((at, what));
+        let reached = l.kill_after(at, what.0, what.1, what.2);
+        // the run may still have gone past `at` before the kill landed (one run was at step
+        // 140 when its kill "after step 93" came, before kill_after): the next kill waits for
+        // steps beyond those written now, which the cluster only makes once it has recovered
+        // from this loss (shard 0 trims metrics.jsonl to the version it rolls back to).
+        // Waiting only for `at` killed shard 1 while shard 0's replacement was still asking
+        // it where the run was: two shards lost at once, which no recovery can survive.
+        kills.push((reached, what));
+        at = at.max(reached);
     }
     let (st, log, cfg, _dir) = l.finish();
     assert!(st.success(), "seed {seed}, kills {kills:?}: {st}:\n{log}");
