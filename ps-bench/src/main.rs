@@ -24,13 +24,14 @@
 //! 4. **Server memory**: each shard's peak resident memory (VmHWM, polled from
 //!    `/proc/<pid>/status` while the run goes) against its parameter bytes.
 //!
-//! 6. **The CNN against PyTorch**: the built-in CNN's CPU forward+backward and PyTorch's on one
-//!    thread each, batch 64, the same geometry, in the same run (`--python`, see `cnn.rs`).
+//! 6. **The models against PyTorch**: the built-in CNN's and the small and large MLPs' CPU
+//!    forward+backward and PyTorch's on one thread each, batch 64, the same geometry, in the
+//!    same run, wall and thread CPU time (`--python`, see `vs_torch.rs`).
 //!
 //! Every figure is the median of several repeats. Needs the `ps-server` and `ps-worker`
 //! binaries next to this one: `cargo build --release --bins` first.
 
-mod cnn;
+mod vs_torch;
 
 use anyhow::{Context, bail};
 use bytes::Bytes;
@@ -79,7 +80,8 @@ struct Cli {
     json: Option<PathBuf>,
     /// Sections to run (3 includes 4, the memory of its runs; 5 is the scale section: one
     /// ps-server process, W = 8, 32, 64 in-process clients pushing real gradient bytes; 6 the
-    /// CNN's CPU forward+backward against PyTorch's, one thread each, batch 64).
+    /// CNN's and the two MLPs' CPU forward+backward against PyTorch's, one thread each, batch
+    /// 64).
     #[arg(long, value_delimiter = ',', default_value = "1,2,3")]
     sections: Vec<u32>,
     /// Section 5: worker counts (default 2, 4, 8, 32, 64).
@@ -90,7 +92,7 @@ struct Cli {
     /// The shard's peak is about (3 + this) x its parameter bytes.
     #[arg(long, value_delimiter = ',')]
     scale_pending: Vec<usize>,
-    /// Section 6 (the CNN's forward+backward against PyTorch's): the Python that imports
+    /// Section 6 (the models' forward+backward against PyTorch's): the Python that imports
     /// torch.
     #[arg(long, default_value = "python3")]
     python: String,
@@ -261,10 +263,10 @@ fn run(cli: &Cli) -> anyhow::Result<bool> {
     }
 
     if want(6) {
-        eprintln!("ps-bench: section 6, the CNN's forward+backward against PyTorch's");
-        let row = cnn::section_cnn(&cli.python, BATCH, if cli.quick { 10 } else { 30 })?;
-        println!("{}", cnn::table_cnn(&row));
-        out["cnn"] = row;
+        eprintln!("ps-bench: section 6, the models' forward+backward against PyTorch's");
+        let rows = vs_torch::section_vs_torch(&cli.python, BATCH, if cli.quick { 10 } else { 30 })?;
+        println!("{}", vs_torch::table_vs_torch(&rows));
+        out["vs_torch"] = Value::Array(rows);
     }
 
     let load_end = loadavg();

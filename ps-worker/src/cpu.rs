@@ -230,10 +230,9 @@ impl Device for CpuDevice {
 
     fn relu_backward(&mut self, d: &mut [f32], act: &[f32]) -> BackendResult<()> {
         check_len("the gradient through the ReLU", d.len(), act.len())?;
+        // a select, not a conditional store, so that it compiles to vector blends
         for (d, &a) in d.iter_mut().zip(act) {
-            if a <= 0.0 {
-                *d = 0.0;
-            }
+            *d = if a <= 0.0 { 0.0 } else { *d };
         }
         Ok(())
     }
