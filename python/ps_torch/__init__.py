@@ -1,4 +1,10 @@
-"""PyTorch workers for the ps parameter-server cluster.
+"""PyTorch workers for the ps parameter-server cluster (the distribution ``ps-torch``).
+
+Import it as ``import ps_torch as ps``; ``import ps``, the package's first name, still gives
+this module (a thin alias package). The wheel also installs the cluster's executables
+``ps-server``, ``ps-launch`` and ``ps-worker`` into the environment's ``bin/``, so ``pip
+install`` is enough to run a cluster: ``ps-server --config run.toml --shard i`` per shard, one
+Python process per rank, ``ps-launch --config run.toml --export`` for ``model.safetensors``.
 
 The shards hold the model's parameters and run the optimizer; a ``ps.Worker`` computes
 gradients of any ``nn.Module`` with PyTorch, pushes them, and pulls the new weights into the
