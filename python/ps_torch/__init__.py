@@ -91,6 +91,9 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -176,7 +179,7 @@ def _trainable(model: torch.nn.Module):
     return params
 
 
-def save_init(model: torch.nn.Module, path) -> None:
+def save_init(model: torch.nn.Module, path: str | os.PathLike[str]) -> None:
     """Writes the run's model, the file ``[model] init`` names (safetensors): the initial
     weights of ``model``'s trainable parameters (float32) in ``named_parameters()`` order,
     carried in the file's metadata under ``parameter_order``; its persistent buffers
@@ -198,7 +201,8 @@ def save_init(model: torch.nn.Module, path) -> None:
     save_file(tensors, str(path), metadata=meta)
 
 
-def export(model: torch.nn.Module, path, metadata: dict | None = None) -> None:
+def export(model: torch.nn.Module, path: str | os.PathLike[str],
+           metadata: dict[str, str] | None = None) -> None:
     """Writes every entry of ``model.state_dict()`` to ``path`` (safetensors): the trained
     parameters, frozen parameters, tied parameters under each of their names, and buffers
     (BatchNorm running statistics, ``num_batches_tracked`` in its own dtype), so
@@ -220,11 +224,11 @@ class Worker:
 
     def __init__(
         self,
-        config,
+        config: str | os.PathLike[str],
         model: torch.nn.Module,
         rank: int | None = None,
         servers: list[str] | None = None,
-        evaluate=None,
+        evaluate: Callable[[torch.nn.Module], tuple[int, int]] | None = None,
         allow_buffers: bool = False,
         run_id: str | None = None,
     ):
@@ -337,7 +341,7 @@ class Worker:
                 )
         return int(train_len)
 
-    def batches(self, train_len: int | None = None):
+    def batches(self, train_len: int | None = None) -> Iterator[tuple[int, torch.Tensor]]:
         """Registers with the shards for a training set of ``train_len`` samples (default:
         the config's ``[data] train_len``), loads the run's current weights into the model,
         and yields ``(step, indices)`` for every step of the run: ``indices`` (a LongTensor)
@@ -366,7 +370,7 @@ class Worker:
         """
         return StepSampler(self, self._data_len(train_len))
 
-    def steps(self, loader):
+    def steps(self, loader: Iterable[Any]) -> Iterator[tuple[int, Any]]:
         """As ``batches()``, for a ``DataLoader`` whose ``batch_sampler`` is this worker's
         ``sampler()``: registers, loads the run's weights and yields ``(step, batch)`` with
         the loader's batch of each step. After a lost shard's rollback the loader is started
@@ -386,7 +390,7 @@ class Worker:
 
         yield from self._run(sampler.train_len, source)
 
-    def micro_batches(self, batch, k: int):
+    def micro_batches(self, batch: Any, k: int) -> Iterator[tuple[Any, float]]:
         """Gradient accumulation: splits this step's ``batch`` (a tensor, or a tuple/list of
         tensors sharing the first dimension, e.g. ``(x, y)`` or the indices) into ``k``
         micro-batches and yields ``(micro_batch, scale)``: call ``(loss * scale).backward()``
@@ -547,7 +551,8 @@ class Worker:
         self.model.train(was_training)
         return int(correct), int(count)
 
-    def step(self, loss_sum=0.0, correct=0, samples: int | None = None) -> None:
+    def step(self, loss_sum: float = 0.0, correct: int | torch.Tensor = 0,
+             samples: int | None = None) -> None:
         """Pushes the ``.grad`` of every trainable parameter for the current step (and
         ``loss_sum``, the sum of the per-sample losses of this worker's batch, and ``correct``,
         its correct predictions, for the shards' log), then pulls the new weights into the
@@ -607,7 +612,8 @@ class Worker:
                 "before worker.step()"
             )
 
-    def backward(self, loss, correct=0, samples: int | None = None) -> None:
+    def backward(self, loss: torch.Tensor, correct: int | torch.Tensor = 0,
+                 samples: int | None = None) -> None:
         """``loss.backward()`` and ``step()`` in one, with the push overlapping backward (as
         DDP overlaps its all-reduce): the gradient of each shard's range is pushed as soon as
         autograd has produced it, while backward goes on with earlier layers; then the new
@@ -680,7 +686,7 @@ class Worker:
 
         return hook
 
-    def timing(self):
+    def timing(self) -> dict[str, float]:
         """Communication so far: {"pushes", "push_s", "pulls", "pull_s"}."""
         if self._native_connected():
             self._timing = self._native.timing()
@@ -694,7 +700,7 @@ class Worker:
         except RuntimeError:
             return False
 
-    def transport(self):
+    def transport(self) -> list[str]:
         """How tensors travel to each shard ("shared memory", "gRPC", ...), once connected."""
         return self._transport
 
@@ -732,7 +738,8 @@ class StepSampler(torch.utils.data.Sampler):
         return total - self._start
 
 
-def distributed(model: torch.nn.Module, config, **worker_args) -> "Distributed":
+def distributed(model: torch.nn.Module, config: str | os.PathLike[str],
+                **worker_args: Any) -> "Distributed":
     """Wraps ``model`` for a run of ``config``, as ``DistributedDataParallel`` wraps a model:
     the loop keeps its shape (forward through the wrapper, ``loss.backward()``, then
     ``opt_step()`` where ``optimizer.step()`` was; the shards run the optimizer of the
@@ -749,7 +756,8 @@ class Distributed(torch.nn.Module):
     ``module`` is the wrapped model (export it with ``ps.export(model.module, path)``);
     ``worker`` the ``ps.Worker``; ``step_number`` the run's step being computed."""
 
-    def __init__(self, model: torch.nn.Module, config, **worker_args):
+    def __init__(self, model: torch.nn.Module, config: str | os.PathLike[str],
+                 **worker_args: Any):
         super().__init__()
         self.module = model
         self.worker = Worker(config, model, **worker_args)
@@ -758,7 +766,8 @@ class Distributed(torch.nn.Module):
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
-    def loader(self, dataset, **loader_args):
+    def loader(self, dataset: torch.utils.data.Dataset,
+               **loader_args: Any) -> torch.utils.data.DataLoader:
         """This rank's batch of each step of the run, as a ``DataLoader`` over ``dataset``
         with ``batch_sampler=worker.sampler(len(dataset))`` makes it (``loader_args``: the
         other ``DataLoader`` arguments). Registers with the shards and loads the run's
@@ -778,7 +787,8 @@ class Distributed(torch.nn.Module):
         finally:
             self.step_number = None
 
-    def opt_step(self, loss=None, correct=0) -> None:
+    def opt_step(self, loss: torch.Tensor | None = None,
+                 correct: int | torch.Tensor = 0) -> None:
         """Pushes every ``.grad`` of this step (``loss``: the batch's loss, for the shards'
         log only) and pulls the new weights into the model; clears the gradients."""
         loss_sum = 0.0
@@ -788,6 +798,6 @@ class Distributed(torch.nn.Module):
             loss_sum = value * n if self.worker.loss_reduction == "mean" else value
         self.worker.step(loss_sum=loss_sum, correct=correct)
 
-    def micro_batches(self, batch, k: int):
+    def micro_batches(self, batch: Any, k: int) -> Iterator[tuple[Any, float]]:
         """``Worker.micro_batches`` of this step's batch."""
         return self.worker.micro_batches(batch, k)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import ps
-from common import REPO, Shards, config_text
+from common import BIN, REPO, Shards, config_text
 
 
 def test_version_is_the_packages():
@@ -36,8 +36,11 @@ def test_the_sdist_holds_the_protocol_and_the_type_hints(tmp_path):
         names = {n.split("/", 1)[1] for n in t.getnames() if "/" in n}
         proto = t.extractfile(next(m for m in t.getmembers()
                                    if m.name.endswith("ps-common/proto/ps.proto"))).read()
-    assert {"ps-common/build.rs", "ps-common/proto/ps.proto", "ps/py.typed",
-            "ps/__init__.py"} <= names, sorted(names)
+    # the package, its alias, its build backend, and the crates of the executables it ships
+    assert {"ps-common/build.rs", "ps-common/proto/ps.proto", "ps_torch/py.typed",
+            "ps_torch/__init__.py", "ps_torch/_native.pyi", "ps/__init__.py",
+            "_build/ps_torch_build.py", "ps-server/Cargo.toml", "ps-launch/Cargo.toml",
+            "ps-worker/Cargo.toml"} <= names, sorted(names)
     assert proto == (REPO / "proto" / "ps.proto").read_bytes()
 
 
@@ -47,6 +50,26 @@ def test_import_ps_is_the_ps_torch_package():
 
     assert ps is ps_torch and ps.Worker is ps_torch.Worker
     assert ps_torch._native.Client.__module__ == "ps_torch._native"
+
+
+def test_the_build_backend_refuses_an_executable_newer_than_the_manylinux_tag():
+    """maturin's auditwheel check covers only the extension; the backend checks the
+    executables it adds: built on glibc >= 2.34 they need GLIBC_2.34 (pthread_create,
+    __libc_start_main), so manylinux_2_34 passes (on this machine's glibc 2.36) and
+    manylinux_2_28 is refused, naming the executable and the version."""
+    sys.path.insert(0, str(REPO / "python" / "_build"))
+    try:
+        import ps_torch_build
+    finally:
+        sys.path.pop(0)
+    exe = BIN / "ps-server"
+    newest, libs = ps_torch_build.glibc_needs(exe)
+    assert newest >= (2, 34) and libs <= ps_torch_build.MANYLINUX_LIBS, (newest, libs)
+    ps_torch_build.check_manylinux(f"manylinux_{newest[0]}_{newest[1]}_x86_64", exe)
+    ps_torch_build.check_manylinux("linux_x86_64", exe)  # a local build: no claim to check
+    with pytest.raises(RuntimeError, match=r"ps-server needs GLIBC_2\.3\d, newer than the "
+                                           r"wheel's tag manylinux_2_28_x86_64 allows"):
+        ps_torch_build.check_manylinux("manylinux_2_28_x86_64", exe)
 
 
 def test_the_type_stub_names_what_the_extension_has():
