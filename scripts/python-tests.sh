@@ -2,8 +2,13 @@
 # The Python worker's tests: creates the virtual environment target/pyenv once (PyTorch, numpy,
 # safetensors, maturin, pytest from the package registry, one pip step; pip's cache keeps the
 # wheels), builds and installs the package in python/ into it (`pip install ./python`, through
-# maturin, reusing the workspace's release build), and runs python/tests with pytest.
-# Needs the release binaries (ps-server, ps-launch): the README's test command builds them first.
+# its build backend python/_build/ps_torch_build.py: maturin, plus ps-server, ps-launch and
+# ps-worker into the venv's bin/, reusing the workspace's release build), and runs python/tests
+# with pytest. The tests start the workspace's target/release binaries (built first, below);
+# test_packaging.py also builds the sdist and installs it into a new venv (CARGO_TARGET_DIR: the
+# workspace's target/, so the registry crates are reused and only the 5 workspace crates compile
+# again for the unpacked sdist, about 4 CPU-minutes; a second run rebuilds nothing there, but
+# ps-common's build script then reruns once for the in-tree build: the two share target/).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ENV="${PS_PYENV:-target/pyenv}"

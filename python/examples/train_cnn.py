@@ -7,7 +7,8 @@ of a ps cluster; start one per rank. For example, with the shards of `run.toml` 
 Write the run's init file first (`--write-init init.safetensors`, named by `[model] init`).
 Each rank evaluates its share of the test set (`worker.test_slice`) for the shards' log; at
 the end each rank prints the test accuracy of the final weights on the whole test set. The
-script needs only `ps`, torch and numpy: it runs from anywhere (copy it out of the repository)."""
+script needs only the ps-torch package (`import ps_torch`, with torch and numpy): it runs from
+anywhere (copy it out of the repository)."""
 
 import argparse
 import gzip
@@ -19,11 +20,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import ps
+import ps_torch as ps
 
 
 class SmallCNN(nn.Module):
-    """Two conv layers with max pooling, then two linear layers (21,490 parameters)."""
+    """Two conv layers with max pooling, then two linear layers (20,986 parameters)."""
 
     def __init__(self):
         super().__init__()

@@ -18,7 +18,8 @@ optimizer); `--explicit` trains with the explicit API instead (`ps.Worker.batche
 normalises over its own samples of a step, and every worker starts each step from rank 0's
 running statistics, which the shards hold and checkpoint. `--export model.safetensors` writes
 the whole state_dict at the end (loads with `load_state_dict(..., strict=True)`). The script
-needs only `ps`, torch and numpy: it runs from anywhere (copy it out of the repository)."""
+needs only the ps-torch package (`import ps_torch`, with torch and numpy): it runs from
+anywhere (copy it out of the repository)."""
 
 import argparse
 import gzip
@@ -31,7 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
-import ps
+import ps_torch as ps
 
 
 class Block(nn.Module):

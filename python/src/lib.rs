@@ -1,11 +1,10 @@
-//! `ps._native`: the Rust half of the PyTorch worker. A [`Client`] is one worker of a run: it
-//! reads the run's TOML config, checks the model PyTorch holds against the run's (names and
-//! shapes in `named_parameters()` order), registers with every shard through
-//! `ps_worker::session` (shared memory on one host, gRPC otherwise, token and TLS as the config
-//! says), hands out this rank's sample indices of each step (the data-order contract), pushes
-//! a flat gradient and pulls a flat weight vector, both as float32 buffers (numpy arrays) that
-//! it reads and writes in place with the GIL released. The Python package (`ps/__init__.py`)
-//! wraps it in `ps.Worker`.
+//! `ps_torch._native`: the Rust half of the PyTorch worker. A [`Client`] is one worker of a run: it
+//! reads the run's TOML config, checks the model PyTorch holds against the run's (names and shapes
+//! in `named_parameters()` order), registers with every shard through `ps_worker::session` (shared
+//! memory on one host, gRPC otherwise, token and TLS as the config says), hands out this rank's
+//! sample indices of each step (the data-order contract), pushes a flat gradient and pulls a flat
+//! weight vector, both as float32 buffers (numpy arrays) that it reads and writes in place with the
+//! GIL released. The Python package (`ps_torch/__init__.py`) wraps it in `ps_torch.Worker`.
 
 use ps_common::config::Config;
 use ps_common::order::BatchPlanner;
@@ -79,7 +78,7 @@ fn f32_buffer(obj: &Bound<'_, PyAny>, len: usize, writable: bool, what: &str) ->
 }
 
 /// One worker of a run (see the module's documentation).
-#[pyclass(module = "ps._native")]
+#[pyclass(module = "ps_torch._native")]
 struct Client {
     rt: tokio::runtime::Runtime,
     cfg: Config,

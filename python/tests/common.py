@@ -69,7 +69,8 @@ class Shards:
     """S real ps-server processes on free 127.0.0.1 ports (stopped on exit)."""
 
     def __init__(self, config: Path, num_shards: int, out_dir: Path, timeout: float = 60,
-                 extra_args: tuple[str, ...] = ()):
+                 extra_args: tuple[str, ...] = (), bin_dir: Path = BIN):
+        self.bin_dir = bin_dir  # where ps-server is (an installed wheel's: the venv's bin/)
         self.procs = []
         self.addrs = []
         self.logs = []
@@ -90,7 +91,7 @@ class Shards:
         log_path = out_dir / (log_name or f"shard-{i}.log")
         log = open(log_path, "w")
         self.logs[i] = log
-        args = [str(BIN / "ps-server"), "--config", str(self.config), "--shard", str(i),
+        args = [str(self.bin_dir / "ps-server"), "--config", str(self.config), "--shard", str(i),
                 "--listen", listen, "--addr-file", str(addr_file),
                 "--out-dir", str(out_dir), *extra]
         if i > 0:

@@ -1,0 +1,803 @@
+"""PyTorch workers for the ps parameter-server cluster (the distribution ``ps-torch``).
+
+Import it as ``import ps_torch as ps``; ``import ps``, the package's first name, still gives
+this module (a thin alias package). The wheel also installs the cluster's executables
+``ps-server``, ``ps-launch`` and ``ps-worker`` into the environment's ``bin/``, so ``pip
+install`` is enough to run a cluster: ``ps-server --config run.toml --shard i`` per shard, one
+Python process per rank, ``ps-launch --config run.toml --export`` for ``model.safetensors``.
+
+The shards hold the model's parameters and run the optimizer; a ``ps.Worker`` computes
+gradients of any ``nn.Module`` with PyTorch, pushes them, and pulls the new weights into the
+model's parameters in place, through the same Rust transport as ``ps-worker`` (shared memory
+with shards on the same host, gRPC otherwise, the config's token and TLS)::
+
+    worker = ps.Worker("run.toml", model)          # rank: argument, or RANK / SLURM_PROCID / ...
+    for step, idx in worker.batches(len(train_set)):   # this rank's sample indices of step `step`
+        out = model(x[idx])
+        loss = F.cross_entropy(out, y[idx], reduction=worker.loss_reduction)
+        loss.backward()
+        worker.step(loss_sum=..., correct=...)      # push every .grad, pull the new weights
+
+The data may be the user's own (``[data] train_len = N`` instead of an IDX ``[data] dir``),
+read through the user's own ``DataLoader`` with ``batch_sampler=worker.sampler()`` and
+``worker.steps(loader)`` (prefetching and ``num_workers > 0`` are fine: the sampler yields
+each step's indices ahead of time from the data-order contract).
+
+The run's model is declared by ``[model] init = "init.safetensors"`` in the config: write that
+file with ``ps.save_init(model, path)`` (it carries the ``named_parameters()`` order in its
+metadata, key ``parameter_order``). Every worker starts from the init file's weights (version
+0 pulled from the shards); a worker whose model differs (names, shapes or order) is refused
+with ``ModelMismatchError`` naming the first tensor that differs.
+
+For a loop that keeps its shape (as with DDP), ``ps.distributed`` wraps the model::
+
+    model = ps.distributed(model, "run.toml")          # registers on first use
+    for x, y in model.loader(train_set, num_workers=2):  # this rank's batch of each step
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        model.opt_step(loss)                            # instead of optimizer.step()
+
+Gradient accumulation: ``for part, scale in worker.micro_batches(batch, k): (loss(part) *
+scale).backward()`` then ``step()`` once (the whole batch's gradient). Parameter groups (lr
+multiplier, weight decay, betas by tensor-name pattern) are the config's
+``[[optimizer.groups]]``, applied by the shards.
+
+Behaviour with special parameters and buffers:
+
+* Parameters with ``requires_grad=False`` are not part of the run's model: ``save_init`` and
+  the worker leave them out, the shards never see them, and each worker keeps its local value.
+  Every worker must hold the same: at registration shard 0 compares each worker's frozen
+  parameters and buffers (fingerprints of their bytes; buffers only at the run's start, as
+  they train) with the first worker's and refuses one that differs with
+  ``ModelMismatchError`` naming the entry (DDP would silently take rank 0's).
+* ``ps.export(model, path)`` writes every ``state_dict`` entry (trained, frozen, tied under
+  each name, buffers in their dtype): ``load_state_dict(..., strict=True)`` restores it.
+* Buffers (BatchNorm's ``running_mean``, ``running_var``, ``num_batches_tracked``, any
+  registered persistent buffer) are part of the run's model: ``save_init`` writes them into
+  the init file in their own dtypes, shard 0 holds them beside its parameters, checkpoints
+  them (they survive a lost shard and ``--resume``) and writes them at the end
+  (``buffers.safetensors``, merged by ``ps-launch --export``). Their semantics are DDP's
+  ``broadcast_buffers``: rank 0's buffers are the model's; rank 0 sends them after its
+  forward pass of each step, and every worker starts each step from them (it gets them with
+  the weights). So BatchNorm in training normalises over each worker's own ``b_r`` samples of
+  the step (ghost batch norm of size ``b_r``, not batch norm over the global batch ``B``; a
+  SyncBatchNorm-like option is not offered), and the running statistics are those rank 0's
+  forward passes make. Integer buffers are kept exactly. The shards' start-up statement and
+  the worker's log say so. Cost: one more request per step to shard 0 for each worker (rank 0
+  also sends). Tested: parameters and buffers equal one process running ghost batch norm
+  (``python/tests/test_export.py``). Non-persistent buffers (``persistent=False``, not in the
+  ``state_dict``) stay each worker's own.
+* A trainable parameter whose ``.grad`` is ``None`` at ``step()`` (backward did not reach
+  it: a branch not taken in this batch) is treated exactly as ``torch.optim`` treats it: when
+  no worker's backward reached it in a step, the shards do not update it at all (no momentum,
+  no weight decay, no Adam step count); when some did, it gets the others' zeros (the
+  gradient of the union batch). No flag is needed. A step in which no parameter has a
+  gradient (``backward()`` not called) raises ``GradNoneError``.
+* A worker that stops on an error (or leaves the loop of ``batches()`` early) tells the
+  shards at once: the run fails with its reason and the other workers stop, instead of
+  waiting out the barrier timeout.
+* Parameters must be float32 (``model.float()``).
+
+A lost shard does not end the run: when a shard is restarted with ``ps-server --recover``
+(``ps-launch --restart-shards``, the Slurm and Kubernetes recipes), the cluster rolls back to
+the newest checkpoint every shard has, and the worker waits for it (at most ``[worker]
+connect_timeout_secs``), loads those weights and ``batches()`` yields the steps from there
+again (logged on the ``ps`` logger). The batches of a step are a pure function of the step, so
+the final weights equal those of a run that never failed; state the user's loop keeps per step
+(its own counters, a scheduler of its own) should follow the step numbers yielded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+import torch.utils.data
+
+from . import _native
+from ._native import ModelMismatchError
+
+try:
+    from importlib.metadata import version as _version
+
+    __version__ = _version("ps-torch")
+except Exception:  # not installed as a distribution (a source tree on sys.path)
+    __version__ = "0+unknown"
+
+__all__ = [
+    "Worker",
+    "distributed",
+    "Distributed",
+    "save_init",
+    "export",
+    "ModelMismatchError",
+    "GradNoneError",
+    "UnsupportedModelError",
+    "ORDER_KEY",
+    "StepSampler",
+    "__version__",
+]
+
+ORDER_KEY = _native.ORDER_KEY
+
+_log = logging.getLogger("ps")
+
+
+class GradNoneError(RuntimeError):
+    """A trainable parameter has no gradient at ``Worker.step()``."""
+
+
+class UnsupportedModelError(ValueError):
+    """The model has something the cluster cannot keep in step (a parameter that is not
+    float32, a buffer or frozen entry of a dtype safetensors cannot hold)."""
+
+
+# dtypes a buffer or frozen parameter may have (ps_common::declared::EXTRA_DTYPES)
+_EXTRA_DTYPES = {
+    torch.float32: "F32", torch.float64: "F64", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL",
+}
+
+
+def _entries(model: torch.nn.Module):
+    """The model's ``state_dict`` entries by role: (trainable parameters, frozen parameters,
+    persistent buffers, aliases {tied name: the name it shares a tensor with}); each a list of
+    (name, tensor) in the model's order. Refuses a buffer or frozen parameter of a dtype the
+    init file cannot hold."""
+    params = _trainable(model)
+    frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
+    keys = model.state_dict(keep_vars=True)
+    buffers = [(n, b) for n, b in model.named_buffers() if n in keys]
+    for kind, items in (("buffer", buffers), ("frozen parameter", frozen)):
+        for n, t in items:
+            if t.dtype not in _EXTRA_DTYPES:
+                raise UnsupportedModelError(
+                    f"{kind} {n} is {t.dtype}: supported are "
+                    f"{', '.join(str(d).removeprefix('torch.') for d in _EXTRA_DTYPES)}"
+                )
+    canonical = {id(t): n for n, t in params + frozen + buffers}
+    aliases = {k: canonical[id(v)] for k, v in keys.items()
+               if k not in canonical.values() and id(v) in canonical}
+    return params, frozen, buffers, aliases
+
+
+def _trainable(model: torch.nn.Module):
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if not params:
+        raise UnsupportedModelError("the model has no parameter with requires_grad=True")
+    for n, p in params:
+        if p.dtype != torch.float32:
+            raise UnsupportedModelError(
+                f"parameter {n} is {p.dtype}: expected torch.float32 (call model.float())"
+            )
+    return params
+
+
+def save_init(model: torch.nn.Module, path: str | os.PathLike[str]) -> None:
+    """Writes the run's model, the file ``[model] init`` names (safetensors): the initial
+    weights of ``model``'s trainable parameters (float32) in ``named_parameters()`` order,
+    carried in the file's metadata under ``parameter_order``; its persistent buffers
+    (``buffer_order``: the shards hold them through the run) and frozen parameters
+    (``constant_order``), each in its own dtype; and its tied entries (``aliases``), so that
+    the shards' export holds the whole ``state_dict``."""
+    import json
+
+    from safetensors.torch import save_file
+
+    params, frozen, buffers, aliases = _entries(model)
+    tensors = {n: t.detach().cpu().clone().contiguous() for n, t in params + frozen + buffers}
+    meta = {
+        ORDER_KEY: json.dumps([n for n, _ in params]),
+        "buffer_order": json.dumps([n for n, _ in buffers]),
+        "constant_order": json.dumps([n for n, _ in frozen]),
+        "aliases": json.dumps(aliases),
+    }
+    save_file(tensors, str(path), metadata=meta)
+
+
+def export(model: torch.nn.Module, path: str | os.PathLike[str],
+           metadata: dict[str, str] | None = None) -> None:
+    """Writes every entry of ``model.state_dict()`` to ``path`` (safetensors): the trained
+    parameters, frozen parameters, tied parameters under each of their names, and buffers
+    (BatchNorm running statistics, ``num_batches_tracked`` in its own dtype), so
+    ``model.load_state_dict(safetensors.torch.load_file(path), strict=True)`` restores the
+    whole model. Call it on a worker after ``batches()`` ended: its model holds the run's final
+    weights, the frozen entries every worker holds alike, and the model's buffers (rank 0's,
+    which every worker got with the final weights). ``ps-launch --export`` writes the same
+    entries from the shards' final files and the init file."""
+    from safetensors.torch import save_file
+
+    # each entry its own contiguous copy: tied entries share storage, and on a worker the
+    # parameters are views of one flat buffer, which safetensors refuses to write as such
+    tensors = {k: v.detach().cpu().clone().contiguous() for k, v in model.state_dict().items()}
+    save_file(tensors, str(path), metadata={"format": "pt", **(metadata or {})})
+
+
+class Worker:
+    """One data-parallel worker of a run: see the module's documentation."""
+
+    def __init__(
+        self,
+        config: str | os.PathLike[str],
+        model: torch.nn.Module,
+        rank: int | None = None,
+        servers: list[str] | None = None,
+        evaluate: Callable[[torch.nn.Module], tuple[int, int]] | None = None,
+        allow_buffers: bool = False,
+        run_id: str | None = None,
+    ):
+        """``config``: the run's TOML file. ``rank``: this worker's rank (default: from
+        RANK, SLURM_PROCID or JOB_COMPLETION_INDEX). ``servers``: shard addresses instead of
+        the config's. ``evaluate``: optional ``f(model) -> (correct, count)`` on this rank's
+        share of a test set of the user's choosing (any length, any split among the ranks;
+        ``test_slice(n)`` gives the shards' split), called every ``[train] eval_every``
+        steps and at the end (the shards sum the counts and log the accuracy). ``run_id``: the run this worker joins
+        (default, as ps-worker: PS_RUN_ID, ``[cluster] run_id``, SLURM_JOB_ID, PS_K8S_JOB_UID);
+        a shard of another run refuses the worker, naming both ids. ``allow_buffers``: no
+        longer needed (buffers are part of the run's model), accepted for old scripts."""
+        self.model = model
+        self._params, _, self._buffers, _ = _entries(model)
+        desc = [(n, [int(d) for d in p.shape]) for n, p in self._params]
+        self._native = _native.Client(str(config), desc, rank, servers, run_id)
+        self._check_buffers(config)
+        norms = [n for n, m in model.named_modules()
+                 if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+        if norms:
+            _log.warning(
+                "BatchNorm layers %s%s normalise over each worker's own b_r samples of a step "
+                "(ghost batch norm of size b_r, as DDP with broadcast_buffers and without "
+                "SyncBatchNorm), not over the global batch: the run equals one process with "
+                "that batch norm; the running statistics are rank 0's (every worker starts "
+                "each step from them)",
+                norms[:3], " ..." if len(norms) > 3 else "",
+            )
+        self.rank = self._native.rank
+        self.world = self._native.world
+        self.loss_reduction = self._native.loss_reduction
+        self.equivalence = self._native.equivalence
+        self._evaluate = evaluate
+        self._eval_every = self._native.eval_every
+        n = self._native.num_params
+        self._offsets = []
+        off = 0
+        for _, p in self._params:
+            self._offsets.append(off)
+            off += p.numel()
+        assert off == n
+        # the pulled weights land in one flat float32 buffer; on the CPU the parameters are
+        # views of it, so a pull updates them in place with no copy
+        self._flat = torch.zeros(n, dtype=torch.float32)
+        self._grad = torch.zeros(n, dtype=torch.float32)
+        self._views = all(p.device.type == "cpu" for _, p in self._params)
+        if self._views:
+            with torch.no_grad():
+                for (_, p), o in zip(self._params, self._offsets):
+                    v = self._flat[o : o + p.numel()].view_as(p)
+                    v.copy_(p.data)
+                    p.data = v
+        self._step = None
+        self._samples = 0
+        self._timing = (0, 0.0, 0, 0.0)
+        # backward(): each parameter's gradient goes to the shards as soon as autograd has
+        # accumulated it (the hooks act only inside Worker.backward)
+        self._overlap = None
+        for i, (_, p) in enumerate(self._params):
+            p.register_post_accumulate_grad_hook(self._grad_hook(i))
+        self._transport = []
+        self.start_step = None
+        self.total_steps = None
+
+    def _check_buffers(self, config) -> None:
+        """The model's persistent buffers must be the run's (names, dtypes, shapes)."""
+        theirs = {n: (d, list(s)) for n, d, s in self._native.buffer_specs}
+        mine = {n: (_EXTRA_DTYPES[b.dtype], [int(d) for d in b.shape]) for n, b in self._buffers}
+        if mine and not theirs:
+            raise UnsupportedModelError(
+                f"the model has buffers {list(mine)[:5]}, but the run's init file ({config}: "
+                "[model] init) declares none: write it with ps.save_init(model, path), which "
+                "includes them"
+            )
+        if mine != theirs:
+            first = next(n for n in list(mine) + list(theirs) if mine.get(n) != theirs.get(n))
+            raise ModelMismatchError(
+                f"model mismatch: buffer {first!r}: the worker's model has "
+                f"{mine.get(first, 'none')} (dtype, shape), the run's {theirs.get(first, 'none')}"
+            )
+
+    def _buffer_blob(self) -> bytes:
+        from safetensors.torch import save
+
+        return save({n: b.detach().cpu().contiguous() for n, b in self._buffers})
+
+    def _pull(self, version: int) -> None:
+        self._native.pull(version, self._flat.numpy())
+        if not self._views:
+            with torch.no_grad():
+                for (_, p), o in zip(self._params, self._offsets):
+                    p.data.copy_(self._flat[o : o + p.numel()].view_as(p))
+        if self._buffers:
+            # the model's buffers of this version: rank 0's after its forward of the step before
+            from safetensors.torch import load
+
+            got = load(self._native.get_buffers(version))
+            with torch.no_grad():
+                for n, b in self._buffers:
+                    b.copy_(got[n])
+
+    def _data_len(self, train_len: int | None) -> int:
+        """``train_len``, or the config's ``[data] train_len`` when None."""
+        if train_len is None:
+            train_len = self._native.train_len
+            if train_len is None:
+                raise ValueError(
+                    "no training-set length: pass train_len (the number of samples of the "
+                    "training set), or set [data] train_len in the config"
+                )
+        return int(train_len)
+
+    def batches(self, train_len: int | None = None) -> Iterator[tuple[int, torch.Tensor]]:
+        """Registers with the shards for a training set of ``train_len`` samples (default:
+        the config's ``[data] train_len``), loads the run's current weights into the model,
+        and yields ``(step, indices)`` for every step of the run: ``indices`` (a LongTensor)
+        are this rank's samples of that step's global batch. Call ``step()`` once per yielded
+        step. At the end the model holds the final weights."""
+
+        def source(t0):
+            for t in range(t0, self.total_steps):
+                idx = torch.from_numpy(np.asarray(self._native.batch(t), dtype=np.int64))
+                yield t, idx, len(idx)
+
+        yield from self._run(self._data_len(train_len), source)
+
+    def sampler(self, train_len: int | None = None) -> "StepSampler":
+        """A batch sampler for the user's own ``torch.utils.data.DataLoader`` over a data set
+        of ``train_len`` samples (default: the config's ``[data] train_len``): each batch it
+        yields is this rank's indices of one step, in step order from the step the run
+        (re)starts at, computed ahead of time from the data-order contract, so the loader may
+        prefetch (``num_workers > 0``, ``pin_memory``)::
+
+            loader = DataLoader(train_set, batch_sampler=worker.sampler(len(train_set)),
+                                num_workers=2, pin_memory=True)
+            for step, (x, y) in worker.steps(loader):
+                ...
+                worker.step(...)
+        """
+        return StepSampler(self, self._data_len(train_len))
+
+    def steps(self, loader: Iterable[Any]) -> Iterator[tuple[int, Any]]:
+        """As ``batches()``, for a ``DataLoader`` whose ``batch_sampler`` is this worker's
+        ``sampler()``: registers, loads the run's weights and yields ``(step, batch)`` with
+        the loader's batch of each step. After a lost shard's rollback the loader is started
+        again from the step the cluster rolled back to (its prefetched batches are dropped)."""
+        sampler = getattr(loader, "batch_sampler", None)
+        if not isinstance(sampler, StepSampler) or sampler.worker is not self:
+            raise ValueError(
+                "worker.steps(loader): the loader's batch_sampler must be this worker's "
+                "sampler() (DataLoader(data, batch_sampler=worker.sampler(len(data)), ...))"
+            )
+
+        def source(t0):
+            sampler._start = t0
+            batches = iter(loader)
+            for t in range(t0, self.total_steps):
+                yield t, next(batches), sampler.step_len(t)
+
+        yield from self._run(sampler.train_len, source)
+
+    def micro_batches(self, batch: Any, k: int) -> Iterator[tuple[Any, float]]:
+        """Gradient accumulation: splits this step's ``batch`` (a tensor, or a tuple/list of
+        tensors sharing the first dimension, e.g. ``(x, y)`` or the indices) into ``k``
+        micro-batches and yields ``(micro_batch, scale)``: call ``(loss * scale).backward()``
+        on each, then ``step()`` once. ``scale`` makes the accumulated ``.grad`` the gradient
+        of the whole batch (the micro-batch's share of it with a mean loss, 1 with a sum), so
+        the run equals one process with the same global batch (except layers whose forward
+        depends on the batch, such as BatchNorm, which then sees the micro-batch). ``k``
+        must divide this rank's batch of every step: checked for all steps before the
+        first."""
+        k = int(k)
+        if k < 1:
+            raise ValueError(f"micro_batches: k = {k}: expected 1 or more")
+        self._check_accumulation(k)
+        parts = batch if isinstance(batch, (tuple, list)) else (batch,)
+        n = len(parts[0])
+        size = n // k
+        mean = self.loss_reduction == "mean"
+        for i in range(k):
+            chunk = tuple(p[i * size:(i + 1) * size] for p in parts)
+            yield (chunk if isinstance(batch, (tuple, list)) else chunk[0]), (
+                size / n if mean else 1.0)
+
+    def _check_accumulation(self, k: int) -> None:
+        """``k`` divides this rank's batch of every step of the run (checked once per k)."""
+        checked = getattr(self, "_accumulation_ok", set())
+        if k in checked:
+            return
+        for t in range(self.start_step or 0, self.total_steps or 0):
+            b = len(self._native.batch(t))
+            if b % k:
+                raise ValueError(
+                    f"micro_batches: k = {k} does not divide rank {self.rank}'s batch of "
+                    f"step {t} ({b} samples): pick k dividing every per-worker batch (the "
+                    "config's per-worker batches, and the short last batch of an epoch with "
+                    "keep_last)"
+                )
+        checked.add(k)
+        self._accumulation_ok = checked
+
+    def test_slice(self, n: int) -> slice:
+        """This rank's share of a test set of ``n`` samples, as the shards split one among
+        the ranks (contiguous; the first ``n % world`` ranks get one more): for an
+        ``evaluate`` that covers the whole test set once across the workers. Any other split,
+        or none, is fine too: the shards sum what the workers report."""
+        lo, hi = self._native.slice_of(int(n))
+        return slice(lo, hi)
+
+    def _run(self, train_len: int, source):
+        """The run: registers, pulls the starting weights, and yields ``(step, batch)`` from
+        ``source(first_step)`` (items ``(step, batch, samples)``), expecting ``step()`` once
+        per item; after a rollback, starts ``source`` again from the step rolled back to. At
+        the end reports the final evaluation and leaves."""
+        start, total = self._native.connect(int(train_len))
+        self.start_step, self.total_steps = start, total
+        self._transport = self._native.transport()
+        try:
+            # frozen parameters and buffers: every worker's must equal the first worker's
+            self._native.check_constants(self._constants())
+            self._rewind = None
+            self._pull_or_rewind(start)
+            t0, self._rewind = (start if self._rewind is None else self._rewind), None
+            while True:
+                redo = None
+                items = source(t0)
+                try:
+                    for t, batch, samples in items:
+                        self._step, self._samples = t, samples
+                        yield t, batch
+                        if self._step is not None:
+                            raise RuntimeError(
+                                f"worker.step() was not called for step {t}: call it once "
+                                "per batch"
+                            )
+                        # after a lost shard the cluster rolled back: the steps from there
+                        # are redone (the same batches, so the run ends as if nothing had
+                        # happened)
+                        if self._rewind is not None:
+                            redo, self._rewind = self._rewind, None
+                            break
+                finally:
+                    items.close()
+                if redo is None:
+                    break
+                t0 = redo
+            correct, count = self._run_evaluate()
+            self._native.leave(correct, count)
+        except BaseException as e:
+            # the run cannot complete without this worker: the shards end it now, and the
+            # other workers stop with the reason instead of waiting out the barrier timeout
+            why = ("its training loop was left before the run's end (an exception in the "
+                   "loop's body, or a break)"
+                   if isinstance(e, GeneratorExit) else f"{type(e).__name__}: {e}")
+            self._native.abandon(f"{why} (step {self._step})")
+            raise
+        finally:
+            self._step = None
+            self._timing = self._native.timing()
+            self._native.close()
+
+    def _constants(self):
+        """(name, shape, dtype, fingerprint, is a buffer) of each frozen parameter (the
+        buffers are the run's, from shard 0: not compared)."""
+        out = []
+        entries = [(n, p, False) for n, p in self.model.named_parameters() if not p.requires_grad]
+        for name, t, buffer in entries:
+            data = t.detach().cpu().contiguous().reshape(-1)
+            raw = data.view(torch.uint8).numpy().tobytes() if data.numel() else b""
+            digest = hashlib.blake2b(raw, digest_size=8).digest()
+            out.append((name, [int(d) for d in t.shape], str(t.dtype).removeprefix("torch."),
+                        int.from_bytes(digest, "little"), buffer))
+        return out
+
+    def _pull_or_rewind(self, version: int) -> None:
+        """Pulls ``version``; when a shard was lost meanwhile and the cluster rolled back, pulls
+        the version rolled back to instead and records it as the step to go on from."""
+        while True:
+            try:
+                self._pull(version)
+                return
+            except _native.RolledBack as e:
+                version = self._rolled_back(e)
+
+    def _rolled_back(self, e) -> int:
+        """Records the step to redo from after ``e`` (a RolledBack) and returns it."""
+        start = int(e.args[0])
+        _log.warning(
+            "worker %d: a shard was lost (%s); the cluster rolled back to version %d: the "
+            "steps from %d are redone",
+            self.rank, e.args[1], start, start,
+        )
+        for _, p in self._params:
+            p.grad = None
+        self._rewind = start
+        return start
+
+    def _push_and_pull(self, push) -> None:
+        """``push()`` (the step's push), then the pull of the next version; after a lost shard,
+        the pull of the version the cluster rolled back to."""
+        t = self._step
+        try:
+            push()
+        except _native.RolledBack as e:
+            self._pull_or_rewind(self._rolled_back(e))
+            self._step = None
+            return
+        for _, p in self._params:
+            p.grad = None
+        self._pull_or_rewind(t + 1)
+        self._step = None
+
+    def _run_evaluate(self):
+        if self._evaluate is None:
+            return 0, 0
+        was_training = self.model.training
+        self.model.eval()
+        with torch.no_grad():
+            correct, count = self._evaluate(self.model)
+        self.model.train(was_training)
+        return int(correct), int(count)
+
+    def step(self, loss_sum: float = 0.0, correct: int | torch.Tensor = 0,
+             samples: int | None = None) -> None:
+        """Pushes the ``.grad`` of every trainable parameter for the current step (and
+        ``loss_sum``, the sum of the per-sample losses of this worker's batch, and ``correct``,
+        its correct predictions, for the shards' log), then pulls the new weights into the
+        parameters in place. Clears every ``.grad`` (sets it to None) for the next step.
+        ``samples`` defaults to this step's batch length (the weight of ``weighted``
+        aggregation)."""
+        t = self._step
+        if t is None:
+            raise RuntimeError("worker.step() outside a step of worker.batches()")
+        # one array per tensor: CPU float32 gradients are read in place (copied once, into
+        # the buffer the shards read); others are first copied to the CPU
+        parts = []
+        unused = [i for i, (_, p) in enumerate(self._params) if p.grad is None]
+        self._check_reached(unused, t)
+        with torch.no_grad():
+            for (name, p), o in zip(self._params, self._offsets):
+                g = p.grad
+                if g is None:  # not reached: zeros, and the shards are told (mark_unused)
+                    buf = self._grad[o : o + p.numel()]
+                    buf.zero_()
+                    parts.append(buf.numpy())
+                    continue
+                if g.device.type == "cpu" and g.dtype == torch.float32 and g.is_contiguous():
+                    parts.append(g.reshape(-1).numpy())
+                else:
+                    buf = self._grad[o : o + p.numel()]
+                    buf.copy_(g.reshape(-1))
+                    parts.append(buf.numpy())
+        ev = (0, 0)
+        if self._eval_every and t > 0 and t % self._eval_every == 0:
+            ev = self._run_evaluate()
+        if isinstance(loss_sum, torch.Tensor):
+            loss_sum = loss_sum.item()
+        if isinstance(correct, torch.Tensor):
+            correct = correct.item()
+        n = self._samples if samples is None else int(samples)
+
+        def push():
+            self._put_buffers(t)
+            if unused:
+                self._native.mark_unused(t, unused)
+            self._native.push_parts(t, parts, n, float(loss_sum), int(correct), ev[0], ev[1])
+
+        self._push_and_pull(push)
+
+    def _put_buffers(self, t: int) -> None:
+        """Rank 0: its buffers after the forward pass of step ``t`` go to shard 0 (they are
+        the buffers of version ``t + 1``), before its push of the step."""
+        if self._buffers and self.rank == 0:
+            self._native.put_buffers(t, self._buffer_blob())
+
+    def _check_reached(self, unused: list, t: int) -> None:
+        """A step in which no trainable parameter got a gradient is a missing backward()."""
+        if len(unused) == len(self._params):
+            raise GradNoneError(
+                f"no trainable parameter has a gradient at step {t}: call loss.backward() "
+                "before worker.step()"
+            )
+
+    def backward(self, loss: torch.Tensor, correct: int | torch.Tensor = 0,
+                 samples: int | None = None) -> None:
+        """``loss.backward()`` and ``step()`` in one, with the push overlapping backward (as
+        DDP overlaps its all-reduce): the gradient of each shard's range is pushed as soon as
+        autograd has produced it, while backward goes on with earlier layers; then the new
+        weights are pulled into the parameters in place. ``loss``: this worker's batch loss
+        with the configured reduction (the loss sum for the shards' log is derived from it);
+        ``correct``: its correct predictions. Same numbers as ``loss.backward()`` followed by
+        ``step()``."""
+        t = self._step
+        if t is None:
+            raise RuntimeError("worker.backward() outside a step of worker.batches()")
+        n = self._samples if samples is None else int(samples)
+        value = float(loss.detach())
+        loss_sum = value * n if self.loss_reduction == "mean" else value
+        if isinstance(correct, torch.Tensor):
+            correct = correct.item()
+        ev = (0, 0)
+        if self._eval_every and t > 0 and t % self._eval_every == 0:
+            ev = self._run_evaluate()  # the weights of version t, as step() evaluates them
+        for _, p in self._params:
+            p.grad = None
+        try:
+            self._put_buffers(t)  # the forward pass is done: its buffers go before the push
+        except _native.RolledBack as e:
+            self._pull_or_rewind(self._rolled_back(e))
+            self._step = None
+            return
+        self._native.begin_push(t, n, loss_sum, int(correct), ev[0], ev[1])
+        self._overlap = [False] * len(self._params)
+        try:
+            loss.backward()
+        finally:
+            written, self._overlap = self._overlap, None
+        missing = [i for i, w in enumerate(written) if not w]
+        if len(missing) == len(self._params):
+            try:
+                self._native.finish_push()  # nothing was written: drops the begun push
+            except RuntimeError:
+                pass
+            self._check_reached(missing, t)
+
+        def finish():
+            # parameters backward did not reach: zeros, after telling the shards holding
+            # them (whose pushes wait for these values, so they start only now)
+            if missing:
+                self._native.mark_unused(t, missing)
+                for i in missing:
+                    o, k = self._offsets[i], self._params[i][1].numel()
+                    buf = self._grad[o : o + k]
+                    buf.zero_()
+                    self._native.grad_ready(i, buf.numpy())
+            self._native.finish_push()
+
+        self._push_and_pull(finish)
+
+    def _grad_hook(self, i: int):
+        def hook(p):
+            if self._overlap is None:
+                return
+            g = p.grad
+            with torch.no_grad():
+                if g.device.type == "cpu" and g.dtype == torch.float32 and g.is_contiguous():
+                    arr = g.reshape(-1).numpy()
+                else:
+                    o = self._offsets[i]
+                    buf = self._grad[o : o + p.numel()]
+                    buf.copy_(g.reshape(-1))
+                    arr = buf.numpy()
+            self._native.grad_ready(i, arr)
+            self._overlap[i] = True
+
+        return hook
+
+    def timing(self) -> dict[str, float]:
+        """Communication so far: {"pushes", "push_s", "pulls", "pull_s"}."""
+        if self._native_connected():
+            self._timing = self._native.timing()
+        pushes, push_s, pulls, pull_s = self._timing
+        return {"pushes": pushes, "push_s": push_s, "pulls": pulls, "pull_s": pull_s}
+
+    def _native_connected(self) -> bool:
+        try:
+            self._native.timing()
+            return True
+        except RuntimeError:
+            return False
+
+    def transport(self) -> list[str]:
+        """How tensors travel to each shard ("shared memory", "gRPC", ...), once connected."""
+        return self._transport
+
+
+class StepSampler(torch.utils.data.Sampler):
+    """A ``DataLoader`` batch sampler (``Worker.sampler()``): yields this rank's sample
+    indices of each step from the step the run starts at (or was rolled back to), a pure
+    function of the step (the data-order contract), so a loader may read any number ahead."""
+
+    def __init__(self, worker: Worker, train_len: int):
+        self.worker = worker
+        self.train_len = int(train_len)
+        self._start = 0
+        self._native = worker._native
+        self._native.plan(self.train_len)  # the order, before connecting (connect sets it too)
+
+    def step_len(self, step: int) -> int:
+        """How many samples this rank has in step ``step``."""
+        return len(self._native.batch(step))
+
+    def __iter__(self):
+        total = self.worker.total_steps
+        if total is None:
+            raise RuntimeError(
+                "iterate the loader through worker.steps(loader): it registers with the "
+                "shards first, which says the step the run starts at"
+            )
+        for t in range(self._start, total):
+            yield [int(i) for i in self._native.batch(t)]
+
+    def __len__(self) -> int:
+        total = self.worker.total_steps
+        if total is None:
+            total = self._native.total_steps_for(self.train_len)
+        return total - self._start
+
+
+def distributed(model: torch.nn.Module, config: str | os.PathLike[str],
+                **worker_args: Any) -> "Distributed":
+    """Wraps ``model`` for a run of ``config``, as ``DistributedDataParallel`` wraps a model:
+    the loop keeps its shape (forward through the wrapper, ``loss.backward()``, then
+    ``opt_step()`` where ``optimizer.step()`` was; the shards run the optimizer of the
+    config). ``worker_args`` go to ``ps.Worker`` (rank, servers, evaluate, run_id)."""
+    return Distributed(model, config, **worker_args)
+
+
+class Distributed(torch.nn.Module):
+    """``ps.distributed(model, config)``: the model, a ``ps.Worker`` beside it, and the run's
+    data order. ``loader(dataset, ...)`` yields this rank's batch of each step of the run
+    (through a ``DataLoader``: ``num_workers``, ``pin_memory`` and the other ``DataLoader``
+    arguments are the user's; after a lost shard's rollback it goes on from the step rolled
+    back to), ``opt_step()`` pushes the gradients and loads the next weights (and buffers).
+    ``module`` is the wrapped model (export it with ``ps.export(model.module, path)``);
+    ``worker`` the ``ps.Worker``; ``step_number`` the run's step being computed."""
+
+    def __init__(self, model: torch.nn.Module, config: str | os.PathLike[str],
+                 **worker_args: Any):
+        super().__init__()
+        self.module = model
+        self.worker = Worker(config, model, **worker_args)
+        self.step_number = None
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def loader(self, dataset: torch.utils.data.Dataset,
+               **loader_args: Any) -> torch.utils.data.DataLoader:
+        """This rank's batch of each step of the run, as a ``DataLoader`` over ``dataset``
+        with ``batch_sampler=worker.sampler(len(dataset))`` makes it (``loader_args``: the
+        other ``DataLoader`` arguments). Registers with the shards and loads the run's
+        weights first; call ``opt_step()`` once per batch."""
+        if "batch_size" in loader_args or "sampler" in loader_args or "shuffle" in loader_args:
+            raise ValueError(
+                "loader(): batch_size, sampler and shuffle come from the run (its global batch "
+                "and data order); pass the other DataLoader arguments only"
+            )
+        loader = torch.utils.data.DataLoader(
+            dataset, batch_sampler=self.worker.sampler(len(dataset)), **loader_args
+        )
+        try:
+            for t, batch in self.worker.steps(loader):
+                self.step_number = t
+                yield batch
+        finally:
+            self.step_number = None
+
+    def opt_step(self, loss: torch.Tensor | None = None,
+                 correct: int | torch.Tensor = 0) -> None:
+        """Pushes every ``.grad`` of this step (``loss``: the batch's loss, for the shards'
+        log only) and pulls the new weights into the model; clears the gradients."""
+        loss_sum = 0.0
+        if loss is not None:
+            n = self.worker._samples
+            value = float(loss.detach())
+            loss_sum = value * n if self.worker.loss_reduction == "mean" else value
+        self.worker.step(loss_sum=loss_sum, correct=correct)
+
+    def micro_batches(self, batch: Any, k: int) -> Iterator[tuple[Any, float]]:
+        """``Worker.micro_batches`` of this step's batch."""
+        return self.worker.micro_batches(batch, k)
