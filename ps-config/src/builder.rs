@@ -64,6 +64,7 @@ impl TestConfig {
                 aggregation: Aggregation::Mean,
                 log_every: 5,
                 eval_every: 0,
+                micro_batches: 1,
             },
             optimizer: RawOptimizer {
                 kind: OptimizerKind::Sgd,
@@ -75,6 +76,7 @@ impl TestConfig {
                 beta2: default_beta2(),
                 eps: default_eps(),
                 groups: Vec::new(),
+                clip_norm: None,
             },
             schedule: RawSchedule::default(),
             server: RawServer {
@@ -262,12 +264,23 @@ impl TestConfig {
             beta2: default_beta2(),
             eps: default_eps(),
             groups: Vec::new(),
+            clip_norm: self.raw.optimizer.clip_norm,
         };
         self
     }
     /// `[optimizer] nesterov`.
     pub fn nesterov(mut self, n: bool) -> Self {
         self.raw.optimizer.nesterov = n;
+        self
+    }
+    /// `[optimizer] clip_norm`.
+    pub fn clip_norm(mut self, max_norm: f64) -> Self {
+        self.raw.optimizer.clip_norm = Some(max_norm);
+        self
+    }
+    /// `[train] micro_batches`.
+    pub fn micro_batches(mut self, k: u64) -> Self {
+        self.raw.train.micro_batches = k;
         self
     }
     /// `[optimizer] weight_decay`.

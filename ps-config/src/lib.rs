@@ -322,6 +322,10 @@ pub struct Config {
     /// `[[optimizer.groups]]`: parameter groups with their own settings (resolved against
     /// the model's tensor names); empty when none.
     pub groups: Vec<optimizer::ParamGroup>,
+    /// `[optimizer] clip_norm`: the aggregated gradient of every step is clipped to this
+    /// global L2 norm over the whole model (across the shards), as
+    /// `torch.nn.utils.clip_grad_norm_(params, max_norm)`; None: no clipping.
+    pub clip_norm: Option<f32>,
     /// `[server]`: shard settings.
     pub server: ServerConfig,
     /// `[worker]`: worker settings.
@@ -397,6 +401,7 @@ impl Config {
         let model = raw.model.validate(resolve)?;
         let mut train = raw.train.validate()?;
         let optimizer = raw.optimizer.validate()?;
+        let clip_norm = raw.optimizer.clip_norm()?;
         let schedule = raw.schedule.validate(raw.optimizer.lr)?;
         let server = raw.server.validate(resolve)?;
         let worker = raw.worker.validate()?;
@@ -426,6 +431,20 @@ impl Config {
                 train.global_batch
             ));
         }
+        // [train] micro_batches x the per-worker batches
+        let k = train.micro_batches;
+        if k > 1 {
+            let b: Vec<usize> = split_even(train.global_batch, w)
+                .iter()
+                .map(|r| r.len())
+                .collect();
+            if let Some(bad) = b.iter().find(|&&b| b % k != 0) {
+                return Err(format!(
+                    "[train] micro_batches = {k} does not divide the per-worker batch {bad} (global batch {} over {w} workers: {b:?}): expected every worker's batch to split into {k} equal micro-batches",
+                    train.global_batch
+                ));
+            }
+        }
         // [server] x [cluster]: one metrics address per shard
         if !server.metrics_addrs.is_empty() && server.metrics_addrs.len() != cluster.servers.len() {
             return Err(format!(
@@ -450,6 +469,7 @@ impl Config {
             optimizer,
             schedule,
             groups,
+            clip_norm,
             server,
             worker,
             checkpoint,
@@ -659,6 +679,16 @@ impl Config {
             .collect()
     }
 
+    /// The optimizer in words, with its groups and gradient clipping: what the start-up line
+    /// says and what a checkpoint's identity holds (a resume with other settings is refused).
+    pub fn describe_optimizer(&self) -> String {
+        let clip = match self.clip_norm {
+            Some(c) => format!("; gradient clipped to global norm {c} (clip_grad_norm_)"),
+            None => String::new(),
+        };
+        self.optimizer.describe() + &optimizer::describe_groups(&self.groups) + &clip
+    }
+
     /// The single-process run this configuration is equivalent to: the sum-or-mean table of the README.
     pub fn equivalence(&self) -> Equivalence {
         let w = self.cluster.workers as f64;
@@ -706,8 +736,9 @@ impl Config {
             warnings.push("wire \"bf16\": gradients pushed over the network travel as bfloat16 with error feedback on each worker (shared-memory pushes and pulls stay f32): the run no longer equals the single-process one exactly".into());
             exact = false;
         }
-        let lr_is_scale =
-            matches!(self.optimizer, Optimizer::Sgd { weight_decay, .. } if weight_decay == 0.0);
+        // clipping looks at the gradient's size: a scaled gradient is not a scaled lr then
+        let lr_is_scale = self.clip_norm.is_none()
+            && matches!(self.optimizer, Optimizer::Sgd { weight_decay, .. } if weight_decay == 0.0);
         Equivalence {
             global_batch: self.train.global_batch,
             loss_reduction: self.train.loss_reduction,
@@ -718,6 +749,8 @@ impl Config {
             mean_of_means,
             workers: self.cluster.workers,
             warnings,
+            clip_norm: self.clip_norm,
+            micro_batches: self.train.micro_batches,
             buffers: self.model.declared.as_ref().and_then(|d| {
                 (!d.buffers.is_empty()).then(|| {
                     format!(
@@ -774,7 +807,7 @@ impl Config {
             },
             self.train.loss_reduction,
             self.train.aggregation,
-            self.optimizer.describe() + &optimizer::describe_groups(&self.groups),
+            self.describe_optimizer(),
             self.schedule.describe(),
             self.train.log_every,
             if self.train.eval_every == 0 {
@@ -821,6 +854,12 @@ pub struct Equivalence {
     pub workers: usize,
     /// Plain-words warnings (rescaled lr, biased mean).
     pub warnings: Vec<String>,
+    /// `[optimizer] clip_norm`: the single process clips its gradient (the one multiplied by
+    /// `grad_scale`, which is what the shards hold) with `clip_grad_norm_(params, max_norm)`.
+    pub clip_norm: Option<f32>,
+    /// `[train] micro_batches`: each worker sums this many micro-batch gradients (the same
+    /// gradient as one pass over its batch).
+    pub micro_batches: usize,
     /// A declared model with buffers: what its BatchNorm equals (appended to the statement).
     pub buffers: Option<String>,
 }
@@ -854,6 +893,24 @@ impl fmt::Display for Equivalence {
                 self.global_batch,
                 self.loss_reduction,
                 fmt_num(self.grad_scale)
+            )?;
+        }
+        if let Some(c) = self.clip_norm {
+            write!(
+                f,
+                "; before each step it clips {} gradient as torch.nn.utils.clip_grad_norm_(params, max_norm = {c}) does (the global L2 norm over the whole model, across the shards; parameters no sample reached do not count)",
+                if self.grad_scale == 1.0 {
+                    "its"
+                } else {
+                    "that (multiplied)"
+                }
+            )?;
+        }
+        if self.micro_batches > 1 {
+            write!(
+                f,
+                "; each worker computes its batch in {} micro-batches and sums their gradients before pushing (gradient accumulation: the same gradient as one pass, to float rounding; BatchNorm statistics would be over the micro-batch)",
+                self.micro_batches
             )?;
         }
         f.write_str(self.buffers.as_deref().unwrap_or(""))

@@ -25,6 +25,9 @@ pub(super) struct RawOptimizer {
     /// `[[optimizer.groups]]`: parameter groups by tensor-name pattern.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub groups: Vec<RawGroup>,
+    /// Global gradient-norm clipping: `max_norm` of `torch.nn.utils.clip_grad_norm_`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub clip_norm: Option<f64>,
 }
 
 /// One `[[optimizer.groups]]` table: the tensors whose names match one of `params` (glob
@@ -205,6 +208,22 @@ pub(super) fn default_eps() -> f32 {
 }
 
 impl RawOptimizer {
+    /// `clip_norm`, checked: a positive, finite number that is one as an f32 too (the shards
+    /// clip in f32, as torch does).
+    pub(super) fn clip_norm(&self) -> Result<Option<f32>, String> {
+        let Some(c) = self.clip_norm else {
+            return Ok(None);
+        };
+        let f = c as f32;
+        if !(c.is_finite() && c > 0.0 && f.is_finite() && f > 0.0) {
+            return Err(format!(
+                "[optimizer] clip_norm = {}: expected a positive, finite number (the max_norm of torch.nn.utils.clip_grad_norm_); leave it out for no clipping",
+                show(c)
+            ));
+        }
+        Ok(Some(f))
+    }
+
     pub(super) fn validate(&self) -> Result<Optimizer, String> {
         if !(self.lr.is_finite() && self.lr > 0.0) {
             return Err(format!(

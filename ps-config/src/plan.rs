@@ -631,10 +631,28 @@ pub fn explain(cfg: &Config) -> String {
             fmt_list(&split),
             cfg.train.loss_reduction,
             cfg.train.aggregation,
-            cfg.optimizer.describe(),
+            cfg.describe_optimizer(),
             cfg.schedule.base_lr
         ),
     );
+    if cfg.train.micro_batches > 1 {
+        comment(
+            &mut out,
+            &format!(
+                "[train] micro_batches = {}: each worker computes its batch ({}) in {} micro-batches of {} and sums their gradients before pushing; the step is the same (activation memory per pass is 1/{} of it)",
+                cfg.train.micro_batches,
+                fmt_list(&split),
+                cfg.train.micro_batches,
+                fmt_list(
+                    &split
+                        .iter()
+                        .map(|b| b / cfg.train.micro_batches)
+                        .collect::<Vec<_>>()
+                ),
+                cfg.train.micro_batches
+            ),
+        );
+    }
     let eq = cfg.equivalence();
     state(&mut out, &eq);
     if !eq.exact || eq.grad_scale != 1.0 {
@@ -666,6 +684,19 @@ pub fn explain(cfg: &Config) -> String {
             );
             for l in p.text.lines().filter(|l| !l.starts_with('#')) {
                 let _ = writeln!(out, "{l}");
+            }
+            if let Some(c) = cfg.clip_norm {
+                // clipping is of the gradient the shards hold, which the plan keeps unscaled
+                let _ = writeln!(out, "clip_norm = {c}");
+            }
+            if cfg.train.micro_batches > 1 {
+                comment(
+                    &mut out,
+                    &format!(
+                        "and keep [train] micro_batches = {}",
+                        cfg.train.micro_batches
+                    ),
+                );
             }
         }
     }

@@ -79,10 +79,22 @@ pub(super) struct RawTrain {
     pub log_every: u64,
     #[serde(default)]
     pub eval_every: u64,
+    /// Gradient accumulation: each worker computes its batch of a step in this many
+    /// micro-batches and sums their gradients before pushing.
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub micro_batches: u64,
 }
 
 fn default_log_every() -> u64 {
     10
+}
+
+fn one() -> u64 {
+    1
+}
+
+fn is_one(k: &u64) -> bool {
+    *k == 1
 }
 
 /// `[train]`, validated.
@@ -108,6 +120,10 @@ pub struct TrainConfig {
     pub log_every: u64,
     /// Evaluate on the test set every N steps (0 = only at the end).
     pub eval_every: u64,
+    /// `k`: each worker's batch of a step is computed in `k` micro-batches of `b_r / k`
+    /// samples whose gradients it sums before pushing (the same gradient as one pass over
+    /// `b_r`, to float rounding; less activation memory, more passes). 1: no accumulation.
+    pub micro_batches: usize,
 }
 
 impl RawTrain {
@@ -153,6 +169,11 @@ impl RawTrain {
         }
         at_most("[train] log_every", self.log_every, MAX_STEPS)?;
         at_most("[train] eval_every", self.eval_every, MAX_STEPS)?;
+        if self.micro_batches == 0 {
+            return Err("[train] micro_batches = 0: expected 1 (no accumulation) or more".into());
+        }
+        let micro_batches =
+            at_most("[train] micro_batches", self.micro_batches, MAX_BATCH)? as usize;
         if self.loss_reduction == LossReduction::Sum && self.aggregation == Aggregation::Weighted {
             return Err(
                 "[train] aggregation = \"weighted\" with loss_reduction = \"sum\": weighted aggregation expects mean-reduced worker gradients; use loss_reduction = \"mean\"".into(),
@@ -169,6 +190,7 @@ impl RawTrain {
             aggregation: self.aggregation,
             log_every: self.log_every,
             eval_every: self.eval_every,
+            micro_batches,
         })
     }
 }

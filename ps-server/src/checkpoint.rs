@@ -331,7 +331,7 @@ impl Identity {
             num_shards: cfg.num_shards(),
             range,
             num_params: cfg.spec().num_params(),
-            optimizer: cfg.optimizer.describe() + &ps_common::config::describe_groups(&cfg.groups),
+            optimizer: cfg.describe_optimizer(),
             run_id: cfg.cluster.run_id.clone(),
         }
     }

@@ -16,6 +16,7 @@
 
 pub mod accept;
 pub mod checkpoint;
+pub mod clip;
 pub mod data;
 pub mod exporter;
 pub mod lease;
@@ -274,7 +275,7 @@ async fn run_generation(
         log_every: cfg.train.log_every,
         metrics_file: (index == 0).then(|| cfg.server.out_dir.join("metrics.jsonl")),
         append_metrics: resumed,
-        shard0,
+        shard0: shard0.clone(),
         security: ps_common::auth::ClientSecurity::of(&cfg),
         shard_token: shard_token.clone(),
         tensorboard_dir: (index == 0).then(|| cfg.server.out_dir.clone()),
@@ -285,6 +286,21 @@ async fn run_generation(
             "shard {index}: no shard credential ([server] shard_token_file, or {} as ps-launch sets it): shard-to-shard calls (step reports, recovery from a lost shard) are refused; set [server] shard_token_file to a token only the shards read",
             ps_common::auth::SHARD_TOKEN_ENV
         );
+    }
+    // [optimizer] clip_norm over several shards: shard 0 gathers the norms, the others ask it
+    let clip_hub = (cfg.clip_norm.is_some() && cfg.num_shards() > 1 && index == 0)
+        .then(|| Arc::new(clip::Hub::new(&cfg)));
+    if let Some(hub) = &clip_hub {
+        shard.set_norm_exchange(hub.clone());
+    } else if cfg.clip_norm.is_some() && cfg.num_shards() > 1 {
+        let shard0 = shard0.clone().unwrap_or_default();
+        shard.set_norm_exchange(Arc::new(clip::Spoke::new(
+            &cfg,
+            index,
+            shard0,
+            shard_token.clone(),
+            cell.generation(),
+        )));
     }
     let all_left = Arc::new(Notify::new());
     let plan = memory::MemoryPlan::of(&cfg, shard.len());
@@ -386,6 +402,7 @@ async fn run_generation(
         max_streams,
         recovery: cell.clone(),
         wire: cfg.cluster.wire,
+        clip_hub,
     };
     let watcher = svc.clone();
     let svc_peers = svc.peers.clone();

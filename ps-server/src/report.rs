@@ -435,6 +435,10 @@ fn emit(
         if let Some(a) = test_acc {
             line["test_acc_before_step"] = json!(a);
         }
+        if let Some((total, coef)) = f.clip {
+            line["clip_total_norm"] = json!(total);
+            line["clip_coef"] = json!(coef);
+        }
         if let Some(s) = smoothed {
             if let Some(b) = s.b_noise {
                 line["b_noise"] = json!(b);

@@ -21,10 +21,10 @@ use ps_common::config::Wire;
 use ps_common::datalink;
 use ps_common::pb::parameter_server_server::ParameterServer;
 use ps_common::pb::{
-    BuffersPut, BuffersPutReply, BuffersReply, BuffersRequest, ConstantsReply, ConstantsRequest,
-    LeaveReply, LeaveRequest, PullChunk, PullHeader, PullRequest, PushChunk, PushReply,
-    RecoverReply, RecoverRequest, RegisterReply, RegisterRequest, ReportReply, StepReport,
-    UnusedReply, UnusedRequest,
+    BuffersPut, BuffersPutReply, BuffersReply, BuffersRequest, ClipNormReply, ClipNormRequest,
+    ConstantsReply, ConstantsRequest, LeaveReply, LeaveRequest, PullChunk, PullHeader, PullRequest,
+    PushChunk, PushReply, RecoverReply, RecoverRequest, RegisterReply, RegisterRequest,
+    ReportReply, StepReport, UnusedReply, UnusedRequest,
 };
 use ps_common::throttle::ThrottleMap;
 use ps_common::wire::{StreamCheck, TensorReceiver, check_and_fingerprint, chunks};
@@ -88,6 +88,9 @@ pub struct ShardService {
     /// How pushed values arrive over the network (`[cluster] wire`); shared-memory pushes
     /// are f32 whatever it says.
     pub wire: Wire,
+    /// Shard 0 with `[optimizer] clip_norm` over several shards: where the other shards'
+    /// gradient norms meet (`crate::clip`).
+    pub clip_hub: Option<Arc<crate::clip::Hub>>,
 }
 
 /// The wire a registering worker says it pushes with ([`ps_common::client::WIRE_KEY`];
@@ -477,5 +480,45 @@ impl ParameterServer for ShardService {
         request: Request<RecoverRequest>,
     ) -> Result<Response<RecoverReply>, Status> {
         self.recover_inner(request).await.map(Response::new)
+    }
+
+    async fn clip_norm(
+        &self,
+        request: Request<ClipNormRequest>,
+    ) -> Result<Response<ClipNormReply>, Status> {
+        self.check_shard_credential(request.metadata(), "gradient norms for clipping")?;
+        let r = request.into_inner();
+        let Some(hub) = &self.clip_hub else {
+            return Err(PsError::BadChunk(format!(
+                "gradient norms from shard {}: shard {} gathers none (only shard 0 does, with [optimizer] clip_norm)",
+                r.shard, self.shard.index
+            ))
+            .into());
+        };
+        let ours = self.recovery.generation();
+        if r.generation != ours {
+            return Err(PsError::Unavailable(format!(
+                "gradient norms from shard {} of generation {}: this shard serves generation {ours}",
+                r.shard, r.generation
+            ))
+            .into());
+        }
+        if r.step >= self.shard.total_steps {
+            return Err(PsError::BadChunk(format!(
+                "gradient norms of step {} from shard {}: expected a step of the run (0..{})",
+                r.step, r.shard, self.shard.total_steps
+            ))
+            .into());
+        }
+        hub.check(&r).map_err(PsError::BadChunk)?;
+        hub.contribute(r.shard as usize, r.step, r.first_tensor, &r.sq);
+        let total_norm = hub
+            .wait(r.step, &self.shard)
+            .await
+            .map_err(PsError::Unavailable)?;
+        Ok(Response::new(ClipNormReply {
+            step: r.step,
+            total_norm,
+        }))
     }
 }

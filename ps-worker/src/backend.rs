@@ -82,6 +82,58 @@ pub trait Backend: Send {
     fn evaluate(&mut self, x: &[f32], labels: &[u8]) -> BackendResult<u64>;
 }
 
+/// The gradient of a step's batch computed in `k` micro-batches (`[train] micro_batches`,
+/// gradient accumulation): the batch is split as evenly as possible (`k` equal parts when `k`
+/// divides it, as the config requires of full batches), each part's gradient is computed by
+/// [`Backend::forward_backward`] into `part` and summed into `grad`, weighted by its share of
+/// the batch with a `mean` loss (the mean over the whole batch) and by 1 with a `sum` loss;
+/// `ready` is called once, with the whole sum, and the figures are summed over the parts.
+/// With `k <= 1` this is [`Backend::forward_backward_overlapped`] (the push of the last layers
+/// overlaps the backward of the first); with accumulation the pushes start after the last
+/// micro-batch.
+#[allow(clippy::too_many_arguments)]
+pub fn forward_backward_micro(
+    backend: &mut dyn Backend,
+    x: &[f32],
+    labels: &[u8],
+    reduction: LossReduction,
+    k: usize,
+    grad: &mut [f32],
+    part: &mut Vec<f32>,
+    ready: &mut dyn FnMut(usize, &[f32], StepStats),
+) -> BackendResult<StepStats> {
+    if k <= 1 {
+        return backend.forward_backward_overlapped(x, labels, reduction, grad, ready);
+    }
+    let n = labels.len();
+    let inputs = x.len().checked_div(n).unwrap_or(0);
+    part.resize(grad.len(), 0.0);
+    grad.fill(0.0);
+    let mut total = StepStats::default();
+    for r in ps_common::layout::split_even(n, k) {
+        if r.is_empty() {
+            continue;
+        }
+        let stats = backend.forward_backward(
+            &x[r.start * inputs..r.end * inputs],
+            &labels[r.clone()],
+            reduction,
+            part,
+        )?;
+        let w = match reduction {
+            LossReduction::Mean => r.len() as f32 / n as f32,
+            LossReduction::Sum => 1.0,
+        };
+        grad.iter_mut()
+            .zip(part.iter())
+            .for_each(|(g, &p)| *g += w * p);
+        total.loss_sum += stats.loss_sum;
+        total.correct += stats.correct;
+    }
+    ready(0, grad, total);
+    Ok(total)
+}
+
 /// Checks the common argument shapes of [`Backend::forward_backward`]: `x` is `labels.len()`
 /// rows of `inputs` features, every label is below `classes`, `grad` (if given) holds
 /// `num_params` values.

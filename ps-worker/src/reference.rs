@@ -40,9 +40,12 @@ pub fn run_reference(cfg: &Config, train: &Dataset) -> anyhow::Result<ReferenceR
 /// [`run_reference`], computing each step's gradient as `kind` says.
 pub fn run_reference_of(cfg: &Config, train: &Dataset, kind: Kind) -> anyhow::Result<ReferenceRun> {
     let layout = cfg.layout();
+    let spec = cfg.spec();
     let total = cfg.total_steps(train.len())?;
     let eq = cfg.equivalence();
     let schedule = cfg.schedule_for(total);
+    // with clipping the gradient is scaled as the shards hold it, then clipped (never an lr
+    // scale instead: eq.lr_is_scale is false then)
     let (lr_factor, grad_factor) = if eq.lr_is_scale {
         (eq.grad_scale, 1.0)
     } else {
@@ -87,6 +90,9 @@ pub fn run_reference_of(cfg: &Config, train: &Dataset, kind: Kind) -> anyhow::Re
         }
         if grad_factor != 1.0 {
             grad.iter_mut().for_each(|g| *g *= grad_factor);
+        }
+        if let Some(max_norm) = cfg.clip_norm {
+            ps_common::optim::clip::clip_grad_norm(&spec, &mut grad, max_norm);
         }
         let lr = schedule.lr(t) * lr_factor;
         cfg.optimizer.step(&mut params, &grad, &mut opt, lr as f32);

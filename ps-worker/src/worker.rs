@@ -129,6 +129,8 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
         }
     };
     let (mut x, mut y) = (Vec::new(), Vec::new());
+    // one micro-batch's gradient, with [train] micro_batches > 1
+    let mut part = Vec::new();
     let mut timing = Timing::default();
     let chunk_bytes = cfg.server.chunk_bytes;
     let wire = cfg.cluster.wire;
@@ -195,11 +197,14 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
         let mut senders: Vec<Option<tokio::sync::mpsc::UnboundedSender<(usize, Bytes)>>> =
             (0..peers.len()).map(|_| None).collect();
         tokio::task::block_in_place(|| {
-            backend.forward_backward_overlapped(
+            crate::backend::forward_backward_micro(
+                backend.as_mut(),
                 &x,
                 &y,
                 cfg.train.loss_reduction,
+                cfg.train.micro_batches,
                 grad,
+                &mut part,
                 &mut |start, tail, stats| {
                     for s in (0..peers.len()).filter(|&s| progressive[s]) {
                         let peer = &mut peers[s];

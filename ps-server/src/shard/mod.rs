@@ -146,6 +146,18 @@ pub struct StepFigures {
     /// noise scale's input); empty when one is not known (a rank the step went on without
     /// after it had been folded).
     pub ranks: Vec<RankNorm>,
+    /// With `[optimizer] clip_norm`: the global norm of the aggregated gradient over the whole
+    /// model (before clipping) and the coefficient applied (1: not clipped).
+    pub clip: Option<(f32, f32)>,
+}
+
+/// How a shard learns the global gradient norm of a step from every shard's per-tensor squared
+/// norms (`crate::clip`): it blocks (bounded) and is called from the update's blocking thread.
+pub trait NormExchange: Send + Sync + std::fmt::Debug {
+    /// The total norm of `step` (torch's clip_grad_norm_), given this shard's squared norms of
+    /// its part of each tensor from `first`; an error saying why when it cannot be had.
+    fn total_norm(&self, shard: &Shard, step: u64, first: u32, sq: Vec<f64>)
+    -> Result<f32, String>;
 }
 
 /// One rank's share of a step on one shard.
@@ -206,6 +218,10 @@ pub struct Shard {
     /// `[optimizer]` settings).
     groups: Vec<ps_common::config::ParamGroup>,
     group_of: Vec<Option<usize>>,
+    /// `[optimizer] clip_norm`.
+    clip_norm: Option<f32>,
+    /// With clipping over several shards: how the global norm is had ([`Shard::set_norm_exchange`]).
+    exchange: std::sync::OnceLock<Arc<dyn NormExchange>>,
     schedule: LrSchedule,
     state: Mutex<State>,
     /// Permits to hold gRPC gradient buffers (`[server] max_pending_gradients`).
@@ -363,6 +379,8 @@ impl Shard {
                 of
             },
             groups: cfg.groups.clone(),
+            clip_norm: cfg.clip_norm,
+            exchange: std::sync::OnceLock::new(),
             schedule: cfg.schedule_for(total_steps),
             state: Mutex::new(state),
             gate: Gate::new(cfg.server.max_pending_gradients),
@@ -377,6 +395,37 @@ impl Shard {
             preempt_saved: watch::Sender::new(None),
             preempt_closed: std::sync::Mutex::new(false),
         })
+    }
+
+    /// How this shard exchanges gradient norms with the others for clipping (set once, before
+    /// the first step; a shard of several with clipping and none fails its first step).
+    pub fn set_norm_exchange(&self, exchange: Arc<dyn NormExchange>) {
+        let _ = self.exchange.set(exchange);
+    }
+
+    /// The global norm of `step`'s aggregated gradient, of which `g` is this shard's range:
+    /// torch's clip_grad_norm_ total over every tensor a rank's backward reached (`skip`: the
+    /// parts of those it did not, which count 0).
+    fn global_norm(
+        &self,
+        step: u64,
+        g: &[f32],
+        skip: &[(u32, Range<usize>)],
+    ) -> Result<f32, String> {
+        let mut none: Vec<u32> = skip.iter().map(|(t, _)| *t).collect();
+        none.sort_unstable();
+        let sq = crate::clip::partials(&self.spec, &self.range, g, &none);
+        if self.num_shards == 1 {
+            return Ok(crate::clip::total_norm(&sq));
+        }
+        let first = crate::clip::tensors_of(&self.spec, &self.range).start as u32;
+        match self.exchange.get() {
+            Some(e) => e.total_norm(self, step, first, sq),
+            None => Err(format!(
+                "shard {} of {} has no way to exchange gradient norms with the other shards",
+                self.index, self.num_shards
+            )),
+        }
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -743,7 +792,7 @@ impl Shard {
             })
             .collect();
         let (current, next) = pending.buffers();
-        let inputs = UpdateInputs {
+        let aggregated = UpdateInputs {
             optimizer: &self.optimizer,
             step: self.optimizer.coeffs(opt.steps, lr as f32),
             current,
@@ -753,8 +802,44 @@ impl Shard {
             simd: Simd::Auto,
             checked: usize::from(folded),
         };
-        let mut updated = fused_update(inputs, next, &mut opt.m, &mut opt.v);
-        if updated.is_ok() && !kept.is_empty() {
+        // with [optimizer] clip_norm: the aggregate first, its global norm from every shard
+        // (crate::clip), then the update of the aggregate scaled as torch's clip_grad_norm_
+        let mut clipped = Vec::new();
+        let mut clip = None;
+        let mut exchange_failed = None;
+        let before_clip = self.clip_norm.map(|max_norm| {
+            clipped.resize(current.len(), 0.0);
+            let norms = update::aggregate_only(aggregated, &mut clipped)?;
+            match self.global_norm(step, &clipped, &skip) {
+                Ok(total) => clip = Some((total, crate::clip::coefficient(max_norm, total))),
+                Err(why) => exchange_failed = Some(why),
+            }
+            Ok(norms)
+        });
+        let clipped_grads: [&[f32]; 1] = [&clipped];
+        let clip_coeffs = [clip.map_or(1.0, |(_, c)| c)];
+        let inputs = if clip.is_some() {
+            UpdateInputs {
+                grads: &clipped_grads,
+                coeffs: &clip_coeffs,
+                checked: 1,
+                ..aggregated
+            }
+        } else {
+            aggregated
+        };
+        let mut updated = match before_clip {
+            Some(Err(bad)) => Err(bad),
+            // not applied: refused below
+            _ if exchange_failed.is_some() => Ok(update::Norms {
+                aggregate: 0.0,
+                inputs: Vec::new(),
+            }),
+            // the norms logged are those before clipping (what clip_grad_norm_ returns)
+            Some(Ok(norms)) => fused_update(inputs, next, &mut opt.m, &mut opt.v).map(|_| norms),
+            None => fused_update(inputs, next, &mut opt.m, &mut opt.v),
+        };
+        if updated.is_ok() && exchange_failed.is_none() && !kept.is_empty() {
             for (r, m, v) in &kept {
                 next[r.clone()].copy_from_slice(&current[r.clone()]);
                 if !m.is_empty() {
@@ -769,7 +854,7 @@ impl Shard {
                     Some(g) => (&self.groups[*g].optimizer, lr * self.groups[*g].lr_scale),
                     None => (&self.optimizer, lr),
                 };
-                let part: Vec<&[f32]> = grads.iter().map(|g| &g[r.clone()]).collect();
+                let part: Vec<&[f32]> = inputs.grads.iter().map(|g| &g[r.clone()]).collect();
                 let inputs = UpdateInputs {
                     optimizer,
                     step: optimizer.coeffs(*steps_done, lr as f32),
@@ -800,6 +885,10 @@ impl Shard {
             .find(|s| matches!(&s.grad, Grad::Board(b) if b.faulted()))
             .map(|s| s.rank);
         let refused = match (updated, truncated) {
+            _ if exchange_failed.is_some() => Err(format!(
+                "step {step}: gradient clipping ([optimizer] clip_norm) needs the gradient norm of every shard: {}; the step is not applied (the shard stays at version {step}) and the run stops",
+                exchange_failed.take().unwrap_or_default()
+            )),
             (_, Some(rank)) => {
                 if let Some(h) = &self.shm {
                     h.detach(rank as usize);
@@ -864,6 +953,7 @@ impl Shard {
                 (a.0.saturating_add(s.eval.0), a.1.saturating_add(s.eval.1))
             }),
             ranks: rank_sq,
+            clip,
         };
         {
             let mut st = self.lock();

@@ -90,6 +90,25 @@ pub fn fused_update(
     m: &mut [f32],
     v: &mut [f32],
 ) -> Result<Norms, NonFiniteInput> {
+    fused(inp, next, m, v, true)
+}
+
+/// The aggregation of [`fused_update`] alone: `out = Σ_r coeffs[r] · grads[r]` (the same
+/// values, bit for bit), with the same norms and finiteness check; the optimizer is not
+/// applied and `inp.current` is only read for its length. Gradient clipping needs the whole
+/// aggregate's norm before any update (`crate::clip`).
+pub fn aggregate_only(inp: UpdateInputs<'_>, out: &mut [f32]) -> Result<Norms, NonFiniteInput> {
+    fused(inp, out, &mut [], &mut [], false)
+}
+
+/// [`fused_update`] (`apply`), or [`aggregate_only`].
+fn fused(
+    inp: UpdateInputs<'_>,
+    next: &mut [f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    apply: bool,
+) -> Result<Norms, NonFiniteInput> {
     let len = inp.current.len();
     assert_eq!(
         next.len(),
@@ -122,7 +141,7 @@ pub fn fused_update(
             let Some((i, ((p, m), v))) = piece else {
                 break;
             };
-            let r = run(&inp, i * chunk, p, m, v);
+            let r = run(&inp, i * chunk, p, m, v, apply);
             if r.is_err() {
                 stop.store(true, Ordering::Relaxed);
             }
@@ -171,13 +190,14 @@ fn run(
     p: &mut [f32],
     m: &mut [f32],
     v: &mut [f32],
+    apply: bool,
 ) -> Result<PieceNorms, NonFiniteInput> {
     #[cfg(target_arch = "x86_64")]
     if inp.simd == Simd::Auto && std::arch::is_x86_feature_detected!("avx2") {
         // SAFETY: the CPU supports AVX2, checked just above.
-        return unsafe { run_avx2(inp, lo, p, m, v) };
+        return unsafe { run_avx2(inp, lo, p, m, v, apply) };
     }
-    run_portable(inp, lo, p, m, v)
+    run_portable(inp, lo, p, m, v, apply)
 }
 
 /// [`run_portable`] compiled for AVX2: element-wise IEEE operations in the same order, so the
@@ -190,13 +210,14 @@ unsafe fn run_avx2(
     p: &mut [f32],
     m: &mut [f32],
     v: &mut [f32],
+    apply: bool,
 ) -> Result<PieceNorms, NonFiniteInput> {
-    run_portable(inp, lo, p, m, v)
+    run_portable(inp, lo, p, m, v, apply)
 }
 
 /// Cache-sized blocks: aggregate into a block buffer, take its norm, copy the old parameters in
 /// and update them while the block is in L1/L2, so memory sees one read of every input and one
-/// write of the output (gradients are only read).
+/// write of the output (gradients are only read). Without `apply`, `p` receives the aggregate.
 #[inline(always)]
 fn run_portable(
     inp: &UpdateInputs<'_>,
@@ -204,6 +225,7 @@ fn run_portable(
     p: &mut [f32],
     m: &mut [f32],
     v: &mut [f32],
+    apply: bool,
 ) -> Result<PieceNorms, NonFiniteInput> {
     let mut sq = 0.0;
     let mut inputs = vec![0.0; inp.grads.len()];
@@ -221,6 +243,11 @@ fn run_portable(
         }
         sq += block_sq;
         let pb = &mut p[at..end];
+        if !apply {
+            pb.copy_from_slice(gb);
+            at = end;
+            continue;
+        }
         pb.copy_from_slice(&inp.current[lo + at..lo + end]);
         let (mb, vb) = (block_of(m, at, end), block_of(v, at, end));
         inp.optimizer.update_chunk(inp.step, pb, gb, mb, vb);
@@ -274,25 +301,7 @@ fn aggregate(g: &mut [f32], grads: &[&[f32]], cs: &[f32], lo: usize, input_sq: &
     sum_of_squares(g)
 }
 
-/// Σ v² in f64, over eight independent lanes so that it vectorises (a single running sum is a
-/// chain of dependent adds, slower than the rest of the update together). Each square is exact
-/// in f64 (an f32 has 24 significant bits): only the additions round.
-#[inline(always)]
-pub(crate) fn sum_of_squares(g: &[f32]) -> f64 {
-    let mut lanes = [0f64; 8];
-    let mut blocks = g.chunks_exact(8);
-    for b in &mut blocks {
-        for (l, &v) in lanes.iter_mut().zip(b) {
-            *l += f64::from(v) * f64::from(v);
-        }
-    }
-    let tail: f64 = blocks
-        .remainder()
-        .iter()
-        .map(|&v| f64::from(v) * f64::from(v))
-        .sum();
-    lanes.iter().sum::<f64>() + tail
-}
+pub(crate) use ps_common::optim::sum_of_squares;
 
 /// Values per cache block of the fused update (8 KiB per array: the block buffer, the new
 /// parameters and the optimizer state of a block stay in L1; measured against 8192 and 32768).
