@@ -7,7 +7,7 @@
 //! - `ps-net`: both ends of each transport (`client`, `datalink`, `shm`, `wire`), `auth`,
 //!   `neterr`, `throttle`;
 //! - `ps-config`: the config file (`config`), `plan`, `noise`, `runid`, `credential`;
-//! - `ps-model`: `layout`, `declared`, `weights`;
+//! - `ps-model`: `layout`, `declared`, `weights`, `clip`;
 //! - `ps-data`: `idx`, `order`;
 //! - `ps-optim`: `optim`.
 //!
@@ -17,7 +17,7 @@
 pub use ps_config as config;
 pub use ps_config::{credential, noise, plan, runid};
 pub use ps_data::{idx, order};
-pub use ps_model::{declared, layout, weights};
+pub use ps_model::{clip, declared, layout, weights};
 pub use ps_net::{auth, client, datalink, neterr, shm, throttle, wire};
 pub use ps_optim as optim;
 pub use ps_proto::{PROTOCOL_VERSION, PsError, PsResult, error, keys, pb, tensorflow, tonic};

@@ -1,8 +1,10 @@
 //! The model as the shards and workers see it: its description as named tensors flattened
 //! into one `f32` vector and the split of that vector into shard ranges (`layout`, with the
 //! built-in MLP and CNN), models declared by their own `safetensors` init file (`declared`),
-//! and weights on disk (`weights`).
+//! weights on disk (`weights`), and global gradient-norm clipping over
+//! the model's tensors (`clip`).
 
+pub mod clip;
 pub mod declared;
 pub mod layout;
 pub mod weights;

@@ -30,7 +30,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 use tokio::sync::watch;
 
-pub use ps_common::optim::clip::{coefficient, partials, tensors_of, total_norm};
+pub use ps_common::clip::{coefficient, partials, tensors_of, total_norm};
 
 /// How long a shard waits for the other shards' norms of a step: as long as their barriers
 /// may legitimately take (twice the barrier timeout, the longest under `barrier_policy =
@@ -219,7 +219,7 @@ impl Spoke {
         Self {
             index,
             shard0,
-            security: cfg.client_security(),
+            security: ps_common::auth::ClientSecurity::of(cfg),
             token,
             generation,
             bound: bound(cfg),
@@ -263,9 +263,10 @@ impl Spoke {
                     let mut request = tonic::Request::new(req.clone());
                     request.set_timeout(left);
                     if let Some(t) = &self.token {
-                        request
-                            .metadata_mut()
-                            .insert(ps_common::auth::SHARD_TOKEN_KEY, t.metadata_value());
+                        request.metadata_mut().insert(
+                            ps_common::auth::SHARD_TOKEN_KEY,
+                            ps_common::auth::metadata_value(t),
+                        );
                     }
                     match c.rpc().clip_norm(request).await {
                         Ok(r) => {

@@ -92,7 +92,7 @@ pub fn run_reference_of(cfg: &Config, train: &Dataset, kind: Kind) -> anyhow::Re
             grad.iter_mut().for_each(|g| *g *= grad_factor);
         }
         if let Some(max_norm) = cfg.clip_norm {
-            ps_common::optim::clip::clip_grad_norm(&spec, &mut grad, max_norm);
+            ps_common::clip::clip_grad_norm(&spec, &mut grad, max_norm);
         }
         let lr = schedule.lr(t) * lr_factor;
         cfg.optimizer.step(&mut params, &grad, &mut opt, lr as f32);
