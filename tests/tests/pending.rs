@@ -116,10 +116,11 @@ async fn pull(c: &mut Client, lease: &Option<Lease>, version: u64) -> (u64, Vec<
 ///
 /// The barrier timeout (2.5 s) must be shorter than that pause, to show that pushes waiting
 /// for their turn do not count as missing, and longer than the time from a step's start to
-/// the last header: for step 0 that is from the shard's start (its barrier clock starts
-/// there), through the four registrations and the first pull, to the last push's header.
-/// Once every header is in, no rank is missing and the timeout cannot fire whatever the load;
-/// before that, 1 s was too short on a loaded 2-core machine (the shard failed at step 0).
+/// the last header: for step 0 that is from the first registration (the barrier's clock
+/// restarts there), through the four registrations and the first pull, to the last push's
+/// header. Once every header is in, no rank is missing and the timeout cannot fire whatever
+/// the load. Step 0's clock used to run from the shard's start, so the shard's own start-up
+/// counted too, and under load (two suites at once, load 10-25) the shard failed at step 0.
 async fn two_steps(
     limit: usize,
     order: [u32; W],

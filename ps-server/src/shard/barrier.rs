@@ -289,10 +289,20 @@ impl Barrier {
         }
     }
 
-    /// Records `rank`'s registration (it takes part again if it was dropped); returns the step
-    /// it joins at: the current one, or the next while an update runs.
-    pub fn register(&mut self, rank: u32) -> PsResult<u64> {
+    /// Records `rank`'s registration at `now` (it takes part again if it was dropped); returns
+    /// the step it joins at: the current one, or the next while an update runs.
+    ///
+    /// The first registration a barrier sees restarts the step's clocks: the time a shard spent
+    /// up before any worker came (a scheduler starting shards first, workers loading their data
+    /// or a container image) is not a rank lagging behind the others. Without any registration
+    /// the clock still runs from the barrier's creation, so a run nobody joins fails after the
+    /// timeout.
+    pub fn register(&mut self, rank: u32, now: Instant) -> PsResult<u64> {
         let r = self.rank(rank)?;
+        if !self.registered.contains(&true) {
+            self.clock = now;
+            self.waiting_since = now;
+        }
         self.registered[r] = true;
         self.absent[r] = false;
         Ok(self.step + u64::from(self.applying))
@@ -550,7 +560,7 @@ mod tests {
         let t = Instant::now();
         let mut b = Barrier::new(world, 0, 10, rules(policy), t);
         for r in 0..world as u32 {
-            assert_eq!(b.register(r).unwrap(), 0);
+            assert_eq!(b.register(r, t).unwrap(), 0);
         }
         (b, t)
     }
@@ -564,13 +574,13 @@ mod tests {
         let (mut b, t) = barrier(2, BarrierPolicy::Fail);
         b.accept(0, slot(1, 10, t)).unwrap();
         // rank 1's worker died after its push; its successor registers
-        assert_eq!(b.register(1).unwrap(), 0);
+        assert_eq!(b.register(1, t).unwrap(), 0);
         assert!(b.counts(1, 0), "rank 1's gradient of step 0 is in");
         assert!(!b.counts(0, 0), "rank 0 has not pushed");
         b.accept(0, slot(0, 0, t)).unwrap();
         assert!(b.applying());
         // while step 0 is applied a rank joins at step 1, which counts nothing yet
-        assert_eq!(b.register(1).unwrap(), 1);
+        assert_eq!(b.register(1, t).unwrap(), 1);
         assert!(!b.counts(1, 1) && !b.counts(1, 0));
         b.finish(t);
         assert!(!b.counts(1, 1) && !b.counts(0, 1));
@@ -601,7 +611,7 @@ mod tests {
             Accepted::Retry { ranks_in: 3 }
         ));
         assert_eq!(
-            b.register(0).unwrap(),
+            b.register(0, t).unwrap(),
             1,
             "joins at the step after the one applied"
         );
@@ -631,11 +641,11 @@ mod tests {
         let mut b = Barrier::new(2, 9, 10, rules(BarrierPolicy::Fail), t);
         assert!(matches!(b.check(0, 9), Err(PsError::NotRegistered(0))));
         assert!(matches!(
-            b.register(2),
+            b.register(2, t),
             Err(PsError::UnknownRank { rank: 2, world: 2 })
         ));
-        b.register(0).unwrap();
-        b.register(1).unwrap();
+        b.register(0, t).unwrap();
+        b.register(1, t).unwrap();
         b.accept(9, slot(0, 1, t)).unwrap();
         let e = b.accept(9, slot(0, 2, t)).unwrap_err();
         assert!(matches!(e, PsError::Conflict { rank: 0, step: 9 }), "{e}");
@@ -679,6 +689,30 @@ mod tests {
             Accepted::Retry { .. }
         ));
         assert!(matches!(b.poll(t), Verdict::Idle), "the run is over");
+    }
+
+    #[test]
+    fn the_first_step_is_timed_from_the_first_registration_not_the_shards_start() {
+        let t = Instant::now();
+        let at = |s: u64| t + Duration::from_secs(s);
+        // nobody registers: the run fails after the timeout from the barrier's creation
+        let mut b = Barrier::new(2, 0, 10, rules(BarrierPolicy::Fail), t);
+        assert!(matches!(b.poll(at(30)), Verdict::Fail { step: 0, .. }));
+        // workers that came 100 s after the shard started get the whole timeout from then
+        let mut b = Barrier::new(2, 0, 10, rules(BarrierPolicy::Fail), t);
+        b.register(0, at(100)).unwrap();
+        b.register(1, at(101)).unwrap();
+        let v = b.poll(at(110));
+        assert!(
+            matches!(&v, Verdict::Waiting { step: 0, missing, .. } if missing == &[0, 1]),
+            "{v:?}"
+        );
+        assert!(matches!(b.poll(at(129)), Verdict::Waiting { .. }));
+        let v = b.poll(at(130));
+        assert!(
+            matches!(&v, Verdict::Fail { step: 0, missing, .. } if missing == &[0, 1]),
+            "a later registration does not restart it: {v:?}"
+        );
     }
 
     #[test]
@@ -747,7 +781,7 @@ mod tests {
             "{v:?}"
         );
         // rank 2 comes back by registering
-        b.register(2).unwrap();
+        b.register(2, t).unwrap();
         b.accept(1, slot(0, 8, t)).unwrap();
         assert!(matches!(
             b.accept(1, slot(1, 9, t)).unwrap(),

@@ -637,7 +637,7 @@ impl Shard {
     /// version and does not push the step again, since the step may be applied at any moment.
     pub fn register(&self, rank: u32) -> PsResult<(u64, bool)> {
         let mut st = self.lock();
-        let step = st.barrier.register(rank)?;
+        let step = st.barrier.register(rank, Instant::now())?;
         Ok((step, st.barrier.counts(rank, step)))
     }
 
