@@ -100,6 +100,17 @@ struct Cli {
     /// e.g. an older build to compare with.
     #[arg(long)]
     server_bin_dir: Option<PathBuf>,
+    /// Section 5: every client also pulls the new version through gRPC after its push, as a
+    /// worker without a data connection does (TLS, or `[server] data_connections = false`).
+    #[arg(long)]
+    scale_pull: bool,
+    /// Section 5: the models to run ("tiny" 784-256-128-10, "small", "large"; default small and
+    /// large).
+    #[arg(long, value_delimiter = ',')]
+    scale_models: Vec<String>,
+    /// Section 5: steps per run, the first untimed (default 3, 6 without --quick).
+    #[arg(long)]
+    scale_steps: Option<u64>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -111,6 +122,11 @@ struct Model {
 const SMALL: Model = Model {
     name: "784-1024-1024-10",
     hidden: [1024, 1024],
+};
+/// The model of issue 31's many-worker measurement (0.94 MB of parameters).
+const TINY: Model = Model {
+    name: "784-256-128-10",
+    hidden: [256, 128],
 };
 const LARGE: Model = Model {
     name: "784-4096-4096-10",
@@ -257,7 +273,27 @@ fn run(cli: &Cli) -> anyhow::Result<bool> {
         } else {
             cli.scale_pending.clone()
         };
-        let rows = section_scale(&tmp, &plan, &ws, &pending, &bin)?;
+        let scale = Scale {
+            pull: cli.scale_pull,
+            models: if cli.scale_models.is_empty() {
+                vec![SMALL, LARGE]
+            } else {
+                cli.scale_models
+                    .iter()
+                    .map(|m| match m.as_str() {
+                        "tiny" => Ok(TINY),
+                        "small" => Ok(SMALL),
+                        "large" => Ok(LARGE),
+                        other => bail!("--scale-models {other}: expected tiny, small or large"),
+                    })
+                    .collect::<anyhow::Result<_>>()?
+            },
+            steps: cli
+                .scale_steps
+                .unwrap_or(if plan.large_w4 { 6 } else { 3 })
+                .max(2),
+        };
+        let rows = section_scale(&tmp, &plan, &scale, &ws, &pending, &bin)?;
         println!("{}", table_scale(&rows));
         out["scale"] = Value::Array(rows);
     }
@@ -1271,26 +1307,36 @@ fn table_memory(rows: &[Value]) -> String {
 /// One ps-server process (its peak RSS is what is measured), W gRPC clients in this process,
 /// each on its own connection, pushing the same real gradient bytes every step, as workers do
 /// (1 MiB chunks); a step is timed from the first push to the new version being pullable.
+/// What section 5 runs.
+struct Scale {
+    /// Every client pulls the new version after its push.
+    pull: bool,
+    models: Vec<Model>,
+    /// Steps per run, the first untimed.
+    steps: u64,
+}
+
 fn section_scale(
     tmp: &Path,
     plan: &Plan,
+    scale: &Scale,
     ws: &[usize],
     pending: &[usize],
     bin: &Path,
 ) -> anyhow::Result<Vec<Value>> {
-    let steps = if plan.large_w4 { 6 } else { 3 };
     let mut rows = Vec::new();
-    for m in [SMALL, LARGE] {
+    for m in &scale.models {
         for &w in ws {
             if m.name == LARGE.name && w > 8 && !plan.large_w4 {
                 continue;
             }
             for &p in pending {
                 eprintln!(
-                    "ps-bench: scale {} W = {w}, max_pending_gradients = {p}",
-                    m.name
+                    "ps-bench: scale {} W = {w}, max_pending_gradients = {p}{}",
+                    m.name,
+                    if scale.pull { ", with pulls" } else { "" }
                 );
-                rows.push(scale_run(tmp, &m, w, p, steps, bin)?);
+                rows.push(scale_run(tmp, m, w, p, scale, bin)?);
             }
         }
     }
@@ -1302,7 +1348,7 @@ fn scale_run(
     m: &Model,
     w: usize,
     pending: usize,
-    steps: u64,
+    scale: &Scale,
     bin: &Path,
 ) -> anyhow::Result<Value> {
     let dir = tmp.join(format!("scale-{}-w{w}-p{pending}", m.name));
@@ -1323,7 +1369,8 @@ fn scale_run(
         .worker_threads(2)
         .enable_all()
         .build()?;
-    let times = rt.block_on(async {
+    let (steps, pulls) = (scale.steps, scale.pull);
+    let (times, cpu) = rt.block_on(async {
         let mut clients = Vec::with_capacity(w);
         for r in 0..w {
             let mut c = connect(addr).await?;
@@ -1331,33 +1378,48 @@ fn scale_run(
             clients.push(c);
         }
         let mut times = Vec::new();
+        let mut cpu_from = 0.0;
         for step in 0..steps {
+            if step == 1 {
+                cpu_from = cpu_secs(pid).unwrap_or(f64::NAN);
+            }
             let t = Instant::now();
             let mut tasks = Vec::with_capacity(w);
             for (r, c) in clients.iter().enumerate() {
                 let mut c = c.clone();
                 let g = grad.clone();
-                tasks.push(tokio::spawn(async move { push(&mut c, r, step, &g).await }));
+                tasks.push(tokio::spawn(async move {
+                    push(&mut c, r, step, &g).await?;
+                    if pulls {
+                        pull(&mut c, step + 1, len).await?;
+                    }
+                    anyhow::Ok(())
+                }));
             }
             for t in tasks {
                 t.await??;
             }
-            wait_version(&mut clients[0], &cfg, step + 1).await?;
+            if !pulls {
+                wait_version(&mut clients[0], &cfg, step + 1).await?;
+            }
             times.push(ms(t.elapsed()));
         }
-        anyhow::Ok(times)
+        let cpu = cpu_secs(pid).unwrap_or(f64::NAN) - cpu_from;
+        anyhow::Ok((times, cpu))
     })?;
     let hwm = vm_hwm(pid).unwrap_or(0);
     drop(rt);
     cluster.kill_all();
     let bytes = len as u64 * 4;
-    let timed = &times[1.min(times.len() - 1)..];
+    let timed = &times[1..];
     Ok(json!({
         "model": m.name,
         "workers": w,
+        "pulls": pulls,
         "max_pending_gradients": if pending > 0 { json!(pending) } else { json!("unset") },
         "param_bytes": bytes,
         "step_ms_median": median(timed),
+        "shard_cpu_ms_per_step": 1e3 * cpu / timed.len() as f64,
         "rss_idle_bytes": rss_idle,
         "peak_rss_bytes": hwm,
         "peak_over_params": hwm as f64 / bytes as f64,
@@ -1365,6 +1427,19 @@ fn scale_run(
         "within_target": hwm <= 4 * bytes + (100 << 20),
         "server": bin.display().to_string(),
     }))
+}
+
+/// User + system CPU time of a live process so far, in seconds.
+fn cpu_secs(pid: u32) -> Option<f64> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // the fields after the command name, which is in parentheses and may hold spaces
+    let rest = &s[s.rfind(')')? + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    // utime and stime are fields 14 and 15 of stat(5), 12 and 13 after the name
+    let ticks: u64 = f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?;
+    // SAFETY: sysconf has no preconditions
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    (hz > 0).then(|| ticks as f64 / hz as f64)
 }
 
 /// Resident set (VmRSS) of a live process, in bytes.
@@ -1378,19 +1453,25 @@ fn vm_rss(pid: u32) -> Option<u64> {
 fn table_scale(rows: &[Value]) -> String {
     let mut t = String::from(
         "## 5. Scale: one shard process, W gRPC clients pushing real gradients\n\n\
-         | model | W | max_pending_gradients | parameter MB | step ms (median) | shard peak RSS MB | peak / params | target MB (4x params + 100) | within |\n\
-         |---|---|---|---|---|---|---|---|---|\n",
+         | model | W | pulls | max_pending_gradients | parameter MB | step ms (median) | shard CPU ms / step | shard peak RSS MB | peak / params | target MB (4x params + 100) | within |\n\
+         |---|---|---|---|---|---|---|---|---|---|---|\n",
     );
     for r in rows {
         let mb = |k: &str| f(r, k) / 1e6;
         let _ = writeln!(
             t,
-            "| {} | {} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {} |",
+            "| {} | {} | {} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {} |",
             r["model"].as_str().unwrap_or("?"),
             r["workers"],
+            if r["pulls"].as_bool() == Some(true) {
+                "gRPC"
+            } else {
+                "no"
+            },
             r["max_pending_gradients"].to_string().trim_matches('"'),
             mb("param_bytes"),
             f(r, "step_ms_median"),
+            f(r, "shard_cpu_ms_per_step"),
             mb("peak_rss_bytes"),
             f(r, "peak_over_params"),
             mb("target_bytes"),
