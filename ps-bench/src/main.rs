@@ -104,6 +104,11 @@ struct Cli {
     /// worker without a data connection does (TLS, or `[server] data_connections = false`).
     #[arg(long)]
     scale_pull: bool,
+    /// Section 5: real `ps-worker` processes (MNIST, batch 64) instead of in-process clients,
+    /// every value through gRPC (`transport = "grpc"`, no data connections, as with TLS); the
+    /// server binary's directory (`--server-bin-dir`) must hold a `ps-worker` too.
+    #[arg(long)]
+    scale_processes: bool,
     /// Section 5: the models to run ("tiny" 784-256-128-10, "small", "large"; default small and
     /// large).
     #[arg(long, value_delimiter = ',')]
@@ -274,6 +279,7 @@ fn run(cli: &Cli) -> anyhow::Result<bool> {
             cli.scale_pending.clone()
         };
         let scale = Scale {
+            processes: cli.scale_processes,
             pull: cli.scale_pull,
             models: if cli.scale_models.is_empty() {
                 vec![SMALL, LARGE]
@@ -294,7 +300,11 @@ fn run(cli: &Cli) -> anyhow::Result<bool> {
                 .max(2),
         };
         let rows = section_scale(&tmp, &plan, &scale, &ws, &pending, &bin)?;
-        println!("{}", table_scale(&rows));
+        if scale.processes {
+            println!("{}", table_scale_processes(&rows));
+        } else {
+            println!("{}", table_scale(&rows));
+        }
         out["scale"] = Value::Array(rows);
     }
 
@@ -1077,7 +1087,7 @@ fn section_e2e(tmp: &Path, plan: &Plan, cores: usize) -> anyhow::Result<(Vec<Val
                     "single_process_ms": single,
                     "single_process_ms_samples": single_s,
                 });
-                match e2e_run(tmp, &m, w, s, steps, skip) {
+                match e2e_run(tmp, &m, w, s, steps, skip, &Processes::default()) {
                     Ok(r) => {
                         let step = f(&r, "step_ms");
                         let bound = single * w.div_ceil(cores) as f64;
@@ -1110,7 +1120,18 @@ fn section_e2e(tmp: &Path, plan: &Plan, cores: usize) -> anyhow::Result<(Vec<Val
     Ok((rows, ok))
 }
 
-/// One cluster run; returns its figures (step times from shard 0's metrics, memory peaks).
+/// Where a cluster run's binaries come from and how its values move.
+#[derive(Debug, Default)]
+struct Processes {
+    /// The directory of `ps-server` and `ps-worker` (default: this build's).
+    bin: Option<PathBuf>,
+    /// Every value through gRPC: `transport = "grpc"`, `[server] data_connections = false`
+    /// (as with TLS).
+    grpc_only: bool,
+}
+
+/// One cluster run; returns its figures (step times from shard 0's metrics, memory peaks,
+/// shard 0's CPU time per step over the timed steps).
 fn e2e_run(
     tmp: &Path,
     m: &Model,
@@ -1118,13 +1139,20 @@ fn e2e_run(
     s: usize,
     steps: u64,
     skip: usize,
+    procs: &Processes,
 ) -> anyhow::Result<Value> {
     let dir = tmp.join(format!("e2e-{}-w{w}-s{s}", m.name));
     let out_dir = dir.join("out");
     let path = dir.join("config.toml");
-    let cfg = write_config(&path, &config_text(s, w, m, steps, &out_dir))?;
+    let mut text = config_text(s, w, m, steps, &out_dir);
+    if procs.grpc_only {
+        text = text.replacen("\n\n[model]", "\ntransport = \"grpc\"\n\n[model]", 1)
+            + "data_connections = false\n";
+    }
+    let cfg = write_config(&path, &text)?;
     let ranges = ps_common::layout::shard_ranges(cfg.layout().num_params(), cfg.num_shards());
-    let mut cluster = LocalCluster::new(bin_dir(), path, Some(dir.join("logs")));
+    let bin = procs.bin.clone().unwrap_or_else(bin_dir);
+    let mut cluster = LocalCluster::new(bin, path, Some(dir.join("logs")));
     let started = Instant::now();
     cluster.start_servers(s, &[], Duration::from_secs(60))?;
     for r in 0..w {
@@ -1139,6 +1167,10 @@ fn e2e_run(
     let deadline = Instant::now() + Duration::from_secs(600);
     let mut last_check = Instant::now();
     let mut ended_early = false;
+    // shard 0's CPU seconds and applied steps, once the skipped steps are done and at the end
+    let mut cpu_from: Option<(f64, usize)> = None;
+    let mut cpu_to: Option<(f64, usize)> = None;
+    let shard0 = cluster.servers[0].child.id();
     let sample = |c: &LocalCluster, sh: &mut [u64], wh: &mut [u64]| {
         for (h, p) in sh.iter_mut().zip(&c.servers) {
             if p.status.is_none()
@@ -1184,9 +1216,15 @@ fn e2e_run(
         // the workers' final test-set evaluation, which nothing here measures; stop it
         if last_check.elapsed() > Duration::from_millis(200) {
             last_check = Instant::now();
-            if read_metrics(&metrics_path).len() as u64 >= steps
-                && weights.iter().all(|p| p.exists())
+            let done = read_metrics(&metrics_path).len();
+            if cpu_from.is_none()
+                && done >= skip
+                && let Some(c) = cpu_secs(shard0)
             {
+                cpu_from = Some((c, done));
+            }
+            if done as u64 >= steps && weights.iter().all(|p| p.exists()) {
+                cpu_to = cpu_secs(shard0).map(|c| (c, done));
                 std::thread::sleep(Duration::from_millis(200));
                 sample(&cluster, &mut server_hwm, &mut worker_hwm);
                 ended_early = true;
@@ -1213,8 +1251,13 @@ fn e2e_run(
     let col = |k: &str| -> Vec<f64> { timed.iter().filter_map(|v| v[k].as_f64()).collect() };
     let step_ms = col("step_ms");
     let param_bytes: Vec<u64> = ranges.iter().map(|r| r.len() as u64 * 4).collect();
+    let cpu_per_step = match (cpu_from, cpu_to) {
+        (Some((c0, n0)), Some((c1, n1))) if n1 > n0 => 1e3 * (c1 - c0) / (n1 - n0) as f64,
+        _ => f64::NAN,
+    };
     Ok(json!({
         "step_ms": median(&step_ms),
+        "shard0_cpu_ms_per_step": cpu_per_step,
         "step_ms_min": step_ms.iter().copied().fold(f64::INFINITY, f64::min),
         "step_ms_max": step_ms.iter().copied().fold(0.0, f64::max),
         "barrier_wait_ms": median(&col("barrier_wait_ms")),
@@ -1309,6 +1352,8 @@ fn table_memory(rows: &[Value]) -> String {
 /// (1 MiB chunks); a step is timed from the first push to the new version being pullable.
 /// What section 5 runs.
 struct Scale {
+    /// Real worker processes, every value through gRPC.
+    processes: bool,
     /// Every client pulls the new version after its push.
     pull: bool,
     models: Vec<Model>,
@@ -1336,7 +1381,11 @@ fn section_scale(
                     m.name,
                     if scale.pull { ", with pulls" } else { "" }
                 );
-                rows.push(scale_run(tmp, m, w, p, scale, bin)?);
+                rows.push(if scale.processes {
+                    scale_processes_run(tmp, m, w, p, scale, bin)?
+                } else {
+                    scale_run(tmp, m, w, p, scale, bin)?
+                });
             }
         }
     }
@@ -1427,6 +1476,62 @@ fn scale_run(
         "within_target": hwm <= 4 * bytes + (100 << 20),
         "server": bin.display().to_string(),
     }))
+}
+
+/// One run of W `ps-worker` processes on one shard, every value through gRPC.
+fn scale_processes_run(
+    tmp: &Path,
+    m: &Model,
+    w: usize,
+    pending: usize,
+    scale: &Scale,
+    bin: &Path,
+) -> anyhow::Result<Value> {
+    if pending != ps_common::config::DEFAULT_MAX_PENDING_GRADIENTS {
+        bail!("--scale-processes runs the default max_pending_gradients only");
+    }
+    let skip = 3;
+    let steps = scale.steps.max(skip as u64 + 2);
+    let procs = Processes {
+        bin: Some(bin.to_path_buf()),
+        grpc_only: true,
+    };
+    let mut r = e2e_run(tmp, m, w, 1, steps, skip, &procs)?;
+    r["model"] = json!(m.name);
+    r["workers"] = json!(w);
+    r["steps"] = json!(steps);
+    r["server"] = json!(bin.display().to_string());
+    r["loadavg_after"] = json!(loadavg());
+    eprintln!(
+        "  W={w}: {:.1} ms/step, shard CPU {:.1} ms/step, shard peak {:.1} MB",
+        f(&r, "step_ms"),
+        f(&r, "shard0_cpu_ms_per_step"),
+        r["server_hwm_bytes"][0].as_f64().unwrap_or(f64::NAN) / 1e6
+    );
+    Ok(r)
+}
+
+fn table_scale_processes(rows: &[Value]) -> String {
+    let mut t = String::from(
+        "## 5. Scale: one shard, W ps-worker processes, every value through gRPC\n\n\
+         | model | W | step ms (median) | shard CPU ms / step | shard peak RSS MB | parameter MB | load after | server |\n\
+         |---|---|---|---|---|---|---|---|\n",
+    );
+    for r in rows {
+        let _ = writeln!(
+            t,
+            "| {} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {} | {} |",
+            r["model"].as_str().unwrap_or("?"),
+            r["workers"],
+            f(r, "step_ms"),
+            f(r, "shard0_cpu_ms_per_step"),
+            r["server_hwm_bytes"][0].as_f64().unwrap_or(f64::NAN) / 1e6,
+            r["server_param_bytes"][0].as_f64().unwrap_or(f64::NAN) / 1e6,
+            r["loadavg_after"].as_str().unwrap_or("?"),
+            r["server"].as_str().unwrap_or("?"),
+        );
+    }
+    t
 }
 
 /// User + system CPU time of a live process so far, in seconds.

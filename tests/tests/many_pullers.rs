@@ -156,3 +156,74 @@ async fn stalled_pullers_share_the_version_and_cost_what_the_statement_says() {
         plan.describe()
     );
 }
+
+/// A puller that takes nothing of its reply (64 KiB windows, 15 chunks of 64 KiB) for longer
+/// than `stream_idle_secs` (1 s) gets the chunk it had begun, then DEADLINE_EXCEEDED naming the
+/// key: the shared reply body ends with the idle status in its trailers, as tonic's did, and
+/// the shard's log says why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_pull_ends_with_the_idle_status() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = Spec {
+        shards: 1,
+        workers: 1,
+        hidden: vec![256, 128],
+        global_batch: 1,
+        transport: Transport::Grpc,
+        config: Spec::base()
+            .data_connections(false, 0)
+            .stream_idle_secs(1.0)
+            .chunk_bytes(64 << 10),
+        ..Spec::default()
+    };
+    let (path, cfg) = spec.write(dir.path());
+    let n = cfg.layout().num_params();
+    let mut cluster = LocalCluster::new(bin_dir(), path, Some(dir.path().join("logs")));
+    cluster
+        .start_servers(1, &[], Duration::from_secs(60))
+        .unwrap();
+    let url = format!("http://{}", cluster.addrs[0]);
+    let channel = tonic::transport::Endpoint::from_shared(url.clone())
+        .unwrap()
+        .initial_stream_window_size(64 << 10)
+        .initial_connection_window_size(64 << 10)
+        .connect()
+        .await
+        .unwrap();
+    let mut c = RawClient::connect(url).await.unwrap();
+    c.rpc = ParameterServerClient::new(channel);
+    c.register(register_request(0, 1, n)).await.unwrap();
+    let lease = c.any_lease();
+    let mut reply = c
+        .rpc
+        .pull(PullRequest {
+            min_version: 0,
+            shm: false,
+            exact: false,
+            lease,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let mut chunks = 0;
+    let e = loop {
+        match tokio::time::timeout(Duration::from_secs(30), reply.message())
+            .await
+            .expect("the reply goes on or ends within 30 s")
+        {
+            Ok(Some(_)) => chunks += 1,
+            Ok(None) => panic!("the whole reply after {chunks} chunks: expected it ended as idle"),
+            Err(e) => break e,
+        }
+    };
+    cluster.kill_all();
+    assert!(
+        chunks < n * 4 / (64 << 10),
+        "{chunks} chunks before the end"
+    );
+    assert_eq!(e.code(), tonic::Code::DeadlineExceeded, "{e:?}");
+    assert!(e.message().contains("stream_idle_secs"), "{e:?}");
+    let log = std::fs::read_to_string(dir.path().join("logs/shard-0.log")).unwrap();
+    assert!(log.contains("pull stream idle for"), "{log}");
+}
