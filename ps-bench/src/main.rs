@@ -109,6 +109,10 @@ struct Cli {
     /// server binary's directory (`--server-bin-dir`) must hold a `ps-worker` too.
     #[arg(long)]
     scale_processes: bool,
+    /// Section 5 with --scale-processes: lines added to the config's `[server]` table (e.g.
+    /// "stream_window_bytes = 65536"), to see what a key changes.
+    #[arg(long, default_value = "")]
+    scale_server_toml: String,
     /// Section 5: the models to run ("tiny" 784-256-128-10, "small", "large"; default small and
     /// large).
     #[arg(long, value_delimiter = ',')]
@@ -280,6 +284,7 @@ fn run(cli: &Cli) -> anyhow::Result<bool> {
         };
         let scale = Scale {
             processes: cli.scale_processes,
+            server_toml: cli.scale_server_toml.clone(),
             pull: cli.scale_pull,
             models: if cli.scale_models.is_empty() {
                 vec![SMALL, LARGE]
@@ -1128,6 +1133,8 @@ struct Processes {
     /// Every value through gRPC: `transport = "grpc"`, `[server] data_connections = false`
     /// (as with TLS).
     grpc_only: bool,
+    /// Lines added to `[server]`.
+    server_toml: String,
 }
 
 /// One cluster run; returns its figures (step times from shard 0's metrics, memory peaks,
@@ -1148,6 +1155,9 @@ fn e2e_run(
     if procs.grpc_only {
         text = text.replacen("\n\n[model]", "\ntransport = \"grpc\"\n\n[model]", 1)
             + "data_connections = false\n";
+    }
+    if !procs.server_toml.is_empty() {
+        text = text + &procs.server_toml + "\n";
     }
     let cfg = write_config(&path, &text)?;
     let ranges = ps_common::layout::shard_ranges(cfg.layout().num_params(), cfg.num_shards());
@@ -1354,6 +1364,8 @@ fn table_memory(rows: &[Value]) -> String {
 struct Scale {
     /// Real worker processes, every value through gRPC.
     processes: bool,
+    /// Lines added to `[server]` (real worker processes only).
+    server_toml: String,
     /// Every client pulls the new version after its push.
     pull: bool,
     models: Vec<Model>,
@@ -1495,6 +1507,7 @@ fn scale_processes_run(
     let procs = Processes {
         bin: Some(bin.to_path_buf()),
         grpc_only: true,
+        server_toml: scale.server_toml.clone(),
     };
     let mut r = e2e_run(tmp, m, w, 1, steps, skip, &procs)?;
     r["model"] = json!(m.name);
