@@ -100,6 +100,26 @@ struct Cli {
     /// e.g. an older build to compare with.
     #[arg(long)]
     server_bin_dir: Option<PathBuf>,
+    /// Section 5: every client also pulls the new version through gRPC after its push, as a
+    /// worker without a data connection does (TLS, or `[server] data_connections = false`).
+    #[arg(long)]
+    scale_pull: bool,
+    /// Section 5: real `ps-worker` processes (MNIST, batch 64) instead of in-process clients,
+    /// every value through gRPC (`transport = "grpc"`, no data connections, as with TLS); the
+    /// server binary's directory (`--server-bin-dir`) must hold a `ps-worker` too.
+    #[arg(long)]
+    scale_processes: bool,
+    /// Section 5 with --scale-processes: lines added to the config's `[server]` table (e.g.
+    /// "stream_window_bytes = 65536"), to see what a key changes.
+    #[arg(long, default_value = "")]
+    scale_server_toml: String,
+    /// Section 5: the models to run ("tiny" 784-256-128-10, "small", "large"; default small and
+    /// large).
+    #[arg(long, value_delimiter = ',')]
+    scale_models: Vec<String>,
+    /// Section 5: steps per run, the first untimed (default 3, 6 without --quick).
+    #[arg(long)]
+    scale_steps: Option<u64>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -111,6 +131,11 @@ struct Model {
 const SMALL: Model = Model {
     name: "784-1024-1024-10",
     hidden: [1024, 1024],
+};
+/// The model of issue 31's many-worker measurement (0.94 MB of parameters).
+const TINY: Model = Model {
+    name: "784-256-128-10",
+    hidden: [256, 128],
 };
 const LARGE: Model = Model {
     name: "784-4096-4096-10",
@@ -257,8 +282,34 @@ fn run(cli: &Cli) -> anyhow::Result<bool> {
         } else {
             cli.scale_pending.clone()
         };
-        let rows = section_scale(&tmp, &plan, &ws, &pending, &bin)?;
-        println!("{}", table_scale(&rows));
+        let scale = Scale {
+            processes: cli.scale_processes,
+            server_toml: cli.scale_server_toml.clone(),
+            pull: cli.scale_pull,
+            models: if cli.scale_models.is_empty() {
+                vec![SMALL, LARGE]
+            } else {
+                cli.scale_models
+                    .iter()
+                    .map(|m| match m.as_str() {
+                        "tiny" => Ok(TINY),
+                        "small" => Ok(SMALL),
+                        "large" => Ok(LARGE),
+                        other => bail!("--scale-models {other}: expected tiny, small or large"),
+                    })
+                    .collect::<anyhow::Result<_>>()?
+            },
+            steps: cli
+                .scale_steps
+                .unwrap_or(if plan.large_w4 { 6 } else { 3 })
+                .max(2),
+        };
+        let rows = section_scale(&tmp, &plan, &scale, &ws, &pending, &bin)?;
+        if scale.processes {
+            println!("{}", table_scale_processes(&rows));
+        } else {
+            println!("{}", table_scale(&rows));
+        }
         out["scale"] = Value::Array(rows);
     }
 
@@ -1041,7 +1092,7 @@ fn section_e2e(tmp: &Path, plan: &Plan, cores: usize) -> anyhow::Result<(Vec<Val
                     "single_process_ms": single,
                     "single_process_ms_samples": single_s,
                 });
-                match e2e_run(tmp, &m, w, s, steps, skip) {
+                match e2e_run(tmp, &m, w, s, steps, skip, &Processes::default()) {
                     Ok(r) => {
                         let step = f(&r, "step_ms");
                         let bound = single * w.div_ceil(cores) as f64;
@@ -1074,7 +1125,20 @@ fn section_e2e(tmp: &Path, plan: &Plan, cores: usize) -> anyhow::Result<(Vec<Val
     Ok((rows, ok))
 }
 
-/// One cluster run; returns its figures (step times from shard 0's metrics, memory peaks).
+/// Where a cluster run's binaries come from and how its values move.
+#[derive(Debug, Default)]
+struct Processes {
+    /// The directory of `ps-server` and `ps-worker` (default: this build's).
+    bin: Option<PathBuf>,
+    /// Every value through gRPC: `transport = "grpc"`, `[server] data_connections = false`
+    /// (as with TLS).
+    grpc_only: bool,
+    /// Lines added to `[server]`.
+    server_toml: String,
+}
+
+/// One cluster run; returns its figures (step times from shard 0's metrics, memory peaks,
+/// shard 0's CPU time per step over the timed steps).
 fn e2e_run(
     tmp: &Path,
     m: &Model,
@@ -1082,13 +1146,23 @@ fn e2e_run(
     s: usize,
     steps: u64,
     skip: usize,
+    procs: &Processes,
 ) -> anyhow::Result<Value> {
     let dir = tmp.join(format!("e2e-{}-w{w}-s{s}", m.name));
     let out_dir = dir.join("out");
     let path = dir.join("config.toml");
-    let cfg = write_config(&path, &config_text(s, w, m, steps, &out_dir))?;
+    let mut text = config_text(s, w, m, steps, &out_dir);
+    if procs.grpc_only {
+        text = text.replacen("\n\n[model]", "\ntransport = \"grpc\"\n\n[model]", 1)
+            + "data_connections = false\n";
+    }
+    if !procs.server_toml.is_empty() {
+        text = text + &procs.server_toml + "\n";
+    }
+    let cfg = write_config(&path, &text)?;
     let ranges = ps_common::layout::shard_ranges(cfg.layout().num_params(), cfg.num_shards());
-    let mut cluster = LocalCluster::new(bin_dir(), path, Some(dir.join("logs")));
+    let bin = procs.bin.clone().unwrap_or_else(bin_dir);
+    let mut cluster = LocalCluster::new(bin, path, Some(dir.join("logs")));
     let started = Instant::now();
     cluster.start_servers(s, &[], Duration::from_secs(60))?;
     for r in 0..w {
@@ -1103,6 +1177,10 @@ fn e2e_run(
     let deadline = Instant::now() + Duration::from_secs(600);
     let mut last_check = Instant::now();
     let mut ended_early = false;
+    // shard 0's CPU seconds and applied steps, once the skipped steps are done and at the end
+    let mut cpu_from: Option<(f64, usize)> = None;
+    let mut cpu_to: Option<(f64, usize)> = None;
+    let shard0 = cluster.servers[0].child.id();
     let sample = |c: &LocalCluster, sh: &mut [u64], wh: &mut [u64]| {
         for (h, p) in sh.iter_mut().zip(&c.servers) {
             if p.status.is_none()
@@ -1148,9 +1226,15 @@ fn e2e_run(
         // the workers' final test-set evaluation, which nothing here measures; stop it
         if last_check.elapsed() > Duration::from_millis(200) {
             last_check = Instant::now();
-            if read_metrics(&metrics_path).len() as u64 >= steps
-                && weights.iter().all(|p| p.exists())
+            let done = read_metrics(&metrics_path).len();
+            if cpu_from.is_none()
+                && done >= skip
+                && let Some(c) = cpu_secs(shard0)
             {
+                cpu_from = Some((c, done));
+            }
+            if done as u64 >= steps && weights.iter().all(|p| p.exists()) {
+                cpu_to = cpu_secs(shard0).map(|c| (c, done));
                 std::thread::sleep(Duration::from_millis(200));
                 sample(&cluster, &mut server_hwm, &mut worker_hwm);
                 ended_early = true;
@@ -1177,8 +1261,13 @@ fn e2e_run(
     let col = |k: &str| -> Vec<f64> { timed.iter().filter_map(|v| v[k].as_f64()).collect() };
     let step_ms = col("step_ms");
     let param_bytes: Vec<u64> = ranges.iter().map(|r| r.len() as u64 * 4).collect();
+    let cpu_per_step = match (cpu_from, cpu_to) {
+        (Some((c0, n0)), Some((c1, n1))) if n1 > n0 => 1e3 * (c1 - c0) / (n1 - n0) as f64,
+        _ => f64::NAN,
+    };
     Ok(json!({
         "step_ms": median(&step_ms),
+        "shard0_cpu_ms_per_step": cpu_per_step,
         "step_ms_min": step_ms.iter().copied().fold(f64::INFINITY, f64::min),
         "step_ms_max": step_ms.iter().copied().fold(0.0, f64::max),
         "barrier_wait_ms": median(&col("barrier_wait_ms")),
@@ -1271,26 +1360,44 @@ fn table_memory(rows: &[Value]) -> String {
 /// One ps-server process (its peak RSS is what is measured), W gRPC clients in this process,
 /// each on its own connection, pushing the same real gradient bytes every step, as workers do
 /// (1 MiB chunks); a step is timed from the first push to the new version being pullable.
+/// What section 5 runs.
+struct Scale {
+    /// Real worker processes, every value through gRPC.
+    processes: bool,
+    /// Lines added to `[server]` (real worker processes only).
+    server_toml: String,
+    /// Every client pulls the new version after its push.
+    pull: bool,
+    models: Vec<Model>,
+    /// Steps per run, the first untimed.
+    steps: u64,
+}
+
 fn section_scale(
     tmp: &Path,
     plan: &Plan,
+    scale: &Scale,
     ws: &[usize],
     pending: &[usize],
     bin: &Path,
 ) -> anyhow::Result<Vec<Value>> {
-    let steps = if plan.large_w4 { 6 } else { 3 };
     let mut rows = Vec::new();
-    for m in [SMALL, LARGE] {
+    for m in &scale.models {
         for &w in ws {
             if m.name == LARGE.name && w > 8 && !plan.large_w4 {
                 continue;
             }
             for &p in pending {
                 eprintln!(
-                    "ps-bench: scale {} W = {w}, max_pending_gradients = {p}",
-                    m.name
+                    "ps-bench: scale {} W = {w}, max_pending_gradients = {p}{}",
+                    m.name,
+                    if scale.pull { ", with pulls" } else { "" }
                 );
-                rows.push(scale_run(tmp, &m, w, p, steps, bin)?);
+                rows.push(if scale.processes {
+                    scale_processes_run(tmp, m, w, p, scale, bin)?
+                } else {
+                    scale_run(tmp, m, w, p, scale, bin)?
+                });
             }
         }
     }
@@ -1302,7 +1409,7 @@ fn scale_run(
     m: &Model,
     w: usize,
     pending: usize,
-    steps: u64,
+    scale: &Scale,
     bin: &Path,
 ) -> anyhow::Result<Value> {
     let dir = tmp.join(format!("scale-{}-w{w}-p{pending}", m.name));
@@ -1323,7 +1430,8 @@ fn scale_run(
         .worker_threads(2)
         .enable_all()
         .build()?;
-    let times = rt.block_on(async {
+    let (steps, pulls) = (scale.steps, scale.pull);
+    let (times, cpu) = rt.block_on(async {
         let mut clients = Vec::with_capacity(w);
         for r in 0..w {
             let mut c = connect(addr).await?;
@@ -1331,33 +1439,48 @@ fn scale_run(
             clients.push(c);
         }
         let mut times = Vec::new();
+        let mut cpu_from = 0.0;
         for step in 0..steps {
+            if step == 1 {
+                cpu_from = cpu_secs(pid).unwrap_or(f64::NAN);
+            }
             let t = Instant::now();
             let mut tasks = Vec::with_capacity(w);
             for (r, c) in clients.iter().enumerate() {
                 let mut c = c.clone();
                 let g = grad.clone();
-                tasks.push(tokio::spawn(async move { push(&mut c, r, step, &g).await }));
+                tasks.push(tokio::spawn(async move {
+                    push(&mut c, r, step, &g).await?;
+                    if pulls {
+                        pull(&mut c, step + 1, len).await?;
+                    }
+                    anyhow::Ok(())
+                }));
             }
             for t in tasks {
                 t.await??;
             }
-            wait_version(&mut clients[0], &cfg, step + 1).await?;
+            if !pulls {
+                wait_version(&mut clients[0], &cfg, step + 1).await?;
+            }
             times.push(ms(t.elapsed()));
         }
-        anyhow::Ok(times)
+        let cpu = cpu_secs(pid).unwrap_or(f64::NAN) - cpu_from;
+        anyhow::Ok((times, cpu))
     })?;
     let hwm = vm_hwm(pid).unwrap_or(0);
     drop(rt);
     cluster.kill_all();
     let bytes = len as u64 * 4;
-    let timed = &times[1.min(times.len() - 1)..];
+    let timed = &times[1..];
     Ok(json!({
         "model": m.name,
         "workers": w,
+        "pulls": pulls,
         "max_pending_gradients": if pending > 0 { json!(pending) } else { json!("unset") },
         "param_bytes": bytes,
         "step_ms_median": median(timed),
+        "shard_cpu_ms_per_step": 1e3 * cpu / timed.len() as f64,
         "rss_idle_bytes": rss_idle,
         "peak_rss_bytes": hwm,
         "peak_over_params": hwm as f64 / bytes as f64,
@@ -1365,6 +1488,76 @@ fn scale_run(
         "within_target": hwm <= 4 * bytes + (100 << 20),
         "server": bin.display().to_string(),
     }))
+}
+
+/// One run of W `ps-worker` processes on one shard, every value through gRPC.
+fn scale_processes_run(
+    tmp: &Path,
+    m: &Model,
+    w: usize,
+    pending: usize,
+    scale: &Scale,
+    bin: &Path,
+) -> anyhow::Result<Value> {
+    if pending != ps_common::config::DEFAULT_MAX_PENDING_GRADIENTS {
+        bail!("--scale-processes runs the default max_pending_gradients only");
+    }
+    let skip = 3;
+    let steps = scale.steps.max(skip as u64 + 2);
+    let procs = Processes {
+        bin: Some(bin.to_path_buf()),
+        grpc_only: true,
+        server_toml: scale.server_toml.clone(),
+    };
+    let mut r = e2e_run(tmp, m, w, 1, steps, skip, &procs)?;
+    r["model"] = json!(m.name);
+    r["workers"] = json!(w);
+    r["steps"] = json!(steps);
+    r["server"] = json!(bin.display().to_string());
+    r["loadavg_after"] = json!(loadavg());
+    eprintln!(
+        "  W={w}: {:.1} ms/step, shard CPU {:.1} ms/step, shard peak {:.1} MB",
+        f(&r, "step_ms"),
+        f(&r, "shard0_cpu_ms_per_step"),
+        r["server_hwm_bytes"][0].as_f64().unwrap_or(f64::NAN) / 1e6
+    );
+    Ok(r)
+}
+
+fn table_scale_processes(rows: &[Value]) -> String {
+    let mut t = String::from(
+        "## 5. Scale: one shard, W ps-worker processes, every value through gRPC\n\n\
+         | model | W | step ms (median) | shard CPU ms / step | shard peak RSS MB | parameter MB | load after | server |\n\
+         |---|---|---|---|---|---|---|---|\n",
+    );
+    for r in rows {
+        let _ = writeln!(
+            t,
+            "| {} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {} | {} |",
+            r["model"].as_str().unwrap_or("?"),
+            r["workers"],
+            f(r, "step_ms"),
+            f(r, "shard0_cpu_ms_per_step"),
+            r["server_hwm_bytes"][0].as_f64().unwrap_or(f64::NAN) / 1e6,
+            r["server_param_bytes"][0].as_f64().unwrap_or(f64::NAN) / 1e6,
+            r["loadavg_after"].as_str().unwrap_or("?"),
+            r["server"].as_str().unwrap_or("?"),
+        );
+    }
+    t
+}
+
+/// User + system CPU time of a live process so far, in seconds.
+fn cpu_secs(pid: u32) -> Option<f64> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // the fields after the command name, which is in parentheses and may hold spaces
+    let rest = &s[s.rfind(')')? + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    // utime and stime are fields 14 and 15 of stat(5), 12 and 13 after the name
+    let ticks: u64 = f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?;
+    // SAFETY: sysconf has no preconditions
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    (hz > 0).then(|| ticks as f64 / hz as f64)
 }
 
 /// Resident set (VmRSS) of a live process, in bytes.
@@ -1378,19 +1571,25 @@ fn vm_rss(pid: u32) -> Option<u64> {
 fn table_scale(rows: &[Value]) -> String {
     let mut t = String::from(
         "## 5. Scale: one shard process, W gRPC clients pushing real gradients\n\n\
-         | model | W | max_pending_gradients | parameter MB | step ms (median) | shard peak RSS MB | peak / params | target MB (4x params + 100) | within |\n\
-         |---|---|---|---|---|---|---|---|---|\n",
+         | model | W | pulls | max_pending_gradients | parameter MB | step ms (median) | shard CPU ms / step | shard peak RSS MB | peak / params | target MB (4x params + 100) | within |\n\
+         |---|---|---|---|---|---|---|---|---|---|---|\n",
     );
     for r in rows {
         let mb = |k: &str| f(r, k) / 1e6;
         let _ = writeln!(
             t,
-            "| {} | {} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {} |",
+            "| {} | {} | {} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {} |",
             r["model"].as_str().unwrap_or("?"),
             r["workers"],
+            if r["pulls"].as_bool() == Some(true) {
+                "gRPC"
+            } else {
+                "no"
+            },
             r["max_pending_gradients"].to_string().trim_matches('"'),
             mb("param_bytes"),
             f(r, "step_ms_median"),
+            f(r, "shard_cpu_ms_per_step"),
             mb("peak_rss_bytes"),
             f(r, "peak_over_params"),
             mb("target_bytes"),

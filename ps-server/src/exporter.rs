@@ -301,7 +301,7 @@ impl Collector for Figures {
             metric(
                 "ps_expected_peak_memory_bytes",
                 "gauge",
-                "Memory this shard expects to hold at its peak: parameters, optimizer state, snapshot, gradient buffers, receive windows.",
+                "Memory this shard expects to hold at its peak: parameters, optimizer state, snapshot, gradient buffers, receive windows, gRPC pullers.",
                 &one(b as f64),
             );
         }

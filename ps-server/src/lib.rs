@@ -407,9 +407,11 @@ async fn run_generation(
     let watcher = svc.clone();
     let svc_peers = svc.peers.clone();
     let server = tonic::service::interceptor::InterceptedService::new(
-        ParameterServerServer::new(svc)
-            .max_decoding_message_size(MAX_MESSAGE_BYTES)
-            .max_encoding_message_size(MAX_MESSAGE_BYTES),
+        service::SharedPulls(
+            ParameterServerServer::new(svc)
+                .max_decoding_message_size(MAX_MESSAGE_BYTES)
+                .max_encoding_message_size(MAX_MESSAGE_BYTES),
+        ),
         ps_common::auth::CheckToken::new(cfg.cluster.token.as_ref(), index)
             .with_run_id(cfg.cluster.run_id.as_deref()),
     );

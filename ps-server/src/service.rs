@@ -42,8 +42,8 @@ mod push;
 mod shm;
 mod step;
 
-pub use pull::pull_chunks;
-use pull::{IdlePull, PullStream};
+use pull::{IdlePull, PullStream, pull_response};
+pub use pull::{PullBody, SharedPulls, grpc_message, pull_chunks};
 
 /// The service of one shard.
 #[derive(Debug, Clone)]
@@ -338,11 +338,11 @@ impl ParameterServer for ShardService {
             .pull_inner(request.into_inner(), via_data)
             .await
             .map_err(|e| self.fence(e))?;
-        Ok(Response::new(Box::pin(IdlePull::start(
+        Ok(pull_response(IdlePull::start(
             chunks,
             self.stream_idle,
             self.shard.index,
-        ))))
+        )))
     }
 
     async fn leave(&self, request: Request<LeaveRequest>) -> Result<Response<LeaveReply>, Status> {
