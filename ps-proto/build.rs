@@ -13,6 +13,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         println!("cargo:rerun-if-changed={p}");
     }
     let fds = protox::compile(&protos, [proto_dir])?;
+    // the services only with the `grpc` feature: the messages alone need no tonic, nor its
+    // code generator
+    #[cfg(feature = "grpc")]
     tonic_prost_build::configure().bytes(".").compile_fds(fds)?;
+    #[cfg(not(feature = "grpc"))]
+    prost_build::Config::new().bytes(["."]).compile_fds(fds)?;
     Ok(())
 }

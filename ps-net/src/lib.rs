@@ -9,11 +9,16 @@
 //! - `throttle`: the rate limit of repeated warnings.
 //!
 //! The credentials themselves are read by `ps_config::credential`; the messages and the error
-//! table are `ps_proto`'s.
+//! table are `ps_proto`'s. Without the `grpc` feature only `wire`, `shm` and `throttle` are
+//! here (no tonic, no tokio): the shard core's part.
 
+#[cfg(feature = "grpc")]
 pub mod auth;
+#[cfg(feature = "grpc")]
 pub mod client;
+#[cfg(feature = "grpc")]
 pub mod datalink;
+#[cfg(feature = "grpc")]
 pub mod neterr;
 pub mod shm;
 pub mod throttle;

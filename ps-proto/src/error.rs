@@ -1,6 +1,7 @@
 //! The typed errors of the parameter server and the one place that maps them to gRPC status
 //! codes. Handlers return `PsResult` and use `?`; every message says what was expected.
 
+#[cfg(feature = "grpc")]
 use tonic::{Code, Status};
 
 /// Result with a [`PsError`].
@@ -184,6 +185,7 @@ pub enum PsError {
     },
 }
 
+#[cfg(feature = "grpc")]
 impl PsError {
     /// The gRPC status code of this error: the single table of the project.
     pub fn code(&self) -> Code {
@@ -213,6 +215,7 @@ impl PsError {
     }
 }
 
+#[cfg(feature = "grpc")]
 impl From<PsError> for Status {
     fn from(e: PsError) -> Status {
         Status::new(e.code(), e.to_string())

@@ -2,7 +2,8 @@
 //! `proto/ps.proto` (`pb`) and TensorFlow's event protos (`tensorflow`), the protocol version,
 //! every `x-ps-*` metadata key (`keys`), and the typed errors with their one gRPC status table
 //! (`error`: `PsError` and `PsError::code`). Nothing here opens a connection (that is
-//! `ps-net`) or knows the config (`ps-config`).
+//! `ps-net`) or knows the config (`ps-config`). The `grpc` feature adds the services and the
+//! status table's `tonic` side; without it (the shard core) the crate has no tonic in it.
 
 pub mod error;
 
@@ -14,7 +15,7 @@ pub const PROTOCOL_VERSION: u32 = 1;
 /// The generated gRPC code for `proto/ps.proto`.
 #[allow(clippy::all, missing_docs)]
 pub mod pb {
-    tonic::include_proto!("ps.v1");
+    include!(concat!(env!("OUT_DIR"), "/ps.v1.rs"));
 }
 
 /// TensorFlow's `Event`, `Summary` and `SessionLog`, generated from its own `event.proto` and
@@ -22,7 +23,7 @@ pub mod pb {
 /// upstream), for the TensorBoard event files (`ps_server::tensorboard`).
 pub mod tensorflow {
     #![allow(missing_docs, clippy::all)]
-    tonic::include_proto!("tensorflow");
+    include!(concat!(env!("OUT_DIR"), "/tensorflow.rs"));
 }
 
 /// The gRPC metadata keys of the protocol, each defined here only.
@@ -39,4 +40,5 @@ pub mod keys {
     pub const WIRE_KEY: &str = "x-ps-wire";
 }
 
+#[cfg(feature = "grpc")]
 pub use tonic;

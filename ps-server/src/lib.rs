@@ -6,16 +6,18 @@
 //! checkpoints, resumes from them, and can serve Prometheus metrics.
 //!
 //! Where each concept lives:
-//! - [`shard`]: the shard as a facade (register, push, step, pull) over
-//!   [`shard::barrier`] (slots, retries, conflicts, timeout policy), [`shard::store`]
-//!   (parameters of two versions, heap or shared memory), [`shard::update`] (the fused
-//!   aggregation + optimizer update) and [`shard::shm`] (the shared-memory side);
+//! - [`shard`] (the `ps-shard` crate, with no gRPC in it): the shard as a facade (register,
+//!   push, step, pull) over [`shard::barrier`] (slots, retries, conflicts, timeout policy),
+//!   [`shard::store`] (parameters of two versions, heap or shared memory), [`shard::update`]
+//!   (the fused aggregation + optimizer update) and [`shard::shm`] (the shared-memory side);
 //! - [`service`]: the gRPC handlers; [`run_shard`] serves them and acts on the barrier's verdicts;
 //! - [`report`]: the per-step log line and the reports to shard 0; [`exporter`]: `/metrics`;
-//! - [`checkpoint`]: writing, pruning and resuming from checkpoints.
+//! - [`checkpoint`] (`ps_shard::checkpoint`): writing, pruning and resuming from checkpoints;
+//! - [`clip`] and [`recovery`]: the shard-to-shard exchanges over gRPC, behind the core's
+//!   traits ([`shard::NormExchange`]).
 
 pub mod accept;
-pub mod checkpoint;
+pub use ps_shard::checkpoint;
 pub mod clip;
 pub mod data;
 pub mod exporter;
@@ -25,7 +27,7 @@ pub mod peers;
 pub mod recovery;
 pub mod report;
 pub mod service;
-pub mod shard;
+pub use ps_shard as shard;
 pub mod tensorboard;
 
 use anyhow::Context;

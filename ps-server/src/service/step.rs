@@ -2,29 +2,22 @@
 //! is complete (apply, report, metrics, checkpoint).
 
 use super::*;
+use crate::checkpoint;
+use crate::shard::{StepFigures, StepObserver};
 
 impl ShardService {
-    /// Applies a step whose barrier is complete (or given up on), on a blocking thread, then
-    /// reports it, updates the metrics and writes a checkpoint when one is due. It runs to the
-    /// end even if the caller that triggered it goes away. An update that finds a non-finite
-    /// gradient value fails the run ([`Shard::apply`]).
+    /// Completes a step whose barrier is complete (or given up on) on a blocking thread
+    /// ([`Shard::complete`]: apply, then the report and metrics, then a checkpoint when one is
+    /// due). It runs to the end even if the caller that triggered it goes away.
     pub async fn complete_step(&self, slots: Vec<Slot>) -> PsResult<()> {
-        let (shard, reporter) = (self.shard.clone(), self.reporter.clone());
-        let metrics = self.metrics.clone();
-        tokio::task::spawn_blocking(move || {
-            let figures = shard.apply(slots)?;
-            metrics.step(&figures);
-            reporter.step_done(figures);
-            if let Some(attempted) = shard.checkpoint_if_due() {
-                metrics.checkpoint(&attempted);
-                if let Some(why) = attempted.fatal {
-                    return Err(PsError::RunFailed(why));
-                }
-            }
-            Ok(())
-        })
-        .await
-        .map_err(|e| PsError::Internal(format!("apply task failed: {e}")))?
+        let shard = self.shard.clone();
+        let observer = Observer {
+            reporter: self.reporter.clone(),
+            metrics: self.metrics.clone(),
+        };
+        tokio::task::spawn_blocking(move || shard.complete(slots, &observer))
+            .await
+            .map_err(|e| PsError::Internal(format!("apply task failed: {e}")))?
     }
 
     /// Folds the step's gradients that are in, in rank order, on a blocking thread.
@@ -33,5 +26,23 @@ impl ShardService {
         tokio::task::spawn_blocking(move || shard.fold_ready())
             .await
             .map_err(|e| PsError::Internal(format!("fold task failed: {e}")))?
+    }
+}
+
+/// The process's side of a completed step: the report to shard 0 (and its log line) and the
+/// metrics.
+struct Observer {
+    reporter: Reporter,
+    metrics: Arc<Metrics>,
+}
+
+impl StepObserver for Observer {
+    fn step_done(&self, figures: StepFigures) {
+        self.metrics.step(&figures);
+        self.reporter.step_done(figures);
+    }
+
+    fn checkpointed(&self, attempted: &checkpoint::Attempted) {
+        self.metrics.checkpoint(attempted);
     }
 }

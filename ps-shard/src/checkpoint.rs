@@ -20,9 +20,9 @@
 //! metadata ([`BUFFERS_KEY`], hex of their safetensors serialization), which the checksum
 //! covers with the rest of the metadata.
 
-use ps_common::config::Config;
-use ps_common::optim::OptState;
-use ps_common::weights::{NamedTensor, read_safetensors, write_safetensors};
+use ps_config::Config;
+use ps_model::weights::{NamedTensor, read_safetensors, write_safetensors};
+use ps_optim::OptState;
 use std::collections::BTreeMap;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
@@ -500,8 +500,8 @@ pub fn read(dir: &Path, id: &Identity, version: u64, fresh: &OptState) -> Result
     if theirs != id.run_id.as_ref() {
         return Err(bad(format!(
             "a checkpoint of {}, but this is {}: --resume continues only its own run's checkpoints; to start from this one, pass --resume-from {}",
-            ps_common::runid::show(theirs.map(String::as_str)),
-            ps_common::runid::show(id.run_id.as_deref()),
+            ps_config::runid::show(theirs.map(String::as_str)),
+            ps_config::runid::show(id.run_id.as_deref()),
             theirs.map_or("\"\"", String::as_str)
         )));
     }

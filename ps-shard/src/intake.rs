@@ -16,9 +16,9 @@
 
 use super::update::{self, sum_of_squares};
 use super::{Grad, Shard, Slot, board_truncated};
-use ps_common::PsError;
-use ps_common::PsResult;
-use ps_common::config::Aggregation;
+use ps_config::Aggregation;
+use ps_proto::PsError;
+use ps_proto::PsResult;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use tokio::sync::Notify;
@@ -527,9 +527,9 @@ impl Drop for Announced {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::shard::update::{self, Simd, UpdateInputs, fused_update};
-    use ps_common::config::Aggregation;
-    use ps_common::optim::Optimizer;
+    use crate::update::{self, Simd, UpdateInputs, fused_update};
+    use ps_config::Aggregation;
+    use ps_optim::Optimizer;
 
     fn grads(len: usize, w: usize) -> Vec<Vec<f32>> {
         (0..w)

@@ -5,7 +5,7 @@
 //! as it was).
 
 use bytes::Bytes;
-use ps_common::shm::Board;
+use ps_net::shm::Board;
 use std::sync::Arc;
 
 /// The parameters of the current version and the one before.
@@ -112,7 +112,7 @@ struct SharedParams(Arc<Vec<f32>>);
 
 impl AsRef<[u8]> for SharedParams {
     fn as_ref(&self) -> &[u8] {
-        ps_common::wire::as_le_bytes(&self.0)
+        ps_net::wire::as_le_bytes(&self.0)
     }
 }
 
@@ -314,10 +314,10 @@ mod tests {
 
     /// A store of [1, 2, 3] at version 0 moved into a board of a fresh directory under
     /// `<tmp>/<name>-<pid>`, with that directory (remove it with [`remove_board_dir`]).
-    fn board_store(name: &str) -> (Store, ps_common::shm::BoardDir, std::path::PathBuf) {
+    fn board_store(name: &str) -> (Store, ps_net::shm::BoardDir, std::path::PathBuf) {
         let root = std::env::temp_dir().join(format!("{name}-{}", std::process::id()));
         std::fs::create_dir_all(&root).unwrap();
-        let dir = ps_common::shm::BoardDir::create(&root, "store").unwrap();
+        let dir = ps_net::shm::BoardDir::create(&root, "store").unwrap();
         let board = Board::create(&dir.path().join("params"), dir.token(), 3, 2).unwrap();
         let mut s = Store::heap(0, vec![1.0, 2.0, 3.0]);
         s.move_to_board(board, 0);
@@ -325,7 +325,7 @@ mod tests {
         (s, dir, root)
     }
 
-    fn remove_board_dir(dir: ps_common::shm::BoardDir, root: std::path::PathBuf) {
+    fn remove_board_dir(dir: ps_net::shm::BoardDir, root: std::path::PathBuf) {
         drop(dir);
         std::fs::remove_dir_all(&root).unwrap();
     }

@@ -5,8 +5,8 @@
 //! aggregate is not finite because one of its inputs is not stops the update before its
 //! optimizer step, and the function says where the value came from.
 
-use ps_common::config::Aggregation;
-use ps_common::optim::{Optimizer, StepCoeffs};
+use ps_config::Aggregation;
+use ps_optim::{Optimizer, StepCoeffs};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -96,7 +96,7 @@ pub fn fused_update(
 /// The aggregation of [`fused_update`] alone: `out = Σ_r coeffs[r] · grads[r]` (the same
 /// values, bit for bit), with the same norms and finiteness check; the optimizer is not
 /// applied and `inp.current` is only read for its length. Gradient clipping needs the whole
-/// aggregate's norm before any update (`crate::clip`).
+/// aggregate's norm before any update (`ps_model::clip`).
 pub fn aggregate_only(inp: UpdateInputs<'_>, out: &mut [f32]) -> Result<Norms, NonFiniteInput> {
     fused(inp, out, &mut [], &mut [], false)
 }
@@ -301,7 +301,7 @@ fn aggregate(g: &mut [f32], grads: &[&[f32]], cs: &[f32], lo: usize, input_sq: &
     sum_of_squares(g)
 }
 
-pub(crate) use ps_common::optim::sum_of_squares;
+pub(crate) use ps_optim::sum_of_squares;
 
 /// Values per cache block of the fused update (8 KiB per array: the block buffer, the new
 /// parameters and the optimizer state of a block stay in L1; measured against 8192 and 32768).

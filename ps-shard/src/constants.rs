@@ -5,8 +5,8 @@
 //! differ, naming the first that does. Buffers change as the run trains (BatchNorm statistics
 //! under `allow_buffers`), so they are compared only while the run is at version 0.
 
-use ps_common::pb::TensorPrint;
-use ps_common::{PsError, PsResult};
+use ps_proto::pb::TensorPrint;
+use ps_proto::{PsError, PsResult};
 
 /// The first worker's entries, and its rank.
 #[derive(Debug, Default)]

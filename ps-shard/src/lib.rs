@@ -1,4 +1,6 @@
-//! One shard of the model, as a small facade over parts with one job each:
+//! The shard core: one shard of the model, with no gRPC in it (the handlers, the process and
+//! the exchanges with other shards are `ps-server`'s; this crate compiles no tonic). A small
+//! facade over parts with one job each:
 //!
 //! - [`barrier`]: which ranks take part, their gradient slots for the step being gathered,
 //!   retries and conflicts, the timeout and its policy;
@@ -13,14 +15,17 @@
 //!   the forward pass of step t ([`Shard::put_buffers`]), they become the buffers of version
 //!   t + 1 when the step is applied ([`Shard::buffers`]), and are checkpointed with it;
 //! - [`shm`]: the shard's side of the shared-memory data path (boards, [`Shard::offer_shm`],
-//!   [`Shard::shm_grad`]).
+//!   [`Shard::shm_grad`]);
+//! - [`checkpoint`]: the checkpoint files (format, checksum, plan, retries, recovery's reads).
 //!
 //! The fold and the update also take each rank's squared gradient norm in the pass that reads
 //! the gradient ([`StepFigures::ranks`]): shard 0 turns them into the gradient noise scale.
 //!
 //! The facade: [`Shard::register`], [`Shard::precheck`] and [`Shard::accept`] (push),
-//! [`Shard::apply`] (step), [`Shard::snapshot`] / [`Shard::previous`] / [`Shard::params`]
-//! (pull), [`Shard::poll_barrier`] (what the barrier policy says while a step waits).
+//! [`Shard::complete`] (a step whose barrier completed: apply -> figures -> checkpoint, the
+//! figures handed to a [`StepObserver`]), [`Shard::snapshot`] / [`Shard::previous`] /
+//! [`Shard::params`] (pull), [`Shard::poll_barrier`] (what the barrier policy says while a
+//! step waits).
 //!
 //! Locking: one std `Mutex<State>`, never held across an `.await` nor during the arithmetic;
 //! the barrier-completing push takes the slots out, computes on a blocking thread, and commits
@@ -34,15 +39,16 @@ pub mod store;
 pub mod unused;
 pub mod update;
 
-use crate::checkpoint::{self, Saved};
+pub mod checkpoint;
 use barrier::{Accepted, Barrier, Rules, Verdict};
 use bytes::Bytes;
+use checkpoint::Saved;
 pub use intake::Announced;
 use intake::{Acc, Gate, Held};
-use ps_common::config::{Aggregation, Config, Transport};
-use ps_common::optim::{LrSchedule, OptState, Optimizer};
-use ps_common::shm::{Board, shm_root};
-use ps_common::{PsError, PsResult};
+use ps_config::{Aggregation, Config, Transport};
+use ps_net::shm::{Board, shm_root};
+use ps_optim::{LrSchedule, OptState, Optimizer};
+use ps_proto::{PsError, PsResult};
 use shm::ShmHost;
 use std::ops::Range;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -152,12 +158,22 @@ pub struct StepFigures {
 }
 
 /// How a shard learns the global gradient norm of a step from every shard's per-tensor squared
-/// norms (`crate::clip`): it blocks (bounded) and is called from the update's blocking thread.
+/// norms (`ps_model::clip`; over gRPC, `ps_server::clip`): it blocks (bounded) and is called
+/// from the update's blocking thread.
 pub trait NormExchange: Send + Sync + std::fmt::Debug {
     /// The total norm of `step` (torch's clip_grad_norm_), given this shard's squared norms of
     /// its part of each tensor from `first`; an error saying why when it cannot be had.
     fn total_norm(&self, shard: &Shard, step: u64, first: u32, sq: Vec<f64>)
     -> Result<f32, String>;
+}
+
+/// What the process around the shard does with a completed step ([`Shard::complete`]): its
+/// metrics, its report to shard 0, its logs. Called on the update's blocking thread.
+pub trait StepObserver {
+    /// The figures of the step just applied (the new version is published already).
+    fn step_done(&self, figures: StepFigures);
+    /// A checkpoint that was due after the step was attempted (written, retried, or failed).
+    fn checkpointed(&self, attempted: &checkpoint::Attempted);
 }
 
 /// One rank's share of a step on one shard.
@@ -207,7 +223,7 @@ pub struct Shard {
     /// Total parameter count of the model.
     pub num_params: usize,
     /// The model's tensors (names, shapes, flat order): a worker describing another is refused.
-    pub spec: ps_common::layout::ModelSpec,
+    pub spec: ps_model::layout::ModelSpec,
     /// Number of shards.
     pub num_shards: usize,
     /// Steps of the run.
@@ -216,7 +232,7 @@ pub struct Shard {
     optimizer: Optimizer,
     /// `[[optimizer.groups]]`, and the group of each tensor of the model (None: the
     /// `[optimizer]` settings).
-    groups: Vec<ps_common::config::ParamGroup>,
+    groups: Vec<ps_config::ParamGroup>,
     group_of: Vec<Option<usize>>,
     /// `[optimizer] clip_norm`.
     clip_norm: Option<f32>,
@@ -237,7 +253,7 @@ pub struct Shard {
     preempt: std::sync::atomic::AtomicBool,
     preempt_plan: checkpoint::Plan,
     /// The declared model, on the shard that holds its buffers (shard 0, when it has any).
-    buffer_model: Option<ps_common::declared::Declared>,
+    buffer_model: Option<ps_model::declared::Declared>,
     /// The newest version of which a preemption checkpoint was written (None: none yet).
     preempt_saved: watch::Sender<Option<u64>>,
     /// Held while a preemption checkpoint is written; true once the shard said which version
@@ -254,7 +270,7 @@ impl Shard {
 
     /// The range of the flat vector that shard `index` of `cfg` holds.
     pub fn range_of(cfg: &Config, index: usize) -> Range<usize> {
-        ps_common::layout::shard_ranges(cfg.spec().num_params(), cfg.num_shards())[index].clone()
+        ps_model::layout::shard_ranges(cfg.spec().num_params(), cfg.num_shards())[index].clone()
     }
 
     /// Like [`Shard::new`], but from `saved` (a checkpoint) when given: its version, parameters
@@ -313,7 +329,7 @@ impl Shard {
     }
 
     /// The declared model when shard `index` holds its buffers (shard 0, a model with buffers).
-    fn buffer_model(cfg: &Config, index: usize) -> Option<ps_common::declared::Declared> {
+    fn buffer_model(cfg: &Config, index: usize) -> Option<ps_model::declared::Declared> {
         cfg.model
             .declared
             .as_ref()
@@ -336,7 +352,7 @@ impl Shard {
         let w = cfg.cluster.workers;
         let shm = match (cfg.cluster.transport, shm_root()) {
             (Transport::Auto, Some(root)) => {
-                let run = ps_common::runid::board_prefix(cfg.cluster.run_id.as_deref());
+                let run = ps_config::runid::board_prefix(cfg.cluster.run_id.as_deref());
                 ShmHost::create(&root, &run, index, w)
             }
             _ => None,
@@ -414,11 +430,11 @@ impl Shard {
     ) -> Result<f32, String> {
         let mut none: Vec<u32> = skip.iter().map(|(t, _)| *t).collect();
         none.sort_unstable();
-        let sq = crate::clip::partials(&self.spec, &self.range, g, &none);
+        let sq = ps_model::clip::partials(&self.spec, &self.range, g, &none);
         if self.num_shards == 1 {
-            return Ok(crate::clip::total_norm(&sq));
+            return Ok(ps_model::clip::total_norm(&sq));
         }
-        let first = crate::clip::tensors_of(&self.spec, &self.range).start as u32;
+        let first = ps_model::clip::tensors_of(&self.spec, &self.range).start as u32;
         match self.exchange.get() {
             Some(e) => e.total_norm(self, step, first, sq),
             None => Err(format!(
@@ -477,7 +493,7 @@ impl Shard {
     pub fn check_constants(
         &self,
         rank: u32,
-        entries: Vec<ps_common::pb::TensorPrint>,
+        entries: Vec<ps_proto::pb::TensorPrint>,
     ) -> PsResult<()> {
         let mut st = self.lock();
         st.barrier.rank(rank)?;
@@ -761,7 +777,7 @@ impl Shard {
             let ranks: Vec<u32> = slots.iter().map(|s| s.rank).collect();
             let skip = st.unused.skipped_by_all(step, &ranks);
             let skipped = &opt.skipped;
-            let adam = matches!(self.optimizer, ps_common::optim::Optimizer::Adam { .. });
+            let adam = matches!(self.optimizer, ps_optim::Optimizer::Adam { .. });
             let behind = |t: u32| adam && skipped.get(t as usize).is_some_and(|&k| k > 0);
             let again: Vec<u32> = (0..self.spec.tensors.len() as u32)
                 .filter(|t| skip.binary_search(t).is_err())
@@ -803,7 +819,7 @@ impl Shard {
             checked: usize::from(folded),
         };
         // with [optimizer] clip_norm: the aggregate first, its global norm from every shard
-        // (crate::clip), then the update of the aggregate scaled as torch's clip_grad_norm_
+        // (ps_model::clip), then the update of the aggregate scaled as torch's clip_grad_norm_
         let mut clipped = Vec::new();
         let mut clip = None;
         let mut exchange_failed = None;
@@ -811,7 +827,7 @@ impl Shard {
             clipped.resize(current.len(), 0.0);
             let norms = update::aggregate_only(aggregated, &mut clipped)?;
             match self.global_norm(step, &clipped, &skip) {
-                Ok(total) => clip = Some((total, crate::clip::coefficient(max_norm, total))),
+                Ok(total) => clip = Some((total, ps_model::clip::coefficient(max_norm, total))),
                 Err(why) => exchange_failed = Some(why),
             }
             Ok(norms)
@@ -991,6 +1007,24 @@ impl Shard {
         self.wake();
         self.version_tx.send_replace(step + 1);
         Ok(figures)
+    }
+
+    /// Completes a step whose barrier is complete (or given up on): applies `slots`
+    /// ([`Shard::apply`]), hands the figures to `observer`, then writes a checkpoint when one
+    /// is due ([`Shard::checkpoint_if_due`]) and tells `observer`. This is the whole sequence
+    /// of a step's end; call it from a blocking thread, before the barrier-completing push is
+    /// answered. An update that finds a non-finite gradient value fails the run, and so do
+    /// `[checkpoint] max_failures` failed checkpoints in a row ([`PsError::RunFailed`]).
+    pub fn complete(&self, slots: Vec<Slot>, observer: &dyn StepObserver) -> PsResult<()> {
+        let figures = self.apply(slots)?;
+        observer.step_done(figures);
+        if let Some(attempted) = self.checkpoint_if_due() {
+            observer.checkpointed(&attempted);
+            if let Some(why) = attempted.fatal {
+                return Err(PsError::RunFailed(why));
+            }
+        }
+        Ok(())
     }
 
     /// Each slot's |g_r|² over this shard's range, in rank order: from the folds, and from the
@@ -1289,7 +1323,7 @@ fn board_truncated(step: u64, rank: u32) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use ps_common::config::TestConfig;
+    use ps_config::TestConfig;
     use std::path::Path;
 
     /// A `Leave` whose figures would overflow the sum over the ranks is refused, and changes

@@ -6,8 +6,8 @@
 //! takes `k` fewer steps than the shard's count (`OptState::skipped`, checkpointed with the
 //! optimizer state, so a resumed or rolled-back run counts as one that never stopped).
 
-use ps_common::layout::ModelSpec;
-use ps_common::{PsError, PsResult};
+use ps_model::layout::ModelSpec;
+use ps_proto::{PsError, PsResult};
 use std::ops::Range;
 
 /// The marks of the step being gathered.
@@ -85,7 +85,7 @@ pub fn local_parts(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use ps_common::layout::Init;
+    use ps_model::layout::Init;
 
     #[test]
     fn a_tensor_is_skipped_only_when_every_rank_marked_it_for_the_step() {

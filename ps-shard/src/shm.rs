@@ -3,9 +3,9 @@
 //! reads pushes from.
 
 use super::{Grad, Shard};
-use ps_common::shm::{Board, BoardDir, params_path};
-use ps_common::wire::check_and_fingerprint;
-use ps_common::{PsError, PsResult};
+use ps_net::shm::{Board, BoardDir, params_path};
+use ps_net::wire::check_and_fingerprint;
+use ps_proto::{PsError, PsResult};
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
@@ -20,7 +20,7 @@ pub struct ShmHost {
 
 impl ShmHost {
     /// The directory `<root>/ps-<run>-shard<index>-...` for `world` ranks (`run`: the run id,
-    /// `ps_common::runid::board_prefix`); None (logged) when it cannot be made: tensors then go
+    /// `ps_config::runid::board_prefix`); None (logged) when it cannot be made: tensors then go
     /// through gRPC.
     pub fn create(root: &Path, run: &str, index: usize, world: usize) -> Option<Self> {
         match BoardDir::create(root, &format!("{run}-shard{index}")) {
@@ -234,7 +234,7 @@ mod tests {
         let c = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
         let (_s, peer) = l.accept().unwrap();
         assert_eq!(peer, c.local_addr().unwrap());
-        let me = ps_common::shm::this_user();
+        let me = ps_net::shm::this_user();
         assert_eq!(peer_uid(peer), Some(me));
         assert_eq!(
             parse_proc_addr("0100007F:1F90"),

@@ -8,8 +8,8 @@
 //! asks [`Barrier::poll`] what the policy says while a step waits.
 
 use super::{Grad, Slot};
-use ps_common::config::BarrierPolicy;
-use ps_common::{PsError, PsResult};
+use ps_config::BarrierPolicy;
+use ps_proto::{PsError, PsResult};
 use std::time::{Duration, Instant};
 
 /// When the barrier warns and gives up, and what it does then.
