@@ -104,11 +104,15 @@ fn name_transport_failure(status: Status) -> Status {
 }
 
 /// Whether a call that failed with `code` may succeed if made again unchanged: the shard
-/// stopping or not yet serving (`Unavailable`, see `PsError::Unavailable`) and transport
-/// failures that tonic reports as `Unknown` or `Cancelled` (a connection reset mid-stream).
-/// Every other code is a refusal of the request itself (`PsError::code`), the same each time.
+/// stopping or not yet serving (`Unavailable`, see `PsError::Unavailable`), its memory budget
+/// full for now (`ResourceExhausted`, `PsError::OverBudget`) and transport failures that tonic
+/// reports as `Unknown` or `Cancelled` (a connection reset mid-stream). Every other code is a
+/// refusal of the request itself (`PsError::code`), the same each time.
 pub fn is_retryable_code(code: Code) -> bool {
-    matches!(code, Code::Unavailable | Code::Unknown | Code::Cancelled)
+    matches!(
+        code,
+        Code::Unavailable | Code::ResourceExhausted | Code::Unknown | Code::Cancelled
+    )
 }
 
 impl ClientError {
@@ -1160,6 +1164,7 @@ mod tests {
     fn retryable_only_where_the_same_call_can_succeed() {
         let refusal = |e: PsError| refused(0, "shard 0 refused x".into())(e.into());
         assert!(refusal(PsError::Unavailable("stopping".into())).is_retryable());
+        assert!(refusal(PsError::OverBudget("partial messages".into())).is_retryable());
         assert!(
             refusal(PsError::Unavailable("stopping".into()))
                 .to_string()
