@@ -303,12 +303,54 @@ mod tests {
 
     /// A body whose frames are `chunks`, counted in `budget`.
     fn counted(chunks: Vec<Bytes>, budget: &Arc<PartialBudget>) -> Counted {
+        counted_then_stalled(chunks, budget, false, Duration::from_secs(60))
+    }
+
+    /// [`counted`], which then never sends again when `stall` (instead of ending), with
+    /// `idle`.
+    fn counted_then_stalled(
+        chunks: Vec<Bytes>,
+        budget: &Arc<PartialBudget>,
+        stall: bool,
+        idle: Duration,
+    ) -> Counted {
+        use futures::StreamExt;
         let s = futures::stream::iter(chunks.into_iter().map(|c| Ok::<_, Status>(Frame::data(c))));
+        let s = if stall {
+            s.chain(futures::stream::pending()).boxed()
+        } else {
+            s.boxed()
+        };
         Counted::new(
             Body::new(http_body_util::StreamBody::new(s)),
             budget.clone(),
-            Duration::from_secs(60),
+            idle,
         )
+    }
+
+    #[tokio::test]
+    async fn a_partial_message_that_stalls_is_ended_after_the_idle_time() {
+        let budget = PartialBudget::new(1000, 0);
+        let idle = Duration::from_millis(50);
+        let mut a = counted_then_stalled(vec![framed(500, 10)], &budget, true, idle);
+        a.frame().await.unwrap().unwrap();
+        let e = tokio::time::timeout(Duration::from_secs(10), a.frame())
+            .await
+            .expect("ended, not left waiting")
+            .unwrap()
+            .unwrap_err();
+        assert_eq!(e.code(), tonic::Code::DeadlineExceeded, "{e:?}");
+        assert!(e.message().contains("stream_idle_secs"), "{e:?}");
+        drop(a);
+        assert_eq!(budget.held(), 0);
+        // between messages a stream may wait as long as it likes
+        let mut b = counted_then_stalled(vec![framed(10, 10)], &budget, true, idle);
+        b.frame().await.unwrap().unwrap();
+        assert!(
+            tokio::time::timeout(Duration::from_millis(300), b.frame())
+                .await
+                .is_err()
+        );
     }
 
     #[tokio::test]
