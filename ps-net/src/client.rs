@@ -13,8 +13,8 @@ use crate::shm::{Board, params_path};
 use crate::wire::{MAX_MESSAGE_BYTES, chunks_of, decode_chunk_into};
 use ps_proto::pb::parameter_server_client::ParameterServerClient;
 use ps_proto::pb::{
-    ConstantsRequest, Lease, LeaveRequest, PullRequest, PushChunk, PushHeader, PushReply,
-    RegisterReply, RegisterRequest, UnusedRequest,
+    ConstantsRequest, Lease, LeaveRequest, PullChunk, PullHeader, PullRequest, PushChunk,
+    PushHeader, PushReply, RegisterReply, RegisterRequest, UnusedRequest,
 };
 
 use bytes::Bytes;
@@ -104,11 +104,15 @@ fn name_transport_failure(status: Status) -> Status {
 }
 
 /// Whether a call that failed with `code` may succeed if made again unchanged: the shard
-/// stopping or not yet serving (`Unavailable`, see `PsError::Unavailable`) and transport
-/// failures that tonic reports as `Unknown` or `Cancelled` (a connection reset mid-stream).
-/// Every other code is a refusal of the request itself (`PsError::code`), the same each time.
+/// stopping or not yet serving (`Unavailable`, see `PsError::Unavailable`), its memory budget
+/// full for now (`ResourceExhausted`, `PsError::OverBudget`) and transport failures that tonic
+/// reports as `Unknown` or `Cancelled` (a connection reset mid-stream). Every other code is a
+/// refusal of the request itself (`PsError::code`), the same each time.
 pub fn is_retryable_code(code: Code) -> bool {
-    matches!(code, Code::Unavailable | Code::Unknown | Code::Cancelled)
+    matches!(
+        code,
+        Code::Unavailable | Code::ResourceExhausted | Code::Unknown | Code::Cancelled
+    )
 }
 
 impl ClientError {
@@ -651,19 +655,7 @@ impl ShardClient {
                 .await
                 .map_err(refused(self.shard, what.clone()))?
                 .ok_or_else(|| self.bad("empty pull reply".into()))?;
-            let h = first
-                .header
-                .as_ref()
-                .ok_or_else(|| self.bad("pull reply without a header".into()))?;
-            if h.version != version {
-                return Err(self.bad(format!(
-                    "at version {} but this worker needs version {version}",
-                    h.version
-                )));
-            }
-            if h.len != dst.len() as u64 {
-                return Err(self.bad(format!("holds {} values: expected {}", h.len, dst.len())));
-            }
+            let h = self.pull_header(&first, version, dst.len())?;
             if h.data_tcp {
                 let (Some(link), Some(mut c)) = (&via_data, conn) else {
                     return Err(self.bad(
@@ -714,26 +706,60 @@ impl ShardClient {
                 via_board = false;
                 continue;
             }
-            let mut filled = 0u64;
-            let mut chunk = Some(first);
-            while let Some(c) = chunk {
-                if c.offset != filled {
-                    return Err(
-                        self.bad(format!("chunk at offset {}, expected {filled}", c.offset))
-                    );
-                }
-                decode_chunk_into(dst, c.offset, &c.data).map_err(|e| self.bad(e.to_string()))?;
-                filled += (c.data.len() / 4) as u64;
-                chunk = stream
-                    .message()
-                    .await
-                    .map_err(refused(self.shard, what.clone()))?;
-            }
-            if filled != dst.len() as u64 {
-                return Err(self.bad(format!("sent {filled} values: expected {}", dst.len())));
-            }
-            return Ok(());
+            return self.pull_chunks(first, &mut stream, dst, &what).await;
         }
+    }
+
+    /// The header of a pull reply's first chunk, checked against the `version` and `len`
+    /// asked for.
+    fn pull_header<'a>(
+        &self,
+        first: &'a PullChunk,
+        version: u64,
+        len: usize,
+    ) -> Result<&'a PullHeader, ClientError> {
+        let h = first
+            .header
+            .as_ref()
+            .ok_or_else(|| self.bad("pull reply without a header".into()))?;
+        if h.version != version {
+            return Err(self.bad(format!(
+                "at version {} but this worker needs version {version}",
+                h.version
+            )));
+        }
+        if h.len != len as u64 {
+            return Err(self.bad(format!("holds {} values: expected {len}", h.len)));
+        }
+        Ok(h)
+    }
+
+    /// Decodes a pull reply's gRPC chunks, `first` and the rest of `stream`, in place into
+    /// `dst`, checking that they are in order and fill it exactly.
+    async fn pull_chunks(
+        &self,
+        first: PullChunk,
+        stream: &mut tonic::Streaming<PullChunk>,
+        dst: &mut [f32],
+        what: &str,
+    ) -> Result<(), ClientError> {
+        let mut filled = 0u64;
+        let mut chunk = Some(first);
+        while let Some(c) = chunk {
+            if c.offset != filled {
+                return Err(self.bad(format!("chunk at offset {}, expected {filled}", c.offset)));
+            }
+            decode_chunk_into(dst, c.offset, &c.data).map_err(|e| self.bad(e.to_string()))?;
+            filled += (c.data.len() / 4) as u64;
+            chunk = stream
+                .message()
+                .await
+                .map_err(refused(self.shard, what.to_string()))?;
+        }
+        if filled != dst.len() as u64 {
+            return Err(self.bad(format!("sent {filled} values: expected {}", dst.len())));
+        }
+        Ok(())
     }
 
     /// Pushes once: `header`, then `bytes` (the gradient slice, little-endian f32; empty when
@@ -1160,6 +1186,7 @@ mod tests {
     fn retryable_only_where_the_same_call_can_succeed() {
         let refusal = |e: PsError| refused(0, "shard 0 refused x".into())(e.into());
         assert!(refusal(PsError::Unavailable("stopping".into())).is_retryable());
+        assert!(refusal(PsError::OverBudget("partial messages".into())).is_retryable());
         assert!(
             refusal(PsError::Unavailable("stopping".into()))
                 .to_string()

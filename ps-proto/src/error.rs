@@ -12,7 +12,7 @@ pub type PsResult<T> = Result<T, PsError>;
 pub enum PsError {
     /// The peer speaks another protocol version.
     #[error(
-        "protocol version {got} is not supported: this server speaks protocol version {expected}"
+        "protocol version {got} is not supported: this server speaks protocol version {expected} (the worker and the shard come from different releases: run the same build on both)"
     )]
     ProtocolMismatch {
         /// Ours.
@@ -117,6 +117,10 @@ pub enum PsError {
     /// The shard is stopping or not yet serving: a retry may succeed.
     #[error("{0}")]
     Unavailable(String),
+    /// A request would take a shard's memory budget past its limit (partial gRPC messages:
+    /// `ps-server`'s `partial`): a retry may succeed once others end.
+    #[error("{0}")]
+    OverBudget(String),
     /// The run failed (a worker stopped on an error, a barrier timed out, a gradient went bad):
     /// every later request is refused with the reason, and no retry can succeed.
     #[error("the run failed: {0}")]
@@ -205,6 +209,7 @@ impl PsError {
             | PsError::StepOutOfRange { .. } => Code::OutOfRange,
             PsError::Timeout(_) => Code::DeadlineExceeded,
             PsError::Unavailable(_) => Code::Unavailable,
+            PsError::OverBudget(_) => Code::ResourceExhausted,
             PsError::RunFailed(_) => Code::FailedPrecondition,
             PsError::Internal(_) => Code::Internal,
             PsError::Unauthenticated(_) => Code::Unauthenticated,

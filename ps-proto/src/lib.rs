@@ -10,7 +10,10 @@ pub mod error;
 pub use error::{PsError, PsResult};
 
 /// Sent on registration; a worker and a shard of different protocol versions refuse each other.
-pub const PROTOCOL_VERSION: u32 = 1;
+/// Bumped whenever a message's meaning changes: 1, the first; 2, rank leases (`Lease` on
+/// every push, pull and data hello), generations on pushes and pulls, the `PSDATA02` data
+/// hello, and the buffers and clipping calls.
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// The generated gRPC code for `proto/ps.proto`.
 #[allow(clippy::all, missing_docs)]

@@ -23,6 +23,7 @@ pub mod data;
 pub mod exporter;
 pub mod lease;
 pub mod memory;
+pub mod partial;
 pub mod peers;
 pub mod recovery;
 pub mod report;
@@ -211,11 +212,14 @@ async fn serve_metrics(
 }
 
 /// Serves gRPC health (`grpc.health.v1`, plaintext; `health` is its service) on `addr` in a
-/// task.
+/// task, through the same accept loop as the gRPC port ([`accept::incoming`]): at most
+/// `[server] max_connections` connections, each closed unless it completes the HTTP/2 preface
+/// within `[server] handshake_timeout_secs`.
 async fn serve_health(
     addr: &str,
     index: usize,
     health: tonic::service::Routes,
+    server: &ps_common::config::ServerConfig,
 ) -> anyhow::Result<tokio::task::JoinHandle<Result<(), tonic::transport::Error>>> {
     let l = TcpListener::bind(addr)
         .await
@@ -224,7 +228,14 @@ async fn serve_health(
         "shard {index}: gRPC health (grpc.health.v1, plaintext) on {}",
         l.local_addr()?
     );
-    let incoming = tokio_stream::wrappers::TcpListenerStream::new(l);
+    let incoming = accept::incoming(
+        l,
+        Default::default(),
+        server.max_connections,
+        index,
+        false,
+        Duration::from_secs_f64(server.handshake_timeout_secs),
+    );
     Ok(tokio::spawn(
         tonic::transport::Server::builder()
             .add_routes(health)
@@ -320,6 +331,7 @@ async fn run_generation(
                 addr,
                 index,
                 tonic::service::Routes::new(health_service.clone()),
+                &cfg.server,
             )
             .await?,
         ),
@@ -417,6 +429,14 @@ async fn run_generation(
         ps_common::auth::CheckToken::new(cfg.cluster.token.as_ref(), index)
             .with_run_id(cfg.cluster.run_id.as_deref()),
     );
+    // partial messages of every service on the port count in the memory budget (as the body
+    // is read: after the token check)
+    let budget = partial::PartialBudget::new(memory::partial_message_budget(&cfg), index);
+    tokio::spawn(partial::PartialBudget::trim_when_due(Arc::downgrade(
+        &budget,
+    )));
+    let idle = Duration::from_secs_f64(cfg.server.stream_idle_secs);
+    let server = partial::Budgeted::new(server, budget.clone(), idle);
     tracing::info!(
         "shard {index}/{}: parameters {}..{} ({} values) of {}, {} steps, listening on {}",
         cfg.num_shards(),
@@ -461,7 +481,7 @@ async fn run_generation(
                 .clamp(16 << 10, (1 << 20) - 1) as u32,
         )
         .tcp_nodelay(true)
-        .add_service(health_service)
+        .add_service(partial::Budgeted::new(health_service, budget, idle))
         .add_service(server)
         .serve_with_incoming_shutdown(incoming, async {
             let _ = stop_rx.await;

@@ -16,6 +16,19 @@ pub const PULLER_BYTES: u64 = 16 << 10;
 /// The name of the pullers' part of a [`MemoryPlan`].
 pub const PULLERS: &str = "gRPC pullers";
 
+/// What a push chunk's message carries beside its `[server] chunk_bytes` of values (lease,
+/// header, offset, framing), rounded up generously.
+pub const CHUNK_OVERHEAD: u64 = 4 << 10;
+
+/// The most bytes of partial gRPC messages (received in part; tonic buffers a message whole
+/// before a handler sees it) a shard holds at once: one push chunk per rank, `[cluster]
+/// workers x ([server] chunk_bytes + CHUNK_OVERHEAD)`, and one message of the largest size
+/// a shard accepts (`MAX_MESSAGE_BYTES`: rank 0's buffers). Enforced by `crate::partial`.
+pub fn partial_message_budget(cfg: &Config) -> u64 {
+    cfg.cluster.workers as u64 * (cfg.server.chunk_bytes as u64 + CHUNK_OVERHEAD)
+        + ps_common::wire::MAX_MESSAGE_BYTES as u64
+}
+
 /// The parts of a shard's expected peak memory, in bytes.
 #[derive(Debug, Clone, PartialEq)]
 pub struct MemoryPlan {
@@ -53,6 +66,8 @@ impl MemoryPlan {
                 ),
                 // every worker's pull under way at once (the values themselves are shared)
                 (PULLERS, workers * PULLER_BYTES),
+                // what the decoder buffers of messages not yet whole (refused beyond)
+                ("partial gRPC messages", partial_message_budget(cfg)),
             ],
         }
     }
@@ -132,10 +147,14 @@ mod tests {
         let plan = MemoryPlan::of(&cfg, len);
         let b = len as u64 * 4;
         // 2 versions + Adam's 2 + snapshot + (4 pending + accumulator) + 64 windows of 256 KiB
-        // + 64 pullers
+        // + 64 pullers + 64 partial chunks of 1 MiB + 4 KiB and one 64 MiB message
         assert_eq!(
             plan.total(),
-            10 * b + 64 * (256 << 10) + 64 * PULLER_BYTES,
+            10 * b
+                + 64 * (256 << 10)
+                + 64 * PULLER_BYTES
+                + 64 * ((1 << 20) + (4 << 10))
+                + (64 << 20),
             "{}",
             plan.describe()
         );

@@ -414,3 +414,24 @@ pub fn truncate_file(path: &Path) {
         .set_len(len * 3 / 4)
         .unwrap();
 }
+
+/// The address a shard logged after `marker` (e.g. "Prometheus metrics on http://").
+pub fn logged_addr(log: &Path, marker: &str) -> String {
+    let t0 = std::time::Instant::now();
+    loop {
+        let text = std::fs::read_to_string(log).unwrap_or_default();
+        if let Some(rest) = text.split(marker).nth(1) {
+            return rest
+                .split(|c: char| c.is_whitespace() || c == '/')
+                .next()
+                .unwrap()
+                .to_string();
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "no {marker:?} in {}:\n{text}",
+            log.display()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}

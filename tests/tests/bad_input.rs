@@ -123,6 +123,17 @@ async fn live_server_refuses_bad_pushes_and_still_steps() {
         Code::FailedPrecondition,
         "protocol version 99",
     );
+    // a worker of protocol version 1 (before rank leases and generations) is refused, naming
+    // both versions
+    expect_err(
+        c.register(RegisterRequest {
+            protocol_version: 1,
+            ..reg(0)
+        })
+        .await,
+        Code::FailedPrecondition,
+        "protocol version 1 is not supported: this server speaks protocol version 2",
+    );
     expect_err(
         c.register(reg(5)).await,
         Code::InvalidArgument,

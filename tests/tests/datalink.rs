@@ -158,6 +158,13 @@ async fn data_connections_refuse_bad_hellos_and_frames_and_still_step() {
             .contains(&format!("expected {n} f32 values, got {}", n - 1)),
         "{e:?}"
     );
+    // the refused frame closed the TCP connection (both halves): the client reads its end
+    let mut b = [0u8; 16];
+    let end = tokio::time::timeout(Duration::from_secs(30), conn.read(&mut b)).await;
+    assert!(
+        matches!(end, Ok(Ok(0)) | Ok(Err(_))),
+        "the connection of a refused frame is still open: {end:?}"
+    );
     // a push with no connection open (the failed one was dropped) is retryable
     let e = c
         .rpc()

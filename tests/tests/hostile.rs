@@ -3,7 +3,8 @@
 //! reports need the shard credential and a step near the shard's, connections past
 //! `max_connections` are closed, and running out of descriptors neither spins the accept loop
 //! nor stops a connected client's pulls; connections that never complete the HTTP/2 preface or
-//! TLS handshake are closed; 128 ranks on one connection cannot fill it with waiting pulls.
+//! TLS handshake are closed, on the gRPC port and on the health port; 128 ranks on one
+//! connection cannot fill it with waiting pulls.
 //! Each attack also times a correct client's pull.
 
 use ps_common::config::Transport;
@@ -473,6 +474,35 @@ async fn correct_client(
     c
 }
 
+/// How many of `socks` the shard has not closed 60 s after this call (what it writes before
+/// closing, its HTTP/2 settings, is read and dropped). Blocking.
+fn still_open_after_60_s(socks: Vec<std::net::TcpStream>) -> usize {
+    use std::io::Read;
+    socks
+        .into_iter()
+        .filter(|s| {
+            let mut s = s;
+            s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+            let mut b = [0u8; 256];
+            loop {
+                match s.read(&mut b) {
+                    Ok(0) => return false,
+                    Ok(_) => continue,
+                    Err(e)
+                        if matches!(
+                            e.kind(),
+                            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                        ) =>
+                    {
+                        return true;
+                    }
+                    Err(_) => return false,
+                }
+            }
+        })
+        .count()
+}
+
 /// Connections that never complete their handshake: 16 raw TCP connections that send nothing,
 /// and one that stops inside the HTTP/2 preface (or, with TLS, inside its ClientHello), are
 /// closed by the shard once `[server] handshake_timeout_secs` (1 s here) has passed (the old
@@ -480,7 +510,7 @@ async fn correct_client(
 /// connection older than the timeout, is served when the step completes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connections_that_never_complete_their_handshake_are_closed() {
-    use std::io::{Read, Write};
+    use std::io::Write;
     let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("data/tls");
     for tls in [false, true] {
         let dir = tempfile::tempdir().unwrap();
@@ -522,34 +552,9 @@ async fn connections_that_never_complete_their_handshake_are_closed() {
             partial.write_all(b"PRI * HTTP/2.0\r\n").unwrap();
         }
         silent.push(partial);
-        let still_open = tokio::task::spawn_blocking(move || {
-            silent
-                .into_iter()
-                .filter(|s| {
-                    let mut s = s;
-                    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
-                    let mut b = [0u8; 256];
-                    loop {
-                        match s.read(&mut b) {
-                            Ok(0) => return false,
-                            // what the shard wrote before closing (its HTTP/2 settings)
-                            Ok(_) => continue,
-                            Err(e)
-                                if matches!(
-                                    e.kind(),
-                                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-                                ) =>
-                            {
-                                return true;
-                            }
-                            Err(_) => return false,
-                        }
-                    }
-                })
-                .count()
-        })
-        .await
-        .unwrap();
+        let still_open = tokio::task::spawn_blocking(move || still_open_after_60_s(silent))
+            .await
+            .unwrap();
         assert_eq!(
             still_open, 0,
             "tls {tls}: connections still open 60 s after they were made"
@@ -575,6 +580,244 @@ async fn connections_that_never_complete_their_handshake_are_closed() {
         };
         assert!(log.contains(what), "{what}: {log}");
     }
+}
+
+/// The plaintext gRPC health port (`--health-listen`) goes through the same accept loop: 8 raw
+/// TCP connections that send nothing and one that stops inside the HTTP/2 preface are closed
+/// once `[server] handshake_timeout_secs` (1 s here) has passed (the old health port kept them
+/// open for good), and a probe is still answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_health_port_closes_connections_that_never_complete_their_handshake() {
+    use std::io::Write;
+    use tonic_health::pb::HealthCheckRequest;
+    use tonic_health::pb::health_client::HealthClient;
+    let dir = tempfile::tempdir().unwrap();
+    let spec = Spec {
+        shards: 1,
+        workers: 1,
+        transport: Transport::Grpc,
+        config: Spec::base().handshake_timeout_secs(1.0),
+        ..Spec::default()
+    };
+    let (path, _) = spec.write(dir.path());
+    let logs = dir.path().join("logs");
+    let mut cluster = LocalCluster::new(bin_dir(), path, Some(logs.clone()));
+    cluster
+        .start_servers(
+            1,
+            &["--health-listen".into(), "127.0.0.1:0".into()],
+            Duration::from_secs(60),
+        )
+        .unwrap();
+    let addr = ps_tests::logged_addr(
+        &logs.join("shard-0.log"),
+        "gRPC health (grpc.health.v1, plaintext) on ",
+    );
+    let mut silent: Vec<std::net::TcpStream> = (0..8)
+        .map(|_| std::net::TcpStream::connect(&addr).unwrap())
+        .collect();
+    let mut partial = std::net::TcpStream::connect(&addr).unwrap();
+    partial.write_all(b"PRI * HTTP/2.0\r\n").unwrap();
+    silent.push(partial);
+    let still_open = tokio::task::spawn_blocking(move || still_open_after_60_s(silent))
+        .await
+        .unwrap();
+    assert_eq!(
+        still_open, 0,
+        "health port: connections still open 60 s after they were made"
+    );
+    let ch = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let status = HealthClient::new(ch)
+        .check(HealthCheckRequest {
+            service: ps_server::HEALTH_SERVICE.into(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .status;
+    assert_eq!(status, tonic_health::ServingStatus::Serving as i32);
+    cluster.kill_all();
+    let log = log_of(dir.path(), 0);
+    assert!(
+        log.contains("did not complete the HTTP/2 connection preface within 1s"),
+        "{log}"
+    );
+}
+
+/// The gRPC status (code, message) of an HTTP/2 response: from its headers when it has no
+/// body (trailers-only), else from its trailers.
+async fn grpc_status(resp: h2::client::ResponseFuture) -> Option<(i32, String)> {
+    let resp = resp.await.ok()?;
+    let of = |h: &tonic::codegen::http::HeaderMap| {
+        let code = h.get("grpc-status")?.to_str().ok()?.parse().ok()?;
+        let msg = h
+            .get("grpc-message")
+            .and_then(|m| m.to_str().ok())
+            .unwrap_or_default();
+        Some((code, msg.replace("%20", " ")))
+    };
+    if let Some(s) = of(resp.headers()) {
+        return Some(s);
+    }
+    let mut body = resp.into_body();
+    while let Some(d) = body.data().await {
+        d.ok()?;
+    }
+    of(&body.trailers().await.ok()??)
+}
+
+/// A Register call on `h2c` whose message declares 60 MiB and stalls after all but its last
+/// 64 KiB (`zeros`: 1 MiB); its send half, and a task ending with its gRPC status.
+async fn stalled_message(
+    h2c: &h2::client::SendRequest<bytes::Bytes>,
+    addr: &str,
+    zeros: &bytes::Bytes,
+) -> (
+    h2::SendStream<bytes::Bytes>,
+    tokio::task::JoinHandle<Option<(i32, String)>>,
+) {
+    const MIB: usize = 1 << 20;
+    let mut h2c = h2c.clone().ready().await.unwrap();
+    let req = tonic::codegen::http::Request::builder()
+        .method("POST")
+        .uri(format!("http://{addr}/ps.v1.ParameterServer/Register"))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .body(())
+        .unwrap();
+    let (resp, mut send) = h2c.send_request(req, false).unwrap();
+    let mut header = vec![0u8];
+    header.extend_from_slice(&((60 * MIB) as u32).to_be_bytes());
+    send.send_data(header.into(), false).unwrap();
+    for i in 0..60 {
+        let piece = if i == 59 {
+            zeros.slice(..MIB - (64 << 10))
+        } else {
+            zeros.clone()
+        };
+        if send.send_data(piece, false).is_err() {
+            break;
+        }
+    }
+    (send, tokio::spawn(grpc_status(resp)))
+}
+
+/// Stalled partial gRPC messages: 8 streams on one connection, each declaring a 60 MiB
+/// message and stalling after sending all of it but 64 KiB, against a shard whose budget for
+/// partial messages is 1 x (1 MiB + 4 KiB) + 64 MiB. One fits, the other 7 are refused at
+/// their header with RESOURCE_EXHAUSTED naming the budget; the shard's RSS grows by about one
+/// message (the old shard buffered all 8: +480 MiB); honest pushes and pulls are served
+/// meanwhile; once the streams are reset their bytes are back in the budget (a new 60 MiB
+/// message is admitted).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stalled_partial_messages_beyond_the_budget_are_refused_and_freed() {
+    const MIB: usize = 1 << 20;
+    const STREAMS: usize = 8;
+    let dir = tempfile::tempdir().unwrap();
+    let spec = Spec {
+        shards: 1,
+        workers: 1,
+        transport: Transport::Grpc,
+        ..Spec::default()
+    };
+    let (mut cluster, n) = live(&spec, dir.path());
+    let cfg = ps_common::config::Config::load(&dir.path().join("config.toml")).unwrap();
+    let pid = cluster.servers[0].child.id();
+    let addr = cluster.addrs[0].clone();
+    let c = correct_client(&cfg, &addr, 0, n).await;
+    let before = rss_mib(pid);
+
+    let tcp = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    let (h2c, conn) = h2::client::handshake(tcp).await.unwrap();
+    tokio::spawn(conn);
+    let zeros = bytes::Bytes::from(vec![0u8; MIB]);
+    let mut sends = Vec::new();
+    let mut statuses = Vec::new();
+    for _ in 0..STREAMS {
+        let (send, status) = stalled_message(&h2c, &addr, &zeros).await;
+        sends.push(send);
+        statuses.push(status);
+    }
+    // the refusals come at once; the old shard answered none (bounded wait)
+    let t = Instant::now();
+    while statuses.iter().filter(|s| s.is_finished()).count() < STREAMS - 1
+        && t.elapsed() < Duration::from_secs(20)
+    {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let mut refused = Vec::new();
+    for s in statuses.iter_mut().filter(|s| s.is_finished()) {
+        refused.push(s.await.unwrap());
+    }
+    // the admitted message arrives (all but its last 64 KiB)
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let during = rss_mib(pid);
+    // honest traffic meanwhile: a push of step 0 and a pull of version 1
+    let reply = c
+        .push(
+            ps_tests::push_header(0, 0, n),
+            &ps_common::wire::f32_to_bytes(&vec![0.5; n]),
+            4096,
+        )
+        .await
+        .unwrap();
+    assert!(reply.counted, "{reply:?}");
+    let mut w = vec![0f32; n];
+    c.clone().pull_into(1, false, None, &mut w).await.unwrap();
+    for s in &mut sends {
+        s.send_reset(h2::Reason::CANCEL);
+    }
+    drop(sends);
+    drop(h2c);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let after = rss_mib(pid);
+    // the budget is back: a new 60 MiB message on a new connection is admitted (not refused
+    // within 2 s), retried for up to 30 s while the shard takes in the resets
+    let t = Instant::now();
+    let readmitted = loop {
+        let tcp = tokio::net::TcpStream::connect(&addr).await.unwrap();
+        let (h2c, conn) = h2::client::handshake(tcp).await.unwrap();
+        tokio::spawn(conn);
+        let (mut send, status) = stalled_message(&h2c, &addr, &zeros).await;
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let admitted = !status.is_finished();
+        send.send_reset(h2::Reason::CANCEL);
+        if admitted || t.elapsed() > Duration::from_secs(30) {
+            break admitted.then(|| t.elapsed());
+        }
+    };
+    eprintln!(
+        "{STREAMS} stalled 60 MiB messages: {} refused; shard RSS {before:.1} -> {during:.1} MiB during, {after:.1} MiB 2 s after the streams ended; a new one admitted after {readmitted:?}",
+        refused.len()
+    );
+    assert_eq!(refused.len(), STREAMS - 1, "refused: {refused:?}");
+    for status in &refused {
+        let (code, msg) = status.as_ref().expect("a gRPC status");
+        assert_eq!(*code, Code::ResourceExhausted as i32, "{msg}");
+        assert!(
+            msg.contains("budget for partial messages past its 68161536 bytes"),
+            "{msg}"
+        );
+    }
+    assert!(
+        during - before < 150.0,
+        "one 60 MiB message admitted, yet RSS {before:.1} -> {during:.1} MiB"
+    );
+    assert!(
+        readmitted.is_some(),
+        "the ended streams' bytes went back to the budget"
+    );
+    // not asserted near `before`: the freed message went back to the system in about half the
+    // runs (see `partial::PartialBudget::trim_when_due`); it never grows past one message
+    assert!(
+        after - before < 150.0,
+        "RSS {before:.1} -> {after:.1} MiB after the streams ended"
+    );
+    cluster.kill_all();
 }
 
 /// 128 ranks sharing one HTTP/2 connection (one `ShardClient` and its clones), with the

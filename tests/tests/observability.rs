@@ -8,34 +8,13 @@ use ps_common::pb::RegisterRequest;
 use ps_common::pb::parameter_server_client::ParameterServerClient;
 use ps_launch::{LocalCluster, bin_dir};
 use ps_server::tensorboard;
-use ps_tests::{Spec, Start, run_cluster};
+use ps_tests::{Spec, Start, logged_addr, run_cluster};
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 use tonic::Code;
 use tonic_health::ServingStatus;
 use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_client::HealthClient;
-
-/// The address a shard logged after `marker` (e.g. "Prometheus metrics on http://").
-fn logged_addr(log: &std::path::Path, marker: &str) -> String {
-    let t0 = Instant::now();
-    loop {
-        let text = std::fs::read_to_string(log).unwrap_or_default();
-        if let Some(rest) = text.split(marker).nth(1) {
-            return rest
-                .split(|c: char| c.is_whitespace() || c == '/')
-                .next()
-                .unwrap()
-                .to_string();
-        }
-        assert!(
-            t0.elapsed() < Duration::from_secs(30),
-            "no {marker:?} in {}:\n{text}",
-            log.display()
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
 
 fn tls_dir() -> std::path::PathBuf {
     std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("data/tls")
