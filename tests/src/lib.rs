@@ -261,6 +261,20 @@ pub fn register_request(
     }
 }
 
+/// A pull over the network (no shared memory) of the first version `>= min_version`, with
+/// `lease`.
+pub fn pull_request(
+    min_version: u64,
+    lease: Option<ps_common::pb::Lease>,
+) -> ps_common::pb::PullRequest {
+    ps_common::pb::PullRequest {
+        min_version,
+        shm: false,
+        exact: false,
+        lease,
+    }
+}
+
 /// Starts `ps-launch --config <config> <args>` in the background as the leader of its own
 /// process group (as a shell job is), stdout and stderr into `<log>.out` / `<log>.err`.
 pub fn spawn_launch(config: &Path, args: &[&str], log: &Path) -> std::process::Child {

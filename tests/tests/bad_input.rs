@@ -26,12 +26,7 @@ async fn pull(c: &mut Client, version: u64) -> Result<Vec<f32>, tonic::Status> {
     let lease = c.lease(0);
     let mut s = c
         .rpc()
-        .pull(PullRequest {
-            min_version: version,
-            shm: false,
-            exact: false,
-            lease,
-        })
+        .pull(ps_tests::pull_request(version, lease))
         .await?
         .into_inner();
     let first = s.message().await?.expect("a chunk");

@@ -9,7 +9,7 @@
 
 use ps_common::config::Transport;
 use ps_common::pb::parameter_server_client::ParameterServerClient;
-use ps_common::pb::{PullRequest, PushChunk, PushHeader, StepReport};
+use ps_common::pb::{PushChunk, PushHeader, StepReport};
 use ps_launch::{LocalCluster, bin_dir};
 use ps_tests::{Spec, Start, register_request, run_cluster};
 use std::path::Path;
@@ -94,12 +94,7 @@ async fn try_pull_ms(c: &mut Client) -> Result<f64, tonic::Status> {
     let lease = c.any_lease();
     let mut s = c
         .rpc
-        .pull(PullRequest {
-            min_version: 0,
-            shm: false,
-            exact: false,
-            lease,
-        })
+        .pull(ps_tests::pull_request(0, lease))
         .await?
         .into_inner();
     while s.message().await?.is_some() {}
@@ -414,16 +409,7 @@ async fn connections_past_the_limit_are_closed_and_logged() {
     let lease = held[0].lease(0);
     let refused = match Client::connect(url.clone()).await {
         Err(_) => true,
-        Ok(mut c) => c
-            .rpc
-            .pull(PullRequest {
-                min_version: 0,
-                shm: false,
-                exact: false,
-                lease,
-            })
-            .await
-            .is_err(),
+        Ok(mut c) => c.rpc.pull(ps_tests::pull_request(0, lease)).await.is_err(),
     };
     assert!(refused, "a fifth connection is closed");
     // the connections within the limit still work

@@ -8,7 +8,7 @@ use ps_common::auth::ClientSecurity;
 use ps_common::client::{ShardClient, push_chunks, with_lease};
 use ps_common::config::Transport;
 use ps_common::datalink::{HELLO_NO, HELLO_OK, Hello};
-use ps_common::pb::{Lease, PullRequest, PushHeader, RegisterRequest};
+use ps_common::pb::{Lease, PushHeader, RegisterRequest};
 use ps_common::shm::{Board, BoardDir, grad_path, shm_root};
 use ps_common::wire::f32_to_bytes;
 use ps_launch::{LocalCluster, bin_dir};
@@ -155,12 +155,7 @@ async fn only_a_rank_lease_holder_acts_for_it_on_every_transport() {
     // pulls: none without a lease, none with a forged one
     for lease in [None, Some(forged(&l1))] {
         let e = rpc
-            .pull(PullRequest {
-                min_version: 0,
-                shm: false,
-                exact: false,
-                lease,
-            })
+            .pull(ps_tests::pull_request(0, lease))
             .await
             .unwrap_err();
         assert!(

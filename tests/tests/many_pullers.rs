@@ -2,8 +2,8 @@
 //! start-up memory statement (`ps_server::memory`), and the values each gets.
 
 use ps_common::config::{Config, Transport};
+use ps_common::pb::PullChunk;
 use ps_common::pb::parameter_server_client::ParameterServerClient;
-use ps_common::pb::{PullChunk, PullRequest};
 use ps_launch::{LocalCluster, bin_dir};
 use ps_server::memory::{MemoryPlan, PULLER_BYTES, PULLERS};
 use ps_tests::{RawClient, Spec, register_request};
@@ -86,12 +86,7 @@ async fn stalled_pullers_share_the_version_and_cost_what_the_statement_says() {
         let lease = c.any_lease();
         let reply = c
             .rpc
-            .pull(PullRequest {
-                min_version: 0,
-                shm: false,
-                exact: false,
-                lease,
-            })
+            .pull(ps_tests::pull_request(0, lease))
             .await
             .unwrap()
             .into_inner();
@@ -196,12 +191,7 @@ async fn a_stalled_pull_ends_with_the_idle_status() {
     let lease = c.any_lease();
     let mut reply = c
         .rpc
-        .pull(PullRequest {
-            min_version: 0,
-            shm: false,
-            exact: false,
-            lease,
-        })
+        .pull(ps_tests::pull_request(0, lease))
         .await
         .unwrap()
         .into_inner();

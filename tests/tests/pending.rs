@@ -6,7 +6,7 @@
 use ps_common::client::{push_chunks, with_lease};
 use ps_common::config::{Aggregation, Transport};
 use ps_common::pb::parameter_server_client::ParameterServerClient;
-use ps_common::pb::{Lease, PullRequest, PushChunk, PushHeader, PushReply};
+use ps_common::pb::{Lease, PushChunk, PushHeader, PushReply};
 use ps_common::wire::{TensorReceiver, f32_to_bytes};
 use ps_launch::{LocalCluster, bin_dir};
 use ps_tests::{
@@ -90,12 +90,7 @@ async fn slow_push(
 
 async fn pull(c: &mut Client, lease: &Option<Lease>, version: u64) -> (u64, Vec<f32>) {
     let mut s = c
-        .pull(PullRequest {
-            min_version: version,
-            shm: false,
-            exact: false,
-            lease: lease.clone(),
-        })
+        .pull(ps_tests::pull_request(version, lease.clone()))
         .await
         .unwrap()
         .into_inner();

@@ -10,7 +10,7 @@
 use ps_common::PROTOCOL_VERSION;
 use ps_common::client::push_chunks;
 use ps_common::config::Transport;
-use ps_common::pb::{PullRequest, PushHeader, PushReply, RegisterRequest};
+use ps_common::pb::{PushHeader, PushReply, RegisterRequest};
 use ps_common::shm::{Board, BoardDir, grad_path, params_path, shm_root};
 use ps_common::wire::{TensorReceiver, f32_to_bytes};
 use ps_launch::{LocalCluster, bin_dir};
@@ -44,12 +44,7 @@ async fn pull(c: &mut Client, version: u64) -> Result<(u64, Vec<f32>), tonic::St
     let lease = c.any_lease();
     let mut s = c
         .rpc
-        .pull(PullRequest {
-            min_version: version,
-            shm: false,
-            exact: false,
-            lease,
-        })
+        .pull(ps_tests::pull_request(version, lease))
         .await?
         .into_inner();
     let first = s.message().await?.expect("a chunk");
