@@ -429,6 +429,24 @@ pub fn truncate_file(path: &Path) {
         .unwrap();
 }
 
+/// Starts the one shard of `config` with `--health-listen 127.0.0.1:0`, its log under `logs`;
+/// returns the cluster and the health port's address, read from the shard's log.
+pub fn start_shard_with_health(config: PathBuf, logs: &Path) -> (LocalCluster, String) {
+    let mut cluster = LocalCluster::new(bin_dir(), config, Some(logs.to_path_buf()));
+    cluster
+        .start_servers(
+            1,
+            &["--health-listen".into(), "127.0.0.1:0".into()],
+            Duration::from_secs(60),
+        )
+        .unwrap();
+    let addr = logged_addr(
+        &logs.join("shard-0.log"),
+        "gRPC health (grpc.health.v1, plaintext) on ",
+    );
+    (cluster, addr)
+}
+
 /// The address a shard logged after `marker` (e.g. "Prometheus metrics on http://").
 pub fn logged_addr(log: &Path, marker: &str) -> String {
     let t0 = std::time::Instant::now();

@@ -587,18 +587,7 @@ async fn the_health_port_closes_connections_that_never_complete_their_handshake(
     };
     let (path, _) = spec.write(dir.path());
     let logs = dir.path().join("logs");
-    let mut cluster = LocalCluster::new(bin_dir(), path, Some(logs.clone()));
-    cluster
-        .start_servers(
-            1,
-            &["--health-listen".into(), "127.0.0.1:0".into()],
-            Duration::from_secs(60),
-        )
-        .unwrap();
-    let addr = ps_tests::logged_addr(
-        &logs.join("shard-0.log"),
-        "gRPC health (grpc.health.v1, plaintext) on ",
-    );
+    let (mut cluster, addr) = ps_tests::start_shard_with_health(path, &logs);
     let mut silent: Vec<std::net::TcpStream> = (0..8)
         .map(|_| std::net::TcpStream::connect(&addr).unwrap())
         .collect();

@@ -59,18 +59,7 @@ async fn grpc_health_answers_probes_and_follows_the_run() {
     };
     let (path, cfg) = spec.write(dir.path());
     let logs = dir.path().join("logs");
-    let mut cluster = LocalCluster::new(bin_dir(), path, Some(logs.clone()));
-    cluster
-        .start_servers(
-            1,
-            &["--health-listen".into(), "127.0.0.1:0".into()],
-            Duration::from_secs(60),
-        )
-        .unwrap();
-    let health_addr = logged_addr(
-        &logs.join("shard-0.log"),
-        "gRPC health (grpc.health.v1, plaintext) on ",
-    );
+    let (mut cluster, health_addr) = ps_tests::start_shard_with_health(path, &logs);
 
     // the probe's view: plaintext, no token
     let ch = tonic::transport::Endpoint::from_shared(format!("http://{health_addr}"))
