@@ -24,7 +24,8 @@
 #   per step times the kernel CPU that plain TCP between two of these hosts costs per MB,
 #   measured before the runs (python3 sockets, both directions at once; "-" without python3).
 # - PyTorch DDP: right after each row, ps-bench/ddp_host.py (gloo, one thread per rank) runs
-#   the same MLP, batch and timed steps in the same hosts, ranks placed as the workers; its
+#   the same MLP, batch and timed steps in the same hosts, ranks placed as the workers and
+#   started as they are (one `setsid` session per host holding its processes); its
 #   ms/step, the machine's busy CPU per step over its timed steps, and step / DDP ("-" with
 #   DDP=0 or without a python that imports torch: $PYTHON, target/pyenv, python3).
 #
@@ -191,11 +192,20 @@ find_torch() {
 # "nan nan" when it fails.
 ddp() {
     [ -n "$TORCH_PY" ] || { echo nan nan; return; }
-    local r out="$RUN/ddp-$2-$1"
-    for r in $(seq $(($2 - 1)) -1 0); do
-        timeout 600 ip netns exec "$PREFIX$((r % HOSTS + 1))" "$TORCH_PY" "$ROOT/ps-bench/ddp_host.py" \
-            --rank "$r" --world "$2" --master 10.78.0.1 --ifname eth0 --hidden "${1// /}" \
-            --steps "$3" --skip "$4" >"$out.$r" 2>&1 &
+    local r i ranks out="$RUN/ddp-$2-$1"
+    # started as ours are: one session per host (setsid) holding that host's ranks, so the
+    # kernel's per-session scheduling treats both systems alike
+    for i in $(seq 1 "$HOSTS"); do
+        ranks=""
+        for r in $(seq $(($2 - 1)) -1 0); do [ $((r % HOSTS + 1)) = "$i" ] && ranks="$ranks $r"; done
+        [ -n "$ranks" ] || continue
+        setsid timeout 600 ip netns exec "$PREFIX$i" sh -c '
+            py="$1"; script="$2"; world="$3"; hidden="$4"; steps="$5"; skip="$6"; out="$7"; shift 7
+            for r in "$@"; do
+                "$py" "$script" --rank "$r" --world "$world" --master 10.78.0.1 --ifname eth0 \
+                    --hidden "$hidden" --steps "$steps" --skip "$skip" >"$out.$r" 2>&1 &
+            done
+            wait' ddp "$TORCH_PY" "$ROOT/ps-bench/ddp_host.py" "$2" "${1// /}" "$3" "$4" "$out" $ranks &
     done
     wait
     sed -n 's/^ddp ms\/step \([0-9.]*\) busy-core-ms\/step \([0-9.]*\)$/\1 \2/p' "$out.0" | grep . \

@@ -1277,6 +1277,10 @@ fn e2e_run(
         "stopped_after_last_step": ended_early,
         "server_hwm_bytes": server_hwm,
         "server_param_bytes": param_bytes,
+        // what each shard stated at start-up it would peak at (`ps_server::memory`)
+        "server_stated_bytes": ranges.iter()
+            .map(|r| ps_server::memory::MemoryPlan::of(&cfg, r.len()).total())
+            .collect::<Vec<_>>(),
         "server_hwm_ratio": server_hwm.iter().zip(&param_bytes)
             .map(|(h, p)| *h as f64 / *p as f64).collect::<Vec<_>>(),
         "worker_hwm_bytes": worker_hwm,
@@ -1516,10 +1520,11 @@ fn scale_processes_run(
     r["server"] = json!(bin.display().to_string());
     r["loadavg_after"] = json!(loadavg());
     eprintln!(
-        "  W={w}: {:.1} ms/step, shard CPU {:.1} ms/step, shard peak {:.1} MB",
+        "  W={w}: {:.1} ms/step, shard CPU {:.1} ms/step, shard peak {:.1} MB (stated {:.1} MB)",
         f(&r, "step_ms"),
         f(&r, "shard0_cpu_ms_per_step"),
-        r["server_hwm_bytes"][0].as_f64().unwrap_or(f64::NAN) / 1e6
+        r["server_hwm_bytes"][0].as_f64().unwrap_or(f64::NAN) / 1e6,
+        r["server_stated_bytes"][0].as_f64().unwrap_or(f64::NAN) / 1e6
     );
     Ok(r)
 }
@@ -1527,18 +1532,19 @@ fn scale_processes_run(
 fn table_scale_processes(rows: &[Value]) -> String {
     let mut t = String::from(
         "## 5. Scale: one shard, W ps-worker processes, every value through gRPC\n\n\
-         | model | W | step ms (median) | shard CPU ms / step | shard peak RSS MB | parameter MB | load after | server |\n\
-         |---|---|---|---|---|---|---|---|\n",
+         | model | W | step ms (median) | shard CPU ms / step | shard peak RSS MB | stated MB | parameter MB | load after | server |\n\
+         |---|---|---|---|---|---|---|---|---|\n",
     );
     for r in rows {
         let _ = writeln!(
             t,
-            "| {} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {} | {} |",
+            "| {} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {} | {} |",
             r["model"].as_str().unwrap_or("?"),
             r["workers"],
             f(r, "step_ms"),
             f(r, "shard0_cpu_ms_per_step"),
             r["server_hwm_bytes"][0].as_f64().unwrap_or(f64::NAN) / 1e6,
+            r["server_stated_bytes"][0].as_f64().unwrap_or(f64::NAN) / 1e6,
             r["server_param_bytes"][0].as_f64().unwrap_or(f64::NAN) / 1e6,
             r["loadavg_after"].as_str().unwrap_or("?"),
             r["server"].as_str().unwrap_or("?"),

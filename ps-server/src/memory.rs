@@ -16,6 +16,11 @@ pub const PULLER_BYTES: u64 = 16 << 10;
 /// The name of the pullers' part of a [`MemoryPlan`].
 pub const PULLERS: &str = "gRPC pullers";
 
+/// The process itself before any tensor: the binary, the runtime, its threads' stacks, the
+/// allocator's arenas (an idle shard of a tiny model: 8.7 MiB resident on the 2-core machine
+/// of PERFORMANCE.md).
+pub const PROCESS_BYTES: u64 = 10 << 20;
+
 /// What a push chunk's message carries beside its `[server] chunk_bytes` of values (lease,
 /// header, offset, framing), rounded up generously.
 pub const CHUNK_OVERHEAD: u64 = 4 << 10;
@@ -66,6 +71,7 @@ impl MemoryPlan {
                 ),
                 // every worker's pull under way at once (the values themselves are shared)
                 (PULLERS, workers * PULLER_BYTES),
+                ("the process", PROCESS_BYTES),
                 // what the decoder buffers of messages not yet whole (refused beyond)
                 ("partial gRPC messages", partial_message_budget(cfg)),
             ],
@@ -147,18 +153,21 @@ mod tests {
         let plan = MemoryPlan::of(&cfg, len);
         let b = len as u64 * 4;
         // 2 versions + Adam's 2 + snapshot + (4 pending + accumulator) + 64 windows of 256 KiB
-        // + 64 pullers + 64 partial chunks of 1 MiB + 4 KiB and one 64 MiB message
+        // + 64 pullers + the process + 64 partial chunks of 1 MiB + 4 KiB and one 64 MiB
+        // message
         assert_eq!(
             plan.total(),
             10 * b
                 + 64 * (256 << 10)
                 + 64 * PULLER_BYTES
+                + PROCESS_BYTES
                 + 64 * ((1 << 20) + (4 << 10))
                 + (64 << 20),
             "{}",
             plan.describe()
         );
         assert_eq!(plan.part(PULLERS), 64 * PULLER_BYTES);
+        assert_eq!(plan.part("the process"), PROCESS_BYTES);
         assert!(plan.describe().contains("gradient buffers"));
         assert!(
             plan.describe()
