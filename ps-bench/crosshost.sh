@@ -39,7 +39,9 @@
 # MODELS ("small large": 784-1024-1024-10 and 784-4096-4096-10), STEPS_SMALL / STEPS_LARGE
 # (default 300 / 40), SKIP_SMALL / SKIP_LARGE (default 20 / 5), BIN (default target/release),
 # SHARDS_PER_HOST (default 1), DDP=0 (no DDP run), WIRE ("bf16" pushes gradients over the
-# network as bfloat16: `[cluster] wire`; unset: the default f32), KEEP=1 keeps the run
+# network as bfloat16: `[cluster] wire`; unset: the default f32), TRANSPORT ("grpc": no shared
+# memory even with the shard on the same host: `[cluster] transport`; unset: "auto"),
+# MAX_PENDING (`[server] max_pending_gradients`; unset: the default), KEEP=1 keeps the run
 # directory (configs, logs, metrics). Prints a markdown table; exits 2 with one line saying
 # why when it cannot run. Traffic stays inside the namespaces, which are
 # removed at exit.
@@ -235,6 +237,7 @@ servers = [$servers]
 workers = $w
 token_file = "$dir/token"
 ${WIRE:+wire = \"$WIRE\"}
+${TRANSPORT:+transport = \"$TRANSPORT\"}
 
 [model]
 hidden = [$hidden]
@@ -258,6 +261,7 @@ lr = 0.01
 [server]
 out_dir = "$dir/out"
 barrier_timeout_secs = 600
+${MAX_PENDING:+max_pending_gradients = $MAX_PENDING}
 EOF
     # one launcher per host: its own mount namespace with a fresh /dev/shm, its shard and its
     # workers; fails when any of them does
