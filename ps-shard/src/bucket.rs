@@ -55,10 +55,12 @@ pub fn plan(spec: &ModelSpec, range: &Range<usize>) -> Vec<Bucket> {
     crate::unused::local_parts(spec, range, &all)
         .into_iter()
         .flat_map(|(tensor, r)| {
-            (r.start..r.end).step_by(BUCKET_VALUES).map(move |lo| Bucket {
-                tensor,
-                range: lo..(lo + BUCKET_VALUES).min(r.end),
-            })
+            (r.start..r.end)
+                .step_by(BUCKET_VALUES)
+                .map(move |lo| Bucket {
+                    tensor,
+                    range: lo..(lo + BUCKET_VALUES).min(r.end),
+                })
         })
         .collect()
 }
@@ -408,11 +410,9 @@ impl Shard {
         };
         for b in full {
             let len = self.buckets[b].range.len() as u32;
-            let all = (0..world).filter(|&q| members[q]).all(|q| {
-                track.ranks[q]
-                    .as_ref()
-                    .is_some_and(|x| x.got[b] == len)
-            });
+            let all = (0..world)
+                .filter(|&q| members[q])
+                .all(|q| track.ranks[q].as_ref().is_some_and(|x| x.got[b] == len));
             if all && !track.taken[b] {
                 track.taken[b] = true;
                 track.ready.push(b);
@@ -644,11 +644,13 @@ impl Shard {
             && track.step == step
             && basis.ranks.len() == slots.len()
             && slots.iter().zip(&basis.ranks).all(|(s, &r)| s.rank == r)
-            && slots.iter().zip(&basis.samples).all(|(s, &n)| s.samples == n)
             && slots
                 .iter()
-                .zip(&basis.bufs)
-                .all(|(s, buf)| matches!(&s.grad, Grad::Received(rec) if Arc::ptr_eq(&rec.buf, buf)))
+                .zip(&basis.samples)
+                .all(|(s, &n)| s.samples == n)
+            && slots.iter().zip(&basis.bufs).all(
+                |(s, buf)| matches!(&s.grad, Grad::Received(rec) if Arc::ptr_eq(&rec.buf, buf)),
+            )
             && Arc::ptr_eq(&basis.opt, &st.opt)
             && st.unused.skipped_by_all(step, &basis.ranks) == basis.skip;
         if !same {
@@ -767,7 +769,10 @@ impl Intake {
     /// outside the buffer, is refused.
     pub fn region(&mut self, r: Range<usize>) -> PsResult<&mut [MaybeUninit<f32>]> {
         let len = self.buf().len();
-        let overlaps = self.given.iter().any(|g| g.start < r.end && r.start < g.end);
+        let overlaps = self
+            .given
+            .iter()
+            .any(|g| g.start < r.end && r.start < g.end);
         let done = self.buf().complete.load(Ordering::Acquire);
         if r.start > r.end || r.end > len || overlaps || done {
             return Err(PsError::Internal(format!(

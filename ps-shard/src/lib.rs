@@ -806,7 +806,10 @@ impl Shard {
         let samples: Vec<u32> = slots.iter().map(|s| s.samples).collect();
         let lr = self.schedule.lr(step);
         let (mut pending, by_buckets) = match tentative.map(|t| self.finish_buckets(&mut work, t)) {
-            Some(Ok(done)) => (done.pending, Some((done.opt, done.old, done.norms, done.skip, done.early))),
+            Some(Ok(done)) => (
+                done.pending,
+                Some((done.opt, done.old, done.norms, done.skip, done.early)),
+            ),
             Some(Err(update)) => (update, None),
             None => (pending.expect("begun"), None),
         };
@@ -833,7 +836,10 @@ impl Shard {
             }
             None => {
                 let opt = Arc::unwrap_or_clone(current_opt.clone());
-                (self.whole_range(step, &slots, &acc, &mut pending, opt, lr), None)
+                (
+                    self.whole_range(step, &slots, &acc, &mut pending, opt, lr),
+                    None,
+                )
             }
         };
         let Applied {
@@ -1248,6 +1254,11 @@ impl Shard {
             (v, snapshot) if v == version => Ok((v, snapshot)),
             _ => self.previous(version),
         }
+    }
+
+    /// A copy of the optimizer state of the current version (what a checkpoint saves).
+    pub fn optimizer_state(&self) -> OptState {
+        (*self.lock().opt).clone()
     }
 
     /// A copy of the current parameters and their version (final weights, gRPC pulls).
