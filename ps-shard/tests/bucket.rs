@@ -371,14 +371,7 @@ fn a_recovered_shard_goes_on_bucketed_bit_for_bit() {
             Wire::F32,
         );
         for r in 0..W {
-            push_whole(
-                &whole,
-                &ow,
-                r,
-                s,
-                samples[r as usize],
-                &g[r as usize],
-            );
+            push_whole(&whole, &ow, r, s, samples[r as usize], &g[r as usize]);
         }
     }
     assert_same(&bucketed, &whole, "before the recovery");
@@ -407,14 +400,7 @@ fn a_recovered_shard_goes_on_bucketed_bit_for_bit() {
             Wire::F32,
         );
         for r in 0..W {
-            push_whole(
-                &whole,
-                &ow,
-                r,
-                s,
-                samples[r as usize],
-                &g[r as usize],
-            );
+            push_whole(&whole, &ow, r, s, samples[r as usize], &g[r as usize]);
         }
         assert_same(&recovered, &whole, &format!("recovered, step {s}"));
         let f = orec.steps.lock().unwrap().last().cloned().unwrap();

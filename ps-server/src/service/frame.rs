@@ -64,7 +64,16 @@ impl ShardService {
         let pieces =
             datalink::read_push_header(&mut conn.half, step, total, wire, &what, idle).await?;
         if !pieces {
-            read_published(&mut conn.half, intake, 0..len, &self.shard, wire, &what, idle).await?;
+            read_published(
+                &mut conn.half,
+                intake,
+                0..len,
+                &self.shard,
+                wire,
+                &what,
+                idle,
+            )
+            .await?;
         } else {
             let mut cov = datalink::Coverage::new(total, wire);
             while !cov.complete() {
