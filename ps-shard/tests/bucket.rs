@@ -280,6 +280,27 @@ fn mark(shard: &Shard, s: u64, grads: &mut [Vec<f32>]) {
     }
 }
 
+/// Step `s` on both shards from gradients `g` (zeroed where unreached, [`mark`]): piece by
+/// piece in `order` on `bucketed`, whole on `whole`.
+#[allow(clippy::too_many_arguments)]
+fn step_both(
+    (bucketed, ob): (&Arc<Shard>, &Recorder),
+    (whole, ow): (&Arc<Shard>, &Recorder),
+    s: u64,
+    mut g: Vec<Vec<f32>>,
+    samples: &[u32],
+    order: Order,
+    k: usize,
+    wire: Wire,
+) {
+    mark(bucketed, s, &mut g);
+    mark(whole, s, &mut g);
+    bucketed_step(bucketed, ob, s, &g, samples, order, k, wire);
+    for r in 0..W {
+        push_whole(whole, ow, r, s, samples[r as usize], &g[r as usize]);
+    }
+}
+
 const STEPS: u64 = 4;
 
 /// Every optimizer x aggregation, both shards (shard 1's range starts inside fc1.weight),
@@ -304,16 +325,12 @@ fn bucketed_equals_whole_range_bit_for_bit() {
                 let (ob, ow) = (Recorder::default(), Recorder::default());
                 for s in 0..STEPS {
                     let wire = if s % 2 == 1 { Wire::Bf16 } else { Wire::F32 };
-                    let mut grads: Vec<Vec<f32>> = (0..W)
+                    let grads: Vec<Vec<f32>> = (0..W)
                         .map(|r| grad(n, r, s, index as u64, wire == Wire::Bf16))
                         .collect();
-                    mark(&bucketed, s, &mut grads);
-                    mark(&whole, s, &mut grads);
                     let order = [Order::Backward, Order::Forward, Order::Shuffled][s as usize % 3];
-                    bucketed_step(&bucketed, &ob, s, &grads, &samples, order, 5, wire);
-                    for r in 0..W {
-                        push_whole(&whole, &ow, r, s, samples[r as usize], &grads[r as usize]);
-                    }
+                    let (b, w) = ((&bucketed, &ob), (&whole, &ow));
+                    step_both(b, w, s, grads, &samples, order, 5, wire);
                     let what = format!("{name}, {agg:?}, shard {index}, step {s}, {order:?}");
                     assert_same(&bucketed, &whole, &what);
                     let fb = ob.steps.lock().unwrap().last().cloned().unwrap();
@@ -357,22 +374,8 @@ fn a_recovered_shard_goes_on_bucketed_bit_for_bit() {
     let (ob, ow) = (Recorder::default(), Recorder::default());
     let grads = |s: u64| -> Vec<Vec<f32>> { (0..W).map(|r| grad(n, r, s, 9, false)).collect() };
     for s in 0..2 {
-        let mut g = grads(s);
-        mark(&bucketed, s, &mut g);
-        mark(&whole, s, &mut g);
-        bucketed_step(
-            &bucketed,
-            &ob,
-            s,
-            &g,
-            &samples,
-            Order::Backward,
-            4,
-            Wire::F32,
-        );
-        for r in 0..W {
-            push_whole(&whole, &ow, r, s, samples[r as usize], &g[r as usize]);
-        }
+        let (b, w) = ((&bucketed, &ob), (&whole, &ow));
+        step_both(b, w, s, grads(s), &samples, Order::Backward, 4, Wire::F32);
     }
     assert_same(&bucketed, &whole, "before the recovery");
     let range = Shard::range_of(&cfg, 1);
@@ -386,22 +389,8 @@ fn a_recovered_shard_goes_on_bucketed_bit_for_bit() {
     }
     let orec = Recorder::default();
     for s in 2..5 {
-        let mut g = grads(s);
-        mark(&recovered, s, &mut g);
-        mark(&whole, s, &mut g);
-        bucketed_step(
-            &recovered,
-            &orec,
-            s,
-            &g,
-            &samples,
-            Order::Shuffled,
-            6,
-            Wire::F32,
-        );
-        for r in 0..W {
-            push_whole(&whole, &ow, r, s, samples[r as usize], &g[r as usize]);
-        }
+        let (b, w) = ((&recovered, &orec), (&whole, &ow));
+        step_both(b, w, s, grads(s), &samples, Order::Shuffled, 6, Wire::F32);
         assert_same(&recovered, &whole, &format!("recovered, step {s}"));
         let f = orec.steps.lock().unwrap().last().cloned().unwrap();
         assert!(
@@ -426,19 +415,8 @@ fn a_broken_push_whose_pieces_were_used_discards_the_work() {
     let samples = [4u32, 4, 4];
     // step 0 as usual
     let g0: Vec<Vec<f32>> = (0..W).map(|r| grad(n, r, 0, 1, false)).collect();
-    bucketed_step(
-        &bucketed,
-        &ob,
-        0,
-        &g0,
-        &samples,
-        Order::Forward,
-        3,
-        Wire::F32,
-    );
-    for r in 0..W {
-        push_whole(&whole, &ow, r, 0, 4, &g0[r as usize]);
-    }
+    let (b, w) = ((&bucketed, &ob), (&whole, &ow));
+    step_both(b, w, 0, g0, &samples, Order::Forward, 3, Wire::F32);
     assert_same(&bucketed, &whole, "step 0");
 
     // step 1: every rank's first half is in and applied; rank 1's push then breaks
@@ -504,19 +482,8 @@ fn a_broken_push_whose_pieces_were_used_discards_the_work() {
 
     // the next step is bucketed again
     let g2: Vec<Vec<f32>> = (0..W).map(|r| grad(n, r, 2, 1, false)).collect();
-    bucketed_step(
-        &bucketed,
-        &ob,
-        2,
-        &g2,
-        &samples,
-        Order::Backward,
-        3,
-        Wire::F32,
-    );
-    for r in 0..W {
-        push_whole(&whole, &ow, r, 2, 4, &g2[r as usize]);
-    }
+    let (b, w) = ((&bucketed, &ob), (&whole, &ow));
+    step_both(b, w, 2, g2, &samples, Order::Backward, 3, Wire::F32);
     assert_same(&bucketed, &whole, "step 2");
     let f = ob.steps.lock().unwrap().last().cloned().unwrap();
     assert!(f.buckets.is_some_and(|(e, _)| e > 0), "{:?}", f.buckets);

@@ -99,14 +99,7 @@ impl ShardService {
                             at += data.len() / wire.value_bytes();
                             Ok(())
                         };
-                        receive_with(
-                            &mut sink,
-                            first.offset,
-                            &first.data,
-                            &mut stream,
-                            self.stream_idle,
-                        )
-                        .await?;
+                        self.receive_chunks(&mut sink, &first, &mut stream).await?;
                     }
                     intake.finish(Some(permit))?
                 }
@@ -165,14 +158,7 @@ impl ShardService {
                 None => {
                     let mut check = StreamCheck::new(self.shard.len()).on_wire(self.wire);
                     let mut sink = |offset: u64, data: &[u8]| check.push(offset, data);
-                    receive_with(
-                        &mut sink,
-                        first.offset,
-                        &first.data,
-                        &mut stream,
-                        self.stream_idle,
-                    )
-                    .await?;
+                    self.receive_chunks(&mut sink, &first, &mut stream).await?;
                     (Grad::Checked, check.finish()?)
                 }
             }
@@ -195,6 +181,17 @@ impl ShardService {
             counted: outcome.counted,
             ranks_in: outcome.ranks_in,
         })
+    }
+
+    /// Hands the first chunk's data and every further chunk of a push to `sink`
+    /// ([`receive_with`], ended after `stream_idle_secs` without a chunk).
+    async fn receive_chunks(
+        &self,
+        sink: &mut (dyn FnMut(u64, &[u8]) -> PsResult<()> + Send),
+        first: &PushChunk,
+        stream: &mut Streaming<PushChunk>,
+    ) -> PsResult<()> {
+        receive_with(sink, first.offset, &first.data, stream, self.stream_idle).await
     }
 
     /// Checks an evaluation `count` reported by `rank` (a known rank) against the rank's slice
