@@ -807,10 +807,7 @@ impl Intake {
     pub fn decode(&mut self, at: usize, wire: Wire, data: &[u8]) -> PsResult<bool> {
         let vb = wire.value_bytes();
         if !data.len().is_multiple_of(vb) {
-            return Err(PsError::BadChunk(format!(
-                "chunk at offset {at} of {} bytes: not whole values",
-                data.len()
-            )));
+            return Err(ps_net::wire::not_whole(at as u64, data.len(), wire));
         }
         let n = data.len() / vb;
         if at + n > self.buf().len() {
