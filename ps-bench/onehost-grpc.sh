@@ -93,6 +93,8 @@ step="$(tail -n "+$((SKIP + 1))" "$RUN/out/metrics.jsonl" | grep -o '"step_ms":[
 # apply_ms: the update's time at the barrier's completion (with per-bucket apply, the tail only)
 apply="$(tail -n "+$((SKIP + 1))" "$RUN/out/metrics.jsonl" | grep -o '"apply_ms":[-0-9.eE+]*' | cut -d: -f2 | sort -g \
     | awk '{v[NR] = $1} END { if (NR % 2) print v[(NR + 1) / 2]; else print (v[NR / 2] + v[NR / 2 + 1]) / 2 }')"
+tail_ms="$(tail -n "+$((SKIP + 1))" "$RUN/out/metrics.jsonl" | grep -o '"tail_ms":[-0-9.eE+]*' | cut -d: -f2 | sort -g \
+    | awk '{v[NR] = $1} END { if (NR % 2) print v[(NR + 1) / 2]; else print (v[NR / 2] + v[NR / 2 + 1]) / 2 }')"
 early="$(tail -n "+$((SKIP + 1))" "$RUN/out/metrics.jsonl" | grep -o '"buckets_early":[0-9]*' | cut -d: -f2 | sort -g \
     | awk '{v[NR] = $1} END { if (NR) print v[int((NR + 1) / 2)] }')"
 buckets="$(grep -o '"buckets":[0-9]*' "$RUN/out/metrics.jsonl" | tail -n 1 | cut -d: -f2)"
@@ -102,4 +104,4 @@ if [ -n "$n1" ] && [ "$n1" -gt "$n0" ]; then
     cpu="$(awk -v a="$c0" -v b="$c1" -v n="$((n1 - n0))" -v hz="$(getconf CLK_TCK)" -v cores="$(nproc)" \
         'BEGIN { ms = (b - a) * 1000 / hz / n; printf "CPU %.0f core-ms/step, floor %.1f ms on %d cores", ms, ms / cores, cores }')"
 fi
-echo "hidden [$HIDDEN] W=$W S=$S transport=$TRANSPORT ${WIRE:+wire=$WIRE }bin=$BIN: step ${step} ms, apply ${apply} ms${early:+, $early of $buckets buckets before the barrier} (medians after $SKIP of $STEPS); $cpu; workers: $split load $load0 -> $(cut -d' ' -f1-3 /proc/loadavg)"
+echo "hidden [$HIDDEN] W=$W S=$S transport=$TRANSPORT ${WIRE:+wire=$WIRE }bin=$BIN: step ${step} ms, apply ${apply} ms${tail_ms:+, last arrival to version ${tail_ms} ms}${early:+, $early of $buckets buckets before the barrier} (medians after $SKIP of $STEPS); $cpu; workers: $split load $load0 -> $(cut -d' ' -f1-3 /proc/loadavg)"

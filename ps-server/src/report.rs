@@ -432,6 +432,7 @@ fn emit(
             "step": f.step + 1, "time": unix_time(), "loss": loss, "train_acc": acc, "grad_norm": norm, "lr": f.lr,
             "workers": f.workers_in, "samples": f.samples, "step_ms": f.step_ms,
             "barrier_wait_ms": f.barrier_wait_ms, "slowest_rank": f.slowest_rank, "apply_ms": f.apply_ms,
+            "tail_ms": f.tail_ms,
         });
         if let Some(a) = test_acc {
             line["test_acc_before_step"] = json!(a);

@@ -147,8 +147,11 @@ pub struct StepFigures {
     pub slowest_rank: u32,
     /// Each rank's arrival after the step's first gradient, ms (rank order).
     pub arrival_lag_ms: Vec<(u32, f64)>,
-    /// Time spent aggregating and updating.
+    /// Time spent aggregating and updating at the barrier's completion (with per-bucket apply,
+    /// the buckets not applied before it only).
     pub apply_ms: f64,
+    /// Time from the last gradient's arrival (counted) to the new version.
+    pub tail_ms: f64,
     /// Test-set evaluation summed over ranks (correct, count), when carried.
     pub eval: (u64, u64),
     /// Each rank's squared gradient norm over this shard's range, in rank order (the gradient
@@ -894,6 +897,7 @@ impl Shard {
                 .map(|s| (s.rank, ms(s.arrived - first)))
                 .collect(),
             apply_ms: ms(now - started),
+            tail_ms: ms(now.saturating_duration_since(last)),
             eval: slots.iter().fold((0u64, 0u64), |a, s| {
                 (a.0.saturating_add(s.eval.0), a.1.saturating_add(s.eval.1))
             }),
