@@ -326,7 +326,8 @@ async fn run_generation(
         )));
     }
     let all_left = Arc::new(Notify::new());
-    let plan = memory::MemoryPlan::of(&cfg, shard.len());
+    let bucketed = !shard.buckets().is_empty();
+    let plan = memory::MemoryPlan::of_shard(&cfg, shard.len(), bucketed);
     memory::log_plan(index, &plan, memory::available());
     metrics.set_expected_memory(plan.total());
     accept::raise_fd_limit(index);
