@@ -564,14 +564,15 @@ impl Shard {
         let r = bucket.range.clone();
         let opt = &basis.opt;
         let (current, next) = update.buffers();
-        if !m.is_empty() {
-            m[r.clone()].copy_from_slice(&opt.m[r.clone()]);
-        }
-        if !v.is_empty() {
-            v[r.clone()].copy_from_slice(&opt.v[r.clone()]);
-        }
         let Some((group, steps)) = self.treatment(bucket.tensor, &basis.skip, opt) else {
-            next[r.clone()].copy_from_slice(&current[r]);
+            // not updated: the pending version and state keep the current ones
+            next[r.clone()].copy_from_slice(&current[r.clone()]);
+            if !m.is_empty() {
+                m[r.clone()].copy_from_slice(&opt.m[r.clone()]);
+            }
+            if !v.is_empty() {
+                v[r.clone()].copy_from_slice(&opt.v[r.clone()]);
+            }
             done[b] = true;
             return Ok(());
         };
@@ -592,6 +593,12 @@ impl Shard {
             threads,
             simd: Simd::Auto,
             checked: 0,
+            // the current state stays intact: each block of it is copied into the pending one
+            // right before its update
+            state_from: Some((
+                opt.m.get(r.clone()).unwrap_or_default(),
+                opt.v.get(r.clone()).unwrap_or_default(),
+            )),
         };
         let got = fused_update(
             inputs,

@@ -1037,6 +1037,7 @@ impl Shard {
             threads: threads_for(current.len()),
             simd: Simd::Auto,
             checked: usize::from(folded),
+            state_from: None,
         };
         // with [optimizer] clip_norm: the aggregate first, its global norm from every shard
         // (ps_model::clip), then the update of the aggregate scaled as torch's clip_grad_norm_
