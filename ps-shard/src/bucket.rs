@@ -380,7 +380,7 @@ impl Shard {
             return false;
         }
         let members = st.barrier.freeze_if_ready().map(|(m, _)| m.clone());
-        let (world, n, index) = (self.world, self.buckets.len(), self.index);
+        let (world, n) = (self.world, self.buckets.len());
         let track = st.track.at(step, world, n);
         let Some(me) = track.ranks[rank as usize]
             .as_mut()
@@ -418,7 +418,6 @@ impl Shard {
                 track.ready.push(b);
             }
         }
-        let _ = index;
         let start = !track.ready.is_empty() && !track.runner;
         track.runner |= start;
         start
