@@ -553,13 +553,14 @@ fn progressive_pushes_of_real_workers_give_the_shared_memory_weights() {
 /// to the whole-range update), and the single process to the equivalence tolerance of
 /// `cluster.rs` (1e-5); the shards said which path they use, and shard 1 (the last layers,
 /// whose pieces come first) logged steps with buckets applied before the barrier completed.
+/// Without data connections (gRPC chunks), the same weights.
 #[test]
 fn bucketed_apply_on_data_connections_equals_whole_range_and_one_process() {
     use ps_common::config::Transport;
     use ps_tests::{
         Start, assert_bit_identical, cluster_weights, reference_weights, rel_diff, run_cluster,
     };
-    let run = |max_pending: usize| {
+    let run = |max_pending: usize, data: bool| {
         let spec = Spec {
             shards: 2,
             workers: 3,
@@ -569,7 +570,8 @@ fn bucketed_apply_on_data_connections_equals_whole_range_and_one_process() {
             config: Spec::base()
                 .sgd(0.05, 0.5)
                 .log_every(1)
-                .max_pending_gradients(max_pending),
+                .max_pending_gradients(max_pending)
+                .data_connections(data, 0),
             transport: Transport::Grpc,
             aggregation: ps_common::config::Aggregation::Weighted,
             ..Spec::default()
@@ -584,8 +586,20 @@ fn bucketed_apply_on_data_connections_equals_whole_range_and_one_process() {
             .collect();
         (cfg.clone(), cluster_weights(&cfg), logs, dir)
     };
-    let (cfg, bucketed, logs, _dir) = run(3);
-    let (_, whole, whole_logs, _dir2) = run(2);
+    let (cfg, bucketed, logs, _dir) = run(3, true);
+    let (_, whole, whole_logs, _dir2) = run(2, true);
+    // without data connections: whole ranges in gRPC chunks, each published as it is decoded
+    let (_, chunks, chunk_logs, _dir3) = run(3, false);
+    assert!(
+        chunk_logs[1].contains("buckets before the barrier"),
+        "{}",
+        chunk_logs[1]
+    );
+    assert_bit_identical(
+        &chunks,
+        &whole,
+        "per-bucket over gRPC chunks vs whole-range cluster",
+    );
     for (s, log) in logs.iter().enumerate() {
         assert!(
             log.contains(&format!("shard {s}: the update is applied per bucket (")),
