@@ -794,7 +794,7 @@ impl Shard {
         // waits for a fold under way, and for a bucket update under way, to finish
         let mut acc = self.acc.lock().unwrap_or_else(|p| p.into_inner());
         let mut work = self.work.lock().unwrap_or_else(|p| p.into_inner());
-        let (step, tentative, pending, current_opt, waiting_since) = {
+        let (step, tentative, pending, mut current_opt, waiting_since) = {
             let mut st = self.lock();
             let step = st.barrier.step();
             let (tentative, begun) = self.take_work(&mut st, &mut work, step, &slots);
@@ -803,7 +803,7 @@ impl Shard {
                 (None, Some(update)) => Some(update),
                 (None, None) => Some(st.store.begin(step + 1)),
             };
-            let opt = std::mem::take(&mut st.opt);
+            let opt = Some(std::mem::take(&mut st.opt));
             (step, tentative, pending, opt, st.barrier.waiting_since())
         };
         let samples: Vec<u32> = slots.iter().map(|s| s.samples).collect();
@@ -838,7 +838,8 @@ impl Shard {
                 (applied, Some(old))
             }
             None => {
-                let opt = Arc::unwrap_or_clone(current_opt.clone());
+                // the only holder now (a bucket update's clone went with its work): no copy
+                let opt = Arc::unwrap_or_clone(current_opt.take().expect("taken once"));
                 (
                     self.whole_range(step, &slots, &acc, &mut pending, opt, lr),
                     None,
