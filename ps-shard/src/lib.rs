@@ -9,6 +9,10 @@
 //! - [`intake`]: bounded receive buffers for gRPC gradients, and the step's accumulator that
 //!   folds gradients in rank order as they arrive ([`Shard::fold_ready`]);
 //! - [`update`]: the fused aggregation + optimizer update, a pure function over slices;
+//! - [`bucket`]: per-bucket apply: each bucket of the range updated (tentatively, into the
+//!   pending version) as soon as every rank's gradient for it is in, bit-identical to the
+//!   whole-range update, which the barrier's completion falls back to when the work is not
+//!   exactly its own;
 //! - [`unused`]: the tensors a step's backward did not reach (not updated when no rank did);
 //! - [`constants`]: the frozen parameters every worker must hold alike;
 //! - the model's buffers (shard 0 of a declared model with buffers): rank 0 puts them after
@@ -29,7 +33,8 @@
 //!
 //! Locking: one std `Mutex<State>`, never held across an `.await` nor during the arithmetic;
 //! the barrier-completing push takes the slots out, computes on a blocking thread, and commits
-//! the new version.
+//! the new version. A bucket update holds the `work` lock (taken before `State`, never after)
+//! during its arithmetic, so the completion waits for it.
 
 pub mod barrier;
 pub mod bucket;
