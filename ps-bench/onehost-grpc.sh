@@ -2,7 +2,7 @@
 # onehost-grpc.sh: the one-host gRPC data path, end to end. Starts S real `ps-server` shards and
 # W `ps-worker` processes on 127.0.0.1 with `[cluster] transport = "grpc"` (tensors through
 # gRPC although they share the host), MNIST, batch 64 per worker, plain SGD, and prints the
-# median `step_ms` of shard 0 after SKIP steps, with the workers' own pull/compute/push split,
+# median `step_ms` and `apply_ms` of shard 0 after SKIP steps, with the workers' own pull/compute/push split,
 # and the machine's busy CPU per step over the same steps (the floor: busy CPU / cores).
 #
 #   ps-bench/onehost-grpc.sh                       # 784-1024-1024-10, W = 2, S = 1, 300 steps
@@ -90,10 +90,18 @@ if [ "$rc" != 0 ]; then
 fi
 step="$(tail -n "+$((SKIP + 1))" "$RUN/out/metrics.jsonl" | grep -o '"step_ms":[-0-9.eE+]*' | cut -d: -f2 | sort -g \
     | awk '{v[NR] = $1} END { if (NR % 2) print v[(NR + 1) / 2]; else print (v[NR / 2] + v[NR / 2 + 1]) / 2 }')"
+# apply_ms: the update's time at the barrier's completion (with per-bucket apply, the tail only)
+apply="$(tail -n "+$((SKIP + 1))" "$RUN/out/metrics.jsonl" | grep -o '"apply_ms":[-0-9.eE+]*' | cut -d: -f2 | sort -g \
+    | awk '{v[NR] = $1} END { if (NR % 2) print v[(NR + 1) / 2]; else print (v[NR / 2] + v[NR / 2 + 1]) / 2 }')"
+tail_ms="$(tail -n "+$((SKIP + 1))" "$RUN/out/metrics.jsonl" | grep -o '"tail_ms":[-0-9.eE+]*' | cut -d: -f2 | sort -g \
+    | awk '{v[NR] = $1} END { if (NR % 2) print v[(NR + 1) / 2]; else if (NR) print (v[NR / 2] + v[NR / 2 + 1]) / 2 }')"
+early="$(tail -n "+$((SKIP + 1))" "$RUN/out/metrics.jsonl" | grep -o '"buckets_early":[0-9]*' | cut -d: -f2 | sort -g \
+    | awk '{v[NR] = $1} END { if (NR) print v[int((NR + 1) / 2)] }')"
+buckets="$(grep -o '"buckets":[0-9]*' "$RUN/out/metrics.jsonl" | tail -n 1 | cut -d: -f2)"
 split="$(sed -n 's/.*per step \(pull [0-9.]* ms, compute [0-9.]* ms, push [0-9.]* ms\).*/\1/p' "$RUN"/worker-*.log | tr '\n' ';')"
 cpu="CPU not sampled"
 if [ -n "$n1" ] && [ "$n1" -gt "$n0" ]; then
     cpu="$(awk -v a="$c0" -v b="$c1" -v n="$((n1 - n0))" -v hz="$(getconf CLK_TCK)" -v cores="$(nproc)" \
         'BEGIN { ms = (b - a) * 1000 / hz / n; printf "CPU %.0f core-ms/step, floor %.1f ms on %d cores", ms, ms / cores, cores }')"
 fi
-echo "hidden [$HIDDEN] W=$W S=$S transport=$TRANSPORT ${WIRE:+wire=$WIRE }bin=$BIN: step ${step} ms (median after $SKIP of $STEPS); $cpu; workers: $split load $load0 -> $(cut -d' ' -f1-3 /proc/loadavg)"
+echo "hidden [$HIDDEN] W=$W S=$S transport=$TRANSPORT ${WIRE:+wire=$WIRE }bin=$BIN: step ${step} ms, apply ${apply} ms${tail_ms:+, last arrival to version ${tail_ms} ms}${early:+, $early of $buckets buckets before the barrier} (medians after $SKIP of $STEPS); $cpu; workers: $split load $load0 -> $(cut -d' ' -f1-3 /proc/loadavg)"

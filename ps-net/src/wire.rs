@@ -255,7 +255,7 @@ pub fn encode_push_part(
 }
 
 /// The "multiple of" error of a chunk that is not whole values on `wire`.
-fn not_whole(offset: u64, got: usize, wire: Wire) -> PsError {
+pub fn not_whole(offset: u64, got: usize, wire: Wire) -> PsError {
     PsError::BadChunk(format!(
         "chunk at offset {offset} holds {got} bytes: expected a multiple of {} ({})",
         wire.value_bytes(),

@@ -387,8 +387,13 @@ impl Collector for Figures {
                 ),
                 (
                     "ps_apply_seconds",
-                    "Aggregation and optimizer time of the last step.",
+                    "Aggregation and optimizer time of the last step at its barrier's completion.",
                     f.apply_ms / 1e3,
+                ),
+                (
+                    "ps_buckets_early",
+                    "Buckets of the last step applied before its barrier completed (0: applied over the whole range at once).",
+                    f64::from(f.buckets.map_or(0, |(early, _)| early)),
                 ),
             ];
             for (name, help, v) in gauges {

@@ -278,6 +278,16 @@ async fn run_generation(
     }
     let shard = Shard::try_starting_from(&cfg, index, total_steps, resume_from)
         .map_err(anyhow::Error::msg)?;
+    match shard.apply_mode() {
+        shard::bucket::Mode::Buckets => tracing::info!(
+            "shard {index}: the update is applied per bucket ({} buckets of at most {} values), each as soon as every rank's gradient for it is in",
+            shard.buckets().len(),
+            shard::bucket::BUCKET_VALUES
+        ),
+        shard::bucket::Mode::Whole(why) => tracing::info!(
+            "shard {index}: the update is applied over the whole range once every gradient is in: {why}"
+        ),
+    }
     let metrics = Arc::new(exporter::Metrics::new(index, total_steps, shard.version()));
     let reporter = Reporter::spawn(ReporterConfig {
         noise: report::NoiseSetup::of(&cfg, metrics.clone()),
@@ -316,7 +326,8 @@ async fn run_generation(
         )));
     }
     let all_left = Arc::new(Notify::new());
-    let plan = memory::MemoryPlan::of(&cfg, shard.len());
+    let bucketed = !shard.buckets().is_empty();
+    let plan = memory::MemoryPlan::of_shard(&cfg, shard.len(), bucketed);
     memory::log_plan(index, &plan, memory::available());
     metrics.set_expected_memory(plan.total());
     accept::raise_fd_limit(index);

@@ -49,6 +49,12 @@ impl MemoryPlan {
 
     /// The plan of a shard of `len` values under `cfg`.
     pub fn of(cfg: &Config, len: usize) -> Self {
+        Self::of_shard(cfg, len, false)
+    }
+
+    /// [`MemoryPlan::of`] for a shard that applies per bucket when `bucketed`: the step's
+    /// pending optimizer state is a second copy of it (`ps_shard::bucket`).
+    pub fn of_shard(cfg: &Config, len: usize, bucketed: bool) -> Self {
         let bytes = len as u64 * 4;
         let opt_buffers = {
             let st = cfg.optimizer.init_state(1);
@@ -60,7 +66,11 @@ impl MemoryPlan {
             parts: vec![
                 // current and next version (the update writes the other half)
                 ("parameters (two versions)", 2 * bytes),
-                ("optimizer state", opt_buffers * bytes),
+                // with per-bucket apply, the current one and the step's pending one
+                (
+                    "optimizer state",
+                    (1 + u64::from(bucketed)) * opt_buffers * bytes,
+                ),
                 ("pull snapshot", bytes),
                 // the pending gradients and the step's accumulator
                 ("gradient buffers", (pending + 1) * bytes),
@@ -168,6 +178,10 @@ mod tests {
         );
         assert_eq!(plan.part(PULLERS), 64 * PULLER_BYTES);
         assert_eq!(plan.part("the process"), PROCESS_BYTES);
+        // per bucket: a second copy of Adam's m and v (the step's pending state)
+        let bucketed = MemoryPlan::of_shard(&cfg, len, true);
+        assert_eq!(bucketed.total(), plan.total() + 2 * b);
+        assert_eq!(bucketed.part("optimizer state"), 4 * b);
         assert!(plan.describe().contains("gradient buffers"));
         assert!(
             plan.describe()

@@ -383,7 +383,7 @@ fn emit(
     let last = f.step + 1 == cfg.total_steps;
     if (f.step + 1).is_multiple_of(cfg.log_every) || f.step == 0 || last {
         tracing::info!(
-            "step {}/{} | loss {:.4} | train acc {:.2}% | grad norm {:.4} | lr {:.5} | workers {}/{} | samples {} | step {:.1} ms | barrier wait {:.1} ms (slowest rank {}) | apply {:.1} ms",
+            "step {}/{} | loss {:.4} | train acc {:.2}% | grad norm {:.4} | lr {:.5} | workers {}/{} | samples {} | step {:.1} ms | barrier wait {:.1} ms (slowest rank {}) | apply {:.1} ms{}",
             f.step + 1,
             cfg.total_steps,
             loss,
@@ -397,6 +397,7 @@ fn emit(
             f.barrier_wait_ms,
             f.slowest_rank,
             f.apply_ms,
+            buckets_said(&f),
         );
         if cfg.world < 2 {
             if !noise.said_one_worker {
@@ -431,9 +432,14 @@ fn emit(
             "step": f.step + 1, "time": unix_time(), "loss": loss, "train_acc": acc, "grad_norm": norm, "lr": f.lr,
             "workers": f.workers_in, "samples": f.samples, "step_ms": f.step_ms,
             "barrier_wait_ms": f.barrier_wait_ms, "slowest_rank": f.slowest_rank, "apply_ms": f.apply_ms,
+            "tail_ms": f.tail_ms,
         });
         if let Some(a) = test_acc {
             line["test_acc_before_step"] = json!(a);
+        }
+        if let Some((early, buckets)) = f.buckets {
+            line["buckets_early"] = json!(early);
+            line["buckets"] = json!(buckets);
         }
         if let Some((total, coef)) = f.clip {
             line["clip_total_norm"] = json!(total);
@@ -482,6 +488,14 @@ fn emit(
     }
 }
 
+/// A step's per-bucket figure for its log line: the buckets applied before the barrier
+/// completed (`apply` is then the completion's own time), or nothing for a whole-range update.
+fn buckets_said(f: &StepFigures) -> String {
+    f.buckets
+        .map(|(early, total)| format!(" | {early}/{total} buckets before the barrier"))
+        .unwrap_or_default()
+}
+
 /// Writes scalars to the event file; a failure is logged once per `throttle::LOG_EVERY` with a
 /// count (a full disk must not flood the log).
 fn tensorboard_scalars(w: &mut crate::tensorboard::EventWriter, step: u64, values: &[(&str, f64)]) {
@@ -513,14 +527,15 @@ async fn forward_to_shard0(cfg: ReporterConfig, mut rx: mpsc::UnboundedReceiver<
         };
         if (f.step + 1).is_multiple_of(cfg.log_every) || f.step + 1 == cfg.total_steps {
             tracing::info!(
-                "shard {} step {}/{} | step {:.1} ms | barrier wait {:.1} ms (slowest rank {}) | apply {:.1} ms",
+                "shard {} step {}/{} | step {:.1} ms | barrier wait {:.1} ms (slowest rank {}) | apply {:.1} ms{}",
                 cfg.shard,
                 f.step + 1,
                 cfg.total_steps,
                 f.step_ms,
                 f.barrier_wait_ms,
                 f.slowest_rank,
-                f.apply_ms
+                f.apply_ms,
+                buckets_said(&f)
             );
         }
         let report = StepReport {

@@ -13,6 +13,7 @@
 
 use crate::exporter::Metrics;
 use crate::report::Reporter;
+use crate::shard::bucket::Intake;
 use crate::shard::intake::Held;
 use crate::shard::{Grad, PushMeta, Shard, Slot};
 use bytes::Bytes;

@@ -251,7 +251,9 @@ impl Barrier {
             return None;
         }
         let slot = self.slots[rank].as_mut()?;
-        if self.current_fp[rank].is_none() || matches!(slot.grad, Grad::Folded | Grad::Checked) {
+        // a gradient received for per-bucket apply is read by the update where it is
+        let kept = matches!(slot.grad, Grad::Folded | Grad::Checked | Grad::Received(_));
+        if self.current_fp[rank].is_none() || kept {
             return None;
         }
         Some(std::mem::replace(&mut slot.grad, Grad::Folded))

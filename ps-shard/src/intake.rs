@@ -348,6 +348,10 @@ impl Shard {
     /// (never the last rank the step needs: the update reads that one directly). Blocking:
     /// call it from a blocking thread. A shared-memory gradient found not finite fails the run.
     pub fn fold_ready(&self) -> PsResult<()> {
+        if !self.buckets.is_empty() {
+            // every rank has a buffer: the update (per bucket) reads them where they are
+            return Ok(());
+        }
         let mut acc = self.acc.lock().unwrap_or_else(|p| p.into_inner());
         loop {
             let (r, grad, c, first) = {
@@ -431,7 +435,7 @@ impl Shard {
                     acc.values = Some(values);
                     out.map(|f| acc.record(r, f))
                 }
-                Grad::Folded | Grad::Checked => Ok(()),
+                Grad::Folded | Grad::Checked | Grad::Received(_) => Ok(()),
             };
             let step = acc.step;
             // a board truncated under the fold read as zeros (the SIGBUS guard): not its values
@@ -576,6 +580,7 @@ mod tests {
                         threads: 2,
                         simd,
                         checked,
+                        state_from: None,
                     },
                     &mut next,
                     &mut st.m,
@@ -649,6 +654,7 @@ mod tests {
                         threads,
                         simd: Simd::Auto,
                         checked: 1,
+                        state_from: None,
                     },
                     &mut next,
                     &mut [],

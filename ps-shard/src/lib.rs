@@ -9,6 +9,10 @@
 //! - [`intake`]: bounded receive buffers for gRPC gradients, and the step's accumulator that
 //!   folds gradients in rank order as they arrive ([`Shard::fold_ready`]);
 //! - [`update`]: the fused aggregation + optimizer update, a pure function over slices;
+//! - [`bucket`]: per-bucket apply: each bucket of the range updated (tentatively, into the
+//!   pending version) as soon as every rank's gradient for it is in, bit-identical to the
+//!   whole-range update, which the barrier's completion falls back to when the work is not
+//!   exactly its own;
 //! - [`unused`]: the tensors a step's backward did not reach (not updated when no rank did);
 //! - [`constants`]: the frozen parameters every worker must hold alike;
 //! - the model's buffers (shard 0 of a declared model with buffers): rank 0 puts them after
@@ -29,9 +33,11 @@
 //!
 //! Locking: one std `Mutex<State>`, never held across an `.await` nor during the arithmetic;
 //! the barrier-completing push takes the slots out, computes on a blocking thread, and commits
-//! the new version.
+//! the new version. A bucket update holds the `work` lock (taken before `State`, never after)
+//! during its arithmetic, so the completion waits for it.
 
 pub mod barrier;
+pub mod bucket;
 pub mod constants;
 pub mod intake;
 pub mod shm;
@@ -65,6 +71,8 @@ pub enum Grad {
     /// In the shard's range of the rank's shared-memory gradient board (checked in place at
     /// push time, and for finiteness again by the update that reads it).
     Board(Arc<Board>),
+    /// Received into a buffer shared with the per-bucket applier ([`bucket`]).
+    Received(bucket::Received),
     /// Already folded into the step's accumulator ([`intake::Acc`]).
     Folded,
     /// Received and checked (fingerprint, finiteness) without being kept: a push of a rank
@@ -144,8 +152,11 @@ pub struct StepFigures {
     pub slowest_rank: u32,
     /// Each rank's arrival after the step's first gradient, ms (rank order).
     pub arrival_lag_ms: Vec<(u32, f64)>,
-    /// Time spent aggregating and updating.
+    /// Time spent aggregating and updating at the barrier's completion (with per-bucket apply,
+    /// the buckets not applied before it only).
     pub apply_ms: f64,
+    /// Time from the last gradient's arrival (counted) to the new version.
+    pub tail_ms: f64,
     /// Test-set evaluation summed over ranks (correct, count), when carried.
     pub eval: (u64, u64),
     /// Each rank's squared gradient norm over this shard's range, in rank order (the gradient
@@ -155,6 +166,24 @@ pub struct StepFigures {
     /// With `[optimizer] clip_norm`: the global norm of the aggregated gradient over the whole
     /// model (before clipping) and the coefficient applied (1: not clipped).
     pub clip: Option<(f32, f32)>,
+    /// With per-bucket apply ([`bucket`]): the buckets applied before the barrier completed,
+    /// and the shard's buckets; None when the step was applied over the whole range at once.
+    pub buckets: Option<(u32, u32)>,
+}
+
+/// What an update computed, for the completion to commit ([`Shard::apply`]).
+#[derive(Debug)]
+struct Applied {
+    /// The aggregate's squared norm, or why the step is refused.
+    result: Result<f64, String>,
+    rank_sq: Vec<RankNorm>,
+    /// The parts of the tensors no rank reached.
+    skip: Vec<(u32, Range<usize>)>,
+    clip: Option<(f32, f32)>,
+    /// The new optimizer state (steps not yet counted; partly advanced on an error).
+    opt: OptState,
+    /// Buckets applied before the barrier completed, when applied per bucket.
+    buckets: Option<u32>,
 }
 
 /// How a shard learns the global gradient norm of a step from every shard's per-tensor squared
@@ -193,7 +222,10 @@ struct State {
     barrier: Barrier,
     /// The parameters.
     store: Store,
-    opt: OptState,
+    /// The optimizer state of the current version (shared with a bucket update reading it).
+    opt: Arc<OptState>,
+    /// The per-bucket tracking of the step being gathered ([`bucket`]).
+    track: bucket::Track,
     /// Gradient buffers of earlier steps, recycled by pushes (no allocation per step).
     spare: Vec<Vec<f32>>,
     /// Final test evaluation reported by each rank when it leaves.
@@ -244,6 +276,13 @@ pub struct Shard {
     gate: Arc<Gate>,
     /// The step's running aggregate; held during a fold, so an update waits for it.
     acc: Mutex<Acc>,
+    /// Whether the shard applies per bucket, and why not.
+    mode: bucket::Mode,
+    /// The buckets of the range ([`bucket::plan`]); empty when applying the whole range.
+    buckets: Vec<bucket::Bucket>,
+    /// The step's tentative per-bucket work; held during a bucket update (taken before the
+    /// state lock, never after).
+    work: Mutex<bucket::Work>,
     version_tx: watch::Sender<u64>,
     /// Signalled when a rank learns of the run's failure ([`Shard::wait_all_told`]).
     told_changed: tokio::sync::Notify,
@@ -362,10 +401,21 @@ impl Shard {
             timeout: Duration::from_secs_f64(cfg.server.barrier_timeout_secs),
             policy: cfg.server.barrier_policy,
         };
+        let mode = bucket::Mode::of(
+            cfg.clip_norm.is_some(),
+            shm.is_some(),
+            cfg.server.max_pending_gradients,
+            w,
+        );
+        let buckets = match &mode {
+            bucket::Mode::Buckets => bucket::plan(&spec, &range),
+            bucket::Mode::Whole(_) => Vec::new(),
+        };
         let state = State {
             barrier: Barrier::new(w, version, total_steps, rules, Instant::now()),
             store: Store::heap(version, init),
-            opt,
+            opt: Arc::new(opt),
+            track: Default::default(),
             spare: Vec::new(),
             left: vec![None; w],
             failed: None,
@@ -401,6 +451,9 @@ impl Shard {
             state: Mutex::new(state),
             gate: Gate::new(cfg.server.max_pending_gradients),
             acc: Mutex::new(Acc::default()),
+            buckets,
+            mode,
+            work: Mutex::default(),
             version_tx: watch::Sender::new(version),
             told_changed: tokio::sync::Notify::new(),
             shm,
@@ -697,7 +750,16 @@ impl Shard {
             eval: meta.eval,
             arrived: Instant::now(),
         };
+        let received = match &slot.grad {
+            Grad::Received(r) => Some(r.buf.clone()),
+            _ => None,
+        };
         let accepted = st.barrier.accept(meta.step, slot)?;
+        if let Some(buf) = received
+            && accepted.counted()
+        {
+            Self::intake_counted(&mut st, r, meta.step, &buf);
+        }
         drop(st);
         self.wake();
         let outcome = PushOutcome {
@@ -721,7 +783,9 @@ impl Shard {
     }
 
     /// Aggregates `slots` (rank order), applies the optimizer and publishes the next version.
-    /// Runs the arithmetic without holding the lock; call it from a blocking thread.
+    /// Runs the arithmetic without holding the lock; call it from a blocking thread. With
+    /// per-bucket apply ([`bucket`]) the buckets applied while the pushes came in are kept
+    /// when they are exactly this update's, and only the others are applied here.
     ///
     /// A gradient value that is not finite when the update reads it (only a shared-memory
     /// gradient can be: its worker wrote its board after the push was checked, against the
@@ -732,18 +796,181 @@ impl Shard {
     /// be partly advanced, but a failed run never uses or saves it.
     pub fn apply(&self, slots: Vec<Slot>) -> PsResult<StepFigures> {
         let started = Instant::now();
-        // waits for a fold under way to finish
+        // waits for a fold under way, and for a bucket update under way, to finish
         let mut acc = self.acc.lock().unwrap_or_else(|p| p.into_inner());
-        let (step, mut pending, mut opt, waiting_since) = {
+        let mut work = self.work.lock().unwrap_or_else(|p| p.into_inner());
+        let (step, tentative, pending, mut current_opt, waiting_since) = {
             let mut st = self.lock();
             let step = st.barrier.step();
-            let opt = std::mem::take(&mut st.opt);
-            let pending = st.store.begin(step + 1);
-            (step, pending, opt, st.barrier.waiting_since())
+            let (tentative, begun) = self.take_work(&mut st, &mut work, step, &slots);
+            let pending = match (&tentative, begun) {
+                (Some(_), _) => None,
+                (None, Some(update)) => Some(update),
+                (None, None) => Some(st.store.begin(step + 1)),
+            };
+            let opt = Some(std::mem::take(&mut st.opt));
+            (step, tentative, pending, opt, st.barrier.waiting_since())
         };
         let samples: Vec<u32> = slots.iter().map(|s| s.samples).collect();
-        let coeffs = update::coefficients(self.aggregation, &samples);
         let lr = self.schedule.lr(step);
+        let (mut pending, by_buckets) = match tentative.map(|t| self.finish_buckets(&mut work, t)) {
+            Some(Ok(done)) => (
+                done.pending,
+                Some((done.opt, done.old, done.norms, done.skip, done.early)),
+            ),
+            Some(Err(update)) => (update, None),
+            None => (pending.expect("begun"), None),
+        };
+        let (applied, old_opt) = match by_buckets {
+            Some((opt, old, norms, skip, early)) => {
+                let rank_sq = slots
+                    .iter()
+                    .zip(&norms.inputs)
+                    .map(|(s, &sq_norm)| RankNorm {
+                        rank: s.rank,
+                        samples: s.samples,
+                        sq_norm,
+                    })
+                    .collect();
+                let applied = Applied {
+                    result: Ok(norms.aggregate),
+                    rank_sq,
+                    skip: unused::local_parts(&self.spec, &self.range, &skip),
+                    clip: None,
+                    opt,
+                    buckets: Some(early),
+                };
+                (applied, Some(old))
+            }
+            None => {
+                // the only holder now (a bucket update's clone went with its work): no copy
+                let opt = Arc::unwrap_or_clone(current_opt.take().expect("taken once"));
+                (
+                    self.whole_range(step, &slots, &acc, &mut pending, opt, lr),
+                    None,
+                )
+            }
+        };
+        let Applied {
+            result,
+            rank_sq,
+            skip,
+            clip,
+            mut opt,
+            buckets,
+        } = applied;
+        let grad_sq_norm = match result {
+            Ok(sq) => sq,
+            Err(why) => {
+                tracing::error!("shard {}: {why}", self.index);
+                {
+                    let mut st = self.lock();
+                    st.store.abandon(pending);
+                    st.opt = Arc::new(opt);
+                    st.failed = Some(why.clone());
+                }
+                self.wake();
+                self.version_tx.send_modify(|_| {});
+                return Err(PsError::RunFailed(why));
+            }
+        };
+        opt.steps += 1;
+
+        let first = slots
+            .iter()
+            .map(|s| s.arrived)
+            .min()
+            .expect("at least one rank");
+        let (last_rank, last) = slots
+            .iter()
+            .map(|s| (s.rank, s.arrived))
+            .max_by_key(|&(_, t)| t)
+            .expect("at least one rank");
+        let now = Instant::now();
+        let figures = StepFigures {
+            step,
+            grad_sq_norm,
+            lr,
+            samples: samples.iter().map(|&s| u64::from(s)).sum(),
+            loss_sum: slots.iter().map(|s| s.loss_sum).sum(),
+            correct: slots.iter().map(|s| s.correct).sum(),
+            workers_in: slots.len() as u32,
+            step_ms: ms(now - waiting_since),
+            barrier_wait_ms: ms(last - first),
+            slowest_rank: last_rank,
+            arrival_lag_ms: slots
+                .iter()
+                .map(|s| (s.rank, ms(s.arrived - first)))
+                .collect(),
+            apply_ms: ms(now - started),
+            tail_ms: ms(now.saturating_duration_since(last)),
+            eval: slots.iter().fold((0u64, 0u64), |a, s| {
+                (a.0.saturating_add(s.eval.0), a.1.saturating_add(s.eval.1))
+            }),
+            ranks: rank_sq,
+            clip,
+            buckets: buckets.map(|early| (early, self.buckets.len() as u32)),
+        };
+        {
+            let mut st = self.lock();
+            st.store.commit(pending);
+            if !skip.is_empty() && opt.skipped.len() < self.spec.tensors.len() {
+                opt.skipped.resize(self.spec.tensors.len(), 0);
+            }
+            for (t, _) in &skip {
+                opt.skipped[*t as usize] += 1;
+            }
+            st.opt = Arc::new(opt);
+            // rank 0's buffers of the step are those of the new version (a step settled
+            // without rank 0 keeps the buffers it had)
+            if let Some((s, b)) = st.next_buffers.take()
+                && s == step
+            {
+                st.buffers = Some(b);
+            }
+            let done = slots.into_iter().filter_map(|s| match s.grad {
+                Grad::Owned(h) => Some(h.values),
+                Grad::Received(r) => bucket::RecvBuf::into_vec(r.buf),
+                _ => None,
+            });
+            for v in done.chain(acc.values.take()) {
+                if st.spare.len() <= self.gate.limit() {
+                    st.spare.push(v);
+                }
+            }
+            *acc = Acc {
+                step: step + 1,
+                ..Acc::default()
+            };
+            st.barrier.finish(now);
+        }
+        drop(current_opt);
+        if let Some(old) = old_opt {
+            self.recycle_opt(&mut work, old);
+        }
+        drop(work);
+        drop(acc);
+        self.wake();
+        self.version_tx.send_replace(step + 1);
+        Ok(figures)
+    }
+
+    /// The whole-range update of `slots` (and of the accumulator, when gradients were folded)
+    /// into `pending`, from optimizer state `opt`: the fused update over the range, tensors no
+    /// rank reached kept as they were, those of parameter groups and Adam's tensors behind
+    /// updated again on their own; with `[optimizer] clip_norm`, the aggregate first and its
+    /// global norm. The result says why the step is refused, when it is.
+    fn whole_range(
+        &self,
+        step: u64,
+        slots: &[Slot],
+        acc: &Acc,
+        pending: &mut store::Update,
+        mut opt: OptState,
+        lr: f64,
+    ) -> Applied {
+        let samples: Vec<u32> = slots.iter().map(|s| s.samples).collect();
+        let coeffs = update::coefficients(self.aggregation, &samples);
         // the gradients folded already are in the accumulator: it comes first (it holds the
         // lowest ranks), with coefficient 1, the others follow in rank order
         let folded = acc.step == step && acc.folded();
@@ -752,12 +979,13 @@ impl Shard {
         let mut ranks: Vec<u32> = Vec::with_capacity(slots.len() + 1);
         if folded {
             grads.push(acc.values.as_deref().expect("folded"));
-            cs.push(self.rescale(&acc, &slots));
+            cs.push(self.rescale(acc, slots));
             ranks.push(slots.first().map_or(0, |s| s.rank));
         }
         for (s, &c) in slots.iter().zip(&coeffs) {
             match &s.grad {
                 Grad::Owned(h) => grads.push(h.values.as_slice()),
+                Grad::Received(r) => grads.push(r.values()),
                 // SAFETY: the Arc keeps the board mapped. The worker writes its board again
                 // only after pulling the version this update makes (ps_common::shm); one that
                 // breaks this can only change the values read, which are checked for
@@ -776,23 +1004,21 @@ impl Shard {
             let st = self.lock();
             let ranks: Vec<u32> = slots.iter().map(|s| s.rank).collect();
             let skip = st.unused.skipped_by_all(step, &ranks);
-            let skipped = &opt.skipped;
-            let adam = matches!(self.optimizer, ps_optim::Optimizer::Adam { .. });
-            let behind = |t: u32| adam && skipped.get(t as usize).is_some_and(|&k| k > 0);
-            let again: Vec<u32> = (0..self.spec.tensors.len() as u32)
-                .filter(|t| skip.binary_search(t).is_err())
-                .filter(|&t| behind(t) || self.group_of[t as usize].is_some())
+            let again: Vec<(u32, Option<usize>, u64)> = (0..self.spec.tensors.len() as u32)
+                .filter_map(|t| match self.treatment(t, &skip, &opt) {
+                    Some((group, own)) if group.is_some() || own != opt.steps => {
+                        Some((t, group, own))
+                    }
+                    _ => None,
+                })
                 .collect();
+            let tensors: Vec<u32> = again.iter().map(|a| a.0).collect();
             let reruns: Vec<(u64, Range<usize>, Option<usize>)> =
-                unused::local_parts(&self.spec, &self.range, &again)
+                unused::local_parts(&self.spec, &self.range, &tensors)
                     .into_iter()
                     .map(|(t, r)| {
-                        let own = if behind(t) {
-                            opt.steps - skipped[t as usize]
-                        } else {
-                            opt.steps
-                        };
-                        (own, r, self.group_of[t as usize])
+                        let (_, group, own) = again[again.partition_point(|a| a.0 < t)];
+                        (own, r, group)
                     })
                     .collect();
             (unused::local_parts(&self.spec, &self.range, &skip), reruns)
@@ -817,6 +1043,7 @@ impl Shard {
             threads: threads_for(current.len()),
             simd: Simd::Auto,
             checked: usize::from(folded),
+            state_from: None,
         };
         // with [optimizer] clip_norm: the aggregate first, its global norm from every shard
         // (ps_model::clip), then the update of the aggregate scaled as torch's clip_grad_norm_
@@ -866,10 +1093,7 @@ impl Shard {
                 }
             }
             for (steps_done, r, group) in &reruns {
-                let (optimizer, lr) = match group {
-                    Some(g) => (&self.groups[*g].optimizer, lr * self.groups[*g].lr_scale),
-                    None => (&self.optimizer, lr),
-                };
+                let (optimizer, lr) = self.optimizer_of(*group, lr);
                 let part: Vec<&[f32]> = inputs.grads.iter().map(|g| &g[r.clone()]).collect();
                 let inputs = UpdateInputs {
                     optimizer,
@@ -893,14 +1117,14 @@ impl Shard {
         let rank_sq = updated
             .as_ref()
             .ok()
-            .and_then(|n| self.rank_norms(&acc, folded, &slots, &ranks, &n.inputs))
+            .and_then(|n| self.rank_norms(acc, folded, slots, &ranks, &n.inputs))
             .unwrap_or_default();
         // a board truncated under the update read as zeros (the SIGBUS guard): not its values
         let truncated = slots
             .iter()
             .find(|s| matches!(&s.grad, Grad::Board(b) if b.faulted()))
             .map(|s| s.rank);
-        let refused = match (updated, truncated) {
+        let result = match (updated, truncated) {
             _ if exchange_failed.is_some() => Err(format!(
                 "step {step}: gradient clipping ([optimizer] clip_norm) needs the gradient norm of every shard: {}; the step is not applied (the shard stays at version {step}) and the run stops",
                 exchange_failed.take().unwrap_or_default()
@@ -921,92 +1145,14 @@ impl Shard {
             )),
             (Ok(norms), None) => Ok(norms.aggregate),
         };
-        let grad_sq_norm = match refused {
-            Ok(sq) => sq,
-            Err(why) => {
-                tracing::error!("shard {}: {why}", self.index);
-                {
-                    let mut st = self.lock();
-                    st.store.abandon(pending);
-                    st.opt = opt;
-                    st.failed = Some(why.clone());
-                }
-                self.wake();
-                self.version_tx.send_modify(|_| {});
-                return Err(PsError::RunFailed(why));
-            }
-        };
-        opt.steps += 1;
-
-        let first = slots
-            .iter()
-            .map(|s| s.arrived)
-            .min()
-            .expect("at least one rank");
-        let (last_rank, last) = slots
-            .iter()
-            .map(|s| (s.rank, s.arrived))
-            .max_by_key(|&(_, t)| t)
-            .expect("at least one rank");
-        let now = Instant::now();
-        let figures = StepFigures {
-            step,
-            grad_sq_norm,
-            lr,
-            samples: samples.iter().map(|&s| u64::from(s)).sum(),
-            loss_sum: slots.iter().map(|s| s.loss_sum).sum(),
-            correct: slots.iter().map(|s| s.correct).sum(),
-            workers_in: slots.len() as u32,
-            step_ms: ms(now - waiting_since),
-            barrier_wait_ms: ms(last - first),
-            slowest_rank: last_rank,
-            arrival_lag_ms: slots
-                .iter()
-                .map(|s| (s.rank, ms(s.arrived - first)))
-                .collect(),
-            apply_ms: ms(now - started),
-            eval: slots.iter().fold((0u64, 0u64), |a, s| {
-                (a.0.saturating_add(s.eval.0), a.1.saturating_add(s.eval.1))
-            }),
-            ranks: rank_sq,
+        Applied {
+            result,
+            rank_sq,
+            skip,
             clip,
-        };
-        {
-            let mut st = self.lock();
-            st.store.commit(pending);
-            st.opt = opt;
-            // rank 0's buffers of the step are those of the new version (a step settled
-            // without rank 0 keeps the buffers it had)
-            if let Some((s, b)) = st.next_buffers.take()
-                && s == step
-            {
-                st.buffers = Some(b);
-            }
-            if !skip.is_empty() && st.opt.skipped.len() < self.spec.tensors.len() {
-                st.opt.skipped.resize(self.spec.tensors.len(), 0);
-            }
-            for (t, _) in &skip {
-                st.opt.skipped[*t as usize] += 1;
-            }
-            let done = slots.into_iter().filter_map(|s| match s.grad {
-                Grad::Owned(h) => Some(h.values),
-                _ => None,
-            });
-            for v in done.chain(acc.values.take()) {
-                if st.spare.len() <= self.gate.limit() {
-                    st.spare.push(v);
-                }
-            }
-            *acc = Acc {
-                step: step + 1,
-                ..Acc::default()
-            };
-            st.barrier.finish(now);
+            opt,
+            buckets: None,
         }
-        drop(acc);
-        self.wake();
-        self.version_tx.send_replace(step + 1);
-        Ok(figures)
     }
 
     /// Completes a step whose barrier is complete (or given up on): applies `slots`
@@ -1045,7 +1191,7 @@ impl Shard {
             .map(|s| {
                 let sq_norm = match s.grad {
                     Grad::Folded => acc.norm_of(s.rank as usize, acc_sq)?,
-                    Grad::Owned(_) | Grad::Board(_) => {
+                    Grad::Owned(_) | Grad::Board(_) | Grad::Received(_) => {
                         let i = input_ranks[direct..].iter().position(|&r| r == s.rank)?;
                         inputs[direct + i]
                     }
@@ -1121,6 +1267,11 @@ impl Shard {
         }
     }
 
+    /// A copy of the optimizer state of the current version (what a checkpoint saves).
+    pub fn optimizer_state(&self) -> OptState {
+        (*self.lock().opt).clone()
+    }
+
     /// A copy of the current parameters and their version (final weights, gRPC pulls).
     pub fn params(&self) -> PsResult<(u64, Vec<f32>)> {
         self.params_into(Vec::new())
@@ -1156,7 +1307,7 @@ impl Shard {
             let version = self.version();
             let (opt, buffers) = {
                 let st = self.lock();
-                (st.opt.clone(), st.buffers.clone())
+                ((*st.opt).clone(), st.buffers.clone())
             };
             self.write_preempt(version, opt, buffers);
             return None;
@@ -1168,7 +1319,7 @@ impl Shard {
         }
         let (opt, buffers) = {
             let st = self.lock();
-            (st.opt.clone(), st.buffers.clone())
+            ((*st.opt).clone(), st.buffers.clone())
         };
         let saved = self
             .params()
@@ -1199,7 +1350,7 @@ impl Shard {
             let st = self.lock();
             (
                 st.barrier.step(),
-                (!st.barrier.applying()).then(|| (st.opt.clone(), st.buffers.clone())),
+                (!st.barrier.applying()).then(|| ((*st.opt).clone(), st.buffers.clone())),
             )
         };
         if let Some((opt, buffers)) = opt {

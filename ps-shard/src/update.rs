@@ -51,6 +51,11 @@ pub struct UpdateInputs<'a> {
     /// finite ones (an accumulator of gradients folded earlier): a non-finite aggregate is
     /// searched for in the others only.
     pub checked: usize,
+    /// The optimizer state to start from (`m`, `v`, aligned with `current`; empty for a buffer
+    /// the optimizer does not keep), when it is not what `m`/`v` hold: each block is copied in
+    /// right before its update, while in cache (no pass of its own over memory). None: `m`/`v`
+    /// are advanced in place.
+    pub state_from: Option<(&'a [f32], &'a [f32])>,
 }
 
 /// The aggregation coefficient of each of the gradients with these sample counts, in order.
@@ -250,6 +255,14 @@ fn run_portable(
         }
         pb.copy_from_slice(&inp.current[lo + at..lo + end]);
         let (mb, vb) = (block_of(m, at, end), block_of(v, at, end));
+        if let Some((m0, v0)) = inp.state_from {
+            if !mb.is_empty() {
+                mb.copy_from_slice(&m0[lo + at..lo + end]);
+            }
+            if !vb.is_empty() {
+                vb.copy_from_slice(&v0[lo + at..lo + end]);
+            }
+        }
         inp.optimizer.update_chunk(inp.step, pb, gb, mb, vb);
         at = end;
     }
@@ -382,6 +395,7 @@ mod tests {
             threads,
             simd,
             checked: 0,
+            state_from: None,
         };
         let norms = fused_update(inp, &mut next, &mut st.m, &mut st.v);
         Run {
@@ -517,6 +531,7 @@ mod tests {
             threads: 1,
             simd: Simd::Auto,
             checked: 0,
+            state_from: None,
         };
         assert!(
             fused_update(inp, &mut next, &mut [], &mut [])

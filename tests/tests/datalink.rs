@@ -545,3 +545,86 @@ fn progressive_pushes_of_real_workers_give_the_shared_memory_weights() {
         "shared memory and data connections differ"
     );
 }
+
+/// Per-bucket apply with real processes: 2 shards, 3 workers on data connections with
+/// progressive pushes (`transport = "grpc"`, a buffer for every rank), batches of 11, 11 and
+/// 10, weighted aggregation. The final weights equal, bit for bit, those of the same cluster applying the whole range
+/// at once (`max_pending_gradients` 2 < 3 workers: folded as they arrive, itself bit-identical
+/// to the whole-range update), and the single process to the equivalence tolerance of
+/// `cluster.rs` (1e-5); the shards said which path they use, and shard 1 (the last layers,
+/// whose pieces come first) logged steps with buckets applied before the barrier completed.
+/// Without data connections (gRPC chunks), the same weights.
+#[test]
+fn bucketed_apply_on_data_connections_equals_whole_range_and_one_process() {
+    use ps_common::config::Transport;
+    use ps_tests::{
+        Start, assert_bit_identical, cluster_weights, reference_weights, rel_diff, run_cluster,
+    };
+    let run = |max_pending: usize, data: bool| {
+        let spec = Spec {
+            shards: 2,
+            workers: 3,
+            hidden: vec![300, 300],
+            global_batch: 32,
+            steps: 10,
+            config: Spec::base()
+                .sgd(0.05, 0.5)
+                .log_every(1)
+                .max_pending_gradients(max_pending)
+                .data_connections(data, 0),
+            transport: Transport::Grpc,
+            aggregation: ps_common::config::Aggregation::Weighted,
+            ..Spec::default()
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let (path, cfg) = spec.write(dir.path());
+        run_cluster(&path, &cfg, &Start::default());
+        let logs: Vec<String> = (0..2)
+            .map(|s| {
+                std::fs::read_to_string(dir.path().join(format!("logs/shard-{s}.log"))).unwrap()
+            })
+            .collect();
+        (cfg.clone(), cluster_weights(&cfg), logs, dir)
+    };
+    let (cfg, bucketed, logs, _dir) = run(3, true);
+    let (_, whole, whole_logs, _dir2) = run(2, true);
+    // without data connections: whole ranges in gRPC chunks, each published as it is decoded
+    let (_, chunks, chunk_logs, _dir3) = run(3, false);
+    assert!(
+        chunk_logs[1].contains("buckets before the barrier"),
+        "{}",
+        chunk_logs[1]
+    );
+    assert_bit_identical(
+        &chunks,
+        &whole,
+        "per-bucket over gRPC chunks vs whole-range cluster",
+    );
+    for (s, log) in logs.iter().enumerate() {
+        assert!(
+            log.contains(&format!("shard {s}: the update is applied per bucket (")),
+            "shard {s}:\n{log}"
+        );
+    }
+    assert!(whole_logs[1].contains("shard 1: the update is applied over the whole range once every gradient is in: [server] max_pending_gradients < workers"), "{}", whole_logs[1]);
+    // "shard 1 step 3/10 | ... | apply 0.4 ms | 4/6 buckets before the barrier"
+    let early: Vec<u32> = logs[1]
+        .lines()
+        .filter(|l| l.contains("shard 1 step "))
+        .filter_map(|l| {
+            let tail = l.split(" | ").last()?;
+            let (k, rest) = tail.split_once('/')?;
+            rest.ends_with("buckets before the barrier")
+                .then(|| k.trim().parse().ok())?
+        })
+        .collect();
+    assert!(!early.is_empty(), "no per-bucket step lines:\n{}", logs[1]);
+    assert!(
+        early.iter().any(|&k| k > 0),
+        "no bucket applied before a barrier: {early:?}"
+    );
+    assert!(!whole_logs[1].contains("buckets before the barrier"));
+    assert_bit_identical(&bucketed, &whole, "per-bucket vs whole-range cluster");
+    let d = rel_diff(&cfg, &bucketed, &reference_weights(&cfg));
+    assert!(d < 1e-5, "relative difference from one process {d:.3e}");
+}

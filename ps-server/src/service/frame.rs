@@ -44,6 +44,52 @@ impl ShardService {
         Ok(values)
     }
 
+    /// Like [`ShardService::receive_frame`], into `intake`'s buffer for per-bucket apply: each
+    /// piece is read in segments of at most a bucket, each published as soon as it is in
+    /// (the applier is started when buckets became ready for every rank).
+    pub(super) async fn receive_frame_into(
+        &self,
+        first: &PushChunk,
+        stream: &mut Streaming<PushChunk>,
+        rank: u32,
+        step: u64,
+        intake: &mut Intake,
+    ) -> PsResult<()> {
+        let (data, mut conn) = self.frame_conn(first, stream, rank).await?;
+        let len = self.shard.len();
+        let what = format!("push of step {step} from rank {rank} (data connection)");
+        let (wire, idle) = (self.wire, self.stream_idle);
+        let vb = wire.value_bytes() as u64;
+        let total = vb * len as u64;
+        let pieces =
+            datalink::read_push_header(&mut conn.half, step, total, wire, &what, idle).await?;
+        if !pieces {
+            read_published(
+                &mut conn.half,
+                intake,
+                0..len,
+                &self.shard,
+                wire,
+                &what,
+                idle,
+            )
+            .await?;
+        } else {
+            let mut cov = datalink::Coverage::new(total, wire);
+            while !cov.complete() {
+                let (offset, n) =
+                    datalink::read_piece_header(&mut conn.half, &cov, &what, idle).await?;
+                cov.add(offset, n, &what)?;
+                let (v0, count) = ((offset / vb) as usize, (n / vb) as usize);
+                let piece = format!("{what}, piece at bytes {offset}..{}", offset + n);
+                let r = v0..v0 + count;
+                read_published(&mut conn.half, intake, r, &self.shard, wire, &piece, idle).await?;
+            }
+        }
+        data.put_read(rank, conn).await;
+        Ok(())
+    }
+
     /// Like [`ShardService::receive_frame`] for a push the shard does not keep (a retry of a
     /// counted gradient): the frame is checked and fingerprinted piece by piece, not stored.
     pub(super) async fn check_frame(
@@ -177,6 +223,30 @@ impl ShardService {
         let conn = data.take_read(rank).await?;
         Ok((data, conn))
     }
+}
+
+/// Reads values `r` of a push frame from `conn` into `intake`'s buffer in segments of at most
+/// a bucket, publishing each as soon as it is in (and starting the shard's bucket applier
+/// when buckets became ready for every rank).
+#[allow(clippy::too_many_arguments)]
+async fn read_published<R: tokio::io::AsyncRead + Unpin>(
+    conn: &mut R,
+    intake: &mut Intake,
+    r: std::ops::Range<usize>,
+    shard: &Arc<Shard>,
+    wire: Wire,
+    what: &str,
+    idle: Duration,
+) -> PsResult<()> {
+    for lo in r.clone().step_by(crate::shard::bucket::BUCKET_VALUES) {
+        let seg = lo..(lo + crate::shard::bucket::BUCKET_VALUES).min(r.end);
+        datalink::read_piece(conn, intake.region(seg)?, wire, what, idle).await?;
+        // SAFETY: read_piece returned Ok: it wrote every value of the region
+        if unsafe { intake.publish() } {
+            super::push::spawn_buckets(shard);
+        }
+    }
+    Ok(())
 }
 
 /// Streams `count` values (encoded `vb` bytes each) of a push frame from `conn` through

@@ -60,6 +60,9 @@ impl ShardService {
             )));
         }
         self.check_eval(h.rank, h.eval_count, false)?;
+        // a push received for per-bucket apply: kept until the barrier counted it or refused
+        // it (dropped uncounted, it discards the step's work that used its values)
+        let mut bucketed: Option<Intake> = None;
         if !h.loss_sum.is_finite() || h.loss_sum < 0.0 || h.correct > u64::from(h.samples) {
             return Err(PsError::BadChunk(format!(
                 "loss_sum {} / correct {} for {} samples: expected a finite non-negative loss and correct <= samples",
@@ -72,7 +75,34 @@ impl ShardService {
             // the rank is not missing while its push waits for its turn or streams in
             let _under_way = self.shard.announce(h.rank, h.step, h.samples);
             self.fold().await?;
-            match self.shard.wait_turn(h.rank, h.step).await? {
+            let turn = self.shard.wait_turn(h.rank, h.step).await?;
+            if turn.is_some() {
+                bucketed = self.shard.intake(h.rank, h.step);
+            }
+            match turn {
+                Some(permit) if let Some(intake) = bucketed.as_mut() => {
+                    if via_data.is_some() {
+                        self.receive_frame_into(&first, &mut stream, h.rank, h.step, intake)
+                            .await?;
+                    } else {
+                        let (shard, wire) = (&self.shard, self.wire);
+                        let mut at = 0usize;
+                        let mut sink = |offset: u64, data: &[u8]| -> PsResult<()> {
+                            if offset != at as u64 {
+                                return Err(PsError::BadChunk(format!(
+                                    "chunk at offset {offset}: expected offset {at} (chunks must be contiguous and in order)"
+                                )));
+                            }
+                            if intake.decode(at, wire, data)? {
+                                spawn_buckets(shard);
+                            }
+                            at += data.len() / wire.value_bytes();
+                            Ok(())
+                        };
+                        self.receive_chunks(&mut sink, &first, &mut stream).await?;
+                    }
+                    intake.finish(Some(permit))?
+                }
                 Some(permit) if via_data.is_some() => {
                     let values = self
                         .receive_frame(&first, &mut stream, h.rank, h.step)
@@ -128,14 +158,7 @@ impl ShardService {
                 None => {
                     let mut check = StreamCheck::new(self.shard.len()).on_wire(self.wire);
                     let mut sink = |offset: u64, data: &[u8]| check.push(offset, data);
-                    receive_with(
-                        &mut sink,
-                        first.offset,
-                        &first.data,
-                        &mut stream,
-                        self.stream_idle,
-                    )
-                    .await?;
+                    self.receive_chunks(&mut sink, &first, &mut stream).await?;
                     (Grad::Checked, check.finish()?)
                 }
             }
@@ -158,6 +181,17 @@ impl ShardService {
             counted: outcome.counted,
             ranks_in: outcome.ranks_in,
         })
+    }
+
+    /// Hands the first chunk's data and every further chunk of a push to `sink`
+    /// ([`receive_with`], ended after `stream_idle_secs` without a chunk).
+    async fn receive_chunks(
+        &self,
+        sink: &mut (dyn FnMut(u64, &[u8]) -> PsResult<()> + Send),
+        first: &PushChunk,
+        stream: &mut Streaming<PushChunk>,
+    ) -> PsResult<()> {
+        receive_with(sink, first.offset, &first.data, stream, self.stream_idle).await
     }
 
     /// Checks an evaluation `count` reported by `rank` (a known rank) against the rank's slice
@@ -190,6 +224,13 @@ impl ShardService {
             }
         )))
     }
+}
+
+/// Runs the shard's bucket applier on a blocking thread (not waited for: the completion of
+/// the step waits for it).
+pub(super) fn spawn_buckets(shard: &Arc<Shard>) {
+    let shard = shard.clone();
+    tokio::task::spawn_blocking(move || shard.run_buckets());
 }
 
 /// Receives the first chunk's data and every further chunk of a push into `rx`.
