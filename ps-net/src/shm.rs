@@ -26,6 +26,7 @@ use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering, fence};
+use crate::sink::PullSink;
 
 /// "PSSHM" + format version.
 const MAGIC: u64 = u64::from_le_bytes(*b"PSSHM\0v1");
@@ -444,21 +445,34 @@ impl Board {
     /// Copies slot `k` into `dst` (`dst.len()` must be the slot length). Another process may
     /// write the slot meanwhile (then [`Board::read_version`] discards the copy by the sequence
     /// number), so a racing write can give a torn copy but must never be undefined behaviour,
-    /// as a plain copy's data race would be. On x86-64 the copy is one `rep movsb` in inline
-    /// assembly, which Rust's memory model sees as opaque byte loads (the seqlock reader's way,
-    /// at memcpy speed); elsewhere relaxed atomic loads of aligned 8-byte words.
+    /// as a plain copy's data race would be: see [`Board::read_part`].
     pub fn read(&self, k: usize, dst: &mut [f32]) {
         assert_eq!(dst.len(), self.len, "board read: length mismatch");
-        let src = self.slot_ptr(k);
+        self.read_part(k, 0, dst);
+    }
+
+    /// Copies values `from..from + dst.len()` of slot `k` into `dst`. On x86-64 the copy is
+    /// one `rep movsb` in inline assembly, which Rust's memory model sees as opaque byte loads
+    /// (the seqlock reader's way, at memcpy speed); elsewhere relaxed atomic loads of the
+    /// 4-byte values.
+    pub fn read_part(&self, k: usize, from: usize, dst: &mut [f32]) {
+        assert!(
+            from <= self.len && dst.len() <= self.len - from,
+            "board read: {from}+{} past the slot's {} values",
+            dst.len(),
+            self.len
+        );
+        // SAFETY: `from + dst.len() <= len` (checked above): the values lie inside slot k.
+        let src = unsafe { self.slot_ptr(k).add(from) };
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: the slot holds `len` f32 values inside the mapping, which outlives `&self`,
-        // and `dst` holds as many and is borrowed mutably, so the two do not overlap; the
-        // direction flag is clear at every Rust call boundary (SysV ABI), so `rep movsb` copies
-        // forwards; it touches no stack and no flags.
+        // SAFETY: the `dst.len()` values at `src` lie inside the mapping, which outlives
+        // `&self`, and `dst` holds as many and is borrowed mutably, so the two do not overlap;
+        // the direction flag is clear at every Rust call boundary (SysV ABI), so `rep movsb`
+        // copies forwards; it touches no stack and no flags.
         unsafe {
             std::arch::asm!(
                 "rep movsb",
-                inout("rcx") self.len * 4 => _,
+                inout("rcx") dst.len() * 4 => _,
                 inout("rsi") src.cast::<u8>().cast_const() => _,
                 inout("rdi") dst.as_mut_ptr().cast::<u8>() => _,
                 options(nostack, preserves_flags)
@@ -466,24 +480,13 @@ impl Board {
         }
         #[cfg(not(target_arch = "x86_64"))]
         {
-            let words = self.len / 2;
-            // SAFETY: the slot starts page-aligned and holds `len` f32 values, so its first
-            // `len / 2` 8-byte words lie inside it, aligned; atomics have the layout of the
-            // plain integers, and the mapping outlives `&self`. Only atomic loads read it here.
-            let (pairs, last) = unsafe {
-                (
-                    std::slice::from_raw_parts(src.cast::<AtomicU64>(), words),
-                    (self.len % 2 == 1)
-                        .then(|| &*src.add(self.len - 1).cast::<std::sync::atomic::AtomicU32>()),
-                )
+            // SAFETY: the values lie inside the slot, which starts page-aligned, so each is
+            // 4-byte aligned; atomics have the layout of the plain integers, and the mapping
+            // outlives `&self`. Only atomic loads read it here.
+            let words = unsafe {
+                std::slice::from_raw_parts(src.cast::<std::sync::atomic::AtomicU32>(), dst.len())
             };
-            let mut out = dst.chunks_exact_mut(2);
-            for (d, w) in (&mut out).zip(pairs) {
-                let b = w.load(Ordering::Relaxed).to_ne_bytes();
-                d[0] = f32::from_ne_bytes([b[0], b[1], b[2], b[3]]);
-                d[1] = f32::from_ne_bytes([b[4], b[5], b[6], b[7]]);
-            }
-            if let (Some(d), Some(w)) = (out.into_remainder().first_mut(), last) {
+            for (d, w) in dst.iter_mut().zip(words) {
                 *d = f32::from_bits(w.load(Ordering::Relaxed));
             }
         }
@@ -568,6 +571,31 @@ impl Board {
         self.read(k, dst);
         fence(Ordering::Acquire);
         seq.load(Ordering::Relaxed) == 2 * version + 2
+    }
+
+    /// [`Board::read_version`] into `sink`, piece by piece (pieces end where
+    /// [`PullSink::piece_end`] says: a layer's end), each piece checked against the sequence
+    /// number after its copy and published only then; from `sink.filled()` on. False when
+    /// version `version` was not on the board or left it during the copy: the pieces published
+    /// before are of `version` (each was checked), the rest is not filled.
+    pub fn read_version_into(&self, version: u64, sink: &mut dyn PullSink) -> bool {
+        assert_eq!(sink.len(), self.len, "board read: length mismatch");
+        let k = (version % 2) as usize;
+        let seq = self.map.atomic(seq_offset(k));
+        if seq.load(Ordering::Acquire) != 2 * version + 2 {
+            return false;
+        }
+        while sink.filled() < sink.len() {
+            let from = sink.filled();
+            let n = sink.piece_end().max(from + 1).min(sink.len()) - from;
+            self.read_part(k, from, sink.next(n));
+            fence(Ordering::Acquire);
+            if seq.load(Ordering::Relaxed) != 2 * version + 2 {
+                return false;
+            }
+            sink.publish(n);
+        }
+        true
     }
 }
 
