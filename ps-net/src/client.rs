@@ -1173,8 +1173,9 @@ impl ShardClient {
 /// and whether the shard reads this worker's gradient board (pushes).
 #[derive(Debug, Default)]
 pub struct ShmLink {
-    /// The shard's parameters board, where this process can open it.
-    pub params: Option<Board>,
+    /// The shard's parameters board, where this process can open it (shared with the task
+    /// that pulls a step's weights while the step computes).
+    pub params: Option<std::sync::Arc<Board>>,
     /// The shard reads this worker's gradient board: pushes send the header alone.
     pub grad: bool,
 }
@@ -1193,6 +1194,7 @@ impl ShmLink {
                         )
                     })
                     .ok()
+                    .map(std::sync::Arc::new)
             })
             .flatten();
         Self {

@@ -20,13 +20,13 @@
 //! `owner.lock` while it lives; a new owner removes the directories whose lock is free (the pid
 //! in the name is for people: it means nothing in another PID namespace).
 
+use crate::sink::PullSink;
 use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering, fence};
-use crate::sink::PullSink;
 
 /// "PSSHM" + format version.
 const MAGIC: u64 = u64::from_le_bytes(*b"PSSHM\0v1");

@@ -293,7 +293,10 @@ pub struct ShardWriter<'g> {
 impl ShardWriter<'_> {
     /// The pull delivered every value and ended well: the shard's last values are usable.
     pub fn finish(self) {
-        assert_eq!(self.cursor, self.len, "finished before every value was published");
+        assert_eq!(
+            self.cursor, self.len,
+            "finished before every value was published"
+        );
         self.gate.done[self.shard].store(true, Ordering::Release);
         drop(self.gate.lock());
         self.gate.published_cv.notify_all();
@@ -336,9 +339,7 @@ impl ps_common::sink::PullSink for ShardWriter<'_> {
         // published (at or after the cursor), so no reader holds a reference to them
         // (`PullGate::wait` has not returned for them); the view borrows `self` mutably, so it
         // ends before `publish` moves the cursor past them.
-        unsafe {
-            std::slice::from_raw_parts_mut(self.gate.ptr.add(self.start + self.cursor), n)
-        }
+        unsafe { std::slice::from_raw_parts_mut(self.gate.ptr.add(self.start + self.cursor), n) }
     }
 
     fn publish(&mut self, n: usize) {

@@ -890,7 +890,8 @@ impl<D: Device> Net<D> for CnnNet<D> {
         }
         let f = self.features();
         let last = self.stages.last().expect("a CNN has a convolution");
-        self.head.forward(dev, w, D::view(&last.y, 0..n * f), n, wait)
+        self.head
+            .forward(dev, w, D::view(&last.y, 0..n * f), n, wait)
     }
 
     fn logits(&self) -> &D::Buf {

@@ -6,6 +6,7 @@
 //! (`ps_common::shm`); each shard and direction falls back to gRPC on its own.
 
 use crate::backend::{Backend, StepStats};
+use crate::gate::PullGate;
 use anyhow::{Context, bail};
 use bytes::Bytes;
 use ps_common::PROTOCOL_VERSION;
@@ -19,6 +20,7 @@ use ps_common::pb::{LeaveRequest, PushHeader, RegisterReply, RegisterRequest};
 use ps_common::shm::{Board, BoardDir, grad_path, shm_root};
 use ps_common::wire::{Bf16Encoder, encode_push, encode_push_part};
 use std::ops::Range;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Everything a worker needs.
@@ -37,17 +39,65 @@ pub struct WorkerSetup {
     pub backend: Box<dyn Backend>,
 }
 
-/// Averages of a run's step phases, for the final log line.
-#[derive(Debug, Default, Clone, Copy)]
+/// Totals of a run's step phases, for the final log line. The pulls overlap the forward
+/// pass: `pull` is the time before forward could start on the first layer (its wait
+/// included), `compute` the rest until backward ended (the waits for later layers included),
+/// `push` the wait for the pushes after it; `layer_wait` what forward waited for each layer.
+#[derive(Debug, Default, Clone)]
 pub struct Timing {
     /// Steps run.
     pub steps: u64,
-    /// Total pull time.
+    /// Total time before the forward pass could start.
     pub pull: Duration,
     /// Total compute time.
     pub compute: Duration,
     /// Total push time.
     pub push: Duration,
+    /// Total time the forward passes waited for each layer's weights (layer 0's is part of
+    /// `pull`, the others' of `compute`).
+    pub layer_wait: Vec<Duration>,
+}
+
+impl Timing {
+    /// Counts a step: `before` its compute (the pull until then), `compute` (from there to
+    /// the end of backward), `push` (after it), and the forward pass's wait per layer.
+    pub fn add_step(
+        &mut self,
+        before: Duration,
+        compute: Duration,
+        push: Duration,
+        waits: &[Duration],
+    ) {
+        let first = waits.first().copied().unwrap_or_default();
+        self.steps += 1;
+        self.pull += before + first;
+        self.compute += compute.saturating_sub(first);
+        self.push += push;
+        if self.layer_wait.len() < waits.len() {
+            self.layer_wait.resize(waits.len(), Duration::ZERO);
+        }
+        for (total, w) in self.layer_wait.iter_mut().zip(waits) {
+            *total += *w;
+        }
+    }
+
+    /// "pull 1.20 ms, compute 10.31 ms, push 0.52 ms; pull wait per layer [0.80, 0.10, 0.00]
+    /// ms": the averages per step.
+    pub fn describe(&self) -> String {
+        let per = |d: &Duration| d.as_secs_f64() * 1e3 / self.steps.max(1) as f64;
+        let waits: Vec<String> = self
+            .layer_wait
+            .iter()
+            .map(|w| format!("{:.2}", per(w)))
+            .collect();
+        format!(
+            "pull {:.2} ms, compute {:.2} ms, push {:.2} ms; pull wait per layer [{}] ms",
+            per(&self.pull),
+            per(&self.compute),
+            per(&self.push),
+            waits.join(", ")
+        )
+    }
 }
 
 /// One shard as this worker sees it: the connection, the shard's range of the flat parameter
@@ -136,15 +186,184 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
     let wire = cfg.cluster.wire;
 
     let elastic = cfg.server.barrier_policy == BarrierPolicy::Continue;
+    let shard_ranges: Vec<Range<usize>> = peers.iter().map(|p| p.range.clone()).collect();
+    let patience = pull_patience(&cfg);
     let mut t = start_step;
     while t < total {
         let t0 = Instant::now();
+        // the pulls of version t run while this thread computes: forward waits at the gate
+        // for each layer's parameters (pulled straight into the backend's host weights, or
+        // into `weights`, uploaded once complete, on a device with its own memory)
         let on_host = backend.host_weights().is_some();
-        let pulled = match backend.host_weights() {
-            Some(w) => pull_all(&mut peers, t, w).await,
-            None => pull_all(&mut peers, t, &mut weights).await,
+        let gate = match backend.open_gate(t, shard_ranges.clone(), patience) {
+            Some(g) => g,
+            None => {
+                let (ptr, len) = (weights.as_mut_ptr(), weights.len());
+                // SAFETY: `weights` is neither touched nor resized until the gate is dropped
+                // at the end of this step, except through it: the writers of the scoped
+                // pulling thread (joined before) and `published` after `wait_all`.
+                Arc::new(unsafe {
+                    PullGate::new(
+                        ptr,
+                        len,
+                        t,
+                        shard_ranges.clone(),
+                        backend.layers(),
+                        patience,
+                    )
+                })
+            }
         };
+        let jobs = pull_jobs(&peers);
+        let runtime = tokio::runtime::Handle::current();
+        let (mut t1, mut t2) = (t0, t0);
+        let mut pushes = Vec::with_capacity(peers.len());
+        let progressive: Vec<bool> = peers
+            .iter()
+            .map(|p| !p.ahead && !p.link.grad && p.client.data_link_usable() && !p.range.is_empty())
+            .collect();
+        // per shard: the sender of its push's pieces once it is under way
+        let mut senders: Vec<Option<tokio::sync::mpsc::UnboundedSender<(usize, Bytes)>>> =
+            (0..peers.len()).map(|_| None).collect();
+        let (pulled, computed) = tokio::task::block_in_place(|| {
+            std::thread::scope(|scope| {
+                let puller = scope.spawn(|| runtime.block_on(pull_gated(jobs, &gate)));
+                let computed = (|| -> anyhow::Result<()> {
+                    if !on_host {
+                        gate.wait_all()?;
+                        backend.set_weights(gate.published(0..layout.num_params()))?;
+                    }
+                    t1 = Instant::now();
+                    let eval = if cfg.train.eval_every > 0
+                        && t > 0
+                        && t.is_multiple_of(cfg.train.eval_every)
+                    {
+                        evaluate(backend.as_mut(), &test, &test_idx, &mut x, &mut y)?
+                    } else {
+                        (0, 0)
+                    };
+                    train.gather(planner.worker_batch(t, rank, world), &mut x, &mut y);
+                    let header = |stats: StepStats| PushHeader {
+                        rank: rank as u32,
+                        step: t,
+                        samples: y.len() as u32,
+                        loss_sum: stats.loss_sum,
+                        correct: stats.correct,
+                        len: 0,
+                        eval_correct: eval.0,
+                        eval_count: eval.1,
+                        shm: false,
+                    };
+                    // backward hands over the gradient last layer first: a shard on a data connection gets
+                    // each part of its range as soon as it is final, as a piece of one push; the others get
+                    // their whole range as soon as all of it is final; both while the earlier layers are
+                    // still being computed
+                    let mut unsent = peers.len();
+                    // per shard: where its final part starts (its range's end before any), and the
+                    // pieces sent this step
+                    let mut final_from: Vec<usize> = peers.iter().map(|p| p.range.end).collect();
+                    let mut sent = vec![0usize; peers.len()];
+                    crate::backend::forward_backward_micro(
+                        backend.as_mut(),
+                        &x,
+                        &y,
+                        cfg.train.loss_reduction,
+                        cfg.train.micro_batches,
+                        grad,
+                        &mut part,
+                        &mut |start, tail, stats| {
+                            for s in (0..peers.len()).filter(|&s| progressive[s]) {
+                                let peer = &mut peers[s];
+                                let r = peer.range.clone();
+                                let (lo, hi) = (start.max(r.start), final_from[s]);
+                                if lo >= hi || (hi - lo < MIN_PIECE_VALUES && lo > r.start) {
+                                    // nothing new of this shard's range is final, or too little to be
+                                    // worth a piece of its own: it goes with the next one
+                                    continue;
+                                }
+                                let buf = peer.piece_bufs.get_mut(sent[s]).and_then(Option::take);
+                                let values = &tail[lo - start..hi - start];
+                                let offset = lo - r.start;
+                                let bytes = encode_push_part(
+                                    wire,
+                                    values,
+                                    offset,
+                                    r.len(),
+                                    &mut peer.encoder,
+                                    buf,
+                                );
+                                sent[s] += 1;
+                                final_from[s] = lo;
+                                let tx = senders[s].get_or_insert_with(|| {
+                                    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+                                    let h = PushHeader {
+                                        len: r.len() as u64,
+                                        ..header(stats)
+                                    };
+                                    let client = peer.client.clone();
+                                    pushes.push(runtime.spawn(async move {
+                                        let (reply, pieces) =
+                                            client.push_progressive(h, rx, chunk_bytes).await;
+                                        reply?;
+                                        let bufs = pieces.into_iter().map(|(_, b)| b).collect();
+                                        Ok::<_, anyhow::Error>((s, bufs))
+                                    }));
+                                    tx
+                                });
+                                // a push that ended early (refused) no longer takes pieces: its
+                                // error is what the step reports
+                                let _ = tx.send((offset, bytes));
+                                if lo == r.start {
+                                    senders[s] = None; // the whole range is on its way
+                                }
+                            }
+                            while unsent > 0 && peers[unsent - 1].range.start >= start {
+                                unsent -= 1;
+                                let s = unsent;
+                                let peer = &mut peers[s];
+                                if peer.ahead || progressive[s] {
+                                    // applied step t already, or pushed piece by piece
+                                    continue;
+                                }
+                                let r = &peer.range;
+                                // the shard reads the range in this worker's gradient board, or
+                                // receives a copy through gRPC
+                                let bytes = if peer.link.grad {
+                                    Bytes::new()
+                                } else {
+                                    let values = &tail[r.start - start..r.end - start];
+                                    let buf = peer.push_buf.take();
+                                    encode_push(wire, values, &mut peer.encoder, buf)
+                                };
+                                let h = PushHeader {
+                                    len: r.len() as u64,
+                                    shm: peer.link.grad,
+                                    ..header(stats)
+                                };
+                                let client = peer.client.clone();
+                                pushes.push(runtime.spawn(async move {
+                                    client.push_retrying(h, &bytes, chunk_bytes).await?;
+                                    Ok::<_, anyhow::Error>((s, vec![bytes]))
+                                }));
+                            }
+                        },
+                    )?;
+                    t2 = Instant::now();
+                    Ok(())
+                })();
+                let pulled = puller
+                    .join()
+                    .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+                (pulled, computed)
+            })
+        });
+        backend.close_gate();
+        drop(senders);
+        let waits = gate.waits();
+        drop(gate);
         if let Err(e) = pulled {
+            // forward stopped at the gate: nothing computed with these weights was pushed
+            debug_assert!(pushes.is_empty(), "a push after a failed pull");
             t = after_failure(
                 elastic,
                 &cfg,
@@ -158,127 +377,7 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
             .await?;
             continue;
         }
-        if !on_host {
-            backend.set_weights(&weights)?;
-        }
-        let t1 = Instant::now();
-        let eval = if cfg.train.eval_every > 0 && t > 0 && t.is_multiple_of(cfg.train.eval_every) {
-            evaluate(backend.as_mut(), &test, &test_idx, &mut x, &mut y)?
-        } else {
-            (0, 0)
-        };
-        train.gather(planner.worker_batch(t, rank, world), &mut x, &mut y);
-        let header = |stats: StepStats| PushHeader {
-            rank: rank as u32,
-            step: t,
-            samples: y.len() as u32,
-            loss_sum: stats.loss_sum,
-            correct: stats.correct,
-            len: 0,
-            eval_correct: eval.0,
-            eval_count: eval.1,
-            shm: false,
-        };
-        // backward hands over the gradient last layer first: a shard on a data connection gets
-        // each part of its range as soon as it is final, as a piece of one push; the others get
-        // their whole range as soon as all of it is final; both while the earlier layers are
-        // still being computed
-        let runtime = tokio::runtime::Handle::current();
-        let mut pushes = Vec::with_capacity(peers.len());
-        let mut unsent = peers.len();
-        let progressive: Vec<bool> = peers
-            .iter()
-            .map(|p| !p.ahead && !p.link.grad && p.client.data_link_usable() && !p.range.is_empty())
-            .collect();
-        // per shard: where its final part starts (its range's end before any), the pieces
-        // sent this step, and the sender of its push's pieces once it is under way
-        let mut final_from: Vec<usize> = peers.iter().map(|p| p.range.end).collect();
-        let mut sent = vec![0usize; peers.len()];
-        let mut senders: Vec<Option<tokio::sync::mpsc::UnboundedSender<(usize, Bytes)>>> =
-            (0..peers.len()).map(|_| None).collect();
-        tokio::task::block_in_place(|| {
-            crate::backend::forward_backward_micro(
-                backend.as_mut(),
-                &x,
-                &y,
-                cfg.train.loss_reduction,
-                cfg.train.micro_batches,
-                grad,
-                &mut part,
-                &mut |start, tail, stats| {
-                    for s in (0..peers.len()).filter(|&s| progressive[s]) {
-                        let peer = &mut peers[s];
-                        let r = peer.range.clone();
-                        let (lo, hi) = (start.max(r.start), final_from[s]);
-                        if lo >= hi || (hi - lo < MIN_PIECE_VALUES && lo > r.start) {
-                            // nothing new of this shard's range is final, or too little to be
-                            // worth a piece of its own: it goes with the next one
-                            continue;
-                        }
-                        let buf = peer.piece_bufs.get_mut(sent[s]).and_then(Option::take);
-                        let values = &tail[lo - start..hi - start];
-                        let offset = lo - r.start;
-                        let bytes =
-                            encode_push_part(wire, values, offset, r.len(), &mut peer.encoder, buf);
-                        sent[s] += 1;
-                        final_from[s] = lo;
-                        let tx = senders[s].get_or_insert_with(|| {
-                            let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-                            let h = PushHeader {
-                                len: r.len() as u64,
-                                ..header(stats)
-                            };
-                            let client = peer.client.clone();
-                            pushes.push(runtime.spawn(async move {
-                                let (reply, pieces) =
-                                    client.push_progressive(h, rx, chunk_bytes).await;
-                                reply?;
-                                let bufs = pieces.into_iter().map(|(_, b)| b).collect();
-                                Ok::<_, anyhow::Error>((s, bufs))
-                            }));
-                            tx
-                        });
-                        // a push that ended early (refused) no longer takes pieces: its
-                        // error is what the step reports
-                        let _ = tx.send((offset, bytes));
-                        if lo == r.start {
-                            senders[s] = None; // the whole range is on its way
-                        }
-                    }
-                    while unsent > 0 && peers[unsent - 1].range.start >= start {
-                        unsent -= 1;
-                        let s = unsent;
-                        let peer = &mut peers[s];
-                        if peer.ahead || progressive[s] {
-                            // applied step t already, or pushed piece by piece
-                            continue;
-                        }
-                        let r = &peer.range;
-                        // the shard reads the range in this worker's gradient board, or
-                        // receives a copy through gRPC
-                        let bytes = if peer.link.grad {
-                            Bytes::new()
-                        } else {
-                            let values = &tail[r.start - start..r.end - start];
-                            let buf = peer.push_buf.take();
-                            encode_push(wire, values, &mut peer.encoder, buf)
-                        };
-                        let h = PushHeader {
-                            len: r.len() as u64,
-                            shm: peer.link.grad,
-                            ..header(stats)
-                        };
-                        let client = peer.client.clone();
-                        pushes.push(runtime.spawn(async move {
-                            client.push_retrying(h, &bytes, chunk_bytes).await?;
-                            Ok::<_, anyhow::Error>((s, vec![bytes]))
-                        }));
-                    }
-                },
-            )
-        })?;
-        drop(senders);
-        let t2 = Instant::now();
+        computed?;
         if let Some(e) = await_pushes(pushes, &progressive, &mut peers).await? {
             t = after_failure(
                 elastic,
@@ -296,10 +395,7 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
         // only the first step (or the first after a rejoin) can find shards ahead
         peers.iter_mut().for_each(|p| p.ahead = false);
         let t3 = Instant::now();
-        timing.steps += 1;
-        timing.pull += t1 - t0;
-        timing.compute += t2 - t1;
-        timing.push += t3 - t2;
+        timing.add_step(t1 - t0, t2 - t1, t3 - t2, &waits);
         t += 1;
     }
 
@@ -309,13 +405,10 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
     backend.set_weights(&weights)?;
     let (correct, count) = evaluate(backend.as_mut(), &test, &test_idx, &mut x, &mut y)?;
     leave_all(&mut peers, rank, (correct, count)).await?;
-    let per = |d: Duration| d.as_secs_f64() * 1e3 / timing.steps.max(1) as f64;
     tracing::info!(
-        "worker {rank}: done after {} steps; per step pull {:.2} ms, compute {:.2} ms, push {:.2} ms; test accuracy on its slice {:.2}% ({correct}/{count})",
+        "worker {rank}: done after {} steps; per step {}; test accuracy on its slice {:.2}% ({correct}/{count})",
         timing.steps,
-        per(timing.pull),
-        per(timing.compute),
-        per(timing.push),
+        timing.describe(),
         100.0 * correct as f64 / count.max(1) as f64
     );
     Ok(timing)
@@ -734,6 +827,59 @@ async fn rejoin(
     Ok(mark_ahead(peers, &joined, rank))
 }
 
+/// What one shard's pull of a step needs: a client (a clone: the pushes keep theirs), its
+/// board unless it is pulled `exact`ly (it is `ahead`), and whether it is.
+struct PullJob {
+    client: ShardClient,
+    board: Option<Arc<Board>>,
+    exact: bool,
+}
+
+fn pull_jobs(peers: &[Peer]) -> Vec<PullJob> {
+    peers
+        .iter()
+        .map(|p| PullJob {
+            client: p.client.clone(),
+            board: p.link.params.clone().filter(|_| !p.ahead),
+            exact: p.ahead,
+        })
+        .collect()
+}
+
+/// How long the forward pass waits at the gate for a layer: the shard's own bound on a pull
+/// (`[server] pull_timeout_secs`, after which it answers the pull with an error) and half a
+/// minute for the values to travel.
+fn pull_patience(cfg: &Config) -> Duration {
+    Duration::from_secs_f64(cfg.server.pull_timeout_secs + 30.0)
+}
+
+/// Pulls `gate`'s version from every shard, each shard's values published into the gate as
+/// they arrive. The requests go out in shard order (shard 0, the first layers, first); a
+/// failed pull fails the gate for its shard (the forward pass stops there) and is returned.
+async fn pull_gated(jobs: Vec<PullJob>, gate: &PullGate) -> anyhow::Result<()> {
+    let futs = jobs.into_iter().enumerate().map(|(s, mut job)| async move {
+        let mut writer = gate.writer(s);
+        let pulled = job
+            .client
+            .pull_to(gate.version(), job.exact, job.board.as_deref(), &mut writer)
+            .await;
+        match pulled {
+            Ok(()) => {
+                writer.finish();
+                Ok(())
+            }
+            Err(e) => {
+                gate.fail(s, e.to_string());
+                Err(e)
+            }
+        }
+    });
+    for r in futures::future::join_all(futs).await {
+        r?;
+    }
+    Ok(())
+}
+
 /// Pulls version `version` from every shard in parallel, each straight into its range of
 /// `weights`: copied out of the shard's board where there is a link, decoded from the gRPC
 /// chunks otherwise. From the shards marked `ahead` (already one version further) it pulls
@@ -748,7 +894,7 @@ pub(crate) async fn pull_all(
     for p in peers.iter_mut() {
         let (dst, tail) = rest.split_at_mut(p.range.len());
         rest = tail;
-        let board = p.link.params.as_ref().filter(|_| !p.ahead);
+        let board = p.link.params.as_deref().filter(|_| !p.ahead);
         futs.push(p.client.pull_into(version, p.ahead, board, dst));
     }
     for r in futures::future::join_all(futs).await {
