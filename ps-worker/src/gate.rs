@@ -361,3 +361,244 @@ impl ps_common::sink::PullSink for ShardWriter<'_> {
         next_end.min(self.cursor + ps_common::sink::PIECE_VALUES)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::Backend;
+    use ps_common::config::LossReduction;
+    use ps_common::sink::PullSink;
+
+    /// A gate over `buf` for version 1. The test touches `buf` only through the gate while
+    /// the gate lives.
+    fn gate_over(
+        buf: &mut [f32],
+        shards: Vec<Range<usize>>,
+        layers: Vec<Range<usize>>,
+        patience: Duration,
+    ) -> PullGate {
+        // SAFETY: each test reads and writes `buf` only through the gate while it lives.
+        unsafe { PullGate::new(buf.as_mut_ptr(), buf.len(), 1, shards, layers, patience) }
+    }
+
+    /// Writes `value(i)` at every flat index `i` of `w`'s shard, `piece` values at a time,
+    /// sleeping `pause` before each piece; finishes the pull.
+    fn fill(mut w: ShardWriter<'_>, piece: usize, pause: Duration) {
+        while w.filled() < w.len() {
+            std::thread::sleep(pause);
+            let n = piece.min(w.len() - w.filled());
+            let at = w.start + w.filled();
+            for (k, v) in w.next(n).iter_mut().enumerate() {
+                *v = (at + k) as f32;
+            }
+            w.publish(n);
+        }
+        w.finish();
+    }
+
+    #[test]
+    fn a_reader_sees_each_layer_only_once_every_shard_holding_it_published_it() {
+        // three shards and three layers, their boundaries apart; the last shard is slow, so
+        // the reader reaches the layers it holds before they are published
+        let shards = vec![0..1000, 1000..2200, 2200..3000];
+        let layers = vec![0..1500, 1500..2500, 2500..3000];
+        for _ in 0..20 {
+            // the previous version's values: -1 everywhere
+            let mut buf = vec![-1f32; 3000];
+            let gate = gate_over(
+                &mut buf,
+                shards.clone(),
+                layers.clone(),
+                Duration::from_secs(30),
+            );
+            std::thread::scope(|s| {
+                for (i, pause) in [(0, 0), (1, 0), (2, 200)] {
+                    let w = gate.writer(i);
+                    s.spawn(move || fill(w, 37, Duration::from_micros(pause)));
+                }
+                for l in &layers {
+                    gate.wait(l.clone()).unwrap();
+                    let got = gate.published(l.clone());
+                    for (k, v) in got.iter().enumerate() {
+                        assert_eq!(*v, (l.start + k) as f32, "layer {l:?}, value {k}");
+                    }
+                }
+            });
+            assert_eq!(gate.waits().len(), 3);
+        }
+    }
+
+    #[test]
+    fn a_layer_waits_for_every_shard_holding_part_of_it_and_for_the_pull_to_end() {
+        let mut buf = vec![0f32; 10];
+        let short = Duration::from_millis(1);
+        let gate = gate_over(&mut buf, vec![0..4, 4..10], vec![0..6, 6..10], short);
+        let mut w0 = gate.writer(0);
+        let mut w1 = gate.writer(1);
+        w0.next(4).fill(1.0);
+        w0.publish(4);
+        w0.finish();
+        // layer 0 also needs values 4 and 5, shard 1's first two
+        let err = gate.wait(0..6).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                GateError::Timeout {
+                    shard: 1,
+                    filled: 0,
+                    needed: 2,
+                    version: 1,
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+        assert!(
+            err.to_string()
+                .contains("parameters 0..6 of version 1: shard 1 has delivered 0 of the 2"),
+            "{err}"
+        );
+        w1.next(2).fill(2.0);
+        w1.publish(2);
+        gate.wait(0..6).unwrap();
+        assert_eq!(gate.published(0..6), [1.0, 1.0, 1.0, 1.0, 2.0, 2.0]);
+        // the last values of a shard are usable only once its pull ended well
+        w1.next(4).fill(3.0);
+        w1.publish(4);
+        assert!(gate.wait(6..10).is_err());
+        w1.finish();
+        gate.wait(6..10).unwrap();
+        gate.wait_all().unwrap();
+        assert_eq!(gate.published(6..10), [3.0; 4]);
+    }
+
+    #[test]
+    fn a_published_value_is_never_handed_out_again() {
+        let mut buf = vec![0f32; 8];
+        let base = buf.as_ptr();
+        let gate = gate_over(
+            &mut buf,
+            vec![0..3, 3..8],
+            vec![0..8],
+            Duration::from_secs(1),
+        );
+        let mut w = gate.writer(1);
+        assert_eq!(w.next(2).as_ptr(), base.wrapping_add(3));
+        w.publish(2);
+        // after publishing, what is handed out starts after the published values
+        let next = w.next(3);
+        assert_eq!(next.as_ptr(), base.wrapping_add(5));
+        assert_eq!(next.len(), 3);
+        // nothing past the shard's range, no second writer for the shard, nothing read that
+        // is not published
+        let over = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            w.next(4);
+        }));
+        assert!(over.is_err());
+        let twice = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            gate.writer(1);
+        }));
+        assert!(twice.is_err());
+        let early = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            gate.published(3..6);
+        }));
+        assert!(early.is_err());
+        w.publish(3);
+        w.finish();
+    }
+
+    #[test]
+    fn a_failed_or_abandoned_pull_ends_the_waits_with_its_error() {
+        let mut buf = vec![0f32; 6];
+        let long = Duration::from_secs(60);
+        let gate = gate_over(&mut buf, vec![0..3, 3..6], vec![0..2, 2..6], long);
+        let w0 = gate.writer(0);
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                std::thread::sleep(Duration::from_millis(20));
+                gate.fail(1, "shard 1 at 127.0.0.1:1 is unreachable".into());
+            });
+            // waits (not the whole minute): the failure wakes it
+            let err = gate.wait(2..6).unwrap_err();
+            assert_eq!(
+                err,
+                GateError::PullFailed {
+                    shard: 1,
+                    version: 1,
+                    why: "shard 1 at 127.0.0.1:1 is unreachable".into()
+                }
+            );
+        });
+        // a writer dropped before its pull ended fails its shard too
+        let mut buf = vec![0f32; 6];
+        let gate2 = gate_over(&mut buf, vec![0..3, 3..6], vec![0..6], long);
+        let mut w = gate2.writer(0);
+        w.next(2).fill(1.0);
+        w.publish(2);
+        drop(w);
+        let err = gate2
+            .wait(0..1)
+            .map(|()| ())
+            .and_then(|()| gate2.wait(0..6));
+        assert!(
+            matches!(&err, Err(GateError::PullFailed { shard: 0, why, .. }) if why == "the pull ended after 2 of 3 values"),
+            "{err:?}"
+        );
+        drop(w0);
+    }
+
+    #[test]
+    fn forward_through_an_open_gate_computes_what_set_weights_gives() {
+        // an MLP whose weights arrive while its step computes: the last shard slowly, piece
+        // by piece; the gradient must be that of the complete weights, bit for bit
+        let layout = ps_common::layout::MlpLayout::new(&[20, 16, 12, 5]);
+        let p = layout.num_params();
+        let w: Vec<f32> = (0..p)
+            .map(|i| ((i * 13 % 29) as f32 - 14.0) / 40.0)
+            .collect();
+        let x: Vec<f32> = (0..8 * 20)
+            .map(|i| ((i * 7 % 11) as f32 - 5.0) / 5.0)
+            .collect();
+        let y: Vec<u8> = (0..8).map(|i| (i % 5) as u8).collect();
+        let mut want = vec![0f32; p];
+        let mut m = crate::cpu::CpuBackend::new(layout.clone(), 1);
+        m.set_weights(&w).unwrap();
+        m.forward_backward(&x, &y, LossReduction::Mean, &mut want)
+            .unwrap();
+
+        let mut gated = crate::cpu::CpuBackend::new(layout, 1);
+        // the previous version's weights: all different
+        let old: Vec<f32> = w.iter().map(|v| v * 3.0 + 1.0).collect();
+        gated.set_weights(&old).unwrap();
+        let shards = vec![0..p / 3, p / 3..p];
+        let gate = gated
+            .open_gate(1, shards.clone(), Duration::from_secs(30))
+            .expect("the CPU model has host weights");
+        let mut got = vec![0f32; p];
+        std::thread::scope(|s| {
+            for (i, pause) in [(0, 0), (1, 300)] {
+                let (g, w, r) = (&gate, &w, shards[i].clone());
+                s.spawn(move || {
+                    let mut wr = g.writer(i);
+                    while wr.filled() < wr.len() {
+                        std::thread::sleep(Duration::from_micros(pause));
+                        let n = 17.min(wr.len() - wr.filled());
+                        let at = r.start + wr.filled();
+                        wr.next(n).copy_from_slice(&w[at..at + n]);
+                        wr.publish(n);
+                    }
+                    wr.finish();
+                });
+            }
+            gated
+                .forward_backward(&x, &y, LossReduction::Mean, &mut got)
+                .unwrap();
+        });
+        gated.close_gate();
+        assert_eq!(
+            got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            want.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+        );
+        assert_eq!(gate.waits().len(), 3);
+    }
+}
