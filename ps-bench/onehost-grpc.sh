@@ -2,7 +2,8 @@
 # onehost-grpc.sh: the one-host gRPC data path, end to end. Starts S real `ps-server` shards and
 # W `ps-worker` processes on 127.0.0.1 with `[cluster] transport = "grpc"` (tensors through
 # gRPC although they share the host), MNIST, batch 64 per worker, plain SGD, and prints the
-# median `step_ms` of shard 0 after SKIP steps, with the workers' own pull/compute/push split,
+# median `step_ms` of shard 0 after SKIP steps, with the workers' own pull/compute/push split
+# (and, from builds that overlap pulls with forward, what forward waited for each layer),
 # and the machine's busy CPU per step over the same steps (the floor: busy CPU / cores).
 #
 #   ps-bench/onehost-grpc.sh                       # 784-1024-1024-10, W = 2, S = 1, 300 steps
@@ -90,7 +91,7 @@ if [ "$rc" != 0 ]; then
 fi
 step="$(tail -n "+$((SKIP + 1))" "$RUN/out/metrics.jsonl" | grep -o '"step_ms":[-0-9.eE+]*' | cut -d: -f2 | sort -g \
     | awk '{v[NR] = $1} END { if (NR % 2) print v[(NR + 1) / 2]; else print (v[NR / 2] + v[NR / 2 + 1]) / 2 }')"
-split="$(sed -n 's/.*per step \(pull [0-9.]* ms, compute [0-9.]* ms, push [0-9.]* ms\).*/\1/p' "$RUN"/worker-*.log | tr '\n' ';')"
+split="$(sed -n 's/.*per step \(pull [0-9.]* ms, compute [0-9.]* ms, push [0-9.]* ms\(; pull wait per layer \[[^]]*\] ms\)\{0,1\}\).*/\1/p' "$RUN"/worker-*.log | tr '\n' ';')"
 cpu="CPU not sampled"
 if [ -n "$n1" ] && [ "$n1" -gt "$n0" ]; then
     cpu="$(awk -v a="$c0" -v b="$c1" -v n="$((n1 - n0))" -v hz="$(getconf CLK_TCK)" -v cores="$(nproc)" \
