@@ -68,9 +68,11 @@ impl PullSink for SliceSink<'_> {
     }
 }
 
-/// Writes `data` (little-endian f32 bytes, whole values) that starts at value `offset` of the
-/// pull into `sink`: the part before [`PullSink::filled`] (a retried pull's, already
-/// published) is skipped; a gap before it is an error.
+/// Writes one received chunk, `data` (little-endian f32 bytes, whole values) that starts at
+/// value `offset` of the pull, into `sink` and publishes it, checking that it is whole values
+/// and fits: the building block of pulls that decode straight into the weights. The part
+/// before [`PullSink::filled`] (a retried pull's, already published) is skipped; a gap
+/// before it is an error.
 pub fn write_chunk(
     sink: &mut dyn PullSink,
     offset: u64,

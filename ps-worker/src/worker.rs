@@ -853,59 +853,31 @@ fn pull_patience(cfg: &Config) -> Duration {
     Duration::from_secs_f64(cfg.server.pull_timeout_secs + 30.0)
 }
 
-/// Pulls `gate`'s version from every shard, each shard's values published into the gate as
-/// they arrive. The shards that share a link ([`link_groups`]) are pulled one after the
-/// other in shard order (shard 0, the first layers, first, at the link's whole speed);
-/// groups side by side. A failed pull fails the gate (the forward pass stops at the next
-/// layer it lacks) and is returned; the group's later shards are not pulled.
+/// Pulls `gate`'s version from every shard, all side by side, each shard's values published
+/// into the gate as they arrive; the requests go out in shard order (shard 0, the first
+/// layers, first). A failed pull fails the gate (the forward pass stops at the next layer it
+/// lacks) and is returned. (Pulling the shards of one host one after the other, so that the
+/// first layers come at the link's whole speed, was measured slower on one host: the wait is
+/// mostly the shards' barrier and update, and the later layers then waited for whole
+/// round trips: see PERFORMANCE.md.)
 async fn pull_gated(jobs: Vec<PullJob>, gate: &PullGate) -> anyhow::Result<()> {
-    let addrs: Vec<&str> = jobs.iter().map(|j| j.client.addr()).collect();
-    let groups = link_groups(&addrs);
-    let mut jobs: Vec<Option<PullJob>> = jobs.into_iter().map(Some).collect();
-    let futs = groups.into_iter().map(|group| {
-        let mine: Vec<(usize, PullJob)> = group
-            .into_iter()
-            .filter_map(|s| Some((s, jobs[s].take()?)))
-            .collect();
-        async move {
-            for (s, mut job) in mine {
-                let mut writer = gate.writer(s);
-                let pulled = job
-                    .client
-                    .pull_to(gate.version(), job.exact, job.board.as_deref(), &mut writer)
-                    .await;
-                if let Err(e) = pulled {
-                    gate.fail(s, e.to_string());
-                    return Err(e);
-                }
-                writer.finish();
-            }
-            Ok(())
+    let futs = jobs.into_iter().enumerate().map(|(s, mut job)| async move {
+        let mut writer = gate.writer(s);
+        let pulled = job
+            .client
+            .pull_to(gate.version(), job.exact, job.board.as_deref(), &mut writer)
+            .await;
+        if let Err(e) = pulled {
+            gate.fail(s, e.to_string());
+            return Err(e);
         }
+        writer.finish();
+        Ok(())
     });
     for r in futures::future::join_all(futs).await {
         r?;
     }
     Ok(())
-}
-
-/// The shards that share one link with this worker, each group in shard order: those at one
-/// host (the address without scheme and port; on this worker's host that includes the
-/// shared-memory boards, copied by the one pulling thread anyway).
-fn link_groups(addrs: &[&str]) -> Vec<Vec<usize>> {
-    let host = |a: &str| {
-        let a = a.split_once("://").map_or(a, |(_, rest)| rest);
-        a.rsplit_once(':').map_or(a, |(h, _)| h).to_string()
-    };
-    let mut groups: Vec<(String, Vec<usize>)> = Vec::new();
-    for (s, a) in addrs.iter().enumerate() {
-        let h = host(a);
-        match groups.iter_mut().find(|(g, _)| *g == h) {
-            Some((_, members)) => members.push(s),
-            None => groups.push((h, vec![s])),
-        }
-    }
-    groups.into_iter().map(|(_, members)| members).collect()
 }
 
 /// Pulls version `version` from every shard in parallel, each straight into its range of
@@ -973,23 +945,3 @@ pub fn describe_model(spec: &ps_common::layout::ModelSpec) -> Vec<ps_common::pb:
         .collect()
 }
 
-#[cfg(test)]
-mod tests {
-    use super::link_groups;
-
-    #[test]
-    fn shards_on_one_host_share_a_link_and_keep_their_order() {
-        let addrs = [
-            "10.0.0.1:50051",
-            "http://10.0.0.2:50051",
-            "10.0.0.1:50052",
-            "https://[::1]:7000",
-            "10.0.0.2:50052",
-            "[::1]:7001",
-        ];
-        assert_eq!(
-            link_groups(&addrs),
-            vec![vec![0, 2], vec![1, 4], vec![3, 5]]
-        );
-    }
-}

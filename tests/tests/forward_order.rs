@@ -8,7 +8,9 @@
 
 use ps_common::config::Transport;
 use ps_launch::{LocalCluster, bin_dir};
-use ps_tests::{Spec, cluster_weights, delaying_proxy, reference_weights, rel_diff};
+use ps_tests::{
+    Spec, assert_bit_identical, cluster_weights, delaying_proxy, reference_weights, rel_diff,
+};
 use std::time::Duration;
 
 /// Runs `spec` with the answers of its last shard held back `delay` per read, and checks the
@@ -45,16 +47,12 @@ fn late_last_shard_is_exact(spec: Spec, delay: Duration) {
     println!("{:?}: waits {waits:?}", spec.transport);
     let got = cluster_weights(&cfg);
     let want = reference_weights(&cfg);
-    let same = got
-        .iter()
-        .zip(&want)
-        .all(|(a, b)| a.to_bits() == b.to_bits());
-    assert!(
-        same,
-        "{:?}: largest relative difference {:.3e} from one process",
+    let what = format!(
+        "{:?}: against one process (largest relative difference {:.3e})",
         spec.transport,
         rel_diff(&cfg, &got, &want)
     );
+    assert_bit_identical(&got, &want, &what);
 }
 
 /// Three layers over three shards: the first shard holds the start of `fc1.weight`, the
