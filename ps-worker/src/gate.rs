@@ -205,10 +205,7 @@ impl PullGate {
         }
         let began = Instant::now();
         let mut st = self.lock();
-        loop {
-            let Some((shard, filled, needed)) = self.missing(&range) else {
-                break;
-            };
+        while let Some((shard, filled, needed)) = self.missing(&range) {
             if let Some(e) = &st.failed {
                 return Err(e.clone());
             }
@@ -479,7 +476,7 @@ mod tests {
         let gate = gate_over(
             &mut buf,
             vec![0..3, 3..8],
-            vec![0..8],
+            vec![0..4, 4..8],
             Duration::from_secs(1),
         );
         let mut w = gate.writer(1);
@@ -531,15 +528,12 @@ mod tests {
         });
         // a writer dropped before its pull ended fails its shard too
         let mut buf = vec![0f32; 6];
-        let gate2 = gate_over(&mut buf, vec![0..3, 3..6], vec![0..6], long);
+        let gate2 = gate_over(&mut buf, vec![0..3, 3..6], vec![0..2, 2..6], long);
         let mut w = gate2.writer(0);
         w.next(2).fill(1.0);
         w.publish(2);
         drop(w);
-        let err = gate2
-            .wait(0..1)
-            .map(|()| ())
-            .and_then(|()| gate2.wait(0..6));
+        let err = gate2.wait(0..1).and_then(|()| gate2.wait(0..6));
         assert!(
             matches!(&err, Err(GateError::PullFailed { shard: 0, why, .. }) if why == "the pull ended after 2 of 3 values"),
             "{err:?}"

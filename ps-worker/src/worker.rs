@@ -198,19 +198,13 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
         let gate = match backend.open_gate(t, shard_ranges.clone(), patience) {
             Some(g) => g,
             None => {
+                let layers = backend.layers();
                 let (ptr, len) = (weights.as_mut_ptr(), weights.len());
                 // SAFETY: `weights` is neither touched nor resized until the gate is dropped
-                // at the end of this step, except through it: the writers of the scoped
-                // pulling thread (joined before) and `published` after `wait_all`.
+                // at the end of this step, except through it: the writers of the pulling
+                // thread (joined by `pull_while`) and `published` after `wait_all`.
                 Arc::new(unsafe {
-                    PullGate::new(
-                        ptr,
-                        len,
-                        t,
-                        shard_ranges.clone(),
-                        backend.layers(),
-                        patience,
-                    )
+                    PullGate::new(ptr, len, t, shard_ranges.clone(), layers, patience)
                 })
             }
         };
@@ -225,137 +219,120 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
         // per shard: the sender of its push's pieces once it is under way
         let mut senders: Vec<Option<tokio::sync::mpsc::UnboundedSender<(usize, Bytes)>>> =
             (0..peers.len()).map(|_| None).collect();
-        let (pulled, computed) = tokio::task::block_in_place(|| {
-            std::thread::scope(|scope| {
-                let puller = scope.spawn(|| runtime.block_on(pull_gated(jobs, &gate)));
-                let computed = (|| -> anyhow::Result<()> {
-                    if !on_host {
-                        gate.wait_all()?;
-                        backend.set_weights(gate.published(0..layout.num_params()))?;
+        let (pulled, computed) = pull_while(&runtime, jobs, &gate, || -> anyhow::Result<()> {
+            if !on_host {
+                gate.wait_all()?;
+                backend.set_weights(gate.published(0..layout.num_params()))?;
+            }
+            t1 = Instant::now();
+            let eval =
+                if cfg.train.eval_every > 0 && t > 0 && t.is_multiple_of(cfg.train.eval_every) {
+                    evaluate(backend.as_mut(), &test, &test_idx, &mut x, &mut y)?
+                } else {
+                    (0, 0)
+                };
+            train.gather(planner.worker_batch(t, rank, world), &mut x, &mut y);
+            let header = |stats: StepStats| PushHeader {
+                rank: rank as u32,
+                step: t,
+                samples: y.len() as u32,
+                loss_sum: stats.loss_sum,
+                correct: stats.correct,
+                len: 0,
+                eval_correct: eval.0,
+                eval_count: eval.1,
+                shm: false,
+            };
+            // backward hands over the gradient last layer first: a shard on a data connection gets
+            // each part of its range as soon as it is final, as a piece of one push; the others get
+            // their whole range as soon as all of it is final; both while the earlier layers are
+            // still being computed
+            let mut unsent = peers.len();
+            // per shard: where its final part starts (its range's end before any), and the
+            // pieces sent this step
+            let mut final_from: Vec<usize> = peers.iter().map(|p| p.range.end).collect();
+            let mut sent = vec![0usize; peers.len()];
+            crate::backend::forward_backward_micro(
+                backend.as_mut(),
+                &x,
+                &y,
+                cfg.train.loss_reduction,
+                cfg.train.micro_batches,
+                grad,
+                &mut part,
+                &mut |start, tail, stats| {
+                    for s in (0..peers.len()).filter(|&s| progressive[s]) {
+                        let peer = &mut peers[s];
+                        let r = peer.range.clone();
+                        let (lo, hi) = (start.max(r.start), final_from[s]);
+                        if lo >= hi || (hi - lo < MIN_PIECE_VALUES && lo > r.start) {
+                            // nothing new of this shard's range is final, or too little to be
+                            // worth a piece of its own: it goes with the next one
+                            continue;
+                        }
+                        let buf = peer.piece_bufs.get_mut(sent[s]).and_then(Option::take);
+                        let values = &tail[lo - start..hi - start];
+                        let offset = lo - r.start;
+                        let bytes =
+                            encode_push_part(wire, values, offset, r.len(), &mut peer.encoder, buf);
+                        sent[s] += 1;
+                        final_from[s] = lo;
+                        let tx = senders[s].get_or_insert_with(|| {
+                            let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+                            let h = PushHeader {
+                                len: r.len() as u64,
+                                ..header(stats)
+                            };
+                            let client = peer.client.clone();
+                            pushes.push(runtime.spawn(async move {
+                                let (reply, pieces) =
+                                    client.push_progressive(h, rx, chunk_bytes).await;
+                                reply?;
+                                let bufs = pieces.into_iter().map(|(_, b)| b).collect();
+                                Ok::<_, anyhow::Error>((s, bufs))
+                            }));
+                            tx
+                        });
+                        // a push that ended early (refused) no longer takes pieces: its
+                        // error is what the step reports
+                        let _ = tx.send((offset, bytes));
+                        if lo == r.start {
+                            senders[s] = None; // the whole range is on its way
+                        }
                     }
-                    t1 = Instant::now();
-                    let eval = if cfg.train.eval_every > 0
-                        && t > 0
-                        && t.is_multiple_of(cfg.train.eval_every)
-                    {
-                        evaluate(backend.as_mut(), &test, &test_idx, &mut x, &mut y)?
-                    } else {
-                        (0, 0)
-                    };
-                    train.gather(planner.worker_batch(t, rank, world), &mut x, &mut y);
-                    let header = |stats: StepStats| PushHeader {
-                        rank: rank as u32,
-                        step: t,
-                        samples: y.len() as u32,
-                        loss_sum: stats.loss_sum,
-                        correct: stats.correct,
-                        len: 0,
-                        eval_correct: eval.0,
-                        eval_count: eval.1,
-                        shm: false,
-                    };
-                    // backward hands over the gradient last layer first: a shard on a data connection gets
-                    // each part of its range as soon as it is final, as a piece of one push; the others get
-                    // their whole range as soon as all of it is final; both while the earlier layers are
-                    // still being computed
-                    let mut unsent = peers.len();
-                    // per shard: where its final part starts (its range's end before any), and the
-                    // pieces sent this step
-                    let mut final_from: Vec<usize> = peers.iter().map(|p| p.range.end).collect();
-                    let mut sent = vec![0usize; peers.len()];
-                    crate::backend::forward_backward_micro(
-                        backend.as_mut(),
-                        &x,
-                        &y,
-                        cfg.train.loss_reduction,
-                        cfg.train.micro_batches,
-                        grad,
-                        &mut part,
-                        &mut |start, tail, stats| {
-                            for s in (0..peers.len()).filter(|&s| progressive[s]) {
-                                let peer = &mut peers[s];
-                                let r = peer.range.clone();
-                                let (lo, hi) = (start.max(r.start), final_from[s]);
-                                if lo >= hi || (hi - lo < MIN_PIECE_VALUES && lo > r.start) {
-                                    // nothing new of this shard's range is final, or too little to be
-                                    // worth a piece of its own: it goes with the next one
-                                    continue;
-                                }
-                                let buf = peer.piece_bufs.get_mut(sent[s]).and_then(Option::take);
-                                let values = &tail[lo - start..hi - start];
-                                let offset = lo - r.start;
-                                let bytes = encode_push_part(
-                                    wire,
-                                    values,
-                                    offset,
-                                    r.len(),
-                                    &mut peer.encoder,
-                                    buf,
-                                );
-                                sent[s] += 1;
-                                final_from[s] = lo;
-                                let tx = senders[s].get_or_insert_with(|| {
-                                    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-                                    let h = PushHeader {
-                                        len: r.len() as u64,
-                                        ..header(stats)
-                                    };
-                                    let client = peer.client.clone();
-                                    pushes.push(runtime.spawn(async move {
-                                        let (reply, pieces) =
-                                            client.push_progressive(h, rx, chunk_bytes).await;
-                                        reply?;
-                                        let bufs = pieces.into_iter().map(|(_, b)| b).collect();
-                                        Ok::<_, anyhow::Error>((s, bufs))
-                                    }));
-                                    tx
-                                });
-                                // a push that ended early (refused) no longer takes pieces: its
-                                // error is what the step reports
-                                let _ = tx.send((offset, bytes));
-                                if lo == r.start {
-                                    senders[s] = None; // the whole range is on its way
-                                }
-                            }
-                            while unsent > 0 && peers[unsent - 1].range.start >= start {
-                                unsent -= 1;
-                                let s = unsent;
-                                let peer = &mut peers[s];
-                                if peer.ahead || progressive[s] {
-                                    // applied step t already, or pushed piece by piece
-                                    continue;
-                                }
-                                let r = &peer.range;
-                                // the shard reads the range in this worker's gradient board, or
-                                // receives a copy through gRPC
-                                let bytes = if peer.link.grad {
-                                    Bytes::new()
-                                } else {
-                                    let values = &tail[r.start - start..r.end - start];
-                                    let buf = peer.push_buf.take();
-                                    encode_push(wire, values, &mut peer.encoder, buf)
-                                };
-                                let h = PushHeader {
-                                    len: r.len() as u64,
-                                    shm: peer.link.grad,
-                                    ..header(stats)
-                                };
-                                let client = peer.client.clone();
-                                pushes.push(runtime.spawn(async move {
-                                    client.push_retrying(h, &bytes, chunk_bytes).await?;
-                                    Ok::<_, anyhow::Error>((s, vec![bytes]))
-                                }));
-                            }
-                        },
-                    )?;
-                    t2 = Instant::now();
-                    Ok(())
-                })();
-                let pulled = puller
-                    .join()
-                    .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
-                (pulled, computed)
-            })
+                    while unsent > 0 && peers[unsent - 1].range.start >= start {
+                        unsent -= 1;
+                        let s = unsent;
+                        let peer = &mut peers[s];
+                        if peer.ahead || progressive[s] {
+                            // applied step t already, or pushed piece by piece
+                            continue;
+                        }
+                        let r = &peer.range;
+                        // the shard reads the range in this worker's gradient board, or
+                        // receives a copy through gRPC
+                        let bytes = if peer.link.grad {
+                            Bytes::new()
+                        } else {
+                            let values = &tail[r.start - start..r.end - start];
+                            let buf = peer.push_buf.take();
+                            encode_push(wire, values, &mut peer.encoder, buf)
+                        };
+                        let h = PushHeader {
+                            len: r.len() as u64,
+                            shm: peer.link.grad,
+                            ..header(stats)
+                        };
+                        let client = peer.client.clone();
+                        pushes.push(runtime.spawn(async move {
+                            client.push_retrying(h, &bytes, chunk_bytes).await?;
+                            Ok::<_, anyhow::Error>((s, vec![bytes]))
+                        }));
+                    }
+                },
+            )?;
+            t2 = Instant::now();
+            Ok(())
         });
         backend.close_gate();
         drop(senders);
@@ -412,6 +389,28 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
         100.0 * correct as f64 / count.max(1) as f64
     );
     Ok(timing)
+}
+
+/// Runs `compute` on this thread while a scoped thread of its own pulls `gate`'s version
+/// from every shard ([`pull_gated`], on `runtime`); returns when both are done: the pulls'
+/// result and compute's. (`compute` waits at the gate for the weights it reads; the pulls end
+/// on their own, within their bounds, whatever `compute` does.)
+fn pull_while<R>(
+    runtime: &tokio::runtime::Handle,
+    jobs: Vec<PullJob>,
+    gate: &PullGate,
+    compute: impl FnOnce() -> R,
+) -> (anyhow::Result<()>, R) {
+    tokio::task::block_in_place(|| {
+        std::thread::scope(|scope| {
+            let puller = scope.spawn(|| runtime.block_on(pull_gated(jobs, gate)));
+            let computed = compute();
+            let pulled = puller
+                .join()
+                .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+            (pulled, computed)
+        })
+    })
 }
 
 /// A push under way to one shard: its index and the buffers to reuse for the next step.
@@ -944,4 +943,3 @@ pub fn describe_model(spec: &ps_common::layout::ModelSpec) -> Vec<ps_common::pb:
         })
         .collect()
 }
-
