@@ -828,13 +828,13 @@ async fn rejoin(
 
 /// What one shard's pull of a step needs: a client (a clone: the pushes keep theirs), its
 /// board unless it is pulled `exact`ly (it is `ahead`), and whether it is.
-struct PullJob {
+pub(crate) struct PullJob {
     client: ShardClient,
     board: Option<Arc<Board>>,
     exact: bool,
 }
 
-fn pull_jobs(peers: &[Peer]) -> Vec<PullJob> {
+pub(crate) fn pull_jobs(peers: &[Peer]) -> Vec<PullJob> {
     peers
         .iter()
         .map(|p| PullJob {
@@ -848,7 +848,7 @@ fn pull_jobs(peers: &[Peer]) -> Vec<PullJob> {
 /// How long the forward pass waits at the gate for a layer: the shard's own bound on a pull
 /// (`[server] pull_timeout_secs`, after which it answers the pull with an error) and half a
 /// minute for the values to travel.
-fn pull_patience(cfg: &Config) -> Duration {
+pub(crate) fn pull_patience(cfg: &Config) -> Duration {
     Duration::from_secs_f64(cfg.server.pull_timeout_secs + 30.0)
 }
 
@@ -859,7 +859,7 @@ fn pull_patience(cfg: &Config) -> Duration {
 /// first layers come at the link's whole speed, was measured slower on one host: the wait is
 /// mostly the shards' barrier and update, and the later layers then waited for whole
 /// round trips: see PERFORMANCE.md.)
-async fn pull_gated(jobs: Vec<PullJob>, gate: &PullGate) -> anyhow::Result<()> {
+pub(crate) async fn pull_gated(jobs: Vec<PullJob>, gate: &PullGate) -> anyhow::Result<()> {
     let futs = jobs.into_iter().enumerate().map(|(s, mut job)| async move {
         let mut writer = gate.writer(s);
         let pulled = job
