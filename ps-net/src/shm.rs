@@ -778,6 +778,69 @@ mod tests {
         let _ = std::fs::remove_dir_all(&root);
     }
 
+    /// A sink whose pieces end at `ends`, recording them; after its first piece it can have
+    /// the shard begin writing another version into the same slot (`tear`).
+    struct PieceSink<'b> {
+        dst: Vec<f32>,
+        filled: usize,
+        ends: Vec<usize>,
+        pieces: Vec<(usize, usize)>,
+        tear: Option<&'b mut Board>,
+    }
+
+    impl PullSink for PieceSink<'_> {
+        fn len(&self) -> usize {
+            self.dst.len()
+        }
+        fn filled(&self) -> usize {
+            self.filled
+        }
+        fn next(&mut self, n: usize) -> &mut [f32] {
+            &mut self.dst[self.filled..self.filled + n]
+        }
+        fn publish(&mut self, n: usize) {
+            self.pieces.push((self.filled, self.filled + n));
+            self.filled += n;
+            if let Some(b) = self.tear.take() {
+                b.begin_version(3)[0] = -1.0; // version 3 goes into version 1's slot
+            }
+        }
+        fn piece_end(&self) -> usize {
+            self.ends.iter().copied().find(|&e| e > self.filled).unwrap()
+        }
+    }
+
+    #[test]
+    fn a_read_into_a_sink_publishes_checked_pieces_up_to_a_torn_version() {
+        let root = std::env::temp_dir().join(format!("ps-shm-sink-{}", std::process::id()));
+        std::fs::create_dir_all(&root).unwrap();
+        let dir = BoardDir::create(&root, "shard0").unwrap();
+        let path = params_path(dir.path());
+        let mut w = Board::create(&path, dir.token(), 1000, 2).unwrap();
+        let r = Board::open(&path, dir.token(), 1000, 2).unwrap();
+        let v: Vec<f32> = (0..1000).map(|i| i as f32).collect();
+        w.publish(1, &v);
+        let sink = |tear| PieceSink {
+            dst: vec![0.0; 1000],
+            filled: 0,
+            ends: vec![300, 700, 1000],
+            pieces: Vec::new(),
+            tear,
+        };
+        let mut whole = sink(None);
+        assert!(r.read_version_into(1, &mut whole));
+        assert_eq!(whole.pieces, [(0, 300), (300, 700), (700, 1000)]);
+        assert_eq!(whole.dst, v);
+        // the slot is rewritten after the first piece: the next piece's check fails, and only
+        // the checked first piece is published
+        let mut torn = sink(Some(&mut w));
+        assert!(!r.read_version_into(1, &mut torn));
+        assert_eq!(torn.pieces, [(0, 300)]);
+        assert_eq!(&torn.dst[..300], &v[..300]);
+        drop(dir);
+        let _ = std::fs::remove_dir_all(&root);
+    }
+
     #[test]
     fn boards_roundtrip_and_check_their_header() {
         let root = std::env::temp_dir().join(format!("ps-shm-test-{}", std::process::id()));
