@@ -778,8 +778,9 @@ mod tests {
         let _ = std::fs::remove_dir_all(&root);
     }
 
-    /// A sink whose pieces end at `ends`, recording them; after its first piece it can have
-    /// the shard begin writing another version into the same slot (`tear`).
+    /// A sink whose pieces end at `ends`, recording them; when its second piece is about to
+    /// be copied it can have the shard begin writing another version into the same slot
+    /// (`tear`).
     struct PieceSink<'b> {
         dst: Vec<f32>,
         filled: usize,
@@ -796,17 +797,23 @@ mod tests {
             self.filled
         }
         fn next(&mut self, n: usize) -> &mut [f32] {
+            if self.filled > 0
+                && let Some(b) = self.tear.take()
+            {
+                b.begin_version(3)[0] = -1.0; // version 3 goes into version 1's slot
+            }
             &mut self.dst[self.filled..self.filled + n]
         }
         fn publish(&mut self, n: usize) {
             self.pieces.push((self.filled, self.filled + n));
             self.filled += n;
-            if let Some(b) = self.tear.take() {
-                b.begin_version(3)[0] = -1.0; // version 3 goes into version 1's slot
-            }
         }
         fn piece_end(&self) -> usize {
-            self.ends.iter().copied().find(|&e| e > self.filled).unwrap()
+            self.ends
+                .iter()
+                .copied()
+                .find(|&e| e > self.filled)
+                .unwrap()
         }
     }
 
@@ -831,7 +838,7 @@ mod tests {
         assert!(r.read_version_into(1, &mut whole));
         assert_eq!(whole.pieces, [(0, 300), (300, 700), (700, 1000)]);
         assert_eq!(whole.dst, v);
-        // the slot is rewritten after the first piece: the next piece's check fails, and only
+        // the slot is rewritten while the second piece is copied: its check fails, and only
         // the checked first piece is published
         let mut torn = sink(Some(&mut w));
         assert!(!r.read_version_into(1, &mut torn));
