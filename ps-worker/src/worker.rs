@@ -1,6 +1,8 @@
 //! The worker's loop: register with every shard (retrying with backoff, so start order does not
-//! matter), then for each step pull every shard's version `t` in parallel, compute the gradient
-//! of its slice of global batch `t`, and push each shard its part in parallel. At the end it
+//! matter), then for each step pull every shard's version `t` in parallel while computing the
+//! gradient of its slice of global batch `t` (forward waits for each layer's parameters at the
+//! step's `crate::gate`, so it starts on the first layers while the last ones arrive), and
+//! push each shard its part in parallel as backward finishes it. At the end it
 //! evaluates the final weights on its slice of the test set and leaves. With shards on the
 //! same host, tensors go through shared-memory boards and only headers through gRPC
 //! (`ps_common::shm`); each shard and direction falls back to gRPC on its own.
