@@ -340,24 +340,18 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
         drop(senders);
         let waits = gate.waits();
         drop(gate);
-        if let Err(e) = pulled {
-            // forward stopped at the gate: nothing computed with these weights was pushed
-            debug_assert!(pushes.is_empty(), "a push after a failed pull");
-            t = after_failure(
-                elastic,
-                &cfg,
-                &mut peers,
-                rank,
-                (&grad_file, &model),
-                total,
-                t,
-                e,
-            )
-            .await?;
-            continue;
-        }
-        computed?;
-        if let Some(e) = await_pushes(pushes, &progressive, &mut peers).await? {
+        let failed = match pulled {
+            Err(e) => {
+                // forward stopped at the gate: nothing computed with these weights was pushed
+                debug_assert!(pushes.is_empty(), "a push after a failed pull");
+                Some(e)
+            }
+            Ok(()) => {
+                computed?;
+                await_pushes(pushes, &progressive, &mut peers).await?
+            }
+        };
+        if let Some(e) = failed {
             t = after_failure(
                 elastic,
                 &cfg,
