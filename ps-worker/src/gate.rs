@@ -542,6 +542,51 @@ mod tests {
     }
 
     #[test]
+    fn a_pull_failing_midway_stops_forward_before_any_gradient_is_handed_on() {
+        // shard 1 (the last layers) delivers part of its range, then its pull fails: the step
+        // ends with the pull's error and `ready` (what pushes the gradient) is never called
+        let layout = ps_common::layout::MlpLayout::new(&[20, 16, 12, 5]);
+        let p = layout.num_params();
+        let mut m = crate::cpu::CpuBackend::new(layout, 1);
+        let shards = vec![0..p / 2, p / 2..p];
+        let gate = m
+            .open_gate(1, shards.clone(), Duration::from_secs(30))
+            .unwrap();
+        let x = vec![0.5f32; 4 * 20];
+        let y = vec![1u8, 2, 3, 4];
+        let mut grad = vec![0f32; p];
+        let mut handed = 0;
+        let result = std::thread::scope(|s| {
+            s.spawn(|| {
+                let mut w0 = gate.writer(0);
+                let n = w0.len();
+                w0.next(n).fill(0.1);
+                w0.publish(n);
+                w0.finish();
+                let mut w1 = gate.writer(1);
+                w1.next(10).fill(0.2);
+                w1.publish(10);
+                std::thread::sleep(Duration::from_millis(20));
+                gate.fail(1, "shard 1: connection reset".into());
+            });
+            m.forward_backward_overlapped(&x, &y, LossReduction::Mean, &mut grad, &mut |_, _, _| {
+                handed += 1
+            })
+        });
+        m.close_gate();
+        let err = result.unwrap_err();
+        assert!(
+            matches!(
+                &err,
+                crate::backend::BackendError::Gate(GateError::PullFailed { shard: 1, .. })
+            ),
+            "{err}"
+        );
+        assert!(err.to_string().contains("connection reset"), "{err}");
+        assert_eq!(handed, 0, "a gradient was handed on after a failed pull");
+    }
+
+    #[test]
     fn forward_through_an_open_gate_computes_what_set_weights_gives() {
         // an MLP whose weights arrive while its step computes: the last shard slowly, piece
         // by piece; the gradient must be that of the complete weights, bit for bit
