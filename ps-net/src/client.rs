@@ -10,7 +10,7 @@
 
 use crate::auth::{Client, ClientSecurity};
 use crate::shm::{Board, params_path};
-use crate::sink::{PIECE_VALUES, PullSink, SliceSink, write_chunk};
+use crate::sink::{PullSink, SliceSink, write_chunk};
 use crate::wire::{MAX_MESSAGE_BYTES, chunks_of};
 use ps_proto::pb::parameter_server_client::ParameterServerClient;
 use ps_proto::pb::{
@@ -689,17 +689,8 @@ impl ShardClient {
                         DATA_IDLE,
                     )
                     .await?;
-                    // the frame holds the whole range: what an earlier try published is
-                    // read again, into a scratch piece, and dropped
-                    let mut skip = sink.filled();
-                    let mut scratch = Vec::new();
-                    while skip > 0 {
-                        let n = skip.min(PIECE_VALUES);
-                        scratch.resize(n, 0.0);
-                        crate::datalink::read_values(&mut c, &mut scratch, &what, DATA_IDLE)
-                            .await?;
-                        skip -= n;
-                    }
+                    // the data connection is only ever a pull's first try (without a board)
+                    debug_assert_eq!(sink.filled(), 0, "a data frame after a partial pull");
                     while sink.filled() < sink.len() {
                         let n = sink.piece_end().max(sink.filled() + 1) - sink.filled();
                         crate::datalink::read_values(&mut c, sink.next(n), &what, DATA_IDLE)
