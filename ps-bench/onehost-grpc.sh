@@ -2,7 +2,8 @@
 # onehost-grpc.sh: the one-host gRPC data path, end to end. Starts S real `ps-server` shards and
 # W `ps-worker` processes on 127.0.0.1 with `[cluster] transport = "grpc"` (tensors through
 # gRPC although they share the host), MNIST, batch 64 per worker, plain SGD, and prints the
-# median `step_ms` and `apply_ms` of shard 0 after SKIP steps, with the workers' own pull/compute/push split,
+# median `step_ms` and `apply_ms` of shard 0 after SKIP steps, with the workers' own pull/compute/push split
+# (and, from builds that overlap pulls with forward, what forward waited for each layer),
 # and the machine's busy CPU per step over the same steps (the floor: busy CPU / cores).
 #
 #   ps-bench/onehost-grpc.sh                       # 784-1024-1024-10, W = 2, S = 1, 300 steps
@@ -98,7 +99,7 @@ tail_ms="$(tail -n "+$((SKIP + 1))" "$RUN/out/metrics.jsonl" | grep -o '"tail_ms
 early="$(tail -n "+$((SKIP + 1))" "$RUN/out/metrics.jsonl" | grep -o '"buckets_early":[0-9]*' | cut -d: -f2 | sort -g \
     | awk '{v[NR] = $1} END { if (NR) print v[int((NR + 1) / 2)] }')"
 buckets="$(grep -o '"buckets":[0-9]*' "$RUN/out/metrics.jsonl" | tail -n 1 | cut -d: -f2)"
-split="$(sed -n 's/.*per step \(pull [0-9.]* ms, compute [0-9.]* ms, push [0-9.]* ms\).*/\1/p' "$RUN"/worker-*.log | tr '\n' ';')"
+split="$(sed -n 's/.*per step \(pull [0-9.]* ms, compute [0-9.]* ms, push [0-9.]* ms\(; pull wait per layer \[[^]]*\] ms\)\{0,1\}\).*/\1/p' "$RUN"/worker-*.log | tr '\n' ';')"
 cpu="CPU not sampled"
 if [ -n "$n1" ] && [ "$n1" -gt "$n0" ]; then
     cpu="$(awk -v a="$c0" -v b="$c1" -v n="$((n1 - n0))" -v hz="$(getconf CLK_TCK)" -v cores="$(nproc)" \

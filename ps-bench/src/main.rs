@@ -838,7 +838,8 @@ fn section_transfer(tmp: &Path, plan: &Plan) -> anyhow::Result<Vec<Value>> {
             wait_version(&mut links[0].0, &cfg2, t).await?;
             let t0 = Instant::now();
             let (c, link, _, _) = &mut links[0];
-            c.pull_into(t, false, link.params.as_ref(), &mut w).await?;
+            c.pull_into(t, false, link.params.as_deref(), &mut w)
+                .await?;
             let t1 = Instant::now();
             push_shm(&links[0].0, 0, t, len).await?;
             let t2 = Instant::now();

@@ -18,7 +18,7 @@ pub use ps_config as config;
 pub use ps_config::{credential, noise, plan, runid};
 pub use ps_data::{idx, order};
 pub use ps_model::{clip, declared, layout, weights};
-pub use ps_net::{auth, client, datalink, neterr, shm, throttle, wire};
+pub use ps_net::{auth, client, datalink, neterr, shm, sink, throttle, wire};
 pub use ps_optim as optim;
 pub use ps_proto::{PROTOCOL_VERSION, PsError, PsResult, error, keys, pb, tensorflow, tonic};
 

@@ -10,7 +10,8 @@
 
 use crate::auth::{Client, ClientSecurity};
 use crate::shm::{Board, params_path};
-use crate::wire::{MAX_MESSAGE_BYTES, chunks_of, decode_chunk_into};
+use crate::sink::{PullSink, SliceSink, write_chunk};
+use crate::wire::{MAX_MESSAGE_BYTES, chunks_of};
 use ps_proto::pb::parameter_server_client::ParameterServerClient;
 use ps_proto::pb::{
     ConstantsRequest, Lease, LeaveRequest, PullChunk, PullHeader, PullRequest, PushChunk,
@@ -615,6 +616,22 @@ impl ShardClient {
         board: Option<&Board>,
         dst: &mut [f32],
     ) -> Result<(), ClientError> {
+        self.pull_to(version, exact, board, &mut SliceSink::new(dst))
+            .await
+    }
+
+    /// [`ShardClient::pull_into`] into `sink`: the values are written in ascending order and
+    /// published piece by piece as they arrive (gRPC chunks as they come, the data
+    /// connection's frame and the board's slot in pieces), so that a reader can use the first
+    /// ones while the rest are on their way. A fallback to gRPC after a failed board copy or
+    /// data connection skips what was published (the same version's values).
+    pub async fn pull_to(
+        &mut self,
+        version: u64,
+        exact: bool,
+        board: Option<&Board>,
+        sink: &mut dyn PullSink,
+    ) -> Result<(), ClientError> {
         let s = self.shard;
         let mut via_board = board.is_some();
         let mut via_data = self.data.clone().filter(|_| !via_board && !exact);
@@ -655,7 +672,7 @@ impl ShardClient {
                 .await
                 .map_err(refused(self.shard, what.clone()))?
                 .ok_or_else(|| self.bad("empty pull reply".into()))?;
-            let h = self.pull_header(&first, version, dst.len())?;
+            let h = self.pull_header(&first, version, sink.len())?;
             if h.data_tcp {
                 let (Some(link), Some(mut c)) = (&via_data, conn) else {
                     return Err(self.bad(
@@ -667,12 +684,20 @@ impl ShardClient {
                     crate::datalink::read_frame_header(
                         &mut c,
                         version,
-                        4 * dst.len() as u64,
+                        4 * sink.len() as u64,
                         &what,
                         DATA_IDLE,
                     )
                     .await?;
-                    crate::datalink::read_values(&mut c, dst, &what, DATA_IDLE).await
+                    // the data connection is only ever a pull's first try (without a board)
+                    debug_assert_eq!(sink.filled(), 0, "a data frame after a partial pull");
+                    while sink.filled() < sink.len() {
+                        let n = sink.piece_end().max(sink.filled() + 1) - sink.filled();
+                        crate::datalink::read_values(&mut c, sink.next(n), &what, DATA_IDLE)
+                            .await?;
+                        sink.publish(n);
+                    }
+                    Ok::<_, ps_proto::PsError>(())
                 };
                 match read.await {
                     Ok(()) => {
@@ -697,7 +722,7 @@ impl ShardClient {
                         "answered through shared memory, which this pull did not ask for".into(),
                     )
                 })?;
-                if board.read_version(version, dst) {
+                if board.read_version_into(version, sink) {
                     return Ok(());
                 }
                 tracing::warn!(
@@ -706,7 +731,7 @@ impl ShardClient {
                 via_board = false;
                 continue;
             }
-            return self.pull_chunks(first, &mut stream, dst, &what).await;
+            return self.pull_chunks(first, &mut stream, sink, &what).await;
         }
     }
 
@@ -735,29 +760,30 @@ impl ShardClient {
     }
 
     /// Decodes a pull reply's gRPC chunks, `first` and the rest of `stream`, in place into
-    /// `dst`, checking that they are in order and fill it exactly.
+    /// `sink`, checking that they are in order and fill it exactly; each chunk is published
+    /// as it is decoded (what `sink` already holds is skipped).
     async fn pull_chunks(
         &self,
         first: PullChunk,
         stream: &mut tonic::Streaming<PullChunk>,
-        dst: &mut [f32],
+        sink: &mut dyn PullSink,
         what: &str,
     ) -> Result<(), ClientError> {
-        let mut filled = 0u64;
+        let mut sent = 0u64;
         let mut chunk = Some(first);
         while let Some(c) = chunk {
-            if c.offset != filled {
-                return Err(self.bad(format!("chunk at offset {}, expected {filled}", c.offset)));
+            if c.offset != sent {
+                return Err(self.bad(format!("chunk at offset {}, expected {sent}", c.offset)));
             }
-            decode_chunk_into(dst, c.offset, &c.data).map_err(|e| self.bad(e.to_string()))?;
-            filled += (c.data.len() / 4) as u64;
+            write_chunk(sink, c.offset, &c.data).map_err(|e| self.bad(e.to_string()))?;
+            sent += (c.data.len() / 4) as u64;
             chunk = stream
                 .message()
                 .await
                 .map_err(refused(self.shard, what.to_string()))?;
         }
-        if filled != dst.len() as u64 {
-            return Err(self.bad(format!("sent {filled} values: expected {}", dst.len())));
+        if sent != sink.len() as u64 {
+            return Err(self.bad(format!("sent {sent} values: expected {}", sink.len())));
         }
         Ok(())
     }
@@ -1138,8 +1164,9 @@ impl ShardClient {
 /// and whether the shard reads this worker's gradient board (pushes).
 #[derive(Debug, Default)]
 pub struct ShmLink {
-    /// The shard's parameters board, where this process can open it.
-    pub params: Option<Board>,
+    /// The shard's parameters board, where this process can open it (shared with the task
+    /// that pulls a step's weights while the step computes).
+    pub params: Option<std::sync::Arc<Board>>,
     /// The shard reads this worker's gradient board: pushes send the header alone.
     pub grad: bool,
 }
@@ -1158,6 +1185,7 @@ impl ShmLink {
                         )
                     })
                     .ok()
+                    .map(std::sync::Arc::new)
             })
             .flatten();
         Self {

@@ -4,12 +4,13 @@
 //! - `wire`: tensors as bytes on gRPC (f32, bf16 with error feedback), chunking and checks;
 //! - `datalink`: the plain-TCP tensor data connection's framing (hello, frames, pieces);
 //! - `shm`: the shared-memory boards of a host;
+//! - `sink`: where a pull writes its values, piece by piece, publishing how far it got;
 //! - `auth`: the shared token and TLS on gRPC (interceptors, endpoints);
 //! - `neterr`: connection errors in words;
 //! - `throttle`: the rate limit of repeated warnings.
 //!
 //! The credentials themselves are read by `ps_config::credential`; the messages and the error
-//! table are `ps_proto`'s. Without the `grpc` feature only `wire`, `shm` and `throttle` are
+//! table are `ps_proto`'s. Without the `grpc` feature only `wire`, `shm`, `sink` and `throttle` are
 //! here (no tonic, no tokio): the shard core's part.
 
 #[cfg(feature = "grpc")]
@@ -21,5 +22,6 @@ pub mod datalink;
 #[cfg(feature = "grpc")]
 pub mod neterr;
 pub mod shm;
+pub mod sink;
 pub mod throttle;
 pub mod wire;

@@ -20,6 +20,7 @@
 //! `owner.lock` while it lives; a new owner removes the directories whose lock is free (the pid
 //! in the name is for people: it means nothing in another PID namespace).
 
+use crate::sink::PullSink;
 use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
@@ -444,21 +445,34 @@ impl Board {
     /// Copies slot `k` into `dst` (`dst.len()` must be the slot length). Another process may
     /// write the slot meanwhile (then [`Board::read_version`] discards the copy by the sequence
     /// number), so a racing write can give a torn copy but must never be undefined behaviour,
-    /// as a plain copy's data race would be. On x86-64 the copy is one `rep movsb` in inline
-    /// assembly, which Rust's memory model sees as opaque byte loads (the seqlock reader's way,
-    /// at memcpy speed); elsewhere relaxed atomic loads of aligned 8-byte words.
+    /// as a plain copy's data race would be: see [`Board::read_part`].
     pub fn read(&self, k: usize, dst: &mut [f32]) {
         assert_eq!(dst.len(), self.len, "board read: length mismatch");
-        let src = self.slot_ptr(k);
+        self.read_part(k, 0, dst);
+    }
+
+    /// Copies values `from..from + dst.len()` of slot `k` into `dst`. On x86-64 the copy is
+    /// one `rep movsb` in inline assembly, which Rust's memory model sees as opaque byte loads
+    /// (the seqlock reader's way, at memcpy speed); elsewhere relaxed atomic loads of the
+    /// 4-byte values.
+    pub fn read_part(&self, k: usize, from: usize, dst: &mut [f32]) {
+        assert!(
+            from <= self.len && dst.len() <= self.len - from,
+            "board read: {from}+{} past the slot's {} values",
+            dst.len(),
+            self.len
+        );
+        // SAFETY: `from + dst.len() <= len` (checked above): the values lie inside slot k.
+        let src = unsafe { self.slot_ptr(k).add(from) };
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: the slot holds `len` f32 values inside the mapping, which outlives `&self`,
-        // and `dst` holds as many and is borrowed mutably, so the two do not overlap; the
-        // direction flag is clear at every Rust call boundary (SysV ABI), so `rep movsb` copies
-        // forwards; it touches no stack and no flags.
+        // SAFETY: the `dst.len()` values at `src` lie inside the mapping, which outlives
+        // `&self`, and `dst` holds as many and is borrowed mutably, so the two do not overlap;
+        // the direction flag is clear at every Rust call boundary (SysV ABI), so `rep movsb`
+        // copies forwards; it touches no stack and no flags.
         unsafe {
             std::arch::asm!(
                 "rep movsb",
-                inout("rcx") self.len * 4 => _,
+                inout("rcx") dst.len() * 4 => _,
                 inout("rsi") src.cast::<u8>().cast_const() => _,
                 inout("rdi") dst.as_mut_ptr().cast::<u8>() => _,
                 options(nostack, preserves_flags)
@@ -466,24 +480,13 @@ impl Board {
         }
         #[cfg(not(target_arch = "x86_64"))]
         {
-            let words = self.len / 2;
-            // SAFETY: the slot starts page-aligned and holds `len` f32 values, so its first
-            // `len / 2` 8-byte words lie inside it, aligned; atomics have the layout of the
-            // plain integers, and the mapping outlives `&self`. Only atomic loads read it here.
-            let (pairs, last) = unsafe {
-                (
-                    std::slice::from_raw_parts(src.cast::<AtomicU64>(), words),
-                    (self.len % 2 == 1)
-                        .then(|| &*src.add(self.len - 1).cast::<std::sync::atomic::AtomicU32>()),
-                )
+            // SAFETY: the values lie inside the slot, which starts page-aligned, so each is
+            // 4-byte aligned; atomics have the layout of the plain integers, and the mapping
+            // outlives `&self`. Only atomic loads read it here.
+            let words = unsafe {
+                std::slice::from_raw_parts(src.cast::<std::sync::atomic::AtomicU32>(), dst.len())
             };
-            let mut out = dst.chunks_exact_mut(2);
-            for (d, w) in (&mut out).zip(pairs) {
-                let b = w.load(Ordering::Relaxed).to_ne_bytes();
-                d[0] = f32::from_ne_bytes([b[0], b[1], b[2], b[3]]);
-                d[1] = f32::from_ne_bytes([b[4], b[5], b[6], b[7]]);
-            }
-            if let (Some(d), Some(w)) = (out.into_remainder().first_mut(), last) {
+            for (d, w) in dst.iter_mut().zip(words) {
                 *d = f32::from_bits(w.load(Ordering::Relaxed));
             }
         }
@@ -568,6 +571,31 @@ impl Board {
         self.read(k, dst);
         fence(Ordering::Acquire);
         seq.load(Ordering::Relaxed) == 2 * version + 2
+    }
+
+    /// [`Board::read_version`] into `sink`, piece by piece (pieces end where
+    /// [`PullSink::piece_end`] says: a layer's end), each piece checked against the sequence
+    /// number after its copy and published only then; from `sink.filled()` on. False when
+    /// version `version` was not on the board or left it during the copy: the pieces published
+    /// before are of `version` (each was checked), the rest is not filled.
+    pub fn read_version_into(&self, version: u64, sink: &mut dyn PullSink) -> bool {
+        assert_eq!(sink.len(), self.len, "board read: length mismatch");
+        let k = (version % 2) as usize;
+        let seq = self.map.atomic(seq_offset(k));
+        if seq.load(Ordering::Acquire) != 2 * version + 2 {
+            return false;
+        }
+        while sink.filled() < sink.len() {
+            let from = sink.filled();
+            let n = sink.piece_end().max(from + 1).min(sink.len()) - from;
+            self.read_part(k, from, sink.next(n));
+            fence(Ordering::Acquire);
+            if seq.load(Ordering::Relaxed) != 2 * version + 2 {
+                return false;
+            }
+            sink.publish(n);
+        }
+        true
     }
 }
 
@@ -746,6 +774,76 @@ mod tests {
             assert_eq!(&out[1..=len], &v0[..], "len {len}");
             assert_eq!((out[0], out[len + 1]), (f32::MAX, f32::MAX), "len {len}");
         }
+        drop(dir);
+        let _ = std::fs::remove_dir_all(&root);
+    }
+
+    /// A sink whose pieces end at `ends`, recording them; when its second piece is about to
+    /// be copied it can have the shard begin writing another version into the same slot
+    /// (`tear`).
+    struct PieceSink<'b> {
+        dst: Vec<f32>,
+        filled: usize,
+        ends: Vec<usize>,
+        pieces: Vec<(usize, usize)>,
+        tear: Option<&'b mut Board>,
+    }
+
+    impl PullSink for PieceSink<'_> {
+        fn len(&self) -> usize {
+            self.dst.len()
+        }
+        fn filled(&self) -> usize {
+            self.filled
+        }
+        fn next(&mut self, n: usize) -> &mut [f32] {
+            if self.filled > 0
+                && let Some(b) = self.tear.take()
+            {
+                b.begin_version(3)[0] = -1.0; // version 3 goes into version 1's slot
+            }
+            &mut self.dst[self.filled..self.filled + n]
+        }
+        fn publish(&mut self, n: usize) {
+            self.pieces.push((self.filled, self.filled + n));
+            self.filled += n;
+        }
+        fn piece_end(&self) -> usize {
+            self.ends
+                .iter()
+                .copied()
+                .find(|&e| e > self.filled)
+                .unwrap()
+        }
+    }
+
+    #[test]
+    fn a_read_into_a_sink_publishes_checked_pieces_up_to_a_torn_version() {
+        let root = std::env::temp_dir().join(format!("ps-shm-sink-{}", std::process::id()));
+        std::fs::create_dir_all(&root).unwrap();
+        let dir = BoardDir::create(&root, "shard0").unwrap();
+        let path = params_path(dir.path());
+        let mut w = Board::create(&path, dir.token(), 1000, 2).unwrap();
+        let r = Board::open(&path, dir.token(), 1000, 2).unwrap();
+        let v: Vec<f32> = (0..1000).map(|i| i as f32).collect();
+        w.publish(1, &v);
+        let sink = |tear| PieceSink {
+            dst: vec![0.0; 1000],
+            filled: 0,
+            ends: vec![300, 700, 1000],
+            pieces: Vec::new(),
+            tear,
+        };
+        let mut whole = sink(None);
+        assert!(r.read_version_into(1, &mut whole));
+        assert_eq!(whole.pieces, [(0, 300), (300, 700), (700, 1000)]);
+        assert_eq!(whole.dst, v);
+        // the slot is rewritten while the second piece is copied: its check fails, and only
+        // the checked first piece is published
+        let mut torn = sink(Some(&mut w));
+        assert!(!r.read_version_into(1, &mut torn));
+        assert_eq!(torn.pieces, [(0, 300)]);
+        assert_eq!(&torn.dst[..300], &v[..300]);
         drop(dir);
         let _ = std::fs::remove_dir_all(&root);
     }

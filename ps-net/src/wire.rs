@@ -41,27 +41,6 @@ pub fn decode_le(dst: &mut [f32], data: &[u8]) {
     out.copy_from_slice(data);
 }
 
-/// Writes one received chunk at value `offset` of `dst`, checking that it is whole values and
-/// fits: the building block of pulls that decode straight into the weights.
-pub fn decode_chunk_into(dst: &mut [f32], offset: u64, data: &[u8]) -> Result<(), PsError> {
-    if !data.len().is_multiple_of(4) {
-        return Err(PsError::BadChunk(format!(
-            "chunk at offset {offset} holds {} bytes: expected a multiple of 4 (little-endian f32)",
-            data.len()
-        )));
-    }
-    let start = usize::try_from(offset).unwrap_or(usize::MAX);
-    let end = start.saturating_add(data.len() / 4);
-    if end > dst.len() {
-        return Err(PsError::WrongLength {
-            expected: dst.len() as u64,
-            got: end as u64,
-        });
-    }
-    decode_le(&mut dst[start..end], data);
-    Ok(())
-}
-
 /// Splits `[0, bytes.len())` into chunk-sized sub-slices (zero-copy: each is a view of `bytes`).
 /// Yields `(offset in f32 values, data)`; an empty tensor yields one empty chunk so that a
 /// header is always sent.

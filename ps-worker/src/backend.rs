@@ -3,7 +3,11 @@
 //! The models are those of [`ps_common::layout::ModelLayout`] (the MLP and the CNN), each with
 //! a softmax cross-entropy loss over its last layer's outputs ([`crate::model`]).
 
+use crate::gate::PullGate;
 use ps_common::config::LossReduction;
+use std::ops::Range;
+use std::sync::Arc;
+use std::time::Duration;
 
 /// What can go wrong on a device.
 #[derive(Debug, thiserror::Error)]
@@ -20,6 +24,9 @@ pub enum BackendError {
     /// Inputs of the wrong size.
     #[error("shape: {0}")]
     Shape(String),
+    /// The weights of a layer did not arrive: their pull failed, or took too long.
+    #[error("weights not pulled: {0}")]
+    Gate(#[from] crate::gate::GateError),
 }
 
 /// Result with a [`BackendError`].
@@ -48,6 +55,26 @@ pub trait Backend: Send {
     fn host_weights(&mut self) -> Option<&mut [f32]> {
         None
     }
+
+    /// The flat range of each layer's parameters, in forward order.
+    fn layers(&self) -> Vec<Range<usize>>;
+
+    /// For a backend whose weights live in host memory: a gate over them for the pull of
+    /// `version` from shards holding `shards` ([`PullGate`]); until [`Backend::close_gate`],
+    /// every forward pass waits at it for each layer's parameters, so that the pull's writers
+    /// fill the weights while forward runs on the layers already there. `None` on a device
+    /// with its own memory: the caller pulls into a host vector and uploads it.
+    fn open_gate(
+        &mut self,
+        _version: u64,
+        _shards: Vec<Range<usize>>,
+        _patience: Duration,
+    ) -> Option<Arc<PullGate>> {
+        None
+    }
+
+    /// Ends the gate of [`Backend::open_gate`]: forward reads the weights as they are.
+    fn close_gate(&mut self) {}
 
     /// Forward and backward on `labels.len()` samples whose features are the rows of `x`
     /// (row-major, `[n, inputs]`). Writes the gradient of the batch loss with `reduction`

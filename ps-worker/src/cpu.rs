@@ -99,7 +99,15 @@ impl Device for CpuDevice {
     }
 
     fn view(buf: &Vec<f32>, r: Range<usize>) -> &[f32] {
-        &buf[r]
+        assert!(
+            r.start <= r.end && r.end <= buf.len(),
+            "view {r:?} of a buffer of {}",
+            buf.len()
+        );
+        // SAFETY: the range lies inside the buffer (checked above). `as_ptr` makes no
+        // reference to the whole buffer, so the view covers `r` alone: a pull may be writing
+        // other parts of the weights meanwhile (`crate::gate`), never `r` while it is read.
+        unsafe { std::slice::from_raw_parts(buf.as_ptr().add(r.start), r.len()) }
     }
 
     fn view_mut(buf: &mut Vec<f32>, r: Range<usize>) -> &mut [f32] {
@@ -124,6 +132,10 @@ impl Device for CpuDevice {
 
     fn host_buf(buf: &mut Vec<f32>) -> Option<&mut [f32]> {
         Some(buf)
+    }
+
+    fn host_ptr(buf: &mut Vec<f32>) -> Option<*mut f32> {
+        Some(buf.as_mut_ptr())
     }
 
     fn upload(&mut self, src: &[f32], dst: &mut [f32]) -> BackendResult<()> {

@@ -6,13 +6,15 @@
 //! The model: `ops` (the device operations trait), `model` (the MLP and the CNN written once
 //! over it: `Model<D, N>` with `MlpNet`/`CnnNet`, `model::build` for a `ModelLayout`), `cpu`
 //! and `cuda` (the two devices), `backend` (the trait the worker calls), `device` (choosing one
-//! from `--device`).
+//! from `--device`). `gate`: the step's pulls and its forward pass sharing the weights, layer
+//! by layer.
 
 pub mod backend;
 pub mod cpu;
 pub mod cuda;
 pub mod device;
 pub mod env;
+pub mod gate;
 pub mod model;
 pub mod ops;
 pub mod reference;

@@ -15,15 +15,21 @@
 //! layers below.
 
 use crate::backend::{Backend, BackendError, BackendResult, StepStats, check_shapes};
+use crate::gate::PullGate;
 use crate::ops::{ConvGeom, Device, Mat};
 use ps_common::config::LossReduction;
 use ps_common::layout::{CnnLayout, MlpLayout, ModelLayout};
 use std::ops::Range;
+use std::sync::Arc;
+use std::time::Duration;
 
 /// Called by the backward pass once a layer's gradient is queued: the device, the layer's
 /// range (weight and bias) and the gradient view.
 pub type LayerReady<'r, D> =
     dyn FnMut(&mut D, Range<usize>, &<D as Device>::ViewMut<'_>) -> BackendResult<()> + 'r;
+
+/// Called by the forward pass before it reads a layer's parameters (its flat range).
+pub type WaitLayer<'w> = dyn Fn(Range<usize>) -> BackendResult<()> + 'w;
 
 /// The computation of one model kind on device `D`: its per-batch buffers, its forward pass
 /// into logits and its backward pass from their gradient. [`Model`] does the rest.
@@ -33,8 +39,17 @@ pub trait Net<D: Device>: Send {
     fn layers(&self) -> Vec<Range<usize>>;
     /// Releases the batch buffers, then allocates them for `rows` rows.
     fn alloc_rows(&mut self, dev: &mut D, rows: usize) -> BackendResult<()>;
-    /// Forward pass of the `n` rows of `x` (`[n, inputs]`) with weights `w` into the logits.
-    fn forward(&mut self, dev: &mut D, w: &D::Buf, x: D::View<'_>, n: usize) -> BackendResult<()>;
+    /// Forward pass of the `n` rows of `x` (`[n, inputs]`) with weights `w` into the logits;
+    /// calls `wait(layer)` before it reads a layer's parameters (a pull may still be writing
+    /// them: [`crate::gate`]).
+    fn forward(
+        &mut self,
+        dev: &mut D,
+        w: &D::Buf,
+        x: D::View<'_>,
+        n: usize,
+        wait: &WaitLayer<'_>,
+    ) -> BackendResult<()>;
     /// The buffer whose first `n * classes` values are the logits after [`Net::forward`] (and
     /// the loss's gradient after the loss).
     fn logits(&self) -> &D::Buf;
@@ -65,6 +80,9 @@ pub struct Model<D: Device, N: Net<D>> {
     /// gradient directly).
     host: bool,
     x: D::Buf,
+    /// The pull the weights are being filled by (host devices, [`Backend::open_gate`]): the
+    /// forward pass waits at it for each layer.
+    gate: Option<Arc<PullGate>>,
     /// Labels of the batch whose features are in `x` (see [`Model::upload_batch`]).
     labels: Vec<u8>,
     /// Rows the batch buffers hold; a smaller batch uses their first rows.
@@ -155,6 +173,7 @@ impl<D: Device, N: Net<D>> Model<D, N> {
             grad: None,
             host,
             x,
+            gate: None,
             labels: Vec::new(),
             rows: 0,
             dev,
@@ -297,10 +316,16 @@ impl<D: Device, N: Net<D>> Model<D, N> {
         self.dev.upload(x, v)
     }
 
-    /// Forward pass over the `n` uploaded rows.
+    /// Forward pass over the `n` uploaded rows, each layer after its weights are pulled
+    /// when a gate is open.
     fn forward(&mut self, n: usize) -> BackendResult<()> {
         let x = D::view(&self.x, 0..n * self.layout.inputs());
-        self.net.forward(&mut self.dev, &self.weights, x, n)
+        let gate = self.gate.as_deref();
+        let wait = |r: Range<usize>| match gate {
+            Some(g) => g.wait(r).map_err(BackendError::from),
+            None => Ok(()),
+        };
+        self.net.forward(&mut self.dev, &self.weights, x, n, &wait)
     }
 
     /// Queues the softmax cross-entropy of the `n` staged rows' logits: they become `dL/dz`.
@@ -385,12 +410,43 @@ impl<D: Device, N: Net<D>> Backend for Model<D, N> {
                 self.layout.num_params()
             )));
         }
+        self.gate = None;
         let v = D::view_mut(&mut self.weights, 0..flat.len());
         self.dev.upload(flat, v)
     }
 
     fn host_weights(&mut self) -> Option<&mut [f32]> {
+        self.gate = None;
         D::host_buf(&mut self.weights)
+    }
+
+    fn layers(&self) -> Vec<Range<usize>> {
+        self.net.layers()
+    }
+
+    fn open_gate(
+        &mut self,
+        version: u64,
+        shards: Vec<Range<usize>>,
+        patience: Duration,
+    ) -> Option<Arc<PullGate>> {
+        let len = self.layout.num_params();
+        let ptr = D::host_ptr(&mut self.weights)?;
+        // SAFETY: the weights stay allocated and unmoved while the gate is open (nothing
+        // resizes them; `set_weights` and `host_weights`, which would write them, close it
+        // first), and while it is open this model reads them only through `D::view` of a
+        // layer's range after `PullGate::wait` returned for it (`Model::forward`; the
+        // backward pass reads layers its forward pass waited for). The caller drops the
+        // writers before it closes the gate.
+        let gate = Arc::new(unsafe {
+            PullGate::new(ptr, len, version, shards, self.net.layers(), patience)
+        });
+        self.gate = Some(gate.clone());
+        Some(gate)
+    }
+
+    fn close_gate(&mut self) {
+        self.gate = None;
     }
 
     fn forward_backward(
@@ -619,12 +675,20 @@ impl<D: Device> Net<D> for MlpNet<D> {
         Ok(())
     }
 
-    fn forward(&mut self, dev: &mut D, w: &D::Buf, x: D::View<'_>, n: usize) -> BackendResult<()> {
+    fn forward(
+        &mut self,
+        dev: &mut D,
+        w: &D::Buf,
+        x: D::View<'_>,
+        n: usize,
+        wait: &WaitLayer<'_>,
+    ) -> BackendResult<()> {
         let dims = &self.layout.dims;
         let layers = self.layout.num_layers();
         let mut x = Some(x);
         for l in 0..layers {
             let (wr, br) = self.layer(l);
+            wait(wr.start..br.end)?;
             let (fan_in, fan_out) = (dims[l], dims[l + 1]);
             let (before, rest) = self.acts.split_at_mut(l);
             let z = &mut rest[0];
@@ -771,10 +835,18 @@ impl<D: Device> Net<D> for CnnNet<D> {
         self.head.alloc_rows(dev, rows)
     }
 
-    fn forward(&mut self, dev: &mut D, w: &D::Buf, x: D::View<'_>, n: usize) -> BackendResult<()> {
+    fn forward(
+        &mut self,
+        dev: &mut D,
+        w: &D::Buf,
+        x: D::View<'_>,
+        n: usize,
+        wait: &WaitLayer<'_>,
+    ) -> BackendResult<()> {
         let mut x = Some(x);
         for s in 0..self.stages.len() {
             let (wr, br) = self.layout.conv(s);
+            wait(wr.start..br.end)?;
             let (before, rest) = self.stages.split_at_mut(s);
             let st = &mut rest[0];
             let (g, out, plane, pooled) = (st.geom, st.out, st.plane, st.pooled);
@@ -818,7 +890,8 @@ impl<D: Device> Net<D> for CnnNet<D> {
         }
         let f = self.features();
         let last = self.stages.last().expect("a CNN has a convolution");
-        self.head.forward(dev, w, D::view(&last.y, 0..n * f), n)
+        self.head
+            .forward(dev, w, D::view(&last.y, 0..n * f), n, wait)
     }
 
     fn logits(&self) -> &D::Buf {

@@ -147,7 +147,7 @@ pub trait Device: Send {
     fn name(&self) -> String;
     /// A zeroed buffer of `len` values (a device may reserve room for one value when `len` is 0).
     fn alloc(&mut self, len: usize) -> BackendResult<Self::Buf>;
-    /// `buf[r]`.
+    /// `buf[r]`; no reference to the rest of the buffer is made (see [`Device::host_ptr`]).
     fn view(buf: &Self::Buf, r: Range<usize>) -> Self::View<'_>;
     /// `buf[r]`, writable.
     fn view_mut(buf: &mut Self::Buf, r: Range<usize>) -> Self::ViewMut<'_>;
@@ -166,6 +166,12 @@ pub trait Device: Send {
     fn host_of<'a>(v: &'a Self::ViewMut<'_>) -> Option<&'a [f32]>;
     /// Host memory of a buffer, when it lives there (the CPU); `None` otherwise.
     fn host_buf(buf: &mut Self::Buf) -> Option<&mut [f32]>;
+    /// A pointer to the host memory of a buffer, when it lives there, made without a
+    /// reference to the whole buffer (so that another thread may write the parts that
+    /// [`Device::view`] is not reading, as a [`crate::gate::PullGate`] does); `None` otherwise.
+    fn host_ptr(_buf: &mut Self::Buf) -> Option<*mut f32> {
+        None
+    }
     /// Copies `src` into `dst` (same length).
     fn upload(&mut self, src: &[f32], dst: Self::ViewMut<'_>) -> BackendResult<()>;
     /// Copies `src` into `dst` (same length), waiting for the operations before it.

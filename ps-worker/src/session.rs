@@ -3,13 +3,19 @@
 //! drives a model that PyTorch computes through it, over the same transport as `ps-worker`
 //! (shared-memory boards on one host, gRPC otherwise, token and TLS).
 
-use crate::worker::{Peer, board_file, grad_board, pull_all, recover_if_lost, register_all};
+use crate::gate::PullGate;
+use crate::worker::{
+    Peer, board_file, grad_board, pull_all, pull_gated, pull_jobs, pull_patience, recover_if_lost,
+    register_all,
+};
 use anyhow::Context;
 use bytes::Bytes;
 use ps_common::config::{Config, Transport};
 use ps_common::pb::{LeaveRequest, PushHeader, TensorDesc, UnusedRequest};
 use ps_common::shm::{Board, BoardDir};
 use ps_common::wire::encode_push;
+use std::ops::Range;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Figures of one push or pull (for the speed comparison with `ps-worker`).
@@ -21,7 +27,8 @@ pub struct CommTiming {
     pub push: Duration,
     /// Pulls made.
     pub pulls: u64,
-    /// Total time in pulls.
+    /// Total time in pulls (for a pull beside the forward pass, [`Session::begin_pull`]: the
+    /// time the caller waited for it).
     pub pull: Duration,
 }
 
@@ -43,6 +50,8 @@ pub struct Session {
     pub timing: CommTiming,
     /// The overlapped push under way ([`Session::begin_push`]), if any.
     overlapped: Option<Overlapped>,
+    /// The pull under way beside the caller's forward pass ([`Session::begin_pull`]), if any.
+    pending: Option<PendingPull>,
     /// The run's config and the model registered, to register again after a lost shard.
     cfg: Config,
     model: Vec<TensorDesc>,
@@ -68,6 +77,36 @@ struct Overlapped {
 }
 
 type PushTask = tokio::task::JoinHandle<anyhow::Result<(usize, Bytes)>>;
+
+impl Drop for Session {
+    /// A pull under way writes its destination until it ends: it is stopped first.
+    fn drop(&mut self) {
+        self.abort_pull();
+    }
+}
+
+/// A pull running beside the caller's forward pass: its gate (the caller waits there for each
+/// module's parameters) and its task, or the task's result once it ended.
+struct PendingPull {
+    gate: Arc<PullGate>,
+    task: Option<tokio::task::JoinHandle<anyhow::Result<()>>>,
+    ended: Option<anyhow::Result<()>>,
+    /// Time the caller waited for it.
+    waited: Duration,
+}
+
+impl PendingPull {
+    /// Waits for the pull task to end (it ends within its bounds) and keeps its result: once
+    /// this returns, nothing writes the destination any more.
+    fn settle(&mut self) {
+        if let Some(task) = self.task.take() {
+            let ended = futures::executor::block_on(task)
+                .map_err(|e| anyhow::anyhow!("the pull task failed: {e}"))
+                .and_then(|r| r);
+            self.ended = Some(ended);
+        }
+    }
+}
 
 impl Session {
     /// Connects and registers with every shard of `servers` as `rank`, describing `model`
@@ -118,6 +157,7 @@ impl Session {
             chunk_bytes: cfg.server.chunk_bytes,
             timing: CommTiming::default(),
             overlapped: None,
+            pending: None,
             cfg: cfg.clone(),
             model,
         })
@@ -129,6 +169,7 @@ impl Session {
     /// `ps-worker` does, and returns the step to redo from: the shards' version, from which
     /// the run goes on bit-identical. None when it is no such failure (the error stands).
     pub async fn recover(&mut self, step: u64, err: &anyhow::Error) -> anyhow::Result<Option<u64>> {
+        self.abort_pull();
         if let Some(o) = self.overlapped.take() {
             o.started.into_iter().flatten().for_each(|t| t.abort());
         }
@@ -172,11 +213,106 @@ impl Session {
             dst.len(),
             self.num_params
         );
+        anyhow::ensure!(
+            self.pending.is_none(),
+            "a pull is under way beside the forward pass: finish it first"
+        );
         let t = Instant::now();
         pull_all(&mut self.peers, version, dst).await?;
         self.timing.pulls += 1;
         self.timing.pull += t.elapsed();
         Ok(())
+    }
+
+    /// Starts pulling `version` from every shard into the flat vector at `dst`, in the
+    /// background (on the current Tokio runtime), as `ps-worker` pulls beside its forward
+    /// pass: each shard's values are published as they arrive; [`Session::wait_pulled`] waits
+    /// for a range (a module's parameters) before the caller reads it, and
+    /// [`Session::finish_pull`] ends the pull with its result. `layers`: the ranges the
+    /// caller waits for (where pieces end).
+    ///
+    /// # Safety
+    /// `dst` must point to `num_params` writable `f32` that stay allocated, and that nothing
+    /// reads or writes, until [`Session::finish_pull`] or [`Session::abort_pull`] returned
+    /// (or the session is dropped), except that a range for which
+    /// [`Session::wait_pulled`] returned true may be read.
+    pub unsafe fn begin_pull(
+        &mut self,
+        version: u64,
+        dst: *mut f32,
+        layers: Vec<Range<usize>>,
+    ) -> anyhow::Result<()> {
+        anyhow::ensure!(
+            self.pending.is_none(),
+            "a pull is under way: finish it first"
+        );
+        let shards: Vec<Range<usize>> = self.peers.iter().map(|p| p.range.clone()).collect();
+        let patience = pull_patience(&self.cfg);
+        // SAFETY: the caller's contract (above) is the gate's.
+        let gate = Arc::new(unsafe {
+            PullGate::new(dst, self.num_params, version, shards, layers, patience)
+        });
+        let jobs = pull_jobs(&self.peers);
+        let g = gate.clone();
+        let task = tokio::spawn(async move { pull_gated(jobs, &g).await });
+        self.pending = Some(PendingPull {
+            gate,
+            task: Some(task),
+            ended: None,
+            waited: Duration::ZERO,
+        });
+        Ok(())
+    }
+
+    /// Waits (bounded) until the values of `range` of the pull under way are in; true when
+    /// they are (or no pull is under way), false when the pull failed: then it has ended
+    /// ([`Session::finish_pull`] says why) and the values must not be used.
+    pub fn wait_pulled(&mut self, range: Range<usize>) -> bool {
+        let Some(p) = self.pending.as_mut() else {
+            return true;
+        };
+        let t = Instant::now();
+        let ok = p.gate.wait(range).is_ok();
+        if !ok {
+            p.settle();
+        }
+        p.waited += t.elapsed();
+        ok
+    }
+
+    /// Ends the pull of [`Session::begin_pull`]: waits for all of it; its error, if it failed
+    /// (then its values must not be used). Nothing when no pull is under way.
+    pub async fn finish_pull(&mut self) -> anyhow::Result<()> {
+        let Some(mut p) = self.pending.take() else {
+            return Ok(());
+        };
+        let t = Instant::now();
+        let ended = match (p.ended.take(), p.task.take()) {
+            (Some(r), _) => r,
+            (None, Some(task)) => task
+                .await
+                .map_err(|e| anyhow::anyhow!("the pull task failed: {e}"))
+                .and_then(|r| r),
+            (None, None) => Ok(()),
+        };
+        self.timing.pulls += 1;
+        self.timing.pull += p.waited + t.elapsed();
+        ended
+    }
+
+    /// Stops the pull under way, if any, and returns once nothing writes its destination.
+    pub fn abort_pull(&mut self) {
+        if let Some(mut p) = self.pending.take() {
+            if let Some(task) = &p.task {
+                task.abort();
+            }
+            p.settle();
+        }
+    }
+
+    /// The step a pull under way ([`Session::begin_pull`]) is of, if any.
+    pub fn pulling_version(&self) -> Option<u64> {
+        self.pending.as_ref().map(|p| p.gate.version())
     }
 
     /// Pushes the gradient in [`Session::grad_mut`] for `step` to every shard in parallel.

@@ -1,11 +1,14 @@
 //! The worker's loop: register with every shard (retrying with backoff, so start order does not
-//! matter), then for each step pull every shard's version `t` in parallel, compute the gradient
-//! of its slice of global batch `t`, and push each shard its part in parallel. At the end it
+//! matter), then for each step pull every shard's version `t` in parallel while computing the
+//! gradient of its slice of global batch `t` (forward waits for each layer's parameters at the
+//! step's `crate::gate`, so it starts on the first layers while the last ones arrive), and
+//! push each shard its part in parallel as backward finishes it. At the end it
 //! evaluates the final weights on its slice of the test set and leaves. With shards on the
 //! same host, tensors go through shared-memory boards and only headers through gRPC
 //! (`ps_common::shm`); each shard and direction falls back to gRPC on its own.
 
 use crate::backend::{Backend, StepStats};
+use crate::gate::PullGate;
 use anyhow::{Context, bail};
 use bytes::Bytes;
 use ps_common::PROTOCOL_VERSION;
@@ -19,6 +22,7 @@ use ps_common::pb::{LeaveRequest, PushHeader, RegisterReply, RegisterRequest};
 use ps_common::shm::{Board, BoardDir, grad_path, shm_root};
 use ps_common::wire::{Bf16Encoder, encode_push, encode_push_part};
 use std::ops::Range;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Everything a worker needs.
@@ -37,17 +41,65 @@ pub struct WorkerSetup {
     pub backend: Box<dyn Backend>,
 }
 
-/// Averages of a run's step phases, for the final log line.
-#[derive(Debug, Default, Clone, Copy)]
+/// Totals of a run's step phases, for the final log line. The pulls overlap the forward
+/// pass: `pull` is the time before forward could start on the first layer (its wait
+/// included), `compute` the rest until backward ended (the waits for later layers included),
+/// `push` the wait for the pushes after it; `layer_wait` what forward waited for each layer.
+#[derive(Debug, Default, Clone)]
 pub struct Timing {
     /// Steps run.
     pub steps: u64,
-    /// Total pull time.
+    /// Total time before the forward pass could start.
     pub pull: Duration,
     /// Total compute time.
     pub compute: Duration,
     /// Total push time.
     pub push: Duration,
+    /// Total time the forward passes waited for each layer's weights (layer 0's is part of
+    /// `pull`, the others' of `compute`).
+    pub layer_wait: Vec<Duration>,
+}
+
+impl Timing {
+    /// Counts a step: `before` its compute (the pull until then), `compute` (from there to
+    /// the end of backward), `push` (after it), and the forward pass's wait per layer.
+    pub fn add_step(
+        &mut self,
+        before: Duration,
+        compute: Duration,
+        push: Duration,
+        waits: &[Duration],
+    ) {
+        let first = waits.first().copied().unwrap_or_default();
+        self.steps += 1;
+        self.pull += before + first;
+        self.compute += compute.saturating_sub(first);
+        self.push += push;
+        if self.layer_wait.len() < waits.len() {
+            self.layer_wait.resize(waits.len(), Duration::ZERO);
+        }
+        for (total, w) in self.layer_wait.iter_mut().zip(waits) {
+            *total += *w;
+        }
+    }
+
+    /// "pull 1.20 ms, compute 10.31 ms, push 0.52 ms; pull wait per layer [0.80, 0.10, 0.00]
+    /// ms": the averages per step.
+    pub fn describe(&self) -> String {
+        let per = |d: &Duration| d.as_secs_f64() * 1e3 / self.steps.max(1) as f64;
+        let waits: Vec<String> = self
+            .layer_wait
+            .iter()
+            .map(|w| format!("{:.2}", per(w)))
+            .collect();
+        format!(
+            "pull {:.2} ms, compute {:.2} ms, push {:.2} ms; pull wait per layer [{}] ms",
+            per(&self.pull),
+            per(&self.compute),
+            per(&self.push),
+            waits.join(", ")
+        )
+    }
 }
 
 /// One shard as this worker sees it: the connection, the shard's range of the flat parameter
@@ -136,67 +188,72 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
     let wire = cfg.cluster.wire;
 
     let elastic = cfg.server.barrier_policy == BarrierPolicy::Continue;
+    let shard_ranges: Vec<Range<usize>> = peers.iter().map(|p| p.range.clone()).collect();
+    let patience = pull_patience(&cfg);
     let mut t = start_step;
     while t < total {
         let t0 = Instant::now();
+        // the pulls of version t run while this thread computes: forward waits at the gate
+        // for each layer's parameters (pulled straight into the backend's host weights, or
+        // into `weights`, uploaded once complete, on a device with its own memory)
         let on_host = backend.host_weights().is_some();
-        let pulled = match backend.host_weights() {
-            Some(w) => pull_all(&mut peers, t, w).await,
-            None => pull_all(&mut peers, t, &mut weights).await,
+        let gate = match backend.open_gate(t, shard_ranges.clone(), patience) {
+            Some(g) => g,
+            None => {
+                let layers = backend.layers();
+                let (ptr, len) = (weights.as_mut_ptr(), weights.len());
+                // SAFETY: `weights` is neither touched nor resized until the gate is dropped
+                // at the end of this step, except through it: the writers of the pulling
+                // thread (joined by `pull_while`) and `published` after `wait_all`.
+                Arc::new(unsafe {
+                    PullGate::new(ptr, len, t, shard_ranges.clone(), layers, patience)
+                })
+            }
         };
-        if let Err(e) = pulled {
-            t = after_failure(
-                elastic,
-                &cfg,
-                &mut peers,
-                rank,
-                (&grad_file, &model),
-                total,
-                t,
-                e,
-            )
-            .await?;
-            continue;
-        }
-        if !on_host {
-            backend.set_weights(&weights)?;
-        }
-        let t1 = Instant::now();
-        let eval = if cfg.train.eval_every > 0 && t > 0 && t.is_multiple_of(cfg.train.eval_every) {
-            evaluate(backend.as_mut(), &test, &test_idx, &mut x, &mut y)?
-        } else {
-            (0, 0)
-        };
-        train.gather(planner.worker_batch(t, rank, world), &mut x, &mut y);
-        let header = |stats: StepStats| PushHeader {
-            rank: rank as u32,
-            step: t,
-            samples: y.len() as u32,
-            loss_sum: stats.loss_sum,
-            correct: stats.correct,
-            len: 0,
-            eval_correct: eval.0,
-            eval_count: eval.1,
-            shm: false,
-        };
-        // backward hands over the gradient last layer first: a shard on a data connection gets
-        // each part of its range as soon as it is final, as a piece of one push; the others get
-        // their whole range as soon as all of it is final; both while the earlier layers are
-        // still being computed
+        let jobs = pull_jobs(&peers);
         let runtime = tokio::runtime::Handle::current();
+        let (mut t1, mut t2) = (t0, t0);
         let mut pushes = Vec::with_capacity(peers.len());
-        let mut unsent = peers.len();
         let progressive: Vec<bool> = peers
             .iter()
             .map(|p| !p.ahead && !p.link.grad && p.client.data_link_usable() && !p.range.is_empty())
             .collect();
-        // per shard: where its final part starts (its range's end before any), the pieces
-        // sent this step, and the sender of its push's pieces once it is under way
-        let mut final_from: Vec<usize> = peers.iter().map(|p| p.range.end).collect();
-        let mut sent = vec![0usize; peers.len()];
+        // per shard: the sender of its push's pieces once it is under way
         let mut senders: Vec<Option<tokio::sync::mpsc::UnboundedSender<(usize, Bytes)>>> =
             (0..peers.len()).map(|_| None).collect();
-        tokio::task::block_in_place(|| {
+        let (pulled, computed) = pull_while(&runtime, jobs, &gate, || -> anyhow::Result<()> {
+            if !on_host {
+                gate.wait_all()?;
+                backend.set_weights(gate.published(0..layout.num_params()))?;
+            }
+            t1 = Instant::now();
+            let eval =
+                if cfg.train.eval_every > 0 && t > 0 && t.is_multiple_of(cfg.train.eval_every) {
+                    evaluate(backend.as_mut(), &test, &test_idx, &mut x, &mut y)?
+                } else {
+                    (0, 0)
+                };
+            train.gather(planner.worker_batch(t, rank, world), &mut x, &mut y);
+            let header = |stats: StepStats| PushHeader {
+                rank: rank as u32,
+                step: t,
+                samples: y.len() as u32,
+                loss_sum: stats.loss_sum,
+                correct: stats.correct,
+                len: 0,
+                eval_correct: eval.0,
+                eval_count: eval.1,
+                shm: false,
+            };
+            // backward hands over the gradient last layer first: a shard on a data connection gets
+            // each part of its range as soon as it is final, as a piece of one push; the others get
+            // their whole range as soon as all of it is final; both while the earlier layers are
+            // still being computed
+            let mut unsent = peers.len();
+            // per shard: where its final part starts (its range's end before any), and the
+            // pieces sent this step
+            let mut final_from: Vec<usize> = peers.iter().map(|p| p.range.end).collect();
+            let mut sent = vec![0usize; peers.len()];
             crate::backend::forward_backward_micro(
                 backend.as_mut(),
                 &x,
@@ -275,11 +332,26 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
                         }));
                     }
                 },
-            )
-        })?;
+            )?;
+            t2 = Instant::now();
+            Ok(())
+        });
+        backend.close_gate();
         drop(senders);
-        let t2 = Instant::now();
-        if let Some(e) = await_pushes(pushes, &progressive, &mut peers).await? {
+        let waits = gate.waits();
+        drop(gate);
+        let failed = match pulled {
+            Err(e) => {
+                // forward stopped at the gate: nothing computed with these weights was pushed
+                debug_assert!(pushes.is_empty(), "a push after a failed pull");
+                Some(e)
+            }
+            Ok(()) => {
+                computed?;
+                await_pushes(pushes, &progressive, &mut peers).await?
+            }
+        };
+        if let Some(e) = failed {
             t = after_failure(
                 elastic,
                 &cfg,
@@ -296,10 +368,7 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
         // only the first step (or the first after a rejoin) can find shards ahead
         peers.iter_mut().for_each(|p| p.ahead = false);
         let t3 = Instant::now();
-        timing.steps += 1;
-        timing.pull += t1 - t0;
-        timing.compute += t2 - t1;
-        timing.push += t3 - t2;
+        timing.add_step(t1 - t0, t2 - t1, t3 - t2, &waits);
         t += 1;
     }
 
@@ -309,16 +378,35 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
     backend.set_weights(&weights)?;
     let (correct, count) = evaluate(backend.as_mut(), &test, &test_idx, &mut x, &mut y)?;
     leave_all(&mut peers, rank, (correct, count)).await?;
-    let per = |d: Duration| d.as_secs_f64() * 1e3 / timing.steps.max(1) as f64;
     tracing::info!(
-        "worker {rank}: done after {} steps; per step pull {:.2} ms, compute {:.2} ms, push {:.2} ms; test accuracy on its slice {:.2}% ({correct}/{count})",
+        "worker {rank}: done after {} steps; per step {}; test accuracy on its slice {:.2}% ({correct}/{count})",
         timing.steps,
-        per(timing.pull),
-        per(timing.compute),
-        per(timing.push),
+        timing.describe(),
         100.0 * correct as f64 / count.max(1) as f64
     );
     Ok(timing)
+}
+
+/// Runs `compute` on this thread while a scoped thread of its own pulls `gate`'s version
+/// from every shard ([`pull_gated`], on `runtime`); returns when both are done: the pulls'
+/// result and compute's. (`compute` waits at the gate for the weights it reads; the pulls end
+/// on their own, within their bounds, whatever `compute` does.)
+fn pull_while<R>(
+    runtime: &tokio::runtime::Handle,
+    jobs: Vec<PullJob>,
+    gate: &PullGate,
+    compute: impl FnOnce() -> R,
+) -> (anyhow::Result<()>, R) {
+    tokio::task::block_in_place(|| {
+        std::thread::scope(|scope| {
+            let puller = scope.spawn(|| runtime.block_on(pull_gated(jobs, gate)));
+            let computed = compute();
+            let pulled = puller
+                .join()
+                .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+            (pulled, computed)
+        })
+    })
 }
 
 /// A push under way to one shard: its index and the buffers to reuse for the next step.
@@ -734,6 +822,59 @@ async fn rejoin(
     Ok(mark_ahead(peers, &joined, rank))
 }
 
+/// What one shard's pull of a step needs: a client (a clone: the pushes keep theirs), its
+/// board unless it is pulled `exact`ly (it is `ahead`), and whether it is.
+pub(crate) struct PullJob {
+    client: ShardClient,
+    board: Option<Arc<Board>>,
+    exact: bool,
+}
+
+pub(crate) fn pull_jobs(peers: &[Peer]) -> Vec<PullJob> {
+    peers
+        .iter()
+        .map(|p| PullJob {
+            client: p.client.clone(),
+            board: p.link.params.clone().filter(|_| !p.ahead),
+            exact: p.ahead,
+        })
+        .collect()
+}
+
+/// How long the forward pass waits at the gate for a layer: the shard's own bound on a pull
+/// (`[server] pull_timeout_secs`, after which it answers the pull with an error) and half a
+/// minute for the values to travel.
+pub(crate) fn pull_patience(cfg: &Config) -> Duration {
+    Duration::from_secs_f64(cfg.server.pull_timeout_secs + 30.0)
+}
+
+/// Pulls `gate`'s version from every shard, all side by side, each shard's values published
+/// into the gate as they arrive; the requests go out in shard order (shard 0, the first
+/// layers, first). A failed pull fails the gate (the forward pass stops at the next layer it
+/// lacks) and is returned. (Pulling the shards of one host one after the other, so that the
+/// first layers come at the link's whole speed, was measured slower on one host: the wait is
+/// mostly the shards' barrier and update, and the later layers then waited for whole
+/// round trips: see PERFORMANCE.md.)
+pub(crate) async fn pull_gated(jobs: Vec<PullJob>, gate: &PullGate) -> anyhow::Result<()> {
+    let futs = jobs.into_iter().enumerate().map(|(s, mut job)| async move {
+        let mut writer = gate.writer(s);
+        let pulled = job
+            .client
+            .pull_to(gate.version(), job.exact, job.board.as_deref(), &mut writer)
+            .await;
+        if let Err(e) = pulled {
+            gate.fail(s, e.to_string());
+            return Err(e);
+        }
+        writer.finish();
+        Ok(())
+    });
+    for r in futures::future::join_all(futs).await {
+        r?;
+    }
+    Ok(())
+}
+
 /// Pulls version `version` from every shard in parallel, each straight into its range of
 /// `weights`: copied out of the shard's board where there is a link, decoded from the gRPC
 /// chunks otherwise. From the shards marked `ahead` (already one version further) it pulls
@@ -748,7 +889,7 @@ pub(crate) async fn pull_all(
     for p in peers.iter_mut() {
         let (dst, tail) = rest.split_at_mut(p.range.len());
         rest = tail;
-        let board = p.link.params.as_ref().filter(|_| !p.ahead);
+        let board = p.link.params.as_deref().filter(|_| !p.ahead);
         futs.push(p.client.pull_into(version, p.ahead, board, dst));
     }
     for r in futures::future::join_all(futs).await {

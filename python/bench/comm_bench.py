@@ -42,7 +42,9 @@ def main():
     a.add_argument("--transport", default="auto", choices=["auto", "grpc"])
     a.add_argument("--sides", default="rust,python,python-overlap",
                    help="python: loss.backward() then Worker.step(); python-overlap: "
-                   "Worker.backward(loss), whose pushes start while backward runs")
+                   "Worker.backward(loss), whose pushes start while backward runs; "
+                   "python-overlap-pull: the same with Worker(overlap_pull=True), the pull "
+                   "beside the next forward pass (pull: the time forward waited for it)")
     args = a.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -73,10 +75,11 @@ def main():
                 else:
                     mm = MLP(args.hidden)
                     mm.load_state_dict(model.state_dict())
-                    w = ps.Worker(cfg, mm, rank=0, servers=shards.addrs)
+                    w = ps.Worker(cfg, mm, rank=0, servers=shards.addrs,
+                                  overlap_pull=side == "python-overlap-pull")
                     for _, idx in w.batches(len(x)):
                         loss = F.cross_entropy(mm(x[idx]), y[idx])
-                        if side == "python-overlap":
+                        if side.startswith("python-overlap"):
                             w.backward(loss)
                         else:
                             loss.backward()

@@ -231,6 +231,7 @@ class Worker:
         evaluate: Callable[[torch.nn.Module], tuple[int, int]] | None = None,
         allow_buffers: bool = False,
         run_id: str | None = None,
+        overlap_pull: bool = False,
     ):
         """``config``: the run's TOML file. ``rank``: this worker's rank (default: from
         RANK, SLURM_PROCID or JOB_COMPLETION_INDEX). ``servers``: shard addresses instead of
@@ -240,7 +241,15 @@ class Worker:
         steps and at the end (the shards sum the counts and log the accuracy). ``run_id``: the run this worker joins
         (default, as ps-worker: PS_RUN_ID, ``[cluster] run_id``, SLURM_JOB_ID, PS_K8S_JOB_UID);
         a shard of another run refuses the worker, naming both ids. ``allow_buffers``: no
-        longer needed (buffers are part of the run's model), accepted for old scripts."""
+        longer needed (buffers are part of the run's model), accepted for old scripts.
+        ``overlap_pull``: the pull of the next step's weights runs in the background after
+        ``step()``/``backward()`` return, and each module's forward pass first waits for its
+        own parameters (a forward pre-hook), so that forward starts on the first layers while
+        the last ones are still arriving, as ``ps-worker`` does. The parameters must be on
+        the CPU, the model without buffers, and read between ``step()`` and the next
+        ``step()`` only by the forward passes of the modules that own them (a module that
+        reads another's parameters directly, or code outside forward, may see a mix of two
+        versions); a failed pull discards the step computed with it, as a failed push does."""
         self.model = model
         self._params, _, self._buffers, _ = _entries(model)
         desc = [(n, [int(d) for d in p.shape]) for n, p in self._params]
@@ -292,6 +301,54 @@ class Worker:
         self._transport = []
         self.start_step = None
         self.total_steps = None
+        # overlap_pull: the version being pulled beside the forward pass, and the range of
+        # each module's own parameters that its forward pass waits for
+        self._overlap_pull = overlap_pull
+        self._pulling = None
+        self._pull_ranges = []
+        if overlap_pull:
+            self._hook_pull_waits(model)
+
+    def _hook_pull_waits(self, model: torch.nn.Module) -> None:
+        """overlap_pull: a forward pre-hook on every module that owns parameters waits for
+        their range of the pull under way."""
+        if not self._views or self._buffers:
+            raise ValueError(
+                "overlap_pull needs the parameters on the CPU (views of the pulled weights) "
+                "and a model without buffers (they are loaded after the pull)"
+            )
+        index = {id(p): i for i, (_, p) in enumerate(self._params)}
+        for m in model.modules():
+            own = [index[id(p)] for p in m.parameters(recurse=False) if id(p) in index]
+            if not own:
+                continue
+            lo = min(self._offsets[i] for i in own)
+            hi = max(self._offsets[i] + self._params[i][1].numel() for i in own)
+            self._pull_ranges.append((lo, hi))
+            m.register_forward_pre_hook(self._pull_wait_hook(lo, hi))
+        self._pull_ranges.sort()
+
+    def _pull_wait_hook(self, lo: int, hi: int):
+        def hook(module, args):
+            if self._pulling is not None:
+                # False: the pull failed; the step is discarded at step()/backward()
+                self._native.wait_pulled(lo, hi)
+
+        return hook
+
+    def _finish_pull(self) -> bool:
+        """Ends the pull under way beside the forward pass, if any; False when it failed with
+        a lost shard (the cluster rolled back: the weights of the step to redo are pulled,
+        and the step computed with the failed pull's values is not pushed)."""
+        if self._pulling is None:
+            return True
+        self._pulling = None
+        try:
+            self._native.finish_pull()
+            return True
+        except _native.RolledBack as e:
+            self._pull_or_rewind(self._rolled_back(e))
+            return False
 
     def _check_buffers(self, config) -> None:
         """The model's persistent buffers must be the run's (names, dtypes, shapes)."""
@@ -487,6 +544,7 @@ class Worker:
             raise
         finally:
             self._step = None
+            self._pulling = None  # close() stops a pull under way
             self._timing = self._native.timing()
             self._native.close()
 
@@ -538,7 +596,12 @@ class Worker:
             return
         for _, p in self._params:
             p.grad = None
-        self._pull_or_rewind(t + 1)
+        if self._overlap_pull and t + 1 < self.total_steps:
+            # pulled while the next step's forward pass runs (each module waits for its own)
+            self._native.begin_pull(t + 1, self._flat.numpy(), self._pull_ranges)
+            self._pulling = t + 1
+        else:
+            self._pull_or_rewind(t + 1)
         self._step = None
 
     def _run_evaluate(self):
@@ -562,6 +625,9 @@ class Worker:
         t = self._step
         if t is None:
             raise RuntimeError("worker.step() outside a step of worker.batches()")
+        if not self._finish_pull():
+            self._step = None  # computed with a failed pull's weights: redone after the rollback
+            return
         # one array per tensor: CPU float32 gradients are read in place (copied once, into
         # the buffer the shards read); others are first copied to the CPU
         parts = []
@@ -624,6 +690,9 @@ class Worker:
         t = self._step
         if t is None:
             raise RuntimeError("worker.backward() outside a step of worker.batches()")
+        if not self._finish_pull():
+            self._step = None  # computed with a failed pull's weights: redone after the rollback
+            return
         n = self._samples if samples is None else int(samples)
         value = float(loss.detach())
         loss_sum = value * n if self.loss_reduction == "mean" else value

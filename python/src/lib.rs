@@ -90,6 +90,9 @@ struct Client {
     offsets: Vec<usize>,
     session: Option<Session>,
     planner: Option<BatchPlanner>,
+    /// The destination of the pull under way beside the forward pass (`begin_pull`), kept
+    /// alive until the pull has ended (after `session`, which stops the pull when dropped).
+    pulling: Option<Py<PyAny>>,
 }
 
 impl Client {
@@ -187,6 +190,7 @@ impl Client {
             model,
             session: None,
             planner: None,
+            pulling: None,
         })
     }
 
@@ -242,6 +246,56 @@ impl Client {
             rt.block_on(session.pull(version, dst))
                 .map_err(|e| after_failure(rt, session, version, e))
         })
+    }
+
+    /// Starts pulling `version` into `dst` (float32, the whole flat vector) in the background,
+    /// while the caller's forward pass runs: before reading the parameters in `dst[lo:hi]`
+    /// call `wait_pulled(lo, hi)`; end the pull with `finish_pull()` before anything else.
+    /// `ranges`: the `(lo, hi)` ranges that will be waited for (the modules' parameters).
+    fn begin_pull(
+        &mut self,
+        version: u64,
+        dst: &Bound<'_, PyAny>,
+        ranges: Vec<(usize, usize)>,
+    ) -> PyResult<()> {
+        let addr = f32_buffer(dst, self.num_params, true, "pull destination")?;
+        let _runtime = self.rt.enter();
+        let session = self.session.as_mut().ok_or_else(|| {
+            PyRuntimeError::new_err("not connected: call connect(train_len) first")
+        })?;
+        let layers = ranges.into_iter().map(|(lo, hi)| lo..hi).collect();
+        // SAFETY: `addr` is a writable, C-contiguous float32 buffer of num_params values;
+        // this client keeps a reference to it (`pulling`) until the pull has ended
+        // (`finish_pull`, `close`, or the session dropped, which stops the pull first), and
+        // the Python side (ps_torch.Worker) reads only the ranges `wait_pulled` returned True
+        // for, and writes none, until `finish_pull`.
+        unsafe { session.begin_pull(version, addr as *mut f32, layers) }.map_err(runtime_err)?;
+        self.pulling = Some(dst.clone().unbind());
+        Ok(())
+    }
+
+    /// Waits (without the GIL, bounded) until `dst[lo:hi]` of the pull under way is in: True,
+    /// or False when the pull failed (`finish_pull` raises its error; the values are not to
+    /// be used). True when no pull is under way.
+    fn wait_pulled(&mut self, py: Python<'_>, lo: usize, hi: usize) -> PyResult<bool> {
+        let session = self.session()?;
+        Ok(py.detach(|| session.wait_pulled(lo..hi)))
+    }
+
+    /// Ends the pull of `begin_pull`, waiting for all of it; raises its error (RolledBack
+    /// after a lost shard, once the cluster recovered, as `pull` does).
+    fn finish_pull(&mut self, py: Python<'_>) -> PyResult<()> {
+        let rt = &self.rt;
+        let session = self.session.as_mut().ok_or_else(|| {
+            PyRuntimeError::new_err("not connected: call connect(train_len) first")
+        })?;
+        let version = session.pulling_version();
+        let ended = py.detach(|| {
+            rt.block_on(session.finish_pull())
+                .map_err(|e| after_failure(rt, session, version.unwrap_or_default(), e))
+        });
+        self.pulling = None;
+        ended
     }
 
     /// Pushes the flat gradient `grad` (float32) of step `step` to every shard.
@@ -492,9 +546,11 @@ impl Client {
             .map_err(runtime_err)
     }
 
-    /// Drops the connections and this worker's shared-memory gradient board.
+    /// Drops the connections and this worker's shared-memory gradient board (stopping a pull
+    /// under way first).
     fn close(&mut self) {
         self.session = None;
+        self.pulling = None;
     }
 
     /// (pushes, seconds in pushes, pulls, seconds in pulls) so far.

@@ -185,6 +185,51 @@ out_dir = "{out_dir}"
 """
 
 
+def delaying_proxy(target: str, delay: float) -> str:
+    """A TCP proxy on 127.0.0.1 in front of ``target`` ("host:port") that holds back every
+    read from the target (the replies) for ``delay`` seconds, requests going through at once:
+    a shard whose answers come late. Background threads; returns the proxy's address."""
+    import threading
+
+    host, port = target.rsplit(":", 1)
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+
+    def pipe(src, dst, pause):
+        try:
+            while True:
+                data = src.recv(1 << 16)
+                if not data:
+                    break
+                if pause:
+                    time.sleep(pause)
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            try:
+                dst.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
+
+    def accept():
+        while True:
+            client, _ = listener.accept()
+            try:
+                server = socket.create_connection((host, int(port)))
+            except OSError:
+                client.close()
+                continue
+            for s in (client, server):
+                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            threading.Thread(target=pipe, args=(client, server, 0), daemon=True).start()
+            threading.Thread(target=pipe, args=(server, client, delay), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    return "127.0.0.1:%d" % listener.getsockname()[1]
+
+
 def train_rank(worker, model, x, y, reduction: str, overlap: bool = False):
     """The user's loop: forward, loss with the configured reduction, backward, step (or
     `worker.backward(loss)`, which pushes while backward runs)."""

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 import ps
 from ps import _native
-from common import BIN, REPO, Shards, SmallCNN, config_text, load, max_rel_diff, train_rank
+from common import (BIN, REPO, Shards, SmallCNN, config_text, delaying_proxy, load, max_rel_diff,
+                    train_rank)
 
 DATA = REPO / "data" / "mnist"
 STEPS = 20
@@ -61,13 +62,22 @@ CASES = {
         lambda p: torch.optim.Adam(p, lr=0.001, betas=(0.9, 0.999), eps=1e-6),
         64,
     ),
+    # the pull of each step beside its forward pass (overlap_pull), shard 1's answers late:
+    # each module waits for its own parameters of the step's version
+    "mean_mean_pull_overlapped": (dict(aggregation="mean"), lambda p: torch.optim.SGD(p, lr=0.05), 64),
+    "adam_overlapped_pull_overlapped": (
+        dict(aggregation="mean", optimizer='kind = "adam"\nlr = 0.001\neps = 1e-6'),
+        lambda p: torch.optim.Adam(p, lr=0.001, betas=(0.9, 0.999), eps=1e-6),
+        64,
+    ),
 }
-OVERLAPPED = {"weighted_uneven_overlapped", "adam_overlapped"}
+OVERLAPPED = {"weighted_uneven_overlapped", "adam_overlapped", "adam_overlapped_pull_overlapped"}
+PULL_OVERLAPPED = {"mean_mean_pull_overlapped", "adam_overlapped_pull_overlapped"}
 # the reference forms the step's gradient as the mean of the two workers' batch means
 PER_WORKER_GRADIENT = {"adam_default_eps"}
 
 
-def run_cluster(tmp_path, base, x, y, global_batch, overlap=False, **keys):
+def run_cluster(tmp_path, base, x, y, global_batch, overlap=False, overlap_pull=False, **keys):
     init = tmp_path / "init.safetensors"
     ps.save_init(base, init)
     cfg = tmp_path / "run.toml"
@@ -75,7 +85,11 @@ def run_cluster(tmp_path, base, x, y, global_batch, overlap=False, **keys):
     models = [copy.deepcopy(base) for _ in range(2)]
     errors = []
     with Shards(cfg, 2, tmp_path) as shards:
-        workers = [ps.Worker(cfg, m, rank=r, servers=shards.addrs) for r, m in enumerate(models)]
+        servers = list(shards.addrs)
+        if overlap_pull:
+            servers[1] = delaying_proxy(servers[1], 0.004)  # shard 1's answers come late
+        workers = [ps.Worker(cfg, m, rank=r, servers=servers, overlap_pull=overlap_pull)
+                   for r, m in enumerate(models)]
 
         def go(r):
             try:
@@ -133,7 +147,8 @@ def test_cluster_equals_single_process_torch(case, tmp_path, mnist):
     torch.manual_seed(3)
     base = SmallCNN()
     cfg, models, workers = run_cluster(tmp_path, base, x, y, global_batch,
-                                       overlap=case in OVERLAPPED, **keys)
+                                       overlap=case in OVERLAPPED,
+                                       overlap_pull=case in PULL_OVERLAPPED, **keys)
     ref = reference(base, cfg, x, y, make_opt, per_worker=case in PER_WORKER_GRADIENT)
     moved, _ = max_rel_diff(ref, base)
     assert moved > 1e-3, f"training moved the weights by only {moved}"

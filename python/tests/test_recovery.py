@@ -2,7 +2,8 @@
 with --recover on its address; the shards roll back to the newest checkpoint both have, the
 Python workers wait for them, redo the steps from there, and the run ends with the same
 weights, bit for bit, as a run that never lost a shard (also with rank 0 reading its batches
-through a prefetching DataLoader over worker.sampler())."""
+through a prefetching DataLoader over worker.sampler(), and with each step's pull beside the
+next forward pass, overlap_pull)."""
 
 import copy
 import threading
@@ -40,7 +41,9 @@ def run(out, base, x, y, lose_shard: bool, overlap: bool):
     models = [copy.deepcopy(base) for _ in range(2)]
     errors = []
     with Shards(cfg, 2, out) as shards:
-        workers = [ps.Worker(cfg, m, rank=r, servers=shards.addrs) for r, m in enumerate(models)]
+        # "pull": each step's pull beside the next forward pass (rank 1 pushing from backward)
+        workers = [ps.Worker(cfg, m, rank=r, servers=shards.addrs, overlap_pull=overlap == "pull")
+                   for r, m in enumerate(models)]
 
         def go(r):
             try:
@@ -53,7 +56,8 @@ def run(out, base, x, y, lose_shard: bool, overlap: bool):
                         F.cross_entropy(models[r](xb), yb).backward()
                         workers[r].step()
                     return
-                train_rank(workers[r], models[r], x, y, "mean", overlap=overlap is True and r == 1)
+                backward = overlap is True or overlap == "pull"
+                train_rank(workers[r], models[r], x, y, "mean", overlap=backward and r == 1)
             except BaseException as e:  # reported below, with the rank
                 errors.append((r, e))
 
@@ -70,7 +74,8 @@ def run(out, base, x, y, lose_shard: bool, overlap: bool):
     return models
 
 
-@pytest.mark.parametrize("overlap", [False, True, "loader"], ids=["step", "backward", "loader"])
+@pytest.mark.parametrize("overlap", [False, True, "loader", "pull"],
+                         ids=["step", "backward", "loader", "pull_overlapped"])
 def test_python_workers_go_on_bit_identical_after_a_lost_shard(tmp_path, mnist, overlap, caplog):
     x, y = mnist
     torch.manual_seed(11)

@@ -467,3 +467,42 @@ pub fn logged_addr(log: &Path, marker: &str) -> String {
         std::thread::sleep(Duration::from_millis(20));
     }
 }
+
+/// A TCP proxy on 127.0.0.1 in front of `target` that holds back every read from the target
+/// (the replies) for `delay` before passing it on, requests going through at once: a shard
+/// whose answers come late. Runs on background threads for the rest of the test process;
+/// returns the proxy's address.
+pub fn delaying_proxy(target: String, delay: Duration) -> String {
+    use std::io::{Read, Write};
+    use std::net::{Shutdown, TcpListener, TcpStream};
+    fn pipe(mut from: TcpStream, mut to: TcpStream, delay: Duration) {
+        let mut buf = vec![0u8; 1 << 16];
+        loop {
+            match from.read(&mut buf) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => {
+                    std::thread::sleep(delay);
+                    if to.write_all(&buf[..n]).is_err() {
+                        break;
+                    }
+                }
+            }
+        }
+        let _ = to.shutdown(Shutdown::Write);
+    }
+    let listener = TcpListener::bind("127.0.0.1:0").expect("proxy binds");
+    let addr = listener.local_addr().expect("proxy address").to_string();
+    std::thread::spawn(move || {
+        for client in listener.incoming() {
+            let Ok(client) = client else { break };
+            let Ok(server) = TcpStream::connect(&target) else {
+                continue; // the client sees its connection closed
+            };
+            let _ = (client.set_nodelay(true), server.set_nodelay(true));
+            let (c2, s2) = (client.try_clone().unwrap(), server.try_clone().unwrap());
+            std::thread::spawn(move || pipe(c2, s2, Duration::ZERO));
+            std::thread::spawn(move || pipe(server, client, delay));
+        }
+    });
+    addr
+}
