@@ -226,6 +226,9 @@ run() {
     local dir="$RUN/$model-w$w"
     mkdir -p "$dir/logs" "$dir/out"
     head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$dir/token"
+    # the shards' own credential: without it shard 0 refuses the others' step reports and
+    # writes metrics.jsonl only at the end (the link and CPU samples need its lines as they come)
+    head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$dir/shard-token"
     # shard k * HOSTS + i - 1 runs on host i at port PORT + k (round robin over the hosts)
     local servers="" i k
     for k in $(seq 0 $((SHARDS_PER_HOST - 1))); do
@@ -260,6 +263,7 @@ lr = 0.01
 
 [server]
 out_dir = "$dir/out"
+shard_token_file = "$dir/shard-token"
 barrier_timeout_secs = 600
 ${MAX_PENDING:+max_pending_gradients = $MAX_PENDING}
 EOF
@@ -317,6 +321,10 @@ EOF
         wait "$pid" || rc=1
     done
     LAUNCHERS=()
+    if [ -n "$n1" ] && awk -v a="$n0" -v b="$n1" 'BEGIN { exit !(b <= a) }'; then
+        echo "crosshost: $model W=$w: shard 0's metrics.jsonl did not grow between the two samples ($n0 and $n1 lines): no per-step figures" >&2
+        failed=1
+    fi
     if [ "$failed" = 1 ] || [ "$rc" != 0 ] || [ -z "$n1" ]; then
         echo "crosshost: $model W=$w failed; last log lines:" >&2
         for f in "$dir"/logs/*.log; do echo "--- $f" >&2; tail -n 5 "$f" >&2; done

@@ -56,8 +56,11 @@ lr = 0.01
 
 [server]
 out_dir = "$RUN/out"
+# shard-to-shard credential: with S > 1, shard 0 takes the others' step reports as they come
+shard_token_file = "$RUN/shard-token"
 barrier_timeout_secs = 600
 CFG
+head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$RUN/shard-token"
 load0="$(cut -d' ' -f1-3 /proc/loadavg)"
 for s in $(seq 0 $((S - 1))); do
     "$BIN/ps-server" --config "$RUN/config.toml" --shard "$s" >"$RUN/shard-$s.log" 2>&1 &
