@@ -12,7 +12,9 @@
 #
 # - step: median `step_ms` of shard 0's metrics.jsonl after the first SKIP steps;
 # - compute step: the slowest worker's forward+backward per step (its own log line "per step
-#   pull …, compute …, push …") plus the shard's median optimizer update (`apply_ms`); on a
+#   pull …, compute …, push …", less what forward waited for the pulls of its later layers
+#   where the build overlaps them: "pull wait per layer […]") plus the shard's median
+#   optimizer update (`apply_ms`); on a
 #   machine with fewer cores than processes this includes their contention, as the run does;
 # - busiest link: the interface byte counters (Ethernet frames, what tbf shapes) of every
 #   host's link, each direction, read when shard 0 has logged SKIP steps and again at the last
@@ -333,9 +335,11 @@ EOF
     local step_ms apply_ms compute_ms
     step_ms="$(median_key "$metrics" step_ms "$skip")"
     apply_ms="$(median_key "$metrics" apply_ms "$skip")"
-    # the slowest worker's "per step ... compute X ms"
-    compute_ms="$(cat "$dir"/logs/worker-*.log | sed -n 's/.*per step pull [0-9.]* ms, compute \([0-9.]*\) ms.*/\1/p' \
-        | sort -g | tail -n 1)"
+    # the slowest worker's "per step ... compute X ms", less what its forward pass waited for
+    # the pulls of layers after the first (builds that overlap pulls with forward count those
+    # waits in "compute": "...; pull wait per layer [w0, w1, ...] ms")
+    compute_ms="$(cat "$dir"/logs/worker-*.log | sed -n 's/.*per step pull [0-9.]* ms, compute \([0-9.]*\) ms[^;]*\(; pull wait per layer \[\([^]]*\)\]\)\{0,1\}.*/\1 \3/p' \
+        | awk '{ c = $1; gsub(",", " "); for (k = 3; k <= NF; k++) c -= $k; print c }' | sort -g | tail -n 1)"
     [ -n "$compute_ms" ] || { echo "crosshost: $model W=$w: no worker timing line in the logs" >&2; return 1; }
     local ddp_ms ddp_cpu; read -r ddp_ms ddp_cpu < <(ddp "$hidden" "$w" "$steps" "$skip")
     awk -v model="$model" -v w="$w" -v hosts="$HOSTS" -v rate="$RATE" -v bps="$RATE_BPS" \
