@@ -221,6 +221,11 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
         // per shard: the sender of its push's pieces once it is under way
         let mut senders: Vec<Option<tokio::sync::mpsc::UnboundedSender<(usize, Bytes)>>> =
             (0..peers.len()).map(|_| None).collect();
+        // the gradient board is read in place by the shards on this host until they publish
+        // version t: backward writes it after forward, which waited for every layer of
+        // version t; gradient accumulation and an empty batch write it (zeros) before any
+        // forward, so they wait for the whole pull first
+        let grad_shared = peers.iter().any(|p| p.link.grad);
         let (pulled, computed) = pull_while(&runtime, jobs, &gate, || -> anyhow::Result<()> {
             if !on_host {
                 gate.wait_all()?;
@@ -234,6 +239,9 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
                     (0, 0)
                 };
             train.gather(planner.worker_batch(t, rank, world), &mut x, &mut y);
+            if grad_shared && (cfg.train.micro_batches > 1 || y.is_empty()) {
+                gate.wait_all()?;
+            }
             let header = |stats: StepStats| PushHeader {
                 rank: rank as u32,
                 step: t,
