@@ -379,7 +379,9 @@ impl Shard {
         if st.barrier.step() != step || st.barrier.applying() || st.failed.is_some() {
             return false;
         }
-        let members = st.barrier.freeze_if_ready().map(|(m, _)| m.clone());
+        // the barrier and the tracking are two fields of the state: both borrowed at once,
+        // without a copy of the member list per published region
+        let members = st.barrier.freeze_if_ready().map(|(m, _)| m.as_slice());
         let (world, n) = (self.world, self.buckets.len());
         let track = st.track.at(step, world, n);
         let Some(me) = track.ranks[rank as usize]
