@@ -5,9 +5,11 @@
 //! with the gradient left there (kernels, sgemm, reading the loss back), beside the same step's
 //! sgemm calls alone (per layer the forward product and the weight gradient, and the input
 //! gradient of every layer but the first, exactly the products a step makes); the host-to-device
-//! copies of the batch features and of the weights and the device-to-host gradient download;
-//! and a full worker step (upload weights, upload batch, forward+backward, download gradient
-//! layer by layer). Medians over `--steps` timed steps after `--warmup` untimed ones, each timed
+//! copies of the batch features and of the weights (from pageable memory, and from the device's
+//! pinned staging memory) and the device-to-host gradient download; a full step (upload
+//! weights, upload batch, forward+backward, download gradient layer by layer); and the
+//! worker's gated step (the weights copied into the staging memory as a pull writes them, then
+//! uploaded piece by piece by the forward pass). Medians over `--steps` timed steps after `--warmup` untimed ones, each timed
 //! step ending with a stream synchronisation. FLOPs are counted as 6·batch·Σ(in·out) per step
 //! (forward, weight gradient and input gradient of every layer; a real step skips the first
 //! layer's input gradient but the count, like PyTorch's usual one, includes it); the sgemm-only
@@ -18,10 +20,12 @@
 
 use ps_common::config::LossReduction;
 use ps_common::layout::{MlpLayout, splitmix64};
+use ps_common::sink::PullSink;
 use ps_worker::backend::{Backend, BackendError};
-use ps_worker::cuda::CudaBackend;
+use ps_worker::cuda::{CudaBackend, CudaDevice};
+use ps_worker::ops::Device;
 use std::process::ExitCode;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// The command line.
 #[derive(Debug, clap::Parser)]
@@ -111,8 +115,12 @@ struct Row {
     gemm_ms: f64,
     batch_ms: f64,
     htod_ms: f64,
+    /// The weights uploaded from the device's pinned staging memory.
+    pinned_ms: f64,
     dtoh_ms: f64,
     full_ms: f64,
+    /// A worker's step with the weights pulled into the staging memory through a gate.
+    gated_ms: f64,
 }
 
 impl Row {
@@ -165,11 +173,39 @@ fn bench_model(
             b.set_weights(&w)?;
             b.sync()
         })?;
+        let pinned_ms = {
+            let dev = b.device_mut();
+            let ptr = dev.staging(p)?.expect("the CUDA device has staging memory");
+            // SAFETY: `p` values of pinned memory that stay allocated until the next
+            // `staging` call (none below); nothing else writes them
+            let host = unsafe { std::slice::from_raw_parts_mut(ptr, p) };
+            host.copy_from_slice(&w);
+            let mut buf = dev.alloc(p)?;
+            median_ms(warm, steps, || {
+                dev.upload(host, CudaDevice::view_mut(&mut buf, 0..p))?;
+                dev.sync()
+            })?
+        };
         let dtoh_ms = median_ms(warm, steps, || b.download_gradient(&mut g))?;
         let full_ms = median_ms(warm, steps, || {
             b.set_weights(&w)?;
             b.forward_backward(&x, &labels, LossReduction::Mean, &mut g)
                 .map(|_| ())
+        })?;
+        // the worker's path: the pull writes the staging memory (here at once, one shard) and
+        // forward uploads it piece by piece
+        let one_shard: Vec<std::ops::Range<usize>> = std::iter::once(0..p).collect();
+        let gated_ms = median_ms(warm, steps, || {
+            let gate = b
+                .open_gate(1, one_shard.clone(), Duration::from_secs(60))
+                .expect("the CUDA backend gates a pull");
+            let mut wr = gate.writer(0);
+            wr.next(p).copy_from_slice(&w);
+            wr.publish(p);
+            wr.finish();
+            let r = b.forward_backward(&x, &labels, LossReduction::Mean, &mut g);
+            b.close_gate();
+            r.map(|_| ())
         })?;
         rows.push(Row {
             model: dims
@@ -185,8 +221,10 @@ fn bench_model(
             gemm_ms,
             batch_ms,
             htod_ms,
+            pinned_ms,
             dtoh_ms,
             full_ms,
+            gated_ms,
         });
     }
     Ok(rows)
@@ -196,12 +234,15 @@ fn markdown(header: &str, rows: &[Row]) -> String {
     let mut s = format!("{header}\n\n");
     s.push_str(
         "| model | params | batch | fwd+bwd ms | GFLOP/s | sgemm-only ms | sgemm GFLOP/s | sgemm share | \
-         batch htod ms | weights htod ms | htod GB/s | grad dtoh ms | dtoh GB/s | full step ms |\n",
+         batch htod ms | weights htod ms | htod GB/s | pinned htod ms | pinned GB/s | grad dtoh ms | dtoh GB/s | \
+         full step ms | gated step ms |\n",
     );
-    s.push_str("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+    s.push_str(
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
+    );
     for r in rows {
         s.push_str(&format!(
-            "| {} | {} | {} | {:.3} | {:.0} | {:.3} | {:.0} | {:.0}% | {:.3} | {:.3} | {:.1} | {:.3} | {:.1} | {:.3} |\n",
+            "| {} | {} | {} | {:.3} | {:.0} | {:.3} | {:.0} | {:.0}% | {:.3} | {:.3} | {:.1} | {:.3} | {:.1} | {:.3} | {:.1} | {:.3} | {:.3} |\n",
             r.model,
             r.params,
             r.batch,
@@ -213,9 +254,12 @@ fn markdown(header: &str, rows: &[Row]) -> String {
             r.batch_ms,
             r.htod_ms,
             r.gbps(r.htod_ms),
+            r.pinned_ms,
+            r.gbps(r.pinned_ms),
             r.dtoh_ms,
             r.gbps(r.dtoh_ms),
             r.full_ms,
+            r.gated_ms,
         ));
     }
     s
@@ -242,8 +286,9 @@ fn json(device: &str, arch: &str, a: &Args, rows: &[Row]) -> String {
             format!(
                 "    {{\"model\": {}, \"params\": {}, \"batch\": {}, \"gflop_per_step\": {:.6}, \
                  \"step_ms\": {:.6}, \"step_gflops\": {:.3}, \"sgemm_ms\": {:.6}, \"sgemm_gflops\": {:.3}, \"batch_htod_ms\": {:.6}, \
-                 \"weights_htod_ms\": {:.6}, \"weights_htod_gbps\": {:.3}, \"grad_dtoh_ms\": {:.6}, \
-                 \"grad_dtoh_gbps\": {:.3}, \"full_step_ms\": {:.6}}}",
+                 \"weights_htod_ms\": {:.6}, \"weights_htod_gbps\": {:.3}, \"pinned_htod_ms\": {:.6}, \
+                 \"pinned_htod_gbps\": {:.3}, \"grad_dtoh_ms\": {:.6}, \
+                 \"grad_dtoh_gbps\": {:.3}, \"full_step_ms\": {:.6}, \"gated_step_ms\": {:.6}}}",
                 json_str(&r.model),
                 r.params,
                 r.batch,
@@ -255,9 +300,12 @@ fn json(device: &str, arch: &str, a: &Args, rows: &[Row]) -> String {
                 r.batch_ms,
                 r.htod_ms,
                 r.gbps(r.htod_ms),
+                r.pinned_ms,
+                r.gbps(r.pinned_ms),
                 r.dtoh_ms,
                 r.gbps(r.dtoh_ms),
                 r.full_ms,
+                r.gated_ms,
             )
         })
         .collect();

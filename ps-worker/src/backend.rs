@@ -59,11 +59,13 @@ pub trait Backend: Send {
     /// The flat range of each layer's parameters, in forward order.
     fn layers(&self) -> Vec<Range<usize>>;
 
-    /// For a backend whose weights live in host memory: a gate over them for the pull of
-    /// `version` from shards holding `shards` ([`PullGate`]); until [`Backend::close_gate`],
-    /// every forward pass waits at it for each layer's parameters, so that the pull's writers
-    /// fill the weights while forward runs on the layers already there. `None` on a device
-    /// with its own memory: the caller pulls into a host vector and uploads it.
+    /// A gate for the pull of `version` from shards holding `shards` ([`PullGate`]): over the
+    /// weights themselves when they live in host memory, else over the device's staging
+    /// memory ([`crate::ops::Device::staging`], pinned on a GPU). Until
+    /// [`Backend::close_gate`], every forward pass waits at it for each layer's parameters, so
+    /// that the pull's writers fill the weights while forward runs on the layers already
+    /// there (on a device, while the pieces already published are copied to it). `None` when
+    /// the backend has neither: the caller pulls into a host vector and uploads it.
     fn open_gate(
         &mut self,
         _version: u64,

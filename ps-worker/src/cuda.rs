@@ -446,6 +446,9 @@ pub struct CudaDevice {
     /// recorded behind its last copy. (The pinned slice's own event is not recorded: event
     /// tracking is disabled on this context, see `init`.)
     staging: HashMap<usize, (PinnedHostSlice<f32>, CudaEvent)>,
+    /// Pinned host memory of [`Device::staging`]: the weights a pull writes, uploaded from
+    /// there piece by piece while the rest arrives.
+    weight_staging: Option<PinnedHostSlice<f32>>,
     /// Pinned copy of `stats[0..2]`, queued right behind each loss, and the event recorded
     /// behind that copy (so reading the loss does not wait for the backward pass after it).
     stats_host: (PinnedHostSlice<f64>, CudaEvent),
@@ -816,6 +819,7 @@ impl CudaDevice {
             .map_err(cuda_err("allocating the row flags"))?;
         Ok(Self {
             staging: HashMap::new(),
+            weight_staging: None,
             stats_host,
             labels,
             row_loss,
@@ -957,6 +961,31 @@ impl Device for CudaDevice {
 
     fn host_buf(_: &mut CudaSlice<f32>) -> Option<&mut [f32]> {
         None
+    }
+
+    fn staging(&mut self, len: usize) -> BackendResult<Option<*mut f32>> {
+        // no upload queued from the memory may still be reading it
+        self.sync()?;
+        if self
+            .weight_staging
+            .as_ref()
+            .is_none_or(|p| p.len() != len.max(1))
+        {
+            self.weight_staging = None;
+            // SAFETY: its values are read (by uploads) only after a pull wrote them (the
+            // gate's contract); flags 0: cached host memory, fast for the pull's writes
+            let p = unsafe { self.ctx.alloc_pinned_with_flags::<f32>(len.max(1), 0) }.map_err(
+                cuda_err(format_args!(
+                    "allocating {len} floats of pinned host memory for the weights"
+                )),
+            )?;
+            self.weight_staging = Some(p);
+        }
+        let p = self.weight_staging.as_mut().expect("allocated above");
+        let host = p
+            .as_mut_slice()
+            .map_err(cuda_err("reaching the pinned weights"))?;
+        Ok(Some(host.as_mut_ptr()))
     }
 
     fn upload(&mut self, src: &[f32], mut dst: CudaViewMut<'_, f32>) -> BackendResult<()> {

@@ -68,6 +68,10 @@ pub trait Net<D: Device>: Send {
     ) -> BackendResult<()>;
 }
 
+/// Most values one upload of the weights a pull publishes copies ([`Backend::open_gate`] on a
+/// device with its own memory): 4 MiB, so that the copies follow the pull closely.
+pub const UPLOAD_PIECE: usize = 1 << 20;
+
 /// A model on device `D`: its flat weights, the batch, and the computation `N`.
 pub struct Model<D: Device, N: Net<D>> {
     layout: ModelLayout,
@@ -80,9 +84,12 @@ pub struct Model<D: Device, N: Net<D>> {
     /// gradient directly).
     host: bool,
     x: D::Buf,
-    /// The pull the weights are being filled by (host devices, [`Backend::open_gate`]): the
-    /// forward pass waits at it for each layer.
+    /// The pull the weights are being filled by ([`Backend::open_gate`]): the forward pass
+    /// waits at it for each layer.
     gate: Option<Arc<PullGate>>,
+    /// With a gate over the device's staging memory ([`Device::staging`]) rather than over
+    /// the weights themselves: how far the upload of what the pull published there has got.
+    upload_from: Option<usize>,
     /// Labels of the batch whose features are in `x` (see [`Model::upload_batch`]).
     labels: Vec<u8>,
     /// Rows the batch buffers hold; a smaller batch uses their first rows.
@@ -174,6 +181,7 @@ impl<D: Device, N: Net<D>> Model<D, N> {
             host,
             x,
             gate: None,
+            upload_from: None,
             labels: Vec::new(),
             rows: 0,
             dev,
@@ -316,9 +324,32 @@ impl<D: Device, N: Net<D>> Model<D, N> {
         self.dev.upload(x, v)
     }
 
+    /// With a gate over the device's staging memory: queues the upload of the weights the
+    /// pull has not finished yet, piece by piece (at most [`UPLOAD_PIECE`] values, never across
+    /// a layer's end) as soon as each piece is published, so that the copies run while the
+    /// rest arrives and the forward pass queued after them reads version `t` alone.
+    fn upload_published(&mut self) -> BackendResult<()> {
+        let (Some(gate), Some(mut at)) = (self.gate.as_deref(), self.upload_from) else {
+            return Ok(());
+        };
+        let len = self.layout.num_params();
+        let ends: Vec<usize> = self.net.layers().iter().map(|l| l.end).collect();
+        while at < len {
+            let layer_end = ends.iter().copied().filter(|&e| e > at).min();
+            let end = layer_end.unwrap_or(len).min(at + UPLOAD_PIECE).min(len);
+            gate.wait(at..end)?;
+            let dst = D::view_mut(&mut self.weights, at..end);
+            self.dev.upload(gate.published(at..end), dst)?;
+            at = end;
+            self.upload_from = Some(at);
+        }
+        Ok(())
+    }
+
     /// Forward pass over the `n` uploaded rows, each layer after its weights are pulled
     /// when a gate is open.
     fn forward(&mut self, n: usize) -> BackendResult<()> {
+        self.upload_published()?;
         let x = D::view(&self.x, 0..n * self.layout.inputs());
         let gate = self.gate.as_deref();
         let wait = |r: Range<usize>| match gate {
@@ -410,13 +441,13 @@ impl<D: Device, N: Net<D>> Backend for Model<D, N> {
                 self.layout.num_params()
             )));
         }
-        self.gate = None;
+        self.close_gate();
         let v = D::view_mut(&mut self.weights, 0..flat.len());
         self.dev.upload(flat, v)
     }
 
     fn host_weights(&mut self) -> Option<&mut [f32]> {
-        self.gate = None;
+        self.close_gate();
         D::host_buf(&mut self.weights)
     }
 
@@ -430,23 +461,43 @@ impl<D: Device, N: Net<D>> Backend for Model<D, N> {
         shards: Vec<Range<usize>>,
         patience: Duration,
     ) -> Option<Arc<PullGate>> {
+        self.close_gate();
         let len = self.layout.num_params();
-        let ptr = D::host_ptr(&mut self.weights)?;
-        // SAFETY: the weights stay allocated and unmoved while the gate is open (nothing
-        // resizes them; `set_weights` and `host_weights`, which would write them, close it
-        // first), and while it is open this model reads them only through `D::view` of a
-        // layer's range after `PullGate::wait` returned for it (`Model::forward`; the
-        // backward pass reads layers its forward pass waited for). The caller drops the
+        let (ptr, staged) = match D::host_ptr(&mut self.weights) {
+            Some(p) => (p, false),
+            None => match self.dev.staging(len) {
+                Ok(Some(p)) => (p, true),
+                Ok(None) => return None,
+                Err(e) => {
+                    tracing::warn!(
+                        "{}: no staging memory for the weights ({e}): the pull fills a host vector, uploaded once complete",
+                        self.dev.name()
+                    );
+                    return None;
+                }
+            },
+        };
+        // SAFETY: on a host device, the weights stay allocated and unmoved while the gate is
+        // open (nothing resizes them; `set_weights` and `host_weights`, which would write
+        // them, close it first), and while it is open this model reads them only through
+        // `D::view` of a layer's range after `PullGate::wait` returned for it
+        // (`Model::forward`; the backward pass reads layers its forward pass waited for).
+        // On a device with its own memory the gate is over the staging memory, which only
+        // this gate writes until the next `Device::staging` call (made by the next
+        // `open_gate`, after this gate is closed), and which is read only by the uploads of
+        // `upload_published`, of ranges `PullGate::wait` returned for. The caller drops the
         // writers before it closes the gate.
         let gate = Arc::new(unsafe {
             PullGate::new(ptr, len, version, shards, self.net.layers(), patience)
         });
         self.gate = Some(gate.clone());
+        self.upload_from = staged.then_some(0);
         Some(gate)
     }
 
     fn close_gate(&mut self) {
         self.gate = None;
+        self.upload_from = None;
     }
 
     fn forward_backward(
@@ -1008,7 +1059,16 @@ mod tests {
     /// path of a GPU (device gradient buffer, downloads layer by layer), so that path is
     /// checked here, bit for bit against the host path, on a machine without a GPU.
     #[derive(Debug)]
-    struct Hostless(CpuDevice, std::collections::HashMap<usize, Vec<f32>>);
+    /// (The third field: the memory of [`Device::staging`], counted uploads from it.)
+    struct Hostless(
+        CpuDevice,
+        std::collections::HashMap<usize, Vec<f32>>,
+        (Vec<f32>, usize),
+    );
+
+    fn hostless() -> Hostless {
+        Hostless(CpuDevice::new(1), Default::default(), Default::default())
+    }
 
     impl Device for Hostless {
         type Buf = Vec<f32>;
@@ -1095,7 +1155,16 @@ mod tests {
         fn host_buf(_: &mut Vec<f32>) -> Option<&mut [f32]> {
             None
         }
+        fn staging(&mut self, len: usize) -> BackendResult<Option<*mut f32>> {
+            // garbage, like `alloc`, so that an upload of unpublished values shows up
+            self.2.0 = vec![f32::NAN; len];
+            Ok(Some(self.2.0.as_mut_ptr()))
+        }
         fn upload(&mut self, src: &[f32], dst: &mut [f32]) -> BackendResult<()> {
+            let s = self.2.0.as_ptr_range();
+            if s.contains(&src.as_ptr()) {
+                self.2.1 += 1;
+            }
             self.0.upload(src, dst)
         }
         fn download(&mut self, src: &[f32], dst: &mut [f32]) -> BackendResult<()> {
@@ -1223,6 +1292,90 @@ mod tests {
         (s, g, seen)
     }
 
+    /// On a device with its own memory a gated pull writes the device's staging memory, and
+    /// the forward pass uploads each piece as soon as it is published (a big layer in several
+    /// pieces, none across a layer's end): with the last shard arriving slowly, the gradient
+    /// is that of `set_weights`, bit for bit, step after step; a pull that fails midway stops
+    /// the step before anything is handed on.
+    #[test]
+    fn a_gated_pull_on_a_device_uploads_each_piece_as_it_arrives() {
+        use crate::gate::GateError;
+        use ps_common::sink::PullSink;
+        use std::time::Duration;
+        // fc1 holds 1,101,000 values: more than one upload piece
+        let layout = MlpLayout::new(&[1100, 1000, 3]);
+        let p = layout.num_params();
+        let w = layout.init_range(5, 0..p);
+        let (x, y) = batch(&layout.clone().into(), 2, 1);
+        let mut want = vec![0f32; p];
+        let mut host = CpuBackend::new(layout.clone(), 1);
+        host.set_weights(&w).unwrap();
+        host.forward_backward(&x, &y, LossReduction::Mean, &mut want)
+            .unwrap();
+
+        let mut dev = Mlp::on(layout.clone(), hostless()).unwrap();
+        // the previous version's weights on the device: all different
+        let old: Vec<f32> = w.iter().map(|v| v * 3.0 + 1.0).collect();
+        dev.set_weights(&old).unwrap();
+        let shards = vec![0..p / 3, p / 3..p];
+        let pieces: usize = dev
+            .layers()
+            .iter()
+            .map(|l| l.len().div_ceil(UPLOAD_PIECE))
+            .sum();
+        assert!(pieces > dev.layers().len(), "no layer split into pieces");
+        for step in 1..=3u64 {
+            let gate = dev
+                .open_gate(step, shards.clone(), Duration::from_secs(30))
+                .expect("a device with staging memory opens a gate");
+            let mut got = vec![0f32; p];
+            let mut handed = 0;
+            let result = std::thread::scope(|s| {
+                for (i, pause) in [(0, 0), (1, 200)] {
+                    let (g, w, r) = (&gate, &w, shards[i].clone());
+                    s.spawn(move || {
+                        let mut wr = g.writer(i);
+                        while wr.filled() < wr.len() {
+                            if step == 3 && i == 1 && wr.filled() > 0 {
+                                g.fail(1, "shard 1: connection reset".into());
+                                return;
+                            }
+                            std::thread::sleep(Duration::from_micros(pause));
+                            let n = 50_000.min(wr.len() - wr.filled());
+                            let at = r.start + wr.filled();
+                            wr.next(n).copy_from_slice(&w[at..at + n]);
+                            wr.publish(n);
+                        }
+                        wr.finish();
+                    });
+                }
+                dev.forward_backward_overlapped(
+                    &x,
+                    &y,
+                    LossReduction::Mean,
+                    &mut got,
+                    &mut |_, _, _| handed += 1,
+                )
+            });
+            dev.close_gate();
+            if step < 3 {
+                result.unwrap();
+                assert_eq!(bits(&got), bits(&want), "step {step}");
+                assert_eq!(dev.device().2.1, pieces * step as usize, "step {step}");
+            } else {
+                let err = result.unwrap_err();
+                assert!(
+                    matches!(
+                        &err,
+                        BackendError::Gate(GateError::PullFailed { shard: 1, .. })
+                    ),
+                    "{err}"
+                );
+                assert_eq!(handed, 0, "a gradient was handed on after a failed pull");
+            }
+        }
+    }
+
     /// The device path (gradient buffer on the device, downloaded layer by layer) gives the
     /// same bits as the host path, over growing and shrinking batches, both reductions, with
     /// the same ranges handed on in the same order; evaluation in chunks agrees too.
@@ -1231,11 +1384,7 @@ mod tests {
         let layout = MlpLayout::new(&[6, 9, 5, 4]);
         let w = layout.init_range(3, 0..layout.num_params());
         let mut host = CpuBackend::new(layout.clone(), 1);
-        let mut dev = Mlp::on(
-            layout.clone(),
-            Hostless(CpuDevice::new(1), Default::default()),
-        )
-        .unwrap();
+        let mut dev = Mlp::on(layout.clone(), hostless()).unwrap();
         assert!(dev.host_weights().is_none() && host.host_weights().is_some());
         host.set_weights(&w).unwrap();
         dev.set_weights(&w).unwrap();
@@ -1279,11 +1428,7 @@ mod tests {
         let s = host
             .forward_backward(&x, &y, LossReduction::Mean, &mut want)
             .unwrap();
-        let mut dev = Mlp::on(
-            layout.clone(),
-            Hostless(CpuDevice::new(1), Default::default()),
-        )
-        .unwrap();
+        let mut dev = Mlp::on(layout.clone(), hostless()).unwrap();
         dev.set_weights(&w).unwrap();
         let mut g = vec![0.0; p];
         let e = dev.download_gradient(&mut g).unwrap_err();
@@ -1466,11 +1611,7 @@ mod tests {
         let p = layout.num_params();
         let w = layout.init_range(3, 0..p);
         let mut host = crate::cpu::cpu_model(&ml, 1);
-        let mut dev = Cnn::on(
-            layout.clone(),
-            Hostless(CpuDevice::new(1), Default::default()),
-        )
-        .unwrap();
+        let mut dev = Cnn::on(layout.clone(), hostless()).unwrap();
         host.set_weights(&w).unwrap();
         dev.set_weights(&w).unwrap();
         let starts: Vec<usize> = ["fc2.weight", "fc1.weight", "conv2.weight", "conv1.weight"]

@@ -172,7 +172,17 @@ pub trait Device: Send {
     fn host_ptr(_buf: &mut Self::Buf) -> Option<*mut f32> {
         None
     }
-    /// Copies `src` into `dst` (same length).
+    /// Host memory of the device's own for `len` weights that a pull writes and
+    /// [`Device::upload`] then copies to the device piece by piece (pinned on a GPU: such an
+    /// upload is queued without waiting, and the copy runs while the pull goes on). Waits
+    /// until no queued copy reads the memory any more; it stays allocated and unmoved until
+    /// the next call or the device's end. `None` on a device that computes in host memory,
+    /// whose weights are host memory already ([`Device::host_ptr`]).
+    fn staging(&mut self, _len: usize) -> BackendResult<Option<*mut f32>> {
+        Ok(None)
+    }
+    /// Copies `src` into `dst` (same length). From the memory of [`Device::staging`] the copy
+    /// may still be running when this returns: `src` must not change until [`Device::sync`].
     fn upload(&mut self, src: &[f32], dst: Self::ViewMut<'_>) -> BackendResult<()>;
     /// Copies `src` into `dst` (same length), waiting for the operations before it.
     fn download(&mut self, src: Self::View<'_>, dst: &mut [f32]) -> BackendResult<()>;

@@ -194,20 +194,21 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
     while t < total {
         let t0 = Instant::now();
         // the pulls of version t run while this thread computes: forward waits at the gate
-        // for each layer's parameters (pulled straight into the backend's host weights, or
-        // into `weights`, uploaded once complete, on a device with its own memory)
-        let on_host = backend.host_weights().is_some();
-        let gate = match backend.open_gate(t, shard_ranges.clone(), patience) {
-            Some(g) => g,
+        // for each layer's parameters (pulled straight into the backend's host weights, or,
+        // on a device with its own memory, into its staging memory, uploaded piece by piece
+        // as it arrives; else into `weights`, uploaded once complete)
+        let (gate, backend_gated) = match backend.open_gate(t, shard_ranges.clone(), patience) {
+            Some(g) => (g, true),
             None => {
                 let layers = backend.layers();
                 let (ptr, len) = (weights.as_mut_ptr(), weights.len());
                 // SAFETY: `weights` is neither touched nor resized until the gate is dropped
                 // at the end of this step, except through it: the writers of the pulling
                 // thread (joined by `pull_while`) and `published` after `wait_all`.
-                Arc::new(unsafe {
+                let g = Arc::new(unsafe {
                     PullGate::new(ptr, len, t, shard_ranges.clone(), layers, patience)
-                })
+                });
+                (g, false)
             }
         };
         let jobs = pull_jobs(&peers);
@@ -227,7 +228,7 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
         // forward, so they wait for the whole pull first
         let grad_shared = peers.iter().any(|p| p.link.grad);
         let (pulled, computed) = pull_while(&runtime, jobs, &gate, || -> anyhow::Result<()> {
-            if !on_host {
+            if !backend_gated {
                 gate.wait_all()?;
                 backend.set_weights(gate.published(0..layout.num_params()))?;
             }

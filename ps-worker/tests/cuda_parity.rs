@@ -830,3 +830,59 @@ fn cnn_step_parity() {
         assert_eq!(gpu.evaluate(&x, &y).unwrap(), cpu.evaluate(&x, &y).unwrap());
     }
 }
+
+/// A gated pull on the GPU: the pull writes the device's pinned staging memory while the
+/// forward pass queues an upload of each piece as it is published (a layer of more than one
+/// piece, the last shard arriving slowly, two steps so the staging memory is reused): the
+/// gradient and loss are those of `set_weights` of the same values, bit for bit.
+#[test]
+#[ignore = "needs a CUDA GPU: run with --ignored on a GPU machine (scripts/gpu-check.sh)"]
+fn gated_pull_uploads_pieces_as_they_arrive() {
+    use ps_common::sink::PullSink;
+    use ps_worker::model::UPLOAD_PIECE;
+    use std::time::Duration;
+    let layout = MlpLayout::new(&[1100, 1000, 3]);
+    let p = layout.num_params();
+    assert!(layout.layer(0).0.len() > UPLOAD_PIECE, "fc1 fits one piece");
+    let mut cuda = gpu(&layout);
+    let shards = vec![0..p / 3, p / 3..p];
+    for seed in [1u64, 2] {
+        let w = layout.init_range(seed, 0..p);
+        let (x, labels, _) = batch(&layout, &w, 8, seed);
+        cuda.set_weights(&w).unwrap();
+        let mut want = vec![0f32; p];
+        let want_stats = cuda
+            .forward_backward(&x, &labels, LossReduction::Mean, &mut want)
+            .unwrap();
+        // the previous version on the device: every value different
+        let old: Vec<f32> = w.iter().map(|v| v * 3.0 + 1.0).collect();
+        cuda.set_weights(&old).unwrap();
+        let gate = cuda
+            .open_gate(seed, shards.clone(), Duration::from_secs(60))
+            .expect("the CUDA backend gates a pull through its staging memory");
+        let mut got = vec![0f32; p];
+        let stats = std::thread::scope(|s| {
+            for (i, pause) in [(0, 0), (1, 300)] {
+                let (g, w, r) = (&gate, &w, shards[i].clone());
+                s.spawn(move || {
+                    let mut wr = g.writer(i);
+                    while wr.filled() < wr.len() {
+                        std::thread::sleep(Duration::from_micros(pause));
+                        let n = 40_000.min(wr.len() - wr.filled());
+                        let at = r.start + wr.filled();
+                        wr.next(n).copy_from_slice(&w[at..at + n]);
+                        wr.publish(n);
+                    }
+                    wr.finish();
+                });
+            }
+            cuda.forward_backward(&x, &labels, LossReduction::Mean, &mut got)
+                .unwrap()
+        });
+        cuda.close_gate();
+        assert_eq!(stats, want_stats, "seed {seed}");
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        assert!(bits(&got) == bits(&want), "seed {seed}: gradients differ");
+        eprintln!("gated pull, seed {seed}: gradient equals set_weights' bit for bit");
+    }
+}
