@@ -1,80 +1,98 @@
 #!/usr/bin/env bash
-# One device call: the GPU checklist's steps 1-6 plus the cluster runs, everything under $OUT.
-# DEADLINE (seconds from start) bounds the whole script.
+# gpu-session.sh: one device call's worth of GPU checks, from the bundle of scripts/gpu-bundle.sh
+# (.dev/gpu-bin.tar.xz, .dev/pypkg.tar.xz, optionally .dev/gpu-old.tar.xz), run from the
+# repository root on the GPU machine; everything it prints goes to $OUT/all.log too, and
+# gpu-check.sh's report and JSON into $OUT. In order (a section that would pass the deadline
+# is skipped, saying so):
+#   1. the driver, the libraries, NVRTC compiling the kernels, the ps-worker CUDA unit tests
+#   2. scripts/gpu-check.sh: every CUDA parity test, the CUDA-worker clusters against the
+#      single process (cluster_cuda), gpu-bench and the same MLPs in PyTorch (TF32 off)
+#   3. the 784-4096-4096-10 MLP, global batch 1024, 2 shards and 2 CUDA workers sharing the
+#      GPU: with gpu-old (when bundled) and this build alternately, ROUNDS times; then the
+#      same with CPU workers (16 cores)
+#   4. the default job (deploy/mnist.toml) with CUDA workers, against the single process
+#   5. compute-sanitizer (memcheck, racecheck, synccheck) on small parity cases and the gated pull
+#   6. the Python worker with a CUDA model (scripts/py_cuda_check.py)
+#   7. the Fashion-MNIST CNN job with CUDA workers, against the single process
+# Environment: DEADLINE (seconds for the whole script, default 400), ROUNDS (2), LARGE_STEPS (60).
 set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
 T0=$(date +%s)
 DEADLINE="${DEADLINE:-400}"
+ROUNDS="${ROUNDS:-2}"
+LARGE_STEPS="${LARGE_STEPS:-60}"
 left() { echo $((DEADLINE - ($(date +%s) - T0))); }
-step() { echo; echo "=================== $* (t=$(( $(date +%s) - T0 ))s, left $(left)s)"; }
-bounded() { # bounded MAX CMD...: timeout min(MAX, time left - 5)
-    local max="$1"; shift
-    local l=$(( $(left) - 5 ))
+step() { echo; echo "=================== $* (t=$(($(date +%s) - T0))s, left $(left)s)"; }
+bounded() { # bounded MAX CMD...: runs CMD for at most min(MAX, the time left - 5) seconds
+    local max="$1" l=$(($(left) - 5))
+    shift
     [ "$l" -lt "$max" ] && max="$l"
     if [ "$max" -le 5 ]; then echo "SKIPPED (no time left): $*"; return 124; fi
     timeout --kill-after=5 "$max" "$@"
 }
-OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
+OUT="${OUT:-/tmp/gpu-session}"
+mkdir -p "$OUT"
 exec > >(tee "$OUT/all.log") 2>&1
-tar xzf .dev/gpu-bin.tgz -C .dev && tar xzf .dev/pypkg.tgz -C .dev || exit 2
+for p in gpu-bin pypkg gpu-old; do
+    [ -f ".dev/$p.tar.xz" ] && tar xJf ".dev/$p.tar.xz" -C .dev
+done
 B="$PWD/.dev/gpu-bin"
+[ -x "$B/ps-worker" ] || { echo "gpu-session: no $B/ps-worker: run scripts/gpu-bundle.sh here first"; exit 2; }
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 export RUST_LOG=info
 
-step "1. driver, libraries, NVRTC"
+step "1. driver, libraries, NVRTC, unit tests"
 nvidia-smi --query-gpu=name,driver_version,compute_cap,memory.total,clocks.max.sm --format=csv
-nproc; free -g | head -2
-ls /usr/local/cuda/lib64 | grep -E '^lib(nvrtc|cublas)\.so'
-ldconfig -p | grep -E 'libcuda\.so|libnvrtc\.so|libcublas\.so'
-bounded 60 "$B/ps_worker_lib" --ignored --exact cuda::tests::nvrtc_compiles_the_kernels
-echo "rc nvrtc=$?"
+echo "cores $(nproc), commit $(git rev-parse --short HEAD 2>/dev/null)"
 bounded 120 "$B/ps_worker_lib" --include-ignored --test-threads=1 cuda:: device::
-echo "rc lib cuda=$?"
+echo "rc unit=$?"
 
-step "2. open the device, self-test"
-bounded 15 "$B/ps-worker" --config deploy/mnist.toml --rank 0 --device cuda 2>&1 | head -4
-
-step "3-4. gpu-check.sh: parity, cluster_cuda, gpu-bench, torch"
-STEPS=30 WARMUP=5 bounded 240 scripts/gpu-check.sh "$B"
+step "2. gpu-check.sh: parity, cluster_cuda, gpu-bench, PyTorch"
+STEPS=30 WARMUP=5 bounded 200 scripts/gpu-check.sh "$B"
 echo "rc gpu-check=$?"
-for f in bench/results/*; do cp "$f" "$OUT/"; done
+find bench/results -name 'gpu-*' -newermt "@$T0" -exec cp {} "$OUT/" \;
 
-step "5a. the default job, CUDA workers (device in [worker]), --check-reference"
-bounded 150 "$B/ps-launch" --config deploy/mnist.toml --set worker.device=cuda --check-reference \
-    --out-dir /tmp/gpu-mnist 2>&1 | grep -vE 'INFO shard [01] step|noise scale' | tail -25
-echo "rc default job cuda=${PIPESTATUS[0]}"
-grep -h "device cuda\|done after\|share\|round robin" /tmp/gpu-mnist/logs/*.log | head -8
-
-large() { # large NAME DEVICE STEPS
-    bounded 90 "$B/ps-launch" --config deploy/mnist.toml --out-dir "/tmp/large-$1" \
-        --set 'model.hidden=[4096,4096]' --set train.steps="$3" --set train.global_batch=1024 \
-        --set train.eval_every=0 --set train.log_every=10 --set worker.device="$2" 2>&1 | grep -E "step [0-9]+/|finished|accuracy" | tail -6
-    echo "rc large $1=${PIPESTATUS[0]}"
-    grep -h "device \|done after" /tmp/large-$1/logs/worker-*.log | tail -4
-    tail -n 3 /tmp/large-$1/metrics.jsonl
+median() { # median FIELD metrics.jsonl: over the steps after the first 5
+    python3 -c "import json,sys,statistics as s;r=[json.loads(l) for l in open(sys.argv[2]) if '\"step_ms\"' in l][5:];print('%.2f' % s.median(x[sys.argv[1]] for x in r) if r else '-')" "$1" "$2"
 }
-step "5b. 784-4096-4096-10, global batch 1024, 2 shards, 2 CUDA workers"
-large cuda cuda 60
-step "5c. the same with CPU workers"
-large cpu cpu 20
-step "5d. gpu-bench at the cluster's per-worker batches"
-bounded 60 "$B/gpu-bench" --models 784-4096-4096-10,784-256-128-10 --batches 64,512,1024 --steps 30 --warmup 5
+large() { # large LABEL BIN_DIR DEVICE STEPS
+    local d="/tmp/large-$1"
+    bounded 90 "$2/ps-launch" --config deploy/mnist.toml --out-dir "$d" \
+        --set 'model.hidden=[4096,4096]' --set train.steps="$4" --set train.global_batch=1024 \
+        --set train.eval_every=0 --set train.log_every=1000 --set worker.device="$3" >"$d.log" 2>&1
+    echo "rc large $1=$? | median step_ms $(median step_ms "$d/metrics.jsonl") apply_ms $(median apply_ms "$d/metrics.jsonl") barrier_wait_ms $(median barrier_wait_ms "$d/metrics.jsonl") | $(grep -h 'training finished' "$d.log" | sed 's/.*INFO //')"
+    grep -h "done after" "$d"/logs/worker-*.log | sed 's/.*INFO //'
+}
+step "3. 784-4096-4096-10, global batch 1024, 2 shards, 2 CUDA workers on one GPU"
+for r in $(seq 1 "$ROUNDS"); do
+    [ -x .dev/gpu-old/ps-worker ] && large "old-$r" .dev/gpu-old cuda "$LARGE_STEPS"
+    large "new-$r" "$B" cuda "$LARGE_STEPS"
+done
+large cpu "$B" cpu 20
 
-step "6. the Python worker with a CUDA model"
-PS_BIN_DIR="$B" PYTHONPATH="$PWD/.dev/pypkg" PYTHONUNBUFFERED=1 bounded 120 python3 .dev/py_cuda_check.py
-echo "rc python=$?"
+step "4. the default job, CUDA workers, against the single process"
+bounded 120 "$B/ps-launch" --config deploy/mnist.toml --set worker.device=cuda --check-reference \
+    --out-dir /tmp/gpu-mnist >/tmp/gpu-mnist.log 2>&1
+echo "rc default job=$?"
+grep -A12 "^reference check" /tmp/gpu-mnist.log
+grep -h "training finished" /tmp/gpu-mnist.log | sed 's/.*INFO //'
+grep -h "device cuda\|done after" /tmp/gpu-mnist/logs/worker-*.log | sed 's/.*INFO //'
 
-step "7. fashion CNN job on CUDA workers, --check-reference"
-bounded 120 "$B/ps-launch" --config deploy/fashion-cnn.toml --set worker.device=cuda --set train.steps=300 \
-    --check-reference --out-dir /tmp/gpu-cnn 2>&1 | grep -vE 'INFO shard [01] step|noise scale' | tail -8
-echo "rc cnn=${PIPESTATUS[0]}"
-grep -h "done after" /tmp/gpu-cnn/logs/*.log | head -2
-
-step "8. compute-sanitizer on the small parity cases"
+step "5. compute-sanitizer"
 for tool in memcheck racecheck synccheck; do
-    bounded 60 compute-sanitizer --tool $tool --error-exitcode 9 "$B/cuda_parity" --ignored --test-threads=1 \
-        --exact parity_13_7_3 parity_no_hidden_layer 2>&1 | tail -4
+    bounded 60 compute-sanitizer --tool "$tool" --error-exitcode 9 "$B/cuda_parity" --ignored --test-threads=1 \
+        --exact parity_13_7_3 gated_pull_uploads_pieces_as_they_arrive 2>&1 | grep -E "SUMMARY|test result"
     echo "$tool rc=${PIPESTATUS[0]}"
 done
-tar czf "$OUT/runs.tgz" -C /tmp gpu-mnist/logs gpu-mnist/metrics.jsonl large-cuda/logs large-cuda/metrics.jsonl \
-    large-cpu/logs large-cpu/metrics.jsonl gpu-cnn/logs 2>/dev/null
+
+step "6. the Python worker with a CUDA model"
+PS_BIN_DIR="$B" PYTHONPATH="$PWD/.dev/pypkg" PYTHONUNBUFFERED=1 bounded 90 python3 scripts/py_cuda_check.py
+echo "rc python=$?"
+
+step "7. the Fashion-MNIST CNN job on CUDA workers, against the single process"
+bounded 90 "$B/ps-launch" --config deploy/fashion-cnn.toml --set worker.device=cuda --set train.steps=300 \
+    --check-reference --out-dir /tmp/gpu-cnn >/tmp/gpu-cnn.log 2>&1
+echo "rc cnn=$?"
+grep -E "after [0-9]+ step|test accuracy  |verdict" /tmp/gpu-cnn.log
+tar czf "$OUT/runs.tgz" --exclude='*.safetensors' --exclude='*tfevents*' -C /tmp $(cd /tmp && ls -d large-* gpu-mnist gpu-cnn gpu-mnist.log gpu-cnn.log 2>/dev/null) 2>/dev/null
 step "done"
