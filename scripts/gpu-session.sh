@@ -9,7 +9,7 @@
 #      single process (cluster_cuda), gpu-bench and the same MLPs in PyTorch (TF32 off)
 #   3. the 784-4096-4096-10 MLP, global batch 1024, 2 shards and 2 CUDA workers sharing the
 #      GPU: with gpu-old (when bundled) and this build alternately, ROUNDS times; then the
-#      same with CPU workers (16 cores)
+#      same through gRPC (`[cluster] transport = "grpc"`) once each, and with CPU workers (16 cores)
 #   4. the default job (deploy/mnist.toml) with CUDA workers, against the single process
 #   5. compute-sanitizer (memcheck, racecheck, synccheck) on small parity cases and the gated pull
 #   6. the Python worker with a CUDA model (scripts/py_cuda_check.py)
@@ -55,11 +55,12 @@ find bench/results -name 'gpu-*' -newermt "@$T0" -exec cp {} "$OUT/" \;
 median() { # median FIELD metrics.jsonl: over the steps after the first 5
     python3 -c "import json,sys,statistics as s;r=[json.loads(l) for l in open(sys.argv[2]) if '\"step_ms\"' in l][5:];print('%.2f' % s.median(x[sys.argv[1]] for x in r) if r else '-')" "$1" "$2"
 }
-large() { # large LABEL BIN_DIR DEVICE STEPS
-    local d="/tmp/large-$1"
-    bounded 90 "$2/ps-launch" --config deploy/mnist.toml --out-dir "$d" \
-        --set 'model.hidden=[4096,4096]' --set train.steps="$4" --set train.global_batch=1024 \
-        --set train.eval_every=0 --set train.log_every=1000 --set worker.device="$3" >"$d.log" 2>&1
+large() { # large LABEL BIN_DIR DEVICE STEPS [--set K=V ...]
+    local d="/tmp/large-$1" bin="$2" dev="$3" steps="$4"
+    shift 4
+    bounded 90 "$bin/ps-launch" --config deploy/mnist.toml --out-dir "$d" \
+        --set 'model.hidden=[4096,4096]' --set train.steps="$steps" --set train.global_batch=1024 \
+        --set train.eval_every=0 --set train.log_every=1000 --set worker.device="$dev" "$@" >"$d.log" 2>&1
     echo "rc large $1=$? | median step_ms $(median step_ms "$d/metrics.jsonl") apply_ms $(median apply_ms "$d/metrics.jsonl") barrier_wait_ms $(median barrier_wait_ms "$d/metrics.jsonl") | $(grep -h 'training finished' "$d.log" | sed 's/.*INFO //')"
     grep -h "done after" "$d"/logs/worker-*.log | sed 's/.*INFO //'
 }
@@ -68,6 +69,8 @@ for r in $(seq 1 "$ROUNDS"); do
     [ -x .dev/gpu-old/ps-worker ] && large "old-$r" .dev/gpu-old cuda "$LARGE_STEPS"
     large "new-$r" "$B" cuda "$LARGE_STEPS"
 done
+[ -x .dev/gpu-old/ps-worker ] && large old-grpc .dev/gpu-old cuda "$LARGE_STEPS" --set cluster.transport=grpc
+large new-grpc "$B" cuda "$LARGE_STEPS" --set cluster.transport=grpc
 large cpu "$B" cpu 20
 
 step "4. the default job, CUDA workers, against the single process"

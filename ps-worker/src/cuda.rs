@@ -433,6 +433,31 @@ fn pool_args(planes: usize, h: usize, w: usize) -> BackendResult<(i64, i32, i32)
     ))
 }
 
+/// Copies `src` into `dst` (same length) on up to [`COPY_THREADS`] threads, at least
+/// [`COPY_PIECE`] values each: one core copies out of pinned memory at a fraction of the rate
+/// the DMA fills it (measured on an H100 host: the download of 80 MB at 14 GB/s against 55
+/// GB/s for the upload from pinned memory), and a big layer's gradient waits for that copy
+/// before it is pushed.
+fn copy_out(dst: &mut [f32], src: &[f32]) {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let threads = (src.len() / COPY_PIECE).min(COPY_THREADS).min(cores);
+    if threads <= 1 {
+        dst.copy_from_slice(src);
+        return;
+    }
+    let per = src.len().div_ceil(threads);
+    std::thread::scope(|s| {
+        for (d, c) in dst.chunks_mut(per).zip(src.chunks(per)) {
+            s.spawn(move || d.copy_from_slice(c));
+        }
+    });
+}
+
+/// Most threads [`copy_out`] uses.
+const COPY_THREADS: usize = 4;
+/// Fewest values a thread of [`copy_out`] copies (4 MiB).
+const COPY_PIECE: usize = 1 << 20;
+
 fn check_i32(what: &str, v: usize) -> BackendResult<i32> {
     i32::try_from(v)
         .map_err(|_| BackendError::Shape(format!("{what} = {v}: the CUDA device needs < 2^31")))
@@ -1069,7 +1094,7 @@ impl Device for CudaDevice {
         let host = p
             .as_slice()
             .map_err(cuda_err(format_args!("reading the copy of slot {slot}")))?;
-        dst.copy_from_slice(&host[..len]);
+        copy_out(dst, &host[..len]);
         Ok(())
     }
 
@@ -1475,6 +1500,16 @@ impl Device for CudaDevice {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn copy_out_copies_every_value_in_order() {
+        for len in [0, 5, COPY_PIECE - 1, 3 * COPY_PIECE + 7, 9 * COPY_PIECE + 1] {
+            let src: Vec<f32> = (0..len).map(|i| i as f32).collect();
+            let mut dst = vec![f32::NAN; len];
+            copy_out(&mut dst, &src);
+            assert!(dst == src, "{len} values");
+        }
+    }
 
     #[test]
     fn kernel_source_has_every_entry_point_and_no_include() {
