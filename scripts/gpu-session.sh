@@ -15,7 +15,7 @@
 #   6. the Python worker with a CUDA model (scripts/py_cuda_check.py)
 #   7. the Fashion-MNIST CNN job with CUDA workers, against the single process
 # Environment: DEADLINE (seconds for the whole script, default 400), ROUNDS (2), LARGE_STEPS (60),
-# SKIP_CHECK=1 (no section 2), ONLY_LARGE=1 (sections 1 and 3 alone).
+# SKIP_CHECK=1 (no section 2), STOP_AFTER=N (end after section N).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
 T0=$(date +%s)
@@ -34,6 +34,14 @@ bounded() { # bounded MAX CMD...: runs CMD for at most min(MAX, the time left - 
 OUT="${OUT:-/tmp/gpu-session}"
 mkdir -p "$OUT"
 exec > >(tee "$OUT/all.log") 2>&1
+# the runs' logs and metrics (not their weights) come back as $OUT/runs.tgz, however it ends
+pack() {
+    local runs
+    runs="$(cd /tmp && ls -d large-* gpu-mnist gpu-cnn gpu-mnist.log gpu-cnn.log 2>/dev/null)"
+    # shellcheck disable=SC2086
+    [ -n "$runs" ] && tar czf "$OUT/runs.tgz" --exclude='*.safetensors' --exclude='*tfevents*' -C /tmp $runs
+}
+trap pack EXIT
 for p in gpu-bin pypkg gpu-old; do
     [ -f ".dev/$p.tar.xz" ] && tar xJf ".dev/$p.tar.xz" -C .dev
 done
@@ -75,7 +83,8 @@ done
 large new-grpc "$B" cuda "$LARGE_STEPS" --set cluster.transport=grpc
 large cpu "$B" cpu 20
 
-[ "${ONLY_LARGE:-0}" = 1 ] && { step "done (ONLY_LARGE=1)"; exit 0; }
+stop_after() { [ "${STOP_AFTER:-9}" -le "$1" ] && { step "done (STOP_AFTER=$STOP_AFTER)"; exit 0; }; }
+stop_after 3
 
 step "4. the default job, CUDA workers, against the single process"
 bounded 120 "$B/ps-launch" --config deploy/mnist.toml --set worker.device=cuda --check-reference \
@@ -85,6 +94,7 @@ grep -A12 "^reference check" /tmp/gpu-mnist.log
 grep -h "training finished" /tmp/gpu-mnist.log | sed 's/.*INFO //'
 grep -h "device cuda\|done after" /tmp/gpu-mnist/logs/worker-*.log | sed 's/.*INFO //'
 
+stop_after 4
 step "5. compute-sanitizer"
 for tool in memcheck racecheck synccheck; do
     bounded 60 compute-sanitizer --tool "$tool" --error-exitcode 9 "$B/cuda_parity" --ignored --test-threads=1 \
@@ -92,6 +102,7 @@ for tool in memcheck racecheck synccheck; do
     echo "$tool rc=${PIPESTATUS[0]}"
 done
 
+stop_after 5
 step "6. the Python worker with a CUDA model"
 PS_BIN_DIR="$B" PYTHONPATH="$PWD/.dev/pypkg" PYTHONUNBUFFERED=1 bounded 90 python3 scripts/py_cuda_check.py
 echo "rc python=$?"
@@ -101,5 +112,4 @@ bounded 90 "$B/ps-launch" --config deploy/fashion-cnn.toml --set worker.device=c
     --check-reference --out-dir /tmp/gpu-cnn >/tmp/gpu-cnn.log 2>&1
 echo "rc cnn=$?"
 grep -E "after [0-9]+ step|test accuracy  |verdict" /tmp/gpu-cnn.log
-tar czf "$OUT/runs.tgz" --exclude='*.safetensors' --exclude='*tfevents*' -C /tmp $(cd /tmp && ls -d large-* gpu-mnist gpu-cnn gpu-mnist.log gpu-cnn.log 2>/dev/null) 2>/dev/null
 step "done"

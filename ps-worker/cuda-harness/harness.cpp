@@ -29,6 +29,8 @@
 #include "simt.h"
 #include KERNELS_CU
 #include <algorithm>
+#include <chrono>
+#include <vector>
 #include <cstdarg>
 #include <elf.h>
 #include <deque>
@@ -55,9 +57,13 @@ static void *const PRIMARY = &primary_ctx_obj;
 static thread_local void *current_ctx = nullptr;
 // A stream: the operations queued on it, not yet run. `queued` counts every operation ever
 // queued, `done` those run, so an event is "done >= its position".
-struct Stream { std::deque<std::function<void()>> q; long queued = 0, done = 0; };
+static double now_ms() {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+// finished[i]: when the (i+1)-th operation queued on the stream ran (for cuEventElapsedTime)
+struct Stream { std::deque<std::function<void()>> q; long queued = 0, done = 0; double created = now_ms(); std::vector<double> finished; };
 static std::map<void *, Stream *> streams;
-struct Event { Stream *stream = nullptr; long at = 0; };
+struct Event { Stream *stream = nullptr; long at = 0; unsigned flags = 0; bool recorded = false; double when = 0; };
 static std::set<void *> events;
 static std::map<const char *, size_t> pinned; // cuMemHostAlloc'd blocks and their sizes
 static long ops_queued = 0, ops_run = 0;
@@ -89,6 +95,7 @@ static void run_until(Stream *st, long upto = -1) {
   while (!st->q.empty() && (upto < 0 || st->done < upto)) {
     auto op = std::move(st->q.front()); st->q.pop_front();
     op(); ++st->done; ++ops_run;
+    st->finished.push_back(now_ms());
   }
 }
 static void run_all() { for (auto &kv : streams) run_until(kv.second); }
@@ -308,9 +315,9 @@ CUresult cuStreamSynchronize(void *s) {
   std::lock_guard<std::recursive_mutex> l(mu);
   run_until(need_stream(s, "cuStreamSynchronize")); return OK;
 }
-CUresult cuEventCreate(void **e, unsigned) {
+CUresult cuEventCreate(void **e, unsigned flags) {
   std::lock_guard<std::recursive_mutex> l(mu);
-  need_ctx("cuEventCreate"); Event *ev = new Event; events.insert(ev); *e = ev; return OK;
+  need_ctx("cuEventCreate"); Event *ev = new Event; ev->flags = flags; events.insert(ev); *e = ev; return OK;
 }
 CUresult cuEventDestroy_v2(void *e) {
   std::lock_guard<std::recursive_mutex> l(mu);
@@ -322,7 +329,29 @@ CUresult cuEventRecord(void *e, void *s) {
   need_ctx("cuEventRecord");
   if (!events.count(e)) { err("cuEventRecord of an unknown event"); return INVALID_HANDLE; }
   Stream *st = need_stream(s, "cuEventRecord");
-  *(Event *)e = Event{st, st ? st->queued : 0}; return OK;
+  Event *ev = (Event *)e;
+  ev->stream = st; ev->at = st ? st->queued : 0; ev->recorded = true; ev->when = now_ms();
+  return OK;
+}
+// When the work before the event ran (the stream's creation when there was none); the event
+// must have completed.
+static double event_time(const Event *ev) {
+  if (!ev->stream) return ev->when;
+  return ev->at == 0 ? ev->stream->created : ev->stream->finished[ev->at - 1];
+}
+// The emulated time between two completed events: when the operations before each ran here
+// (the real driver requires events created without CU_EVENT_DISABLE_TIMING, both recorded).
+CUresult cuEventElapsedTime_v2(float *ms, void *a, void *b) {
+  std::lock_guard<std::recursive_mutex> l(mu);
+  need_ctx("cuEventElapsedTime");
+  if (!events.count(a) || !events.count(b)) { err("cuEventElapsedTime of an unknown event"); return INVALID_HANDLE; }
+  Event *s = (Event *)a, *e = (Event *)b;
+  if ((s->flags | e->flags) & 2) { err("cuEventElapsedTime of an event created with CU_EVENT_DISABLE_TIMING"); return INVALID_HANDLE; }
+  if (!s->recorded || !e->recorded) { err("cuEventElapsedTime of an event never recorded"); return INVALID_HANDLE; }
+  for (Event *ev : {s, e})
+    if (ev->stream && (!streams.count(ev->stream) || ev->stream->done < ev->at)) return 600; // CUDA_ERROR_NOT_READY
+  *ms = (float)(event_time(e) - event_time(s));
+  return OK;
 }
 CUresult cuEventSynchronize(void *e) {
   std::lock_guard<std::recursive_mutex> l(mu);

@@ -78,6 +78,12 @@ pub trait Backend: Send {
     /// Ends the gate of [`Backend::open_gate`]: forward reads the weights as they are.
     fn close_gate(&mut self) {}
 
+    /// What the copies between host and device memory took since the last call
+    /// ([`crate::ops::Device::take_copy_times`]); `None` for a backend in host memory.
+    fn take_copy_times(&mut self) -> BackendResult<Option<crate::ops::CopyTimes>> {
+        Ok(None)
+    }
+
     /// Forward and backward on `labels.len()` samples whose features are the rows of `x`
     /// (row-major, `[n, inputs]`). Writes the gradient of the batch loss with `reduction`
     /// (`mean`: divided by n, `sum`: not) into `grad` (length = number of parameters).

@@ -17,7 +17,7 @@ use crate::backend::Backend;
 use crate::backend::{BackendError, BackendResult, StepStats};
 use crate::cpu::{check_len, check_rows};
 use crate::model::{Cnn, Mlp, Model, Net};
-use crate::ops::{ConvGeom, Device, Mat, check_pool};
+use crate::ops::{ConvGeom, CopyTimes, Device, Mat, check_pool};
 use cudarc::cublas::sys::{cublasMath_t, cublasOperation_t};
 use cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
 use cudarc::driver::{
@@ -33,6 +33,7 @@ use std::ops::Range;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::Path;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 /// Rows per forward pass when evaluating, to bound device memory.
 pub const EVAL_ROWS: usize = 4096;
@@ -463,6 +464,18 @@ fn check_i32(what: &str, v: usize) -> BackendResult<i32> {
         .map_err(|_| BackendError::Shape(format!("{what} = {v}: the CUDA device needs < 2^31")))
 }
 
+/// One copy between host and device memory, between two timing events on the stream.
+struct CopySpan {
+    up: bool,
+    bytes: u64,
+    start: CudaEvent,
+    end: CudaEvent,
+}
+
+/// Spans queued that make [`CudaDevice`] read the times of those already done (without
+/// waiting), so that spans do not pile up when nobody asks for them.
+const FOLD_SPANS: usize = 64;
+
 /// One CUDA GPU as a [`Device`]: a context, one stream on which every copy, kernel and cuBLAS
 /// call is queued, the compiled kernels, and the small per-row buffers of the loss.
 pub struct CudaDevice {
@@ -474,6 +487,12 @@ pub struct CudaDevice {
     /// Pinned host memory of [`Device::staging`]: the weights a pull writes, uploaded from
     /// there piece by piece while the rest arrives.
     weight_staging: Option<PinnedHostSlice<f32>>,
+    /// The copies between host and device queued since the last [`Device::take_copy_times`],
+    /// each between two timing events, and the times of those already read.
+    copy_spans: Vec<CopySpan>,
+    copy_times: CopyTimes,
+    /// Timing events of read spans, for reuse.
+    spare_events: Vec<CudaEvent>,
     /// Pinned copy of `stats[0..2]`, queued right behind each loss, and the event recorded
     /// behind that copy (so reading the loss does not wait for the backward pass after it).
     stats_host: (PinnedHostSlice<f64>, CudaEvent),
@@ -742,6 +761,70 @@ impl CudaDevice {
         }
     }
 
+    /// An event that records time (a spare one when there is one).
+    fn timing_event(&mut self) -> BackendResult<CudaEvent> {
+        if let Some(e) = self.spare_events.pop() {
+            return Ok(e);
+        }
+        self.ctx
+            .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(cuda_err("creating a timing event"))
+    }
+
+    /// Records a timing event before a copy.
+    fn span_begin(&mut self) -> BackendResult<CudaEvent> {
+        let e = self.timing_event()?;
+        e.record(&self.stream)
+            .map_err(cuda_err("recording a timing event"))?;
+        Ok(e)
+    }
+
+    /// Records a timing event after the copy of `values` floats that `start` began, for
+    /// [`Device::take_copy_times`].
+    fn span_end(&mut self, up: bool, values: usize, start: CudaEvent) -> BackendResult<()> {
+        let end = self.timing_event()?;
+        end.record(&self.stream)
+            .map_err(cuda_err("recording a timing event"))?;
+        self.copy_spans.push(CopySpan {
+            up,
+            bytes: 4 * values as u64,
+            start,
+            end,
+        });
+        if self.copy_spans.len() >= FOLD_SPANS {
+            self.fold_spans(false)?;
+        }
+        Ok(())
+    }
+
+    /// Adds the times of the spans that are done (all of them, waiting, with `wait`) to
+    /// `copy_times`, and keeps their events for reuse.
+    fn fold_spans(&mut self, wait: bool) -> BackendResult<()> {
+        let mut pending = Vec::new();
+        for s in std::mem::take(&mut self.copy_spans) {
+            if !wait && !s.end.is_complete() {
+                pending.push(s);
+                continue;
+            }
+            let ms = s
+                .start
+                .elapsed_ms(&s.end)
+                .map_err(cuda_err("reading the time of a copy"))?;
+            let d = Duration::from_secs_f64(f64::from(ms.max(0.0)) / 1e3);
+            let t = &mut self.copy_times;
+            if s.up {
+                t.up += d;
+                t.up_bytes += s.bytes;
+            } else {
+                t.down += d;
+                t.down_bytes += s.bytes;
+            }
+            self.spare_events.extend([s.start, s.end]);
+        }
+        self.copy_spans = pending;
+        Ok(())
+    }
+
     fn init(ordinal: usize) -> BackendResult<Self> {
         let count = device_count()?;
         if count == 0 {
@@ -845,6 +928,9 @@ impl CudaDevice {
         Ok(Self {
             staging: HashMap::new(),
             weight_staging: None,
+            copy_spans: Vec::new(),
+            copy_times: CopyTimes::default(),
+            spare_events: Vec::new(),
             stats_host,
             labels,
             row_loss,
@@ -1019,12 +1105,14 @@ impl Device for CudaDevice {
             return Ok(());
         }
         self.bind()?;
+        let span = self.span_begin()?;
         self.stream
             .memcpy_htod(src, &mut dst)
             .map_err(cuda_err(format_args!(
                 "copying {} floats to the device",
                 src.len()
-            )))
+            )))?;
+        self.span_end(true, src.len(), span)
     }
 
     fn download(&mut self, src: CudaView<'_, f32>, dst: &mut [f32]) -> BackendResult<()> {
@@ -1033,12 +1121,14 @@ impl Device for CudaDevice {
             return Ok(());
         }
         self.bind()?;
+        let span = self.span_begin()?;
         self.stream
             .memcpy_dtoh(&src, dst)
             .map_err(cuda_err(format_args!(
                 "copying {} floats to the host",
                 dst.len()
             )))?;
+        self.span_end(false, dst.len(), span)?;
         self.stream
             .synchronize()
             .map_err(cuda_err("synchronising after a download"))
@@ -1066,6 +1156,7 @@ impl Device for CudaDevice {
                 .map_err(cuda_err("creating an event"))?;
             self.staging.insert(slot, (p, e));
         }
+        let span = self.span_begin()?;
         let (dst, done) = self.staging.get_mut(&slot).expect("inserted above");
         if len > 0 {
             self.stream
@@ -1076,7 +1167,8 @@ impl Device for CudaDevice {
         }
         // waited for by finish_download: only this copy and what was queued before it
         done.record(&self.stream)
-            .map_err(cuda_err("recording a download's event"))
+            .map_err(cuda_err("recording a download's event"))?;
+        self.span_end(false, len, span)
     }
 
     fn finish_download(&mut self, slot: usize, dst: &mut [f32]) -> BackendResult<()> {
@@ -1094,7 +1186,9 @@ impl Device for CudaDevice {
         let host = p
             .as_slice()
             .map_err(cuda_err(format_args!("reading the copy of slot {slot}")))?;
+        let t = Instant::now();
         copy_out(dst, &host[..len]);
+        self.copy_times.copy_out += t.elapsed();
         Ok(())
     }
 
@@ -1106,6 +1200,12 @@ impl Device for CudaDevice {
         self.stream
             .memset_zeros(&mut v)
             .map_err(cuda_err("zeroing a buffer"))
+    }
+
+    fn take_copy_times(&mut self) -> BackendResult<Option<CopyTimes>> {
+        self.bind()?;
+        self.fold_spans(true)?;
+        Ok(Some(std::mem::take(&mut self.copy_times)))
     }
 
     fn sync(&mut self) -> BackendResult<()> {

@@ -500,6 +500,10 @@ impl<D: Device, N: Net<D>> Backend for Model<D, N> {
         self.upload_from = None;
     }
 
+    fn take_copy_times(&mut self) -> BackendResult<Option<crate::ops::CopyTimes>> {
+        self.dev.take_copy_times()
+    }
+
     fn forward_backward(
         &mut self,
         x: &[f32],

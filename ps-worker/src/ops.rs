@@ -14,6 +14,34 @@
 use crate::backend::{BackendError, BackendResult, StepStats};
 use crate::cpu::check_len;
 use std::ops::Range;
+use std::time::Duration;
+
+/// What a device's copies between host and device memory took since it was last asked
+/// ([`Device::take_copy_times`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct CopyTimes {
+    /// Device time of the uploads (host to device: the weights, the batch), measured by
+    /// events around each copy.
+    pub up: Duration,
+    /// Their bytes.
+    pub up_bytes: u64,
+    /// Device time of the downloads into pinned memory (device to host: the gradient).
+    pub down: Duration,
+    /// Their bytes.
+    pub down_bytes: u64,
+    /// Host time copying the downloads out of pinned memory into their destination.
+    pub copy_out: Duration,
+}
+
+impl std::ops::AddAssign for CopyTimes {
+    fn add_assign(&mut self, o: Self) {
+        self.up += o.up;
+        self.up_bytes += o.up_bytes;
+        self.down += o.down;
+        self.down_bytes += o.down_bytes;
+        self.copy_out += o.copy_out;
+    }
+}
 
 /// A row-major `[rows, cols]` matrix stored in `data`, used as itself or, with `t`, as its
 /// transpose.
@@ -199,6 +227,11 @@ pub trait Device: Send {
     fn fill_zero(&mut self, v: Self::ViewMut<'_>) -> BackendResult<()>;
     /// Waits until every queued operation has finished.
     fn sync(&mut self) -> BackendResult<()>;
+    /// What the copies between host and device memory took since the last call (waits for
+    /// those still queued); `None` on a device that computes in host memory.
+    fn take_copy_times(&mut self) -> BackendResult<Option<CopyTimes>> {
+        Ok(None)
+    }
 
     /// `c = a · b` (`[m, k] · [k, n]`, `c` `[m, n]` overwritten).
     fn gemm(

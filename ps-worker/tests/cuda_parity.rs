@@ -857,6 +857,7 @@ fn gated_pull_uploads_pieces_as_they_arrive() {
         // the previous version on the device: every value different
         let old: Vec<f32> = w.iter().map(|v| v * 3.0 + 1.0).collect();
         cuda.set_weights(&old).unwrap();
+        cuda.take_copy_times().unwrap();
         let gate = cuda
             .open_gate(seed, shards.clone(), Duration::from_secs(60))
             .expect("the CUDA backend gates a pull through its staging memory");
@@ -880,6 +881,17 @@ fn gated_pull_uploads_pieces_as_they_arrive() {
                 .unwrap()
         });
         cuda.close_gate();
+        // the step's copies: the weights and the batch up, the gradient down
+        let c = cuda
+            .take_copy_times()
+            .unwrap()
+            .expect("a GPU counts its copies");
+        assert_eq!(c.up_bytes, 4 * (p + x.len()) as u64, "seed {seed}");
+        assert_eq!(c.down_bytes, 4 * p as u64, "seed {seed}");
+        assert!(c.up > Duration::ZERO && c.down > Duration::ZERO, "{c:?}");
+        eprintln!("gated pull, seed {seed}: copies {c:?}");
+        let none = cuda.take_copy_times().unwrap().unwrap();
+        assert_eq!(none, Default::default(), "counted twice");
         assert_eq!(stats, want_stats, "seed {seed}");
         let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
         assert!(bits(&got) == bits(&want), "seed {seed}: gradients differ");
