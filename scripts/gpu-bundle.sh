@@ -27,6 +27,7 @@ cp "$LIB" .dev/gpu-bin/ps_worker_lib
 cp "$PARITY" .dev/gpu-bin/cuda_parity
 cp "$CLUSTER" .dev/gpu-bin/cluster_cuda
 strip --strip-all .dev/gpu-bin/*
+echo "$(git rev-parse --short HEAD)$(git diff --quiet HEAD -- . ':!bench' || echo ' with uncommitted changes')" >.dev/gpu-bin/BUILD
 cp python/ps/*.py .dev/pypkg/ps/
 cp python/ps_torch/*.py .dev/pypkg/ps_torch/
 cp target/release/lib_native.so .dev/pypkg/ps_torch/_native.abi3.so

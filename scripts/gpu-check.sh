@@ -3,6 +3,9 @@
 # no Rust toolchain, from binaries built elsewhere, and write everything into
 # bench/results/gpu-<date>-<gpu name>.md (plus the two benchmarks' JSON beside it).
 #
+# `scripts/gpu-bundle.sh` does step 1 and packs the result for a GPU machine reached through a
+# copy of the work tree; `scripts/gpu-session.sh` runs this script there among its checks.
+#
 # 1. Build, on a machine with Rust (its glibc must not be newer than the GPU host's; the
 #    binaries need glibc >= 2.34 and link no CUDA library: cudarc loads libcuda, libnvrtc and
 #    libcublas at run time), from the repository root:
@@ -125,7 +128,9 @@ run_to() { # run_to FILE CMD...: runs CMD, shows and saves its output, returns i
     echo "# GPU check: $GPU_NAME ($STAMP UTC)"
     echo
     echo "- host: $(hostname), $(uname -sr), $(ldd --version 2>/dev/null | head -n1)"
-    echo "- commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+    # the commit the binaries were built from (scripts/gpu-bundle.sh writes it beside them; a
+    # copied work tree's .git may be another's)
+    echo "- commit: $(cat "$BIN_DIR/BUILD" 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)"
     echo "- binaries: \`$BENCH\`, \`$PARITY\`"
     echo "- sha256: $(sha256sum "$BENCH" "$PARITY" 2>/dev/null | awk '{printf "%s %s; ", substr($1,1,16), $2}')"
     echo "- CUDA libraries: $LIB_NOTE; LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}"

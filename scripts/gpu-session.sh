@@ -52,7 +52,7 @@ export RUST_LOG=info
 
 step "1. driver, libraries, NVRTC, unit tests"
 nvidia-smi --query-gpu=name,driver_version,compute_cap,memory.total,clocks.max.sm --format=csv
-echo "cores $(nproc), commit $(git rev-parse --short HEAD 2>/dev/null)"
+echo "cores $(nproc), binaries of $(cat "$B/BUILD" 2>/dev/null || echo 'an unknown commit')"
 bounded 120 "$B/ps_worker_lib" --include-ignored --test-threads=1 cuda:: device::
 echo "rc unit=$?"
 
