@@ -183,6 +183,17 @@ done
 [ "$(wc -l < "$work/resumed/metrics.jsonl")" -ge 25 ] || { echo "deploy-checks: no 25 steps in 120 s" >&2; exit 1; }
 kill -KILL -- "-$pid"
 wait "$pid" 2>/dev/null || true
+# `wait` sees ps-launch alone: its shards and workers, killed at the same moment, may still be
+# exiting (a loaded machine takes a while to tear down their memory) and so still hold the
+# output directory's locks when the resume starts. Wait (bounded) until nothing of the killed
+# session is left but zombies.
+session_alive() { ps -e -o sid=,stat= | awk -v s="$1" '$1 == s && $2 !~ /^Z/ { f = 1 } END { exit !f }'; }
+for _ in $(seq 300); do session_alive "$pid" || break; sleep 0.1; done
+if session_alive "$pid"; then
+    ps -e -o pid=,sid=,stat=,args= | awk -v s="$pid" '$2 == s'
+    echo "deploy-checks: processes of the killed run still live 30 s after SIGKILL" >&2
+    exit 1
+fi
 before=$(wc -l < "$work/resumed/metrics.jsonl")
 target/release/ps-launch "${resume_args[@]}" --resume > "$work/resume.log" 2>&1 \
     || { tail -30 "$work/resume.log"; exit 1; }
