@@ -20,7 +20,6 @@
 
 use ps_common::config::LossReduction;
 use ps_common::layout::{MlpLayout, splitmix64};
-use ps_common::sink::PullSink;
 use ps_worker::backend::{Backend, BackendError};
 use ps_worker::cuda::{CudaBackend, CudaDevice};
 use ps_worker::ops::Device;
@@ -199,10 +198,7 @@ fn bench_model(
             let gate = b
                 .open_gate(1, one_shard.clone(), Duration::from_secs(60))
                 .expect("the CUDA backend gates a pull");
-            let mut wr = gate.writer(0);
-            wr.next(p).copy_from_slice(&w);
-            wr.publish(p);
-            wr.finish();
+            gate.deliver(0, &w, p, Duration::ZERO);
             let r = b.forward_backward(&x, &labels, LossReduction::Mean, &mut g);
             b.close_gate();
             r.map(|_| ())

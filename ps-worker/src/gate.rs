@@ -164,6 +164,22 @@ impl PullGate {
         }
     }
 
+    /// Stands in for shard `shard`'s pull (benchmarks, tests): writes its range of `all` (the
+    /// whole flat vector) `piece` values at a time, each after `pause`, then finishes.
+    pub fn deliver(&self, shard: usize, all: &[f32], piece: usize, pause: Duration) {
+        use ps_common::sink::PullSink;
+        let start = self.shards[shard].start;
+        let mut wr = self.writer(shard);
+        while wr.filled() < wr.len() {
+            std::thread::sleep(pause);
+            let n = piece.max(1).min(wr.len() - wr.filled());
+            let at = start + wr.filled();
+            wr.next(n).copy_from_slice(&all[at..at + n]);
+            wr.publish(n);
+        }
+        wr.finish();
+    }
+
     /// Marks shard `shard`'s pull failed with `why`: waits for its values end with
     /// [`GateError::PullFailed`]. The first failure stays.
     pub fn fail(&self, shard: usize, why: String) {
@@ -616,18 +632,8 @@ mod tests {
         let mut got = vec![0f32; p];
         std::thread::scope(|s| {
             for (i, pause) in [(0, 0), (1, 300)] {
-                let (g, w, r) = (&gate, &w, shards[i].clone());
-                s.spawn(move || {
-                    let mut wr = g.writer(i);
-                    while wr.filled() < wr.len() {
-                        std::thread::sleep(Duration::from_micros(pause));
-                        let n = 17.min(wr.len() - wr.filled());
-                        let at = r.start + wr.filled();
-                        wr.next(n).copy_from_slice(&w[at..at + n]);
-                        wr.publish(n);
-                    }
-                    wr.finish();
-                });
+                let (g, w) = (&gate, &w);
+                s.spawn(move || g.deliver(i, w, 17, Duration::from_micros(pause)));
             }
             gated
                 .forward_backward(&x, &y, LossReduction::Mean, &mut got)

@@ -1336,21 +1336,17 @@ mod tests {
             let mut handed = 0;
             let result = std::thread::scope(|s| {
                 for (i, pause) in [(0, 0), (1, 200)] {
-                    let (g, w, r) = (&gate, &w, shards[i].clone());
+                    let (g, w, at) = (&gate, &w, shards[i].start);
                     s.spawn(move || {
-                        let mut wr = g.writer(i);
-                        while wr.filled() < wr.len() {
-                            if step == 3 && i == 1 && wr.filled() > 0 {
-                                g.fail(1, "shard 1: connection reset".into());
-                                return;
-                            }
-                            std::thread::sleep(Duration::from_micros(pause));
-                            let n = 50_000.min(wr.len() - wr.filled());
-                            let at = r.start + wr.filled();
-                            wr.next(n).copy_from_slice(&w[at..at + n]);
-                            wr.publish(n);
+                        if step == 3 && i == 1 {
+                            // one piece, then the pull breaks
+                            let mut wr = g.writer(i);
+                            wr.next(50_000).copy_from_slice(&w[at..at + 50_000]);
+                            wr.publish(50_000);
+                            g.fail(1, "shard 1: connection reset".into());
+                        } else {
+                            g.deliver(i, w, 50_000, Duration::from_micros(pause));
                         }
-                        wr.finish();
                     });
                 }
                 dev.forward_backward_overlapped(

@@ -838,7 +838,6 @@ fn cnn_step_parity() {
 #[test]
 #[ignore = "needs a CUDA GPU: run with --ignored on a GPU machine (scripts/gpu-check.sh)"]
 fn gated_pull_uploads_pieces_as_they_arrive() {
-    use ps_common::sink::PullSink;
     use ps_worker::model::UPLOAD_PIECE;
     use std::time::Duration;
     let layout = MlpLayout::new(&[1100, 1000, 3]);
@@ -864,18 +863,8 @@ fn gated_pull_uploads_pieces_as_they_arrive() {
         let mut got = vec![0f32; p];
         let stats = std::thread::scope(|s| {
             for (i, pause) in [(0, 0), (1, 300)] {
-                let (g, w, r) = (&gate, &w, shards[i].clone());
-                s.spawn(move || {
-                    let mut wr = g.writer(i);
-                    while wr.filled() < wr.len() {
-                        std::thread::sleep(Duration::from_micros(pause));
-                        let n = 40_000.min(wr.len() - wr.filled());
-                        let at = r.start + wr.filled();
-                        wr.next(n).copy_from_slice(&w[at..at + n]);
-                        wr.publish(n);
-                    }
-                    wr.finish();
-                });
+                let (g, w) = (&gate, &w);
+                s.spawn(move || g.deliver(i, w, 40_000, Duration::from_micros(pause)));
             }
             cuda.forward_backward(&x, &labels, LossReduction::Mean, &mut got)
                 .unwrap()
