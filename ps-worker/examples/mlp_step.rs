@@ -15,8 +15,8 @@
 //! a plain SGD update. Prints the medians and minima and a hash of the last gradient's bits
 //! (equal hashes: bit-identical gradients).
 
-use ps_common::config::LossReduction;
-use ps_common::layout::MlpLayout;
+use ps_config::LossReduction;
+use ps_model::layout::MlpLayout;
 use ps_worker::backend::Backend;
 use ps_worker::cpu::CpuBackend;
 use std::time::Instant;
@@ -36,7 +36,7 @@ fn main() {
     // SAFETY: the first statement of main: no other thread exists yet (matrixmultiply reads it
     // at its first product).
     unsafe { std::env::set_var("MATMUL_NUM_THREADS", "1") };
-    ps_common::tune_allocator();
+    ps_process::tune_allocator();
     let args: Vec<usize> = std::env::args()
         .skip(1)
         .map(|s| s.parse().expect("arguments: HIDDEN STEPS [1]"))

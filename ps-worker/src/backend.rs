@@ -1,10 +1,10 @@
 //! The compute backend a worker runs the model on: one trait, a CPU implementation (ndarray)
 //! that always builds and runs, and a CUDA implementation (cudarc) loaded at run time.
-//! The models are those of [`ps_common::layout::ModelLayout`] (the MLP and the CNN), each with
+//! The models are those of [`ps_model::layout::ModelLayout`] (the MLP and the CNN), each with
 //! a softmax cross-entropy loss over its last layer's outputs ([`crate::model`]).
 
 use crate::gate::PullGate;
-use ps_common::config::LossReduction;
+use ps_config::LossReduction;
 use std::ops::Range;
 use std::sync::Arc;
 use std::time::Duration;
@@ -145,7 +145,7 @@ pub fn forward_backward_micro(
     part.resize(grad.len(), 0.0);
     grad.fill(0.0);
     let mut total = StepStats::default();
-    for r in ps_common::layout::split_even(n, k) {
+    for r in ps_model::layout::split_even(n, k) {
         if r.is_empty() {
             continue;
         }

@@ -9,7 +9,7 @@ use crate::model::Mlp;
 use crate::ops::{ConvGeom, Device, Mat, check_pool};
 use ndarray::linalg::general_mat_mul;
 use ndarray::{ArrayView2, ArrayViewMut2};
-use ps_common::layout::{MlpLayout, ModelLayout};
+use ps_model::layout::{MlpLayout, ModelLayout};
 use std::ops::Range;
 
 /// Rows per forward pass when evaluating, to bound memory.
@@ -462,7 +462,7 @@ fn gemm_beta(a: Mat<&[f32]>, b: Mat<&[f32]>, c: &mut [f32], beta: f32) -> Backen
 mod tests {
     use super::*;
     use crate::backend::Backend;
-    use ps_common::config::LossReduction;
+    use ps_config::LossReduction;
 
     /// Loss of the whole batch in f64, for finite differences.
     fn loss(b: &mut CpuBackend, x: &[f32], labels: &[u8]) -> f64 {
@@ -570,8 +570,7 @@ mod tests {
     fn rand(seed: u64, len: usize) -> Vec<f32> {
         (0..len as u64)
             .map(|i| {
-                (ps_common::layout::splitmix64(seed ^ i.wrapping_mul(0x9e37)) % 2001) as f32
-                    / 1000.0
+                (ps_model::layout::splitmix64(seed ^ i.wrapping_mul(0x9e37)) % 2001) as f32 / 1000.0
                     - 1.0
             })
             .collect()

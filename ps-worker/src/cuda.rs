@@ -25,8 +25,8 @@ use cudarc::driver::{
     LaunchConfig, PinnedHostSlice, PushKernelArg,
 };
 use cudarc::nvrtc::{CompileError, CompileOptions, Ptx, compile_ptx_with_opts};
-use ps_common::config::LossReduction;
-use ps_common::layout::{MlpLayout, ModelLayout};
+use ps_config::LossReduction;
+use ps_model::layout::{MlpLayout, ModelLayout};
 use std::collections::HashMap;
 use std::fmt::Display;
 use std::ops::Range;

@@ -4,7 +4,7 @@
 use crate::backend::{Backend, BackendError};
 use crate::cpu::cpu_model;
 use crate::cuda::device_count;
-use ps_common::layout::ModelLayout;
+use ps_model::layout::ModelLayout;
 
 /// A parsed `--device` value.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -131,8 +131,8 @@ pub fn open_backend(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use ps_common::config::LossReduction;
-    use ps_common::layout::MlpLayout;
+    use ps_config::LossReduction;
+    use ps_model::layout::MlpLayout;
 
     #[test]
     fn parses_specs() {

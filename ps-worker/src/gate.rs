@@ -167,7 +167,7 @@ impl PullGate {
     /// Stands in for shard `shard`'s pull (benchmarks, tests): writes its range of `all` (the
     /// whole flat vector) `piece` values at a time, each after `pause`, then finishes.
     pub fn deliver(&self, shard: usize, all: &[f32], piece: usize, pause: Duration) {
-        use ps_common::sink::PullSink;
+        use ps_net::sink::PullSink;
         let start = self.shards[shard].start;
         let mut wr = self.writer(shard);
         while wr.filled() < wr.len() {
@@ -287,7 +287,7 @@ impl PullGate {
 }
 
 /// The only writer of one shard's range of a [`PullGate`]: a pull's
-/// [`ps_common::sink::PullSink`]. Values are handed out after the cursor only, and published
+/// [`ps_net::sink::PullSink`]. Values are handed out after the cursor only, and published
 /// values are behind it for good. Dropped before its pull ended well ([`ShardWriter::finish`]),
 /// it fails the gate for its shard, so that no reader waits for values that will not come.
 #[derive(Debug)]
@@ -330,7 +330,7 @@ impl Drop for ShardWriter<'_> {
     }
 }
 
-impl ps_common::sink::PullSink for ShardWriter<'_> {
+impl ps_net::sink::PullSink for ShardWriter<'_> {
     fn len(&self) -> usize {
         self.len
     }
@@ -371,7 +371,7 @@ impl ps_common::sink::PullSink for ShardWriter<'_> {
             .copied()
             .find(|&e| e > self.cursor)
             .unwrap_or(self.len);
-        next_end.min(self.cursor + ps_common::sink::PIECE_VALUES)
+        next_end.min(self.cursor + ps_net::sink::PIECE_VALUES)
     }
 }
 
@@ -379,8 +379,8 @@ impl ps_common::sink::PullSink for ShardWriter<'_> {
 mod tests {
     use super::*;
     use crate::backend::Backend;
-    use ps_common::config::LossReduction;
-    use ps_common::sink::PullSink;
+    use ps_config::LossReduction;
+    use ps_net::sink::PullSink;
 
     /// A gate over `buf` for version 1. The test touches `buf` only through the gate while
     /// the gate lives.
@@ -561,7 +561,7 @@ mod tests {
     fn a_pull_failing_midway_stops_forward_before_any_gradient_is_handed_on() {
         // shard 1 (the last layers) delivers part of its range, then its pull fails: the step
         // ends with the pull's error and `ready` (what pushes the gradient) is never called
-        let layout = ps_common::layout::MlpLayout::new(&[20, 16, 12, 5]);
+        let layout = ps_model::layout::MlpLayout::new(&[20, 16, 12, 5]);
         let p = layout.num_params();
         let mut m = crate::cpu::CpuBackend::new(layout, 1);
         let shards = vec![0..p / 2, p / 2..p];
@@ -606,7 +606,7 @@ mod tests {
     fn forward_through_an_open_gate_computes_what_set_weights_gives() {
         // an MLP whose weights arrive while its step computes: the last shard slowly, piece
         // by piece; the gradient must be that of the complete weights, bit for bit
-        let layout = ps_common::layout::MlpLayout::new(&[20, 16, 12, 5]);
+        let layout = ps_model::layout::MlpLayout::new(&[20, 16, 12, 5]);
         let p = layout.num_params();
         let w: Vec<f32> = (0..p)
             .map(|i| ((i * 13 % 29) as f32 - 14.0) / 40.0)

@@ -2,8 +2,8 @@
 
 use anyhow::Context;
 use clap::Parser;
-use ps_common::config::Config;
-use ps_common::idx::{Split, load_split};
+use ps_config::Config;
+use ps_data::idx::{Split, load_split};
 use ps_worker::worker::{WorkerSetup, run_worker};
 use std::path::PathBuf;
 
@@ -49,8 +49,8 @@ struct Cli {
 const PREEMPT_WORKER_GRACE: std::time::Duration = std::time::Duration::from_secs(20);
 
 fn main() -> std::process::ExitCode {
-    ps_common::tune_allocator();
-    ps_common::init_logging();
+    ps_process::tune_allocator();
+    ps_process::init_logging();
     let cli = Cli::parse();
     match run(cli) {
         Ok(()) => std::process::ExitCode::SUCCESS,
@@ -63,7 +63,7 @@ fn main() -> std::process::ExitCode {
 
 fn run(cli: Cli) -> anyhow::Result<()> {
     let env: std::collections::HashMap<String, String> = std::env::vars().collect();
-    let mut overrides = ps_common::config::Overrides::from_env(&env);
+    let mut overrides = ps_config::Overrides::from_env(&env);
     overrides
         .set_from_cli(&cli.set)
         .map_err(anyhow::Error::msg)?;
@@ -119,7 +119,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     unsafe { std::env::set_var("MATMUL_NUM_THREADS", threads.to_string()) };
     if let Some(d) = &cfg.model.declared
         && cfg.model.cnn.is_none()
-        && ps_common::layout::MlpLayout::from_spec(&d.spec).is_none()
+        && ps_model::layout::MlpLayout::from_spec(&d.spec).is_none()
     {
         anyhow::bail!(
             "{}: [model] init = {} declares a model other than an MLP (fc1.weight, fc1.bias, ...): ps-worker trains only the built-in MLP and CNN ([model] kind = \"cnn\"); use the Python worker (python/) for this model",
@@ -158,7 +158,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             // preemption: the shards checkpoint at the next step boundary, which needs this
             // worker's pushes; it goes on until the shards stop (bounded)
             () = async {
-                ps_common::preempt_signal().await;
+                ps_process::preempt_signal().await;
                 ps_worker::worker::STOP_REQUESTED.store(true, std::sync::atomic::Ordering::SeqCst);
                 tracing::warn!(
                     "worker {rank}: SIGTERM or SIGUSR1: going on until the shards have checkpointed and stopped (at most {} s)",

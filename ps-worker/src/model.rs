@@ -17,8 +17,8 @@
 use crate::backend::{Backend, BackendError, BackendResult, StepStats, check_shapes};
 use crate::gate::PullGate;
 use crate::ops::{ConvGeom, Device, Mat};
-use ps_common::config::LossReduction;
-use ps_common::layout::{CnnLayout, MlpLayout, ModelLayout};
+use ps_config::LossReduction;
+use ps_model::layout::{CnnLayout, MlpLayout, ModelLayout};
 use std::ops::Range;
 use std::sync::Arc;
 use std::time::Duration;
@@ -1056,7 +1056,7 @@ impl<D: Device> Net<D> for CnnNet<D> {
 mod tests {
     use super::*;
     use crate::cpu::{CpuBackend, CpuDevice};
-    use ps_common::layout::{CnnShape, ModelSpec};
+    use ps_model::layout::{CnnShape, ModelSpec};
     use std::ops::Range;
 
     /// The CPU device, but claiming it cannot write host memory: an [`Mlp`] on it takes the
@@ -1304,7 +1304,7 @@ mod tests {
     #[test]
     fn a_gated_pull_on_a_device_uploads_each_piece_as_it_arrives() {
         use crate::gate::GateError;
-        use ps_common::sink::PullSink;
+        use ps_net::sink::PullSink;
         use std::time::Duration;
         // fc1 holds 1,101,000 values: more than one upload piece
         let layout = MlpLayout::new(&[1100, 1000, 3]);

@@ -2,9 +2,9 @@
 //! order, no network. A distributed run must end at its weights, bit for bit with one
 //! worker.
 
-use ps_common::config::Config;
-use ps_common::idx::Dataset;
-use ps_common::order::BatchPlanner;
+use ps_config::Config;
+use ps_data::idx::Dataset;
+use ps_data::order::BatchPlanner;
 
 /// Result of a reference run.
 #[derive(Debug, Clone)]
@@ -25,7 +25,7 @@ pub enum Kind {
     GlobalBatch,
     /// The mean of the `W` workers' mean gradients, each of its own part of the global batch,
     /// with equal weights: what `aggregation = "mean"` computes when the parts are uneven
-    /// ([`ps_common::config::Equivalence::mean_of_means`]). Equals [`Kind::GlobalBatch`] up
+    /// ([`ps_config::Equivalence::mean_of_means`]). Equals [`Kind::GlobalBatch`] up
     /// to rounding when every part has the same length.
     MeanOfMeans,
 }
@@ -92,7 +92,7 @@ pub fn run_reference_of(cfg: &Config, train: &Dataset, kind: Kind) -> anyhow::Re
             grad.iter_mut().for_each(|g| *g *= grad_factor);
         }
         if let Some(max_norm) = cfg.clip_norm {
-            ps_common::clip::clip_grad_norm(&spec, &mut grad, max_norm);
+            ps_model::clip::clip_grad_norm(&spec, &mut grad, max_norm);
         }
         let lr = schedule.lr(t) * lr_factor;
         cfg.optimizer.step(&mut params, &grad, &mut opt, lr as f32);
@@ -105,7 +105,7 @@ pub fn run_reference_of(cfg: &Config, train: &Dataset, kind: Kind) -> anyhow::Re
 }
 
 /// Runs the reference for `cfg` and compares it with the shard weights a cluster wrote to
-/// `out_dir`: returns the largest relative difference (see [`ps_common::weights::max_rel_diff`])
+/// `out_dir`: returns the largest relative difference (see [`ps_model::weights::max_rel_diff`])
 /// and the tensor where it occurs.
 pub fn compare_with_reference(
     cfg: &Config,
@@ -113,9 +113,9 @@ pub fn compare_with_reference(
 ) -> anyhow::Result<(f64, String)> {
     let layout = cfg.layout();
     let classes = cfg.model.dims[cfg.model.dims.len() - 1];
-    let train = ps_common::idx::load_split(&cfg.data.dir, ps_common::idx::Split::Train, classes)?;
+    let train = ps_data::idx::load_split(&cfg.data.dir, ps_data::idx::Split::Train, classes)?;
     let (cluster, version) =
-        ps_common::weights::read_shards(out_dir, cfg.num_shards(), layout.num_params())?;
+        ps_model::weights::read_shards(out_dir, cfg.num_shards(), layout.num_params())?;
     let reference = run_reference(cfg, &train)?;
     if version != reference.steps {
         anyhow::bail!(
@@ -123,7 +123,7 @@ pub fn compare_with_reference(
             reference.steps
         );
     }
-    Ok(ps_common::weights::max_rel_diff(
+    Ok(ps_model::weights::max_rel_diff(
         &layout,
         &cluster,
         &reference.weights,

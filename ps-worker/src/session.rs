@@ -10,10 +10,10 @@ use crate::worker::{
 };
 use anyhow::Context;
 use bytes::Bytes;
-use ps_common::config::{Config, Transport};
-use ps_common::pb::{LeaveRequest, PushHeader, TensorDesc, UnusedRequest};
-use ps_common::shm::{Board, BoardDir};
-use ps_common::wire::encode_push;
+use ps_config::{Config, Transport};
+use ps_net::shm::{Board, BoardDir};
+use ps_net::wire::encode_push;
+use ps_proto::pb::{LeaveRequest, PushHeader, TensorDesc, UnusedRequest};
 use std::ops::Range;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -133,7 +133,7 @@ impl Session {
             .sum();
         let board = match cfg.cluster.transport {
             Transport::Auto => grad_board(
-                &ps_common::runid::board_prefix(cfg.cluster.run_id.as_deref()),
+                &ps_config::runid::board_prefix(cfg.cluster.run_id.as_deref()),
                 rank,
                 num_params,
             ),
@@ -554,12 +554,12 @@ impl Session {
     /// that differs.
     pub async fn check_constants(
         &mut self,
-        entries: Vec<ps_common::pb::TensorPrint>,
+        entries: Vec<ps_proto::pb::TensorPrint>,
     ) -> anyhow::Result<()> {
         let rank = self.rank as u32;
         if let Some(p) = self.peers.first_mut() {
             p.client
-                .check_constants(ps_common::pb::ConstantsRequest {
+                .check_constants(ps_proto::pb::ConstantsRequest {
                     rank,
                     entries,
                     lease: None,
@@ -578,7 +578,7 @@ impl Session {
             .first_mut()
             .ok_or_else(|| anyhow::anyhow!("no shard"))?;
         p.client
-            .put_buffers(ps_common::pb::BuffersPut {
+            .put_buffers(ps_proto::pb::BuffersPut {
                 rank,
                 step,
                 data,
@@ -597,7 +597,7 @@ impl Session {
             .ok_or_else(|| anyhow::anyhow!("no shard"))?;
         let reply = p
             .client
-            .get_buffers(ps_common::pb::BuffersRequest {
+            .get_buffers(ps_proto::pb::BuffersRequest {
                 rank,
                 version,
                 lease: None,

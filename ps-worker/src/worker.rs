@@ -5,22 +5,22 @@
 //! push each shard its part in parallel as backward finishes it. At the end it
 //! evaluates the final weights on its slice of the test set and leaves. With shards on the
 //! same host, tensors go through shared-memory boards and only headers through gRPC
-//! (`ps_common::shm`); each shard and direction falls back to gRPC on its own.
+//! (`ps_net::shm`); each shard and direction falls back to gRPC on its own.
 
 use crate::backend::{Backend, StepStats};
 use crate::gate::PullGate;
 use anyhow::{Context, bail};
 use bytes::Bytes;
-use ps_common::PROTOCOL_VERSION;
-use ps_common::client::{ShardClient, ShmLink};
-use ps_common::config::Config;
-use ps_common::config::{BarrierPolicy, Transport};
-use ps_common::idx::Dataset;
-use ps_common::layout::{shard_ranges, split_even};
-use ps_common::order::BatchPlanner;
-use ps_common::pb::{LeaveRequest, PushHeader, RegisterReply, RegisterRequest};
-use ps_common::shm::{Board, BoardDir, grad_path, shm_root};
-use ps_common::wire::{Bf16Encoder, encode_push, encode_push_part};
+use ps_config::Config;
+use ps_config::{BarrierPolicy, Transport};
+use ps_data::idx::Dataset;
+use ps_data::order::BatchPlanner;
+use ps_model::layout::{shard_ranges, split_even};
+use ps_net::client::{ShardClient, ShmLink};
+use ps_net::shm::{Board, BoardDir, grad_path, shm_root};
+use ps_net::wire::{Bf16Encoder, encode_push, encode_push_part};
+use ps_proto::PROTOCOL_VERSION;
+use ps_proto::pb::{LeaveRequest, PushHeader, RegisterReply, RegisterRequest};
 use std::ops::Range;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -166,7 +166,7 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
     // (where /dev/shm allows), else on the heap
     let mut grad_board = match cfg.cluster.transport {
         Transport::Auto => grad_board(
-            &ps_common::runid::board_prefix(cfg.cluster.run_id.as_deref()),
+            &ps_config::runid::board_prefix(cfg.cluster.run_id.as_deref()),
             rank,
             layout.num_params(),
         ),
@@ -182,7 +182,7 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
         "worker {rank}/{world}: registered with {} shards (tensors via {via:?}), starting at step {start_step} of {total}, device {}, {}",
         servers.len(),
         backend.name(),
-        ps_common::runid::show(cfg.cluster.run_id.as_deref())
+        ps_config::runid::show(cfg.cluster.run_id.as_deref())
     );
 
     let mut planner = BatchPlanner::new(cfg.data_order(train.len()));
@@ -493,7 +493,7 @@ pub(crate) async fn register_all(
     rank: usize,
     total: u64,
     grad_file: &(String, u64),
-    model: &[ps_common::pb::TensorDesc],
+    model: &[ps_proto::pb::TensorDesc],
 ) -> anyhow::Result<(Vec<Peer>, u64)> {
     let num_params: usize = model
         .iter()
@@ -501,7 +501,7 @@ pub(crate) async fn register_all(
         .sum();
     let ranges = shard_ranges(num_params, servers.len());
     let connect_timeout = Duration::from_secs_f64(cfg.worker.connect_timeout_secs);
-    let security = ps_common::auth::ClientSecurity::of(cfg);
+    let security = ps_net::auth::ClientSecurity::of(cfg);
     let mut peers = Vec::with_capacity(servers.len());
     for ((s, addr), range) in servers.iter().enumerate().zip(ranges) {
         let mut client = ShardClient::connect(s, addr, &security, connect_timeout).await?;
@@ -549,7 +549,7 @@ async fn register_round(
     rank: usize,
     total: u64,
     grad_file: &(String, u64),
-    model: &[ps_common::pb::TensorDesc],
+    model: &[ps_proto::pb::TensorDesc],
 ) -> anyhow::Result<Vec<Joined>> {
     let connect_timeout = Duration::from_secs_f64(cfg.worker.connect_timeout_secs);
     let num_shards = peers.len();
@@ -591,7 +591,7 @@ async fn await_recovery(
     cfg: &Config,
     peers: &mut [Peer],
     rank: usize,
-    (grad_file, model): (&(String, u64), &[ps_common::pb::TensorDesc]),
+    (grad_file, model): (&(String, u64), &[ps_proto::pb::TensorDesc]),
     known: u64,
     total: u64,
     t: u64,
@@ -647,22 +647,22 @@ async fn await_recovery(
 /// state is being rolled back), or one that does not know this worker's registration (a
 /// replacement); every other refusal stands as it is.
 fn lost_shard_symptom(err: &anyhow::Error) -> bool {
-    use ps_common::client::ClientError;
+    use ps_net::client::ClientError;
     err.chain().any(|e| match e.downcast_ref::<ClientError>() {
         Some(ClientError::Unreachable { .. }) => true,
         Some(ClientError::Refused { status, .. }) => {
-            let text = ps_common::neterr::chain(status);
+            let text = ps_net::neterr::chain(status);
             match status.code() {
-                ps_common::tonic::Code::Unknown
-                | ps_common::tonic::Code::Cancelled
-                | ps_common::tonic::Code::Aborted => true,
-                ps_common::tonic::Code::FailedPrecondition => status
+                ps_proto::tonic::Code::Unknown
+                | ps_proto::tonic::Code::Cancelled
+                | ps_proto::tonic::Code::Aborted => true,
+                ps_proto::tonic::Code::FailedPrecondition => status
                     .message()
                     .contains("has not registered with this shard"),
-                ps_common::tonic::Code::Unavailable => {
+                ps_proto::tonic::Code::Unavailable => {
                     status.message().contains("rolled back")
                         || text.contains("transport error")
-                        || ps_common::neterr::kind(&text).is_some()
+                        || ps_net::neterr::kind(&text).is_some()
                 }
                 _ => false,
             }
@@ -678,7 +678,7 @@ fn register_request(
     shard: usize,
     rank: usize,
     (grad_file, grad_token): &(String, u64),
-    model: &[ps_common::pb::TensorDesc],
+    model: &[ps_proto::pb::TensorDesc],
 ) -> RegisterRequest {
     RegisterRequest {
         protocol_version: PROTOCOL_VERSION,
@@ -765,7 +765,7 @@ async fn after_failure(
     cfg: &Config,
     peers: &mut [Peer],
     rank: usize,
-    files: (&(String, u64), &[ps_common::pb::TensorDesc]),
+    files: (&(String, u64), &[ps_proto::pb::TensorDesc]),
     total: u64,
     t: u64,
     err: anyhow::Error,
@@ -784,7 +784,7 @@ pub(crate) async fn recover_if_lost(
     cfg: &Config,
     peers: &mut [Peer],
     rank: usize,
-    files: (&(String, u64), &[ps_common::pb::TensorDesc]),
+    files: (&(String, u64), &[ps_proto::pb::TensorDesc]),
     total: u64,
     t: u64,
     err: &anyhow::Error,
@@ -812,7 +812,7 @@ async fn rejoin(
     cfg: &Config,
     peers: &mut [Peer],
     rank: usize,
-    (grad_file, model): (&(String, u64), &[ps_common::pb::TensorDesc]),
+    (grad_file, model): (&(String, u64), &[ps_proto::pb::TensorDesc]),
     t: u64,
     err: anyhow::Error,
 ) -> anyhow::Result<u64> {
@@ -961,10 +961,10 @@ pub(crate) fn grad_board(run: &str, rank: usize, len: usize) -> Option<(BoardDir
 }
 
 /// A model's names and shapes in flat order, as registration carries them.
-pub fn describe_model(spec: &ps_common::layout::ModelSpec) -> Vec<ps_common::pb::TensorDesc> {
+pub fn describe_model(spec: &ps_model::layout::ModelSpec) -> Vec<ps_proto::pb::TensorDesc> {
     spec.tensors
         .iter()
-        .map(|t| ps_common::pb::TensorDesc {
+        .map(|t| ps_proto::pb::TensorDesc {
             name: t.name.clone(),
             shape: t.shape.iter().map(|&d| d as u64).collect(),
         })

@@ -21,8 +21,8 @@
 //! `l + 1` layers (whose parameters are the first ones of the flat vector), so no third copy of
 //! the MLP is needed to find them.
 
-use ps_common::config::LossReduction;
-use ps_common::layout::{MlpLayout, splitmix64};
+use ps_config::LossReduction;
+use ps_model::layout::{MlpLayout, splitmix64};
 use ps_worker::backend::{Backend, BackendError, StepStats};
 use ps_worker::cpu::CpuBackend;
 use ps_worker::cuda::{CudaBackend, CudaDevice, EVAL_ROWS};
@@ -779,7 +779,7 @@ fn channel_bias_and_accumulating_product_parity() {
 #[test]
 #[ignore = "needs a CUDA GPU: run with --ignored on a GPU machine (scripts/gpu-check.sh)"]
 fn cnn_step_parity() {
-    use ps_common::layout::{CnnLayout, CnnShape, ModelLayout};
+    use ps_model::layout::{CnnLayout, CnnShape, ModelLayout};
     let layout = CnnLayout::new(CnnShape {
         image: [1, 28, 28],
         channels: vec![4, 8],

@@ -137,7 +137,7 @@ class UnsupportedModelError(ValueError):
     float32, a buffer or frozen entry of a dtype safetensors cannot hold)."""
 
 
-# dtypes a buffer or frozen parameter may have (ps_common::declared::EXTRA_DTYPES)
+# dtypes a buffer or frozen parameter may have (ps_model::declared::EXTRA_DTYPES)
 _EXTRA_DTYPES = {
     torch.float32: "F32", torch.float64: "F64", torch.float16: "F16", torch.bfloat16: "BF16",
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",

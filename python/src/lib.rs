@@ -6,9 +6,9 @@
 //! weight vector, both as float32 buffers (numpy arrays) that it reads and writes in place with the
 //! GIL released. The Python package (`ps_torch/__init__.py`) wraps it in `ps_torch.Worker`.
 
-use ps_common::config::Config;
-use ps_common::order::BatchPlanner;
-use ps_common::pb::TensorDesc;
+use ps_config::Config;
+use ps_data::order::BatchPlanner;
+use ps_proto::pb::TensorDesc;
 use ps_worker::session::Session;
 use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
@@ -121,7 +121,7 @@ impl Client {
     ) -> PyResult<Self> {
         let env: std::collections::HashMap<String, String> = std::env::vars().collect();
         // config keys from the environment (PS_SET_<SECTION>_<KEY>) as ps-worker takes them
-        let overrides = ps_common::config::Overrides::from_env(&env);
+        let overrides = ps_config::Overrides::from_env(&env);
         let mut cfg = Config::load_with(Path::new(config), &overrides)
             .map_err(|e| PyValueError::new_err(e.to_string()))?;
         // the run id as ps-worker resolves it: the argument, PS_RUN_ID, [cluster] run_id, the
@@ -157,7 +157,7 @@ impl Client {
             .map(|(n, s)| (n.clone(), s.iter().map(|&d| d as usize).collect()))
             .collect();
         let spec = cfg.spec();
-        if let Some(diff) = ps_common::declared::first_difference(&spec, &theirs) {
+        if let Some(diff) = ps_model::declared::first_difference(&spec, &theirs) {
             return Err(ModelMismatchError::new_err(format!(
                 "model mismatch: {diff} ({config} trains {})",
                 cfg.describe_model()
@@ -466,7 +466,7 @@ impl Client {
         let entries = entries
             .into_iter()
             .map(
-                |(name, shape, dtype, fingerprint, buffer)| ps_common::pb::TensorPrint {
+                |(name, shape, dtype, fingerprint, buffer)| ps_proto::pb::TensorPrint {
                     name,
                     shape,
                     dtype,
@@ -597,7 +597,7 @@ impl Client {
     /// This rank's slice `(start, end)` of a data set of `n` samples as the shards split a
     /// test set among the ranks (`split_even`: the first `n % world` ranks get one more).
     fn slice_of(&self, n: usize) -> (usize, usize) {
-        let r = ps_common::layout::split_even(n, self.cfg.cluster.workers)[self.rank].clone();
+        let r = ps_model::layout::split_even(n, self.cfg.cluster.workers)[self.rank].clone();
         (r.start, r.end)
     }
     /// `[data] train_len` (the user's own training set's length), None when the config
@@ -642,8 +642,8 @@ fn save_init(
         off += k;
     }
     let order = serde_json::to_string(&names).map_err(|e| PyValueError::new_err(e.to_string()))?;
-    let meta = [(ps_common::declared::ORDER_KEY.to_string(), order)].into();
-    ps_common::weights::write_safetensors(Path::new(path), &tensors, &meta)
+    let meta = [(ps_model::declared::ORDER_KEY.to_string(), order)].into();
+    ps_model::weights::write_safetensors(Path::new(path), &tensors, &meta)
         .map_err(|e| PyRuntimeError::new_err(e.to_string()))
 }
 
@@ -656,6 +656,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
         "ModelMismatchError",
         m.py().get_type::<ModelMismatchError>(),
     )?;
-    m.add("ORDER_KEY", ps_common::declared::ORDER_KEY)?;
+    m.add("ORDER_KEY", ps_model::declared::ORDER_KEY)?;
     Ok(())
 }

@@ -245,7 +245,7 @@ def train_rank(worker, model, x, y, reduction: str, overlap: bool = False):
 
 
 def max_rel_diff(a: nn.Module, b: nn.Module) -> tuple[float, str]:
-    """Largest over tensors of max |a - b| / max |b| (ps_common::weights::max_rel_diff)."""
+    """Largest over tensors of max |a - b| / max |b| (ps_model::weights::max_rel_diff)."""
     worst = (0.0, "")
     bp = dict(b.named_parameters())
     for n, p in a.named_parameters():

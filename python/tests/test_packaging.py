@@ -35,11 +35,11 @@ def test_the_sdist_holds_the_protocol_and_the_type_hints(tmp_path):
     with tarfile.open(sdist) as t:
         names = {n.split("/", 1)[1] for n in t.getnames() if "/" in n}
         proto = t.extractfile(next(m for m in t.getmembers()
-                                   if m.name.endswith("ps-proto/proto/ps.proto"))).read()
+                                   if m.name.endswith("ps-common/proto/proto/ps.proto"))).read()
     # the package, its alias, its build backend, and the crates of the executables it ships
-    assert {"ps-proto/build.rs", "ps-proto/proto/ps.proto", "ps_torch/py.typed",
+    assert {"ps-common/proto/build.rs", "ps-common/proto/proto/ps.proto", "ps_torch/py.typed",
             "ps_torch/__init__.py", "ps_torch/_native.pyi", "ps/__init__.py",
-            "_build/ps_torch_build.py", "ps-server/Cargo.toml", "ps-launch/Cargo.toml",
+            "_build/ps_torch_build.py", "ps-server/service/Cargo.toml", "deploy/launch/Cargo.toml",
             "ps-worker/Cargo.toml"} <= names, sorted(names)
     assert proto == (REPO / "proto" / "ps.proto").read_bytes()
 

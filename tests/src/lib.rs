@@ -2,8 +2,8 @@
 //! cluster of `ps-server` and `ps-worker` processes on 127.0.0.1 (OS-chosen ports), read the
 //! weights the shards wrote, and run the single-process reference in this process.
 
-use ps_common::config::{Aggregation, Config, LossReduction, TestConfig, Transport};
-use ps_common::idx::{Dataset, Split, load_split};
+use ps_config::{Aggregation, Config, LossReduction, TestConfig, Transport};
+use ps_data::idx::{Dataset, Split, load_split};
 use ps_launch::{LocalCluster, bin_dir};
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
@@ -117,7 +117,7 @@ pub struct Start {
 pub fn run_cluster(path: &Path, cfg: &Config, start: &Start) -> PathBuf {
     let dir = path.parent().expect("config dir");
     let mut cluster = LocalCluster::new(bin_dir(), path.to_path_buf(), Some(dir.join("logs")));
-    cluster.elastic = cfg.server.barrier_policy == ps_common::config::BarrierPolicy::Continue;
+    cluster.elastic = cfg.server.barrier_policy == ps_config::BarrierPolicy::Continue;
     cluster.run_id = start.run_id.clone();
     cluster
         .start_servers(
@@ -144,7 +144,7 @@ pub fn run_cluster(path: &Path, cfg: &Config, start: &Start) -> PathBuf {
 
 /// The flat weights a finished cluster wrote.
 pub fn cluster_weights(cfg: &Config) -> Vec<f32> {
-    let (w, version) = ps_common::weights::read_shards(
+    let (w, version) = ps_model::weights::read_shards(
         &cfg.server.out_dir,
         cfg.num_shards(),
         cfg.layout().num_params(),
@@ -165,9 +165,9 @@ pub fn reference_weights(cfg: &Config) -> Vec<f32> {
         .weights
 }
 
-/// Largest relative difference (per tensor, see `ps_common::weights::max_rel_diff`).
+/// Largest relative difference (per tensor, see `ps_model::weights::max_rel_diff`).
 pub fn rel_diff(cfg: &Config, a: &[f32], b: &[f32]) -> f64 {
-    ps_common::weights::max_rel_diff(&cfg.layout(), a, b).0
+    ps_model::weights::max_rel_diff(&cfg.layout(), a, b).0
 }
 
 /// The final weights of an uninterrupted run of `spec` (in a temporary directory).
@@ -226,8 +226,8 @@ pub fn assert_metrics_steps(metrics: &str, steps: u64) {
 
 /// The header of a gRPC push of `len` values of `rank` for `step`, sent over the network (not
 /// shared memory), announcing 8 samples, a loss sum of 10 and 3 correct.
-pub fn push_header(rank: u32, step: u64, len: usize) -> ps_common::pb::PushHeader {
-    ps_common::pb::PushHeader {
+pub fn push_header(rank: u32, step: u64, len: usize) -> ps_proto::pb::PushHeader {
+    ps_proto::pb::PushHeader {
         rank,
         step,
         samples: 8,
@@ -242,13 +242,9 @@ pub fn push_header(rank: u32, step: u64, len: usize) -> ps_common::pb::PushHeade
 
 /// The registration of `rank` of `world` workers with the only shard of a cluster of
 /// `num_params` parameters, over the network (no shared memory) and with the built-in model.
-pub fn register_request(
-    rank: u32,
-    world: u32,
-    num_params: usize,
-) -> ps_common::pb::RegisterRequest {
-    ps_common::pb::RegisterRequest {
-        protocol_version: ps_common::PROTOCOL_VERSION,
+pub fn register_request(rank: u32, world: u32, num_params: usize) -> ps_proto::pb::RegisterRequest {
+    ps_proto::pb::RegisterRequest {
+        protocol_version: ps_proto::PROTOCOL_VERSION,
         rank,
         world_size: world,
         num_params: num_params as u64,
@@ -265,9 +261,9 @@ pub fn register_request(
 /// `lease`.
 pub fn pull_request(
     min_version: u64,
-    lease: Option<ps_common::pb::Lease>,
-) -> ps_common::pb::PullRequest {
-    ps_common::pb::PullRequest {
+    lease: Option<ps_proto::pb::Lease>,
+) -> ps_proto::pb::PullRequest {
+    ps_proto::pb::PullRequest {
         min_version,
         shm: false,
         exact: false,
@@ -343,16 +339,15 @@ pub fn launch_pids(out_dir: &Path, limit: Duration) -> (Vec<i32>, Vec<i32>) {
 pub struct RawClient {
     /// The generated client.
     pub rpc:
-        ps_common::pb::parameter_server_client::ParameterServerClient<tonic::transport::Channel>,
-    leases: std::collections::HashMap<u32, ps_common::pb::Lease>,
+        ps_proto::pb::parameter_server_client::ParameterServerClient<tonic::transport::Channel>,
+    leases: std::collections::HashMap<u32, ps_proto::pb::Lease>,
 }
 
 impl RawClient {
     /// Connects to `url` (`http://host:port`).
     pub async fn connect(url: String) -> Result<Self, tonic::transport::Error> {
         Ok(Self {
-            rpc: ps_common::pb::parameter_server_client::ParameterServerClient::connect(url)
-                .await?,
+            rpc: ps_proto::pb::parameter_server_client::ParameterServerClient::connect(url).await?,
             leases: Default::default(),
         })
     }
@@ -360,8 +355,8 @@ impl RawClient {
     /// Registers, keeping the lease granted.
     pub async fn register(
         &mut self,
-        req: ps_common::pb::RegisterRequest,
-    ) -> Result<tonic::Response<ps_common::pb::RegisterReply>, tonic::Status> {
+        req: ps_proto::pb::RegisterRequest,
+    ) -> Result<tonic::Response<ps_proto::pb::RegisterReply>, tonic::Status> {
         let rank = req.rank;
         let r = self.rpc.register(req).await?;
         if let Some(l) = &r.get_ref().lease {
@@ -371,19 +366,19 @@ impl RawClient {
     }
 
     /// The lease `rank` was granted through this client.
-    pub fn lease(&self, rank: u32) -> Option<ps_common::pb::Lease> {
+    pub fn lease(&self, rank: u32) -> Option<ps_proto::pb::Lease> {
         self.leases.get(&rank).cloned()
     }
 
     /// Presents `lease` (granted through another client) for its rank from now on.
-    pub fn adopt(&mut self, lease: Option<ps_common::pb::Lease>) {
+    pub fn adopt(&mut self, lease: Option<ps_proto::pb::Lease>) {
         if let Some(l) = lease {
             self.leases.insert(l.rank, l);
         }
     }
 
     /// Any lease this client holds (the lowest rank's): what its pulls present.
-    pub fn any_lease(&self) -> Option<ps_common::pb::Lease> {
+    pub fn any_lease(&self) -> Option<ps_proto::pb::Lease> {
         self.leases
             .iter()
             .min_by_key(|(r, _)| **r)
@@ -393,11 +388,11 @@ impl RawClient {
     /// Pushes `msgs` (a push's chunks), the first presenting the lease of its header's rank.
     pub async fn push(
         &mut self,
-        msgs: Vec<ps_common::pb::PushChunk>,
-    ) -> Result<tonic::Response<ps_common::pb::PushReply>, tonic::Status> {
+        msgs: Vec<ps_proto::pb::PushChunk>,
+    ) -> Result<tonic::Response<ps_proto::pb::PushReply>, tonic::Status> {
         let rank = msgs.first().and_then(|c| c.header.as_ref()).map(|h| h.rank);
         let lease = rank.and_then(|r| self.lease(r));
-        let msgs = ps_common::client::with_lease(msgs, lease);
+        let msgs = ps_net::client::with_lease(msgs, lease);
         self.rpc.push(tokio_stream::iter(msgs)).await
     }
 }

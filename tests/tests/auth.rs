@@ -4,10 +4,10 @@
 //! another is refused as UNAUTHENTICATED, and the shard logs the refusal without the token; a
 //! client without TLS, or trusting another CA, cannot talk to a TLS shard.
 
-use ps_common::PROTOCOL_VERSION;
-use ps_common::pb::RegisterRequest;
-use ps_common::pb::parameter_server_client::ParameterServerClient;
 use ps_launch::{LocalCluster, bin_dir};
+use ps_proto::PROTOCOL_VERSION;
+use ps_proto::pb::RegisterRequest;
+use ps_proto::pb::parameter_server_client::ParameterServerClient;
 use ps_tests::{Spec, Start, cluster_weights, run_cluster};
 use std::time::Duration;
 use tonic::Code;

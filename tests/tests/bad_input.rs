@@ -1,12 +1,12 @@
 //! A live `ps-server` process refuses every bad request with the expected status and a message
 //! that says what was expected, leaves its state untouched, and still completes a correct step.
 
-use ps_common::PROTOCOL_VERSION;
-use ps_common::auth::ClientSecurity;
-use ps_common::client::{ClientError, ShardClient};
-use ps_common::pb::{PullRequest, PushHeader, PushReply, RegisterRequest};
-use ps_common::wire::{TensorReceiver, f32_to_bytes};
 use ps_launch::{LocalCluster, bin_dir};
+use ps_net::auth::ClientSecurity;
+use ps_net::client::{ClientError, ShardClient};
+use ps_net::wire::{TensorReceiver, f32_to_bytes};
+use ps_proto::PROTOCOL_VERSION;
+use ps_proto::pb::{PullRequest, PushHeader, PushReply, RegisterRequest};
 use ps_tests::{Spec, register_request};
 use std::time::Duration;
 use tonic::Code;
@@ -268,7 +268,7 @@ async fn live_server_refuses_bad_pushes_and_still_steps() {
 /// shard's parameters board gives the same numbers as one through gRPC.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shared_memory_pushes_are_validated_like_grpc_ones() {
-    use ps_common::shm::{Board, BoardDir, grad_path, params_path, shm_root};
+    use ps_net::shm::{Board, BoardDir, grad_path, params_path, shm_root};
     use std::path::Path;
     let (_dir, _cluster, mut c, n) = one_shard().await;
     let root = shm_root().expect("/dev/shm on the test machine");
@@ -484,7 +484,7 @@ async fn prometheus_metrics_follow_the_shard() {
 /// the shard still takes correct ones.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn evaluation_figures_are_checked_against_the_rank_slice_of_the_test_set() {
-    use ps_common::pb::LeaveRequest;
+    use ps_proto::pb::LeaveRequest;
     let (_dir, _cluster, mut c, n) = one_shard().await;
     let reg = |rank: u32| register_request(rank, 2, n);
     c.register(reg(0)).await.unwrap();

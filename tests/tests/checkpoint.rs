@@ -5,7 +5,7 @@
 //! checkpoint is skipped for the newest version every shard holds intact; `ps-launch --export` merges the
 //! shards into one PyTorch-named `model.safetensors` and draws `curves.svg`.
 
-use ps_common::config::TestConfig;
+use ps_config::TestConfig;
 use ps_launch::{LocalCluster, bin_dir};
 use ps_tests::{Spec, Start, cluster_weights, run_cluster};
 use std::path::Path;
@@ -97,11 +97,9 @@ fn a_resumed_run_equals_an_uninterrupted_one_bit_for_bit() {
         .output()
         .unwrap();
     assert!(out.status.success(), "{out:?}");
-    let model = ps_common::weights::read_model(
-        &cfg.server.out_dir.join("model.safetensors"),
-        &cfg.layout(),
-    )
-    .unwrap();
+    let model =
+        ps_model::weights::read_model(&cfg.server.out_dir.join("model.safetensors"), &cfg.layout())
+            .unwrap();
     ps_tests::assert_bit_identical(&model, &straight, "model.safetensors");
     let svg = std::fs::read_to_string(cfg.server.out_dir.join("curves.svg")).unwrap();
     assert_eq!(

@@ -9,7 +9,7 @@
 //! with the whole global batch, for mean and sum aggregation. Bad settings are refused when
 //! the config is read, before any step, naming the key and the sizes.
 
-use ps_common::config::{Aggregation, Config, LossReduction, TestConfig};
+use ps_config::{Aggregation, Config, LossReduction, TestConfig};
 use ps_tests::{Spec, Start, cluster_weights, reference_weights, rel_diff, run_cluster};
 use std::path::Path;
 

@@ -2,8 +2,8 @@
 //! the README's sum-or-mean table, bit-reproducibility whatever the start order, sharding independence, and
 //! convergence on the shipped MNIST.
 
-use ps_common::config::{Aggregation, LossReduction, Transport};
-use ps_common::idx::{Split, load_split};
+use ps_config::{Aggregation, LossReduction, Transport};
+use ps_data::idx::{Split, load_split};
 use ps_tests::{Spec, Start, cluster_weights, mnist_dir, reference_weights, rel_diff, run_cluster};
 use std::time::Duration;
 
@@ -16,7 +16,7 @@ fn equivalence(spec: Spec) -> f64 {
 
 /// Runs `spec` as a cluster; its largest relative difference from the single process, its
 /// config and its final weights.
-fn run_equivalence(spec: Spec) -> (f64, ps_common::config::Config, Vec<f32>) {
+fn run_equivalence(spec: Spec) -> (f64, ps_config::Config, Vec<f32>) {
     let dir = tempfile::tempdir().unwrap();
     let (path, cfg) = spec.write(dir.path());
     run_cluster(&path, &cfg, &Start::default());

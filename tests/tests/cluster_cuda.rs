@@ -3,7 +3,7 @@
 //! (`scripts/cuda-harness.sh test` runs these): ignored by default, run with `--ignored`;
 //! without a GPU it fails instead of passing silently.
 
-use ps_common::config::{Aggregation, Config};
+use ps_config::{Aggregation, Config};
 use ps_tests::{Spec, Start, cluster_weights, reference_weights, rel_diff, run_cluster};
 
 /// CUDA and CPU gradients agree to ~1e-6 relative per step; after 20 steps the weights differ

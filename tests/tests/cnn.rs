@@ -9,7 +9,7 @@
 //! step's gradient by a whole term. Measured for mean/mean: 1.4e-7 after 20 steps at lr 0.02;
 //! at lr 0.1 2.0e-7 after 15 steps, then 2.5e-3 after 20, a flip, not a drift.
 
-use ps_common::config::{Aggregation, LossReduction};
+use ps_config::{Aggregation, LossReduction};
 use ps_tests::{Spec, Start, cluster_weights, reference_weights, rel_diff, run_cluster};
 
 /// Float rounding only, after 20 steps.

@@ -10,7 +10,7 @@
 //!
 //! `PS_FUZZ_SEED` changes the mutations (default: a fixed seed, so a failure reproduces).
 
-use ps_common::config::{Config, TestConfig};
+use ps_config::{Config, TestConfig};
 use ps_launch::bin_dir;
 use ps_tests::{Spec, mnist_dir};
 use std::path::{Path, PathBuf};

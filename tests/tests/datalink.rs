@@ -1,14 +1,14 @@
-//! The tensor data connection of a live `ps-server` (`ps_common::datalink`): hellos with a
+//! The tensor data connection of a live `ps-server` (`ps_net::datalink`): hellos with a
 //! wrong run id, an unknown rank or garbage are refused; a push that names another rank's
 //! connection, or whose frame is cut short or of the wrong length, is refused with a precise
 //! status; and afterwards pushes and pulls on new connections still make a correct step.
 
-use ps_common::auth::ClientSecurity;
-use ps_common::client::{DATA_RANK_KEY, ShardClient};
-use ps_common::datalink::{HELLO_NO, HELLO_OK, Hello, PIECES, frame_header, piece_header};
-use ps_common::pb::{PushChunk, PushHeader};
-use ps_common::wire::{as_le_bytes, f32_to_bytes};
 use ps_launch::{LocalCluster, bin_dir};
+use ps_net::auth::ClientSecurity;
+use ps_net::client::{DATA_RANK_KEY, ShardClient};
+use ps_net::datalink::{HELLO_NO, HELLO_OK, Hello, PIECES, frame_header, piece_header};
+use ps_net::wire::{as_le_bytes, f32_to_bytes};
+use ps_proto::pb::{PushChunk, PushHeader};
 use ps_tests::{Spec, register_request};
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -218,7 +218,7 @@ fn two_free_ports() -> (u16, u16) {
 
 /// A shard started on `127.0.0.1:port` with `config` (its data connections as configured);
 /// its registration reply for rank 0.
-async fn data_port_of(config: ps_common::config::TestConfig, port: u16) -> u32 {
+async fn data_port_of(config: ps_config::TestConfig, port: u16) -> u32 {
     let spec = Spec {
         shards: 1,
         workers: 1,
@@ -505,7 +505,7 @@ async fn pushes_in_pieces_in_any_order_give_the_whole_range_weights() {
 /// bit for bit, as with shared memory (whole ranges read in place).
 #[test]
 fn progressive_pushes_of_real_workers_give_the_shared_memory_weights() {
-    use ps_common::config::Transport;
+    use ps_config::Transport;
     use ps_tests::{Start, cluster_weights, run_cluster};
     let mut results = Vec::new();
     for transport in [Transport::Auto, Transport::Grpc] {
@@ -556,7 +556,7 @@ fn progressive_pushes_of_real_workers_give_the_shared_memory_weights() {
 /// Without data connections (gRPC chunks), the same weights.
 #[test]
 fn bucketed_apply_on_data_connections_equals_whole_range_and_one_process() {
-    use ps_common::config::Transport;
+    use ps_config::Transport;
     use ps_tests::{
         Start, assert_bit_identical, cluster_weights, reference_weights, rel_diff, run_cluster,
     };
@@ -573,7 +573,7 @@ fn bucketed_apply_on_data_connections_equals_whole_range_and_one_process() {
                 .max_pending_gradients(max_pending)
                 .data_connections(data, 0),
             transport: Transport::Grpc,
-            aggregation: ps_common::config::Aggregation::Weighted,
+            aggregation: ps_config::Aggregation::Weighted,
             ..Spec::default()
         };
         let dir = tempfile::tempdir().unwrap();

@@ -4,13 +4,13 @@
 //! describes another model, naming the first tensor that differs; ps-worker refuses a declared
 //! model that is not an MLP.
 
-use ps_common::PROTOCOL_VERSION;
-use ps_common::client::ShardClient;
-use ps_common::config::{Config, TestConfig};
-use ps_common::declared::ORDER_KEY;
-use ps_common::layout::MlpLayout;
-use ps_common::pb::{RegisterRequest, TensorDesc};
+use ps_config::{Config, TestConfig};
 use ps_launch::launch::{LocalCluster, bin_dir};
+use ps_model::declared::ORDER_KEY;
+use ps_model::layout::MlpLayout;
+use ps_net::client::ShardClient;
+use ps_proto::PROTOCOL_VERSION;
+use ps_proto::pb::{RegisterRequest, TensorDesc};
 use ps_tests::{Start, cluster_weights, mnist_dir, reference_weights, rel_diff, run_cluster};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -24,7 +24,7 @@ fn write_init(path: &Path, tensors: &[(&str, &[usize], &[f32])]) {
         serde_json::to_string(&order).unwrap(),
     )]
     .into();
-    ps_common::weights::write_safetensors(path, tensors, &meta).unwrap();
+    ps_model::weights::write_safetensors(path, tensors, &meta).unwrap();
 }
 
 /// An MLP 784-32-10 init file with weights from seed 99 (the config's seed is 7).
@@ -100,8 +100,7 @@ fn a_declared_mlp_trains_from_its_file_like_the_reference() {
         String::from_utf8_lossy(&out.stderr)
     );
     let (tensors, meta) =
-        ps_common::weights::read_safetensors(&cfg.server.out_dir.join("model.safetensors"))
-            .unwrap();
+        ps_model::weights::read_safetensors(&cfg.server.out_dir.join("model.safetensors")).unwrap();
     assert_eq!(
         meta[ORDER_KEY],
         r#"["fc1.weight","fc1.bias","fc2.weight","fc2.bias"]"#
@@ -205,7 +204,7 @@ fn a_shard_refuses_another_model_naming_the_first_differing_tensor() {
             let mut c = ShardClient::connect(
                 0,
                 &cluster.addrs[0],
-                &ps_common::auth::ClientSecurity::of(&cfg),
+                &ps_net::auth::ClientSecurity::of(&cfg),
                 Duration::from_secs(10),
             )
             .await

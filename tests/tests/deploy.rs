@@ -4,7 +4,7 @@
 //! workers, a few steps on MNIST) with a stand-in `srun` that runs the tasks here. No Slurm,
 //! Kubernetes or Docker is needed.
 
-use ps_common::config::Config;
+use ps_config::Config;
 use ps_launch::bin_dir;
 use serde_yaml::Value;
 use std::collections::{BTreeMap, BTreeSet};
@@ -33,13 +33,17 @@ fn read(path: &Path) -> String {
     std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
-/// Every file under `dir`, recursively, sorted.
+/// Every file under `dir`, recursively, sorted; the crates beside the deployment files
+/// (`deploy/launch`, `deploy/plan`: a folder with a `Cargo.toml`) are not deployment files.
 fn files_under(dir: &Path) -> Vec<PathBuf> {
     let mut out = Vec::new();
     let mut todo = vec![dir.to_path_buf()];
     while let Some(d) = todo.pop() {
         for e in std::fs::read_dir(&d).unwrap_or_else(|e| panic!("{}: {e}", d.display())) {
             let p = e.unwrap().path();
+            if p.is_dir() && p.join("Cargo.toml").is_file() {
+                continue;
+            }
             if p.is_dir() {
                 todo.push(p);
             } else {
@@ -942,7 +946,7 @@ fn slurm_config_generation_gives_every_shard_its_node_and_port() {
     let token = job_dir.join("token");
     assert_eq!(
         got.cluster.token,
-        Some(ps_common::auth::Token::read(&token).unwrap())
+        Some(ps_net::auth::Token::read(&token).unwrap())
     );
     {
         use std::os::unix::fs::PermissionsExt;
@@ -1337,7 +1341,7 @@ fn slurm_job_restarts_a_lost_shard_and_ends_with_the_same_weights() {
             assert!(log.contains("every shard rolls back to version"), "{log}");
         }
         let cfg = Config::load(&jobdir.join("config.toml")).unwrap();
-        ps_common::weights::read_shards(&cfg.server.out_dir, 2, cfg.layout().num_params())
+        ps_model::weights::read_shards(&cfg.server.out_dir, 2, cfg.layout().num_params())
             .unwrap()
             .0
     };
@@ -1690,7 +1694,7 @@ fn the_deploy_readmes_numbers_are_those_of_the_files() {
         );
     }
     // a worker that cannot reach a shard says so every CONNECT_LOG_EVERY
-    let every = ps_common::client::CONNECT_LOG_EVERY.as_secs();
+    let every = ps_net::client::CONNECT_LOG_EVERY.as_secs();
     assert!(
         readme.contains(&format!(
             "A worker that cannot reach a shard says so every {every} s"

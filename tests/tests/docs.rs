@@ -28,7 +28,7 @@ const NO_FIGURES: &[&str] = &["How to reproduce", "Machine and load", "Not measu
 
 #[test]
 fn performance_figures_are_labelled_as_a_dated_benchmark_record() {
-    let text = read("PERFORMANCE.md");
+    let text = read("bench/PERFORMANCE.md");
     let head = &text[..text.find("\n## ").expect("a section")];
     assert!(
         flat(head).contains(

@@ -4,7 +4,7 @@
 //! that comes back after the shards are gone fails alone, and the launcher does not end the run
 //! because of it. Every run ends with the final weights and `model.safetensors`.
 
-use ps_common::config::{BarrierPolicy, Config};
+use ps_config::{BarrierPolicy, Config};
 use ps_launch::{LocalCluster, bin_dir};
 use ps_tests::Spec;
 use std::path::Path;
@@ -85,7 +85,7 @@ fn read(p: impl AsRef<Path>) -> String {
 /// The run is complete: every shard at the last version, and `ps-launch --export` makes
 /// `model.safetensors` of it.
 fn assert_complete(dir: &Path, cfg: &Config) {
-    let (_, version) = ps_common::weights::read_shards(
+    let (_, version) = ps_model::weights::read_shards(
         &cfg.server.out_dir,
         cfg.num_shards(),
         cfg.layout().num_params(),

@@ -6,7 +6,7 @@
 //! worker the cluster computes exactly what one process computes: the final weights must be
 //! bit-identical to the single-process reference, on every transport.
 
-use ps_common::config::Transport;
+use ps_config::Transport;
 use ps_launch::{LocalCluster, bin_dir};
 use ps_tests::{
     Spec, assert_bit_identical, cluster_weights, delaying_proxy, reference_weights, rel_diff,

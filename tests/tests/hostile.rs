@@ -7,10 +7,10 @@
 //! connection cannot fill it with waiting pulls.
 //! Each attack also times a correct client's pull.
 
-use ps_common::config::Transport;
-use ps_common::pb::parameter_server_client::ParameterServerClient;
-use ps_common::pb::{PushChunk, PushHeader, StepReport};
+use ps_config::Transport;
 use ps_launch::{LocalCluster, bin_dir};
+use ps_proto::pb::parameter_server_client::ParameterServerClient;
+use ps_proto::pb::{PushChunk, PushHeader, StepReport};
 use ps_tests::{Spec, Start, register_request, run_cluster};
 use std::path::Path;
 use std::process::{Command, Stdio};
@@ -41,7 +41,7 @@ fn cpu_secs(pid: u32) -> f64 {
     ticks / unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64
 }
 
-fn header_only(rank: u32, n: usize, lease: Option<ps_common::pb::Lease>) -> PushChunk {
+fn header_only(rank: u32, n: usize, lease: Option<ps_proto::pb::Lease>) -> PushChunk {
     PushChunk {
         lease,
         header: Some(PushHeader {
@@ -248,7 +248,7 @@ async fn step_reports_need_the_shard_credential_and_a_step_near_the_shards() {
         );
         if with_shard_token {
             r.metadata_mut().insert(
-                ps_common::keys::SHARD_TOKEN_KEY,
+                ps_proto::keys::SHARD_TOKEN_KEY,
                 "shard-token-fedcba9876543210".parse().unwrap(),
             );
         }
@@ -444,16 +444,15 @@ async fn connections_past_the_limit_are_closed_and_logged() {
 /// A correct client (`ShardClient`, with TLS when the config has it) registered as rank 0 of
 /// the only shard of `cfg` at `addr`.
 async fn correct_client(
-    cfg: &ps_common::config::Config,
+    cfg: &ps_config::Config,
     addr: &str,
     rank: u32,
     n: usize,
-) -> ps_common::client::ShardClient {
-    let security = ps_common::auth::ClientSecurity::of(cfg);
-    let mut c =
-        ps_common::client::ShardClient::connect(0, addr, &security, Duration::from_secs(30))
-            .await
-            .unwrap();
+) -> ps_net::client::ShardClient {
+    let security = ps_net::auth::ClientSecurity::of(cfg);
+    let mut c = ps_net::client::ShardClient::connect(0, addr, &security, Duration::from_secs(30))
+        .await
+        .unwrap();
     c.register(register_request(rank, cfg.cluster.workers as u32, n))
         .await
         .unwrap();
@@ -516,7 +515,7 @@ async fn connections_that_never_complete_their_handshake_are_closed() {
             ..Spec::default()
         };
         let (mut cluster, n) = live(&spec, dir.path());
-        let cfg = ps_common::config::Config::load(&dir.path().join("config.toml")).unwrap();
+        let cfg = ps_config::Config::load(&dir.path().join("config.toml")).unwrap();
         let addr = cluster.addrs[0].clone();
         let c = correct_client(&cfg, &addr, 0, n).await;
         // a pull of version 1, waiting for the step while the silent connections are closed
@@ -548,7 +547,7 @@ async fn connections_that_never_complete_their_handshake_are_closed() {
         // the step: the waiting pull, on a connection older than the timeout, gets version 1
         let h = ps_tests::push_header(0, 0, n);
         let reply = c
-            .push(h, &ps_common::wire::f32_to_bytes(&vec![0.5; n]), 4096)
+            .push(h, &ps_net::wire::f32_to_bytes(&vec![0.5; n]), 4096)
             .await
             .unwrap();
         assert!(reply.counted, "{reply:?}");
@@ -700,7 +699,7 @@ async fn stalled_partial_messages_beyond_the_budget_are_refused_and_freed() {
         ..Spec::default()
     };
     let (mut cluster, n) = live(&spec, dir.path());
-    let cfg = ps_common::config::Config::load(&dir.path().join("config.toml")).unwrap();
+    let cfg = ps_config::Config::load(&dir.path().join("config.toml")).unwrap();
     let pid = cluster.servers[0].child.id();
     let addr = cluster.addrs[0].clone();
     let c = correct_client(&cfg, &addr, 0, n).await;
@@ -735,7 +734,7 @@ async fn stalled_partial_messages_beyond_the_budget_are_refused_and_freed() {
     let reply = c
         .push(
             ps_tests::push_header(0, 0, n),
-            &ps_common::wire::f32_to_bytes(&vec![0.5; n]),
+            &ps_net::wire::f32_to_bytes(&vec![0.5; n]),
             4096,
         )
         .await
@@ -817,13 +816,13 @@ async fn many_ranks_on_one_connection_cannot_fill_it_with_waiting_pulls() {
         ..Spec::default()
     };
     let (mut cluster, n) = live(&spec, dir.path());
-    let cfg = ps_common::config::Config::load(&dir.path().join("config.toml")).unwrap();
+    let cfg = ps_config::Config::load(&dir.path().join("config.toml")).unwrap();
     let addr = cluster.addrs[0].clone();
     let mut c = correct_client(&cfg, &addr, 0, n).await;
     for r in 1..W as u32 {
         c.register(register_request(r, W as u32, n)).await.unwrap();
     }
-    let grad = ps_common::wire::f32_to_bytes(&vec![0.25; n]);
+    let grad = ps_net::wire::f32_to_bytes(&vec![0.25; n]);
     let pushes: Vec<_> = (0..W as u32 - 1)
         .map(|r| {
             let (p, grad) = (c.clone(), grad.clone());

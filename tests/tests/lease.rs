@@ -3,15 +3,15 @@
 //! connection's hello, a shared-memory push naming another rank's board), and the honest
 //! ranks' step is applied with their own gradients only.
 
-use ps_common::PROTOCOL_VERSION;
-use ps_common::auth::ClientSecurity;
-use ps_common::client::{ShardClient, push_chunks, with_lease};
-use ps_common::config::Transport;
-use ps_common::datalink::{HELLO_NO, HELLO_OK, Hello};
-use ps_common::pb::{Lease, PushHeader, RegisterRequest};
-use ps_common::shm::{Board, BoardDir, grad_path, shm_root};
-use ps_common::wire::f32_to_bytes;
+use ps_config::Transport;
 use ps_launch::{LocalCluster, bin_dir};
+use ps_net::auth::ClientSecurity;
+use ps_net::client::{ShardClient, push_chunks, with_lease};
+use ps_net::datalink::{HELLO_NO, HELLO_OK, Hello};
+use ps_net::shm::{Board, BoardDir, grad_path, shm_root};
+use ps_net::wire::f32_to_bytes;
+use ps_proto::PROTOCOL_VERSION;
+use ps_proto::pb::{Lease, PushHeader, RegisterRequest};
 use ps_tests::{Spec, push_header};
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};

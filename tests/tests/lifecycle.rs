@@ -1,7 +1,7 @@
 //! No silent hang, no orphan: a barrier missing a rank says which one and then fails the run
 //! loudly; Ctrl-C on the launcher stops every server and worker it started.
 
-use ps_common::config::{BarrierPolicy, Transport};
+use ps_config::{BarrierPolicy, Transport};
 use ps_launch::{LocalCluster, bin_dir};
 use ps_tests::{Spec, Start, run_cluster};
 use std::process::{Command, Stdio};
@@ -135,7 +135,7 @@ fn ctrl_c_on_the_launcher_leaves_no_process_behind() {
     }
     assert!(ours().is_empty(), "left behind: {:?}", ours());
     // nor their shared-memory boards: shards and workers remove them when stopped
-    if let Some(root) = ps_common::shm::shm_root() {
+    if let Some(root) = ps_net::shm::shm_root() {
         let left: Vec<String> = std::fs::read_dir(&root)
             .unwrap()
             .filter_map(|e| e.ok()?.file_name().into_string().ok())
@@ -315,12 +315,7 @@ fn an_exact_pull_of_the_previous_version_is_answered() {
 /// afresh in a new directory (logs in `logs/`), with the config they read.
 fn uninterrupted_then_shards(
     spec: &Spec,
-) -> (
-    Vec<f32>,
-    tempfile::TempDir,
-    ps_common::config::Config,
-    LocalCluster,
-) {
+) -> (Vec<f32>, tempfile::TempDir, ps_config::Config, LocalCluster) {
     let straight = ps_tests::uninterrupted_weights(spec);
     let dir = tempfile::tempdir().unwrap();
     let (path, cfg) = spec.write(dir.path());
@@ -336,11 +331,11 @@ fn uninterrupted_then_shards(
 /// when [`RankOneDied::restart`] starts its real successor).
 struct RankOneDied {
     cluster: LocalCluster,
-    cfg: ps_common::config::Config,
+    cfg: ps_config::Config,
     dir: tempfile::TempDir,
     straight: Vec<f32>,
     rt: tokio::runtime::Runtime,
-    clients: Vec<ps_common::client::ShardClient>,
+    clients: Vec<ps_net::client::ShardClient>,
     ranges: Vec<std::ops::Range<usize>>,
     /// Version 0's parameters, as rank 1 pulled them.
     w0: Vec<f32>,
@@ -348,11 +343,11 @@ struct RankOneDied {
 
 impl RankOneDied {
     fn pushing_step_0_to(shards: &[usize]) -> Self {
-        use ps_common::auth::ClientSecurity;
-        use ps_common::client::ShardClient;
-        use ps_common::layout::shard_ranges;
-        use ps_common::order::BatchPlanner;
-        use ps_common::pb::PushHeader;
+        use ps_data::order::BatchPlanner;
+        use ps_model::layout::shard_ranges;
+        use ps_net::auth::ClientSecurity;
+        use ps_net::client::ShardClient;
+        use ps_proto::pb::PushHeader;
         let spec = Spec {
             shards: 2,
             workers: 2,
@@ -420,7 +415,7 @@ impl RankOneDied {
                 len: r.len() as u64,
                 ..Default::default()
             };
-            let bytes = ps_common::wire::f32_to_bytes(&grad[r]);
+            let bytes = ps_net::wire::f32_to_bytes(&grad[r]);
             died.rt
                 .block_on(died.clients[s].push_retrying(header, &bytes, 1 << 20))
                 .unwrap();
@@ -429,8 +424,8 @@ impl RankOneDied {
     }
 
     /// Registers rank 1 with shard `s` again, on the same connection.
-    fn register(&mut self, s: usize) -> ps_common::pb::RegisterReply {
-        let req = ps_common::pb::RegisterRequest {
+    fn register(&mut self, s: usize) -> ps_proto::pb::RegisterReply {
+        let req = ps_proto::pb::RegisterRequest {
             shard: s as u32,
             num_shards: 2,
             ..ps_tests::register_request(1, 2, self.w0.len())

@@ -4,13 +4,13 @@
 //! `barrier_warn_secs` whatever its transport (gRPC chunks, the data connection, shared
 //! memory), whether it never pushed or its push started and stalled.
 
-use ps_common::client::{DATA_RANK_KEY, push_chunks, with_lease};
-use ps_common::config::Transport;
-use ps_common::datalink::{HELLO_OK, Hello};
-use ps_common::pb::PushChunk;
-use ps_common::throttle::LOG_EVERY;
-use ps_common::wire::f32_to_bytes;
+use ps_config::Transport;
 use ps_launch::{LocalCluster, bin_dir};
+use ps_net::client::{DATA_RANK_KEY, push_chunks, with_lease};
+use ps_net::datalink::{HELLO_OK, Hello};
+use ps_net::throttle::LOG_EVERY;
+use ps_net::wire::f32_to_bytes;
+use ps_proto::pb::PushChunk;
 use ps_tests::{RawClient, Spec, push_header, register_request};
 use std::path::Path;
 use std::time::{Duration, Instant};

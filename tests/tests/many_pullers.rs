@@ -1,10 +1,10 @@
 //! Many gRPC pullers on one live `ps-server` shard: what each costs the shard, against the
 //! start-up memory statement (`ps_server::memory`), and the values each gets.
 
-use ps_common::config::{Config, Transport};
-use ps_common::pb::PullChunk;
-use ps_common::pb::parameter_server_client::ParameterServerClient;
+use ps_config::{Config, Transport};
 use ps_launch::{LocalCluster, bin_dir};
+use ps_proto::pb::PullChunk;
+use ps_proto::pb::parameter_server_client::ParameterServerClient;
 use ps_server::memory::{MemoryPlan, PULLER_BYTES, PULLERS};
 use ps_tests::{RawClient, Spec, register_request};
 use std::time::{Duration, Instant};

@@ -196,7 +196,7 @@ fn a_public_shard_without_any_credential_refuses_to_start_unless_told() {
     let dir = tempfile::tempdir().unwrap();
     let (path, _) = small().write(dir.path());
     let opt_out = ["--set", "server.allow_unauthenticated=true"];
-    let credential = [(ps_common::auth::SHARD_TOKEN_ENV, "0123456789abcdef0123")];
+    let credential = [(ps_net::auth::SHARD_TOKEN_ENV, "0123456789abcdef0123")];
     type Case<'a> = (
         &'a str,
         &'a [&'a str],
@@ -229,7 +229,7 @@ fn a_public_shard_without_any_credential_refuses_to_start_unless_told() {
             .args(["--shard", "0", "--listen", listen, "--addr-file"])
             .arg(&addr)
             .args(args)
-            .env_remove(ps_common::auth::SHARD_TOKEN_ENV)
+            .env_remove(ps_net::auth::SHARD_TOKEN_ENV)
             .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&log).unwrap())
@@ -318,7 +318,7 @@ fn a_tls_mismatch_says_tls_expected() {
         // the probe a plain-text client makes when its first request is reset
         let rt = tokio::runtime::Runtime::new().unwrap();
         assert_eq!(
-            rt.block_on(ps_common::neterr::speaks_tls(&cluster.addrs[0])),
+            rt.block_on(ps_net::neterr::speaks_tls(&cluster.addrs[0])),
             shard_tls,
             "speaks_tls of a shard with TLS {shard_tls}"
         );
@@ -495,7 +495,7 @@ fn check_reference_on_uneven_mean_aggregation_compares_with_the_mean_of_means() 
         workers: 3,
         global_batch: 50,
         steps: 4,
-        aggregation: ps_common::config::Aggregation::Mean,
+        aggregation: ps_config::Aggregation::Mean,
         ..Spec::default()
     };
     let (path, _cfg) = spec.write(dir.path());

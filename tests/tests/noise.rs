@@ -5,9 +5,9 @@
 //! plausible, logged with its advice; with one worker the log says once that it cannot be
 //! estimated.
 
-use ps_common::config::{Aggregation, Config, LossReduction, Transport};
-use ps_common::noise;
-use ps_common::order::BatchPlanner;
+use ps_config::noise;
+use ps_config::{Aggregation, Config, LossReduction, Transport};
+use ps_data::order::BatchPlanner;
 use ps_tests::{Spec, Start, mnist_train, run_cluster};
 use serde_json::Value;
 use std::path::Path;

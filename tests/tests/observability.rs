@@ -3,10 +3,10 @@
 //! (OpenMetrics) exposition with its histograms, per-rank arrival lag and process figures,
 //! checked line by line; TensorBoard event files from shard 0 equal to `metrics.jsonl`.
 
-use ps_common::PROTOCOL_VERSION;
-use ps_common::pb::RegisterRequest;
-use ps_common::pb::parameter_server_client::ParameterServerClient;
 use ps_launch::{LocalCluster, bin_dir};
+use ps_proto::PROTOCOL_VERSION;
+use ps_proto::pb::RegisterRequest;
+use ps_proto::pb::parameter_server_client::ParameterServerClient;
 use ps_server::tensorboard;
 use ps_tests::{Spec, Start, logged_addr, run_cluster};
 use std::collections::{BTreeMap, BTreeSet};
@@ -82,7 +82,7 @@ async fn grpc_health_answers_probes_and_follows_the_run() {
     assert_eq!(unknown.code(), Code::NotFound, "{unknown:?}");
 
     // the shard's own port: TLS; health needs no token, the shard service does
-    let tls_no_token = ps_common::auth::ClientSecurity::new(None, cfg.cluster.tls.clone());
+    let tls_no_token = ps_net::auth::ClientSecurity::new(None, cfg.cluster.tls.clone());
     let ch = tls_no_token
         .endpoint(&cluster.addrs[0])
         .unwrap()

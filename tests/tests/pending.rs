@@ -3,12 +3,12 @@
 //! their turn neither deadlock nor count as missing for the barrier timeout, and retries and
 //! conflicts are still recognised while other pushes wait.
 
-use ps_common::client::{push_chunks, with_lease};
-use ps_common::config::{Aggregation, Transport};
-use ps_common::pb::parameter_server_client::ParameterServerClient;
-use ps_common::pb::{Lease, PushChunk, PushHeader, PushReply};
-use ps_common::wire::{TensorReceiver, f32_to_bytes};
+use ps_config::{Aggregation, Transport};
 use ps_launch::{LocalCluster, bin_dir};
+use ps_net::client::{push_chunks, with_lease};
+use ps_net::wire::{TensorReceiver, f32_to_bytes};
+use ps_proto::pb::parameter_server_client::ParameterServerClient;
+use ps_proto::pb::{Lease, PushChunk, PushHeader, PushReply};
 use ps_tests::{
     Spec, Start, assert_bit_identical, cluster_weights, reference_weights, register_request,
     rel_diff, run_cluster,

@@ -2,7 +2,7 @@
 //! lines, and that those lines, merged into a real config, train a real cluster to the weights
 //! of the single-process recipe (computed separately, not from the planned config).
 
-use ps_common::config::{Aggregation, Config, LossReduction};
+use ps_config::{Aggregation, Config, LossReduction};
 use ps_launch::bin_dir;
 use ps_tests::{Spec, Start, cluster_weights, reference_weights, rel_diff, run_cluster};
 use std::process::Command;
@@ -452,7 +452,7 @@ fn plan_merges_into_an_existing_config() {
 /// ("rescales your lr" / "Do not copy the summing"), and `--check` omitted the warning.
 #[test]
 fn one_answer_to_d2l_sums_ddp_averages_in_the_readme_ps_plan_check_and_the_log() {
-    let answer = ps_common::config::SUM_OR_MEAN;
+    let answer = ps_config::SUM_OR_MEAN;
     let readme =
         std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md")).unwrap();
     assert!(readme.contains(answer), "README.md lacks: {answer}");

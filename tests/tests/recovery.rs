@@ -6,7 +6,7 @@
 //! newest checkpoint is skipped for the version before. A bounded chaos run kills
 //! random shards and workers.
 
-use ps_common::config::Config;
+use ps_config::Config;
 use ps_launch::bin_dir;
 use ps_tests::{Spec, assert_bit_identical, cluster_weights};
 use std::path::PathBuf;

@@ -4,7 +4,7 @@
 //! second had never existed. `--resume` refuses another run's checkpoints unless told
 //! `--resume-from RUN`.
 
-use ps_common::config::TestConfig;
+use ps_config::TestConfig;
 use ps_launch::{LocalCluster, bin_dir};
 use ps_tests::{Spec, Start, cluster_weights, run_cluster};
 use std::path::Path;
@@ -202,6 +202,6 @@ fn resume_refuses_another_runs_checkpoints_unless_told_resume_from() {
 
 /// The `run_id` metadata of a checkpoint file.
 fn checkpoint_run_id(path: &Path) -> String {
-    let (_, meta) = ps_common::weights::read_safetensors(path).unwrap();
+    let (_, meta) = ps_model::weights::read_safetensors(path).unwrap();
     meta.get("run_id").cloned().unwrap_or_default()
 }

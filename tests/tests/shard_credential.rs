@@ -3,10 +3,10 @@
 //! (stopping the run, ordering a rollback) or `ReportStep` without it, or with a wrong one, is
 //! refused `UNAUTHENTICATED` and changes nothing.
 
-use ps_common::auth::{ClientSecurity, SHARD_TOKEN_KEY};
-use ps_common::client::ShardClient;
-use ps_common::pb::{RecoverRequest, StepReport};
 use ps_launch::{LocalCluster, bin_dir};
+use ps_net::auth::{ClientSecurity, SHARD_TOKEN_KEY};
+use ps_net::client::ShardClient;
+use ps_proto::pb::{RecoverRequest, StepReport};
 use ps_tests::{Spec, register_request};
 use std::time::Duration;
 use tonic::Code;

@@ -7,13 +7,13 @@
 //! refused and the run stops loudly. A board of another user, or outside the shared-memory
 //! board directories, is never opened.
 
-use ps_common::PROTOCOL_VERSION;
-use ps_common::client::push_chunks;
-use ps_common::config::Transport;
-use ps_common::pb::{PushHeader, PushReply, RegisterRequest};
-use ps_common::shm::{Board, BoardDir, grad_path, params_path, shm_root};
-use ps_common::wire::{TensorReceiver, f32_to_bytes};
+use ps_config::Transport;
 use ps_launch::{LocalCluster, bin_dir};
+use ps_net::client::push_chunks;
+use ps_net::shm::{Board, BoardDir, grad_path, params_path, shm_root};
+use ps_net::wire::{TensorReceiver, f32_to_bytes};
+use ps_proto::PROTOCOL_VERSION;
+use ps_proto::pb::{PushHeader, PushReply, RegisterRequest};
 use ps_tests::Spec;
 use std::path::Path;
 use std::time::{Duration, Instant};

@@ -3,12 +3,12 @@
 //! worker whose wire differs from the shard's is refused at registration; a bf16 push is
 //! 2 bytes a value (4 are refused), on gRPC chunks and on the data connection.
 
-use ps_common::auth::ClientSecurity;
-use ps_common::client::{ShardClient, push_chunks_of, with_lease};
-use ps_common::config::{Transport, Wire};
-use ps_common::idx::{Split, load_split};
-use ps_common::wire::{Bf16Encoder, f32_to_bytes};
+use ps_config::{Transport, Wire};
+use ps_data::idx::{Split, load_split};
 use ps_launch::{LocalCluster, bin_dir};
+use ps_net::auth::ClientSecurity;
+use ps_net::client::{ShardClient, push_chunks_of, with_lease};
+use ps_net::wire::{Bf16Encoder, f32_to_bytes};
 use ps_tests::{Spec, Start, cluster_weights, mnist_dir, register_request, run_cluster};
 use std::time::Duration;
 use tonic::Code;
@@ -141,7 +141,7 @@ async fn a_bf16_shard_refuses_an_f32_worker_and_takes_half_the_bytes() {
     );
     // an odd byte count names the encoding
     let odd = bytes::Bytes::from(vec![0u8; 2 * n - 1]);
-    let msgs = vec![ps_common::pb::PushChunk {
+    let msgs = vec![ps_proto::pb::PushChunk {
         header: Some(header(0, 0, n)),
         offset: 0,
         data: odd,
@@ -192,8 +192,8 @@ async fn a_bf16_shard_refuses_an_f32_worker_and_takes_half_the_bytes() {
     let mut after = vec![0f32; n];
     c0.pull_into(1, false, None, &mut after).await.unwrap();
     let (mut q0, mut q1) = (vec![0f32; n], vec![0f32; n]);
-    ps_common::wire::decode_bf16(&mut q0, &b0);
-    ps_common::wire::decode_bf16(&mut q1, &b1);
+    ps_net::wire::decode_bf16(&mut q0, &b0);
+    ps_net::wire::decode_bf16(&mut q1, &b1);
     for i in 0..n {
         let want = before[i] - 0.5 * (0.5 * q0[i] + 0.5 * q1[i]);
         assert!(

@@ -1,0 +1,336 @@
+//! Global gradient-norm clipping across the shards (`[optimizer] clip_norm`), exactly as
+//! `torch.nn.utils.clip_grad_norm_(params, max_norm)` on the aggregated gradient.
+//!
+//! torch takes the L2 norm of each parameter's gradient (f32), then the norm of those norms,
+//! and scales every gradient by `min(1, max_norm / (total + 1e-6))` (f32). A tensor may span
+//! two shards, so before applying step `t` each shard sums the squares of its range of each
+//! tensor of the aggregated gradient ([`partials`]) and the shards exchange them:
+//!
+//! - shard 0 is the hub ([`Hub`]): it adds its own and every other shard's per-tensor sums
+//!   as they come (`ClipNorm`, authenticated with the shard credential like `ReportStep`),
+//!   and once all S are in computes the total ([`total_norm`]) and answers every waiting one;
+//! - shard i > 0 ([`Spoke`]) sends its sums to shard 0 and waits for the total in the reply:
+//!   one round trip per step, overlapping the time shard 0 itself needs to get there.
+//!
+//! Every shard then scales its range by the same coefficient ([`coefficient`]), so the run
+//! equals one process that clips its gradient. Tensors no rank's backward reached in the step
+//! (torch's `grad is None`) count 0 and are not updated anyway (`crate::shard::unused`).
+//!
+//! Waits are bounded ([`bound`]) and end as soon as the shard's run fails (a worker that
+//! stopped, a rollback ordered by a lost shard's replacement): the exchange never holds a step
+//! past the existing failure paths. The design alternative, workers gathering the per-shard
+//! sums and sending the total back, needs a second round trip from every worker to every
+//! shard after its push (W x S calls instead of S - 1) and lets a slow worker delay it.
+
+use crate::shard::{NormExchange, Shard};
+use ps_model::layout::ModelSpec;
+use ps_proto::pb::{ClipNormReply, ClipNormRequest};
+use std::ops::Range;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+use tokio::sync::watch;
+
+pub use ps_model::clip::{coefficient, partials, tensors_of, total_norm};
+
+/// How long a shard waits for the other shards' norms of a step: as long as their barriers
+/// may legitimately take (twice the barrier timeout, the longest under `barrier_policy =
+/// "continue"`), plus a margin for the update itself.
+pub fn bound(cfg: &ps_config::Config) -> Duration {
+    Duration::from_secs_f64(2.0 * cfg.server.barrier_timeout_secs + 30.0)
+}
+
+/// Resolves with the reason once `shard`'s run has failed (a rollback fails it too).
+async fn failed(shard: &Shard) -> String {
+    let mut versions = shard.subscribe();
+    loop {
+        if let Some(why) = shard.failure() {
+            return why;
+        }
+        if versions.changed().await.is_err() {
+            return "the shard stopped".into();
+        }
+    }
+}
+
+/// One step's sums as they come in at shard 0.
+#[derive(Debug)]
+struct Round {
+    step: u64,
+    sq: Vec<f64>,
+    from: Vec<bool>,
+}
+
+/// Shard 0's side: gathers every shard's per-tensor sums of a step and publishes the total.
+#[derive(Debug)]
+pub struct Hub {
+    spec: ModelSpec,
+    ranges: Vec<Range<usize>>,
+    round: Mutex<Option<Round>>,
+    /// The newest complete step and its total norm.
+    done: watch::Sender<Option<(u64, f32)>>,
+    bound: Duration,
+    runtime: tokio::runtime::Handle,
+}
+
+impl Hub {
+    /// The hub of `cfg`'s shards; call from within the runtime.
+    pub fn new(cfg: &ps_config::Config) -> Self {
+        let spec = cfg.spec();
+        let ranges = ps_model::layout::shard_ranges(spec.num_params(), cfg.num_shards());
+        Self {
+            spec,
+            ranges,
+            round: Mutex::new(None),
+            done: watch::Sender::new(None),
+            bound: bound(cfg),
+            runtime: tokio::runtime::Handle::current(),
+        }
+    }
+
+    /// Checks a request of shard `r.shard`: another shard of the layout, its tensors, finite
+    /// non-negative sums. The message says what is wrong.
+    pub fn check(&self, r: &ClipNormRequest) -> Result<(), String> {
+        let s = self.ranges.len();
+        let shard = r.shard as usize;
+        if shard == 0 || shard >= s {
+            return Err(format!(
+                "gradient norms from shard {}: expected a shard in 1..{s}",
+                r.shard
+            ));
+        }
+        let t = tensors_of(&self.spec, &self.ranges[shard]);
+        if r.first_tensor as usize != t.start || r.sq.len() != t.len() {
+            return Err(format!(
+                "gradient norms from shard {shard}: {} sums from tensor {}: expected {} from tensor {} (the tensors of its range {:?})",
+                r.sq.len(),
+                r.first_tensor,
+                t.len(),
+                t.start,
+                self.ranges[shard]
+            ));
+        }
+        if let Some(bad) = r.sq.iter().find(|v| !(v.is_finite() && **v >= 0.0)) {
+            return Err(format!(
+                "gradient norms from shard {shard} of step {}: squared norm {bad}: expected finite non-negative numbers",
+                r.step
+            ));
+        }
+        Ok(())
+    }
+
+    /// Adds `shard`'s sums for `step` (checked with [`Hub::check`] when they came over the
+    /// network); the same shard's again, or a step already complete, changes nothing. A newer
+    /// step starts a new round (one left incomplete belonged to a step its shards gave up).
+    pub fn contribute(&self, shard: usize, step: u64, first: u32, sq: &[f64]) {
+        if self.done.borrow().is_some_and(|(s, _)| s >= step) {
+            return;
+        }
+        let mut round = self.round.lock().unwrap_or_else(|p| p.into_inner());
+        let r = match &mut *round {
+            Some(r) if r.step == step => r,
+            Some(r) if r.step > step => return,
+            _ => round.insert(Round {
+                step,
+                sq: vec![0.0; self.spec.tensors.len()],
+                from: vec![false; self.ranges.len()],
+            }),
+        };
+        if std::mem::replace(&mut r.from[shard], true) {
+            return;
+        }
+        for (i, &v) in sq.iter().enumerate() {
+            r.sq[first as usize + i] += v;
+        }
+        if r.from.iter().all(|&f| f) {
+            let total = total_norm(&r.sq);
+            *round = None;
+            self.done.send_replace(Some((step, total)));
+        }
+    }
+
+    /// The total norm of `step` once every shard's sums are in; an error when the wait passes
+    /// [`bound`], when `shard`'s run fails meanwhile, or when the hub moved past the step.
+    pub async fn wait(&self, step: u64, shard: &Shard) -> Result<f32, String> {
+        let mut done = self.done.subscribe();
+        let all_in = async {
+            loop {
+                if let Some((s, total)) = *done.borrow_and_update() {
+                    if s == step {
+                        return Ok(total);
+                    }
+                    if s > step {
+                        return Err(format!(
+                            "step {step}: shard 0 has moved on to step {s} (a step settled without this one)"
+                        ));
+                    }
+                }
+                if done.changed().await.is_err() {
+                    return Err("shard 0 stopped".into());
+                }
+            }
+        };
+        tokio::select! {
+            r = tokio::time::timeout(self.bound, all_in) => r.unwrap_or_else(|_| Err(format!(
+                "step {step}: the gradient norms of every shard (for [optimizer] clip_norm) did not arrive at shard 0 within {:.0} s (twice [server] barrier_timeout_secs + 30 s)",
+                self.bound.as_secs_f64()
+            ))),
+            why = failed(shard) => Err(format!("the run failed meanwhile: {why}")),
+        }
+    }
+}
+
+impl NormExchange for Hub {
+    fn total_norm(
+        &self,
+        shard: &Shard,
+        step: u64,
+        first: u32,
+        sq: Vec<f64>,
+    ) -> Result<f32, String> {
+        self.contribute(0, step, first, &sq);
+        self.runtime.block_on(self.wait(step, shard))
+    }
+}
+
+/// The side of shard i > 0: sends its sums to shard 0 and waits for the total in the reply,
+/// retrying (bounded) while shard 0 cannot be reached or refuses for the time being.
+#[derive(Debug)]
+pub struct Spoke {
+    index: usize,
+    shard0: String,
+    security: ps_net::auth::ClientSecurity,
+    token: Option<ps_net::auth::Token>,
+    generation: u64,
+    bound: Duration,
+    runtime: tokio::runtime::Handle,
+    client: tokio::sync::Mutex<Option<ps_net::client::ShardClient>>,
+}
+
+impl Spoke {
+    /// Shard `index`'s side, reaching shard 0 at `shard0` with the shard credential `token`,
+    /// in cluster `generation`; call from within the runtime.
+    pub fn new(
+        cfg: &ps_config::Config,
+        index: usize,
+        shard0: String,
+        token: Option<ps_net::auth::Token>,
+        generation: u64,
+    ) -> Self {
+        Self {
+            index,
+            shard0,
+            security: ps_net::auth::ClientSecurity::of(cfg),
+            token,
+            generation,
+            bound: bound(cfg),
+            runtime: tokio::runtime::Handle::current(),
+            client: tokio::sync::Mutex::new(None),
+        }
+    }
+
+    async fn ask(&self, req: ClipNormRequest) -> Result<f32, String> {
+        let deadline = Instant::now() + self.bound;
+        let mut backoff = Duration::from_millis(50);
+        let mut client = self.client.lock().await;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(format!(
+                    "step {}: no total gradient norm from shard 0 at {} within {:.0} s (twice [server] barrier_timeout_secs + 30 s)",
+                    req.step,
+                    self.shard0,
+                    self.bound.as_secs_f64()
+                ));
+            }
+            let why = match client.as_mut() {
+                None => {
+                    match ps_net::client::ShardClient::connect(
+                        0,
+                        &self.shard0,
+                        &self.security,
+                        left.min(Duration::from_secs(5)),
+                    )
+                    .await
+                    {
+                        Ok(c) => {
+                            *client = Some(c);
+                            continue;
+                        }
+                        Err(e) => e.to_string(),
+                    }
+                }
+                Some(c) => {
+                    let mut request = tonic::Request::new(req.clone());
+                    request.set_timeout(left);
+                    if let Some(t) = &self.token {
+                        request.metadata_mut().insert(
+                            ps_net::auth::SHARD_TOKEN_KEY,
+                            ps_net::auth::metadata_value(t),
+                        );
+                    }
+                    match c.rpc().clip_norm(request).await {
+                        Ok(r) => {
+                            let ClipNormReply { step, total_norm } = r.into_inner();
+                            if step != req.step {
+                                return Err(format!(
+                                    "shard 0 answered the gradient norms of step {} with step {step}'s",
+                                    req.step
+                                ));
+                            }
+                            return Ok(total_norm);
+                        }
+                        // a request this side got wrong is not retried
+                        Err(s)
+                            if matches!(
+                                s.code(),
+                                tonic::Code::InvalidArgument | tonic::Code::Unauthenticated
+                            ) =>
+                        {
+                            return Err(format!(
+                                "shard 0 refused the gradient norms of step {}: {:?}: {}",
+                                req.step,
+                                s.code(),
+                                s.message()
+                            ));
+                        }
+                        Err(s) => {
+                            *client = None;
+                            format!("{:?}: {}", s.code(), s.message())
+                        }
+                    }
+                }
+            };
+            tracing::debug!(
+                "shard {}: gradient norms of step {} to shard 0: {why}; trying again",
+                self.index,
+                req.step
+            );
+            tokio::time::sleep(backoff.min(left)).await;
+            backoff = (backoff * 2).min(Duration::from_secs(1));
+        }
+    }
+}
+
+impl NormExchange for Spoke {
+    fn total_norm(
+        &self,
+        shard: &Shard,
+        step: u64,
+        first: u32,
+        sq: Vec<f64>,
+    ) -> Result<f32, String> {
+        let req = ClipNormRequest {
+            shard: self.index as u32,
+            step,
+            generation: self.generation,
+            first_tensor: first,
+            sq,
+        };
+        self.runtime.block_on(async {
+            tokio::select! {
+                r = self.ask(req) => r,
+                why = failed(shard) => Err(format!("the run failed meanwhile: {why}")),
+            }
+        })
+    }
+}
