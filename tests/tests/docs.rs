@@ -87,10 +87,6 @@ fn the_readmes_unchecked_figures_say_they_are_records() {
     let readme = flat(&read("README.md"));
     for (figure, label) in [
         (
-            "the cluster took 0.71 to 0.87 times DDP's step",
-            "a dated benchmark record that no test checks",
-        ),
-        (
             "final test accuracy **88.32%**",
             "not re-measured by any test",
         ),
