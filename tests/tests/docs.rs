@@ -204,13 +204,34 @@ fn code_of(text: &str) -> Vec<String> {
     code
 }
 
-/// The markdown links of a document that point into the repository, without their anchors.
-fn links_of(text: &str) -> Vec<String> {
+/// The markdown links of a document that point into the repository: (path, anchor); an
+/// empty path is the document itself.
+fn links_of(text: &str) -> Vec<(String, Option<String>)> {
     text.split("](")
         .skip(1)
         .filter_map(|s| s.split(')').next())
-        .filter(|l| !l.starts_with("http") && !l.starts_with('#'))
-        .map(|l| l.split('#').next().unwrap_or(l).to_string())
+        .filter(|l| !l.starts_with("http"))
+        .map(|l| match l.split_once('#') {
+            Some((path, anchor)) => (path.to_string(), Some(anchor.to_string())),
+            None => (l.to_string(), None),
+        })
+        .collect()
+}
+
+/// The anchors GitHub gives a markdown document's headings: lower case, punctuation dropped,
+/// spaces as hyphens.
+fn anchors_of(text: &str) -> Vec<String> {
+    text.lines()
+        .filter(|l| l.starts_with('#'))
+        .map(|l| {
+            l.trim_start_matches('#')
+                .trim()
+                .to_lowercase()
+                .chars()
+                .filter(|c| c.is_alphanumeric() || *c == ' ' || *c == '-' || *c == '_')
+                .map(|c| if c == ' ' { '-' } else { c })
+                .collect()
+        })
         .collect()
 }
 
@@ -222,9 +243,19 @@ fn the_documents_name_only_paths_that_exist() {
     for doc in DOCUMENTS {
         let text = read(doc);
         let dir = repo().join(doc).parent().unwrap().to_path_buf();
-        for link in links_of(&text) {
-            if !dir.join(&link).exists() {
+        for (link, anchor) in links_of(&text) {
+            let target = if link.is_empty() {
+                repo().join(doc)
+            } else {
+                dir.join(&link)
+            };
+            if !target.exists() {
                 missing.push(format!("{doc}: link {link}"));
+            } else if let Some(anchor) = anchor {
+                let heads = anchors_of(&std::fs::read_to_string(&target).unwrap_or_default());
+                if !heads.contains(&anchor) {
+                    missing.push(format!("{doc}: link {link}#{anchor}: no such heading"));
+                }
             }
         }
         for code in code_of(&text) {
