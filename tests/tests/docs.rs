@@ -338,8 +338,8 @@ fn commands_in(code: &str) -> Vec<(String, Vec<String>)> {
     commands
 }
 
-/// The workspace's package names.
-fn packages() -> Vec<String> {
+/// The workspace's packages: (name, folder).
+fn packages() -> Vec<(String, PathBuf)> {
     let mut names = Vec::new();
     let mut dirs = vec![repo()];
     while let Some(d) = dirs.pop() {
@@ -356,11 +356,12 @@ fn packages() -> Vec<String> {
                 let package = text.split("[package]").nth(1);
                 let name = package.and_then(|p| p.lines().find(|l| l.starts_with("name = ")));
                 if let Some(line) = name {
-                    names.push(
+                    names.push((
                         line.trim_start_matches("name = ")
                             .trim_matches('"')
                             .to_string(),
-                    );
+                        d.clone(),
+                    ));
                 }
             }
         }
@@ -412,7 +413,7 @@ fn the_documents_commands_use_flags_their_programs_have() {
                         let value = pair[1].trim_start_matches('=');
                         if pair[0] == "-p" && pair[1].starts_with('=') {
                             checked += 1;
-                            if !packages.iter().any(|p| p == value) {
+                            if !packages.iter().any(|(p, _)| p == value) {
                                 wrong.push(format!("{doc}: no package {value} (in `{code}`)"));
                             }
                         }
@@ -525,4 +526,63 @@ fn the_python_recipes_config_loads_with_its_init_file() {
         "{said}"
     );
     assert!(readme.contains("`equivalent to one process with batch 64,"));
+}
+
+/// Every Rust path the documents name (`ps_net::throttle`, `ps_shard::bucket::Mode`) is there:
+/// the crate is a workspace package, each module a file or folder of its `src/`, and an item
+/// (a capitalised last segment) is declared in that module.
+#[test]
+fn the_documents_rust_paths_exist() {
+    let packages = packages();
+    let mut wrong = Vec::new();
+    let mut checked = 0;
+    for doc in DOCUMENTS {
+        for code in code_of(&read(doc)) {
+            for word in code.split(|c: char| !(c.is_alphanumeric() || c == '_' || c == ':')) {
+                let segments: Vec<&str> = word.split("::").filter(|s| !s.is_empty()).collect();
+                if segments.len() < 2 || !segments[0].starts_with("ps_") {
+                    continue;
+                }
+                checked += 1;
+                let crate_name = segments[0].replace('_', "-");
+                let Some((_, dir)) = packages.iter().find(|(n, _)| *n == crate_name) else {
+                    wrong.push(format!("{doc}: {word}: no package {crate_name}"));
+                    continue;
+                };
+                let mut module = dir.join("src");
+                let mut file = module.join("lib.rs");
+                for seg in &segments[1..] {
+                    if seg.starts_with(|c: char| c.is_uppercase()) {
+                        let text = std::fs::read_to_string(&file).unwrap_or_default();
+                        let declared = ["struct", "enum", "trait", "type", "const", "fn"]
+                            .iter()
+                            .any(|k| text.contains(&format!("{k} {seg}")));
+                        if !declared {
+                            wrong.push(format!("{doc}: {word}: {seg} not in {}", file.display()));
+                        }
+                        break;
+                    }
+                    let as_file = module.join(format!("{seg}.rs"));
+                    let as_dir = module.join(seg);
+                    if as_file.exists() {
+                        file = as_file;
+                    } else if as_dir.join("mod.rs").exists() {
+                        file = as_dir.join("mod.rs");
+                    } else {
+                        wrong.push(format!(
+                            "{doc}: {word}: no module {seg} in {}",
+                            module.display()
+                        ));
+                        break;
+                    }
+                    module = as_dir;
+                }
+            }
+        }
+    }
+    assert!(wrong.is_empty(), "{}", wrong.join("\n"));
+    assert!(
+        checked > 0,
+        "no Rust path found: is the extraction still working?"
+    );
 }
