@@ -1,9 +1,14 @@
-//! The documents' figures that no test re-measures are labelled as what they are: PERFORMANCE.md
-//! is a dated benchmark record (each section with its date, code, command and load), and the
-//! README's figures taken from it or from one long run say so where they stand. The README's
-//! figures that a command re-measures are checked by that command (`scripts/deploy-checks.sh`,
-//! check 6) or asserted by a test, which the README names beside them.
-
+//! The documents say what is true and print what runs. PERFORMANCE.md is a dated benchmark
+//! record (each figure's table with its date, code, command and load; the older records under
+//! `bench/results/`, dated and linked), and the README's figures taken from a record or one
+//! long run say so where they stand; the README's figures that a command re-measures are
+//! checked by that command (`scripts/deploy-checks.sh`, check 6) or asserted by a test. In the
+//! six documents (README.md, python/README.md, ps-common/ARCHITECTURE.md,
+//! ps-common/config/README.md, deploy/README.md, bench/PERFORMANCE.md) every path and link
+//! (with its anchor) exists, every flag given to a binary is in its `--help` and every flag
+//! given to a Python script is one it declares, `cargo -p`/`--test` name real targets, every
+//! Rust path names a real module, the README's test command is `.ci/run`'s, and the Python
+//! recipe's config loads.
 use std::path::{Path, PathBuf};
 
 fn repo() -> PathBuf {
