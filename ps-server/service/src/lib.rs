@@ -21,6 +21,7 @@ pub use ps_shard::checkpoint;
 pub mod clip;
 pub mod data;
 pub mod exporter;
+pub mod handshake;
 pub mod lease;
 pub mod memory;
 pub mod partial;
@@ -442,7 +443,7 @@ async fn run_generation(
     );
     // partial messages of every service on the port count in the memory budget (as the body
     // is read: after the token check)
-    let budget = partial::PartialBudget::new(memory::partial_message_budget(&cfg), index);
+    let budget = partial::PartialBudget::new(partial::partial_message_budget(&cfg), index);
     tokio::spawn(partial::PartialBudget::trim_when_due(Arc::downgrade(
         &budget,
     )));

@@ -11,6 +11,7 @@
 
 use crate::exporter::Metrics;
 use crate::shard::{RankNorm, StepFigures};
+pub use crate::tensorboard::unix_time;
 use ps_config::noise::{self, NoiseScale};
 use ps_config::{Aggregation, Config, LossReduction};
 use ps_net::throttle::SharedThrottle;
@@ -596,13 +597,6 @@ async fn forward_to_shard0(cfg: ReporterConfig, mut rx: mpsc::UnboundedReceiver<
             }
         }
     }
-}
-
-/// Wall-clock time in seconds since the Unix epoch (the `time` of every metrics line).
-pub fn unix_time() -> f64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0.0, |d| (d.as_secs_f64() * 1e3).round() / 1e3)
 }
 
 /// Appends one line of `metrics.jsonl` with a single `write` call: a process killed (SIGKILL)
