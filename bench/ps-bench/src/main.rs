@@ -741,6 +741,7 @@ async fn push(c: &mut Client, rank: usize, step: u64, bytes: &Bytes) -> anyhow::
     Ok(())
 }
 
+#[allow(clippy::too_many_lines)] // split next (issue 39)
 fn section_transfer(tmp: &Path, plan: &Plan) -> anyhow::Result<Vec<Value>> {
     let reps = plan.net_repeats;
     let m = LARGE;
@@ -1140,6 +1141,7 @@ struct Processes {
 
 /// One cluster run; returns its figures (step times from shard 0's metrics, memory peaks,
 /// shard 0's CPU time per step over the timed steps).
+#[allow(clippy::too_many_lines)] // split next (issue 39)
 fn e2e_run(
     tmp: &Path,
     m: &Model,

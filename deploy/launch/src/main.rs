@@ -122,6 +122,7 @@ fn main() -> std::process::ExitCode {
     }
 }
 
+#[allow(clippy::too_many_lines)] // split next (issue 39)
 fn run(cli: Cli) -> anyhow::Result<()> {
     // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
     unsafe {

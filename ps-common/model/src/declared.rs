@@ -87,6 +87,7 @@ pub const EXTRA_DTYPES: [Dtype; 10] = [
 impl Declared {
     /// Reads and checks the header of `path`: every tensor F32, the order metadata naming each
     /// tensor of the file exactly once, and the data section exactly as long as the header says.
+    #[allow(clippy::too_many_lines)] // split next (issue 39)
     pub fn open(path: &Path) -> Result<Self, String> {
         let e = |m: String| format!("[model] init = {:?}: {m}", path.display().to_string());
         let file = std::fs::File::open(path).map_err(|err| e(format!("cannot open: {err}")))?;

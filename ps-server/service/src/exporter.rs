@@ -276,6 +276,7 @@ fn encode_family(
 }
 
 impl Collector for Figures {
+    #[allow(clippy::too_many_lines)] // split next (issue 39)
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
         let m = self.inner.lock().unwrap_or_else(|p| p.into_inner());
         let mut result = Ok(());

@@ -244,6 +244,7 @@ async fn serve_health(
     ))
 }
 
+#[allow(clippy::too_many_lines)] // split next (issue 39)
 async fn run_generation(
     setup: ShardSetup,
     listener: TcpListener,
@@ -780,6 +781,7 @@ async fn preempted(cfg: &Config, svc: &ShardService) -> Outcome {
 /// Waits for the end of the run while acting on the barrier's verdicts (log the missing
 /// ranks, fail the run, or go on without them), then writes the final weights and waits
 /// (bounded) for the workers to leave. A run the shard failed (an update refused) ends here too.
+#[allow(clippy::too_many_lines)] // split next (issue 39)
 async fn watch_run(cfg: &Config, svc: &ShardService) -> Outcome {
     let (shard, all_left, reporter) = (&svc.shard, &*svc.all_left, &svc.reporter);
     let mut versions = shard.subscribe();

@@ -346,6 +346,7 @@ async fn run(cfg: ReporterConfig, mut rx: mpsc::UnboundedReceiver<Event>) {
     }
 }
 
+#[allow(clippy::too_many_lines)] // split next (issue 39)
 fn emit(
     cfg: &ReporterConfig,
     p: Pending,

@@ -26,14 +26,15 @@ pub fn masked_crc(data: &[u8]) -> u32 {
     crc.rotate_right(15).wrapping_add(0xa282_ead8)
 }
 
-/// Appends events to one file.
-/// Wall-clock time in seconds since the Unix epoch to the millisecond (the `time` of every metrics line and event record).
+/// Wall-clock time in seconds since the Unix epoch, to the millisecond (the `time` of every
+/// metrics line and event record).
 pub fn unix_time() -> f64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0.0, |d| (d.as_secs_f64() * 1e3).round() / 1e3)
 }
 
+/// Appends events to one file.
 #[derive(Debug)]
 pub struct EventWriter {
     path: PathBuf,
