@@ -1181,7 +1181,6 @@ struct Processes {
 
 /// One cluster run; returns its figures (step times from shard 0's metrics, memory peaks,
 /// shard 0's CPU time per step over the timed steps).
-#[allow(clippy::too_many_lines)] // split next (issue 39)
 fn e2e_run(
     tmp: &Path,
     m: &Model,
@@ -1215,82 +1214,13 @@ fn e2e_run(
     let weights: Vec<PathBuf> = (0..s)
         .map(|i| out_dir.join(format!("shard-{i}.safetensors")))
         .collect();
-    let mut server_hwm = vec![0u64; s];
-    let mut worker_hwm = vec![0u64; w];
-    let deadline = Instant::now() + Duration::from_secs(600);
-    let mut last_check = Instant::now();
-    let mut ended_early = false;
-    // shard 0's CPU seconds and applied steps, once the skipped steps are done and at the end
-    let mut cpu_from: Option<(f64, usize)> = None;
-    let mut cpu_to: Option<(f64, usize)> = None;
-    let shard0 = cluster.servers[0].child.id();
-    let sample = |c: &LocalCluster, sh: &mut [u64], wh: &mut [u64]| {
-        for (h, p) in sh.iter_mut().zip(&c.servers) {
-            if p.status.is_none()
-                && let Some(v) = vm_hwm(p.child.id())
-            {
-                *h = (*h).max(v);
-            }
-        }
-        for (h, p) in wh.iter_mut().zip(&c.workers) {
-            if p.status.is_none()
-                && let Some(v) = vm_hwm(p.child.id())
-            {
-                *h = (*h).max(v);
-            }
-        }
-    };
-    loop {
-        sample(&cluster, &mut server_hwm, &mut worker_hwm);
-        let mut running = 0;
-        let mut failure = None;
-        for p in cluster.servers.iter_mut().chain(cluster.workers.iter_mut()) {
-            if p.status.is_none() {
-                match p.child.try_wait()? {
-                    Some(st) => p.status = Some(st),
-                    None => running += 1,
-                }
-            }
-            if let Some(st) = p.status
-                && !st.success()
-                && failure.is_none()
-            {
-                failure = Some(format!("{} failed with {st}{}", p.name, p.log_tail(20)));
-            }
-        }
-        if let Some(msg) = failure {
-            cluster.kill_all();
-            bail!(msg);
-        }
-        if running == 0 {
-            break;
-        }
-        // every step applied and every shard's final weights written: the rest of the run is
-        // the workers' final test-set evaluation, which nothing here measures; stop it
-        if last_check.elapsed() > Duration::from_millis(200) {
-            last_check = Instant::now();
-            let done = read_metrics(&metrics_path).len();
-            if cpu_from.is_none()
-                && done >= skip
-                && let Some(c) = cpu_secs(shard0)
-            {
-                cpu_from = Some((c, done));
-            }
-            if done as u64 >= steps && weights.iter().all(|p| p.exists()) {
-                cpu_to = cpu_secs(shard0).map(|c| (c, done));
-                std::thread::sleep(Duration::from_millis(200));
-                sample(&cluster, &mut server_hwm, &mut worker_hwm);
-                ended_early = true;
-                cluster.kill_all();
-                break;
-            }
-        }
-        if Instant::now() > deadline {
-            cluster.kill_all();
-            bail!("still running after 600 s");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let Watched {
+        server_hwm,
+        worker_hwm,
+        cpu_from,
+        cpu_to,
+        ended_early,
+    } = watch_e2e(&mut cluster, &metrics_path, &weights, steps, skip)?;
     let wall = started.elapsed().as_secs_f64();
     let metrics = read_metrics(&metrics_path);
     if (metrics.len() as u64) < steps {
@@ -1328,6 +1258,112 @@ fn e2e_run(
             .map(|(h, p)| *h as f64 / *p as f64).collect::<Vec<_>>(),
         "worker_hwm_bytes": worker_hwm,
     }))
+}
+
+/// What [`watch_e2e`] saw of a cluster run: each process's peak resident memory, shard 0's
+/// CPU seconds and applied steps once the skipped steps were done and at the end, and whether
+/// it stopped the run after its last step (the workers' final evaluation left out).
+struct Watched {
+    server_hwm: Vec<u64>,
+    worker_hwm: Vec<u64>,
+    cpu_from: Option<(f64, usize)>,
+    cpu_to: Option<(f64, usize)>,
+    ended_early: bool,
+}
+
+/// Watches a started cluster until every process has exited, or every step is in
+/// `metrics_path` and every shard's `weights` are written (then stops it); an error names a
+/// failed process, or the run past 600 s.
+fn watch_e2e(
+    cluster: &mut LocalCluster,
+    metrics_path: &Path,
+    weights: &[PathBuf],
+    steps: u64,
+    skip: usize,
+) -> anyhow::Result<Watched> {
+    let mut server_hwm = vec![0u64; cluster.servers.len()];
+    let mut worker_hwm = vec![0u64; cluster.workers.len()];
+    let deadline = Instant::now() + Duration::from_secs(600);
+    let mut last_check = Instant::now();
+    let mut ended_early = false;
+    // shard 0's CPU seconds and applied steps, once the skipped steps are done and at the end
+    let mut cpu_from: Option<(f64, usize)> = None;
+    let mut cpu_to: Option<(f64, usize)> = None;
+    let shard0 = cluster.servers[0].child.id();
+    let sample = |c: &LocalCluster, sh: &mut [u64], wh: &mut [u64]| {
+        for (h, p) in sh.iter_mut().zip(&c.servers) {
+            if p.status.is_none()
+                && let Some(v) = vm_hwm(p.child.id())
+            {
+                *h = (*h).max(v);
+            }
+        }
+        for (h, p) in wh.iter_mut().zip(&c.workers) {
+            if p.status.is_none()
+                && let Some(v) = vm_hwm(p.child.id())
+            {
+                *h = (*h).max(v);
+            }
+        }
+    };
+    loop {
+        sample(cluster, &mut server_hwm, &mut worker_hwm);
+        let mut running = 0;
+        let mut failure = None;
+        for p in cluster.servers.iter_mut().chain(cluster.workers.iter_mut()) {
+            if p.status.is_none() {
+                match p.child.try_wait()? {
+                    Some(st) => p.status = Some(st),
+                    None => running += 1,
+                }
+            }
+            if let Some(st) = p.status
+                && !st.success()
+                && failure.is_none()
+            {
+                failure = Some(format!("{} failed with {st}{}", p.name, p.log_tail(20)));
+            }
+        }
+        if let Some(msg) = failure {
+            cluster.kill_all();
+            bail!(msg);
+        }
+        if running == 0 {
+            break;
+        }
+        // every step applied and every shard's final weights written: the rest of the run is
+        // the workers' final test-set evaluation, which nothing here measures; stop it
+        if last_check.elapsed() > Duration::from_millis(200) {
+            last_check = Instant::now();
+            let done = read_metrics(metrics_path).len();
+            if cpu_from.is_none()
+                && done >= skip
+                && let Some(c) = cpu_secs(shard0)
+            {
+                cpu_from = Some((c, done));
+            }
+            if done as u64 >= steps && weights.iter().all(|p| p.exists()) {
+                cpu_to = cpu_secs(shard0).map(|c| (c, done));
+                std::thread::sleep(Duration::from_millis(200));
+                sample(cluster, &mut server_hwm, &mut worker_hwm);
+                ended_early = true;
+                cluster.kill_all();
+                break;
+            }
+        }
+        if Instant::now() > deadline {
+            cluster.kill_all();
+            bail!("still running after 600 s");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Ok(Watched {
+        server_hwm,
+        worker_hwm,
+        cpu_from,
+        cpu_to,
+        ended_early,
+    })
 }
 
 fn table_e2e(rows: &[Value]) -> String {
