@@ -9,37 +9,8 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::time::Duration;
 
-/// What can go wrong on a device.
-#[derive(Debug, thiserror::Error)]
-pub enum BackendError {
-    /// No usable GPU: no driver library, no device, or CUDA support missing.
-    #[error("no GPU: {0}")]
-    NoGpu(String),
-    /// A CUDA call failed.
-    #[error("cuda: {0}")]
-    Cuda(String),
-    /// A device name that is not `cpu`, `cuda`, `cuda:N` or `auto`.
-    #[error("{0}")]
-    BadDevice(String),
-    /// Inputs of the wrong size.
-    #[error("shape: {0}")]
-    Shape(String),
-    /// The weights of a layer did not arrive: their pull failed, or took too long.
-    #[error("weights not pulled: {0}")]
-    Gate(#[from] crate::gate::GateError),
-}
-
-/// Result with a [`BackendError`].
-pub type BackendResult<T> = Result<T, BackendError>;
-
-/// Figures of one forward and backward pass.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct StepStats {
-    /// Sum over the batch of the per-sample cross-entropy loss (whatever the reduction).
-    pub loss_sum: f64,
-    /// Samples whose largest logit is their label.
-    pub correct: u64,
-}
+pub use crate::error::{BackendError, BackendResult};
+pub use crate::ops::StepStats;
 
 /// A model on a device, computing its loss gradient: what the worker's loop, the reference
 /// run and the benchmarks call, whatever the model and the device ([`crate::model::Model`]).

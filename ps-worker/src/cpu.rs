@@ -6,6 +6,7 @@
 use crate::backend::Backend;
 use crate::backend::{BackendError, BackendResult, StepStats};
 use crate::model::Mlp;
+pub(crate) use crate::ops::check_len;
 use crate::ops::{ConvGeom, Device, Mat, check_pool};
 use ndarray::linalg::general_mat_mul;
 use ndarray::{ArrayView2, ArrayViewMut2};
@@ -31,17 +32,6 @@ impl CpuDevice {
             threads,
             last: StepStats::default(),
         }
-    }
-}
-
-/// `Shape` unless `got == want`.
-pub(crate) fn check_len(what: &str, got: usize, want: usize) -> BackendResult<()> {
-    if got == want {
-        Ok(())
-    } else {
-        Err(BackendError::Shape(format!(
-            "{what} holds {got} values: expected {want}"
-        )))
     }
 }
 

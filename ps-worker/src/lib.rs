@@ -6,7 +6,7 @@
 //! The model: `ops` (the device operations trait), `model` (the MLP and the CNN written once
 //! over it: `Model<D, N>` with `MlpNet`/`CnnNet`, `model::build` for a `ModelLayout`), `cpu`
 //! and `cuda` (the two devices), `backend` (the trait the worker calls), `device` (choosing one
-//! from `--device`). `gate`: the step's pulls and its forward pass sharing the weights, layer
+//! from `--device`), `error` (what a device or a backend returns on failure). `gate`: the step's pulls and its forward pass sharing the weights, layer
 //! by layer.
 
 pub mod backend;
@@ -14,6 +14,7 @@ pub mod cpu;
 pub mod cuda;
 pub mod device;
 pub mod env;
+pub mod error;
 pub mod gate;
 pub mod model;
 pub mod ops;

@@ -11,10 +11,29 @@
 //! [`Device::count_correct`] and [`Device::sync`] wait for the device, so a training step's intermediate values stay in
 //! device buffers and the host waits once, when it reads the gradient.
 
-use crate::backend::{BackendError, BackendResult, StepStats};
-use crate::cpu::check_len;
+use crate::error::{BackendError, BackendResult};
 use std::ops::Range;
 use std::time::Duration;
+
+/// Figures of one forward and backward pass.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct StepStats {
+    /// Sum over the batch of the per-sample cross-entropy loss (whatever the reduction).
+    pub loss_sum: f64,
+    /// Samples whose largest logit is their label.
+    pub correct: u64,
+}
+
+/// `Shape` unless `got == want`.
+pub fn check_len(what: &str, got: usize, want: usize) -> BackendResult<()> {
+    if got == want {
+        Ok(())
+    } else {
+        Err(BackendError::Shape(format!(
+            "{what} holds {got} values: expected {want}"
+        )))
+    }
+}
 
 /// What a device's copies between host and device memory took since it was last asked
 /// ([`Device::take_copy_times`]).
@@ -158,7 +177,7 @@ pub fn check_pool(
 /// model's forward and backward pass. Operations may run asynchronously; results are visible
 /// after [`Device::download`] or an operation that returns host values. Every operation
 /// checks the lengths of its views against its shape arguments and returns
-/// [`crate::backend::BackendError::Shape`] rather than reading or writing outside them.
+/// [`BackendError::Shape`] rather than reading or writing outside them.
 pub trait Device: Send {
     /// An owned buffer of `f32` on the device.
     type Buf: Send;

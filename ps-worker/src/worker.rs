@@ -149,6 +149,7 @@ pub(crate) struct Peer {
 pub const MIN_PIECE_VALUES: usize = 1 << 16;
 
 /// Runs the worker to the end of the training run; returns its timing.
+#[allow(clippy::too_many_lines)] // split next (issue 39)
 pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
     let WorkerSetup {
         cfg,

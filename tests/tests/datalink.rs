@@ -2,6 +2,7 @@
 //! wrong run id, an unknown rank or garbage are refused; a push that names another rank's
 //! connection, or whose frame is cut short or of the wrong length, is refused with a precise
 //! status; and afterwards pushes and pulls on new connections still make a correct step.
+#![allow(clippy::too_many_lines)] // a scenario test reads top to bottom in one function
 
 use ps_launch::{LocalCluster, bin_dir};
 use ps_net::auth::ClientSecurity;

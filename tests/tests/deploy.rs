@@ -3,6 +3,7 @@
 //! machine: its config generation with made-up node names, and a whole job (2 shards, 2
 //! workers, a few steps on MNIST) with a stand-in `srun` that runs the tasks here. No Slurm,
 //! Kubernetes or Docker is needed.
+#![allow(clippy::too_many_lines)] // a scenario test reads top to bottom in one function
 
 use ps_config::Config;
 use ps_launch::bin_dir;

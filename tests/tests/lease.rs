@@ -2,6 +2,7 @@
 //! or that forges a lease, is refused on every transport (gRPC pushes and pulls, the data
 //! connection's hello, a shared-memory push naming another rank's board), and the honest
 //! ranks' step is applied with their own gradients only.
+#![allow(clippy::too_many_lines)] // a scenario test reads top to bottom in one function
 
 use ps_config::Transport;
 use ps_launch::{LocalCluster, bin_dir};

@@ -2,6 +2,7 @@
 //! beside the shard service, and alone in plaintext on `--health-listen`); the Prometheus
 //! (OpenMetrics) exposition with its histograms, per-rank arrival lag and process figures,
 //! checked line by line; TensorBoard event files from shard 0 equal to `metrics.jsonl`.
+#![allow(clippy::too_many_lines)] // a scenario test reads top to bottom in one function
 
 use ps_launch::{LocalCluster, bin_dir};
 use ps_proto::PROTOCOL_VERSION;

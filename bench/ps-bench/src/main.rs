@@ -209,6 +209,8 @@ fn main() -> ExitCode {
     }
 }
 
+/// The sections the command line asks for, their tables printed and their rows written to
+/// `--json`; false when a run of section 3 failed.
 fn run(cli: &Cli) -> anyhow::Result<bool> {
     let plan = Plan::new(cli.quick);
     let want = |s: u32| cli.sections.contains(&s);
@@ -271,46 +273,7 @@ fn run(cli: &Cli) -> anyhow::Result<bool> {
 
     if want(5) {
         eprintln!("ps-bench: section 5, scale: one shard process, many gRPC clients");
-        let ws = if cli.scale_workers.is_empty() {
-            vec![2, 4, 8, 32, 64]
-        } else {
-            cli.scale_workers.clone()
-        };
-        let bin = cli.server_bin_dir.clone().unwrap_or_else(bin_dir);
-        let pending = if cli.scale_pending.is_empty() {
-            vec![ps_config::DEFAULT_MAX_PENDING_GRADIENTS]
-        } else {
-            cli.scale_pending.clone()
-        };
-        let scale = Scale {
-            processes: cli.scale_processes,
-            server_toml: cli.scale_server_toml.clone(),
-            pull: cli.scale_pull,
-            models: if cli.scale_models.is_empty() {
-                vec![SMALL, LARGE]
-            } else {
-                cli.scale_models
-                    .iter()
-                    .map(|m| match m.as_str() {
-                        "tiny" => Ok(TINY),
-                        "small" => Ok(SMALL),
-                        "large" => Ok(LARGE),
-                        other => bail!("--scale-models {other}: expected tiny, small or large"),
-                    })
-                    .collect::<anyhow::Result<_>>()?
-            },
-            steps: cli
-                .scale_steps
-                .unwrap_or(if plan.large_w4 { 6 } else { 3 })
-                .max(2),
-        };
-        let rows = section_scale(&tmp, &plan, &scale, &ws, &pending, &bin)?;
-        if scale.processes {
-            println!("{}", table_scale_processes(&rows));
-        } else {
-            println!("{}", table_scale(&rows));
-        }
-        out["scale"] = Value::Array(rows);
+        out["scale"] = Value::Array(section_5(cli, &plan, &tmp)?);
     }
 
     if want(6) {
@@ -332,6 +295,51 @@ fn run(cli: &Cli) -> anyhow::Result<bool> {
     }
     let _ = std::fs::remove_dir_all(&tmp);
     Ok(ok)
+}
+
+/// Section 5 with the command line's settings (the worker counts, the pending-gradient
+/// limits, the models, the steps), its table printed: the rows.
+fn section_5(cli: &Cli, plan: &Plan, tmp: &Path) -> anyhow::Result<Vec<Value>> {
+    let ws = if cli.scale_workers.is_empty() {
+        vec![2, 4, 8, 32, 64]
+    } else {
+        cli.scale_workers.clone()
+    };
+    let bin = cli.server_bin_dir.clone().unwrap_or_else(bin_dir);
+    let pending = if cli.scale_pending.is_empty() {
+        vec![ps_config::DEFAULT_MAX_PENDING_GRADIENTS]
+    } else {
+        cli.scale_pending.clone()
+    };
+    let scale = Scale {
+        processes: cli.scale_processes,
+        server_toml: cli.scale_server_toml.clone(),
+        pull: cli.scale_pull,
+        models: if cli.scale_models.is_empty() {
+            vec![SMALL, LARGE]
+        } else {
+            cli.scale_models
+                .iter()
+                .map(|m| match m.as_str() {
+                    "tiny" => Ok(TINY),
+                    "small" => Ok(SMALL),
+                    "large" => Ok(LARGE),
+                    other => bail!("--scale-models {other}: expected tiny, small or large"),
+                })
+                .collect::<anyhow::Result<_>>()?
+        },
+        steps: cli
+            .scale_steps
+            .unwrap_or(if plan.large_w4 { 6 } else { 3 })
+            .max(2),
+    };
+    let rows = section_scale(tmp, plan, &scale, &ws, &pending, &bin)?;
+    if scale.processes {
+        println!("{}", table_scale_processes(&rows));
+    } else {
+        println!("{}", table_scale(&rows));
+    }
+    Ok(rows)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -741,6 +749,8 @@ async fn push(c: &mut Client, rank: usize, step: u64, bytes: &Bytes) -> anyhow::
     Ok(())
 }
 
+/// Section 2: push and pull of the large model through an in-process shard's gRPC service
+/// (and shared memory), against raw TCP on the same loopback.
 fn section_transfer(tmp: &Path, plan: &Plan) -> anyhow::Result<Vec<Value>> {
     let reps = plan.net_repeats;
     let m = LARGE;
@@ -764,95 +774,9 @@ fn section_transfer(tmp: &Path, plan: &Plan) -> anyhow::Result<Vec<Value>> {
         .enable_all()
         .build()?;
 
-    // W = 1: pull of version t once available, then push of step t (which includes the apply)
-    let shard1 = InProcShard::start(cfg1.clone())?;
-    let (pull_s, push_apply_s) = client_rt.block_on(async {
-        let mut c = connect(shard1.addr).await?;
-        register(&mut c, &cfg1, 0).await?;
-        let (mut pull_s, mut push_apply_s) = (Vec::new(), Vec::new());
-        for t in 0..=reps as u64 {
-            wait_version(&mut c, &cfg1, t).await?;
-            let t0 = Instant::now();
-            let w = pull(&mut c, t, len).await?;
-            let t1 = Instant::now();
-            if w.len() != len {
-                bail!("pulled {} values: expected {len}", w.len());
-            }
-            drop(w);
-            let t2 = Instant::now();
-            push(&mut c, 0, t, &grad).await?;
-            let t3 = Instant::now();
-            if t > 0 {
-                pull_s.push((t1 - t0).as_secs_f64());
-                push_apply_s.push((t3 - t2).as_secs_f64());
-            }
-        }
-        Ok::<_, anyhow::Error>((pull_s, push_apply_s))
-    })?;
-    shard1.stop()?;
-
-    // W = 2: push of rank 0 alone (barrier incomplete, no apply), then rank 1 untimed
-    let shard2 = InProcShard::start(cfg2.clone())?;
-    let push_s = client_rt.block_on(async {
-        let mut c0 = connect(shard2.addr).await?;
-        let mut c1 = connect(shard2.addr).await?;
-        register(&mut c0, &cfg2, 0).await?;
-        register(&mut c1, &cfg2, 1).await?;
-        let mut push_s = Vec::new();
-        for t in 0..=reps as u64 {
-            wait_version(&mut c0, &cfg2, t).await?;
-            let t0 = Instant::now();
-            push(&mut c0, 0, t, &grad).await?;
-            let t1 = Instant::now();
-            push(&mut c1, 1, t, &grad).await?;
-            if t > 0 {
-                push_s.push((t1 - t0).as_secs_f64());
-            }
-        }
-        Ok::<_, anyhow::Error>(push_s)
-    })?;
-    shard2.stop()?;
-
-    // W = 2 again, through shared memory as workers on this host do: the pull answers with a
-    // header and the worker copies the version out of the shard's board; the push sends a
-    // header and the shard checks the values in place in the worker's gradient board
-    let shard3 = InProcShard::start(cfg2.clone())?;
-    let root = ps_net::shm::shm_root().context("no /dev/shm for the shared-memory rows")?;
-    let (pull_shm_s, push_shm_s) = client_rt.block_on(async {
-        let mut links = Vec::new();
-        for r in 0..2 {
-            let d = BoardDir::create(&root, &format!("bench-worker{r}"))?;
-            let mut b = Board::create(&grad_path(d.path()), d.token(), len, 1)?;
-            b.slot_mut(0).fill(1e-6);
-            let mut c = connect(shard3.addr).await?;
-            let reply = register_with(&mut c, &cfg2, r, Some((&b, d.token()))).await?;
-            let link = ShmLink::open(&reply, 0);
-            if link.describe() != "shared memory" {
-                bail!("the in-process shard offered no shared memory: {reply:?}");
-            }
-            links.push((c, link, d, b));
-        }
-        let mut w = vec![0f32; len];
-        let (mut pull_s, mut push_s) = (Vec::new(), Vec::new());
-        for t in 0..=reps as u64 {
-            wait_version(&mut links[0].0, &cfg2, t).await?;
-            let t0 = Instant::now();
-            let (c, link, _, _) = &mut links[0];
-            c.pull_into(t, false, link.params.as_deref(), &mut w)
-                .await?;
-            let t1 = Instant::now();
-            push_shm(&links[0].0, 0, t, len).await?;
-            let t2 = Instant::now();
-            push_shm(&links[1].0, 1, t, len).await?;
-            if t > 0 {
-                pull_s.push((t1 - t0).as_secs_f64());
-                push_s.push((t2 - t1).as_secs_f64());
-            }
-        }
-        Ok::<_, anyhow::Error>((pull_s, push_s))
-    })?;
-    shard3.stop()?;
-
+    let (pull_s, push_apply_s) = time_w1(&client_rt, &cfg1, &grad, reps)?;
+    let push_s = time_push_w2(&client_rt, &cfg2, &grad, reps)?;
+    let (pull_shm_s, push_shm_s) = time_shm_w2(&client_rt, &cfg2, reps)?;
     let tcp_s = tcp_baseline(&client_rt, nbytes, reps)?;
     drop(client_rt);
 
@@ -917,6 +841,123 @@ fn section_transfer(tmp: &Path, plan: &Plan) -> anyhow::Result<Vec<Value>> {
         );
     }
     Ok(rows)
+}
+
+/// W = 1: (pull, push + apply) seconds per step.
+fn time_w1(
+    client_rt: &tokio::runtime::Runtime,
+    cfg: &Config,
+    grad: &Bytes,
+    reps: usize,
+) -> anyhow::Result<(Vec<f64>, Vec<f64>)> {
+    let len = cfg.layout().num_params();
+    // W = 1: pull of version t once available, then push of step t (which includes the apply)
+    let shard = InProcShard::start(cfg.clone())?;
+    let times = client_rt.block_on(async {
+        let mut c = connect(shard.addr).await?;
+        register(&mut c, cfg, 0).await?;
+        let (mut pull_s, mut push_apply_s) = (Vec::new(), Vec::new());
+        for t in 0..=reps as u64 {
+            wait_version(&mut c, cfg, t).await?;
+            let t0 = Instant::now();
+            let w = pull(&mut c, t, len).await?;
+            let t1 = Instant::now();
+            if w.len() != len {
+                bail!("pulled {} values: expected {len}", w.len());
+            }
+            drop(w);
+            let t2 = Instant::now();
+            push(&mut c, 0, t, grad).await?;
+            let t3 = Instant::now();
+            if t > 0 {
+                pull_s.push((t1 - t0).as_secs_f64());
+                push_apply_s.push((t3 - t2).as_secs_f64());
+            }
+        }
+        Ok::<_, anyhow::Error>((pull_s, push_apply_s))
+    })?;
+    shard.stop()?;
+    Ok(times)
+}
+
+/// W = 2: seconds of rank 0's push per step (no apply).
+fn time_push_w2(
+    client_rt: &tokio::runtime::Runtime,
+    cfg: &Config,
+    grad: &Bytes,
+    reps: usize,
+) -> anyhow::Result<Vec<f64>> {
+    // W = 2: push of rank 0 alone (barrier incomplete, no apply), then rank 1 untimed
+    let shard = InProcShard::start(cfg.clone())?;
+    let times = client_rt.block_on(async {
+        let mut c0 = connect(shard.addr).await?;
+        let mut c1 = connect(shard.addr).await?;
+        register(&mut c0, cfg, 0).await?;
+        register(&mut c1, cfg, 1).await?;
+        let mut push_s = Vec::new();
+        for t in 0..=reps as u64 {
+            wait_version(&mut c0, cfg, t).await?;
+            let t0 = Instant::now();
+            push(&mut c0, 0, t, grad).await?;
+            let t1 = Instant::now();
+            push(&mut c1, 1, t, grad).await?;
+            if t > 0 {
+                push_s.push((t1 - t0).as_secs_f64());
+            }
+        }
+        Ok::<_, anyhow::Error>(push_s)
+    })?;
+    shard.stop()?;
+    Ok(times)
+}
+
+/// W = 2 through shared memory: (pull, push) seconds per step.
+fn time_shm_w2(
+    client_rt: &tokio::runtime::Runtime,
+    cfg: &Config,
+    reps: usize,
+) -> anyhow::Result<(Vec<f64>, Vec<f64>)> {
+    let len = cfg.layout().num_params();
+    // W = 2 again, through shared memory as workers on this host do: the pull answers with a
+    // header and the worker copies the version out of the shard's board; the push sends a
+    // header and the shard checks the values in place in the worker's gradient board
+    let shard = InProcShard::start(cfg.clone())?;
+    let root = ps_net::shm::shm_root().context("no /dev/shm for the shared-memory rows")?;
+    let times = client_rt.block_on(async {
+        let mut links = Vec::new();
+        for r in 0..2 {
+            let d = BoardDir::create(&root, &format!("bench-worker{r}"))?;
+            let mut b = Board::create(&grad_path(d.path()), d.token(), len, 1)?;
+            b.slot_mut(0).fill(1e-6);
+            let mut c = connect(shard.addr).await?;
+            let reply = register_with(&mut c, cfg, r, Some((&b, d.token()))).await?;
+            let link = ShmLink::open(&reply, 0);
+            if link.describe() != "shared memory" {
+                bail!("the in-process shard offered no shared memory: {reply:?}");
+            }
+            links.push((c, link, d, b));
+        }
+        let mut w = vec![0f32; len];
+        let (mut pull_s, mut push_s) = (Vec::new(), Vec::new());
+        for t in 0..=reps as u64 {
+            wait_version(&mut links[0].0, cfg, t).await?;
+            let t0 = Instant::now();
+            let (c, link, _, _) = &mut links[0];
+            c.pull_into(t, false, link.params.as_deref(), &mut w)
+                .await?;
+            let t1 = Instant::now();
+            push_shm(&links[0].0, 0, t, len).await?;
+            let t2 = Instant::now();
+            push_shm(&links[1].0, 1, t, len).await?;
+            if t > 0 {
+                pull_s.push((t1 - t0).as_secs_f64());
+                push_s.push((t2 - t1).as_secs_f64());
+            }
+        }
+        Ok::<_, anyhow::Error>((pull_s, push_s))
+    })?;
+    shard.stop()?;
+    Ok(times)
 }
 
 /// Seconds to move `n` bytes over one loopback TCP connection into a preallocated buffer, per
@@ -1173,82 +1214,13 @@ fn e2e_run(
     let weights: Vec<PathBuf> = (0..s)
         .map(|i| out_dir.join(format!("shard-{i}.safetensors")))
         .collect();
-    let mut server_hwm = vec![0u64; s];
-    let mut worker_hwm = vec![0u64; w];
-    let deadline = Instant::now() + Duration::from_secs(600);
-    let mut last_check = Instant::now();
-    let mut ended_early = false;
-    // shard 0's CPU seconds and applied steps, once the skipped steps are done and at the end
-    let mut cpu_from: Option<(f64, usize)> = None;
-    let mut cpu_to: Option<(f64, usize)> = None;
-    let shard0 = cluster.servers[0].child.id();
-    let sample = |c: &LocalCluster, sh: &mut [u64], wh: &mut [u64]| {
-        for (h, p) in sh.iter_mut().zip(&c.servers) {
-            if p.status.is_none()
-                && let Some(v) = vm_hwm(p.child.id())
-            {
-                *h = (*h).max(v);
-            }
-        }
-        for (h, p) in wh.iter_mut().zip(&c.workers) {
-            if p.status.is_none()
-                && let Some(v) = vm_hwm(p.child.id())
-            {
-                *h = (*h).max(v);
-            }
-        }
-    };
-    loop {
-        sample(&cluster, &mut server_hwm, &mut worker_hwm);
-        let mut running = 0;
-        let mut failure = None;
-        for p in cluster.servers.iter_mut().chain(cluster.workers.iter_mut()) {
-            if p.status.is_none() {
-                match p.child.try_wait()? {
-                    Some(st) => p.status = Some(st),
-                    None => running += 1,
-                }
-            }
-            if let Some(st) = p.status
-                && !st.success()
-                && failure.is_none()
-            {
-                failure = Some(format!("{} failed with {st}{}", p.name, p.log_tail(20)));
-            }
-        }
-        if let Some(msg) = failure {
-            cluster.kill_all();
-            bail!(msg);
-        }
-        if running == 0 {
-            break;
-        }
-        // every step applied and every shard's final weights written: the rest of the run is
-        // the workers' final test-set evaluation, which nothing here measures; stop it
-        if last_check.elapsed() > Duration::from_millis(200) {
-            last_check = Instant::now();
-            let done = read_metrics(&metrics_path).len();
-            if cpu_from.is_none()
-                && done >= skip
-                && let Some(c) = cpu_secs(shard0)
-            {
-                cpu_from = Some((c, done));
-            }
-            if done as u64 >= steps && weights.iter().all(|p| p.exists()) {
-                cpu_to = cpu_secs(shard0).map(|c| (c, done));
-                std::thread::sleep(Duration::from_millis(200));
-                sample(&cluster, &mut server_hwm, &mut worker_hwm);
-                ended_early = true;
-                cluster.kill_all();
-                break;
-            }
-        }
-        if Instant::now() > deadline {
-            cluster.kill_all();
-            bail!("still running after 600 s");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let Watched {
+        server_hwm,
+        worker_hwm,
+        cpu_from,
+        cpu_to,
+        ended_early,
+    } = watch_e2e(&mut cluster, &metrics_path, &weights, steps, skip)?;
     let wall = started.elapsed().as_secs_f64();
     let metrics = read_metrics(&metrics_path);
     if (metrics.len() as u64) < steps {
@@ -1286,6 +1258,112 @@ fn e2e_run(
             .map(|(h, p)| *h as f64 / *p as f64).collect::<Vec<_>>(),
         "worker_hwm_bytes": worker_hwm,
     }))
+}
+
+/// What [`watch_e2e`] saw of a cluster run: each process's peak resident memory, shard 0's
+/// CPU seconds and applied steps once the skipped steps were done and at the end, and whether
+/// it stopped the run after its last step (the workers' final evaluation left out).
+struct Watched {
+    server_hwm: Vec<u64>,
+    worker_hwm: Vec<u64>,
+    cpu_from: Option<(f64, usize)>,
+    cpu_to: Option<(f64, usize)>,
+    ended_early: bool,
+}
+
+/// Watches a started cluster until every process has exited, or every step is in
+/// `metrics_path` and every shard's `weights` are written (then stops it); an error names a
+/// failed process, or the run past 600 s.
+fn watch_e2e(
+    cluster: &mut LocalCluster,
+    metrics_path: &Path,
+    weights: &[PathBuf],
+    steps: u64,
+    skip: usize,
+) -> anyhow::Result<Watched> {
+    let mut server_hwm = vec![0u64; cluster.servers.len()];
+    let mut worker_hwm = vec![0u64; cluster.workers.len()];
+    let deadline = Instant::now() + Duration::from_secs(600);
+    let mut last_check = Instant::now();
+    let mut ended_early = false;
+    // shard 0's CPU seconds and applied steps, once the skipped steps are done and at the end
+    let mut cpu_from: Option<(f64, usize)> = None;
+    let mut cpu_to: Option<(f64, usize)> = None;
+    let shard0 = cluster.servers[0].child.id();
+    let sample = |c: &LocalCluster, sh: &mut [u64], wh: &mut [u64]| {
+        for (h, p) in sh.iter_mut().zip(&c.servers) {
+            if p.status.is_none()
+                && let Some(v) = vm_hwm(p.child.id())
+            {
+                *h = (*h).max(v);
+            }
+        }
+        for (h, p) in wh.iter_mut().zip(&c.workers) {
+            if p.status.is_none()
+                && let Some(v) = vm_hwm(p.child.id())
+            {
+                *h = (*h).max(v);
+            }
+        }
+    };
+    loop {
+        sample(cluster, &mut server_hwm, &mut worker_hwm);
+        let mut running = 0;
+        let mut failure = None;
+        for p in cluster.servers.iter_mut().chain(cluster.workers.iter_mut()) {
+            if p.status.is_none() {
+                match p.child.try_wait()? {
+                    Some(st) => p.status = Some(st),
+                    None => running += 1,
+                }
+            }
+            if let Some(st) = p.status
+                && !st.success()
+                && failure.is_none()
+            {
+                failure = Some(format!("{} failed with {st}{}", p.name, p.log_tail(20)));
+            }
+        }
+        if let Some(msg) = failure {
+            cluster.kill_all();
+            bail!(msg);
+        }
+        if running == 0 {
+            break;
+        }
+        // every step applied and every shard's final weights written: the rest of the run is
+        // the workers' final test-set evaluation, which nothing here measures; stop it
+        if last_check.elapsed() > Duration::from_millis(200) {
+            last_check = Instant::now();
+            let done = read_metrics(metrics_path).len();
+            if cpu_from.is_none()
+                && done >= skip
+                && let Some(c) = cpu_secs(shard0)
+            {
+                cpu_from = Some((c, done));
+            }
+            if done as u64 >= steps && weights.iter().all(|p| p.exists()) {
+                cpu_to = cpu_secs(shard0).map(|c| (c, done));
+                std::thread::sleep(Duration::from_millis(200));
+                sample(cluster, &mut server_hwm, &mut worker_hwm);
+                ended_early = true;
+                cluster.kill_all();
+                break;
+            }
+        }
+        if Instant::now() > deadline {
+            cluster.kill_all();
+            bail!("still running after 600 s");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Ok(Watched {
+        server_hwm,
+        worker_hwm,
+        cpu_from,
+        cpu_to,
+        ended_early,
+    })
 }
 
 fn table_e2e(rows: &[Value]) -> String {

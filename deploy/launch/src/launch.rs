@@ -530,18 +530,7 @@ impl LocalCluster {
         loop {
             let exited_with =
                 |p: &Proc, code: i32| p.status.is_some_and(|s| s.code() == Some(code));
-            // a lost shard may be started again (the cluster rolls back with it)
-            for i in 0..self.servers.len() {
-                let p = &mut self.servers[i];
-                if p.status.is_none()
-                    && let Ok(Some(s)) = p.child.try_wait()
-                {
-                    p.status = Some(s);
-                    if !s.success() && preempting.is_none() {
-                        self.restart_server(i)?;
-                    }
-                }
-            }
+            self.reap_servers(preempting.is_some())?;
             let signal = signal();
             if signal == Some(Stop::Interrupt) || self.servers.iter().any(|p| exited_with(p, 130)) {
                 self.kill_all();
@@ -559,51 +548,13 @@ impl LocalCluster {
                 preempting = Some(Instant::now());
             }
             if let Some(since) = preempting {
-                for p in self.servers.iter_mut().chain(self.workers.iter_mut()) {
-                    if p.status.is_none()
-                        && let Ok(Some(s)) = p.child.try_wait()
-                    {
-                        p.status = Some(s);
-                    }
-                }
-                let running: Vec<&str> = self
-                    .servers
-                    .iter()
-                    .chain(self.workers.iter())
-                    .filter(|p| p.status.is_none())
-                    .map(|p| p.name.as_str())
-                    .collect();
-                if running.is_empty() {
-                    return Ok(Ended::Preempted);
-                }
-                if since.elapsed() > PREEMPT_WAIT {
-                    let running = running.join(", ");
-                    self.kill_all();
-                    return Err(LaunchError(format!(
-                        "preempted, but still running {PREEMPT_WAIT:?} after SIGTERM: {running} (stopped now)"
-                    )));
+                if let Some(ended) = self.preempt_progress(since) {
+                    return ended;
                 }
                 std::thread::sleep(Duration::from_millis(25));
                 continue;
             }
-            // a failed worker may be started again (it rejoins at the shards' step)
-            for i in 0..self.workers.len() {
-                let p = &mut self.workers[i];
-                if p.status.is_none()
-                    && let Ok(Some(s)) = p.child.try_wait()
-                {
-                    p.status = Some(s);
-                    if !s.success() && !self.restart_worker(i)? && self.elastic {
-                        let p = &self.workers[i];
-                        eprintln!(
-                            "ps-launch: {} failed with {s}; the run goes on without it (barrier_policy = \"continue\"){}",
-                            p.name,
-                            p.log_tail(5)
-                        );
-                        self.tolerated.push(i);
-                    }
-                }
-            }
+            self.reap_workers()?;
             // only the exits the two loops above saw, which had their chance of a restart: a
             // process that exits after its loop polled it is seen on the next round. (Reaping
             // here too failed the run when a shard died while a worker killed with it was being
@@ -640,6 +591,78 @@ impl LocalCluster {
             }
             std::thread::sleep(Duration::from_millis(25));
         }
+    }
+
+    /// Records the shards that exited; a shard that failed is started again (the cluster rolls
+    /// back with it) unless the cluster is `preempting`.
+    fn reap_servers(&mut self, preempting: bool) -> Result<(), LaunchError> {
+        // a lost shard may be started again (the cluster rolls back with it)
+        for i in 0..self.servers.len() {
+            let p = &mut self.servers[i];
+            if p.status.is_none()
+                && let Ok(Some(s)) = p.child.try_wait()
+            {
+                p.status = Some(s);
+                if !s.success() && !preempting {
+                    self.restart_server(i)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// A step of the wait after a preemption (SIGTERM sent at `since`): Preempted once every
+    /// process has exited, an error past [`PREEMPT_WAIT`] (the rest stopped), None meanwhile.
+    fn preempt_progress(&mut self, since: Instant) -> Option<Result<Ended, LaunchError>> {
+        for p in self.servers.iter_mut().chain(self.workers.iter_mut()) {
+            if p.status.is_none()
+                && let Ok(Some(s)) = p.child.try_wait()
+            {
+                p.status = Some(s);
+            }
+        }
+        let running: Vec<&str> = self
+            .servers
+            .iter()
+            .chain(self.workers.iter())
+            .filter(|p| p.status.is_none())
+            .map(|p| p.name.as_str())
+            .collect();
+        if running.is_empty() {
+            return Some(Ok(Ended::Preempted));
+        }
+        if since.elapsed() > PREEMPT_WAIT {
+            let running = running.join(", ");
+            self.kill_all();
+            return Some(Err(LaunchError(format!(
+                "preempted, but still running {PREEMPT_WAIT:?} after SIGTERM: {running} (stopped now)"
+            ))));
+        }
+        None
+    }
+
+    /// Records the workers that exited; a failed worker is started again (it rejoins at the
+    /// shards' step), else with `barrier_policy = "continue"` the run goes on without it.
+    fn reap_workers(&mut self) -> Result<(), LaunchError> {
+        // a failed worker may be started again (it rejoins at the shards' step)
+        for i in 0..self.workers.len() {
+            let p = &mut self.workers[i];
+            if p.status.is_none()
+                && let Ok(Some(s)) = p.child.try_wait()
+            {
+                p.status = Some(s);
+                if !s.success() && !self.restart_worker(i)? && self.elastic {
+                    let p = &self.workers[i];
+                    eprintln!(
+                        "ps-launch: {} failed with {s}; the run goes on without it (barrier_policy = \"continue\"){}",
+                        p.name,
+                        p.log_tail(5)
+                    );
+                    self.tolerated.push(i);
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Sends `sig` to every process still running.

@@ -13,7 +13,7 @@ use clap::Parser;
 use ps_config::Config;
 use ps_launch::launch::{Ended, LocalCluster, Stop, bin_dir, tidy};
 use ps_launch::outdir::move_previous_run;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
@@ -122,6 +122,9 @@ fn main() -> std::process::ExitCode {
     }
 }
 
+/// The launcher: the config and the run id, the output folder claimed and tidied, the shards
+/// and workers started and watched, then the weights exported and (`--check-reference`)
+/// compared with one process.
 fn run(cli: Cli) -> anyhow::Result<()> {
     // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
     unsafe {
@@ -159,53 +162,13 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     }
     // the run id: given, else (on --resume) the one of the run in out_dir, else a new one
     let id_file = out_dir.join("run_id");
-    let mut run = cfg.resolve_run_id(cli.run_id.as_deref(), &env)?;
-    if run.id.is_none() {
-        let previous = std::fs::read_to_string(&id_file).ok();
-        run = match previous.as_deref().map(str::trim) {
-            Some(id) if cli.resume && ps_config::runid::validate(id).is_ok() => {
-                ps_config::runid::RunId {
-                    id: Some(id.to_string()),
-                    source: format!("{} (the run --resume continues)", id_file.display()),
-                }
-            }
-            _ => ps_config::runid::RunId {
-                id: Some(ps_config::runid::generate()),
-                source: "ps-launch, which generated it".into(),
-            },
-        };
-    }
+    let run = run_id_of(&mut cfg, &cli, &env, &id_file)?;
     let run_id = run.id.clone().unwrap_or_default();
     // before anything in the folder moves: no other live run may be using it
     let mut claim = ps_launch::outdir::claim(&out_dir, &run_id).map_err(anyhow::Error::msg)?;
     let logs = out_dir.join("logs");
     let (s, w) = (cfg.num_shards(), cfg.cluster.workers);
-    // the shards log an override only for one the user gave
-    let mut server_args = Vec::new();
-    if cli.out_dir.is_some() {
-        server_args.extend(["--out-dir".to_string(), out_dir.display().to_string()]);
-    }
-    let mut worker_args = cli.worker_arg.clone();
-    if let Some(d) = &cli.data_dir {
-        for args in [&mut server_args, &mut worker_args] {
-            args.push("--data-dir".into());
-            args.push(d.display().to_string());
-        }
-    }
-    for set in &cli.set {
-        for args in [&mut server_args, &mut worker_args] {
-            args.extend(["--set".to_string(), set.clone()]);
-        }
-    }
-    if cli.resume {
-        server_args.push("--resume".into());
-    }
-    if let Some(from) = &cli.resume_from {
-        server_args.extend(["--resume-from".into(), from.clone()]);
-    }
-    if cli.metrics {
-        server_args.extend(["--metrics-listen".into(), "127.0.0.1:0".into()]);
-    }
+    let (server_args, worker_args) = child_args(&cli, &out_dir);
     let mut cluster = LocalCluster::new(bin_dir(), cli.config.clone(), None);
     cluster.run_id = run.id.clone();
     // the shards' own start-up checks (config, data set) before the previous run moves: a run
@@ -241,6 +204,110 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         cfg.cluster.servers.join(", "),
         cluster.addrs.join(", ")
     );
+    assign_gpus(&cli, &env, w, &mut cluster);
+    for r in 0..w {
+        cluster.start_worker(r, w, &worker_args)?;
+    }
+    let pids = |p: &[ps_launch::Proc]| p.iter().map(|p| p.child.id()).collect::<Vec<_>>();
+    claim.record(&run_id, &pids(&cluster.servers), &pids(&cluster.workers));
+    let signal = || {
+        if INTERRUPTED.load(Ordering::SeqCst) {
+            Some(Stop::Interrupt)
+        } else {
+            PREEMPTED.load(Ordering::SeqCst).then_some(Stop::Preempt)
+        }
+    };
+    let ended = cluster.wait_signals(Duration::from_secs(cli.timeout_secs), &signal)?;
+    stopped_early(&cfg, &out_dir, s, ended)?;
+    println!(
+        "ps-launch: cluster finished in {:.1} s; outputs in {}",
+        started.elapsed().as_secs_f64(),
+        out_dir.display()
+    );
+    export(&cfg, &out_dir)?;
+    if cli.check_reference {
+        let run = check::RunArgs {
+            overrides: Some(&overrides),
+            data_dir: cli.data_dir.as_deref(),
+            worker_args: &cli.worker_arg,
+        };
+        let report =
+            check::check_reference(&cfg, &cli.config, &out_dir, &run).context("reference check")?;
+        print!("{report}");
+        if !report.agrees() {
+            anyhow::bail!("the cluster run does not agree with the single-process reference");
+        }
+    }
+    Ok(())
+}
+
+/// The run id: given (`--run-id`, the config, the environment), else (on `--resume`) the one of
+/// the run in the output folder (`id_file`), else a new one.
+fn run_id_of(
+    cfg: &mut Config,
+    cli: &Cli,
+    env: &std::collections::HashMap<String, String>,
+    id_file: &Path,
+) -> anyhow::Result<ps_config::runid::RunId> {
+    let mut run = cfg.resolve_run_id(cli.run_id.as_deref(), env)?;
+    if run.id.is_none() {
+        let previous = std::fs::read_to_string(id_file).ok();
+        run = match previous.as_deref().map(str::trim) {
+            Some(id) if cli.resume && ps_config::runid::validate(id).is_ok() => {
+                ps_config::runid::RunId {
+                    id: Some(id.to_string()),
+                    source: format!("{} (the run --resume continues)", id_file.display()),
+                }
+            }
+            _ => ps_config::runid::RunId {
+                id: Some(ps_config::runid::generate()),
+                source: "ps-launch, which generated it".into(),
+            },
+        };
+    }
+    Ok(run)
+}
+
+/// The arguments every shard and every worker gets from this command line (`out_dir`: the
+/// output folder): (shards', workers').
+fn child_args(cli: &Cli, out_dir: &Path) -> (Vec<String>, Vec<String>) {
+    // the shards log an override only for one the user gave
+    let mut server_args = Vec::new();
+    if cli.out_dir.is_some() {
+        server_args.extend(["--out-dir".to_string(), out_dir.display().to_string()]);
+    }
+    let mut worker_args = cli.worker_arg.clone();
+    if let Some(d) = &cli.data_dir {
+        for args in [&mut server_args, &mut worker_args] {
+            args.push("--data-dir".into());
+            args.push(d.display().to_string());
+        }
+    }
+    for set in &cli.set {
+        for args in [&mut server_args, &mut worker_args] {
+            args.extend(["--set".to_string(), set.clone()]);
+        }
+    }
+    if cli.resume {
+        server_args.push("--resume".into());
+    }
+    if let Some(from) = &cli.resume_from {
+        server_args.extend(["--resume-from".into(), from.clone()]);
+    }
+    if cli.metrics {
+        server_args.extend(["--metrics-listen".into(), "127.0.0.1:0".into()]);
+    }
+    (server_args, worker_args)
+}
+
+/// The GPUs the CUDA workers use, round robin (`--gpus`, else `CUDA_VISIBLE_DEVICES`, else
+/// every device), logged with the workers that share one.
+fn assign_gpus(
+    cli: &Cli,
+    env: &std::collections::HashMap<String, String>,
+    w: usize,
+    cluster: &mut LocalCluster,
+) {
     let visible = ps_launch::launch::visible_gpus(
         cli.gpus.as_deref(),
         env.get("CUDA_VISIBLE_DEVICES").map(String::as_str),
@@ -267,19 +334,12 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         }
         cluster.gpus = Some(gpus);
     }
-    for r in 0..w {
-        cluster.start_worker(r, w, &worker_args)?;
-    }
-    let pids = |p: &[ps_launch::Proc]| p.iter().map(|p| p.child.id()).collect::<Vec<_>>();
-    claim.record(&run_id, &pids(&cluster.servers), &pids(&cluster.workers));
-    let signal = || {
-        if INTERRUPTED.load(Ordering::SeqCst) {
-            Some(Stop::Interrupt)
-        } else {
-            PREEMPTED.load(Ordering::SeqCst).then_some(Stop::Preempt)
-        }
-    };
-    match cluster.wait_signals(Duration::from_secs(cli.timeout_secs), &signal)? {
+}
+
+/// The error a run that `ended` before its end exits with: interrupted, or preempted (naming
+/// the newest common checkpoint of the `s` shards and the command that resumes from it).
+fn stopped_early(cfg: &Config, out_dir: &Path, s: usize, ended: Ended) -> anyhow::Result<()> {
+    match ended {
         Ended::Finished => {}
         Ended::Interrupted => {
             return Err(Exit::Interrupted(
@@ -306,25 +366,6 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 ),
             };
             return Err(Exit::Preempted(why).into());
-        }
-    }
-    println!(
-        "ps-launch: cluster finished in {:.1} s; outputs in {}",
-        started.elapsed().as_secs_f64(),
-        out_dir.display()
-    );
-    export(&cfg, &out_dir)?;
-    if cli.check_reference {
-        let run = check::RunArgs {
-            overrides: Some(&overrides),
-            data_dir: cli.data_dir.as_deref(),
-            worker_args: &cli.worker_arg,
-        };
-        let report =
-            check::check_reference(&cfg, &cli.config, &out_dir, &run).context("reference check")?;
-        print!("{report}");
-        if !report.agrees() {
-            anyhow::bail!("the cluster run does not agree with the single-process reference");
         }
     }
     Ok(())

@@ -358,72 +358,7 @@ pub fn plan(req: &Request) -> Result<Plan, PlanError> {
     let split: Vec<usize> = split_even(t.batch, w).iter().map(|x| x.len()).collect();
     let uneven = split.iter().any(|&b| b != split[0]);
     let scale_ok = lr_is_scale(&r.optimizer);
-    let wf = w as f64;
-    // the aggregation and the lr that make the cluster's update the recipe's
-    let (aggregation, lr, why) = match (t.loss, req.aggregation) {
-        (LossReduction::Mean, None | Some(Aggregation::Mean)) if !uneven => (
-            Aggregation::Mean,
-            t.lr,
-            "mean loss + mean aggregation over equal slices is the mean over the global batch (what DDP does)".to_string(),
-        ),
-        (LossReduction::Mean, None | Some(Aggregation::Weighted)) => (
-            Aggregation::Weighted,
-            t.lr,
-            if uneven {
-                format!(
-                    "{} is not divisible by {w}: the slices are {}, and \"weighted\" (sum of b_r g_r / B) keeps it exact where \"mean\" would weight the samples of smaller slices more",
-                    t.batch,
-                    fmt_list(&split)
-                )
-            } else {
-                "weighted = sum of b_r g_r / B: exact for any split".to_string()
-            },
-        ),
-        (LossReduction::Mean, Some(Aggregation::Mean)) => {
-            return Err(PlanError::NotExact(format!(
-                "aggregation \"mean\" with batch {} over {w} workers (slices {}) weights the samples of smaller slices more: not exactly the recipe; use aggregation \"weighted\" (the default plan)",
-                t.batch,
-                fmt_list(&split)
-            )));
-        }
-        (LossReduction::Mean, Some(Aggregation::Sum)) if uneven => {
-            return Err(PlanError::NotExact(format!(
-                "aggregation \"sum\" of mean-loss gradients with batch {} over {w} workers (slices {}) weights the samples of smaller slices more: not exactly the recipe; use aggregation \"weighted\" (the default plan)",
-                t.batch,
-                fmt_list(&split)
-            )));
-        }
-        (LossReduction::Mean, Some(Aggregation::Sum)) => {
-            if !scale_ok {
-                return Err(not_scale(&r.optimizer, "mean", "sum", w, "mean\" or \"weighted"));
-            }
-            (
-                Aggregation::Sum,
-                t.lr / wf,
-                format!("aggregation \"sum\" of mean-loss gradients is {w} times the mean gradient, so the lr is divided by {w}"),
-            )
-        }
-        (LossReduction::Sum, None | Some(Aggregation::Sum)) => (
-            Aggregation::Sum,
-            t.lr,
-            "sum loss + sum aggregation is the sum over the global batch, for any split".to_string(),
-        ),
-        (LossReduction::Sum, Some(Aggregation::Mean)) => {
-            if !scale_ok {
-                return Err(not_scale(&r.optimizer, "sum", "mean", w, "sum"));
-            }
-            (
-                Aggregation::Mean,
-                t.lr * wf,
-                format!("aggregation \"mean\" of sum-loss gradients is the summed gradient divided by {w}, so the lr is multiplied by {w}"),
-            )
-        }
-        (LossReduction::Sum, Some(Aggregation::Weighted)) => {
-            return Err(PlanError::NotExact(
-                "aggregation \"weighted\" expects mean-reduced worker gradients; with --loss sum use aggregation \"sum\" (the default plan)".into(),
-            ));
-        }
-    };
+    let (aggregation, lr, why) = aggregation_and_lr(req, &t, &split, uneven)?;
     let lines = Lines {
         workers: w,
         batch_key: "global_batch",
@@ -472,6 +407,87 @@ pub fn plan(req: &Request) -> Result<Plan, PlanError> {
         equivalence: eq,
         split,
     })
+}
+
+/// The aggregation and the lr that make the cluster's update the recipe's (`t` over
+/// `req.shape.workers` workers, per-worker batches `split`, `uneven` when they differ), and
+/// why; NotExact for an asked aggregation that cannot be the recipe.
+fn aggregation_and_lr(
+    req: &Request,
+    t: &Target,
+    split: &[usize],
+    uneven: bool,
+) -> Result<(Aggregation, f64, String), PlanError> {
+    let r = &req.recipe;
+    let w = req.shape.workers;
+    let scale_ok = lr_is_scale(&r.optimizer);
+    let wf = w as f64;
+    // the aggregation and the lr that make the cluster's update the recipe's
+    let (aggregation, lr, why) = match (t.loss, req.aggregation) {
+        (LossReduction::Mean, None | Some(Aggregation::Mean)) if !uneven => (
+            Aggregation::Mean,
+            t.lr,
+            "mean loss + mean aggregation over equal slices is the mean over the global batch (what DDP does)".to_string(),
+        ),
+        (LossReduction::Mean, None | Some(Aggregation::Weighted)) => (
+            Aggregation::Weighted,
+            t.lr,
+            if uneven {
+                format!(
+                    "{} is not divisible by {w}: the slices are {}, and \"weighted\" (sum of b_r g_r / B) keeps it exact where \"mean\" would weight the samples of smaller slices more",
+                    t.batch,
+                    fmt_list(split)
+                )
+            } else {
+                "weighted = sum of b_r g_r / B: exact for any split".to_string()
+            },
+        ),
+        (LossReduction::Mean, Some(Aggregation::Mean)) => {
+            return Err(PlanError::NotExact(format!(
+                "aggregation \"mean\" with batch {} over {w} workers (slices {}) weights the samples of smaller slices more: not exactly the recipe; use aggregation \"weighted\" (the default plan)",
+                t.batch,
+                fmt_list(split)
+            )));
+        }
+        (LossReduction::Mean, Some(Aggregation::Sum)) if uneven => {
+            return Err(PlanError::NotExact(format!(
+                "aggregation \"sum\" of mean-loss gradients with batch {} over {w} workers (slices {}) weights the samples of smaller slices more: not exactly the recipe; use aggregation \"weighted\" (the default plan)",
+                t.batch,
+                fmt_list(split)
+            )));
+        }
+        (LossReduction::Mean, Some(Aggregation::Sum)) => {
+            if !scale_ok {
+                return Err(not_scale(&r.optimizer, "mean", "sum", w, "mean\" or \"weighted"));
+            }
+            (
+                Aggregation::Sum,
+                t.lr / wf,
+                format!("aggregation \"sum\" of mean-loss gradients is {w} times the mean gradient, so the lr is divided by {w}"),
+            )
+        }
+        (LossReduction::Sum, None | Some(Aggregation::Sum)) => (
+            Aggregation::Sum,
+            t.lr,
+            "sum loss + sum aggregation is the sum over the global batch, for any split".to_string(),
+        ),
+        (LossReduction::Sum, Some(Aggregation::Mean)) => {
+            if !scale_ok {
+                return Err(not_scale(&r.optimizer, "sum", "mean", w, "sum"));
+            }
+            (
+                Aggregation::Mean,
+                t.lr * wf,
+                format!("aggregation \"mean\" of sum-loss gradients is the summed gradient divided by {w}, so the lr is multiplied by {w}"),
+            )
+        }
+        (LossReduction::Sum, Some(Aggregation::Weighted)) => {
+            return Err(PlanError::NotExact(
+                "aggregation \"weighted\" expects mean-reduced worker gradients; with --loss sum use aggregation \"sum\" (the default plan)".into(),
+            ));
+        }
+    };
+    Ok((aggregation, lr, why))
 }
 
 fn not_scale(o: &Optimizer, loss: &str, agg: &str, w: usize, use_agg: &str) -> PlanError {

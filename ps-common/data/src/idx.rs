@@ -27,15 +27,22 @@ pub enum IdxError {
     /// The file could not be opened or read.
     #[error("{}: cannot {action}: {error}", path.display())]
     Io {
+        /// The file.
         path: PathBuf,
         /// What was being done, e.g. "open" or "read".
         action: &'static str,
+        /// The operating system's error.
         error: io::Error,
     },
 
     /// The gzip stream is corrupt or ends early.
     #[error("{}: corrupt or truncated gzip stream: {error}", path.display())]
-    Gzip { path: PathBuf, error: io::Error },
+    Gzip {
+        /// The file.
+        path: PathBuf,
+        /// The decoder's error.
+        error: io::Error,
+    },
 
     /// The file ends inside the magic number or the dimension sizes.
     #[error(
@@ -44,10 +51,15 @@ pub enum IdxError {
         file_word(*gzip),
     )]
     TruncatedHeader {
+        /// The file.
         path: PathBuf,
+        /// Whether it is gzip-compressed.
         gzip: bool,
+        /// Dimensions its magic number declares.
         dims: usize,
+        /// Header bytes expected.
         expected: usize,
+        /// Bytes the file holds.
         found: usize,
     },
 
@@ -59,8 +71,11 @@ pub enum IdxError {
         describe_magic(*found),
     )]
     BadMagic {
+        /// The file.
         path: PathBuf,
+        /// The magic number read.
         found: u32,
+        /// The magic number expected.
         expected: u32,
     },
 
@@ -74,8 +89,11 @@ pub enum IdxError {
         expected = magic_for(*expected_dims),
     )]
     WrongDimensions {
+        /// The file.
         path: PathBuf,
+        /// Dimensions expected.
         expected_dims: usize,
+        /// Dimensions its magic number declares.
         found_dims: usize,
     },
 
@@ -87,7 +105,9 @@ pub enum IdxError {
         total.map_or_else(|| "more than 2^64".to_string(), |t| t.to_string()),
     )]
     TooLarge {
+        /// The file.
         path: PathBuf,
+        /// The header's dimension sizes.
         dims: Vec<usize>,
         /// Product of the dimensions, `None` if it overflows `u64`.
         total: Option<u64>,
@@ -101,9 +121,13 @@ pub enum IdxError {
         file_word(*gzip),
     )]
     Truncated {
+        /// The file.
         path: PathBuf,
+        /// Whether it is gzip-compressed.
         gzip: bool,
+        /// The header's dimension sizes.
         dims: Vec<usize>,
+        /// Payload bytes the file holds.
         found: u64,
     },
 
@@ -116,18 +140,26 @@ pub enum IdxError {
         found - expected,
     )]
     TrailingData {
+        /// The file.
         path: PathBuf,
+        /// Whether it is gzip-compressed.
         gzip: bool,
+        /// The header's dimension sizes.
         dims: Vec<usize>,
+        /// Payload bytes the header promises.
         expected: u64,
+        /// Payload bytes the file holds.
         found: u64,
     },
 
     /// Images with zero rows or columns.
     #[error("{}: images are {rows}x{cols}: expected at least 1x1 pixels", path.display())]
     EmptyImages {
+        /// The images file.
         path: PathBuf,
+        /// Rows per image.
         rows: usize,
+        /// Columns per image.
         cols: usize,
     },
 
@@ -138,15 +170,20 @@ pub enum IdxError {
         label_range(*num_classes),
     )]
     LabelOutOfRange {
+        /// The labels file.
         path: PathBuf,
+        /// The label.
         label: u8,
+        /// Its index in the file.
         index: usize,
+        /// The number of classes.
         num_classes: usize,
     },
 
     /// Neither the raw nor the gzip file exists.
     #[error("{}: no {what}: expected {expected}", dir.join("").display())]
     MissingFile {
+        /// The directory searched.
         dir: PathBuf,
         /// e.g. "train images".
         what: String,
@@ -161,9 +198,13 @@ pub enum IdxError {
         labels_path.display(),
     )]
     CountMismatch {
+        /// The images file.
         images_path: PathBuf,
+        /// The labels file.
         labels_path: PathBuf,
+        /// Items in the images file.
         images: usize,
+        /// Items in the labels file.
         labels: usize,
     },
 }
@@ -234,7 +275,9 @@ fn label_range(num_classes: usize) -> String {
 /// Which half of the dataset to load.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Split {
+    /// The training images (`train-*`).
     Train,
+    /// The test images (`t10k-*`).
     Test,
 }
 
@@ -262,7 +305,9 @@ pub struct Dataset {
     pub images: Vec<u8>,
     /// One label per image.
     pub labels: Vec<u8>,
+    /// Rows per image.
     pub rows: usize,
+    /// Columns per image.
     pub cols: usize,
 }
 
@@ -272,6 +317,7 @@ impl Dataset {
         self.labels.len()
     }
 
+    /// Whether it holds no item.
     pub fn is_empty(&self) -> bool {
         self.labels.is_empty()
     }

@@ -89,37 +89,7 @@ impl Declared {
     /// tensor of the file exactly once, and the data section exactly as long as the header says.
     pub fn open(path: &Path) -> Result<Self, String> {
         let e = |m: String| format!("[model] init = {:?}: {m}", path.display().to_string());
-        let file = std::fs::File::open(path).map_err(|err| e(format!("cannot open: {err}")))?;
-        let file_len = file
-            .metadata()
-            .map_err(|err| e(format!("cannot read: {err}")))?
-            .len();
-        let mut len8 = [0u8; 8];
-        file.read_exact_at(&mut len8, 0).map_err(|_| {
-            e(format!(
-                "not a safetensors file: {file_len} bytes, expected at least an 8-byte header length"
-            ))
-        })?;
-        let n = u64::from_le_bytes(len8);
-        if n > MAX_HEADER_BYTES || n > file_len - 8 {
-            return Err(e(format!(
-                "not a safetensors file: header length {n} (the file has {} bytes after it; at most {MAX_HEADER_BYTES} accepted)",
-                file_len - 8
-            )));
-        }
-        let mut head = vec![0u8; n as usize];
-        file.read_exact_at(&mut head, 8)
-            .map_err(|err| e(format!("cannot read the header: {err}")))?;
-        let meta: Metadata = serde_json::from_slice(&head)
-            .map_err(|err| e(format!("malformed safetensors header: {err}")))?;
-        let data_start = 8 + n;
-        if data_start + meta.data_len() as u64 != file_len {
-            return Err(e(format!(
-                "malformed safetensors file: the header places {} bytes of data after byte {data_start}, but the file has {} (truncated or padded)",
-                meta.data_len(),
-                file_len - data_start
-            )));
-        }
+        let (meta, data_start) = read_header(path, &e)?;
         let tensors = meta.tensors();
         if tensors.is_empty() {
             return Err(e("holds no tensors".into()));
@@ -130,129 +100,17 @@ impl Declared {
                 tensors.len()
             )));
         }
-        let order_text = meta
-            .metadata()
-            .as_ref()
-            .and_then(|m| m.get(ORDER_KEY))
-            .ok_or_else(|| {
-                e(format!(
-                    "no \"{ORDER_KEY}\" in the file's metadata: safetensors keeps no order, so the file must say the flat order (PyTorch's named_parameters() order). Write it with ps.save_init(model, path), or save_file(tensors, path, metadata={{\"{ORDER_KEY}\": json.dumps([n for n, p in model.named_parameters()])}})"
-                ))
-            })?;
-        let order: Vec<String> = serde_json::from_str(order_text).map_err(|err| {
-            e(format!(
-                "metadata \"{ORDER_KEY}\" is not a JSON list of tensor names: {err}"
-            ))
-        })?;
         let mut seen: HashSet<String> = HashSet::new();
-        let mut specs = Vec::with_capacity(order.len());
-        let mut total: u64 = 0;
-        for name in &order {
-            if !seen.insert(name.clone()) {
-                return Err(e(format!(
-                    "metadata \"{ORDER_KEY}\" names tensor {name:?} twice"
-                )));
-            }
-            let info = tensors.get(name).ok_or_else(|| {
-                e(format!(
-                    "metadata \"{ORDER_KEY}\" names tensor {name:?}, which the file does not hold"
-                ))
-            })?;
-            if info.dtype != Dtype::F32 {
-                return Err(e(format!(
-                    "tensor {name:?} is {:?}: expected F32 (convert with model.float() before saving)",
-                    info.dtype
-                )));
-            }
-            if info.shape.len() > MAX_DIMS {
-                return Err(e(format!(
-                    "tensor {name:?} has {} dimensions: expected at most {MAX_DIMS}",
-                    info.shape.len()
-                )));
-            }
-            let numel: u64 = info.shape.iter().map(|&d| d as u64).product();
-            total += numel;
-            if total > crate::MAX_PARAMS {
-                return Err(e(format!("more than {} parameters", crate::MAX_PARAMS)));
-            }
-            specs.push((
-                name.clone(),
-                info.shape.clone(),
-                Init::File {
-                    byte_offset: data_start + info.data_offsets.0 as u64,
-                },
-            ));
-        }
-        let list = |key: &str| -> Result<Vec<String>, String> {
-            match meta.metadata().as_ref().and_then(|m| m.get(key)) {
-                None => Ok(Vec::new()),
-                Some(text) => serde_json::from_str(text).map_err(|err| {
-                    e(format!(
-                        "metadata \"{key}\" is not a JSON list of tensor names: {err}"
-                    ))
-                }),
-            }
-        };
-        let mut extras = |key: &str| -> Result<Vec<Extra>, String> {
-            let mut out = Vec::new();
-            for name in list(key)? {
-                if !seen.insert(name.clone()) {
-                    return Err(e(format!(
-                        "metadata \"{key}\" names tensor {name:?}, which another list (or this one) names too"
-                    )));
-                }
-                let info = tensors.get(&name).ok_or_else(|| {
-                    e(format!(
-                        "metadata \"{key}\" names tensor {name:?}, which the file does not hold"
-                    ))
-                })?;
-                if !EXTRA_DTYPES.contains(&info.dtype) {
-                    return Err(e(format!(
-                        "tensor {name:?} is {:?}: a buffer or frozen entry must be one of {EXTRA_DTYPES:?}",
-                        info.dtype
-                    )));
-                }
-                out.push(Extra {
-                    name,
-                    dtype: info.dtype,
-                    shape: info.shape.clone(),
-                    byte_offset: data_start + info.data_offsets.0 as u64,
-                    byte_len: (info.data_offsets.1 - info.data_offsets.0) as u64,
-                });
-            }
-            Ok(out)
-        };
-        let buffers = extras(BUFFER_KEY)?;
-        let constants = extras(CONSTANT_KEY)?;
+        let specs = params_in_order(&meta, &tensors, data_start, &mut seen, &e)?;
+        let buffers = extras(&meta, &tensors, data_start, &mut seen, BUFFER_KEY, &e)?;
+        let constants = extras(&meta, &tensors, data_start, &mut seen, CONSTANT_KEY, &e)?;
         let buffer_bytes: u64 = buffers.iter().map(|b| b.byte_len).sum();
         if buffer_bytes > MAX_BUFFER_BYTES {
             return Err(e(format!(
                 "the buffers ({BUFFER_KEY}) hold {buffer_bytes} bytes: at most {MAX_BUFFER_BYTES} (they travel in one message per step)"
             )));
         }
-        let aliases: Vec<(String, String)> = match meta
-            .metadata()
-            .as_ref()
-            .and_then(|m| m.get(ALIAS_KEY))
-        {
-            None => Vec::new(),
-            Some(text) => {
-                let map: std::collections::BTreeMap<String, String> = serde_json::from_str(text)
-                    .map_err(|err| {
-                        e(format!(
-                            "metadata \"{ALIAS_KEY}\" is not a JSON object of names: {err}"
-                        ))
-                    })?;
-                for (alias, target) in &map {
-                    if seen.contains(alias.as_str()) || !seen.contains(target.as_str()) {
-                        return Err(e(format!(
-                            "metadata \"{ALIAS_KEY}\": {alias:?} -> {target:?}: an alias must name an entry the file does not hold, tied to one it holds"
-                        )));
-                    }
-                }
-                map.into_iter().collect()
-            }
-        };
+        let aliases = aliases(&meta, &seen, &e)?;
         if let Some(extra) = meta
             .offset_keys()
             .into_iter()
@@ -490,6 +348,192 @@ pub fn first_difference(ours: &ModelSpec, theirs: &[(String, Vec<usize>)]) -> Op
             ours.tensors.len()
         )
     })
+}
+
+/// The error text of [`Declared::open`]: the file named before `m`.
+type Prefix<'a> = &'a dyn Fn(String) -> String;
+
+/// The tensors of a safetensors header, by name.
+type Tensors<'a> = std::collections::HashMap<String, &'a safetensors::tensor::TensorInfo>;
+
+/// Reads the safetensors header of `path`: the metadata and where the data section starts,
+/// checked to end exactly at the end of the file.
+fn read_header(path: &Path, e: Prefix) -> Result<(Metadata, u64), String> {
+    let file = std::fs::File::open(path).map_err(|err| e(format!("cannot open: {err}")))?;
+    let file_len = file
+        .metadata()
+        .map_err(|err| e(format!("cannot read: {err}")))?
+        .len();
+    let mut len8 = [0u8; 8];
+    file.read_exact_at(&mut len8, 0).map_err(|_| {
+        e(format!(
+            "not a safetensors file: {file_len} bytes, expected at least an 8-byte header length"
+        ))
+    })?;
+    let n = u64::from_le_bytes(len8);
+    if n > MAX_HEADER_BYTES || n > file_len - 8 {
+        return Err(e(format!(
+            "not a safetensors file: header length {n} (the file has {} bytes after it; at most {MAX_HEADER_BYTES} accepted)",
+            file_len - 8
+        )));
+    }
+    let mut head = vec![0u8; n as usize];
+    file.read_exact_at(&mut head, 8)
+        .map_err(|err| e(format!("cannot read the header: {err}")))?;
+    let meta: Metadata = serde_json::from_slice(&head)
+        .map_err(|err| e(format!("malformed safetensors header: {err}")))?;
+    let data_start = 8 + n;
+    if data_start + meta.data_len() as u64 != file_len {
+        return Err(e(format!(
+            "malformed safetensors file: the header places {} bytes of data after byte {data_start}, but the file has {} (truncated or padded)",
+            meta.data_len(),
+            file_len - data_start
+        )));
+    }
+    Ok((meta, data_start))
+}
+
+/// The parameters in the flat order the metadata's `ORDER_KEY` list names (each once, F32,
+/// at most `MAX_DIMS` dimensions, at most `MAX_PARAMS` values in all), added to `seen`.
+fn params_in_order(
+    meta: &Metadata,
+    tensors: &Tensors,
+    data_start: u64,
+    seen: &mut HashSet<String>,
+    e: Prefix,
+) -> Result<Vec<(String, Vec<usize>, Init)>, String> {
+    let order_text = meta
+        .metadata()
+        .as_ref()
+        .and_then(|m| m.get(ORDER_KEY))
+        .ok_or_else(|| {
+            e(format!(
+                "no \"{ORDER_KEY}\" in the file's metadata: safetensors keeps no order, so the file must say the flat order (PyTorch's named_parameters() order). Write it with ps.save_init(model, path), or save_file(tensors, path, metadata={{\"{ORDER_KEY}\": json.dumps([n for n, p in model.named_parameters()])}})"
+            ))
+        })?;
+    let order: Vec<String> = serde_json::from_str(order_text).map_err(|err| {
+        e(format!(
+            "metadata \"{ORDER_KEY}\" is not a JSON list of tensor names: {err}"
+        ))
+    })?;
+    let mut specs = Vec::with_capacity(order.len());
+    let mut total: u64 = 0;
+    for name in &order {
+        if !seen.insert(name.clone()) {
+            return Err(e(format!(
+                "metadata \"{ORDER_KEY}\" names tensor {name:?} twice"
+            )));
+        }
+        let info = tensors.get(name).ok_or_else(|| {
+            e(format!(
+                "metadata \"{ORDER_KEY}\" names tensor {name:?}, which the file does not hold"
+            ))
+        })?;
+        if info.dtype != Dtype::F32 {
+            return Err(e(format!(
+                "tensor {name:?} is {:?}: expected F32 (convert with model.float() before saving)",
+                info.dtype
+            )));
+        }
+        if info.shape.len() > MAX_DIMS {
+            return Err(e(format!(
+                "tensor {name:?} has {} dimensions: expected at most {MAX_DIMS}",
+                info.shape.len()
+            )));
+        }
+        let numel: u64 = info.shape.iter().map(|&d| d as u64).product();
+        total += numel;
+        if total > crate::MAX_PARAMS {
+            return Err(e(format!("more than {} parameters", crate::MAX_PARAMS)));
+        }
+        specs.push((
+            name.clone(),
+            info.shape.clone(),
+            Init::File {
+                byte_offset: data_start + info.data_offsets.0 as u64,
+            },
+        ));
+    }
+    Ok(specs)
+}
+
+/// The entries the metadata's `key` list names (buffers or constants): each held by the file,
+/// named by no other list (added to `seen`), of one of [`EXTRA_DTYPES`].
+fn extras(
+    meta: &Metadata,
+    tensors: &Tensors,
+    data_start: u64,
+    seen: &mut HashSet<String>,
+    key: &str,
+    e: Prefix,
+) -> Result<Vec<Extra>, String> {
+    let list = |key: &str| -> Result<Vec<String>, String> {
+        match meta.metadata().as_ref().and_then(|m| m.get(key)) {
+            None => Ok(Vec::new()),
+            Some(text) => serde_json::from_str(text).map_err(|err| {
+                e(format!(
+                    "metadata \"{key}\" is not a JSON list of tensor names: {err}"
+                ))
+            }),
+        }
+    };
+    let mut out = Vec::new();
+    for name in list(key)? {
+        if !seen.insert(name.clone()) {
+            return Err(e(format!(
+                "metadata \"{key}\" names tensor {name:?}, which another list (or this one) names too"
+            )));
+        }
+        let info = tensors.get(&name).ok_or_else(|| {
+            e(format!(
+                "metadata \"{key}\" names tensor {name:?}, which the file does not hold"
+            ))
+        })?;
+        if !EXTRA_DTYPES.contains(&info.dtype) {
+            return Err(e(format!(
+                "tensor {name:?} is {:?}: a buffer or frozen entry must be one of {EXTRA_DTYPES:?}",
+                info.dtype
+            )));
+        }
+        out.push(Extra {
+            name,
+            dtype: info.dtype,
+            shape: info.shape.clone(),
+            byte_offset: data_start + info.data_offsets.0 as u64,
+            byte_len: (info.data_offsets.1 - info.data_offsets.0) as u64,
+        });
+    }
+    Ok(out)
+}
+
+/// The metadata's `ALIAS_KEY` map (alias -> the entry it is tied to): each alias an entry the
+/// file does not hold (not in `seen`), tied to one it holds.
+fn aliases(
+    meta: &Metadata,
+    seen: &HashSet<String>,
+    e: Prefix,
+) -> Result<Vec<(String, String)>, String> {
+    Ok(
+        match meta.metadata().as_ref().and_then(|m| m.get(ALIAS_KEY)) {
+            None => Vec::new(),
+            Some(text) => {
+                let map: std::collections::BTreeMap<String, String> = serde_json::from_str(text)
+                    .map_err(|err| {
+                        e(format!(
+                            "metadata \"{ALIAS_KEY}\" is not a JSON object of names: {err}"
+                        ))
+                    })?;
+                for (alias, target) in &map {
+                    if seen.contains(alias.as_str()) || !seen.contains(target.as_str()) {
+                        return Err(e(format!(
+                            "metadata \"{ALIAS_KEY}\": {alias:?} -> {target:?}: an alias must name an entry the file does not hold, tied to one it holds"
+                        )));
+                    }
+                }
+                map.into_iter().collect()
+            }
+        },
+    )
 }
 
 #[cfg(test)]

@@ -9,20 +9,29 @@
 
 use std::f64::consts::PI;
 
+/// The update rule a shard applies to its range, with its hyper-parameters.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Optimizer {
     /// PyTorch torch.optim.SGD semantics (dampening 0).
     Sgd {
+        /// Momentum factor (0: plain SGD).
         momentum: f32,
+        /// Nesterov momentum.
         nesterov: bool,
+        /// L2 penalty added to the gradient.
         weight_decay: f32,
     },
     /// PyTorch Adam (decoupled = false: L2 weight decay added to the gradient) or AdamW (decoupled = true).
     Adam {
+        /// Decay of the first moment.
         beta1: f32,
+        /// Decay of the second moment.
         beta2: f32,
+        /// Added to the second moment's square root.
         eps: f32,
+        /// Weight decay (L2 or decoupled, as `decoupled` says).
         weight_decay: f32,
+        /// AdamW: the decay applies to the weights, not through the gradient.
         decoupled: bool,
     },
 }
@@ -30,8 +39,11 @@ pub enum Optimizer {
 /// Per-shard optimizer state (sized to the shard's length; empty vectors when not needed).
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct OptState {
+    /// Steps applied.
     pub steps: u64,
+    /// SGD's momentum buffer, or Adam's first moment.
     pub m: Vec<f32>,
+    /// Adam's second moment.
     pub v: Vec<f32>,
     /// Per tensor of the model: the steps in which no worker's backward reached it, so it was
     /// not updated (Adam's bias correction counts each tensor's own steps: `steps - skipped`);
@@ -323,25 +335,35 @@ pub fn sum_of_squares(g: &[f32]) -> f64 {
     lanes.iter().sum::<f64>() + tail
 }
 
+/// How the learning rate decays after warmup.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Decay {
+    /// The base lr throughout.
     Constant,
     /// lr * gamma^(floor(t / step_size)), t counted after warmup
     Step {
+        /// Steps between two decays.
         step_size: u64,
+        /// Factor of each decay.
         gamma: f64,
     },
     /// cosine from base lr down to min_lr over `total_steps - warmup` steps (PyTorch CosineAnnealingLR with T_max = total - warmup), then stays at min_lr
     Cosine {
+        /// Steps of the run, warmup included.
         total_steps: u64,
+        /// The lr at the end.
         min_lr: f64,
     },
 }
 
+/// The learning rate of each step: linear warmup, then a decay.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LrSchedule {
+    /// The lr after warmup, before decay.
     pub base_lr: f64,
+    /// Steps of linear warmup.
     pub warmup_steps: u64,
+    /// The decay after warmup.
     pub decay: Decay,
 }
 

@@ -346,57 +346,7 @@ impl Collector for Figures {
             &pushes,
         );
         if let Some(f) = &m.last {
-            let per = |x: f64| {
-                if f.samples > 0 {
-                    x / f.samples as f64
-                } else {
-                    0.0
-                }
-            };
-            let gauges = [
-                (
-                    "ps_loss",
-                    "Mean training loss of the last step, over every worker's samples.",
-                    per(f.loss_sum),
-                ),
-                (
-                    "ps_train_accuracy",
-                    "Training accuracy of the last step, over every worker's samples.",
-                    per(f.correct as f64),
-                ),
-                ("ps_learning_rate", "Learning rate of the last step.", f.lr),
-                (
-                    "ps_grad_norm_shard",
-                    "L2 norm of this shard's slice of the last aggregated gradient.",
-                    f.grad_sq_norm.sqrt(),
-                ),
-                (
-                    "ps_workers_in",
-                    "Workers whose gradient went into the last step.",
-                    f64::from(f.workers_in),
-                ),
-                (
-                    "ps_step_seconds",
-                    "Time between the last two versions.",
-                    f.step_ms / 1e3,
-                ),
-                (
-                    "ps_barrier_wait_seconds",
-                    "Time from the first to the last gradient of the last step.",
-                    f.barrier_wait_ms / 1e3,
-                ),
-                (
-                    "ps_apply_seconds",
-                    "Aggregation and optimizer time of the last step at its barrier's completion.",
-                    f.apply_ms / 1e3,
-                ),
-                (
-                    "ps_buckets_early",
-                    "Buckets of the last step applied before its barrier completed (0: applied over the whole range at once).",
-                    f64::from(f.buckets.map_or(0, |(early, _)| early)),
-                ),
-            ];
-            for (name, help, v) in gauges {
+            for (name, help, v) in last_step_gauges(f) {
                 metric(name, "gauge", help, &one(v));
             }
         }
@@ -418,6 +368,60 @@ impl Collector for Figures {
         }
         result
     }
+}
+
+/// The gauges of the last step's figures: (name, help, value).
+fn last_step_gauges(f: &StepFigures) -> [(&'static str, &'static str, f64); 9] {
+    let per = |x: f64| {
+        if f.samples > 0 {
+            x / f.samples as f64
+        } else {
+            0.0
+        }
+    };
+    [
+        (
+            "ps_loss",
+            "Mean training loss of the last step, over every worker's samples.",
+            per(f.loss_sum),
+        ),
+        (
+            "ps_train_accuracy",
+            "Training accuracy of the last step, over every worker's samples.",
+            per(f.correct as f64),
+        ),
+        ("ps_learning_rate", "Learning rate of the last step.", f.lr),
+        (
+            "ps_grad_norm_shard",
+            "L2 norm of this shard's slice of the last aggregated gradient.",
+            f.grad_sq_norm.sqrt(),
+        ),
+        (
+            "ps_workers_in",
+            "Workers whose gradient went into the last step.",
+            f64::from(f.workers_in),
+        ),
+        (
+            "ps_step_seconds",
+            "Time between the last two versions.",
+            f.step_ms / 1e3,
+        ),
+        (
+            "ps_barrier_wait_seconds",
+            "Time from the first to the last gradient of the last step.",
+            f.barrier_wait_ms / 1e3,
+        ),
+        (
+            "ps_apply_seconds",
+            "Aggregation and optimizer time of the last step at its barrier's completion.",
+            f.apply_ms / 1e3,
+        ),
+        (
+            "ps_buckets_early",
+            "Buckets of the last step applied before its barrier completed (0: applied over the whole range at once).",
+            f64::from(f.buckets.map_or(0, |(early, _)| early)),
+        ),
+    ]
 }
 
 /// The process's figures from `/proc/self` (Linux; elsewhere none), under Prometheus' usual

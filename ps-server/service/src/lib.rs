@@ -21,6 +21,7 @@ pub use ps_shard::checkpoint;
 pub mod clip;
 pub mod data;
 pub mod exporter;
+pub mod handshake;
 pub mod lease;
 pub mod memory;
 pub mod partial;
@@ -243,6 +244,55 @@ async fn serve_health(
     ))
 }
 
+/// A generation's side servers, each when asked for: `/metrics` ([`serve_metrics`]) and the
+/// plaintext gRPC health port ([`serve_health`]).
+type SideServers = (
+    Option<tokio::task::JoinHandle<()>>,
+    Option<tokio::task::JoinHandle<Result<(), tonic::transport::Error>>>,
+);
+
+/// The gRPC server's task and the sender that stops it ([`start_serving`]).
+type Serving = (
+    tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
+    tokio::sync::oneshot::Sender<()>,
+);
+
+/// Starts the side servers of a generation: `/metrics` on `metrics.0` (serving `metrics.1`),
+/// health on `health.0` (serving `health.1`).
+async fn serve_side(
+    cfg: &Config,
+    index: usize,
+    generation: u64,
+    metrics: (Option<&str>, &Arc<exporter::Metrics>),
+    health: (
+        Option<&str>,
+        &tonic_health::pb::health_server::HealthServer<
+            impl tonic_health::pb::health_server::Health,
+        >,
+    ),
+) -> anyhow::Result<SideServers> {
+    let exporter = match metrics.0 {
+        Some(addr) => Some(serve_metrics(addr, index, generation, metrics.1.clone()).await?),
+        None => None,
+    };
+    let health_server = match health.0 {
+        Some(addr) => Some(
+            serve_health(
+                addr,
+                index,
+                tonic::service::Routes::new(health.1.clone()),
+                &cfg.server,
+            )
+            .await?,
+        ),
+        None => None,
+    };
+    Ok((exporter, health_server))
+}
+
+/// One generation of a shard: set-up ([`open_shard`], the side servers, the service), serve
+/// until the run ends or is stopped ([`watch_run`]), conclude ([`conclude`]) and stop
+/// ([`stop_serving`]).
 async fn run_generation(
     setup: ShardSetup,
     listener: TcpListener,
@@ -260,94 +310,31 @@ async fn run_generation(
         metrics_listen,
         health_listen,
     } = setup;
-    let total_steps = cfg.total_steps(train_len)?;
-    let shard_token = ps_net::auth::shard_token(cfg.server.shard_token_file.as_deref())
-        .map_err(anyhow::Error::msg)?;
-    let resumed = resume_from.is_some();
-    let resumed_at = resume_from.as_ref().map(|s| s.version);
-    if let (Some(saved), 0) = (&resume_from, index) {
-        // every step once in metrics.jsonl: the steps past the checkpoint are redone
-        let path = cfg.server.out_dir.join("metrics.jsonl");
-        if let Err(e) = report::truncate_metrics(&path, saved.version) {
-            tracing::warn!(
-                "cannot trim {} to version {}: {e}",
-                path.display(),
-                saved.version
-            );
-        }
-    }
-    let shard = Shard::try_starting_from(&cfg, index, total_steps, resume_from)
-        .map_err(anyhow::Error::msg)?;
-    match shard.apply_mode() {
-        shard::bucket::Mode::Buckets => tracing::info!(
-            "shard {index}: the update is applied per bucket ({} buckets of at most {} values), each as soon as every rank's gradient for it is in",
-            shard.buckets().len(),
-            shard::bucket::BUCKET_VALUES
-        ),
-        shard::bucket::Mode::Whole(why) => tracing::info!(
-            "shard {index}: the update is applied over the whole range once every gradient is in: {why}"
-        ),
-    }
-    let metrics = Arc::new(exporter::Metrics::new(index, total_steps, shard.version()));
-    let reporter = Reporter::spawn(ReporterConfig {
-        noise: report::NoiseSetup::of(&cfg, metrics.clone()),
-        shard: index,
-        num_shards: cfg.num_shards(),
-        world: cfg.cluster.workers,
+    let Opened {
         total_steps,
-        log_every: cfg.train.log_every,
-        metrics_file: (index == 0).then(|| cfg.server.out_dir.join("metrics.jsonl")),
-        append_metrics: resumed,
-        shard0: shard0.clone(),
-        security: ps_net::auth::ClientSecurity::of(&cfg),
-        shard_token: shard_token.clone(),
-        tensorboard_dir: (index == 0).then(|| cfg.server.out_dir.clone()),
-        resumed_at,
-    });
-    if cfg.num_shards() > 1 && shard_token.is_none() {
-        tracing::warn!(
-            "shard {index}: no shard credential ([server] shard_token_file, or {} as ps-launch sets it): shard-to-shard calls (step reports, recovery from a lost shard) are refused; set [server] shard_token_file to a token only the shards read",
-            ps_net::auth::SHARD_TOKEN_ENV
-        );
-    }
-    // [optimizer] clip_norm over several shards: shard 0 gathers the norms, the others ask it
-    let clip_hub = (cfg.clip_norm.is_some() && cfg.num_shards() > 1 && index == 0)
-        .then(|| Arc::new(clip::Hub::new(&cfg)));
-    if let Some(hub) = &clip_hub {
-        shard.set_norm_exchange(hub.clone());
-    } else if cfg.clip_norm.is_some() && cfg.num_shards() > 1 {
-        let shard0 = shard0.clone().unwrap_or_default();
-        shard.set_norm_exchange(Arc::new(clip::Spoke::new(
-            &cfg,
-            index,
-            shard0,
-            shard_token.clone(),
-            cell.generation(),
-        )));
-    }
+        shard_token,
+        shard,
+        metrics,
+        reporter,
+        clip_hub,
+    } = open_shard(
+        &cfg,
+        index,
+        train_len,
+        &shard0,
+        resume_from,
+        cell.generation(),
+    )?;
     let all_left = Arc::new(Notify::new());
-    let bucketed = !shard.buckets().is_empty();
-    let plan = memory::MemoryPlan::of_shard(&cfg, shard.len(), bucketed);
-    memory::log_plan(index, &plan, memory::available());
-    metrics.set_expected_memory(plan.total());
-    accept::raise_fd_limit(index);
-    let exporter = match &metrics_listen {
-        Some(addr) => Some(serve_metrics(addr, index, cell.generation(), metrics.clone()).await?),
-        None => None,
-    };
     let (health, health_service) = tonic_health::server::health_reporter();
-    let health_server = match &health_listen {
-        Some(addr) => Some(
-            serve_health(
-                addr,
-                index,
-                tonic::service::Routes::new(health_service.clone()),
-                &cfg.server,
-            )
-            .await?,
-        ),
-        None => None,
-    };
+    let side = serve_side(
+        &cfg,
+        index,
+        cell.generation(),
+        (metrics_listen.as_deref(), &metrics),
+        (health_listen.as_deref(), &health_service),
+    )
+    .await?;
     let peers: Arc<peers::Peers> = Default::default();
     let leases = Arc::new(lease::Leases::new(
         index,
@@ -355,55 +342,8 @@ async fn run_generation(
         cell.generation(),
         peers.clone(),
     ));
-    // tensor data connections beside gRPC, on the same address (not with TLS: unencrypted)
-    let data = if cfg.cluster.tls.is_none() && cfg.server.data_connections {
-        let local = listener.local_addr()?;
-        let ip = local.ip();
-        let port = match cfg.server.data_port_offset {
-            0 => 0,
-            off => u16::try_from(u32::from(local.port()) + off).map_err(|_| {
-                anyhow::anyhow!(
-                    "[server] data_port_offset = {off}: the gRPC port {} + {off} is past 65535",
-                    local.port()
-                )
-            })?,
-        };
-        let l = TcpListener::bind((ip, port)).await.with_context(|| {
-            if port == 0 {
-                format!("cannot listen for data connections on {ip}")
-            } else {
-                format!(
-                    "cannot listen for data connections on {ip}:{port} (the gRPC port {} + [server] data_port_offset = {})",
-                    local.port(),
-                    cfg.server.data_port_offset
-                )
-            }
-        })?;
-        let expect = data::Expect {
-            token: cfg.cluster.token.clone(),
-            run_id: cfg.cluster.run_id.clone().unwrap_or_default(),
-            shard: index,
-        };
-        let idle = Duration::from_secs_f64(cfg.server.stream_idle_secs);
-        let conns = data::DataConns::serve(l, cfg.cluster.workers, expect, idle, leases.clone())?;
-        tracing::info!(
-            "shard {index}: tensor data connections on port {}",
-            conns.port
-        );
-        Some(conns)
-    } else {
-        None
-    };
-    // enough stream slots per connection that ranks sharing one cannot deadlock on it
-    let max_streams =
-        accept::streams_per_connection(cfg.server.max_streams_per_connection, cfg.cluster.workers);
-    if max_streams > cfg.server.max_streams_per_connection {
-        tracing::info!(
-            "shard {index}: [server] max_streams_per_connection = {} raised to {max_streams} (2 x {} workers + 4), so that ranks sharing a connection cannot fill it with waiting pulls",
-            cfg.server.max_streams_per_connection,
-            cfg.cluster.workers
-        );
-    }
+    let data = serve_data(&cfg, index, &listener, &leases).await?;
+    let max_streams = max_streams(&cfg, index);
     let svc = ShardService {
         data,
         shard: shard.clone(),
@@ -429,7 +369,248 @@ async fn run_generation(
         wire: cfg.cluster.wire,
         clip_hub,
     };
+    tracing::info!(
+        "shard {index}/{}: parameters {}..{} ({} values) of {}, {} steps, listening on {}",
+        cfg.num_shards(),
+        shard.range.start,
+        shard.range.end,
+        shard.len(),
+        cfg.describe_model(),
+        total_steps,
+        listener.local_addr()?
+    );
     let watcher = svc.clone();
+    let (serve, stop_tx) = start_serving(&cfg, index, listener, svc, health_service, max_streams)?;
+    health
+        .set_service_status(HEALTH_SERVICE, tonic_health::ServingStatus::Serving)
+        .await;
+
+    let outcome = serve_until_end(&cfg, &watcher, &cell, shutdown, preempt).await;
+    let stop_wait = conclude(&cfg, index, &shard, &reporter, &outcome).await;
+    health
+        .set_service_status(HEALTH_SERVICE, tonic_health::ServingStatus::NotServing)
+        .await;
+    stop_serving(
+        &cfg,
+        index,
+        &outcome,
+        &watcher,
+        side,
+        (serve, stop_tx),
+        stop_wait,
+    )
+    .await;
+    watcher.log_unreported_refusals();
+    Ok(outcome)
+}
+
+/// Serves until the run ends ([`watch_run`]), `shutdown` or `preempt` fires, or `cell` orders
+/// a rollback; what ended it.
+async fn serve_until_end(
+    cfg: &Config,
+    watcher: &ShardService,
+    cell: &recovery::Cell,
+    shutdown: impl Future<Output = ()>,
+    preempt: impl Future<Output = ()>,
+) -> Outcome {
+    let mut outcome = tokio::select! {
+        o = watch_run(cfg, watcher) => o,
+        _ = shutdown => Outcome::Interrupted,
+        _ = preempt => preempted(cfg, watcher).await,
+        rb = cell.wait() => Outcome::RolledBack { lost: rb.lost, version: rb.version, generation: rb.generation },
+    };
+    // a rollback fails the shard's state first: its watcher may have seen that failure
+    if let (Outcome::Failed(_), Some(rb)) = (&outcome, cell.ordered()) {
+        outcome = Outcome::RolledBack {
+            lost: rb.lost,
+            version: rb.version,
+            generation: rb.generation,
+        };
+    }
+    outcome
+}
+
+/// What a generation's set-up opens before it serves ([`open_shard`]).
+struct Opened {
+    total_steps: u64,
+    shard_token: Option<ps_config::credential::Token>,
+    shard: Arc<Shard>,
+    metrics: Arc<exporter::Metrics>,
+    reporter: Reporter,
+    /// Shard 0's gatherer of the gradient norms (`[optimizer] clip_norm` over several shards).
+    clip_hub: Option<Arc<clip::Hub>>,
+}
+
+/// The set-up of a generation's state: the steps, the shard credential, the shard (from the
+/// checkpoint to resume, whose later step lines shard 0 trims from `metrics.jsonl`), its
+/// figures and reporter, the gradient-norm exchange of `[optimizer] clip_norm`, and the
+/// memory plan (logged) and descriptor limit it runs with.
+fn open_shard(
+    cfg: &Config,
+    index: usize,
+    train_len: usize,
+    shard0: &Option<String>,
+    resume_from: Option<Saved>,
+    generation: u64,
+) -> anyhow::Result<Opened> {
+    let total_steps = cfg.total_steps(train_len)?;
+    let shard_token = ps_net::auth::shard_token(cfg.server.shard_token_file.as_deref())
+        .map_err(anyhow::Error::msg)?;
+    let resumed = resume_from.is_some();
+    let resumed_at = resume_from.as_ref().map(|s| s.version);
+    if let (Some(saved), 0) = (&resume_from, index) {
+        // every step once in metrics.jsonl: the steps past the checkpoint are redone
+        let path = cfg.server.out_dir.join("metrics.jsonl");
+        if let Err(e) = report::truncate_metrics(&path, saved.version) {
+            tracing::warn!(
+                "cannot trim {} to version {}: {e}",
+                path.display(),
+                saved.version
+            );
+        }
+    }
+    let shard = Shard::try_starting_from(cfg, index, total_steps, resume_from)
+        .map_err(anyhow::Error::msg)?;
+    match shard.apply_mode() {
+        shard::bucket::Mode::Buckets => tracing::info!(
+            "shard {index}: the update is applied per bucket ({} buckets of at most {} values), each as soon as every rank's gradient for it is in",
+            shard.buckets().len(),
+            shard::bucket::BUCKET_VALUES
+        ),
+        shard::bucket::Mode::Whole(why) => tracing::info!(
+            "shard {index}: the update is applied over the whole range once every gradient is in: {why}"
+        ),
+    }
+    let metrics = Arc::new(exporter::Metrics::new(index, total_steps, shard.version()));
+    let reporter = Reporter::spawn(ReporterConfig {
+        noise: report::NoiseSetup::of(cfg, metrics.clone()),
+        shard: index,
+        num_shards: cfg.num_shards(),
+        world: cfg.cluster.workers,
+        total_steps,
+        log_every: cfg.train.log_every,
+        metrics_file: (index == 0).then(|| cfg.server.out_dir.join("metrics.jsonl")),
+        append_metrics: resumed,
+        shard0: shard0.clone(),
+        security: ps_net::auth::ClientSecurity::of(cfg),
+        shard_token: shard_token.clone(),
+        tensorboard_dir: (index == 0).then(|| cfg.server.out_dir.clone()),
+        resumed_at,
+    });
+    if cfg.num_shards() > 1 && shard_token.is_none() {
+        tracing::warn!(
+            "shard {index}: no shard credential ([server] shard_token_file, or {} as ps-launch sets it): shard-to-shard calls (step reports, recovery from a lost shard) are refused; set [server] shard_token_file to a token only the shards read",
+            ps_net::auth::SHARD_TOKEN_ENV
+        );
+    }
+    // [optimizer] clip_norm over several shards: shard 0 gathers the norms, the others ask it
+    let clip_hub = (cfg.clip_norm.is_some() && cfg.num_shards() > 1 && index == 0)
+        .then(|| Arc::new(clip::Hub::new(cfg)));
+    if let Some(hub) = &clip_hub {
+        shard.set_norm_exchange(hub.clone());
+    } else if cfg.clip_norm.is_some() && cfg.num_shards() > 1 {
+        let shard0 = shard0.clone().unwrap_or_default();
+        shard.set_norm_exchange(Arc::new(clip::Spoke::new(
+            cfg,
+            index,
+            shard0,
+            shard_token.clone(),
+            generation,
+        )));
+    }
+    let bucketed = !shard.buckets().is_empty();
+    let plan = memory::MemoryPlan::of_shard(cfg, shard.len(), bucketed);
+    memory::log_plan(index, &plan, memory::available());
+    metrics.set_expected_memory(plan.total());
+    accept::raise_fd_limit(index);
+    Ok(Opened {
+        total_steps,
+        shard_token,
+        shard,
+        metrics,
+        reporter,
+        clip_hub,
+    })
+}
+
+/// The tensor data connections beside gRPC, on the gRPC listener's address plus `[server]
+/// data_port_offset` (none with TLS: they are unencrypted; none unless `[server]
+/// data_connections`).
+async fn serve_data(
+    cfg: &Config,
+    index: usize,
+    listener: &TcpListener,
+    leases: &Arc<lease::Leases>,
+) -> anyhow::Result<Option<Arc<data::DataConns>>> {
+    // tensor data connections beside gRPC, on the same address (not with TLS: unencrypted)
+    if cfg.cluster.tls.is_some() || !cfg.server.data_connections {
+        return Ok(None);
+    }
+    let local = listener.local_addr()?;
+    let ip = local.ip();
+    let port = match cfg.server.data_port_offset {
+        0 => 0,
+        off => u16::try_from(u32::from(local.port()) + off).map_err(|_| {
+            anyhow::anyhow!(
+                "[server] data_port_offset = {off}: the gRPC port {} + {off} is past 65535",
+                local.port()
+            )
+        })?,
+    };
+    let l = TcpListener::bind((ip, port)).await.with_context(|| {
+    if port == 0 {
+        format!("cannot listen for data connections on {ip}")
+    } else {
+        format!(
+            "cannot listen for data connections on {ip}:{port} (the gRPC port {} + [server] data_port_offset = {})",
+            local.port(),
+            cfg.server.data_port_offset
+        )
+    }
+})?;
+    let expect = data::Expect {
+        token: cfg.cluster.token.clone(),
+        run_id: cfg.cluster.run_id.clone().unwrap_or_default(),
+        shard: index,
+    };
+    let idle = Duration::from_secs_f64(cfg.server.stream_idle_secs);
+    let conns = data::DataConns::serve(l, cfg.cluster.workers, expect, idle, leases.clone())?;
+    tracing::info!(
+        "shard {index}: tensor data connections on port {}",
+        conns.port
+    );
+    Ok(Some(conns))
+}
+
+/// The HTTP/2 streams a connection may carry ([`accept::streams_per_connection`]), logged
+/// when that raises `[server] max_streams_per_connection`.
+fn max_streams(cfg: &Config, index: usize) -> usize {
+    // enough stream slots per connection that ranks sharing one cannot deadlock on it
+    let max_streams =
+        accept::streams_per_connection(cfg.server.max_streams_per_connection, cfg.cluster.workers);
+    if max_streams > cfg.server.max_streams_per_connection {
+        tracing::info!(
+            "shard {index}: [server] max_streams_per_connection = {} raised to {max_streams} (2 x {} workers + 4), so that ranks sharing a connection cannot fill it with waiting pulls",
+            cfg.server.max_streams_per_connection,
+            cfg.cluster.workers
+        );
+    }
+    max_streams
+}
+
+/// Starts serving gRPC on `listener` in a task (the shard service and health, in the memory
+/// budget of partial messages, behind the token check, with TLS when configured) until the
+/// sender returned is used or dropped.
+fn start_serving(
+    cfg: &Config,
+    index: usize,
+    listener: TcpListener,
+    svc: ShardService,
+    health_service: tonic_health::pb::health_server::HealthServer<
+        impl tonic_health::pb::health_server::Health,
+    >,
+    max_streams: usize,
+) -> anyhow::Result<Serving> {
     let svc_peers = svc.peers.clone();
     let server = tonic::service::interceptor::InterceptedService::new(
         service::SharedPulls(
@@ -442,23 +623,12 @@ async fn run_generation(
     );
     // partial messages of every service on the port count in the memory budget (as the body
     // is read: after the token check)
-    let budget = partial::PartialBudget::new(memory::partial_message_budget(&cfg), index);
+    let budget = partial::PartialBudget::new(partial::partial_message_budget(cfg), index);
     tokio::spawn(partial::PartialBudget::trim_when_due(Arc::downgrade(
         &budget,
     )));
     let idle = Duration::from_secs_f64(cfg.server.stream_idle_secs);
     let server = partial::Budgeted::new(server, budget.clone(), idle);
-    tracing::info!(
-        "shard {index}/{}: parameters {}..{} ({} values) of {}, {} steps, listening on {}",
-        cfg.num_shards(),
-        shard.range.start,
-        shard.range.end,
-        shard.len(),
-        cfg.describe_model(),
-        total_steps,
-        listener.local_addr()?
-    );
-
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     // each connection is tracked while open, so that a rank's live holder is known; the
     // accept loop bounds connections and survives running out of descriptors
@@ -497,27 +667,22 @@ async fn run_generation(
         .serve_with_incoming_shutdown(incoming, async {
             let _ = stop_rx.await;
         });
-    let serve = tokio::spawn(serve);
-    health
-        .set_service_status(HEALTH_SERVICE, tonic_health::ServingStatus::Serving)
-        .await;
+    Ok((tokio::spawn(serve), stop_tx))
+}
 
-    let mut outcome = tokio::select! {
-        o = watch_run(&cfg, &watcher) => o,
-        _ = shutdown => Outcome::Interrupted,
-        _ = preempt => preempted(&cfg, &watcher).await,
-        rb = cell.wait() => Outcome::RolledBack { lost: rb.lost, version: rb.version, generation: rb.generation },
-    };
-    // a rollback fails the shard's state first: its watcher may have seen that failure
-    if let (Outcome::Failed(_), Some(rb)) = (&outcome, cell.ordered()) {
-        outcome = Outcome::RolledBack {
-            lost: rb.lost,
-            version: rb.version,
-            generation: rb.generation,
-        };
-    }
+/// What the shard does once its run has ended with `outcome`, before it stops serving: the
+/// reporter's pending lines out (rollback, preemption), the failure recorded for the requests
+/// still to come (and, when a worker stopped, each rank told); returns how long the server may
+/// take to stop.
+async fn conclude(
+    cfg: &Config,
+    index: usize,
+    shard: &Shard,
+    reporter: &Reporter,
+    outcome: &Outcome,
+) -> Duration {
     let mut stop_wait = Duration::from_secs(5);
-    match &outcome {
+    match outcome {
         Outcome::RolledBack { .. } => {
             // the step lines of the state left behind are out before the next state trims them
             reporter.flush().await;
@@ -567,9 +732,22 @@ async fn run_generation(
             shard.fail("the shard was interrupted".into());
         }
     }
-    health
-        .set_service_status(HEALTH_SERVICE, tonic_health::ServingStatus::NotServing)
-        .await;
+    stop_wait
+}
+
+/// Stops the side servers (`/metrics` once scraped after a finished run, within `[server]
+/// metrics_linger_secs`; health) and the gRPC server, waiting `stop_wait` for its connections.
+async fn stop_serving(
+    cfg: &Config,
+    index: usize,
+    outcome: &Outcome,
+    watcher: &ShardService,
+    side: SideServers,
+    serve: Serving,
+    stop_wait: Duration,
+) {
+    let (exporter, health_server) = side;
+    let (serve, stop_tx) = serve;
     if let Some(e) = exporter {
         let linger = cfg.server.metrics_linger_secs;
         if matches!(outcome, Outcome::Finished) && linger > 0.0 {
@@ -608,8 +786,6 @@ async fn run_generation(
         ),
         _ => {}
     }
-    watcher.log_unreported_refusals();
-    Ok(outcome)
 }
 
 /// Whether shard `index` may serve on `bound`: outside loopback, a shard with no credential at
@@ -780,7 +956,22 @@ async fn preempted(cfg: &Config, svc: &ShardService) -> Outcome {
 /// ranks, fail the run, or go on without them), then writes the final weights and waits
 /// (bounded) for the workers to leave. A run the shard failed (an update refused) ends here too.
 async fn watch_run(cfg: &Config, svc: &ShardService) -> Outcome {
-    let (shard, all_left, reporter) = (&svc.shard, &*svc.all_left, &svc.reporter);
+    match watch_barrier(cfg, svc).await {
+        Outcome::Finished => {}
+        ended => return ended,
+    }
+    match write_final(cfg, &svc.shard) {
+        Outcome::Finished => {}
+        failed => return failed,
+    }
+    close_run(cfg, svc).await;
+    Outcome::Finished
+}
+
+/// Acts on the barrier's verdicts until the last step is applied (`Finished`), or the run
+/// fails (a barrier past `barrier_timeout_secs`, a failed update).
+async fn watch_barrier(cfg: &Config, svc: &ShardService) -> Outcome {
+    let shard = &svc.shard;
     let mut versions = shard.subscribe();
     let mut tick = tokio::time::interval(Duration::from_millis(100));
     while shard.version() < shard.total_steps {
@@ -836,6 +1027,12 @@ async fn watch_run(cfg: &Config, svc: &ShardService) -> Outcome {
             },
         }
     }
+    Outcome::Finished
+}
+
+/// Writes the final weights (and the model's buffers) into `[server] out_dir`; `Failed` when
+/// it cannot.
+fn write_final(cfg: &Config, shard: &Shard) -> Outcome {
     let (version, params) = match shard.params() {
         Ok(p) => p,
         Err(e) => return Outcome::Failed(format!("cannot read the final weights: {e}")),
@@ -871,6 +1068,14 @@ async fn watch_run(cfg: &Config, svc: &ShardService) -> Outcome {
             }
         }
     }
+    Outcome::Finished
+}
+
+/// The run's end once its weights are written: waits (at most `[server] linger_secs`) for the
+/// workers to leave, flushes the step lines, and on shard 0 logs and records the final test
+/// evaluation.
+async fn close_run(cfg: &Config, svc: &ShardService) {
+    let (shard, all_left, reporter) = (&svc.shard, &*svc.all_left, &svc.reporter);
     let linger = Duration::from_secs_f64(cfg.server.linger_secs);
     let left = tokio::time::timeout(linger, async {
         while !shard.final_eval().1.is_empty() {
@@ -909,7 +1114,6 @@ async fn watch_run(cfg: &Config, svc: &ShardService) -> Outcome {
     } else if shard.index == 0 {
         tracing::info!("training finished: {} steps", shard.total_steps);
     }
-    Outcome::Finished
 }
 
 /// Loads and checks the config (with the command line's `overrides`) and the training set a

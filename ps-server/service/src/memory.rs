@@ -1,6 +1,7 @@
 //! What a shard expects to hold at its peak, stated at start-up (log and `/metrics`), with a
 //! warning naming the keys to change when it exceeds the host's available memory.
 
+use crate::partial::partial_message_budget;
 use ps_config::Config;
 
 /// What one gRPC puller costs the shard while its reply is under way, beside the version's
@@ -20,19 +21,6 @@ pub const PULLERS: &str = "gRPC pullers";
 /// allocator's arenas (an idle shard of a tiny model: 8.7 MiB resident on the 2-core machine
 /// of PERFORMANCE.md).
 pub const PROCESS_BYTES: u64 = 10 << 20;
-
-/// What a push chunk's message carries beside its `[server] chunk_bytes` of values (lease,
-/// header, offset, framing), rounded up generously.
-pub const CHUNK_OVERHEAD: u64 = 4 << 10;
-
-/// The most bytes of partial gRPC messages (received in part; tonic buffers a message whole
-/// before a handler sees it) a shard holds at once: one push chunk per rank, `[cluster]
-/// workers x ([server] chunk_bytes + CHUNK_OVERHEAD)`, and one message of the largest size
-/// a shard accepts (`MAX_MESSAGE_BYTES`: rank 0's buffers). Enforced by `crate::partial`.
-pub fn partial_message_budget(cfg: &Config) -> u64 {
-    cfg.cluster.workers as u64 * (cfg.server.chunk_bytes as u64 + CHUNK_OVERHEAD)
-        + ps_net::wire::MAX_MESSAGE_BYTES as u64
-}
 
 /// The parts of a shard's expected peak memory, in bytes.
 #[derive(Debug, Clone, PartialEq)]

@@ -7,7 +7,7 @@
 //! [`Budgeted`] wraps the shard's gRPC service so that every request body is a [`Counted`]
 //! body: it reads the gRPC framing as the bytes arrive, and from the header of a stream's
 //! largest message until the stream ends, the stream holds that many bytes of the shard's
-//! [`PartialBudget`] (`crate::memory::partial_message_budget`). A message whose header would
+//! [`PartialBudget`] ([`partial_message_budget`], a part of the shard's memory plan). A message whose header would
 //! take the budget past its limit is refused with RESOURCE_EXHAUSTED, naming the budget,
 //! before any of its bytes are buffered; a partial message that makes no progress for
 //! `[server] stream_idle_secs` is ended with DEADLINE_EXCEEDED. When a stream ends (its body
@@ -15,6 +15,7 @@
 
 use bytes::{Buf, Bytes};
 use http_body::Frame;
+use ps_config::Config;
 use ps_proto::PsError;
 use std::future::Future;
 use std::pin::Pin;
@@ -26,6 +27,19 @@ use tonic::Status;
 use tonic::body::Body;
 use tonic::codegen::{Service, http};
 use tonic::server::NamedService;
+
+/// What a push chunk's message carries beside its `[server] chunk_bytes` of values (lease,
+/// header, offset, framing), rounded up generously.
+pub const CHUNK_OVERHEAD: u64 = 4 << 10;
+
+/// The most bytes of partial gRPC messages (received in part; tonic buffers a message whole
+/// before a handler sees it) a shard holds at once: one push chunk per rank, `[cluster]
+/// workers x ([server] chunk_bytes + CHUNK_OVERHEAD)`, and one message of the largest size
+/// a shard accepts (`MAX_MESSAGE_BYTES`: rank 0's buffers). Enforced by [`Budgeted`].
+pub fn partial_message_budget(cfg: &Config) -> u64 {
+    cfg.cluster.workers as u64 * (cfg.server.chunk_bytes as u64 + CHUNK_OVERHEAD)
+        + ps_net::wire::MAX_MESSAGE_BYTES as u64
+}
 
 /// The gRPC message header: a compression flag and a big-endian u32 length.
 const HEADER: usize = 5;
@@ -98,7 +112,7 @@ impl PartialBudget {
                     "a gRPC message of {len} bytes would take shard {}'s budget for partial messages past its {} bytes ({held} held by other messages under way; the budget is [cluster] workers x ([server] chunk_bytes + {}) + {} bytes): send it again later, or in smaller pieces",
                     self.shard,
                     self.limit,
-                    crate::memory::CHUNK_OVERHEAD,
+                    CHUNK_OVERHEAD,
                     ps_net::wire::MAX_MESSAGE_BYTES,
                 )))
             })

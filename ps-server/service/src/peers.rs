@@ -1,5 +1,5 @@
-//! Which connections are alive: every accepted connection is recorded while it is open (a
-//! rank's lease holder whose connection closed is gone: `crate::lease`), and the calls under
+//! Which connections are alive: every accepted connection is recorded while it is open (the
+//! rank leases read it: a holder whose connection closed is gone), and the calls under
 //! way on each.
 
 use std::collections::{HashMap, HashSet};
@@ -48,7 +48,7 @@ impl Peers {
     pub fn track(
         self: &Arc<Self>,
         inner: TcpStream,
-        handshake: Option<crate::accept::Handshake>,
+        handshake: Option<crate::handshake::Handshake>,
     ) -> Tracked {
         let addr = inner.peer_addr().ok();
         if let Some(a) = addr {
@@ -116,7 +116,7 @@ pub struct Tracked {
     addr: Option<SocketAddr>,
     peers: Arc<Peers>,
     /// Until the connection completes its handshake in time (None after).
-    handshake: Option<crate::accept::Handshake>,
+    handshake: Option<crate::handshake::Handshake>,
 }
 
 impl Drop for Tracked {

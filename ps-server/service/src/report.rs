@@ -11,6 +11,7 @@
 
 use crate::exporter::Metrics;
 use crate::shard::{RankNorm, StepFigures};
+pub use crate::tensorboard::unix_time;
 use ps_config::noise::{self, NoiseScale};
 use ps_config::{Aggregation, Config, LossReduction};
 use ps_net::throttle::SharedThrottle;
@@ -345,6 +346,8 @@ async fn run(cfg: ReporterConfig, mut rx: mpsc::UnboundedReceiver<Event>) {
     }
 }
 
+/// Shard 0's output for one step whose figures are all in (`p`): the noise scale's estimate,
+/// the log lines, the metrics line and the TensorBoard scalars.
 fn emit(
     cfg: &ReporterConfig,
     p: Pending,
@@ -356,22 +359,7 @@ fn emit(
     let f = p.local.expect("local figures present");
     let agg_sq = f.grad_sq_norm + p.remote_sq;
     let norm = agg_sq.sqrt();
-    if let Some(ranks) = &ranks {
-        let samples: Vec<u32> = ranks.iter().map(|q| q.samples).collect();
-        let coeffs = noise::coefficients(cfg.noise.aggregation, &samples);
-        let input: Vec<noise::RankNorm> = ranks
-            .iter()
-            .zip(coeffs)
-            .map(|(q, coeff)| noise::RankNorm {
-                sq_norm: q.sq_norm,
-                samples: q.samples,
-                coeff,
-            })
-            .collect();
-        if let Some(e) = noise::estimate(&input, agg_sq, cfg.noise.loss) {
-            noise.scale.observe(e);
-        }
-    }
+    observe_noise(cfg, ranks.as_deref(), agg_sq, noise);
     let smoothed = noise.scale.get();
     if let (Some(m), Some(b)) = (&cfg.noise.metrics, smoothed.and_then(|s| s.b_noise)) {
         m.set_noise_scale(b);
@@ -382,41 +370,7 @@ fn emit(
     let test_acc = (f.eval.1 > 0).then(|| f.eval.0 as f64 / f.eval.1 as f64);
     let last = f.step + 1 == cfg.total_steps;
     if (f.step + 1).is_multiple_of(cfg.log_every) || f.step == 0 || last {
-        tracing::info!(
-            "step {}/{} | loss {:.4} | train acc {:.2}% | grad norm {:.4} | lr {:.5} | workers {}/{} | samples {} | step {:.1} ms | barrier wait {:.1} ms (slowest rank {}) | apply {:.1} ms{}",
-            f.step + 1,
-            cfg.total_steps,
-            loss,
-            acc * 100.0,
-            norm,
-            f.lr,
-            f.workers_in,
-            cfg.world,
-            f.samples,
-            f.step_ms,
-            f.barrier_wait_ms,
-            f.slowest_rank,
-            f.apply_ms,
-            buckets_said(&f),
-        );
-        if cfg.world < 2 {
-            if !noise.said_one_worker {
-                tracing::info!(
-                    "gradient noise scale: cannot be estimated with one worker (it compares each worker's gradient with the aggregated one); run with 2 or more workers to see whether a bigger batch would help"
-                );
-                noise.said_one_worker = true;
-            }
-        } else if let Some(s) = smoothed {
-            tracing::info!(
-                "gradient noise scale: B_noise ≈ {} (tr(Σ) {:.4e}, |G|² {:.4e}; a noisy estimate, smoothed over about the last {:.0} steps, {} so far) | {}",
-                s.b_noise.map_or("n/a".into(), |b| format!("{b:.0}")),
-                s.trace_sigma,
-                s.grad_sq,
-                (1.0 / (1.0 - NOISE_DECAY)).min(s.steps as f64),
-                s.steps,
-                noise.advisor.advise(s.b_noise, f.samples)
-            );
-        }
+        log_step(cfg, &f, (loss, acc, norm), smoothed.as_ref(), noise);
     }
     if let Some(a) = test_acc {
         tracing::info!(
@@ -428,47 +382,8 @@ fn emit(
         );
     }
     if let Some(m) = metrics {
-        let mut line = json!({
-            "step": f.step + 1, "time": unix_time(), "loss": loss, "train_acc": acc, "grad_norm": norm, "lr": f.lr,
-            "workers": f.workers_in, "samples": f.samples, "step_ms": f.step_ms,
-            "barrier_wait_ms": f.barrier_wait_ms, "slowest_rank": f.slowest_rank, "apply_ms": f.apply_ms,
-            "tail_ms": f.tail_ms,
-        });
-        if let Some(a) = test_acc {
-            line["test_acc_before_step"] = json!(a);
-        }
-        if let Some((early, buckets)) = f.buckets {
-            line["buckets_early"] = json!(early);
-            line["buckets"] = json!(buckets);
-        }
-        if let Some((total, coef)) = f.clip {
-            line["clip_total_norm"] = json!(total);
-            line["clip_coef"] = json!(coef);
-        }
-        if let Some(s) = smoothed {
-            if let Some(b) = s.b_noise {
-                line["b_noise"] = json!(b);
-            }
-            line["noise_trace_sigma"] = json!(s.trace_sigma);
-            line["noise_grad_sq"] = json!(s.grad_sq);
-        }
-        if let Some(ranks) = &ranks {
-            let by_rank: serde_json::Map<String, serde_json::Value> = ranks
-                .iter()
-                .map(|q| (q.rank.to_string(), json!(q.sq_norm)))
-                .collect();
-            line["rank_grad_sq_norms"] = serde_json::Value::Object(by_rank);
-        }
-        if let Err(e) = append_line(m, &line) {
-            // a full disk fails every step: said once per throttle::LOG_EVERY, with a count
-            static FAILED: SharedThrottle = SharedThrottle::new();
-            if let Some(r) = FAILED.hit() {
-                tracing::warn!(
-                    "cannot append step {} to the metrics file: {e}{r}",
-                    f.step + 1
-                );
-            }
-        }
+        let figures = (loss, acc, norm, test_acc);
+        append_step(m, &f, figures, smoothed.as_ref(), ranks.as_deref());
     }
     if let Some(w) = tb {
         if let Some(a) = test_acc {
@@ -485,6 +400,127 @@ fn emit(
             ("time/apply_ms", f.apply_ms),
         ];
         tensorboard_scalars(w, f.step + 1, &values);
+    }
+}
+
+/// Feeds the step's estimate of the gradient noise scale (from each rank's squared gradient
+/// norm, `ranks`, and the aggregated gradient's, `agg_sq`) into `noise`'s smoothing.
+fn observe_noise(cfg: &ReporterConfig, ranks: Option<&[RankNorm]>, agg_sq: f64, noise: &mut Noise) {
+    if let Some(ranks) = ranks {
+        let samples: Vec<u32> = ranks.iter().map(|q| q.samples).collect();
+        let coeffs = noise::coefficients(cfg.noise.aggregation, &samples);
+        let input: Vec<noise::RankNorm> = ranks
+            .iter()
+            .zip(coeffs)
+            .map(|(q, coeff)| noise::RankNorm {
+                sq_norm: q.sq_norm,
+                samples: q.samples,
+                coeff,
+            })
+            .collect();
+        if let Some(e) = noise::estimate(&input, agg_sq, cfg.noise.loss) {
+            noise.scale.observe(e);
+        }
+    }
+}
+
+/// The step's log line (`figures`: the loss, train accuracy and gradient norm), and the noise
+/// scale's (`smoothed`), or once that one worker cannot estimate it.
+fn log_step(
+    cfg: &ReporterConfig,
+    f: &StepFigures,
+    figures: (f64, f64, f64),
+    smoothed: Option<&noise::Smoothed>,
+    noise: &mut Noise,
+) {
+    let (loss, acc, norm) = figures;
+    tracing::info!(
+        "step {}/{} | loss {:.4} | train acc {:.2}% | grad norm {:.4} | lr {:.5} | workers {}/{} | samples {} | step {:.1} ms | barrier wait {:.1} ms (slowest rank {}) | apply {:.1} ms{}",
+        f.step + 1,
+        cfg.total_steps,
+        loss,
+        acc * 100.0,
+        norm,
+        f.lr,
+        f.workers_in,
+        cfg.world,
+        f.samples,
+        f.step_ms,
+        f.barrier_wait_ms,
+        f.slowest_rank,
+        f.apply_ms,
+        buckets_said(f),
+    );
+    if cfg.world < 2 {
+        if !noise.said_one_worker {
+            tracing::info!(
+                "gradient noise scale: cannot be estimated with one worker (it compares each worker's gradient with the aggregated one); run with 2 or more workers to see whether a bigger batch would help"
+            );
+            noise.said_one_worker = true;
+        }
+    } else if let Some(s) = smoothed {
+        tracing::info!(
+            "gradient noise scale: B_noise ≈ {} (tr(Σ) {:.4e}, |G|² {:.4e}; a noisy estimate, smoothed over about the last {:.0} steps, {} so far) | {}",
+            s.b_noise.map_or("n/a".into(), |b| format!("{b:.0}")),
+            s.trace_sigma,
+            s.grad_sq,
+            (1.0 / (1.0 - NOISE_DECAY)).min(s.steps as f64),
+            s.steps,
+            noise.advisor.advise(s.b_noise, f.samples)
+        );
+    }
+}
+
+/// Appends the step's line to `metrics.jsonl` (`figures`: the loss, train accuracy, gradient
+/// norm and test accuracy); a failure is logged (throttled).
+fn append_step(
+    m: &mut std::fs::File,
+    f: &StepFigures,
+    figures: (f64, f64, f64, Option<f64>),
+    smoothed: Option<&noise::Smoothed>,
+    ranks: Option<&[RankNorm]>,
+) {
+    let (loss, acc, norm, test_acc) = figures;
+    let mut line = json!({
+        "step": f.step + 1, "time": unix_time(), "loss": loss, "train_acc": acc, "grad_norm": norm, "lr": f.lr,
+        "workers": f.workers_in, "samples": f.samples, "step_ms": f.step_ms,
+        "barrier_wait_ms": f.barrier_wait_ms, "slowest_rank": f.slowest_rank, "apply_ms": f.apply_ms,
+        "tail_ms": f.tail_ms,
+    });
+    if let Some(a) = test_acc {
+        line["test_acc_before_step"] = json!(a);
+    }
+    if let Some((early, buckets)) = f.buckets {
+        line["buckets_early"] = json!(early);
+        line["buckets"] = json!(buckets);
+    }
+    if let Some((total, coef)) = f.clip {
+        line["clip_total_norm"] = json!(total);
+        line["clip_coef"] = json!(coef);
+    }
+    if let Some(s) = smoothed {
+        if let Some(b) = s.b_noise {
+            line["b_noise"] = json!(b);
+        }
+        line["noise_trace_sigma"] = json!(s.trace_sigma);
+        line["noise_grad_sq"] = json!(s.grad_sq);
+    }
+    if let Some(ranks) = &ranks {
+        let by_rank: serde_json::Map<String, serde_json::Value> = ranks
+            .iter()
+            .map(|q| (q.rank.to_string(), json!(q.sq_norm)))
+            .collect();
+        line["rank_grad_sq_norms"] = serde_json::Value::Object(by_rank);
+    }
+    if let Err(e) = append_line(m, &line) {
+        // a full disk fails every step: said once per throttle::LOG_EVERY, with a count
+        static FAILED: SharedThrottle = SharedThrottle::new();
+        if let Some(r) = FAILED.hit() {
+            tracing::warn!(
+                "cannot append step {} to the metrics file: {e}{r}",
+                f.step + 1
+            );
+        }
     }
 }
 
@@ -596,13 +632,6 @@ async fn forward_to_shard0(cfg: ReporterConfig, mut rx: mpsc::UnboundedReceiver<
             }
         }
     }
-}
-
-/// Wall-clock time in seconds since the Unix epoch (the `time` of every metrics line).
-pub fn unix_time() -> f64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0.0, |d| (d.as_secs_f64() * 1e3).round() / 1e3)
 }
 
 /// Appends one line of `metrics.jsonl` with a single `write` call: a process killed (SIGKILL)

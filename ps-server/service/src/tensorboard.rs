@@ -26,6 +26,14 @@ pub fn masked_crc(data: &[u8]) -> u32 {
     crc.rotate_right(15).wrapping_add(0xa282_ead8)
 }
 
+/// Wall-clock time in seconds since the Unix epoch, to the millisecond (the `time` of every
+/// metrics line and event record).
+pub fn unix_time() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| (d.as_secs_f64() * 1e3).round() / 1e3)
+}
+
 /// Appends events to one file.
 #[derive(Debug)]
 pub struct EventWriter {
@@ -39,7 +47,7 @@ impl EventWriter {
     /// adds a `SessionLog START` at that step.
     pub fn create(dir: &Path, resumed_at: Option<u64>) -> io::Result<Self> {
         std::fs::create_dir_all(dir)?;
-        let now = crate::report::unix_time();
+        let now = unix_time();
         let host = hostname();
         let mut path = dir.join(format!("events.out.tfevents.{}.{host}", now as u64));
         let mut n = 1;
