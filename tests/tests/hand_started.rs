@@ -1,0 +1,362 @@
+//! A cluster started by hand, as `deploy/README.md` and the README's several-hosts section say
+//! (`ps-server --config run.toml --shard i`, `ps-worker --config run.toml --rank r`), with no
+//! `ps-launch` and no `PS_SHARD_TOKEN` in any environment: the guarantees of a launched cluster
+//! hold. The credentials step (`ps-server credentials --dir DIR`) writes the run's workers'
+//! token and shard credential; with them, a clipped run equals one process that clips. A config
+//! that needs the shard credential and has none is refused at start (exit 2), naming that step.
+//! A worker whose shard stops answering (SIGSTOP) exits with an error naming the shard and the
+//! wait, within its deadline (`ps_net::client::call_deadline`).
+
+use ps_config::Config;
+use ps_launch::bin_dir;
+use ps_tests::{Spec, cluster_weights, reference_weights, rel_diff};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+/// A process of the cluster and the file its stderr goes to.
+struct Proc {
+    child: Child,
+    log: PathBuf,
+}
+
+impl Proc {
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Waits (bounded) for the process to end.
+    fn wait(&mut self, limit: Duration, what: &str) -> ExitStatus {
+        let t0 = Instant::now();
+        loop {
+            if let Some(st) = self.child.try_wait().unwrap() {
+                return st;
+            }
+            if t0.elapsed() > limit {
+                let _ = self.child.kill();
+                let _ = self.child.wait();
+                panic!(
+                    "{what} still running after {:.0} s:\n{}",
+                    limit.as_secs_f64(),
+                    self.log()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            // SAFETY: kill(2) on a process this test started (it may be stopped: resume it).
+            unsafe { libc::kill(self.child.id() as i32, libc::SIGCONT) };
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// A command of `bin` with no credential or launcher variable inherited from the test's
+/// environment: what a user's shell on another host has.
+fn command(bin: &str) -> Command {
+    let mut c = Command::new(bin_dir().join(bin));
+    for v in [
+        ps_config::credential::SHARD_TOKEN_ENV,
+        "PS_TOKEN_FILE",
+        "PS_RUN_ID",
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "SLURM_PROCID",
+        "SLURM_NTASKS",
+        "SLURM_LOCALID",
+        "SLURM_JOB_ID",
+        "JOB_COMPLETION_INDEX",
+    ] {
+        c.env_remove(v);
+    }
+    c.stdin(Stdio::null());
+    c
+}
+
+fn spawn(mut c: Command, log: PathBuf) -> Proc {
+    let child = c
+        .stdout(std::fs::File::create(log.with_extension("out")).unwrap())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    Proc { child, log }
+}
+
+/// Waits (bounded) for a shard's `--addr-file`.
+fn addr_of(file: &Path, shard: &mut Proc) -> String {
+    let t0 = Instant::now();
+    loop {
+        if let Ok(a) = std::fs::read_to_string(file)
+            && a.ends_with('\n')
+        {
+            return a.trim().to_string();
+        }
+        if let Ok(Some(st)) = shard.child.try_wait() {
+            panic!("the shard ended ({st}) before listening:\n{}", shard.log());
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "no address after 60 s:\n{}",
+            shard.log()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// The shards and workers of `cfg` (at `path`) started by hand, as the README says: the shards
+/// listen on free ports, shard i > 0 is told shard 0's address, the workers the shards'.
+fn start_by_hand(path: &Path, cfg: &Config) -> (Vec<Proc>, Vec<Proc>, Vec<String>) {
+    let dir = path.parent().unwrap();
+    let mut shards = Vec::new();
+    let mut addrs: Vec<String> = Vec::new();
+    for i in 0..cfg.num_shards() {
+        let file = dir.join(format!("shard-{i}.addr"));
+        let mut c = command("ps-server");
+        c.arg("--config")
+            .arg(path)
+            .args(["--shard", &i.to_string(), "--listen", "127.0.0.1:0"])
+            .arg("--addr-file")
+            .arg(&file);
+        if let Some(a0) = addrs.first() {
+            c.args(["--shard0", a0]);
+        }
+        let mut p = spawn(c, dir.join(format!("shard-{i}.log")));
+        addrs.push(addr_of(&file, &mut p));
+        shards.push(p);
+    }
+    let workers = (0..cfg.cluster.workers)
+        .map(|r| {
+            let mut c = command("ps-worker");
+            c.arg("--config").arg(path).args([
+                "--rank",
+                &r.to_string(),
+                "--servers",
+                &addrs.join(","),
+            ]);
+            spawn(c, dir.join(format!("worker-{r}.log")))
+        })
+        .collect();
+    (shards, workers, addrs)
+}
+
+/// The credentials step: `ps-server credentials --dir DIR`; the printed config lines.
+fn credentials(dir: &Path) -> std::process::Output {
+    command("ps-server")
+        .args(["credentials", "--dir"])
+        .arg(dir)
+        .output()
+        .unwrap()
+}
+
+/// The quoted value of `key = "..."` in `text`.
+fn value_of(text: &str, key: &str) -> PathBuf {
+    let line = text
+        .lines()
+        .find(|l| l.starts_with(&format!("{key} = ")))
+        .unwrap_or_else(|| panic!("no {key} in:\n{text}"));
+    PathBuf::from(line.split('"').nth(1).unwrap())
+}
+
+fn clip_spec(config: ps_config::TestConfig) -> Spec {
+    Spec {
+        shards: 2,
+        workers: 3,
+        hidden: vec![32],
+        global_batch: 48,
+        steps: 20,
+        config: config.clip_norm(0.5).log_every(1),
+        ..Spec::default()
+    }
+}
+
+/// The README's hand-started recipe with clipping, the credentials step included, runs to the
+/// end and equals one process that clips (issue 41: the shards panicked at step 0).
+#[test]
+fn a_hand_started_clipped_cluster_with_the_credentials_step_equals_one_process() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let creds = dir.path().join("creds");
+    let out = credentials(&creds);
+    let printed = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(out.status.success(), "{out:?}");
+    let token = value_of(&printed, "token_file");
+    let shard_token = value_of(&printed, "shard_token_file");
+    assert_eq!(
+        (token.clone(), shard_token.clone()),
+        (creds.join("token"), creds.join("shard-token"))
+    );
+    assert!(printed.contains("[cluster]\ntoken_file = ") && printed.contains("[server]\n"));
+    let (a, b) = (
+        std::fs::read_to_string(&token).unwrap(),
+        std::fs::read_to_string(&shard_token).unwrap(),
+    );
+    for (f, text) in [(&token, &a), (&shard_token, &b)] {
+        let mode = std::fs::metadata(f).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600, "{}", f.display());
+        assert_eq!(text.trim().len(), 32, "{text}");
+        assert!(text.trim().bytes().all(|c| c.is_ascii_hexdigit()), "{text}");
+    }
+    assert_ne!(a, b, "two credentials, not one");
+    // written once: a second run of the step replaces nothing
+    let again = credentials(&creds);
+    assert_eq!(again.status.code(), Some(2), "{again:?}");
+    assert!(String::from_utf8_lossy(&again.stderr).contains("token exists"));
+    assert_eq!(std::fs::read_to_string(&token).unwrap(), a);
+
+    let spec = clip_spec(
+        Spec::base()
+            .token_file(&token)
+            .shard_token_file(&shard_token),
+    );
+    let (path, cfg) = spec.write(dir.path());
+    let (shards, workers, _) = start_by_hand(&path, &cfg);
+    for (what, mut p) in workers
+        .into_iter()
+        .map(|p| ("worker", p))
+        .chain(shards.into_iter().map(|p| ("shard", p)))
+    {
+        let st = p.wait(Duration::from_secs(300), what);
+        assert!(st.success(), "{what}: {st}:\n{}", p.log());
+        assert!(!p.log().contains("panicked"), "{}", p.log());
+        assert!(!p.log().contains("unauthenticated"), "{}", p.log());
+    }
+    let d = rel_diff(&cfg, &cluster_weights(&cfg), &reference_weights(&cfg));
+    assert!(
+        d < 1e-5,
+        "relative difference from one process that clips {d:.3e}"
+    );
+    let metrics = std::fs::read_to_string(cfg.server.out_dir.join("metrics.jsonl")).unwrap();
+    let coefs: Vec<f64> = metrics
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter_map(|v| v.get("clip_coef").and_then(serde_json::Value::as_f64))
+        .collect();
+    assert_eq!(coefs.len(), 20, "{metrics}");
+    assert!(
+        coefs.iter().filter(|&&c| c < 1.0).count() >= 15,
+        "{coefs:?}"
+    );
+}
+
+/// What needs the shard credential and has none is refused at start, exit 2, naming the step
+/// that fixes it, before the shard writes or listens.
+#[test]
+fn a_config_that_needs_the_shard_credential_without_one_is_refused_naming_the_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let (path, cfg) = clip_spec(Spec::base()).write(dir.path());
+    let refused = |extra: &[&str]| {
+        let out = command("ps-server")
+            .arg("--config")
+            .arg(&path)
+            .args(["--shard", "1", "--listen", "127.0.0.1:0"])
+            .args(extra)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert_eq!(out.status.code(), Some(2), "{stderr}");
+        assert!(
+            stderr.contains("needs the shard credential, and none is set ([server] shard_token_file, or PS_SHARD_TOKEN): run `ps-server credentials --dir DIR` once for the run"),
+            "{stderr}"
+        );
+        stderr
+    };
+    let e = refused(&[]);
+    assert!(
+        e.contains("shard 1: [optimizer] clip_norm over 2 shards"),
+        "{e}"
+    );
+    assert!(!cfg.server.out_dir.exists(), "nothing written");
+    // without clipping, a replacement (--recover) needs it too
+    let plain = Spec {
+        config: Spec::base(),
+        ..clip_spec(Spec::base())
+    };
+    let dir2 = tempfile::tempdir().unwrap();
+    let (path2, _) = plain.write(dir2.path());
+    let out = command("ps-server")
+        .arg("--config")
+        .arg(&path2)
+        .args(["--shard", "1", "--listen", "127.0.0.1:0", "--recover"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("shard 1: --recover (the replacement orders the other shards to roll back) needs the shard credential"),
+        "{stderr}"
+    );
+}
+
+/// Shard 1 frozen (SIGSTOP) mid-run: shard 0 fails the run at its barrier timeout and exits;
+/// every worker, started by hand, exits within its call deadline with an error naming shard 1,
+/// its address and the wait (issue 41: they stayed alive over 200 s, logging nothing).
+#[test]
+fn hand_started_workers_whose_shard_is_frozen_exit_naming_it_within_their_deadline() {
+    let dir = tempfile::tempdir().unwrap();
+    let creds = dir.path().join("creds");
+    assert!(credentials(&creds).status.success());
+    // a model large enough that the run is still going when shard 1 is frozen
+    let spec = Spec {
+        shards: 2,
+        workers: 2,
+        hidden: vec![1024, 1024],
+        global_batch: 32,
+        steps: 2000,
+        config: Spec::base()
+            .token_file(creds.join("token"))
+            .shard_token_file(&creds.join("shard-token"))
+            .barrier_timeout_secs(2.0)
+            .pull_timeout_secs(2.0)
+            .connect_timeout_secs(5.0)
+            .log_every(1),
+        ..Spec::default()
+    };
+    let (path, cfg) = spec.write(dir.path());
+    let deadline = ps_net::client::call_deadline(&cfg);
+    assert_eq!(deadline, Duration::from_secs(34), "max(2, 2 x 2) + 30 s");
+    let (mut shards, workers, addrs) = start_by_hand(&path, &cfg);
+    let metrics = cfg.server.out_dir.join("metrics.jsonl");
+    let t0 = Instant::now();
+    while std::fs::read_to_string(&metrics).map_or(0, |t| t.lines().count()) < 5 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(120),
+            "no step 5 after 120 s"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // SAFETY: kill(2) on a process this test started.
+    unsafe { libc::kill(shards[1].child.id() as i32, libc::SIGSTOP) };
+    let frozen = Instant::now();
+    let at = std::fs::read_to_string(&metrics).map_or(0, |t| t.lines().count());
+    assert!(at < 1500, "shard 1 frozen mid-run, after step {at}");
+    // shard 0: the barrier timeout, then at most the stop's 5 s and the margin of a loaded box
+    let st = shards[0].wait(Duration::from_secs(2 + 30), "shard 0");
+    assert_eq!(st.code(), Some(1), "{}", shards[0].log());
+    assert!(
+        shards[0].log().contains("run failed"),
+        "{}",
+        shards[0].log()
+    );
+    for (r, mut w) in workers.into_iter().enumerate() {
+        let left = (deadline + Duration::from_secs(30)).saturating_sub(frozen.elapsed());
+        let st = w.wait(left, "a worker");
+        let log = w.log();
+        assert!(!st.success(), "worker {r}: {st}:\n{log}");
+        assert!(
+            log.contains(&format!("shard 1 at {} did not answer", addrs[1]))
+                && log.contains("within 34 s (the worker's deadline"),
+            "worker {r}:\n{log}"
+        );
+        eprintln!(
+            "worker {r} exited {:.1} s after shard 1 froze",
+            frozen.elapsed().as_secs_f64()
+        );
+    }
+}
