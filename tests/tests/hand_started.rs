@@ -113,6 +113,15 @@ fn addr_of(file: &Path, shard: &mut Proc) -> String {
 /// The shards and workers of `cfg` (at `path`) started by hand, as the README says: the shards
 /// listen on free ports, shard i > 0 is told shard 0's address, the workers the shards'.
 fn start_by_hand(path: &Path, cfg: &Config) -> (Vec<Proc>, Vec<Proc>, Vec<String>) {
+    start_by_hand_with(path, cfg, &|_, _| {})
+}
+
+/// [`start_by_hand`], each shard's command given to `shard_env` first (`index`, command).
+fn start_by_hand_with(
+    path: &Path,
+    cfg: &Config,
+    shard_env: &dyn Fn(usize, &mut Command),
+) -> (Vec<Proc>, Vec<Proc>, Vec<String>) {
     let dir = path.parent().unwrap();
     let mut shards = Vec::new();
     let mut addrs: Vec<String> = Vec::new();
@@ -127,6 +136,7 @@ fn start_by_hand(path: &Path, cfg: &Config) -> (Vec<Proc>, Vec<Proc>, Vec<String
         if let Some(a0) = addrs.first() {
             c.args(["--shard0", a0]);
         }
+        shard_env(i, &mut c);
         let mut p = spawn(c, dir.join(format!("shard-{i}.log")));
         addrs.push(addr_of(&file, &mut p));
         shards.push(p);
@@ -359,4 +369,49 @@ fn hand_started_workers_whose_shard_is_frozen_exit_naming_it_within_their_deadli
             frozen.elapsed().as_secs_f64()
         );
     }
+}
+
+/// Shards whose shard credentials differ (a config or a secret copied wrong): shard 0 refuses
+/// shard 1's gradient norms, shard 1's step 0 ends with the refusal named (no panic, no retry
+/// until a timeout), and every process exits: the shards within 2 x barrier_timeout_secs +
+/// 30 s of the failure plus their stop, the workers told by the refusals.
+#[test]
+fn shards_with_different_shard_credentials_fail_the_clipped_run_naming_the_refusal() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = clip_spec(
+        Spec::base()
+            .barrier_timeout_secs(2.0)
+            .pull_timeout_secs(2.0)
+            .connect_timeout_secs(5.0),
+    );
+    let (path, cfg) = spec.write(dir.path());
+    let tokens = [
+        "0123456789abcdef0123456789abcdef",
+        "fedcba9876543210fedcba9876543210",
+    ];
+    let t0 = Instant::now();
+    let (shards, workers, _) = start_by_hand_with(&path, &cfg, &|i, c| {
+        c.env(ps_config::credential::SHARD_TOKEN_ENV, tokens[i]);
+    });
+    for (what, mut p) in shards
+        .into_iter()
+        .map(|p| ("shard", p))
+        .chain(workers.into_iter().map(|p| ("worker", p)))
+    {
+        // the failure comes at step 0: 2 x 2 + 30 s, the stop's 5 s, a loaded machine's 30 s
+        let st = p.wait(Duration::from_secs(70), what);
+        let log = p.log();
+        assert!(!st.success(), "{what}: {st}:\n{log}");
+        assert!(!log.contains("panicked"), "{log}");
+    }
+    let shard1 = std::fs::read_to_string(dir.path().join("shard-1.log")).unwrap();
+    assert!(
+        shard1.contains("step 0: gradient clipping ([optimizer] clip_norm) needs the gradient norm of every shard: shard 0 refused the gradient norms of step 0: Unauthenticated"),
+        "{shard1}"
+    );
+    assert!(shard1.contains("run failed"), "{shard1}");
+    eprintln!(
+        "every process ended {:.1} s after the start",
+        t0.elapsed().as_secs_f64()
+    );
 }

@@ -365,3 +365,95 @@ impl NormExchange for Spoke {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! Each way the exchange ends without a total, on a real hub and spoke in-process: the
+    //! typed error, within the bound, never a hang.
+    use super::*;
+    use ps_config::TestConfig;
+    use std::sync::Arc;
+
+    fn cfg(dir: &std::path::Path) -> ps_config::Config {
+        TestConfig::new()
+            .shards(2)
+            .workers(1)
+            .hidden(&[4])
+            .sgd(0.1, 0.0)
+            .clip_norm(1.0)
+            .build(&dir.join("config.toml"))
+            .unwrap()
+    }
+
+    const SHORT: Duration = Duration::from_millis(300);
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_hub_times_out_is_superseded_or_joins_the_failure() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = cfg(dir.path());
+        let shard = Shard::new(&cfg, 0, 10);
+        let hub = Hub::new(&cfg).with_bound(SHORT);
+        let t0 = Instant::now();
+        let e = hub.wait(0, &shard).await.unwrap_err();
+        assert!(
+            matches!(&e, NormError::TimedOut { step: 0, secs, .. } if *secs == SHORT.as_secs_f64()),
+            "{e:?}"
+        );
+        assert!(t0.elapsed() < SHORT * 10, "{:?}", t0.elapsed());
+        // both shards' sums of step 1 complete it: step 0 was settled without this shard
+        let t = tensors_of(&hub.spec, &hub.ranges[1]);
+        hub.contribute(
+            0,
+            1,
+            0,
+            &vec![1.0; tensors_of(&hub.spec, &hub.ranges[0]).len()],
+        );
+        hub.contribute(1, 1, t.start as u32, &vec![1.0; t.len()]);
+        assert!(hub.wait(1, &shard).await.is_ok());
+        let e = hub.wait(0, &shard).await.unwrap_err();
+        assert_eq!(e, NormError::Superseded { step: 0, at: 1 });
+        // a contribution for an older step than the newest complete one changes nothing
+        hub.contribute(1, 0, t.start as u32, &vec![1.0; t.len()]);
+        assert!(hub.round.lock().unwrap().is_none());
+        // a rollback order fails the shard's state: a wait under way ends with it
+        let waiting = {
+            let (hub, shard) = (Arc::new(hub), shard.clone());
+            tokio::spawn(async move { hub.wait(2, &shard).await })
+        };
+        shard.fail("rolled back to version 0 (generation 1): shard 1 was lost".into());
+        let e = waiting.await.unwrap().unwrap_err();
+        assert_eq!(
+            e,
+            NormError::RunFailed {
+                step: 2,
+                why: "rolled back to version 0 (generation 1): shard 1 was lost".into()
+            }
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_spoke_facing_a_frozen_shard_0_times_out_naming_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = cfg(dir.path());
+        let shard = Shard::new(&cfg, 1, 10);
+        // accepts connections and never says a word: a stopped process's kernel does that
+        let frozen = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = frozen.local_addr().unwrap().to_string();
+        let spoke = Arc::new(Spoke::new(&cfg, 1, addr.clone(), None, 0).with_bound(SHORT));
+        let t0 = Instant::now();
+        let e = tokio::task::spawn_blocking(move || spoke.total_norm(&shard, 3, 0, vec![1.0]))
+            .await
+            .unwrap()
+            .unwrap_err();
+        let NormError::TimedOut { step, at, last, .. } = &e else {
+            panic!("{e:?}")
+        };
+        assert_eq!(
+            (*step, at.as_str()),
+            (3, format!("from shard 0 at {addr}").as_str())
+        );
+        assert!(!last.is_empty(), "the last try's failure is said");
+        assert!(t0.elapsed() < SHORT * 20, "{:?}", t0.elapsed());
+        drop(frozen);
+    }
+}
