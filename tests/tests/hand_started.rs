@@ -122,6 +122,17 @@ fn start_by_hand_with(
     cfg: &Config,
     shard_env: &dyn Fn(usize, &mut Command),
 ) -> (Vec<Proc>, Vec<Proc>, Vec<String>) {
+    let (shards, addrs) = start_shards(path, cfg, shard_env);
+    let workers = start_workers(path, cfg, &addrs);
+    (shards, workers, addrs)
+}
+
+/// The shards: on free ports, shard i > 0 told shard 0's address; they and their addresses.
+fn start_shards(
+    path: &Path,
+    cfg: &Config,
+    shard_env: &dyn Fn(usize, &mut Command),
+) -> (Vec<Proc>, Vec<String>) {
     let dir = path.parent().unwrap();
     let mut shards = Vec::new();
     let mut addrs: Vec<String> = Vec::new();
@@ -141,7 +152,13 @@ fn start_by_hand_with(
         addrs.push(addr_of(&file, &mut p));
         shards.push(p);
     }
-    let workers = (0..cfg.cluster.workers)
+    (shards, addrs)
+}
+
+/// Every worker, told the shards' addresses.
+fn start_workers(path: &Path, cfg: &Config, addrs: &[String]) -> Vec<Proc> {
+    let dir = path.parent().unwrap();
+    (0..cfg.cluster.workers)
         .map(|r| {
             let mut c = command("ps-worker");
             c.arg("--config").arg(path).args([
@@ -152,8 +169,7 @@ fn start_by_hand_with(
             ]);
             spawn(c, dir.join(format!("worker-{r}.log")))
         })
-        .collect();
-    (shards, workers, addrs)
+        .collect()
 }
 
 /// The credentials step: `ps-server credentials --dir DIR`; the printed config lines.
@@ -413,5 +429,70 @@ fn shards_with_different_shard_credentials_fail_the_clipped_run_naming_the_refus
     eprintln!(
         "every process ended {:.1} s after the start",
         t0.elapsed().as_secs_f64()
+    );
+}
+
+/// Gradient norms sent to shard 0 with the shard credential, but for a step past shard 0's
+/// version or for another cluster generation, are refused at once and change nothing: the run
+/// then goes on and equals one process that clips (issue 41: a forged round for a later step
+/// replaced the real one, and the shards panicked).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn norms_for_another_step_or_generation_are_refused_and_change_nothing() {
+    use ps_proto::pb::ClipNormRequest;
+    let dir = tempfile::tempdir().unwrap();
+    let creds = dir.path().join("creds");
+    assert!(credentials(&creds).status.success());
+    let spec = clip_spec(
+        Spec::base()
+            .token_file(creds.join("token"))
+            .shard_token_file(&creds.join("shard-token")),
+    );
+    let (path, cfg) = spec.write(dir.path());
+    // the shards first: the workers start after the forged calls
+    let (mut shards, addrs) = start_shards(&path, &cfg, &|_, _| {});
+    let sec = ps_net::auth::ClientSecurity::of(&cfg);
+    let mut c = ps_net::client::ShardClient::connect(0, &addrs[0], &sec, Duration::from_secs(10))
+        .await
+        .unwrap();
+    let credential = std::fs::read_to_string(creds.join("shard-token")).unwrap();
+    let spans = ps_model::layout::shard_ranges(cfg.layout().num_params(), 2);
+    let t = ps_model::clip::tensors_of(&cfg.spec(), &spans[1]);
+    let forged = |step: u64, generation: u64| {
+        let mut r = tonic::Request::new(ClipNormRequest {
+            shard: 1,
+            step,
+            generation,
+            first_tensor: t.start as u32,
+            sq: vec![1e6; t.len()],
+        });
+        r.metadata_mut().insert(
+            ps_net::auth::SHARD_TOKEN_KEY,
+            credential.trim().parse().unwrap(),
+        );
+        r
+    };
+    let t0 = Instant::now();
+    let e = c.rpc().clip_norm(forged(5, 0)).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e:?}");
+    assert_eq!(
+        e.message(),
+        "gradient norms of step 5 from shard 1: shard 0 is at version 0; expected a step not past it"
+    );
+    let e = c.rpc().clip_norm(forged(0, 3)).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::Unavailable, "{e:?}");
+    assert_eq!(
+        e.message(),
+        "gradient norms from shard 1 of generation 3: this shard serves generation 0"
+    );
+    assert!(t0.elapsed() < Duration::from_secs(5), "refused at once");
+    let mut workers = start_workers(&path, &cfg, &addrs);
+    for p in workers.iter_mut().chain(shards.iter_mut()) {
+        let st = p.wait(Duration::from_secs(300), "a process");
+        assert!(st.success(), "{st}:\n{}", p.log());
+    }
+    let d = rel_diff(&cfg, &cluster_weights(&cfg), &reference_weights(&cfg));
+    assert!(
+        d < 1e-5,
+        "relative difference from one process that clips {d:.3e}"
     );
 }
