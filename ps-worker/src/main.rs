@@ -56,9 +56,15 @@ fn main() -> std::process::ExitCode {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e:#}");
-            std::process::ExitCode::from(1)
+            std::process::ExitCode::from(if refused_config(&e) { 2 } else { 1 })
         }
     }
+}
+
+/// A config refused at start (missing, unreadable or invalid, a bad `--set` or
+/// `PS_SET_...`): exit 2, as ps-server and ps-launch say it.
+fn refused_config(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| c.is::<ps_config::ConfigError>())
 }
 
 fn run(cli: Cli) -> anyhow::Result<()> {
@@ -66,7 +72,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     let mut overrides = ps_config::Overrides::from_env(&env);
     overrides
         .set_from_cli(&cli.set)
-        .map_err(anyhow::Error::msg)?;
+        .map_err(|message| ps_config::ConfigError {
+            file: cli.config.clone(),
+            message,
+        })?;
     let mut cfg = Config::load_with(&cli.config, &overrides)?;
     for line in overrides.describe().lines() {
         tracing::info!("worker: {line}");

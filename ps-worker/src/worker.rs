@@ -507,6 +507,9 @@ pub(crate) async fn register_all(
     for ((s, addr), range) in servers.iter().enumerate().zip(ranges) {
         let mut client = ShardClient::connect(s, addr, &security, connect_timeout).await?;
         client.set_wire(cfg.cluster.wire);
+        // no call waits on a shard that stopped answering: a frozen or cut-off shard ends
+        // this worker with an error naming it, however the worker was started
+        client.set_deadline(ps_net::client::call_deadline(cfg));
         peers.push(Peer {
             client,
             range,

@@ -152,3 +152,74 @@ fn ctrl_c_to_the_process_group_exits_130_with_one_line() {
     assert!(!err.contains("error:"), "{err}");
     assert!(!err.contains("failed with exit status"), "{err}");
 }
+
+/// A launch refused by the shards' start-up checks into a folder that did not exist leaves no
+/// folder and no `.ps-launch.lock` behind: "nothing in the output directory was touched" is
+/// true (issue 41: the lock file stayed).
+#[test]
+fn a_refused_launch_into_a_new_folder_leaves_nothing_behind() {
+    let dir = tempfile::tempdir().unwrap();
+    let (path, cfg) = Spec {
+        shards: 1,
+        workers: 1,
+        steps: 2,
+        ..Spec::default()
+    }
+    .write(dir.path());
+    let out = cfg.server.out_dir.clone();
+    assert!(!out.exists());
+    let missing = dir.path().join("no-such-data");
+    let failed = launch(&path, &["--data-dir", missing.to_str().unwrap()]);
+    let err = String::from_utf8_lossy(&failed.stderr);
+    assert_eq!(failed.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("nothing in the output directory was touched"),
+        "{err}"
+    );
+    assert!(
+        !out.exists(),
+        "{:?}",
+        std::fs::read_dir(&out).map(|d| d.count())
+    );
+    // into a folder that exists, only what the claim made goes: the folder and its files stay
+    std::fs::create_dir_all(&out).unwrap();
+    std::fs::write(out.join("notes.txt"), "mine").unwrap();
+    let failed = launch(&path, &["--data-dir", missing.to_str().unwrap()]);
+    assert_eq!(failed.status.code(), Some(1));
+    assert_eq!(listing(&out), vec!["notes.txt".to_string()]);
+}
+
+/// A config refused at start exits 2 from all three programs: a missing file, a bad `--set`
+/// (the README and the Slurm recipe read 2 as "refused at start"; issue 41: ps-launch and
+/// ps-worker said 1).
+#[test]
+fn a_missing_config_or_a_bad_set_exits_2_from_every_program() {
+    let dir = tempfile::tempdir().unwrap();
+    let (path, _) = Spec::default().write(dir.path());
+    let missing = dir.path().join("no-such.toml");
+    for bin in ["ps-launch", "ps-worker", "ps-server"] {
+        let run = |config: &std::path::Path, extra: &[&str]| {
+            let mut c = std::process::Command::new(ps_launch::bin_dir().join(bin));
+            c.arg("--config").arg(config).args(extra);
+            if bin == "ps-worker" {
+                c.args(["--rank", "0"]);
+            }
+            if bin == "ps-server" {
+                c.args(["--shard", "0"]);
+            }
+            let out = c.output().unwrap();
+            (
+                out.status.code(),
+                String::from_utf8_lossy(&out.stderr).into_owned(),
+            )
+        };
+        let (code, err) = run(&missing, &[]);
+        assert_eq!(code, Some(2), "{bin}, missing config: {err}");
+        assert!(err.contains("no-such.toml"), "{bin}: {err}");
+        let (code, err) = run(&path, &["--set", "train.no_such_key=1"]);
+        assert_eq!(code, Some(2), "{bin}, bad --set: {err}");
+        assert!(err.contains("no_such_key"), "{bin}: {err}");
+        let (code, err) = run(&path, &["--set", "no-equals-sign"]);
+        assert_eq!(code, Some(2), "{bin}, malformed --set: {err}");
+    }
+}

@@ -497,3 +497,50 @@ fn one_answer_to_d2l_sums_ddp_averages_in_the_readme_ps_plan_check_and_the_log()
         .unwrap_or_else(|| panic!("the run's log:\n{log}"));
     assert!(logged.contains(answer), "{logged}");
 }
+
+/// A config whose training the recipe does not have (momentum, a cosine schedule with warmup,
+/// clipping) is not merged into a file that claims to be the recipe: each conflicting setting
+/// is named with the recipe's value, exit 2, nothing written (issue 41: the written file kept
+/// them and still said "equivalent to one process with batch 32, mean loss, lr 0.1"). The
+/// same recipe with --momentum 0.9 into a config without the schedule is merged.
+#[test]
+fn plan_refuses_to_merge_training_the_recipe_does_not_have() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = Spec {
+        workers: 2,
+        config: Spec::base().sgd(0.1, 0.9).cosine(100, 0.0).clip_norm(1.0),
+        ..Spec::default()
+    };
+    let (input, _) = spec.write(dir.path());
+    let out = dir.path().join("merged.toml");
+    let (code, stdout, stderr) = ps_plan(&format!(
+        "--batch 32 --lr 0.1 --loss mean --workers 2 --config {} --out {}",
+        input.display(),
+        out.display()
+    ));
+    assert_eq!(code, 2, "{stdout}\n{stderr}");
+    assert!(!out.exists(), "nothing written");
+    for said in [
+        "sets training the recipe does not have: [optimizer] sgd(momentum 0.9) (the recipe: sgd)",
+        "[schedule] cosine",
+        "(the recipe: constant 0.1)",
+        "[optimizer] clip_norm = 1 (the recipe: none)",
+        "nothing was written",
+    ] {
+        assert!(stderr.contains(said), "{said}:\n{stderr}");
+    }
+    let plain = Spec {
+        workers: 2,
+        config: Spec::base().sgd(0.1, 0.9),
+        ..Spec::default()
+    };
+    let (input, _) = plain.write(dir.path());
+    let (code, stdout, stderr) = ps_plan(&format!(
+        "--batch 32 --lr 0.1 --loss mean --momentum 0.9 --workers 2 --config {} --out {}",
+        input.display(),
+        out.display()
+    ));
+    assert_eq!(code, 0, "{stdout}\n{stderr}");
+    let merged = Config::load(&out).unwrap();
+    assert_eq!(merged.optimizer.describe(), "sgd(momentum 0.9)");
+}

@@ -477,3 +477,33 @@ fn chaos_random_shard_and_worker_kills_leave_the_weights_unchanged() {
     assert!(!kills.is_empty(), "seed {seed}");
     assert_same_weights(&cfg, &format!("chaos seed {seed}, kills {kills:?}"));
 }
+
+/// With `[optimizer] clip_norm` the shards exchange gradient norms through shard 0 every step:
+/// losing shard 0 (the hub) mid-run ends shard 1's wait for the norms with the rollback, not a
+/// panic (issue 41: shard 1 panicked and the run ended with rc 1), and the run ends
+/// bit-identical to the same clipped run that lost nothing.
+#[test]
+fn shard_zero_killed_with_clipping_is_recovered_bit_identically() {
+    let mut clipped = spec(10);
+    clipped.config = clipped.config.clip_norm(0.5);
+    let want = ps_tests::uninterrupted_weights(&clipped);
+    let mut l = Launch::start(&clipped, &["--restart-shards", "2"]);
+    l.kill_after(75, "ps-server", "--shard", 0);
+    let (st, log, cfg, _dir) = l.finish();
+    assert!(st.success(), "{st}:\n{log}");
+    assert!(!log.contains("panicked"), "{log}");
+    recovered(&log, 1);
+    let coefs = std::fs::read_to_string(cfg.server.out_dir.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .filter(|l| l.contains("\"clip_coef\""))
+        .count();
+    assert_eq!(coefs as u64, STEPS, "every step logs its clip coefficient");
+    assert_bit_identical(
+        &cluster_weights(&cfg),
+        &want,
+        "clipped run, shard 0 lost once vs straight",
+    );
+    let m = std::fs::read_to_string(cfg.server.out_dir.join("metrics.jsonl")).unwrap();
+    ps_tests::assert_metrics_steps(&m, STEPS);
+}

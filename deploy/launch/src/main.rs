@@ -114,6 +114,12 @@ fn main() -> std::process::ExitCode {
                 eprintln!("ps-launch: {why}");
                 std::process::ExitCode::from(143)
             }
+            // a config refused at start (missing, unreadable or invalid, a bad `--set`):
+            // exit 2, as ps-server and ps-worker say it
+            None if e.chain().any(|c| c.is::<ps_config::ConfigError>()) => {
+                eprintln!("error: {e:#}");
+                std::process::ExitCode::from(2)
+            }
             None => {
                 eprintln!("error: {e:#}");
                 std::process::ExitCode::from(1)
@@ -136,7 +142,10 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     let mut overrides = ps_config::Overrides::from_env(&env);
     overrides
         .set_from_cli(&cli.set)
-        .map_err(anyhow::Error::msg)?;
+        .map_err(|message| ps_config::ConfigError {
+            file: cli.config.clone(),
+            message,
+        })?;
     let mut cfg = Config::load_with(&cli.config, &overrides)?;
     for line in overrides.describe().lines() {
         eprintln!("ps-launch: {line}");
@@ -173,7 +182,11 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     cluster.run_id = run.id.clone();
     // the shards' own start-up checks (config, data set) before the previous run moves: a run
     // that cannot start leaves the folder as it found it
-    cluster.preflight(&server_args)?;
+    if let Err(e) = cluster.preflight(&server_args) {
+        // refused before anything was written: the folder is left as it was found
+        claim.release_untouched();
+        return Err(e.into());
+    }
     // a new run's folder tells one story: the previous run's files move aside (not on --resume,
     // which continues that run, nor on --resume-from, which starts from its checkpoints)
     if !cli.resume

@@ -36,9 +36,25 @@ pub struct Claim {
     file: File,
     /// The directory claimed.
     pub dir: PathBuf,
+    /// Whether the claim made the directory, and its lock file.
+    made: (bool, bool),
 }
 
 impl Claim {
+    /// Gives the directory back as it was before the claim, for a launch refused before it
+    /// wrote anything (its start-up checks failed): the lock file goes when the claim made it,
+    /// and the directory too when the claim made it and it is still empty.
+    pub fn release_untouched(self) {
+        let Claim { file, dir, made } = self;
+        if made.1 {
+            let _ = std::fs::remove_file(dir.join(LAUNCH_LOCK));
+        }
+        drop(file);
+        if made.0 {
+            let _ = std::fs::remove_dir(&dir);
+        }
+    }
+
     /// Records who holds the directory (read by a second launcher's refusal): the run, this
     /// launcher's pid and, once started, its shards' and workers' pids.
     pub fn record(&mut self, run: &str, shards: &[u32], workers: &[u32]) {
@@ -74,6 +90,7 @@ fn holder(mut f: &File) -> String {
 /// there. The error names the live run, its pids and how to choose another folder; the
 /// directory is left exactly as it was.
 pub fn claim(dir: &Path, run: &str) -> Result<Claim, String> {
+    let made_dir = !dir.exists();
     std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
     let refuse = |who: String| {
         format!(
@@ -82,6 +99,7 @@ pub fn claim(dir: &Path, run: &str) -> Result<Claim, String> {
         )
     };
     let path = dir.join(LAUNCH_LOCK);
+    let made_lock = path.symlink_metadata().is_err();
     let file = OpenOptions::new()
         .create(true)
         .truncate(false)
@@ -127,6 +145,7 @@ pub fn claim(dir: &Path, run: &str) -> Result<Claim, String> {
     let mut claim = Claim {
         file,
         dir: dir.to_path_buf(),
+        made: (made_dir, made_lock),
     };
     claim.record(run, &[], &[]);
     Ok(claim)

@@ -176,6 +176,7 @@ fn run(cli: Cli) -> Result<String, String> {
         keep_per_worker_batch: cli.keep_per_worker_batch,
     };
     let text = plan(&req).map(|p| p.text).map_err(|e| e.to_string())?;
+    let planned_optimizer = req.recipe.optimizer.clone();
     let Some((into, out)) = merge else {
         return Ok(text);
     };
@@ -188,6 +189,15 @@ fn run(cli: Cli) -> Result<String, String> {
             e.message
         )
     })?;
+    let conflicts = not_in_the_recipe(&cfg, &planned_optimizer);
+    if !conflicts.is_empty() {
+        return Err(format!(
+            "{} sets training the recipe does not have: {}; the merged file would not be the recipe, so nothing was written: give the recipe those settings (--optimizer, --momentum, --nesterov, --weight-decay) or remove them from {} ([schedule], [[optimizer.groups]] and clip_norm have no ps-plan flag: merge without them, then add them back knowing the run is no longer the recipe)",
+            into.display(),
+            conflicts.join("; "),
+            into.display()
+        ));
+    }
     std::fs::write(&out, &merged).map_err(|e| format!("{}: {e}", out.display()))?;
     Ok(format!(
         "{text}# written: {} with the lines above merged in -> {}\n# ps-server will print: {}\n",
@@ -195,6 +205,37 @@ fn run(cli: Cli) -> Result<String, String> {
         out.display(),
         cfg.equivalence()
     ))
+}
+
+/// What the merged `cfg` trains with beyond the recipe (whose optimizer is `optimizer`, at a
+/// constant lr, without groups or clipping), each said with the recipe's value.
+fn not_in_the_recipe(cfg: &Config, optimizer: &Optimizer) -> Vec<String> {
+    let mut out = Vec::new();
+    if cfg.optimizer != *optimizer {
+        out.push(format!(
+            "[optimizer] {} (the recipe: {})",
+            cfg.optimizer.describe(),
+            optimizer.describe()
+        ));
+    }
+    let s = &cfg.schedule;
+    if s.warmup_steps > 0 || !matches!(s.decay, ps_optim::Decay::Constant) {
+        out.push(format!(
+            "[schedule] {} (the recipe: constant {})",
+            s.describe(),
+            s.base_lr
+        ));
+    }
+    if !cfg.groups.is_empty() {
+        out.push(format!(
+            "[[optimizer.groups]] ({} groups; the recipe: none)",
+            cfg.groups.len()
+        ));
+    }
+    if let Some(c) = cfg.clip_norm {
+        out.push(format!("[optimizer] clip_norm = {c} (the recipe: none)"));
+    }
+    out
 }
 
 /// The config file `into` with the planned `lines` (TOML) merged in: each planned key replaces

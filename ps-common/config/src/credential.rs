@@ -74,6 +74,50 @@ impl Token {
     }
 }
 
+/// The files [`write_credentials`] makes in its folder: the workers' token (`[cluster]
+/// token_file`, read by every process) and the shard credential (`[server] shard_token_file`,
+/// read by the shards only).
+pub const CREDENTIAL_FILES: [&str; 2] = ["token", "shard-token"];
+
+/// The credentials step of a cluster started without `ps-launch` (by hand, Slurm, Kubernetes):
+/// writes a fresh random workers' token and shard credential into `dir` (created if needed),
+/// each readable by its owner only (0600), and returns the config lines that point at them.
+/// Files already there are never replaced (the error names them): every host of a run must
+/// read the same ones.
+pub fn write_credentials(dir: &Path) -> Result<String, String> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    if let Some(there) = CREDENTIAL_FILES
+        .iter()
+        .map(|f| dir.join(f))
+        .find(|p| p.symlink_metadata().is_ok())
+    {
+        return Err(format!(
+            "{} exists: the credentials of a run are written once and copied to every host; remove the files to make new ones (every shard and worker must then read the new ones)",
+            there.display()
+        ));
+    }
+    for f in CREDENTIAL_FILES {
+        let path = dir.join(f);
+        let mut file = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&path)
+            .map_err(|e| format!("cannot create {}: {e}", path.display()))?;
+        writeln!(file, "{}", Token::random().secret())
+            .and_then(|()| file.sync_all())
+            .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+    }
+    let abs = std::path::absolute(dir).unwrap_or_else(|_| dir.to_path_buf());
+    Ok(format!(
+        "[cluster]\ntoken_file = \"{}\"\n\n[server]\nshard_token_file = \"{}\"\n",
+        abs.join(CREDENTIAL_FILES[0]).display(),
+        abs.join(CREDENTIAL_FILES[1]).display()
+    ))
+}
+
 /// The environment variable that gives a shard its shard credential when `[server]
 /// shard_token_file` is not set (`ps-launch` sets it for the shards it starts, with a fresh
 /// random token; workers never get it).

@@ -39,6 +39,41 @@ pub const CONNECT_LOG_EVERY: Duration = Duration::from_secs(3);
 /// Transport failures a push survives before it gives up (backoff 200 ms, 400 ms, ... 3.2 s).
 pub const PUSH_RETRIES: u32 = 5;
 
+/// What a call's deadline allows beyond the longest a live shard holds it (the transfer of
+/// the values after the wait, a loaded machine).
+pub const DEADLINE_MARGIN: Duration = Duration::from_secs(30);
+
+/// The deadline of every call a worker of `cfg` makes to a shard (register, pull, push, leave,
+/// on gRPC or the data connection): a live shard answers a pull within `[server]
+/// pull_timeout_secs` (it says `DEADLINE_EXCEEDED` then) and holds a step at most twice
+/// `barrier_timeout_secs` (`barrier_policy = "continue"`), so a call still unanswered
+/// [`DEADLINE_MARGIN`] after the longer of the two has a shard that stopped answering.
+pub fn call_deadline(cfg: &ps_config::Config) -> Duration {
+    let longest = cfg
+        .server
+        .pull_timeout_secs
+        .max(2.0 * cfg.server.barrier_timeout_secs);
+    Duration::from_secs_f64(longest) + DEADLINE_MARGIN
+}
+
+/// `call` bounded by `deadline`; [`ClientError::NoAnswer`] naming the shard and `what` when
+/// it passes.
+async fn bounded<T>(
+    (shard, addr, deadline): (usize, &str, Duration),
+    what: impl FnOnce() -> String,
+    call: impl std::future::Future<Output = Result<T, ClientError>>,
+) -> Result<T, ClientError> {
+    match tokio::time::timeout(deadline, call).await {
+        Ok(r) => r,
+        Err(_) => Err(ClientError::NoAnswer {
+            shard,
+            addr: addr.to_string(),
+            what: what(),
+            waited_secs: deadline.as_secs_f64(),
+        }),
+    }
+}
+
 /// Why a call to a shard did not succeed.
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
@@ -70,6 +105,22 @@ pub enum ClientError {
     /// stopped before they covered its range (the gradient's computation failed).
     #[error("{0}")]
     Incomplete(String),
+    /// The shard did not answer a call within the client's deadline ([`call_deadline`]): a
+    /// shard that is stopped, frozen or cut off. Not retried: a live shard answers sooner.
+    #[error(
+        "shard {shard} at {addr} did not answer {what} within {waited_secs:.0} s (the worker's deadline: the longest a live shard holds a call, max([server] pull_timeout_secs, 2 x barrier_timeout_secs), + {margin} s)",
+        margin = DEADLINE_MARGIN.as_secs()
+    )]
+    NoAnswer {
+        /// The shard's index.
+        shard: usize,
+        /// Its address.
+        addr: String,
+        /// The call ("the pull of version 3").
+        what: String,
+        /// The deadline, s.
+        waited_secs: f64,
+    },
     /// The shard answered, but not as the contract says (or not what this client expects).
     #[error("shard {shard}: {message}")]
     BadReply {
@@ -132,6 +183,7 @@ impl ClientError {
             ClientError::Unreachable { .. } => true,
             ClientError::Refused { status, .. } => is_retryable_code(status.code()),
             ClientError::BadAddress(_)
+            | ClientError::NoAnswer { .. }
             | ClientError::BadReply { .. }
             | ClientError::Incomplete(_) => false,
         }
@@ -354,6 +406,8 @@ pub struct ShardClient {
     wire: ps_config::Wire,
     /// The leases registration granted (shared by clones).
     leases: HeldLeases,
+    /// The deadline of each call ([`call_deadline`]).
+    deadline: Duration,
 }
 
 /// The leases a client's registrations were granted (`ps_server::lease`), presented by its
@@ -430,6 +484,7 @@ impl ShardClient {
                         security: security.clone(),
                         wire: ps_config::Wire::F32,
                         leases: HeldLeases::default(),
+                        deadline: Duration::from_secs(600) + DEADLINE_MARGIN,
                     });
                 }
                 Err(e) if start.elapsed() < patience => {
@@ -550,8 +605,30 @@ impl ShardClient {
         self.wire
     }
 
-    /// Registers once (registration is idempotent: it also tells the shard's version).
+    /// Sets the deadline of every call of this client (and its clones made after):
+    /// [`call_deadline`] of the run's config; 630 s (the defaults') until set.
+    pub fn set_deadline(&mut self, deadline: Duration) {
+        self.deadline = deadline;
+    }
+
+    fn bound(&self) -> (usize, &str, Duration) {
+        (self.shard, &self.addr, self.deadline)
+    }
+
+    /// Registers once (registration is idempotent: it also tells the shard's version), within
+    /// the client's deadline.
     pub async fn register(&mut self, req: RegisterRequest) -> Result<RegisterReply, ClientError> {
+        let (shard, addr, deadline) = self.bound();
+        let addr = addr.to_string();
+        bounded(
+            (shard, &addr, deadline),
+            || "registration".into(),
+            self.register_once(req),
+        )
+        .await
+    }
+
+    async fn register_once(&mut self, req: RegisterRequest) -> Result<RegisterReply, ClientError> {
         let refused = refused(
             self.shard,
             format!("shard {} refused registration", self.shard),
@@ -626,6 +703,23 @@ impl ShardClient {
     /// ones while the rest are on their way. A fallback to gRPC after a failed board copy or
     /// data connection skips what was published (the same version's values).
     pub async fn pull_to(
+        &mut self,
+        version: u64,
+        exact: bool,
+        board: Option<&Board>,
+        sink: &mut dyn PullSink,
+    ) -> Result<(), ClientError> {
+        let (shard, addr, deadline) = self.bound();
+        let addr = addr.to_string();
+        bounded(
+            (shard, &addr, deadline),
+            || format!("the pull of version {version}"),
+            self.pull_to_unbounded(version, exact, board, sink),
+        )
+        .await
+    }
+
+    async fn pull_to_unbounded(
         &mut self,
         version: u64,
         exact: bool,
@@ -796,6 +890,20 @@ impl ShardClient {
         bytes: &Bytes,
         chunk_bytes: usize,
     ) -> Result<PushReply, ClientError> {
+        bounded(
+            self.bound(),
+            || format!("the push of step {}", header.step),
+            self.push_once(header, bytes, chunk_bytes),
+        )
+        .await
+    }
+
+    async fn push_once(
+        &self,
+        header: PushHeader,
+        bytes: &Bytes,
+        chunk_bytes: usize,
+    ) -> Result<PushReply, ClientError> {
         if let Some(link) = self
             .data
             .as_ref()
@@ -923,6 +1031,24 @@ impl ShardClient {
     /// pieces and pushed whole by [`ShardClient::push_retrying`]. Returns the answer and the
     /// pieces received, whose buffers the caller may reuse.
     pub async fn push_progressive(
+        &self,
+        header: PushHeader,
+        pieces: PieceReceiver,
+        chunk_bytes: usize,
+    ) -> (Result<PushReply, ClientError>, Vec<(usize, Bytes)>) {
+        let call = async {
+            Ok(self
+                .push_progressive_unbounded(header, pieces, chunk_bytes)
+                .await)
+        };
+        let what = || format!("the push of step {}", header.step);
+        match bounded(self.bound(), what, call).await {
+            Ok(done) => done,
+            Err(e) => (Err(e), Vec::new()),
+        }
+    }
+
+    async fn push_progressive_unbounded(
         &self,
         header: PushHeader,
         mut pieces: PieceReceiver,
@@ -1095,7 +1221,10 @@ impl ShardClient {
             req.lease = self.leases.of(req.rank);
         }
         let refused = refused(self.shard, format!("shard {}: leave refused", self.shard));
-        self.rpc.leave(req).await.map(drop).map_err(refused)
+        let (shard, addr, deadline) = self.bound();
+        let addr = addr.to_string();
+        let call = async { self.rpc.leave(req).await.map(drop).map_err(refused) };
+        bounded((shard, &addr, deadline), || "the leave".into(), call).await
     }
 
     /// Sends this worker's frozen parameters and buffers (fingerprints) to be checked against
@@ -1109,11 +1238,21 @@ impl ShardClient {
             self.shard
         );
         let refused = refused(self.shard, what);
-        self.rpc
-            .check_constants(req)
-            .await
-            .map(drop)
-            .map_err(refused)
+        let (shard, addr, deadline) = self.bound();
+        let addr = addr.to_string();
+        let call = async {
+            self.rpc
+                .check_constants(req)
+                .await
+                .map(drop)
+                .map_err(refused)
+        };
+        bounded(
+            (shard, &addr, deadline),
+            || "the check of the frozen parameters".into(),
+            call,
+        )
+        .await
     }
 
     /// Puts rank 0's buffers after the forward pass of a step (the shard holding them).
@@ -1126,7 +1265,10 @@ impl ShardClient {
         }
         let what = format!("shard {}: buffers of step {} refused", self.shard, req.step);
         let refused = refused(self.shard, what);
-        self.rpc.put_buffers(req).await.map(drop).map_err(refused)
+        let (shard, addr, deadline) = self.bound();
+        let addr = addr.to_string();
+        let call = async { self.rpc.put_buffers(req).await.map(drop).map_err(refused) };
+        bounded((shard, &addr, deadline), || "the buffers put".into(), call).await
     }
 
     /// The buffers of a version (the shard waits for the version, bounded by its pull timeout).
@@ -1142,11 +1284,21 @@ impl ShardClient {
             self.shard, req.version
         );
         let refused = refused(self.shard, what);
-        self.rpc
-            .get_buffers(req)
-            .await
-            .map(tonic::Response::into_inner)
-            .map_err(refused)
+        let (shard, addr, deadline) = self.bound();
+        let addr = addr.to_string();
+        let call = async {
+            self.rpc
+                .get_buffers(req)
+                .await
+                .map(tonic::Response::into_inner)
+                .map_err(refused)
+        };
+        bounded(
+            (shard, &addr, deadline),
+            || "the buffers asked".into(),
+            call,
+        )
+        .await
     }
 
     /// Marks the tensors this worker's backward of a step did not reach, before its push.
@@ -1156,7 +1308,15 @@ impl ShardClient {
         }
         let what = format!("shard {}: unused-tensor mark refused", self.shard);
         let refused = refused(self.shard, what);
-        self.rpc.mark_unused(req).await.map(drop).map_err(refused)
+        let (shard, addr, deadline) = self.bound();
+        let addr = addr.to_string();
+        let call = async { self.rpc.mark_unused(req).await.map(drop).map_err(refused) };
+        bounded(
+            (shard, &addr, deadline),
+            || "the unused-tensor mark".into(),
+            call,
+        )
+        .await
     }
 }
 

@@ -40,6 +40,7 @@ pub mod barrier;
 pub mod bucket;
 pub mod constants;
 pub mod intake;
+pub mod norm;
 pub mod shm;
 pub mod store;
 pub mod unused;
@@ -51,6 +52,7 @@ use bytes::Bytes;
 use checkpoint::Saved;
 pub use intake::Announced;
 use intake::{Acc, Gate, Held};
+pub use norm::NormError;
 use ps_config::{Aggregation, Config, Transport};
 use ps_net::shm::{Board, shm_root};
 use ps_optim::{LrSchedule, OptState, Optimizer};
@@ -192,8 +194,13 @@ struct Applied {
 pub trait NormExchange: Send + Sync + std::fmt::Debug {
     /// The total norm of `step` (torch's clip_grad_norm_), given this shard's squared norms of
     /// its part of each tensor from `first`; an error saying why when it cannot be had.
-    fn total_norm(&self, shard: &Shard, step: u64, first: u32, sq: Vec<f64>)
-    -> Result<f32, String>;
+    fn total_norm(
+        &self,
+        shard: &Shard,
+        step: u64,
+        first: u32,
+        sq: Vec<f64>,
+    ) -> Result<f32, NormError>;
 }
 
 /// What the process around the shard does with a completed step ([`Shard::complete`]): its
@@ -480,7 +487,7 @@ impl Shard {
         step: u64,
         g: &[f32],
         skip: &[(u32, Range<usize>)],
-    ) -> Result<f32, String> {
+    ) -> Result<f32, NormError> {
         let mut none: Vec<u32> = skip.iter().map(|(t, _)| *t).collect();
         none.sort_unstable();
         let sq = ps_model::clip::partials(&self.spec, &self.range, g, &none);
@@ -490,10 +497,10 @@ impl Shard {
         let first = ps_model::clip::tensors_of(&self.spec, &self.range).start as u32;
         match self.exchange.get() {
             Some(e) => e.total_norm(self, step, first, sq),
-            None => Err(format!(
-                "shard {} of {} has no way to exchange gradient norms with the other shards",
-                self.index, self.num_shards
-            )),
+            None => Err(NormError::NoExchange {
+                shard: self.index,
+                shards: self.num_shards,
+            }),
         }
     }
 
@@ -1116,9 +1123,11 @@ impl Shard {
                 }
             }
         }
+        // (a step refused for its norm exchange has no per-rank norms)
         let rank_sq = updated
             .as_ref()
             .ok()
+            .filter(|_| exchange_failed.is_none())
             .and_then(|n| self.rank_norms(acc, folded, slots, &ranks, &n.inputs))
             .unwrap_or_default();
         // a board truncated under the update read as zeros (the SIGBUS guard): not its values
@@ -1126,12 +1135,11 @@ impl Shard {
             .iter()
             .find(|s| matches!(&s.grad, Grad::Board(b) if b.faulted()))
             .map(|s| s.rank);
-        let result = match (updated, truncated) {
-            _ if exchange_failed.is_some() => Err(format!(
-                "step {step}: gradient clipping ([optimizer] clip_norm) needs the gradient norm of every shard: {}; the step is not applied (the shard stays at version {step}) and the run stops",
-                exchange_failed.take().unwrap_or_default()
+        let result = match (updated, truncated, exchange_failed) {
+            (_, _, Some(why)) => Err(format!(
+                "step {step}: gradient clipping ([optimizer] clip_norm) needs the gradient norm of every shard: {why}; the step is not applied (the shard stays at version {step}) and the run stops"
             )),
-            (_, Some(rank)) => {
+            (_, Some(rank), None) => {
                 if let Some(h) = &self.shm {
                     h.detach(rank as usize);
                 }
@@ -1141,11 +1149,11 @@ impl Shard {
                 "step {step}: shard {}'s shared-memory parameters board was truncated during the update (another process shrank the file): the parameters are lost; the run stops",
                 self.index
             )),
-            (Err(bad), None) => Err(format!(
+            (Err(bad), None, None) => Err(format!(
                 "step {step}: rank {}'s gradient holds {} at index {} of shard {}'s range when the update reads it, although its push was checked: its shared-memory board was written after the push was accepted; the step is not applied (the shard stays at version {step}) and the run stops",
                 ranks[bad.source], bad.value, bad.index, self.index
             )),
-            (Ok(norms), None) => Ok(norms.aggregate),
+            (Ok(norms), None, None) => Ok(norms.aggregate),
         };
         Applied {
             result,
@@ -1186,7 +1194,7 @@ impl Shard {
         input_ranks: &[u32],
         inputs: &[f64],
     ) -> Option<Vec<RankNorm>> {
-        let acc_sq = folded.then(|| inputs[0]);
+        let acc_sq = if folded { Some(*inputs.first()?) } else { None };
         let direct = usize::from(folded);
         slots
             .iter()
@@ -1194,8 +1202,11 @@ impl Shard {
                 let sq_norm = match s.grad {
                     Grad::Folded => acc.norm_of(s.rank as usize, acc_sq)?,
                     Grad::Owned(_) | Grad::Board(_) | Grad::Received(_) => {
-                        let i = input_ranks[direct..].iter().position(|&r| r == s.rank)?;
-                        inputs[direct + i]
+                        let i = input_ranks
+                            .get(direct..)?
+                            .iter()
+                            .position(|&r| r == s.rank)?;
+                        *inputs.get(direct + i)?
                     }
                     Grad::Checked => return None,
                 };

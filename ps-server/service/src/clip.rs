@@ -22,7 +22,7 @@
 //! sums and sending the total back, needs a second round trip from every worker to every
 //! shard after its push (W x S calls instead of S - 1) and lets a slow worker delay it.
 
-use crate::shard::{NormExchange, Shard};
+use crate::shard::{NormError, NormExchange, Shard};
 use ps_model::layout::ModelSpec;
 use ps_proto::pb::{ClipNormReply, ClipNormRequest};
 use std::ops::Range;
@@ -150,7 +150,7 @@ impl Hub {
 
     /// The total norm of `step` once every shard's sums are in; an error when the wait passes
     /// [`bound`], when `shard`'s run fails meanwhile, or when the hub moved past the step.
-    pub async fn wait(&self, step: u64, shard: &Shard) -> Result<f32, String> {
+    pub async fn wait(&self, step: u64, shard: &Shard) -> Result<f32, NormError> {
         let mut done = self.done.subscribe();
         let all_in = async {
             loop {
@@ -159,23 +159,32 @@ impl Hub {
                         return Ok(total);
                     }
                     if s > step {
-                        return Err(format!(
-                            "step {step}: shard 0 has moved on to step {s} (a step settled without this one)"
-                        ));
+                        return Err(NormError::Superseded { step, at: s });
                     }
                 }
                 if done.changed().await.is_err() {
-                    return Err("shard 0 stopped".into());
+                    return Err(NormError::RunFailed {
+                        step,
+                        why: "shard 0 stopped".into(),
+                    });
                 }
             }
         };
         tokio::select! {
-            r = tokio::time::timeout(self.bound, all_in) => r.unwrap_or_else(|_| Err(format!(
-                "step {step}: the gradient norms of every shard (for [optimizer] clip_norm) did not arrive at shard 0 within {:.0} s (twice [server] barrier_timeout_secs + 30 s)",
-                self.bound.as_secs_f64()
-            ))),
-            why = failed(shard) => Err(format!("the run failed meanwhile: {why}")),
+            r = tokio::time::timeout(self.bound, all_in) => r.unwrap_or_else(|_| Err(NormError::TimedOut {
+                step,
+                at: "of every shard at shard 0".into(),
+                secs: self.bound.as_secs_f64(),
+                last: String::new(),
+            })),
+            why = failed(shard) => Err(NormError::RunFailed { step, why }),
         }
+    }
+
+    /// Shortens the bound of every wait (tests).
+    pub fn with_bound(mut self, bound: Duration) -> Self {
+        self.bound = bound;
+        self
     }
 }
 
@@ -186,7 +195,7 @@ impl NormExchange for Hub {
         step: u64,
         first: u32,
         sq: Vec<f64>,
-    ) -> Result<f32, String> {
+    ) -> Result<f32, NormError> {
         self.contribute(0, step, first, &sq);
         self.runtime.block_on(self.wait(step, shard))
     }
@@ -228,19 +237,31 @@ impl Spoke {
         }
     }
 
-    async fn ask(&self, req: ClipNormRequest) -> Result<f32, String> {
+    /// Shortens the bound of the wait (tests).
+    pub fn with_bound(mut self, bound: Duration) -> Self {
+        self.bound = bound;
+        self
+    }
+
+    async fn ask(&self, req: ClipNormRequest) -> Result<f32, NormError> {
+        let step = req.step;
         let deadline = Instant::now() + self.bound;
         let mut backoff = Duration::from_millis(50);
         let mut client = self.client.lock().await;
+        let mut last = String::new();
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                return Err(format!(
-                    "step {}: no total gradient norm from shard 0 at {} within {:.0} s (twice [server] barrier_timeout_secs + 30 s)",
-                    req.step,
-                    self.shard0,
-                    self.bound.as_secs_f64()
-                ));
+                return Err(NormError::TimedOut {
+                    step,
+                    at: format!("from shard 0 at {}", self.shard0),
+                    secs: self.bound.as_secs_f64(),
+                    last: if last.is_empty() {
+                        last
+                    } else {
+                        format!(", last: {last}")
+                    },
+                });
             }
             let why = match client.as_mut() {
                 None => {
@@ -268,47 +289,57 @@ impl Spoke {
                             ps_net::auth::metadata_value(t),
                         );
                     }
-                    match c.rpc().clip_norm(request).await {
-                        Ok(r) => {
-                            let ClipNormReply { step, total_norm } = r.into_inner();
-                            if step != req.step {
-                                return Err(format!(
-                                    "shard 0 answered the gradient norms of step {} with step {step}'s",
-                                    req.step
-                                ));
+                    // the call itself is bounded too: a frozen shard 0 never answers
+                    match tokio::time::timeout(left, c.rpc().clip_norm(request)).await {
+                        Ok(Ok(r)) => {
+                            let ClipNormReply {
+                                step: got,
+                                total_norm,
+                            } = r.into_inner();
+                            if got != step {
+                                return Err(NormError::OtherStep { step, got });
                             }
                             return Ok(total_norm);
                         }
-                        // a request this side got wrong is not retried
-                        Err(s)
-                            if matches!(
-                                s.code(),
-                                tonic::Code::InvalidArgument | tonic::Code::Unauthenticated
-                            ) =>
-                        {
-                            return Err(format!(
-                                "shard 0 refused the gradient norms of step {}: {:?}: {}",
-                                req.step,
-                                s.code(),
-                                s.message()
-                            ));
+                        // an answer that retrying would not change
+                        Ok(Err(s)) if is_final(s.code()) => {
+                            return Err(NormError::Refused {
+                                step,
+                                why: format!("{:?}: {}", s.code(), s.message()),
+                            });
                         }
-                        Err(s) => {
+                        Ok(Err(s)) => {
                             *client = None;
                             format!("{:?}: {}", s.code(), s.message())
+                        }
+                        Err(_) => {
+                            *client = None;
+                            format!("no answer within {:.1} s", left.as_secs_f64())
                         }
                     }
                 }
             };
             tracing::debug!(
-                "shard {}: gradient norms of step {} to shard 0: {why}; trying again",
-                self.index,
-                req.step
+                "shard {}: gradient norms of step {step} to shard 0: {why}; trying again",
+                self.index
             );
+            last = why;
             tokio::time::sleep(backoff.min(left)).await;
             backoff = (backoff * 2).min(Duration::from_secs(1));
         }
     }
+}
+
+/// Whether shard 0's refusal is final: this side's request is wrong (its credential, its
+/// figures, its step), not the moment.
+fn is_final(code: tonic::Code) -> bool {
+    matches!(
+        code,
+        tonic::Code::InvalidArgument
+            | tonic::Code::Unauthenticated
+            | tonic::Code::PermissionDenied
+            | tonic::Code::FailedPrecondition
+    )
 }
 
 impl NormExchange for Spoke {
@@ -318,7 +349,7 @@ impl NormExchange for Spoke {
         step: u64,
         first: u32,
         sq: Vec<f64>,
-    ) -> Result<f32, String> {
+    ) -> Result<f32, NormError> {
         let req = ClipNormRequest {
             shard: self.index as u32,
             step,
@@ -329,8 +360,100 @@ impl NormExchange for Spoke {
         self.runtime.block_on(async {
             tokio::select! {
                 r = self.ask(req) => r,
-                why = failed(shard) => Err(format!("the run failed meanwhile: {why}")),
+                why = failed(shard) => Err(NormError::RunFailed { step, why }),
             }
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! Each way the exchange ends without a total, on a real hub and spoke in-process: the
+    //! typed error, within the bound, never a hang.
+    use super::*;
+    use ps_config::TestConfig;
+    use std::sync::Arc;
+
+    fn cfg(dir: &std::path::Path) -> ps_config::Config {
+        TestConfig::new()
+            .shards(2)
+            .workers(1)
+            .hidden(&[4])
+            .sgd(0.1, 0.0)
+            .clip_norm(1.0)
+            .build(&dir.join("config.toml"))
+            .unwrap()
+    }
+
+    const SHORT: Duration = Duration::from_millis(300);
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_hub_times_out_is_superseded_or_joins_the_failure() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = cfg(dir.path());
+        let shard = Shard::new(&cfg, 0, 10);
+        let hub = Hub::new(&cfg).with_bound(SHORT);
+        let t0 = Instant::now();
+        let e = hub.wait(0, &shard).await.unwrap_err();
+        assert!(
+            matches!(&e, NormError::TimedOut { step: 0, secs, .. } if *secs == SHORT.as_secs_f64()),
+            "{e:?}"
+        );
+        assert!(t0.elapsed() < SHORT * 10, "{:?}", t0.elapsed());
+        // both shards' sums of step 1 complete it: step 0 was settled without this shard
+        let t = tensors_of(&hub.spec, &hub.ranges[1]);
+        hub.contribute(
+            0,
+            1,
+            0,
+            &vec![1.0; tensors_of(&hub.spec, &hub.ranges[0]).len()],
+        );
+        hub.contribute(1, 1, t.start as u32, &vec![1.0; t.len()]);
+        assert!(hub.wait(1, &shard).await.is_ok());
+        let e = hub.wait(0, &shard).await.unwrap_err();
+        assert_eq!(e, NormError::Superseded { step: 0, at: 1 });
+        // a contribution for an older step than the newest complete one changes nothing
+        hub.contribute(1, 0, t.start as u32, &vec![1.0; t.len()]);
+        assert!(hub.round.lock().unwrap().is_none());
+        // a rollback order fails the shard's state: a wait under way ends with it
+        let waiting = {
+            let (hub, shard) = (Arc::new(hub), shard.clone());
+            tokio::spawn(async move { hub.wait(2, &shard).await })
+        };
+        shard.fail("rolled back to version 0 (generation 1): shard 1 was lost".into());
+        let e = waiting.await.unwrap().unwrap_err();
+        assert_eq!(
+            e,
+            NormError::RunFailed {
+                step: 2,
+                why: "rolled back to version 0 (generation 1): shard 1 was lost".into()
+            }
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_spoke_facing_a_frozen_shard_0_times_out_naming_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = cfg(dir.path());
+        let shard = Shard::new(&cfg, 1, 10);
+        // accepts connections and never says a word: a stopped process's kernel does that
+        let frozen = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = frozen.local_addr().unwrap().to_string();
+        let spoke = Arc::new(Spoke::new(&cfg, 1, addr.clone(), None, 0).with_bound(SHORT));
+        let t0 = Instant::now();
+        let e = tokio::task::spawn_blocking(move || spoke.total_norm(&shard, 3, 0, vec![1.0]))
+            .await
+            .unwrap()
+            .unwrap_err();
+        let NormError::TimedOut { step, at, last, .. } = &e else {
+            panic!("{e:?}")
+        };
+        assert_eq!(
+            (*step, at.as_str()),
+            (3, format!("from shard 0 at {addr}").as_str())
+        );
+        assert!(!last.is_empty(), "the last try's failure is said");
+        assert!(t0.elapsed() < SHORT * 20, "{:?}", t0.elapsed());
+        drop(frozen);
     }
 }

@@ -788,6 +788,37 @@ async fn stop_serving(
     }
 }
 
+/// What shard `index` of `cfg` cannot do without the shard credential (`has_credential`),
+/// refused before it listens, with the step that fixes it: with several shards, `[optimizer]
+/// clip_norm` (the shards exchange gradient norms through shard 0 every step) and `--recover`
+/// (`recover`: the replacement orders every shard to roll back).
+pub fn needs_shard_credential(
+    cfg: &Config,
+    index: usize,
+    has_credential: bool,
+    recover: bool,
+) -> Result<(), String> {
+    let needs = if has_credential || cfg.num_shards() < 2 {
+        None
+    } else if cfg.clip_norm.is_some() {
+        Some(format!(
+            "[optimizer] clip_norm over {} shards (the shards exchange gradient norms every step)",
+            cfg.num_shards()
+        ))
+    } else if recover {
+        Some("--recover (the replacement orders the other shards to roll back)".to_string())
+    } else {
+        None
+    };
+    match needs {
+        None => Ok(()),
+        Some(what) => Err(format!(
+            "shard {index}: {what} needs the shard credential, and none is set ([server] shard_token_file, or {}): run `ps-server credentials --dir DIR` once for the run, copy DIR to every host, and put the lines it prints in the config (ps-launch makes its own; see deploy/README.md, \"Credentials\")",
+            ps_net::auth::SHARD_TOKEN_ENV
+        )),
+    }
+}
+
 /// Whether shard `index` may serve on `bound`: outside loopback, a shard with no credential at
 /// all (neither the workers' `[cluster] token_file` nor a shard credential) would let anyone who
 /// can reach the port register, push, read the weights and order rollbacks, so it refuses to

@@ -6,7 +6,11 @@ use ps_server::{Outcome, load_checkpoint_of, load_setup, run_shard_recovering};
 use std::path::PathBuf;
 
 #[derive(Parser, Debug)]
-#[command(version, about = "One shard of the parameter server")]
+#[command(
+    version,
+    about = "One shard of the parameter server",
+    after_help = "The credentials step of a cluster started without ps-launch: `ps-server credentials --dir DIR` writes the workers' token and the shard credential of a run into DIR and prints the config lines that point at them."
+)]
 struct Cli {
     /// The cluster's TOML config.
     #[arg(long)]
@@ -68,8 +72,42 @@ struct Cli {
     check: bool,
 }
 
+/// `ps-server credentials --dir DIR`: the credentials step (`deploy/README.md`).
+#[derive(Parser, Debug)]
+#[command(
+    name = "ps-server credentials",
+    about = "Write a run's credentials for shards and workers started without ps-launch: DIR/token (the workers' token, [cluster] token_file, for every process) and DIR/shard-token (the shard credential, [server] shard_token_file, for the shards only), each 0600; prints the config lines that point at them"
+)]
+struct CredentialsCli {
+    /// The folder to write them into (created; files already there are never replaced).
+    #[arg(long)]
+    dir: PathBuf,
+}
+
+fn credentials(args: Vec<String>) -> std::process::ExitCode {
+    let cli = CredentialsCli::parse_from(args);
+    match ps_config::credential::write_credentials(&cli.dir) {
+        Ok(lines) => {
+            print!("{lines}");
+            eprintln!(
+                "wrote {0}/token and {0}/shard-token: copy the folder to every host of the run (the shard credential to the shard hosts only) and put the lines above in the config",
+                cli.dir.display()
+            );
+            std::process::ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            std::process::ExitCode::from(2)
+        }
+    }
+}
+
 fn main() -> std::process::ExitCode {
     ps_process::tune_allocator();
+    let args: Vec<String> = std::env::args().collect();
+    if args.get(1).map(String::as_str) == Some("credentials") {
+        return credentials(args[1..].to_vec());
+    }
     ps_process::init_logging();
     let cli = Cli::parse();
     let rt = match tokio::runtime::Builder::new_multi_thread()
@@ -132,6 +170,12 @@ async fn serve(cli: Cli) -> anyhow::Result<Outcome> {
         }
         return Ok(Outcome::Finished);
     }
+    // what cannot work without the shard credential is refused before anything is
+    // written or listened on, naming the step (ps-launch's --check has no credential)
+    let credential = ps_net::auth::shard_token(setup.cfg.server.shard_token_file.as_deref())
+        .map_err(anyhow::Error::msg)?;
+    ps_server::needs_shard_credential(&setup.cfg, setup.index, credential.is_some(), cli.recover)
+        .map_err(anyhow::Error::msg)?;
     let mut generation = 0;
     if cli.recover {
         // before anything is written: a replacement whose checkpoint directory is gone must

@@ -225,6 +225,56 @@ struct Noise {
     advisor: noise::Advisor,
     /// The W = 1 line was logged.
     said_one_worker: bool,
+    /// The run's clock, for the step line's elapsed time, rate and ETA.
+    progress: Progress,
+}
+
+/// Elapsed time, rate and estimated time left of a run, as the step line says them.
+#[derive(Debug)]
+struct Progress {
+    /// When this shard's reporter started (its process, or its state after a rollback).
+    started: Instant,
+    /// The first step logged here and when: the rate counts from it (a resumed run's steps
+    /// before it were not timed here).
+    first: Option<(u64, Instant)>,
+}
+
+impl Progress {
+    fn new(started: Instant) -> Self {
+        Self {
+            started,
+            first: None,
+        }
+    }
+
+    /// " | elapsed 1m05s | 12.3 steps/s | ETA 2m10s" once step `done` (1-based) of `total` is
+    /// applied at `now`; the rate and ETA once two steps were timed.
+    fn said(&mut self, done: u64, total: u64, now: Instant) -> String {
+        let (first, at) = *self.first.get_or_insert((done, now));
+        let mut line = format!(
+            " | elapsed {}",
+            clock(now.saturating_duration_since(self.started).as_secs_f64())
+        );
+        let secs = now.saturating_duration_since(at).as_secs_f64();
+        if done > first && secs > 0.0 {
+            let rate = (done - first) as f64 / secs;
+            let left = total.saturating_sub(done) as f64 / rate;
+            line += &format!(" | {rate:.3} steps/s | ETA {}", clock(left));
+        }
+        line
+    }
+}
+
+/// `secs` as "12.3s", "4m05s" or "2h03m04s".
+fn clock(secs: f64) -> String {
+    if secs < 60.0 {
+        return format!("{secs:.1}s");
+    }
+    let s = secs.round() as u64;
+    match (s / 3600, s / 60 % 60, s % 60) {
+        (0, m, sec) => format!("{m}m{sec:02}s"),
+        (h, m, sec) => format!("{h}h{m:02}m{sec:02}s"),
+    }
 }
 
 async fn run(cfg: ReporterConfig, mut rx: mpsc::UnboundedReceiver<Event>) {
@@ -261,6 +311,7 @@ async fn run(cfg: ReporterConfig, mut rx: mpsc::UnboundedReceiver<Event>) {
         scale: NoiseScale::new(NOISE_DECAY),
         advisor: noise::Advisor::new(),
         said_one_worker: false,
+        progress: Progress::new(Instant::now()),
     };
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     loop {
@@ -435,7 +486,7 @@ fn log_step(
 ) {
     let (loss, acc, norm) = figures;
     tracing::info!(
-        "step {}/{} | loss {:.4} | train acc {:.2}% | grad norm {:.4} | lr {:.5} | workers {}/{} | samples {} | step {:.1} ms | barrier wait {:.1} ms (slowest rank {}) | apply {:.1} ms{}",
+        "step {}/{} | loss {:.4} | train acc {:.2}% | grad norm {:.4} | lr {:.5} | workers {}/{} | samples {} | step {:.1} ms | barrier wait {:.1} ms (slowest rank {}) | apply {:.1} ms{}{}",
         f.step + 1,
         cfg.total_steps,
         loss,
@@ -450,6 +501,9 @@ fn log_step(
         f.slowest_rank,
         f.apply_ms,
         buckets_said(f),
+        noise
+            .progress
+            .said(f.step + 1, cfg.total_steps, Instant::now()),
     );
     if cfg.world < 2 {
         if !noise.said_one_worker {
@@ -699,6 +753,30 @@ pub fn append_final_eval(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_step_line_says_elapsed_time_rate_and_eta() {
+        let t0 = Instant::now();
+        let mut p = Progress::new(t0);
+        // the first step timed: elapsed only
+        assert_eq!(
+            p.said(11, 1000, t0 + Duration::from_secs(2)),
+            " | elapsed 2.0s"
+        );
+        // 100 steps in 50 s after it: 2 steps/s, 889 left
+        assert_eq!(
+            p.said(111, 1000, t0 + Duration::from_secs(52)),
+            " | elapsed 52.0s | 2.000 steps/s | ETA 7m25s"
+        );
+        assert_eq!(
+            p.said(112, 100_000, t0 + Duration::from_millis(52_500)),
+            " | elapsed 52.5s | 2.000 steps/s | ETA 13h52m24s"
+        );
+        assert_eq!(
+            p.said(1000, 1000, t0 + Duration::from_secs(3725)),
+            " | elapsed 1h02m05s | 0.266 steps/s | ETA 0.0s"
+        );
+    }
 
     /// Counts the `write` calls it gets.
     #[derive(Default)]

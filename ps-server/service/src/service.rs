@@ -512,11 +512,22 @@ impl ParameterServer for ShardService {
             .into());
         }
         hub.check(&r).map_err(PsError::BadChunk)?;
+        // a shard applies step t only after every worker pulled version t from every shard:
+        // norms for a step past this shard's version are not a shard's of this run
+        let version = self.shard.version();
+        if r.step > version {
+            return Err(Status::failed_precondition(format!(
+                "gradient norms of step {} from shard {}: shard 0 is at version {version}; expected a step not past it",
+                r.step, r.shard
+            )));
+        }
         hub.contribute(r.shard as usize, r.step, r.first_tensor, &r.sq);
-        let total_norm = hub
-            .wait(r.step, &self.shard)
-            .await
-            .map_err(PsError::Unavailable)?;
+        let total_norm = hub.wait(r.step, &self.shard).await.map_err(|e| match e {
+            crate::shard::NormError::Superseded { .. } => {
+                Status::failed_precondition(e.to_string())
+            }
+            e => PsError::Unavailable(e.to_string()).into(),
+        })?;
         Ok(Response::new(ClipNormReply {
             step: r.step,
             total_norm,

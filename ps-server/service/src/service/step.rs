@@ -15,9 +15,21 @@ impl ShardService {
             reporter: self.reporter.clone(),
             metrics: self.metrics.clone(),
         };
-        tokio::task::spawn_blocking(move || shard.complete(slots, &observer))
-            .await
-            .map_err(|e| PsError::Internal(format!("apply task failed: {e}")))?
+        let watched = self.shard.clone();
+        match tokio::task::spawn_blocking(move || shard.complete(slots, &observer)).await {
+            Ok(done) => done,
+            // a bug, never an input: the step cannot complete, so the run fails (the shard
+            // then stops like any failed run) rather than wait on a barrier that never ends
+            Err(e) => {
+                let why = format!(
+                    "step {}: the update stopped unexpectedly ({e}); the run stops",
+                    watched.version()
+                );
+                tracing::error!("shard {}: {why}", watched.index);
+                watched.fail(why.clone());
+                Err(PsError::RunFailed(why))
+            }
+        }
     }
 
     /// Folds the step's gradients that are in, in rank order, on a blocking thread.
