@@ -12,7 +12,9 @@ pub const PIECE_VALUES: usize = 1 << 18;
 /// The destination of one shard's pull: `len()` values, written in ascending order. Values
 /// handed out by [`PullSink::next`] are written, then [`PullSink::publish`]ed; a published
 /// value is never handed out again (a retried pull skips what is published: it is of the same
-/// version).
+/// version). A writer may keep the memory of one `next(n)` (as a pointer) and publish it in
+/// several ascending parts, each once written, writing no part after it published it (a
+/// board read by several threads does: `Board::read_parallel`).
 pub trait PullSink: Send {
     /// Values the pull delivers (the shard's range).
     fn len(&self) -> usize;
