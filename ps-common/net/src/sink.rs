@@ -1,6 +1,6 @@
 //! Where a pull puts the values it receives: [`PullSink`], written in ascending order, piece
 //! by piece, each piece published once written. A pull into a plain slice ([`SliceSink`])
-//! publishes nothing to anyone; the worker's gated pull (`ps_worker::gate`) lets its forward
+//! publishes nothing to anyone; the worker's gated pull (`crate::gate`) lets its forward
 //! pass start on the first layers while the later ones are still arriving. Every transport
 //! fills a sink the same way: gRPC chunks as they arrive, the data connection's frame in
 //! pieces, a shared-memory board in pieces that end at the sink's layer boundaries.
