@@ -6,20 +6,21 @@
 //! The model: `ops` (the device operations trait), `model` (the MLP and the CNN written once
 //! over it: `Model<D, N>` with `MlpNet`/`CnnNet`, `model::build` for a `ModelLayout`), `cpu`
 //! and `cuda` (the two devices), `backend` (the trait the worker calls), `device` (choosing one
-//! from `--device`), `error` (what a device or a backend returns on failure). `gate`: the step's pulls and its forward pass sharing the weights, layer
-//! by layer.
+//! from `--device`), `error` (what a device or a backend returns on failure). `gate`: the
+//! step's pulls and its forward pass sharing the weights, layer by layer (`ps_net::gate`; the
+//! worker's shards and the Python worker's session are `ps_net::peer` and `ps_net::session`).
 
 pub mod backend;
 pub mod cpu;
 pub mod cuda;
 pub mod device;
-pub mod env;
 pub mod error;
+/// A worker's placement from flags or its launcher's environment (`ps_process::env`).
+pub use ps_process::env;
 pub mod gate;
 pub mod model;
 pub mod ops;
 pub mod reference;
-pub mod session;
 pub mod worker;
 
 /// Threads for the CPU backend's matrix products: the configured number, or the cores this

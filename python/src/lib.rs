@@ -1,6 +1,6 @@
 //! `ps_torch._native`: the Rust half of the PyTorch worker. A [`Client`] is one worker of a run: it
 //! reads the run's TOML config, checks the model PyTorch holds against the run's (names and shapes
-//! in `named_parameters()` order), registers with every shard through `ps_worker::session` (shared
+//! in `named_parameters()` order), registers with every shard through `ps_net::session` (shared
 //! memory on one host, gRPC otherwise, token and TLS as the config says), hands out this rank's
 //! sample indices of each step (the data-order contract), pushes a flat gradient and pulls a flat
 //! weight vector, both as float32 buffers (numpy arrays) that it reads and writes in place with the
@@ -8,8 +8,8 @@
 
 use ps_config::Config;
 use ps_data::order::BatchPlanner;
+use ps_net::session::Session;
 use ps_proto::pb::TensorDesc;
-use ps_worker::session::Session;
 use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
@@ -129,7 +129,7 @@ impl Client {
         cfg.resolve_run_id(run_id.as_deref(), &env)
             .map_err(|e| PyValueError::new_err(e.to_string()))?;
         let place =
-            ps_worker::env::resolve(rank, None, None, &env).map_err(PyValueError::new_err)?;
+            ps_process::env::resolve(rank, None, None, &env).map_err(PyValueError::new_err)?;
         let world = place.world.unwrap_or(cfg.cluster.workers);
         if world != cfg.cluster.workers {
             return Err(PyValueError::new_err(format!(

@@ -28,9 +28,14 @@
 //!    forward+backward and PyTorch's on one thread each, batch 64, the same geometry, in the
 //!    same run, wall and thread CPU time (`--python`, see `vs_torch.rs`).
 //!
+//! 7. **The host's data path** (`host_path.rs`): the large model's step with W = 2 workers
+//!    on one host whose device computes nothing: pull, gradient write, push and update times
+//!    beside this machine's memcpy rate, and the bytes each part moves.
+//!
 //! Every figure is the median of several repeats. Needs the `ps-server` and `ps-worker`
 //! binaries next to this one: `cargo build --release --bins` first.
 
+mod host_path;
 mod vs_torch;
 
 use anyhow::{Context, bail};
@@ -81,7 +86,7 @@ struct Cli {
     /// Sections to run (3 includes 4, the memory of its runs; 5 is the scale section: one
     /// ps-server process, W = 8, 32, 64 in-process clients pushing real gradient bytes; 6 the
     /// CNN's and the two MLPs' CPU forward+backward against PyTorch's, one thread each, batch
-    /// 64).
+    /// 64); 7 the host's data path of the large model, W = 2, no device.
     #[arg(long, value_delimiter = ',', default_value = "1,2,3")]
     sections: Vec<u32>,
     /// Section 5: worker counts (default 2, 4, 8, 32, 64).
@@ -281,6 +286,13 @@ fn run(cli: &Cli) -> anyhow::Result<bool> {
         let rows = vs_torch::section_vs_torch(&cli.python, BATCH, if cli.quick { 10 } else { 30 })?;
         println!("{}", vs_torch::table_vs_torch(&rows));
         out["vs_torch"] = Value::Array(rows);
+    }
+
+    if want(7) {
+        eprintln!("ps-bench: section 7, the host's data path (W = 2, shared memory, no device)");
+        let rows = host_path::section_host_path(&tmp, &plan)?;
+        println!("{}", host_path::table_host_path(&rows));
+        out["host_path"] = Value::Array(rows);
     }
 
     let load_end = loadavg();

@@ -5,13 +5,16 @@
 //! - `datalink`: the plain-TCP tensor data connection's framing (hello, frames, pieces);
 //! - `shm`: the shared-memory boards of a host;
 //! - `sink`: where a pull writes its values, piece by piece, publishing how far it got;
+//! - `gate`: a step's pulls and its forward pass sharing the weights, layer by layer;
+//! - `peer`: a worker's shards: registration, recovery from a lost shard, pulls of every shard;
+//! - `session`: register, pull, push, leave, without a training loop (the Python worker's);
 //! - `auth`: the shared token and TLS on gRPC (interceptors, endpoints);
 //! - `neterr`: connection errors in words;
 //! - `throttle`: the rate limit of repeated warnings.
 //!
 //! The credentials themselves are read by `ps_config::credential`; the messages and the error
-//! table are `ps_proto`'s. Without the `grpc` feature only `wire`, `shm`, `sink` and `throttle` are
-//! here (no tonic, no tokio): the shard core's part.
+//! table are `ps_proto`'s. Without the `grpc` feature only `wire`, `shm`, `sink`, `gate` and
+//! `throttle` are here (no tonic, no tokio): the shard core's part.
 
 #[cfg(feature = "grpc")]
 pub mod auth;
@@ -19,8 +22,13 @@ pub mod auth;
 pub mod client;
 #[cfg(feature = "grpc")]
 pub mod datalink;
+pub mod gate;
 #[cfg(feature = "grpc")]
 pub mod neterr;
+#[cfg(feature = "grpc")]
+pub mod peer;
+#[cfg(feature = "grpc")]
+pub mod session;
 pub mod shm;
 pub mod sink;
 pub mod throttle;

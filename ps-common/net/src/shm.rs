@@ -577,13 +577,18 @@ impl Board {
     /// [`PullSink::piece_end`] says: a layer's end), each piece checked against the sequence
     /// number after its copy and published only then; from `sink.filled()` on. False when
     /// version `version` was not on the board or left it during the copy: the pieces published
-    /// before are of `version` (each was checked), the rest is not filled.
+    /// before are of `version` (each was checked), the rest is not filled. A large range is
+    /// copied by several threads at once ([`copy_threads`]: one alone does not reach the
+    /// machine's memory bandwidth), still published in ascending order.
     pub fn read_version_into(&self, version: u64, sink: &mut dyn PullSink) -> bool {
         assert_eq!(sink.len(), self.len, "board read: length mismatch");
         let k = (version % 2) as usize;
         let seq = self.map.atomic(seq_offset(k));
         if seq.load(Ordering::Acquire) != 2 * version + 2 {
             return false;
+        }
+        if copy_threads(sink.len() - sink.filled()) > 1 {
+            return self.read_parallel(k, 2 * version + 2, sink);
         }
         while sink.filled() < sink.len() {
             let from = sink.filled();
@@ -596,6 +601,93 @@ impl Board {
             sink.publish(n);
         }
         true
+    }
+
+    /// The rest of slot `k` after `sink.filled()` copied into `sink` by [`copy_threads`]
+    /// threads (this one among them), [`COPY_BLOCK`] values at a time, taken in ascending
+    /// order; this thread publishes the longest run of copied blocks from the start whenever
+    /// it grows, after checking that the slot's sequence number is still `seq_want`. False
+    /// when it changed (nothing more is published; the copies under way end on their own).
+    fn read_parallel(&self, k: usize, seq_want: u64, sink: &mut dyn PullSink) -> bool {
+        use std::sync::atomic::{AtomicBool, AtomicUsize};
+        let from = sink.filled();
+        let rest = sink.len() - from;
+        let blocks = rest.div_ceil(COPY_BLOCK);
+        let done: Vec<AtomicBool> = (0..blocks).map(|_| AtomicBool::new(false)).collect();
+        let (claimed, stop) = (AtomicUsize::new(0), AtomicBool::new(false));
+        // the unpublished rest of the sink, written block by block by the threads below: each
+        // block by one thread, never after it was published (PullSink's contract)
+        let dst = SendPtr(sink.next(rest).as_mut_ptr());
+        let seq = self.map.atomic(seq_offset(k));
+        let copy_one = || {
+            let b = claimed.fetch_add(1, Ordering::Relaxed);
+            if b >= blocks || stop.load(Ordering::Relaxed) {
+                return false;
+            }
+            let at = b * COPY_BLOCK;
+            let n = COPY_BLOCK.min(rest - at);
+            // SAFETY: block b of the rest handed out by `sink.next` above: in bounds, written
+            // by this thread alone (claimed once), not published before `done[b]` is set
+            let out = unsafe { std::slice::from_raw_parts_mut(dst.get().add(at), n) };
+            self.read_part(k, from + at, out);
+            done[b].store(true, Ordering::Release);
+            true
+        };
+        std::thread::scope(|scope| {
+            for _ in 1..copy_threads(rest) {
+                scope.spawn(|| while copy_one() {});
+            }
+            let mut published = 0;
+            while published < blocks {
+                let mut ready = published;
+                while ready < blocks && done[ready].load(Ordering::Acquire) {
+                    ready += 1;
+                }
+                if ready == published {
+                    if !copy_one() {
+                        std::thread::yield_now();
+                    }
+                    continue;
+                }
+                fence(Ordering::Acquire);
+                if seq.load(Ordering::Relaxed) != seq_want {
+                    stop.store(true, Ordering::Relaxed);
+                    return false;
+                }
+                let upto = (ready * COPY_BLOCK).min(rest);
+                sink.publish(upto - published * COPY_BLOCK);
+                published = ready;
+            }
+            true
+        })
+    }
+}
+
+/// The values one thread of a parallel board read copies at a time (1 MiB).
+pub const COPY_BLOCK: usize = 1 << 18;
+
+/// Threads that copy `values` values out of a board together: one per [`COPY_BLOCK`] (at
+/// least two blocks each way), at most the cores this process may use, and at most 8 (about
+/// what a socket's memory bandwidth needs).
+pub fn copy_threads(values: usize) -> usize {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    (values / (2 * COPY_BLOCK)).clamp(1, cores.min(8))
+}
+
+/// A raw destination pointer shared by the threads of a parallel copy (each writes its own
+/// blocks).
+#[derive(Clone, Copy)]
+struct SendPtr(*mut f32);
+
+// SAFETY: the pointer is only dereferenced for disjoint blocks, one thread each
+// (`Board::read_parallel`).
+unsafe impl Send for SendPtr {}
+// SAFETY: as above.
+unsafe impl Sync for SendPtr {}
+
+impl SendPtr {
+    fn get(self) -> *mut f32 {
+        self.0
     }
 }
 
@@ -844,6 +936,56 @@ mod tests {
         assert!(!r.read_version_into(1, &mut torn));
         assert_eq!(torn.pieces, [(0, 300)]);
         assert_eq!(&torn.dst[..300], &v[..300]);
+        drop(dir);
+        let _ = std::fs::remove_dir_all(&root);
+    }
+
+    #[test]
+    fn a_large_read_by_several_threads_publishes_the_exact_slot_in_order_or_nothing_torn() {
+        let root = std::env::temp_dir().join(format!("ps-shm-par-{}", std::process::id()));
+        std::fs::create_dir_all(&root).unwrap();
+        let dir = BoardDir::create(&root, "shard0").unwrap();
+        let path = params_path(dir.path());
+        let len = 5 * COPY_BLOCK + 123;
+        let mut w = Board::create(&path, dir.token(), len, 2).unwrap();
+        let r = Board::open(&path, dir.token(), len, 2).unwrap();
+        let v: Vec<f32> = (0..len).map(|i| (i as f32).sin() * 1e3).collect();
+        w.publish(1, &v);
+        let sink = |filled, tear| PieceSink {
+            dst: vec![0.0; len],
+            filled,
+            ends: vec![len],
+            pieces: Vec::new(),
+            tear,
+        };
+        let mut whole = sink(0, None);
+        assert!(r.read_version_into(1, &mut whole));
+        assert_eq!(
+            whole.dst.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            v.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+        );
+        // published in ascending, contiguous pieces covering the slot
+        assert_eq!(whole.pieces.first().map(|p| p.0), Some(0));
+        assert_eq!(whole.pieces.last().map(|p| p.1), Some(len));
+        assert!(
+            whole
+                .pieces
+                .windows(2)
+                .all(|p| p[0].1 == p[1].0 && p[0].0 < p[0].1)
+        );
+        if copy_threads(len) > 1 {
+            // block boundaries, not the sink's single piece
+            assert!(
+                whole.pieces.iter().all(|p| p.0 % COPY_BLOCK == 0),
+                "{:?}",
+                whole.pieces
+            );
+        }
+        // a retried read from the middle (its start published before) whose slot is rewritten
+        // as the copy begins: nothing more is published
+        let mut torn = sink(COPY_BLOCK, Some(&mut w));
+        assert!(!r.read_version_into(1, &mut torn));
+        assert_eq!(torn.pieces, []);
         drop(dir);
         let _ = std::fs::remove_dir_all(&root);
     }

@@ -1,6 +1,6 @@
 //! Where a pull puts the values it receives: [`PullSink`], written in ascending order, piece
 //! by piece, each piece published once written. A pull into a plain slice ([`SliceSink`])
-//! publishes nothing to anyone; the worker's gated pull (`ps_worker::gate`) lets its forward
+//! publishes nothing to anyone; the worker's gated pull (`crate::gate`) lets its forward
 //! pass start on the first layers while the later ones are still arriving. Every transport
 //! fills a sink the same way: gRPC chunks as they arrive, the data connection's frame in
 //! pieces, a shared-memory board in pieces that end at the sink's layer boundaries.
@@ -12,7 +12,9 @@ pub const PIECE_VALUES: usize = 1 << 18;
 /// The destination of one shard's pull: `len()` values, written in ascending order. Values
 /// handed out by [`PullSink::next`] are written, then [`PullSink::publish`]ed; a published
 /// value is never handed out again (a retried pull skips what is published: it is of the same
-/// version).
+/// version). A writer may keep the memory of one `next(n)` (as a pointer) and publish it in
+/// several ascending parts, each once written, writing no part after it published it (a
+/// board read by several threads does: `Board::read_parallel`).
 pub trait PullSink: Send {
     /// Values the pull delivers (the shard's range).
     fn len(&self) -> usize;

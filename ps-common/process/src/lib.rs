@@ -1,5 +1,8 @@
 //! The process helpers every binary (ps-server, ps-worker, ps-launch, ps-bench) calls at
-//! start-up: allocator tuning, logging on stderr, and the signals that stop or preempt a run.
+//! start-up: allocator tuning, logging on stderr, and the signals that stop or preempt a run;
+//! `env`: a worker's rank and world size from flags or its launcher's environment.
+
+pub mod env;
 
 /// Keeps freed memory mapped instead of returning it to the kernel after every step: tensors of
 /// megabytes are allocated and freed each step (gRPC buffers, activations), and glibc would

@@ -38,11 +38,13 @@ use tonic::{Request, Response, Status, Streaming};
 
 mod frame;
 mod peer;
+mod plane;
 mod pull;
 mod push;
 mod shm;
 mod step;
 
+use plane::{Plane, PushSource};
 use pull::{IdlePull, PullStream, pull_response};
 pub use pull::{PullBody, SharedPulls, grpc_message, pull_chunks};
 

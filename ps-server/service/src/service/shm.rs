@@ -3,7 +3,8 @@
 use super::*;
 
 impl ShardService {
-    /// A push whose gradient is in the rank's shared-memory board: checked there in place.
+    /// A push whose gradient is in the rank's shared-memory board: checked there in place, on
+    /// a blocking thread (a whole-range read: never on the async runtime's threads).
     pub(super) async fn receive_shm(
         &self,
         rank: u32,
@@ -21,6 +22,9 @@ impl ShardService {
                 "a shared-memory push carried data chunks: expected the header alone".into(),
             ));
         }
-        self.shard.shm_grad(rank)
+        let shard = self.shard.clone();
+        tokio::task::spawn_blocking(move || shard.shm_grad(rank))
+            .await
+            .map_err(|e| PsError::Internal(format!("shared-memory check task failed: {e}")))?
     }
 }

@@ -4,15 +4,15 @@
 //! (shared-memory boards on one host, gRPC otherwise, token and TLS).
 
 use crate::gate::PullGate;
-use crate::worker::{
+use crate::peer::{
     Peer, board_file, grad_board, pull_all, pull_gated, pull_jobs, pull_patience, recover_if_lost,
     register_all,
 };
+use crate::shm::{Board, BoardDir};
+use crate::wire::encode_push;
 use anyhow::Context;
 use bytes::Bytes;
 use ps_config::{Config, Transport};
-use ps_net::shm::{Board, BoardDir};
-use ps_net::wire::encode_push;
 use ps_proto::pb::{LeaveRequest, PushHeader, TensorDesc, UnusedRequest};
 use std::ops::Range;
 use std::sync::Arc;

@@ -1,0 +1,255 @@
+//! The one way a shard reads a push's values, whatever plane carried them: gRPC chunks, a
+//! frame on the rank's data connection, or the rank's shared-memory gradient board. The plane
+//! is fixed by the rank's registration (a board it attached, a data connection it opened) and
+//! named by each push ([`Plane::of`]); the barrier sees a [`Grad`] and a fingerprint, never the
+//! plane. The shard takes the values in one of three ways ([`Target`]): into the per-bucket
+//! applier's buffer, into a whole-range buffer, or checked and dropped (a push the step does
+//! not wait for); every plane serves every way, with the same checks and the same fingerprint.
+
+use super::push::{receive_rest, spawn_buckets};
+use super::*;
+use crate::shard::intake::Permit;
+use ps_proto::pb::PushHeader;
+
+/// How a push's values travel (gRPC is the control channel: the header always comes on it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Plane {
+    /// In the push's gRPC stream, in chunks after the header.
+    Chunks,
+    /// In one frame on the rank's plain-TCP data connection (`ps_net::datalink`).
+    Frame,
+    /// Already in the shard's range of the rank's shared-memory gradient board.
+    Board,
+}
+
+impl Plane {
+    /// The plane of a push with header `h` whose gRPC request named `via_data`'s data
+    /// connection (`has_data`: this shard accepts data connections); refused when the request
+    /// names another rank's connection, or a connection and the board both, or a connection
+    /// this shard does not have.
+    pub(super) fn of(h: &PushHeader, via_data: Option<u32>, has_data: bool) -> PsResult<Plane> {
+        match via_data {
+            Some(r) if r != h.rank || h.shm || !has_data => Err(PsError::BadChunk(format!(
+                "a push of rank {} asked for the data connection of rank {r}{}",
+                h.rank,
+                if h.shm {
+                    " with its gradient in shared memory: expected one or the other"
+                } else if !has_data {
+                    ": this shard has no data connections (TLS is on)"
+                } else {
+                    ": expected its own"
+                }
+            ))),
+            Some(_) => Ok(Plane::Frame),
+            None if h.shm => Ok(Plane::Board),
+            None => Ok(Plane::Chunks),
+        }
+    }
+}
+
+/// A push's values, not yet read: the header's chunk and the rest of its gRPC stream, and the
+/// plane its values come on.
+pub(super) struct PushSource<'a> {
+    /// The plane.
+    pub(super) plane: Plane,
+    /// The first chunk (the header; gRPC chunks may carry data in it too).
+    pub(super) first: &'a PushChunk,
+    /// The rest of the push's gRPC stream.
+    pub(super) stream: &'a mut Streaming<PushChunk>,
+    /// The pushing rank.
+    pub(super) rank: u32,
+    /// The step pushed.
+    pub(super) step: u64,
+}
+
+/// How the shard takes a push's values.
+enum Target<'i> {
+    /// Into the per-bucket applier's buffer, each bucket published as it is complete.
+    Buckets(&'i mut Intake),
+    /// Into a whole-range receive buffer (with the permit to hold it).
+    Buffer(Permit),
+    /// Read, checked and fingerprinted, not kept: the step does not wait for this push (a
+    /// retry of a counted gradient, a rank it went on without).
+    Check,
+}
+
+impl ShardService {
+    /// Receives the values of the push `src` (of `samples` samples) through its plane, as the
+    /// shard takes them: a board's in place; otherwise, once the rank's turn came (under the
+    /// flow control of held gradients), into the bucket applier's buffer where per-bucket
+    /// apply is on, into a receive buffer where not, or checked only when the step does not
+    /// wait for it. Returns the gradient, its fingerprint and the bucket intake, which the
+    /// caller keeps until the barrier counted or refused the push.
+    pub(super) async fn receive_push(
+        &self,
+        src: PushSource<'_>,
+        samples: u32,
+    ) -> PsResult<(Grad, u64, Option<Intake>)> {
+        if src.plane == Plane::Board {
+            let (grad, fp) = self.receive_shm(src.rank, src.first, src.stream).await?;
+            return Ok((grad, fp, None));
+        }
+        // the rank is not missing while its push waits for its turn or streams in
+        let _under_way = self.shard.announce(src.rank, src.step, samples);
+        self.fold().await?;
+        let Some(permit) = self.shard.wait_turn(src.rank, src.step).await? else {
+            let (grad, fp) = self.read_into(src, Target::Check).await?;
+            return Ok((grad, fp, None));
+        };
+        let Some(mut intake) = self.shard.intake(src.rank, src.step) else {
+            let (grad, fp) = self.read_into(src, Target::Buffer(permit)).await?;
+            return Ok((grad, fp, None));
+        };
+        self.read_into(src, Target::Buckets(&mut intake)).await?;
+        let (grad, fp) = intake.finish(Some(permit))?;
+        Ok((grad, fp, Some(intake)))
+    }
+
+    /// Reads the values of `src` (gRPC chunks or a data-connection frame) into `target`.
+    /// For [`Target::Buckets`] the returned gradient is [`Grad::Checked`]: the intake's
+    /// `finish` makes the real one.
+    async fn read_into(&self, src: PushSource<'_>, target: Target<'_>) -> PsResult<(Grad, u64)> {
+        let PushSource {
+            plane,
+            first,
+            stream,
+            rank,
+            step,
+        } = src;
+        match (plane, target) {
+            (Plane::Frame, Target::Buckets(intake)) => {
+                self.receive_frame_into(first, stream, rank, step, intake)
+                    .await?;
+                Ok((Grad::Checked, 0))
+            }
+            (Plane::Frame, Target::Buffer(permit)) => {
+                let values = self.receive_frame(first, stream, rank, step).await?;
+                match check_and_fingerprint(&values) {
+                    Ok(fp) => Ok((
+                        Grad::Owned(Held {
+                            values,
+                            permit: Some(permit),
+                        }),
+                        fp,
+                    )),
+                    Err(e) => {
+                        self.shard.return_buffer(values);
+                        Err(e)
+                    }
+                }
+            }
+            (Plane::Frame, Target::Check) => Ok((
+                Grad::Checked,
+                self.check_frame(first, stream, rank, step).await?,
+            )),
+            (_, Target::Buckets(intake)) => {
+                self.chunks_into(first, stream, intake).await?;
+                Ok((Grad::Checked, 0))
+            }
+            (_, Target::Buffer(permit)) => {
+                let values = self.chunks_to_buffer(first, stream).await?;
+                Ok((
+                    Grad::Owned(Held {
+                        values: values.0,
+                        permit: Some(permit),
+                    }),
+                    values.1,
+                ))
+            }
+            (_, Target::Check) => {
+                let mut check = StreamCheck::new(self.shard.len()).on_wire(self.wire);
+                let mut sink = |offset: u64, data: &[u8]| check.push(offset, data);
+                self.receive_chunks(&mut sink, first, stream).await?;
+                Ok((Grad::Checked, check.finish()?))
+            }
+        }
+    }
+
+    /// Receives a push's gRPC chunks into `intake`'s buffer, contiguous and in order, starting
+    /// the bucket applier whenever buckets became ready for every rank.
+    async fn chunks_into(
+        &self,
+        first: &PushChunk,
+        stream: &mut Streaming<PushChunk>,
+        intake: &mut Intake,
+    ) -> PsResult<()> {
+        let (shard, wire) = (&self.shard, self.wire);
+        let mut at = 0usize;
+        let mut sink = |offset: u64, data: &[u8]| -> PsResult<()> {
+            if offset != at as u64 {
+                return Err(PsError::BadChunk(format!(
+                    "chunk at offset {offset}: expected offset {at} (chunks must be contiguous and in order)"
+                )));
+            }
+            if intake.decode(at, wire, data)? {
+                spawn_buckets(shard);
+            }
+            at += data.len() / wire.value_bytes();
+            Ok(())
+        };
+        self.receive_chunks(&mut sink, first, stream).await
+    }
+
+    /// Receives a push's gRPC chunks into a receive buffer from the pool (given back on
+    /// failure); returns the values and their fingerprint.
+    async fn chunks_to_buffer(
+        &self,
+        first: &PushChunk,
+        stream: &mut Streaming<PushChunk>,
+    ) -> PsResult<(Vec<f32>, u64)> {
+        let mut rx = TensorReceiver::with_buffer(self.shard.take_buffer(), self.shard.len(), true)
+            .on_wire(self.wire);
+        let received =
+            receive_rest(&mut rx, first.offset, &first.data, stream, self.stream_idle).await;
+        if let Err(e) = received {
+            self.shard.return_buffer(rx.into_buffer());
+            return Err(e);
+        }
+        rx.finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn header(rank: u32, shm: bool) -> PushHeader {
+        PushHeader {
+            rank,
+            shm,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_push_names_one_plane_and_only_its_own_data_connection() {
+        assert_eq!(
+            Plane::of(&header(1, false), None, true).ok(),
+            Some(Plane::Chunks)
+        );
+        assert_eq!(
+            Plane::of(&header(1, true), None, true).ok(),
+            Some(Plane::Board)
+        );
+        assert_eq!(
+            Plane::of(&header(1, false), Some(1), true).ok(),
+            Some(Plane::Frame)
+        );
+        let msg = |h, via, has| match Plane::of(&h, via, has) {
+            Err(PsError::BadChunk(m)) => m,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(
+            msg(header(1, false), Some(2), true),
+            "a push of rank 1 asked for the data connection of rank 2: expected its own"
+        );
+        assert_eq!(
+            msg(header(1, true), Some(1), true),
+            "a push of rank 1 asked for the data connection of rank 1 with its gradient in shared memory: expected one or the other"
+        );
+        assert_eq!(
+            msg(header(1, false), Some(1), false),
+            "a push of rank 1 asked for the data connection of rank 1: this shard has no data connections (TLS is on)"
+        );
+    }
+}
