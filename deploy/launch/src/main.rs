@@ -54,7 +54,9 @@ struct Cli {
     /// one). Shards refuse the requests of another run's processes.
     #[arg(long)]
     run_id: Option<String>,
-    /// Serve each shard's Prometheus metrics on a free 127.0.0.1 port (logged by each shard).
+    /// Serve each shard's Prometheus metrics on a free 127.0.0.1 port (logged by each shard);
+    /// after the run each stays up until scraped once more (at most 120 s, or the config's
+    /// `[server] metrics_linger_secs`), so a scraper sees the final figures.
     #[arg(long)]
     metrics: bool,
     /// Start a failed worker again, up to this many times in all, instead of stopping the run
@@ -100,6 +102,11 @@ enum Exit {
     #[error("{0}")]
     Preempted(String),
 }
+
+/// How long `--metrics` keeps each shard's `/metrics` up after the run for one more scrape,
+/// when the config says nothing (`[server] metrics_linger_secs`): two default Prometheus
+/// scrape intervals.
+const METRICS_LINGER_SECS: u32 = 120;
 
 fn main() -> std::process::ExitCode {
     ps_process::init_logging();
@@ -214,6 +221,17 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     }
     if cli.metrics {
         server_args.extend(["--metrics-listen".into(), "127.0.0.1:0".into()]);
+        // the endpoints outlive the run until scraped once more, so the final figures reach
+        // a scraper (bounded): unless the config says how long itself
+        if cfg.server.metrics_linger_secs == 0.0 {
+            server_args.extend([
+                "--set".into(),
+                format!("server.metrics_linger_secs={METRICS_LINGER_SECS}"),
+            ]);
+            eprintln!(
+                "ps-launch: --metrics: each shard's /metrics stays up after the run until it is scraped once more, at most {METRICS_LINGER_SECS} s ([server] metrics_linger_secs sets another bound)"
+            );
+        }
     }
     let mut cluster = LocalCluster::new(bin_dir(), cli.config.clone(), None);
     cluster.run_id = run.id.clone();
