@@ -74,6 +74,40 @@ fn c_weighted_aggregation_with_uneven_batches_equals_one_process() {
     assert!(d < TOL, "relative difference {d:.3e} >= {TOL:e}");
 }
 
+/// Mean loss summed over uneven batches (8, 8, 7, 7): the statement names what the run is, the
+/// sum of the workers' mean gradients (W times their mean of means), and the run equals that
+/// one process (issue 41: it claimed the global-batch mean at lr x W, 6e-2 away, and said
+/// nothing more).
+#[test]
+fn mean_loss_summed_over_uneven_batches_is_stated_and_equals_the_sum_of_means() {
+    let spec = Spec {
+        global_batch: 30,
+        aggregation: Aggregation::Sum,
+        config: Spec::base().sgd(0.025, 0.9),
+        ..Spec::default()
+    };
+    let (d, cfg, got) = run_equivalence(spec);
+    let eq = cfg.equivalence();
+    assert!(!eq.exact && eq.mean_of_means, "{eq}");
+    assert_eq!(
+        eq.to_string(),
+        "approximately (not exactly) equivalent to one process with batch 30, mean loss, lr 0.1; it equals (up to float rounding) one process that averages the 4 workers' mean gradients with equal weights (mean of means), multiplied by 4: the sum of their mean gradients"
+    );
+    assert!(d > 10.0 * TOL, "the global-batch mean differs: {d:.3e}");
+    let want = ps_worker::reference::run_reference_of(
+        &cfg,
+        ps_tests::mnist_train(),
+        ps_worker::reference::Kind::MeanOfMeans,
+    )
+    .unwrap()
+    .weights;
+    let m = rel_diff(&cfg, &got, &want);
+    assert!(
+        m < TOL,
+        "sum of means: relative difference {m:.3e} >= {TOL:e}"
+    );
+}
+
 #[test]
 fn d_plain_mean_with_uneven_batches_is_biased_and_equals_the_mean_of_means() {
     let spec = Spec {

@@ -689,3 +689,70 @@ fn tensorboard_events_equal_metrics_jsonl() {
     );
     assert_eq!(scalars.len(), checked + evals);
 }
+
+/// `ps-launch --metrics` alone keeps every shard's `/metrics` up after the run until it is
+/// scraped once more (saying how long), and every shard, not only shard 0, publishes the final
+/// test accuracy (issue 41: shard 1 kept the value of its last evaluation during the run, and
+/// the endpoints closed with the run).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_metrics_every_shard_serves_the_final_test_accuracy_after_the_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = Spec {
+        shards: 2,
+        workers: 2,
+        steps: 12,
+        config: Spec::base().log_every(1).eval_every(5),
+        ..Spec::default()
+    };
+    let (path, cfg) = spec.write(dir.path());
+    assert_eq!(
+        cfg.server.metrics_linger_secs, 0.0,
+        "the config says nothing"
+    );
+    let log = dir.path().join("launch");
+    let mut launch = ps_tests::spawn_launch(&path, &["--metrics"], &log);
+    let err = log.with_extension("err");
+    let t0 = Instant::now();
+    loop {
+        let text = std::fs::read_to_string(&err).unwrap_or_default();
+        if text
+            .matches("/metrics stays up until it is scraped once more")
+            .count()
+            == 2
+        {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(120),
+            "no end of run:\n{text}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let text = std::fs::read_to_string(&err).unwrap();
+    assert!(
+        text.contains("ps-launch: --metrics: each shard's /metrics stays up after the run until it is scraped once more, at most 120 s"),
+        "{text}"
+    );
+    let metrics = std::fs::read_to_string(cfg.server.out_dir.join("metrics.jsonl")).unwrap();
+    let last: serde_json::Value = serde_json::from_str(metrics.lines().last().unwrap()).unwrap();
+    assert_eq!(last["final"], true, "{last}");
+    let final_acc = last["test_acc"].as_f64().unwrap();
+    for s in 0..2 {
+        let addr = logged_addr(&err, &format!("shard {s}: Prometheus metrics on http://"));
+        let (status, _, body) = scrape_accepting(&addr, "").await;
+        assert_eq!(status, "HTTP/1.1 200 OK");
+        let (_, samples) = parse_text_format(&body);
+        assert_eq!(samples["ps_version"], 12.0, "shard {s}: {body}");
+        let acc = samples["ps_test_accuracy"];
+        assert!(
+            (acc - final_acc).abs() < 1e-9,
+            "shard {s}: {acc} vs the final {final_acc}"
+        );
+    }
+    // scraped: ps-launch ends now, long before the 120 s
+    let st = tokio::task::spawn_blocking(move || launch.wait().unwrap())
+        .await
+        .unwrap();
+    assert!(st.success(), "{st}");
+    assert!(t0.elapsed() < Duration::from_secs(100));
+}

@@ -54,7 +54,9 @@ struct Cli {
     /// one). Shards refuse the requests of another run's processes.
     #[arg(long)]
     run_id: Option<String>,
-    /// Serve each shard's Prometheus metrics on a free 127.0.0.1 port (logged by each shard).
+    /// Serve each shard's Prometheus metrics on a free 127.0.0.1 port (logged by each shard);
+    /// after the run each stays up until scraped once more (at most 120 s, or the config's
+    /// `[server] metrics_linger_secs`), so a scraper sees the final figures.
     #[arg(long)]
     metrics: bool,
     /// Start a failed worker again, up to this many times in all, instead of stopping the run
@@ -100,6 +102,11 @@ enum Exit {
     #[error("{0}")]
     Preempted(String),
 }
+
+/// How long `--metrics` keeps each shard's `/metrics` up after the run for one more scrape,
+/// when the config says nothing (`[server] metrics_linger_secs`): two default Prometheus
+/// scrape intervals.
+const METRICS_LINGER_SECS: u32 = 120;
 
 fn main() -> std::process::ExitCode {
     ps_process::init_logging();
@@ -177,7 +184,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     let mut claim = ps_launch::outdir::claim(&out_dir, &run_id).map_err(anyhow::Error::msg)?;
     let logs = out_dir.join("logs");
     let (s, w) = (cfg.num_shards(), cfg.cluster.workers);
-    let (server_args, worker_args) = child_args(&cli, &out_dir);
+    let (server_args, worker_args) = child_args(&cli, &cfg, &out_dir);
     let mut cluster = LocalCluster::new(bin_dir(), cli.config.clone(), None);
     cluster.run_id = run.id.clone();
     // the shards' own start-up checks (config, data set) before the previous run moves: a run
@@ -283,7 +290,7 @@ fn run_id_of(
 
 /// The arguments every shard and every worker gets from this command line (`out_dir`: the
 /// output folder): (shards', workers').
-fn child_args(cli: &Cli, out_dir: &Path) -> (Vec<String>, Vec<String>) {
+fn child_args(cli: &Cli, cfg: &Config, out_dir: &Path) -> (Vec<String>, Vec<String>) {
     // the shards log an override only for one the user gave
     let mut server_args = Vec::new();
     if cli.out_dir.is_some() {
@@ -309,6 +316,17 @@ fn child_args(cli: &Cli, out_dir: &Path) -> (Vec<String>, Vec<String>) {
     }
     if cli.metrics {
         server_args.extend(["--metrics-listen".into(), "127.0.0.1:0".into()]);
+        // the endpoints outlive the run until scraped once more, so the final figures reach
+        // a scraper (bounded): unless the config says how long itself
+        if cfg.server.metrics_linger_secs == 0.0 {
+            server_args.extend([
+                "--set".into(),
+                format!("server.metrics_linger_secs={METRICS_LINGER_SECS}"),
+            ]);
+            eprintln!(
+                "ps-launch: --metrics: each shard's /metrics stays up after the run until it is scraped once more, at most {METRICS_LINGER_SECS} s ([server] metrics_linger_secs sets another bound)"
+            );
+        }
     }
     (server_args, worker_args)
 }

@@ -714,6 +714,9 @@ impl Config {
                 warnings.push(format!(
                     "loss_reduction \"mean\" with aggregation \"sum\" makes the gradient {w} times the single-process mean gradient: this is the learning rate times {w} (use aggregation = \"mean\" or \"weighted\" to keep the lr you set). {SUM_OR_MEAN}."
                 ));
+                // uneven parts: the sum of the workers' mean gradients is W times their mean
+                // of means, not W times the global-batch mean
+                mean_of_means = uneven;
                 (w, !uneven)
             }
             (LossReduction::Sum, Aggregation::Sum) => (1.0, true),
@@ -847,8 +850,9 @@ pub struct Equivalence {
     pub exact: bool,
     /// True for `aggregation = "mean"` over per-worker batches that are not all equal (uneven
     /// split, or a kept short last batch): the run then equals exactly one process that
-    /// averages the workers' mean gradients with equal weights (mean of means), not the
-    /// global-batch mean; `--check-reference` compares with that.
+    /// averages the workers' mean gradients with equal weights (mean of means; times
+    /// `grad_scale` with aggregation "sum": the sum of their means), not the global-batch
+    /// mean; `--check-reference` compares with that.
     pub mean_of_means: bool,
     /// `W`, the workers whose mean gradients are averaged.
     pub workers: usize,
@@ -879,13 +883,6 @@ impl fmt::Display for Equivalence {
                 self.loss_reduction,
                 fmt_num(self.lr)
             )?;
-            if self.mean_of_means {
-                write!(
-                    f,
-                    "; it equals (up to float rounding) one process that averages the {} workers' mean gradients with equal weights (mean of means)",
-                    self.workers
-                )?;
-            }
         } else {
             write!(
                 f,
@@ -894,6 +891,20 @@ impl fmt::Display for Equivalence {
                 self.loss_reduction,
                 fmt_num(self.grad_scale)
             )?;
+        }
+        if self.mean_of_means {
+            write!(
+                f,
+                "; it equals (up to float rounding) one process that averages the {} workers' mean gradients with equal weights (mean of means)",
+                self.workers
+            )?;
+            if self.grad_scale != 1.0 {
+                write!(
+                    f,
+                    ", multiplied by {}: the sum of their mean gradients",
+                    fmt_num(self.grad_scale)
+                )?;
+            }
         }
         if let Some(c) = self.clip_norm {
             write!(

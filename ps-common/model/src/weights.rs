@@ -1,13 +1,15 @@
-//! Weights on disk in `safetensors` (8-byte little-endian header length, a JSON header, then
-//! the raw little-endian data), written atomically (temporary file, then rename). A whole model
+//! Weights on disk in `safetensors`, read and written by the `safetensors` crate (8-byte
+//! little-endian header length, a JSON header, then the raw little-endian data), written
+//! atomically (temporary file, then rename). A whole model
 //! is stored with PyTorch names and shapes; a shard stores its flat range as one tensor `flat`
 //! with its start and end in the metadata. Also the weight comparison the tests and the
 //! reference command use.
 
 use crate::layout::ModelSpec;
-use serde_json::{Map, Value, json};
-use std::collections::BTreeMap;
-use std::io::Write;
+use safetensors::SafeTensors;
+use safetensors::tensor::Dtype;
+use std::borrow::Cow;
+use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 
@@ -39,17 +41,35 @@ pub struct NamedTensor {
     pub data: Vec<f32>,
 }
 
-/// Writes `tensors` (name, shape, values) and string metadata to `path` atomically.
+/// One tensor's f32 values as the `safetensors` crate writes them (little-endian bytes, made
+/// when the file is written, one tensor at a time).
+struct F32View<'a> {
+    shape: &'a [usize],
+    data: &'a [f32],
+}
+
+impl safetensors::View for F32View<'_> {
+    fn dtype(&self) -> Dtype {
+        Dtype::F32
+    }
+    fn shape(&self) -> &[usize] {
+        self.shape
+    }
+    fn data(&self) -> Cow<'_, [u8]> {
+        Cow::Owned(self.data.iter().flat_map(|v| v.to_le_bytes()).collect())
+    }
+    fn data_len(&self) -> usize {
+        self.data.len() * 4
+    }
+}
+
+/// Writes `tensors` (name, shape, values) and string metadata to `path` atomically (the
+/// `safetensors` crate's format and checks, into a temporary file synced, then renamed).
 pub fn write_safetensors(
     path: &Path,
     tensors: &[(&str, &[usize], &[f32])],
     metadata: &BTreeMap<String, String>,
 ) -> Result<(), WeightsError> {
-    let mut header = Map::new();
-    if !metadata.is_empty() {
-        header.insert("__metadata__".into(), json!(metadata));
-    }
-    let mut offset = 0usize;
     for (name, shape, data) in tensors {
         let numel: usize = shape.iter().product();
         if numel != data.len() {
@@ -61,33 +81,22 @@ pub fn write_safetensors(
                 ),
             ));
         }
-        let end = offset + data.len() * 4;
-        header.insert(
-            (*name).into(),
-            json!({"dtype": "F32", "shape": shape, "data_offsets": [offset, end]}),
-        );
-        offset = end;
     }
-    let mut head =
-        serde_json::to_vec(&Value::Object(header)).map_err(|e| werr(path, e.to_string()))?;
-    while head.len() % 8 != 0 {
-        head.push(b' ');
-    }
+    let views = tensors
+        .iter()
+        .map(|(name, shape, data)| (*name, F32View { shape, data }));
+    let info: HashMap<String, String> = metadata.clone().into_iter().collect();
     let tmp = path.with_extension("safetensors.tmp");
-    let write = || -> std::io::Result<()> {
+    let write = || -> Result<(), String> {
         if let Some(dir) = path.parent() {
-            std::fs::create_dir_all(dir)?;
+            std::fs::create_dir_all(dir).map_err(|e| e.to_string())?;
         }
-        let mut f = std::io::BufWriter::new(std::fs::File::create(&tmp)?);
-        f.write_all(&(head.len() as u64).to_le_bytes())?;
-        f.write_all(&head)?;
-        for (_, _, data) in tensors {
-            for v in *data {
-                f.write_all(&v.to_le_bytes())?;
-            }
-        }
-        f.into_inner().map_err(|e| e.into_error())?.sync_all()?;
-        std::fs::rename(&tmp, path)
+        safetensors::serialize_to_file(views, (!info.is_empty()).then_some(info), &tmp)
+            .map_err(|e| e.to_string())?;
+        std::fs::File::open(&tmp)
+            .and_then(|f| f.sync_all())
+            .and_then(|()| std::fs::rename(&tmp, path))
+            .map_err(|e| e.to_string())
     };
     write().map_err(|e| {
         // a failed write (a full disk) leaves no partial temporary file behind
@@ -96,7 +105,8 @@ pub fn write_safetensors(
     })
 }
 
-/// Reads every F32 tensor and the metadata of a safetensors file.
+/// Reads every F32 tensor (in name order) and the metadata of a safetensors file, checked by
+/// the `safetensors` crate (header, offsets covering the data exactly, shapes).
 pub fn read_safetensors(
     path: &Path,
 ) -> Result<(Vec<NamedTensor>, BTreeMap<String, String>), WeightsError> {
@@ -110,53 +120,36 @@ pub fn read_safetensors(
             ),
         ));
     }
-    let n = u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes")) as usize;
-    let body = bytes.len() - 8;
-    if n > body {
-        return Err(werr(
-            path,
-            format!("header length {n} exceeds the {body} bytes after it"),
-        ));
-    }
-    let header: Map<String, Value> = serde_json::from_slice(&bytes[8..8 + n])
-        .map_err(|e| werr(path, format!("bad JSON header: {e}")))?;
-    let data = &bytes[8 + n..];
-    let mut meta = BTreeMap::new();
+    let st = SafeTensors::deserialize(&bytes)
+        .map_err(|e| werr(path, format!("not a valid safetensors file: {e}")))?;
+    let (_, header) = SafeTensors::read_metadata(&bytes)
+        .map_err(|e| werr(path, format!("not a valid safetensors file: {e}")))?;
+    let meta: BTreeMap<String, String> = header
+        .metadata()
+        .clone()
+        .unwrap_or_default()
+        .into_iter()
+        .collect();
     let mut tensors = Vec::new();
-    for (name, v) in header {
-        if name == "__metadata__" {
-            if let Some(m) = v.as_object() {
-                for (k, v) in m {
-                    meta.insert(k.clone(), v.as_str().unwrap_or_default().to_string());
-                }
-            }
-            continue;
+    for (name, view) in st.tensors() {
+        if view.dtype() != Dtype::F32 {
+            return Err(werr(
+                path,
+                format!("tensor {name}: dtype {:?}: expected F32", view.dtype()),
+            ));
         }
-        let bad = |what: &str| werr(path, format!("tensor {name}: {what}"));
-        if v["dtype"] != "F32" {
-            return Err(bad(&format!("dtype {}: expected F32", v["dtype"])));
-        }
-        let shape: Vec<usize> =
-            serde_json::from_value(v["shape"].clone()).map_err(|_| bad("bad shape"))?;
-        let offs: [usize; 2] = serde_json::from_value(v["data_offsets"].clone())
-            .map_err(|_| bad("bad data_offsets"))?;
-        let numel: usize = shape.iter().product();
-        if offs[1] < offs[0] || offs[1] > data.len() || offs[1] - offs[0] != numel * 4 {
-            return Err(bad(&format!(
-                "data_offsets {offs:?} do not hold {numel} f32 values within {} bytes",
-                data.len()
-            )));
-        }
-        let values = data[offs[0]..offs[1]]
+        let data = view
+            .data()
             .chunks_exact(4)
             .map(|w| f32::from_le_bytes([w[0], w[1], w[2], w[3]]))
             .collect();
         tensors.push(NamedTensor {
             name,
-            shape,
-            data: values,
+            shape: view.shape().to_vec(),
+            data,
         });
     }
+    tensors.sort_by(|a, b| a.name.cmp(&b.name));
     Ok((tensors, meta))
 }
 
@@ -350,7 +343,58 @@ mod tests {
             read_safetensors(&p)
                 .unwrap_err()
                 .to_string()
-                .contains("exceeds")
+                .contains("not a valid safetensors file")
+        );
+    }
+
+    /// Files written here are what the `safetensors` crate reads, and files the crate writes
+    /// (another tool's: other tensor order, other padding) are read here, values bit for bit;
+    /// a tensor whose offsets leave bytes over is refused (the crate's check).
+    #[test]
+    fn files_are_the_safetensors_crates_both_ways() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("x.safetensors");
+        let a = [1.5f32, -0.0, f32::MIN_POSITIVE, 3.25e-39, 7.0, 8.0];
+        let b = [f32::MAX, 2.0];
+        let meta = BTreeMap::from([("start".to_string(), "5".to_string())]);
+        write_safetensors(&p, &[("w", &[2, 3], &a), ("b", &[2], &b)], &meta).unwrap();
+        let bytes = std::fs::read(&p).unwrap();
+        let st = SafeTensors::deserialize(&bytes).unwrap();
+        let w = st.tensor("w").unwrap();
+        assert_eq!((w.dtype(), w.shape()), (Dtype::F32, &[2usize, 3][..]));
+        let got: Vec<u32> = w
+            .data()
+            .chunks_exact(4)
+            .map(|c| u32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        assert_eq!(got, a.map(f32::to_bits));
+        let (_, header) = SafeTensors::read_metadata(&bytes).unwrap();
+        assert_eq!(header.metadata().as_ref().unwrap()["start"], "5");
+        // the crate's own file, read here
+        let q = dir.path().join("y.safetensors");
+        let raw: Vec<u8> = b.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let view = safetensors::tensor::TensorView::new(Dtype::F32, vec![2], &raw).unwrap();
+        safetensors::serialize_to_file([("z", view)], None, &q).unwrap();
+        let (tensors, meta) = read_safetensors(&q).unwrap();
+        assert!(meta.is_empty());
+        assert_eq!(tensors.len(), 1);
+        assert_eq!(tensors[0].name, "z");
+        assert_eq!(
+            tensors[0]
+                .data
+                .iter()
+                .map(|v| v.to_bits())
+                .collect::<Vec<_>>(),
+            b.map(f32::to_bits)
+        );
+        // one value more than the shape says: refused, naming the file
+        let mut extra = std::fs::read(&q).unwrap();
+        extra.extend_from_slice(&1f32.to_le_bytes());
+        std::fs::write(&q, &extra).unwrap();
+        let e = read_safetensors(&q).unwrap_err().to_string();
+        assert!(
+            e.contains("y.safetensors: not a valid safetensors file"),
+            "{e}"
         );
     }
 }

@@ -771,15 +771,16 @@ mod tests {
         // a header value edited (the version, keeping the length): caught too
         let f = file(d, 0, 2, 10);
         let text = std::fs::read(&f).unwrap();
-        let edited =
-            String::from_utf8_lossy(&text).replace("\"opt_steps\":\"10\"", "\"opt_steps\":\"11\"");
-        assert_ne!(edited.as_bytes(), &text[..]);
-        std::fs::write(&f, edited.as_bytes()).unwrap();
-        assert!(
-            check_intact(d, 0, 2, 10)
-                .unwrap_err()
-                .contains("checksum mismatch")
-        );
+        let (from, to) = (b"\"opt_steps\":\"10\"", b"\"opt_steps\":\"11\"");
+        let at = text
+            .windows(from.len())
+            .position(|w| w == from)
+            .expect("the version in the header");
+        let mut edited = text.clone();
+        edited[at..at + to.len()].copy_from_slice(to);
+        std::fs::write(&f, &edited).unwrap();
+        let e = check_intact(d, 0, 2, 10).unwrap_err();
+        assert!(e.contains("checksum mismatch"), "{e}");
         // the format before checksums: read as it is (with a warning)
         let old = tempfile::tempdir().unwrap();
         let path = file(old.path(), 0, 2, 5);

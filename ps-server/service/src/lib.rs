@@ -1124,6 +1124,11 @@ async fn close_run(cfg: &Config, svc: &ShardService) {
             linger.as_secs()
         );
     }
+    if count > 0 {
+        // every shard's /metrics says the final figure (each rank reports it to every shard)
+        svc.metrics
+            .final_test_accuracy(correct as f64 / count as f64);
+    }
     if shard.index == 0 && count > 0 {
         tracing::info!(
             "training finished: {} steps; final test accuracy {:.2}% ({correct}/{count})",
@@ -1137,8 +1142,6 @@ async fn close_run(cfg: &Config, svc: &ShardService) {
                 metrics.display()
             );
         }
-        svc.metrics
-            .final_test_accuracy(correct as f64 / count as f64);
         reporter
             .final_eval(shard.total_steps, correct as f64 / count as f64)
             .await;
