@@ -14,6 +14,7 @@ pub mod cpu;
 pub mod cuda;
 pub mod device;
 pub mod env;
+pub mod exact;
 pub mod gate;
 pub mod model;
 pub mod ops;

@@ -261,6 +261,9 @@ pub struct Shard {
     /// Steps of the run.
     pub total_steps: u64,
     aggregation: Aggregation,
+    /// `[train] exact_sum`: the micro-batch of a gradient term; pushes carry exact partial
+    /// sums ([`ps_net::exact`], [`Shard::push_len`]) and the update adds them without rounding.
+    exact: Option<usize>,
     optimizer: Optimizer,
     /// `[[optimizer.groups]]`, and the group of each tensor of the model (None: the
     /// `[optimizer]` settings).
@@ -401,12 +404,17 @@ impl Shard {
             timeout: Duration::from_secs_f64(cfg.server.barrier_timeout_secs),
             policy: cfg.server.barrier_policy,
         };
-        let mode = bucket::Mode::of(
-            cfg.clip_norm.is_some(),
-            shm.is_some(),
-            cfg.server.max_pending_gradients,
-            w,
-        );
+        let exact = cfg.train.exact_micro_batch;
+        let mode = if exact.is_some() {
+            bucket::Mode::Whole("the exact sum (exact_sum) adds the workers' whole partial sums")
+        } else {
+            bucket::Mode::of(
+                cfg.clip_norm.is_some(),
+                shm.is_some(),
+                cfg.server.max_pending_gradients,
+                w,
+            )
+        };
         let buckets = match &mode {
             bucket::Mode::Buckets => bucket::plan(&spec, &range),
             bucket::Mode::Whole(_) => Vec::new(),
@@ -434,6 +442,7 @@ impl Shard {
             num_shards: cfg.num_shards(),
             total_steps,
             aggregation: cfg.train.aggregation,
+            exact,
             optimizer: cfg.optimizer.clone(),
             group_of: {
                 let mut of = vec![None; cfg.spec().tensors.len()];
@@ -449,7 +458,12 @@ impl Shard {
             exchange: std::sync::OnceLock::new(),
             schedule: cfg.schedule_for(total_steps),
             state: Mutex::new(state),
-            gate: Gate::new(cfg.server.max_pending_gradients),
+            // the exact sum holds every rank's partial sum until the barrier (it does not fold)
+            gate: Gate::new(if exact.is_some() {
+                cfg.server.max_pending_gradients.max(w)
+            } else {
+                cfg.server.max_pending_gradients
+            }),
             acc: Mutex::new(Acc::default()),
             buckets,
             mode,
@@ -505,6 +519,33 @@ impl Shard {
     /// Length of the shard's slice.
     pub fn len(&self) -> usize {
         self.range.len()
+    }
+
+    /// Values of a push: the slice's length, or, with `exact_sum`, [`ps_net::exact::LIMBS`]
+    /// times it (an encoded partial sum).
+    pub fn push_len(&self) -> usize {
+        self.push_range().len()
+    }
+
+    /// Where a push's values lie in a worker's gradient (its shared-memory board): the
+    /// shard's range, or, with `exact_sum`, that of its encoded partial sum.
+    pub fn push_range(&self) -> Range<usize> {
+        match self.exact {
+            Some(_) => {
+                let l = ps_net::exact::LIMBS;
+                l * self.range.start..l * self.range.end
+            }
+            None => self.range.clone(),
+        }
+    }
+
+    /// Values of a worker's whole gradient as pushed (its shared-memory board): the model's
+    /// parameters, or [`ps_net::exact::LIMBS`] times them with `exact_sum`.
+    pub fn push_values(&self) -> usize {
+        match self.exact {
+            Some(_) => ps_net::exact::LIMBS * self.num_params,
+            None => self.num_params,
+        }
     }
 
     /// True for an empty shard (more shards than parameters).
@@ -720,9 +761,9 @@ impl Shard {
         if !st.barrier.registered(rank) {
             return Err(PsError::NotRegistered(rank));
         }
-        if len != self.len() as u64 {
+        if len != self.push_len() as u64 {
             return Err(PsError::WrongLength {
-                expected: self.len() as u64,
+                expected: self.push_len() as u64,
                 got: len,
             });
         }
@@ -990,11 +1031,31 @@ impl Shard {
                 // only after pulling the version this update makes (ps_net::shm); one that
                 // breaks this can only change the values read, which are checked for
                 // finiteness right where they are used.
-                Grad::Board(b) => grads.push(unsafe { &b.slot(0)[self.range.clone()] }),
+                Grad::Board(b) => grads.push(unsafe { &b.slot(0)[self.push_range()] }),
                 Grad::Folded | Grad::Checked => continue,
             }
             cs.push(c);
             ranks.push(s.rank);
+        }
+        // the exact sum: one input, the partial sums added without rounding and rounded once
+        let mut exact_sum = Vec::new();
+        if let Some(m) = self.exact {
+            match exact_aggregate(&grads, self.len(), &mut exact_sum) {
+                Ok(()) => {
+                    grads = vec![&exact_sum];
+                    cs = vec![self.exact_coefficient(m, slots)];
+                    ranks.truncate(1);
+                }
+                Err((i, e)) => {
+                    return self.refused(
+                        format!(
+                            "step {step}: rank {}'s exact partial sum on shard {}: {e}; the step is not applied (the shard stays at version {step}) and the run stops",
+                            ranks[i], self.index
+                        ),
+                        opt,
+                    );
+                }
+            }
         }
         // tensors no rank reached are not updated; Adam's bias correction of a tensor skipped
         // before counts its own steps ([`unused`]); a tensor of a parameter group is updated
@@ -1117,6 +1178,8 @@ impl Shard {
         let rank_sq = updated
             .as_ref()
             .ok()
+            // the exact sum's one input is no rank's own: no per-rank norms
+            .filter(|_| self.exact.is_none())
             .and_then(|n| self.rank_norms(acc, folded, slots, &ranks, &n.inputs))
             .unwrap_or_default();
         // a board truncated under the update read as zeros (the SIGBUS guard): not its values
@@ -1150,6 +1213,30 @@ impl Shard {
             rank_sq,
             skip,
             clip,
+            opt,
+            buckets: None,
+        }
+    }
+
+    /// The coefficient of the exact sum `S` of the step's terms of `m` samples: 1 / (number of
+    /// terms) with a mean loss (the mean over the samples in), 1 with a sum loss.
+    fn exact_coefficient(&self, m: usize, slots: &[Slot]) -> f32 {
+        match self.aggregation {
+            Aggregation::Sum => 1.0,
+            Aggregation::Mean | Aggregation::Weighted => {
+                let samples: u64 = slots.iter().map(|s| u64::from(s.samples)).sum();
+                ps_net::exact::mean_coefficient(samples as usize / m)
+            }
+        }
+    }
+
+    /// An update refused before any arithmetic: `why`, the state as it was.
+    fn refused(&self, why: String, opt: OptState) -> Applied {
+        Applied {
+            result: Err(why),
+            rank_sq: Vec::new(),
+            skip: Vec::new(),
+            clip: None,
             opt,
             buckets: None,
         }
@@ -1456,6 +1543,21 @@ impl Shard {
 }
 
 /// `v[r]`, or `v` itself when empty (an optimizer buffer the optimizer does not keep).
+/// The exact sum of the encoded partial sums `grads` (each `LIMBS * len` values), rounded
+/// once into `out`; the index of the input and the error for one that is not an encoded sum.
+fn exact_aggregate(
+    grads: &[&[f32]],
+    len: usize,
+    out: &mut Vec<f32>,
+) -> Result<(), (usize, ps_net::exact::ExactError)> {
+    let mut acc = vec![0i128; len];
+    for (i, g) in grads.iter().enumerate() {
+        ps_net::exact::add_encoded(&mut acc, g).map_err(|e| (i, e))?;
+    }
+    out.resize(len, 0.0);
+    ps_net::exact::round(&acc, out).map_err(|e| (0, e))
+}
+
 fn block<'a>(v: &'a mut [f32], r: &Range<usize>) -> &'a mut [f32] {
     if v.is_empty() { v } else { &mut v[r.clone()] }
 }

@@ -129,7 +129,7 @@ impl ShardService {
                 Some(permit) => {
                     let mut rx = TensorReceiver::with_buffer(
                         self.shard.take_buffer(),
-                        self.shard.len(),
+                        self.shard.push_len(),
                         true,
                     )
                     .on_wire(self.wire);
@@ -156,7 +156,7 @@ impl ShardService {
                     (Grad::Owned(held), fp)
                 }
                 None => {
-                    let mut check = StreamCheck::new(self.shard.len()).on_wire(self.wire);
+                    let mut check = StreamCheck::new(self.shard.push_len()).on_wire(self.wire);
                     let mut sink = |offset: u64, data: &[u8]| check.push(offset, data);
                     self.receive_chunks(&mut sink, &first, &mut stream).await?;
                     (Grad::Checked, check.finish()?)
