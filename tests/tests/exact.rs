@@ -161,3 +161,76 @@ fn every_optimizer_and_aggregation_and_the_cnn_are_the_same_bits_at_two_w() {
         }
     }
 }
+
+/// A run stopped after 12 steps at W = 2 (checkpoints every 5) and resumed from version 10 at
+/// W = 3 ends at the same bits as the single process in the mode: every step's aggregate does
+/// not depend on W, and the checkpoint holds the weights and the optimizer state.
+#[test]
+fn a_run_resumed_with_another_w_is_the_same_bits() {
+    let spec = |steps: u64, workers: usize| Spec {
+        workers,
+        hidden: vec![32],
+        global_batch: 48,
+        steps,
+        aggregation: Aggregation::Weighted,
+        config: TestConfig::new()
+            .adam(0.01, 0.0, false)
+            .barrier_timeout_secs(120.0)
+            .checkpoint(5, 2)
+            .exact_sum(Some(8)),
+        ..Spec::default()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let (path, cfg) = spec(12, 2).write(dir.path());
+    run_cluster(&path, &cfg, &Start::default());
+    let (path, cfg) = spec(20, 3).write(dir.path());
+    let resume = Start {
+        server_args: vec!["--resume".into()],
+        ..Start::default()
+    };
+    run_cluster(&path, &cfg, &resume);
+    let log = std::fs::read_to_string(dir.path().join("logs/shard-0.log")).unwrap();
+    assert!(log.contains("resuming at version 10"), "{log}");
+    let worker = std::fs::read_to_string(dir.path().join("logs/worker-2.log")).unwrap();
+    assert!(worker.contains("starting at step 10 of 20"), "{worker}");
+    assert_bit_identical(
+        &cluster_weights(&cfg),
+        &reference_weights(&cfg),
+        "W = 2 for 10 steps, then W = 3 from the checkpoint: the reference",
+    );
+}
+
+/// Global clipping (`[optimizer] clip_norm`, small enough to clip every step) with Adam: one
+/// shard, W = 2 over the data connection and W = 5 over shared memory, the same bits as the
+/// reference (the statement promises the same bits for a given number of shards).
+#[test]
+fn clipping_is_the_same_bits_at_two_w() {
+    let spec = Spec {
+        hidden: vec![32],
+        global_batch: 48,
+        steps: 30,
+        aggregation: Aggregation::Weighted,
+        config: TestConfig::new()
+            .adam(0.01, 0.01, true)
+            .clip_norm(0.05)
+            .barrier_timeout_secs(120.0)
+            .exact_sum(Some(8)),
+        ..Spec::default()
+    };
+    let (_, cfg) = spec.write(tempfile::tempdir().unwrap().path());
+    assert!(
+        cfg.equivalence()
+            .to_string()
+            .contains("any transport and a given number of shards"),
+        "{}",
+        cfg.equivalence()
+    );
+    let want = reference_weights(&cfg);
+    for (w, plane, order) in [
+        (2, Plane::DataConnection, vec![1, 0]),
+        (5, Plane::SharedMemory, vec![2, 4, 0, 1, 3]),
+    ] {
+        let got = run(&spec, w, 1, plane, order);
+        assert_bit_identical(&got, &want, &format!("clipped, W = {w}, one shard"));
+    }
+}

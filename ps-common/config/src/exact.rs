@@ -84,19 +84,22 @@ pub(super) fn resolve(train: &mut TrainConfig, workers: usize, wire: Wire) -> Re
     Ok(())
 }
 
-/// The mode's guarantee in words, for the start-up statement.
-pub(super) fn statement(train: &TrainConfig) -> Option<String> {
+/// The mode's guarantee in words, for the start-up statement (`clip`: `[optimizer]
+/// clip_norm` is set).
+pub(super) fn statement(train: &TrainConfig, clip: bool) -> Option<String> {
     let m = train.exact_micro_batch?;
-    let (terms, aggregate) = (
-        train.global_batch / m,
-        match train.loss_reduction {
-            LossReduction::Mean => {
-                "divided by the number of terms (the mean over the global batch)"
-            }
-            LossReduction::Sum => "as it is (the sum over the global batch)",
-        },
-    );
+    let terms = train.global_batch / m;
+    let aggregate = match train.loss_reduction {
+        LossReduction::Mean => "divided by the number of terms (the mean over the global batch)",
+        LossReduction::Sum => "as it is (the sum over the global batch)",
+    };
+    // the clipping norm sums each tensor's squares in f64 over the shards' parts of it
+    let shards = if clip {
+        "and a given number of shards, and with one shard bit-identical to the single-process reference in this mode (with clip_norm a tensor split between shards has its squared norm summed in parts, which may change the norm's last bit, so other shard counts are not guaranteed the same bits)"
+    } else {
+        "and any number of shards, and bit-identical to the single-process reference in this mode"
+    };
     Some(format!(
-        "; exact sum (exact_sum = true): every step's gradient is {terms} terms of {m} samples (each worker computes whole ones), summed in fixed point without rounding (terms rounded below 2^-50, each worker's partial sum below 2^22 in magnitude) and rounded to f32 once, {aggregate}: the weights are the same bits at any number of workers, any split, any arrival order, any transport and any number of shards, and bit-identical to the single-process reference in this mode"
+        "; exact sum (exact_sum = true): every step's gradient is {terms} terms of {m} samples (each worker computes whole ones), summed in fixed point without rounding (terms rounded below 2^-50, each worker's partial sum below 2^22 in magnitude) and rounded to f32 once, {aggregate}: the weights are the same bits at any number of workers, any split, any arrival order, any transport {shards}"
     ))
 }

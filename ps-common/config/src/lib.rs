@@ -769,7 +769,7 @@ impl Config {
             warnings,
             clip_norm: self.clip_norm,
             micro_batches: self.train.micro_batches,
-            exact_sum: exact::statement(&self.train),
+            exact_sum: exact::statement(&self.train, self.clip_norm.is_some()),
             buffers: self.model.declared.as_ref().and_then(|d| {
                 (!d.buffers.is_empty()).then(|| {
                     format!(
