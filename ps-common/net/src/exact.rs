@@ -67,8 +67,31 @@ pub enum ExactError {
 
 /// `x` in units of `2^-FRACTION_BITS`, rounded to nearest (ties to even) below the last bit;
 /// None when `|x| >= 2^22` or `x` is not finite.
+///
+/// Branch-free in f64 (the hot loop of a worker's terms): `y = x * 2^50` is exact; `hi`, `y`
+/// rounded to a multiple of 2^32 by the add-and-subtract of `1.5 * 2^84` (exact for
+/// `|y| < 2^83`), is an even integer, so `y - hi` is exact and rounding it to an integer (the
+/// same trick at `1.5 * 2^52`, ties to even in the default rounding mode) rounds `y`.
 #[inline]
 pub fn fixed(x: f32) -> Option<i128> {
+    if (x.to_bits() >> 23) & 0xff > MAX_EXPONENT {
+        return None;
+    }
+    const SCALE: f64 = (1u64 << FRACTION_BITS) as f64;
+    const HI: f64 = 1.5 * 19_342_813_113_834_066_795_298_816.0; // 1.5 * 2^84
+    const LO: f64 = 1.5 * 4_503_599_627_370_496.0; // 1.5 * 2^52
+    let y = f64::from(x) * SCALE;
+    let hi = (y + HI) - HI;
+    let lo = ((y - hi) + LO) - LO;
+    // |hi| <= 2^72 as a multiple of 2^32: hi / 2^32 fits an i64 exactly, lo below 2^32
+    let hi_units = (hi * (1.0 / 4_294_967_296.0)) as i64;
+    Some((i128::from(hi_units) << 32) + i128::from(lo as i64))
+}
+
+/// [`fixed`] in integers: the mantissa shifted, rounded to nearest even below the last bit
+/// (the definition the fast one is tested against).
+#[cfg(test)]
+fn fixed_by_shifts(x: f32) -> Option<i128> {
     let bits = x.to_bits();
     let exp = (bits >> 23) & 0xff;
     if exp > MAX_EXPONENT {
@@ -84,25 +107,19 @@ pub fn fixed(x: f32) -> Option<i128> {
     let mag = if shift >= 0 {
         i128::from(mant) << shift
     } else {
-        i128::from(round_shift(mant, (-shift) as u32))
+        let k = (-shift) as u32;
+        if k > 25 {
+            0
+        } else {
+            let (q, r, half) = (mant >> k, mant & ((1 << k) - 1), 1 << (k - 1));
+            i128::from(if r > half || (r == half && q & 1 == 1) {
+                q + 1
+            } else {
+                q
+            })
+        }
     };
     Some(if bits >> 31 == 1 { -mag } else { mag })
-}
-
-/// `mant / 2^k` rounded to nearest, ties to even (`mant` below 2^24).
-#[inline]
-fn round_shift(mant: i64, k: u32) -> i64 {
-    if k > 25 {
-        return 0;
-    }
-    let q = mant >> k;
-    let r = mant & ((1 << k) - 1);
-    let half = 1 << (k - 1);
-    if r > half || (r == half && q & 1 == 1) {
-        q + 1
-    } else {
-        q
-    }
 }
 
 /// Adds the f32 gradient `term` to the fixed-point sum `acc` (same length).
@@ -131,9 +148,10 @@ pub fn encode(acc: &[i128], out: &mut [f32]) -> Result<(), ExactError> {
                 value: round_one(v),
             });
         }
-        o[0] = (v & mask) as f32;
-        o[1] = ((v >> DIGIT_BITS) & mask) as f32;
-        o[2] = (v >> (2 * DIGIT_BITS)) as f32;
+        // each digit fits an i32 (|digit| <= 2^24): the hardware conversion, exact
+        o[0] = (v & mask) as i32 as f32;
+        o[1] = ((v >> DIGIT_BITS) & mask) as i32 as f32;
+        o[2] = (v >> (2 * DIGIT_BITS)) as i32 as f32;
     }
     Ok(())
 }
@@ -142,21 +160,32 @@ pub fn encode(acc: &[i128], out: &mut [f32]) -> Result<(), ExactError> {
 /// `acc`, which the caller discards) for digits no encoder writes.
 pub fn add_encoded(acc: &mut [i128], limbs: &[f32]) -> Result<(), ExactError> {
     check_len("the encoded partial sum", limbs.len(), LIMBS * acc.len())?;
-    const TOP: f32 = (1u32 << DIGIT_BITS) as f32;
+    const TOP: i32 = 1 << DIGIT_BITS;
     for (i, (a, d)) in acc.iter_mut().zip(limbs.chunks_exact(LIMBS)).enumerate() {
-        let bad = |k: usize| ExactError::BadDigit {
-            index: LIMBS * i + k,
-            value: d[k],
-        };
-        if let Some(k) = (0..2).find(|&k| !(0.0..TOP).contains(&d[k]) || d[k].fract() != 0.0) {
-            return Err(bad(k));
+        // an integer digit converts to i32 and back unchanged (NaN and the out-of-range
+        // saturate or truncate, and fail the range test or the round trip)
+        let (d0, d1, d2) = (d[0] as i32, d[1] as i32, d[2] as i32);
+        let whole = d0 as f32 == d[0] && d1 as f32 == d[1] && d2 as f32 == d[2];
+        if !whole
+            || !(0..TOP).contains(&d0)
+            || !(0..TOP).contains(&d1)
+            || !(-TOP..TOP).contains(&d2)
+        {
+            let k = [d0, d1, d2]
+                .iter()
+                .zip(d)
+                .enumerate()
+                .position(|(k, (&di, &df))| {
+                    di as f32 != df || !(if k == 2 { -TOP..TOP } else { 0..TOP }).contains(&di)
+                })
+                .unwrap_or(0);
+            return Err(ExactError::BadDigit {
+                index: LIMBS * i + k,
+                value: d[k],
+            });
         }
-        if !(-TOP..TOP).contains(&d[2]) || d[2].fract() != 0.0 {
-            return Err(bad(2));
-        }
-        let v = (i128::from(d[2] as i32) << (2 * DIGIT_BITS))
-            + (i128::from(d[1] as i32) << DIGIT_BITS)
-            + i128::from(d[0] as i32);
+        let v =
+            (i128::from(d2) << (2 * DIGIT_BITS)) + (i128::from(d1) << DIGIT_BITS) + i128::from(d0);
         *a = a.wrapping_add(v);
     }
     Ok(())
@@ -165,8 +194,13 @@ pub fn add_encoded(acc: &mut [i128], limbs: &[f32]) -> Result<(), ExactError> {
 /// The f32 nearest to a fixed-point value (ties to even): the one rounding of the mode.
 #[inline]
 pub fn round_one(v: i128) -> f32 {
-    // exact scaling: |v as f32| >= 1 unless 0, and 2^-50 keeps it a normal f32
-    (v as f32) * f32::from_bits((127 - FRACTION_BITS) << 23)
+    // exact scaling: |v as f32| >= 1 unless 0, and 2^-50 keeps it a normal f32; i64 to f32
+    // is the hardware's correctly rounded conversion, as i128's (in software) is
+    let f = match i64::try_from(v) {
+        Ok(small) => small as f32,
+        Err(_) => v as f32,
+    };
+    f * f32::from_bits((127 - FRACTION_BITS) << 23)
 }
 
 /// Rounds the sum `acc` into `out` (same length).
@@ -244,6 +278,29 @@ mod tests {
         assert_eq!(fixed(BOUND), None);
         assert_eq!(fixed(f32::NAN), None);
         assert_eq!(fixed(f32::NEG_INFINITY), None);
+    }
+
+    #[test]
+    fn the_fast_conversion_is_the_integer_one() {
+        let mut xs = values(100_000, 3);
+        xs.extend(values(20_000, 5).iter().map(|v| v * 4096.0));
+        // ties at and around the last bit, the bounds, subnormals, zeros
+        for k in 0..64 {
+            let t = (2 * k + 1) as f32 * 2f32.powi(-51);
+            xs.extend([t, -t, t * 2.0, (k as f32 + 0.5) * 2f32.powi(-50)]);
+        }
+        xs.extend([
+            0.0,
+            -0.0,
+            f32::MIN_POSITIVE,
+            1e-45,
+            BOUND * 0.999_999_9,
+            -BOUND * 0.999_999_9,
+        ]);
+        xs.extend([BOUND, f32::MAX, f32::NAN, f32::INFINITY]);
+        for x in xs {
+            assert_eq!(fixed(x), fixed_by_shifts(x), "{x:e} ({:#x})", x.to_bits());
+        }
     }
 
     #[test]
