@@ -32,8 +32,14 @@ pub(super) fn stated(raw: &RawTrain) -> Result<Option<usize>, String> {
 }
 
 /// Resolves the micro-batch size against the global batch `B` and `W`, and refuses what the
-/// mode cannot make independent of `W` (exit 2 at start-up), saying why.
-pub(super) fn resolve(train: &mut TrainConfig, workers: usize, wire: Wire) -> Result<(), String> {
+/// mode cannot make independent of `W` (exit 2 at start-up), saying why; `declared`: a
+/// declared model (`[model] init`), trained by PyTorch workers.
+pub(super) fn resolve(
+    train: &mut TrainConfig,
+    workers: usize,
+    wire: Wire,
+    declared: bool,
+) -> Result<(), String> {
     let Some(stated) = train.exact_micro_batch else {
         return Ok(());
     };
@@ -79,6 +85,9 @@ pub(super) fn resolve(train: &mut TrainConfig, workers: usize, wire: Wire) -> Re
     }
     if wire == Wire::Bf16 {
         return refuse("[cluster] wire = \"bf16\" rounds each worker's gradient to bfloat16 with a per-worker error feedback: not exact; use wire = \"f32\"".into());
+    }
+    if declared {
+        return refuse("a declared model ([model] init, not kind = \"cnn\") is trained by PyTorch workers (ps_torch), which do not push exact partial sums yet: expected the built-in MLP or CNN".into());
     }
     train.exact_micro_batch = Some(m);
     Ok(())
