@@ -7,7 +7,8 @@
 //! over it: `Model<D, N>` with `MlpNet`/`CnnNet`, `model::build` for a `ModelLayout`), `cpu`
 //! and `cuda` (the two devices), `backend` (the trait the worker calls), `device` (choosing one
 //! from `--device`). `gate`: the step's pulls and its forward pass sharing the weights, layer
-//! by layer.
+//! by layer. `exact`: a step's gradient as the exact sum of micro-batch terms (`[train]
+//! exact_sum`).
 
 pub mod backend;
 pub mod cpu;

@@ -22,6 +22,10 @@
 //!   [`Shard::shm_grad`]);
 //! - [`checkpoint`]: the checkpoint files (format, checksum, plan, retries, recovery's reads).
 //!
+//! With `[train] exact_sum` a push carries the rank's exact partial sum (`ps_net::exact`,
+//! [`Shard::push_len`] values): nothing is folded or applied per bucket, the whole-range update
+//! adds every rank's partial sum in integers, rounds once and applies the optimizer to that.
+//!
 //! The fold and the update also take each rank's squared gradient norm in the pass that reads
 //! the gradient ([`StepFigures::ranks`]): shard 0 turns them into the gradient noise scale.
 //!
@@ -852,7 +856,6 @@ impl Shard {
             let opt = Some(std::mem::take(&mut st.opt));
             (step, tentative, pending, opt, st.barrier.waiting_since())
         };
-        let samples: Vec<u32> = slots.iter().map(|s| s.samples).collect();
         let lr = self.schedule.lr(step);
         let (mut pending, by_buckets) = match tentative.map(|t| self.finish_buckets(&mut work, t)) {
             Some(Ok(done)) => (
@@ -917,41 +920,13 @@ impl Shard {
         };
         opt.steps += 1;
 
-        let first = slots
-            .iter()
-            .map(|s| s.arrived)
-            .min()
-            .expect("at least one rank");
-        let (last_rank, last) = slots
-            .iter()
-            .map(|s| (s.rank, s.arrived))
-            .max_by_key(|&(_, t)| t)
-            .expect("at least one rank");
         let now = Instant::now();
-        let figures = StepFigures {
-            step,
-            grad_sq_norm,
-            lr,
-            samples: samples.iter().map(|&s| u64::from(s)).sum(),
-            loss_sum: slots.iter().map(|s| s.loss_sum).sum(),
-            correct: slots.iter().map(|s| s.correct).sum(),
-            workers_in: slots.len() as u32,
-            step_ms: ms(now - waiting_since),
-            barrier_wait_ms: ms(last - first),
-            slowest_rank: last_rank,
-            arrival_lag_ms: slots
-                .iter()
-                .map(|s| (s.rank, ms(s.arrived - first)))
-                .collect(),
-            apply_ms: ms(now - started),
-            tail_ms: ms(now.saturating_duration_since(last)),
-            eval: slots.iter().fold((0u64, 0u64), |a, s| {
-                (a.0.saturating_add(s.eval.0), a.1.saturating_add(s.eval.1))
-            }),
-            ranks: rank_sq,
-            clip,
-            buckets: buckets.map(|early| (early, self.buckets.len() as u32)),
-        };
+        let figures = self.figures(
+            (step, lr, grad_sq_norm),
+            &slots,
+            (rank_sq, clip, buckets),
+            (started, waiting_since, now),
+        );
         {
             let mut st = self.lock();
             st.store.commit(pending);
@@ -994,6 +969,52 @@ impl Shard {
         self.wake();
         self.version_tx.send_replace(step + 1);
         Ok(figures)
+    }
+
+    /// The figures of the step `step` applied from `slots` (`times`: the update's start, when
+    /// the barrier began waiting, now).
+    #[allow(clippy::type_complexity)]
+    fn figures(
+        &self,
+        (step, lr, grad_sq_norm): (u64, f64, f64),
+        slots: &[Slot],
+        (rank_sq, clip, buckets): (Vec<RankNorm>, Option<(f32, f32)>, Option<u32>),
+        (started, waiting_since, now): (Instant, Instant, Instant),
+    ) -> StepFigures {
+        let first = slots
+            .iter()
+            .map(|s| s.arrived)
+            .min()
+            .expect("at least one rank");
+        let (last_rank, last) = slots
+            .iter()
+            .map(|s| (s.rank, s.arrived))
+            .max_by_key(|&(_, t)| t)
+            .expect("at least one rank");
+        StepFigures {
+            step,
+            grad_sq_norm,
+            lr,
+            samples: slots.iter().map(|s| u64::from(s.samples)).sum(),
+            loss_sum: slots.iter().map(|s| s.loss_sum).sum(),
+            correct: slots.iter().map(|s| s.correct).sum(),
+            workers_in: slots.len() as u32,
+            step_ms: ms(now - waiting_since),
+            barrier_wait_ms: ms(last - first),
+            slowest_rank: last_rank,
+            arrival_lag_ms: slots
+                .iter()
+                .map(|s| (s.rank, ms(s.arrived - first)))
+                .collect(),
+            apply_ms: ms(now - started),
+            tail_ms: ms(now.saturating_duration_since(last)),
+            eval: slots.iter().fold((0u64, 0u64), |a, s| {
+                (a.0.saturating_add(s.eval.0), a.1.saturating_add(s.eval.1))
+            }),
+            ranks: rank_sq,
+            clip,
+            buckets: buckets.map(|early| (early, self.buckets.len() as u32)),
+        }
     }
 
     /// The whole-range update of `slots` (and of the accumulator, when gradients were folded)
@@ -1061,29 +1082,7 @@ impl Shard {
         // before counts its own steps ([`unused`]); a tensor of a parameter group is updated
         // with its group's settings: both are updated again on their own after the fused
         // update, from the state kept before it
-        let (skip, reruns) = {
-            let st = self.lock();
-            let ranks: Vec<u32> = slots.iter().map(|s| s.rank).collect();
-            let skip = st.unused.skipped_by_all(step, &ranks);
-            let again: Vec<(u32, Option<usize>, u64)> = (0..self.spec.tensors.len() as u32)
-                .filter_map(|t| match self.treatment(t, &skip, &opt) {
-                    Some((group, own)) if group.is_some() || own != opt.steps => {
-                        Some((t, group, own))
-                    }
-                    _ => None,
-                })
-                .collect();
-            let tensors: Vec<u32> = again.iter().map(|a| a.0).collect();
-            let reruns: Vec<(u64, Range<usize>, Option<usize>)> =
-                unused::local_parts(&self.spec, &self.range, &tensors)
-                    .into_iter()
-                    .map(|(t, r)| {
-                        let (_, group, own) = again[again.partition_point(|a| a.0 < t)];
-                        (own, r, group)
-                    })
-                    .collect();
-            (unused::local_parts(&self.spec, &self.range, &skip), reruns)
-        };
+        let (skip, reruns) = self.untouched(step, slots, &opt);
         let kept: Vec<(Range<usize>, Vec<f32>, Vec<f32>)> = skip
             .iter()
             .map(|(_, r)| r.clone())
@@ -1216,6 +1215,40 @@ impl Shard {
             opt,
             buckets: None,
         }
+    }
+
+    /// The parts of this shard's range the fused update must not change (tensors no rank of
+    /// `slots` reached at `step`), and those updated again on their own after it (a parameter
+    /// group's, or a tensor whose Adam steps differ from the state's: `(its steps, range,
+    /// group)`).
+    #[allow(clippy::type_complexity)]
+    fn untouched(
+        &self,
+        step: u64,
+        slots: &[Slot],
+        opt: &OptState,
+    ) -> (
+        Vec<(u32, Range<usize>)>,
+        Vec<(u64, Range<usize>, Option<usize>)>,
+    ) {
+        let st = self.lock();
+        let ranks: Vec<u32> = slots.iter().map(|s| s.rank).collect();
+        let skip = st.unused.skipped_by_all(step, &ranks);
+        let again: Vec<(u32, Option<usize>, u64)> = (0..self.spec.tensors.len() as u32)
+            .filter_map(|t| match self.treatment(t, &skip, opt) {
+                Some((group, own)) if group.is_some() || own != opt.steps => Some((t, group, own)),
+                _ => None,
+            })
+            .collect();
+        let tensors: Vec<u32> = again.iter().map(|a| a.0).collect();
+        let reruns = unused::local_parts(&self.spec, &self.range, &tensors)
+            .into_iter()
+            .map(|(t, r)| {
+                let (_, group, own) = again[again.partition_point(|a| a.0 < t)];
+                (own, r, group)
+            })
+            .collect();
+        (unused::local_parts(&self.spec, &self.range, &skip), reruns)
     }
 
     /// The coefficient of the exact sum `S` of the step's terms of `m` samples: 1 / (number of
