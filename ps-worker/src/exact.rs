@@ -67,3 +67,60 @@ pub fn partial_sum(
 pub fn wire_len(params: usize) -> usize {
     LIMBS * params
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ps_model::layout::{MlpLayout, ModelLayout};
+
+    /// A worker's encoded partial sums of any split of the micro-batches, added on the shard,
+    /// round to the same bits as one partial sum of them all; the figures are summed.
+    #[test]
+    fn partial_sums_of_any_split_merge_to_the_same_bits() {
+        let layout: ModelLayout = MlpLayout::new(&[6, 9, 4]).into();
+        let n = layout.num_params();
+        let mut backend = crate::cpu::cpu_model(&layout, 1);
+        backend.set_weights(&layout.init_range(3, 0..n)).unwrap();
+        let (m, batches) = (4, 6);
+        let x: Vec<f32> = (0..m * batches * 6)
+            .map(|i| ((i * 37) % 23) as f32 / 23.0 - 0.4)
+            .collect();
+        let y: Vec<u8> = (0..m * batches).map(|i| (i * 7 % 4) as u8).collect();
+        let rounded = |splits: &[usize], backend: &mut dyn Backend| {
+            let (mut total, mut loss) = (vec![0i128; n], 0.0);
+            let (mut acc, mut part, mut wire) = (Vec::new(), Vec::new(), vec![0f32; wire_len(n)]);
+            let mut start = 0;
+            for &k in splits {
+                let (xs, ys) = (
+                    &x[start * m * 6..(start + k) * m * 6],
+                    &y[start * m..(start + k) * m],
+                );
+                let stats = forward_backward_exact(
+                    backend,
+                    xs,
+                    ys,
+                    LossReduction::Mean,
+                    m,
+                    &mut acc,
+                    &mut part,
+                    &mut wire,
+                    &mut |at, _, _| assert_eq!(at, 0),
+                )
+                .unwrap();
+                loss += stats.loss_sum;
+                ps_net::exact::add_encoded(&mut total, &wire).unwrap();
+                start += k;
+            }
+            let mut out = vec![0f32; n];
+            ps_net::exact::round(&total, &mut out).unwrap();
+            (out.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), loss)
+        };
+        let (one, loss) = rounded(&[6], backend.as_mut());
+        assert!(one.iter().any(|&b| b != 0), "a gradient");
+        for splits in [&[3, 3][..], &[2, 2, 1, 1], &[1, 1, 1, 1, 1, 1], &[5, 1]] {
+            let (got, l) = rounded(splits, backend.as_mut());
+            assert_eq!(got, one, "split {splits:?}");
+            assert!((l - loss).abs() < 1e-9 * loss.abs(), "loss {l} vs {loss}");
+        }
+    }
+}
