@@ -1577,18 +1577,48 @@ impl Shard {
 
 /// `v[r]`, or `v` itself when empty (an optimizer buffer the optimizer does not keep).
 /// The exact sum of the encoded partial sums `grads` (each `LIMBS * len` values), rounded
-/// once into `out`; the index of the input and the error for one that is not an encoded sum.
+/// once into `out`, split across threads as the fused update is (each value's sum is its own:
+/// the split changes no bit); the index of the input and the error for one that is not an
+/// encoded sum.
 fn exact_aggregate(
     grads: &[&[f32]],
     len: usize,
     out: &mut Vec<f32>,
 ) -> Result<(), (usize, ps_net::exact::ExactError)> {
-    let mut acc = vec![0i128; len];
-    for (i, g) in grads.iter().enumerate() {
-        ps_net::exact::add_encoded(&mut acc, g).map_err(|e| (i, e))?;
-    }
+    use ps_net::exact::LIMBS;
     out.resize(len, 0.0);
-    ps_net::exact::round(&acc, out).map_err(|e| (0, e))
+    if let Some((i, g)) = grads
+        .iter()
+        .enumerate()
+        .find(|(_, g)| g.len() != LIMBS * len)
+    {
+        let e = ps_net::exact::ExactError::Length {
+            what: "the encoded partial sum",
+            got: g.len(),
+            expected: LIMBS * len,
+        };
+        return Err((i, e));
+    }
+    let chunk = len.div_ceil(threads_for(len)).max(1);
+    std::thread::scope(|scope| {
+        let jobs: Vec<_> = out
+            .chunks_mut(chunk)
+            .enumerate()
+            .map(|(c, part)| {
+                let at = c * chunk;
+                scope.spawn(move || {
+                    let mut acc = vec![0i128; part.len()];
+                    for (i, g) in grads.iter().enumerate() {
+                        let digits = &g[LIMBS * at..LIMBS * (at + part.len())];
+                        ps_net::exact::add_encoded(&mut acc, digits).map_err(|e| (i, e))?;
+                    }
+                    ps_net::exact::round(&acc, part).map_err(|e| (0, e))
+                })
+            })
+            .collect();
+        jobs.into_iter()
+            .try_for_each(|j| j.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+    })
 }
 
 fn block<'a>(v: &'a mut [f32], r: &Range<usize>) -> &'a mut [f32] {
