@@ -19,6 +19,9 @@ pub enum BackendError {
     /// The weights of a layer did not arrive: their pull failed, or took too long.
     #[error("weights not pulled: {0}")]
     Gate(#[from] crate::gate::GateError),
+    /// A gradient the exact sum cannot carry (`[train] exact_sum`).
+    #[error("exact sum: {0}")]
+    Exact(#[from] ps_net::exact::ExactError),
 }
 
 /// Result with a [`BackendError`].

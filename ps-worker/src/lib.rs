@@ -9,6 +9,7 @@
 //! from `--device`), `error` (what a device or a backend returns on failure). `gate`: the
 //! step's pulls and its forward pass sharing the weights, layer by layer (`ps_net::gate`; the
 //! worker's shards and the Python worker's session are `ps_net::peer` and `ps_net::session`).
+//! `exact`: a step's gradient as the exact sum of micro-batch terms (`[train] exact_sum`).
 
 pub mod backend;
 pub mod cpu;
@@ -17,6 +18,7 @@ pub mod device;
 pub mod error;
 /// A worker's placement from flags or its launcher's environment (`ps_process::env`).
 pub use ps_process::env;
+pub mod exact;
 pub mod gate;
 pub mod model;
 pub mod ops;

@@ -63,9 +63,23 @@ pub fn run_reference_of(cfg: &Config, train: &Dataset, kind: Kind) -> anyhow::Re
     let (mut x, mut y) = (Vec::new(), Vec::new());
     let mut last_loss = 0.0;
     let world = cfg.cluster.workers;
+    let mut exact_acc = Vec::new();
     for t in 0..total {
         backend.set_weights(&params)?;
-        if kind == Kind::GlobalBatch {
+        if let Some(m) = cfg.train.exact_micro_batch {
+            // [train] exact_sum: the terms of the global batch's micro-batches summed exactly,
+            // rounded once, times the shards' coefficient ([`exact_step`])
+            train.gather(planner.global_batch(t), &mut x, &mut y);
+            last_loss = exact_step(
+                cfg,
+                backend.as_mut(),
+                (&x, &y),
+                m,
+                &mut exact_acc,
+                &mut part,
+                &mut grad,
+            )?;
+        } else if kind == Kind::GlobalBatch {
             train.gather(planner.global_batch(t), &mut x, &mut y);
             let stats = backend.forward_backward(&x, &y, cfg.train.loss_reduction, &mut grad)?;
             last_loss = stats.loss_sum / y.len().max(1) as f64;
@@ -102,6 +116,28 @@ pub fn run_reference_of(cfg: &Config, train: &Dataset, kind: Kind) -> anyhow::Re
         steps: total,
         last_loss,
     })
+}
+
+/// One step's gradient of the exact-sum mode into `grad`: the exact sum of the terms of `m`
+/// samples of the global batch `x`/`y`, rounded once, times the coefficient the shards apply
+/// (the mean over the terms with a mean loss, 1 with a sum loss); returns the mean loss.
+fn exact_step(
+    cfg: &Config,
+    backend: &mut dyn crate::backend::Backend,
+    (x, y): (&[f32], &[u8]),
+    m: usize,
+    acc: &mut Vec<i128>,
+    part: &mut Vec<f32>,
+    grad: &mut [f32],
+) -> anyhow::Result<f64> {
+    let reduction = cfg.train.loss_reduction;
+    let stats = crate::exact::partial_sum(backend, x, y, reduction, (m, grad.len()), acc, part)?;
+    ps_net::exact::round(acc, grad)?;
+    if reduction == ps_config::LossReduction::Mean {
+        let c = ps_net::exact::mean_coefficient(y.len() / m);
+        grad.iter_mut().for_each(|g| *g *= c);
+    }
+    Ok(stats.loss_sum / y.len().max(1) as f64)
 }
 
 /// Runs the reference for `cfg` and compares it with the shard weights a cluster wrote to

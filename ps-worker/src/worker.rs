@@ -145,11 +145,17 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
 
     // the gradient lives in a shared-memory board that the shards on this host read in place
     // (where /dev/shm allows), else on the heap
+    // with [train] exact_sum the gradient pushed is the encoded exact partial sum
+    let exact = cfg.train.exact_micro_batch;
+    let push_len = match exact {
+        Some(_) => crate::exact::wire_len(layout.num_params()),
+        None => layout.num_params(),
+    };
     let mut grad_board = match cfg.cluster.transport {
         Transport::Auto => grad_board(
             &ps_config::runid::board_prefix(cfg.cluster.run_id.as_deref()),
             rank,
-            layout.num_params(),
+            push_len,
         ),
         Transport::Grpc => None,
     };
@@ -174,19 +180,29 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
     let grad: &mut [f32] = match &mut grad_board {
         Some((_, board)) => board.slot_mut(0),
         None => {
-            heap_grad.resize(layout.num_params(), 0.0);
+            heap_grad.resize(push_len, 0.0);
             &mut heap_grad
         }
     };
     let (mut x, mut y) = (Vec::new(), Vec::new());
     // one micro-batch's gradient, with [train] micro_batches > 1
     let mut part = Vec::new();
+    // the exact partial sum, with [train] exact_sum
+    let mut exact_acc = Vec::new();
     let mut timing = Timing::default();
     let chunk_bytes = cfg.server.chunk_bytes;
     let wire = cfg.cluster.wire;
 
     let elastic = cfg.server.barrier_policy == BarrierPolicy::Continue;
     let shard_ranges: Vec<Range<usize>> = peers.iter().map(|p| p.range.clone()).collect();
+    // where each shard's push lies in `grad`: its range, or that of the encoded partial sum
+    let push_ranges: Vec<Range<usize>> = match exact {
+        Some(_) => shard_ranges
+            .iter()
+            .map(|r| crate::exact::wire_len(r.start)..crate::exact::wire_len(r.end))
+            .collect(),
+        None => shard_ranges.clone(),
+    };
     let patience = pull_patience(&cfg);
     let mut t = start_step;
     while t < total {
@@ -240,7 +256,7 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
                     (0, 0)
                 };
             train.gather(planner.worker_batch(t, rank, world), &mut x, &mut y);
-            if grad_shared && (cfg.train.micro_batches > 1 || y.is_empty()) {
+            if grad_shared && (cfg.train.micro_batches > 1 || exact.is_some() || y.is_empty()) {
                 gate.wait_all()?;
             }
             let header = |stats: StepStats| PushHeader {
@@ -261,87 +277,100 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
             let mut unsent = peers.len();
             // per shard: where its final part starts (its range's end before any), and the
             // pieces sent this step
-            let mut final_from: Vec<usize> = peers.iter().map(|p| p.range.end).collect();
+            let mut final_from: Vec<usize> = push_ranges.iter().map(|r| r.end).collect();
             let mut sent = vec![0usize; peers.len()];
-            crate::backend::forward_backward_micro(
-                backend.as_mut(),
-                &x,
-                &y,
-                cfg.train.loss_reduction,
-                cfg.train.micro_batches,
-                grad,
-                &mut part,
-                &mut |start, tail, stats| {
-                    for s in (0..peers.len()).filter(|&s| progressive[s]) {
-                        let peer = &mut peers[s];
-                        let r = peer.range.clone();
-                        let (lo, hi) = (start.max(r.start), final_from[s]);
-                        if lo >= hi || (hi - lo < MIN_PIECE_VALUES && lo > r.start) {
-                            // nothing new of this shard's range is final, or too little to be
-                            // worth a piece of its own: it goes with the next one
-                            continue;
-                        }
-                        let buf = peer.piece_bufs.get_mut(sent[s]).and_then(Option::take);
-                        let values = &tail[lo - start..hi - start];
-                        let offset = lo - r.start;
-                        let bytes =
-                            encode_push_part(wire, values, offset, r.len(), &mut peer.encoder, buf);
-                        sent[s] += 1;
-                        final_from[s] = lo;
-                        let tx = senders[s].get_or_insert_with(|| {
-                            let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-                            let h = PushHeader {
-                                len: r.len() as u64,
-                                ..header(stats)
-                            };
-                            let client = peer.client.clone();
-                            pushes.push(runtime.spawn(async move {
-                                let (reply, pieces) =
-                                    client.push_progressive(h, rx, chunk_bytes).await;
-                                reply?;
-                                let bufs = pieces.into_iter().map(|(_, b)| b).collect();
-                                Ok::<_, anyhow::Error>((s, bufs))
-                            }));
-                            tx
-                        });
-                        // a push that ended early (refused) no longer takes pieces: its
-                        // error is what the step reports
-                        let _ = tx.send((offset, bytes));
-                        if lo == r.start {
-                            senders[s] = None; // the whole range is on its way
-                        }
+            let mut ready = |start: usize, tail: &[f32], stats: StepStats| {
+                for s in (0..peers.len()).filter(|&s| progressive[s]) {
+                    let peer = &mut peers[s];
+                    let r = push_ranges[s].clone();
+                    let (lo, hi) = (start.max(r.start), final_from[s]);
+                    if lo >= hi || (hi - lo < MIN_PIECE_VALUES && lo > r.start) {
+                        // nothing new of this shard's range is final, or too little to be
+                        // worth a piece of its own: it goes with the next one
+                        continue;
                     }
-                    while unsent > 0 && peers[unsent - 1].range.start >= start {
-                        unsent -= 1;
-                        let s = unsent;
-                        let peer = &mut peers[s];
-                        if peer.ahead || progressive[s] {
-                            // applied step t already, or pushed piece by piece
-                            continue;
-                        }
-                        let r = &peer.range;
-                        // the shard reads the range in this worker's gradient board, or
-                        // receives a copy through gRPC
-                        let bytes = if peer.link.grad {
-                            Bytes::new()
-                        } else {
-                            let values = &tail[r.start - start..r.end - start];
-                            let buf = peer.push_buf.take();
-                            encode_push(wire, values, &mut peer.encoder, buf)
-                        };
+                    let buf = peer.piece_bufs.get_mut(sent[s]).and_then(Option::take);
+                    let values = &tail[lo - start..hi - start];
+                    let offset = lo - r.start;
+                    let bytes =
+                        encode_push_part(wire, values, offset, r.len(), &mut peer.encoder, buf);
+                    sent[s] += 1;
+                    final_from[s] = lo;
+                    let tx = senders[s].get_or_insert_with(|| {
+                        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
                         let h = PushHeader {
                             len: r.len() as u64,
-                            shm: peer.link.grad,
                             ..header(stats)
                         };
                         let client = peer.client.clone();
                         pushes.push(runtime.spawn(async move {
-                            client.push_retrying(h, &bytes, chunk_bytes).await?;
-                            Ok::<_, anyhow::Error>((s, vec![bytes]))
+                            let (reply, pieces) = client.push_progressive(h, rx, chunk_bytes).await;
+                            reply?;
+                            let bufs = pieces.into_iter().map(|(_, b)| b).collect();
+                            Ok::<_, anyhow::Error>((s, bufs))
                         }));
+                        tx
+                    });
+                    // a push that ended early (refused) no longer takes pieces: its
+                    // error is what the step reports
+                    let _ = tx.send((offset, bytes));
+                    if lo == r.start {
+                        senders[s] = None; // the whole range is on its way
                     }
-                },
-            )?;
+                }
+                while unsent > 0 && push_ranges[unsent - 1].start >= start {
+                    unsent -= 1;
+                    let s = unsent;
+                    let peer = &mut peers[s];
+                    if peer.ahead || progressive[s] {
+                        // applied step t already, or pushed piece by piece
+                        continue;
+                    }
+                    let r = &push_ranges[s];
+                    // the shard reads the range in this worker's gradient board, or
+                    // receives a copy through gRPC
+                    let bytes = if peer.link.grad {
+                        Bytes::new()
+                    } else {
+                        let values = &tail[r.start - start..r.end - start];
+                        let buf = peer.push_buf.take();
+                        encode_push(wire, values, &mut peer.encoder, buf)
+                    };
+                    let h = PushHeader {
+                        len: r.len() as u64,
+                        shm: peer.link.grad,
+                        ..header(stats)
+                    };
+                    let client = peer.client.clone();
+                    pushes.push(runtime.spawn(async move {
+                        client.push_retrying(h, &bytes, chunk_bytes).await?;
+                        Ok::<_, anyhow::Error>((s, vec![bytes]))
+                    }));
+                }
+            };
+            match exact {
+                Some(m) => crate::exact::forward_backward_exact(
+                    backend.as_mut(),
+                    &x,
+                    &y,
+                    cfg.train.loss_reduction,
+                    m,
+                    &mut exact_acc,
+                    &mut part,
+                    grad,
+                    &mut ready,
+                )?,
+                None => crate::backend::forward_backward_micro(
+                    backend.as_mut(),
+                    &x,
+                    &y,
+                    cfg.train.loss_reduction,
+                    cfg.train.micro_batches,
+                    grad,
+                    &mut part,
+                    &mut ready,
+                )?,
+            };
             t2 = Instant::now();
             Ok(())
         });

@@ -9,6 +9,9 @@
 //!   says how far the global-batch process is, and why);
 //! - **final**: the whole run's weights, training loss and test accuracy beside the reference's;
 //!   the test accuracies must be within [`ACCURACY_TOLERANCE_POINTS`].
+//!
+//! With `[train] exact_sum` the whole run is compared bit for bit instead: the weights after
+//! the last step must be the same bits as the single process's in the same mode.
 
 use anyhow::Context;
 use ps_config::{Config, Overrides};
@@ -49,11 +52,17 @@ pub struct Report {
     pub loss: (Option<f64>, f64),
     /// Test accuracy in percent of the final weights: cluster, reference.
     pub accuracy: (f64, f64),
+    /// With `[train] exact_sum`: whether the final weights are bit-identical (the whole run
+    /// compared; no early comparison).
+    pub bit_identical: Option<bool>,
 }
 
 impl Report {
     /// Whether the early difference and the final accuracies are within the tolerances.
     pub fn agrees(&self) -> bool {
+        if let Some(same) = self.bit_identical {
+            return same;
+        }
         self.early_diff.0 < EARLY_TOLERANCE
             && (self.accuracy.0 - self.accuracy.1).abs() <= ACCURACY_TOLERANCE_POINTS
     }
@@ -63,6 +72,9 @@ impl fmt::Display for Report {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let loss = |l: Option<f64>| l.map_or("-".to_string(), |l| format!("{l:.4}"));
         writeln!(f, "reference check: {}", self.equivalence)?;
+        if let Some(same) = self.bit_identical {
+            return self.fmt_exact(f, same);
+        }
         match &self.global_batch_early_diff {
             Some((d, tensor)) => writeln!(
                 f,
@@ -127,6 +139,43 @@ impl fmt::Display for Report {
     }
 }
 
+impl Report {
+    /// The report of an `exact_sum` run: the whole run, bit for bit.
+    fn fmt_exact(&self, f: &mut fmt::Formatter<'_>, same: bool) -> fmt::Result {
+        writeln!(
+            f,
+            "  compared with: one process that sums the same micro-batch gradients exactly (exact_sum), the whole run"
+        )?;
+        if same {
+            writeln!(
+                f,
+                "  after {} steps: the weights are bit-identical to one process",
+                self.steps
+            )?;
+        } else {
+            writeln!(
+                f,
+                "  after {} steps: the weights are NOT bit-identical to one process: largest relative weight difference {:.1e} (in {})",
+                self.steps, self.final_diff.0, self.final_diff.1
+            )?;
+        }
+        writeln!(
+            f,
+            "  test accuracy     {:>6.2}% (cluster)   {:>6.2}% (single process)",
+            self.accuracy.0, self.accuracy.1
+        )?;
+        writeln!(
+            f,
+            "verdict: {}",
+            if same {
+                "the runs agree (the same bits)"
+            } else {
+                "the runs DO NOT agree (exact_sum promises the same bits)"
+            }
+        )
+    }
+}
+
 /// What the run was started with beyond its config file, which the early comparison's cluster
 /// gets too (so it checks the run that was made, not the file as written).
 #[derive(Debug, Clone, Default)]
@@ -174,6 +223,25 @@ pub fn check_reference(
         accuracy(cfg, &reference.weights, &test)?,
     );
     let cluster_loss = last_loss(&out_dir.join("metrics.jsonl"), version);
+    if cfg.train.exact_micro_batch.is_some() {
+        let same = cluster.len() == reference.weights.len()
+            && cluster
+                .iter()
+                .zip(&reference.weights)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+        return Ok(Report {
+            equivalence: eq.to_string(),
+            global_batch_early_diff: None,
+            workers: cfg.cluster.workers,
+            early_steps: reference.steps,
+            early_diff: final_diff.clone(),
+            steps: reference.steps,
+            final_diff,
+            loss: (cluster_loss, reference.last_loss),
+            accuracy,
+            bit_identical: Some(same),
+        });
+    }
     // the early steps: the same config cut short, as a cluster and as one process
     let early_steps = EARLY_STEPS.min(reference.steps);
     let (early_cfg_path, early_cfg) = early_config(config, early_steps, run)?;
@@ -204,6 +272,7 @@ pub fn check_reference(
         final_diff,
         loss: (cluster_loss, reference.last_loss),
         accuracy,
+        bit_identical: None,
     })
 }
 

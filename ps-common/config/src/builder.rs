@@ -65,6 +65,8 @@ impl TestConfig {
                 log_every: 5,
                 eval_every: 0,
                 micro_batches: 1,
+                exact_sum: false,
+                exact_micro_batch: None,
             },
             optimizer: RawOptimizer {
                 kind: OptimizerKind::Sgd,
@@ -278,6 +280,13 @@ impl TestConfig {
         self.raw.optimizer.clip_norm = Some(max_norm);
         self
     }
+    /// `[train] exact_sum` with `exact_micro_batch` (None: the default size).
+    pub fn exact_sum(mut self, micro_batch: Option<u64>) -> Self {
+        self.raw.train.exact_sum = true;
+        self.raw.train.exact_micro_batch = micro_batch;
+        self
+    }
+
     /// `[train] micro_batches`.
     pub fn micro_batches(mut self, k: u64) -> Self {
         self.raw.train.micro_batches = k;

@@ -28,6 +28,7 @@
 mod builder;
 mod cluster;
 pub mod credential;
+pub mod exact;
 mod kinds;
 pub mod limits;
 mod model;
@@ -431,6 +432,12 @@ impl Config {
                 train.global_batch
             ));
         }
+        exact::resolve(
+            &mut train,
+            w,
+            cluster.wire,
+            model.declared.is_some() && model.cnn.is_none(),
+        )?;
         // [train] micro_batches x the per-worker batches
         let k = train.micro_batches;
         if k > 1 {
@@ -615,6 +622,7 @@ impl Config {
             n,
             global_batch: self.train.global_batch,
             keep_last: self.train.keep_last,
+            micro_batch: self.train.exact_micro_batch.unwrap_or(1),
         }
     }
 
@@ -673,10 +681,22 @@ impl Config {
 
     /// Per-worker batch sizes `b_r` of a full global batch.
     pub fn worker_batches(&self) -> Vec<usize> {
-        split_even(self.train.global_batch, self.cluster.workers)
-            .iter()
-            .map(|r| r.len())
+        (0..self.cluster.workers)
+            .map(|r| self.worker_slice(r).len())
             .collect()
+    }
+
+    /// Worker `rank`'s contiguous slice of a full global batch (positions in it): as even as
+    /// possible, or, with `exact_sum`, whole micro-batches as even as possible.
+    pub fn worker_slice(&self, rank: usize) -> std::ops::Range<usize> {
+        let (b, w) = (self.train.global_batch, self.cluster.workers);
+        match self.train.exact_micro_batch {
+            Some(m) => {
+                let r = split_even(b / m, w)[rank].clone();
+                r.start * m..r.end * m
+            }
+            None => split_even(b, w)[rank].clone(),
+        }
     }
 
     /// The optimizer in words, with its groups and gradient clipping: what the start-up line
@@ -697,6 +717,9 @@ impl Config {
         let mut warnings = Vec::new();
         let mut mean_of_means = false;
         let (grad_scale, exact) = match (self.train.loss_reduction, self.train.aggregation) {
+            (LossReduction::Mean, Aggregation::Mean) if self.train.exact_micro_batch.is_some() => {
+                (1.0, true)
+            }
             (LossReduction::Mean, Aggregation::Mean) => {
                 if uneven {
                     warnings.push(format!(
@@ -754,6 +777,7 @@ impl Config {
             warnings,
             clip_norm: self.clip_norm,
             micro_batches: self.train.micro_batches,
+            exact_sum: exact::statement(&self.train, self.clip_norm.is_some()),
             buffers: self.model.declared.as_ref().and_then(|d| {
                 (!d.buffers.is_empty()).then(|| {
                     format!(
@@ -864,6 +888,8 @@ pub struct Equivalence {
     /// `[train] micro_batches`: each worker sums this many micro-batch gradients (the same
     /// gradient as one pass over its batch).
     pub micro_batches: usize,
+    /// `[train] exact_sum`: what the mode guarantees, in words (appended to the statement).
+    pub exact_sum: Option<String>,
     /// A declared model with buffers: what its BatchNorm equals (appended to the statement).
     pub buffers: Option<String>,
 }
@@ -924,6 +950,7 @@ impl fmt::Display for Equivalence {
                 self.micro_batches
             )?;
         }
+        f.write_str(self.exact_sum.as_deref().unwrap_or(""))?;
         f.write_str(self.buffers.as_deref().unwrap_or(""))
     }
 }

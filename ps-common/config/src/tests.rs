@@ -635,3 +635,117 @@ fn the_cnn_is_configured_in_model_and_bad_geometry_is_refused() {
     );
     assert!(err("kind = \"cnn\"\nchannels = [1048576, 1048576]").contains("convolution weights"));
 }
+
+/// `GOOD` (W = 4, B = 30, weighted) in the exact-sum mode with `extra` lines in `[train]`.
+fn exact(extra: &str) -> Result<Config, ConfigError> {
+    parse(&GOOD.replace(
+        "aggregation = \"weighted\"",
+        &format!("aggregation = \"weighted\"\nexact_sum = true\n{extra}"),
+    ))
+}
+
+#[test]
+fn exact_sum_splits_the_batch_in_whole_micro_batches_and_says_what_it_guarantees() {
+    // B = 30: the default micro-batch is the largest of 16, 8, 4, 2, 1 dividing it
+    let c = exact("").unwrap();
+    assert_eq!(c.train.exact_micro_batch, Some(2));
+    assert_eq!(
+        c.worker_batches(),
+        [8, 8, 8, 6],
+        "15 micro-batches of 2 over 4"
+    );
+    let c = exact("exact_micro_batch = 5").unwrap();
+    assert_eq!(c.worker_batches(), [10, 10, 5, 5], "6 of 5 over 4");
+    let order = c.data_order(1000);
+    assert_eq!(order.micro_batch, 5);
+    assert_eq!(order.worker_range(3, 1, 4), 10..20);
+    let eq = c.equivalence();
+    assert!(eq.exact && !eq.mean_of_means);
+    assert!(
+        eq.to_string()
+            .contains("every step's gradient is 6 terms of 5 samples")
+            && eq
+                .to_string()
+                .contains("the same bits at any number of workers"),
+        "{eq}"
+    );
+    // mean aggregation is the mean over the global batch in the mode, even split or not
+    let c = parse(&GOOD.replace(
+        "aggregation = \"weighted\"",
+        "aggregation = \"mean\"\nexact_sum = true\nexact_micro_batch = 5",
+    ))
+    .unwrap();
+    assert!(c.equivalence().exact && c.equivalence().warnings.is_empty());
+    // off: as before
+    let c = parse(GOOD).unwrap();
+    assert_eq!(c.train.exact_micro_batch, None);
+    assert_eq!(c.data_order(1000).micro_batch, 1);
+    assert!(!c.equivalence().to_string().contains("exact sum"));
+}
+
+#[test]
+fn exact_sum_refuses_what_depends_on_w_naming_why() {
+    let refused = |text: &str, want: &str| {
+        let e = parse(text).unwrap_err().to_string();
+        assert!(e.contains(want), "{e}\nexpected: {want}");
+    };
+    let with = |train: &str| {
+        GOOD.replace(
+            "aggregation = \"weighted\"",
+            &format!("aggregation = \"weighted\"\nexact_sum = true\n{train}"),
+        )
+    };
+    refused(
+        &with("exact_micro_batch = 4"),
+        "[train] exact_sum = true: exact_micro_batch = 4 does not divide the global batch 30",
+    );
+    refused(
+        &with("exact_micro_batch = 10"),
+        "the global batch 30 is 3 micro-batches of 10, fewer than [cluster] workers = 4",
+    );
+    refused(
+        &with("micro_batches = 2"),
+        "[train] micro_batches = 2: the exact mode",
+    );
+    refused(
+        &with("keep_last = true"),
+        "keep_last = true: a short last batch",
+    );
+    refused(
+        &with("exact_micro_batch = 0"),
+        "[train] exact_micro_batch = 0",
+    );
+    refused(
+        &GOOD.replace(
+            "aggregation = \"weighted\"",
+            "aggregation = \"sum\"\nexact_sum = true",
+        ),
+        "loss_reduction \"mean\" with aggregation \"sum\" sums W mean gradients: the result scales with W",
+    );
+    refused(
+        &GOOD.replace(
+            "loss_reduction = \"mean\"\naggregation = \"weighted\"",
+            "loss_reduction = \"sum\"\naggregation = \"mean\"\nexact_sum = true",
+        ),
+        "loss_reduction \"sum\" with aggregation \"mean\" divides the summed gradient by W",
+    );
+    refused(
+        &with("").replace("workers = 4", "workers = 4\nwire = \"bf16\""),
+        "[cluster] wire = \"bf16\" rounds each worker's gradient",
+    );
+    refused(
+        &GOOD.replace(
+            "aggregation = \"weighted\"",
+            "aggregation = \"weighted\"\nexact_micro_batch = 2",
+        ),
+        "[train] exact_micro_batch = 2 without exact_sum = true",
+    );
+    // a declared model that is not the CNN: its workers are PyTorch workers
+    let mut train = exact("").unwrap().train;
+    train.exact_micro_batch = Some(0);
+    let e = exact::resolve(&mut train, 4, Wire::F32, true).unwrap_err();
+    assert!(
+        e.contains("which do not push exact partial sums yet"),
+        "{e}"
+    );
+}

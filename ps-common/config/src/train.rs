@@ -83,6 +83,12 @@ pub(super) struct RawTrain {
     /// micro-batches and sums their gradients before pushing.
     #[serde(default = "one", skip_serializing_if = "is_one")]
     pub micro_batches: u64,
+    /// The exact-sum mode ([`super::exact`]).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub exact_sum: bool,
+    /// Samples per micro-batch in the exact-sum mode.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exact_micro_batch: Option<u64>,
 }
 
 fn default_log_every() -> u64 {
@@ -124,6 +130,10 @@ pub struct TrainConfig {
     /// samples whose gradients it sums before pushing (the same gradient as one pass over
     /// `b_r`, to float rounding; less activation memory, more passes). 1: no accumulation.
     pub micro_batches: usize,
+    /// `exact_sum = true`: the samples of each gradient term (`exact_micro_batch`, resolved:
+    /// the global batch is split into `B / m` micro-batches, each worker computes whole ones,
+    /// their gradients are summed exactly, [`super::exact`]); None: the mode is off.
+    pub exact_micro_batch: Option<usize>,
 }
 
 impl RawTrain {
@@ -191,6 +201,7 @@ impl RawTrain {
             log_every: self.log_every,
             eval_every: self.eval_every,
             micro_batches,
+            exact_micro_batch: super::exact::stated(self)?,
         })
     }
 }

@@ -18,6 +18,9 @@ pub struct DataOrder {
     pub global_batch: usize,
     /// Keep the short last batch of each epoch (default: drop it, as `drop_last=True`).
     pub keep_last: bool,
+    /// The unit the global batch is split in among the workers: 1 (any split), or the
+    /// micro-batch of `[train] exact_sum` (each worker takes whole micro-batches).
+    pub micro_batch: usize,
 }
 
 /// Where a global step falls: its epoch and its slice of that epoch's permutation.
@@ -54,9 +57,12 @@ impl DataOrder {
     }
 
     /// The range of step `t`'s global batch that worker `rank` of `world` takes: contiguous,
-    /// as even as possible, the first `b % world` workers one sample more.
+    /// as even as possible, the first `b % world` workers one sample more; in units of
+    /// `micro_batch` samples when it is above 1.
     pub fn worker_range(&self, t: u64, rank: usize, world: usize) -> Range<usize> {
-        split_even(self.batch_len(t), world)[rank].clone()
+        let m = self.micro_batch.max(1);
+        let units = split_even(self.batch_len(t) / m, world)[rank].clone();
+        units.start * m..units.end * m
     }
 
     /// The dataset indices of the whole global batch of step `t`, given the epoch's permutation.
@@ -137,6 +143,7 @@ mod tests {
             n,
             global_batch: b,
             keep_last,
+            micro_batch: 1,
         }
     }
 

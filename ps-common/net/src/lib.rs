@@ -2,6 +2,7 @@
 //! - `client`: a worker's (or a shard's) client of one shard over gRPC, the data connection
 //!   and the shared-memory boards, with retries and errors in words;
 //! - `wire`: tensors as bytes on gRPC (f32, bf16 with error feedback), chunking and checks;
+//! - `exact`: the exact-sum mode's fixed point and its encoding as f32 digits;
 //! - `datalink`: the plain-TCP tensor data connection's framing (hello, frames, pieces);
 //! - `shm`: the shared-memory boards of a host;
 //! - `sink`: where a pull writes its values, piece by piece, publishing how far it got;
@@ -22,6 +23,7 @@ pub mod auth;
 pub mod client;
 #[cfg(feature = "grpc")]
 pub mod datalink;
+pub mod exact;
 pub mod gate;
 #[cfg(feature = "grpc")]
 pub mod neterr;

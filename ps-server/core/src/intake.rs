@@ -348,8 +348,9 @@ impl Shard {
     /// (never the last rank the step needs: the update reads that one directly). Blocking:
     /// call it from a blocking thread. A shared-memory gradient found not finite fails the run.
     pub fn fold_ready(&self) -> PsResult<()> {
-        if !self.buckets.is_empty() {
-            // every rank has a buffer: the update (per bucket) reads them where they are
+        if !self.buckets.is_empty() || self.exact.is_some() {
+            // every rank has a buffer: the update (per bucket, or the exact sum) reads them
+            // where they are
             return Ok(());
         }
         let mut acc = self.acc.lock().unwrap_or_else(|p| p.into_inner());

@@ -22,6 +22,10 @@
 //!   [`Shard::shm_grad`]);
 //! - [`checkpoint`]: the checkpoint files (format, checksum, plan, retries, recovery's reads).
 //!
+//! With `[train] exact_sum` a push carries the rank's exact partial sum (`ps_net::exact`,
+//! [`Shard::push_len`] values): nothing is folded or applied per bucket, the whole-range update
+//! adds every rank's partial sum in integers, rounds once and applies the optimizer to that.
+//!
 //! The fold and the update also take each rank's squared gradient norm in the pass that reads
 //! the gradient ([`StepFigures::ranks`]): shard 0 turns them into the gradient noise scale.
 //!
@@ -268,6 +272,9 @@ pub struct Shard {
     /// Steps of the run.
     pub total_steps: u64,
     aggregation: Aggregation,
+    /// `[train] exact_sum`: the micro-batch of a gradient term; pushes carry exact partial
+    /// sums ([`ps_net::exact`], [`Shard::push_len`]) and the update adds them without rounding.
+    exact: Option<usize>,
     optimizer: Optimizer,
     /// `[[optimizer.groups]]`, and the group of each tensor of the model (None: the
     /// `[optimizer]` settings).
@@ -408,12 +415,17 @@ impl Shard {
             timeout: Duration::from_secs_f64(cfg.server.barrier_timeout_secs),
             policy: cfg.server.barrier_policy,
         };
-        let mode = bucket::Mode::of(
-            cfg.clip_norm.is_some(),
-            shm.is_some(),
-            cfg.server.max_pending_gradients,
-            w,
-        );
+        let exact = cfg.train.exact_micro_batch;
+        let mode = if exact.is_some() {
+            bucket::Mode::Whole("the exact sum (exact_sum) adds the workers' whole partial sums")
+        } else {
+            bucket::Mode::of(
+                cfg.clip_norm.is_some(),
+                shm.is_some(),
+                cfg.server.max_pending_gradients,
+                w,
+            )
+        };
         let buckets = match &mode {
             bucket::Mode::Buckets => bucket::plan(&spec, &range),
             bucket::Mode::Whole(_) => Vec::new(),
@@ -441,6 +453,7 @@ impl Shard {
             num_shards: cfg.num_shards(),
             total_steps,
             aggregation: cfg.train.aggregation,
+            exact,
             optimizer: cfg.optimizer.clone(),
             group_of: {
                 let mut of = vec![None; cfg.spec().tensors.len()];
@@ -456,7 +469,12 @@ impl Shard {
             exchange: std::sync::OnceLock::new(),
             schedule: cfg.schedule_for(total_steps),
             state: Mutex::new(state),
-            gate: Gate::new(cfg.server.max_pending_gradients),
+            // the exact sum holds every rank's partial sum until the barrier (it does not fold)
+            gate: Gate::new(if exact.is_some() {
+                cfg.server.max_pending_gradients.max(w)
+            } else {
+                cfg.server.max_pending_gradients
+            }),
             acc: Mutex::new(Acc::default()),
             buckets,
             mode,
@@ -512,6 +530,33 @@ impl Shard {
     /// Length of the shard's slice.
     pub fn len(&self) -> usize {
         self.range.len()
+    }
+
+    /// Values of a push: the slice's length, or, with `exact_sum`, [`ps_net::exact::LIMBS`]
+    /// times it (an encoded partial sum).
+    pub fn push_len(&self) -> usize {
+        self.push_range().len()
+    }
+
+    /// Where a push's values lie in a worker's gradient (its shared-memory board): the
+    /// shard's range, or, with `exact_sum`, that of its encoded partial sum.
+    pub fn push_range(&self) -> Range<usize> {
+        match self.exact {
+            Some(_) => {
+                let l = ps_net::exact::LIMBS;
+                l * self.range.start..l * self.range.end
+            }
+            None => self.range.clone(),
+        }
+    }
+
+    /// Values of a worker's whole gradient as pushed (its shared-memory board): the model's
+    /// parameters, or [`ps_net::exact::LIMBS`] times them with `exact_sum`.
+    pub fn push_values(&self) -> usize {
+        match self.exact {
+            Some(_) => ps_net::exact::LIMBS * self.num_params,
+            None => self.num_params,
+        }
     }
 
     /// True for an empty shard (more shards than parameters).
@@ -727,9 +772,9 @@ impl Shard {
         if !st.barrier.registered(rank) {
             return Err(PsError::NotRegistered(rank));
         }
-        if len != self.len() as u64 {
+        if len != self.push_len() as u64 {
             return Err(PsError::WrongLength {
-                expected: self.len() as u64,
+                expected: self.push_len() as u64,
                 got: len,
             });
         }
@@ -819,7 +864,6 @@ impl Shard {
             let opt = Some(std::mem::take(&mut st.opt));
             (step, tentative, pending, opt, st.barrier.waiting_since())
         };
-        let samples: Vec<u32> = slots.iter().map(|s| s.samples).collect();
         let lr = self.schedule.lr(step);
         let (mut pending, by_buckets) = match tentative.map(|t| self.finish_buckets(&mut work, t)) {
             Some(Ok(done)) => (
@@ -884,41 +928,13 @@ impl Shard {
         };
         opt.steps += 1;
 
-        let first = slots
-            .iter()
-            .map(|s| s.arrived)
-            .min()
-            .expect("at least one rank");
-        let (last_rank, last) = slots
-            .iter()
-            .map(|s| (s.rank, s.arrived))
-            .max_by_key(|&(_, t)| t)
-            .expect("at least one rank");
         let now = Instant::now();
-        let figures = StepFigures {
-            step,
-            grad_sq_norm,
-            lr,
-            samples: samples.iter().map(|&s| u64::from(s)).sum(),
-            loss_sum: slots.iter().map(|s| s.loss_sum).sum(),
-            correct: slots.iter().map(|s| s.correct).sum(),
-            workers_in: slots.len() as u32,
-            step_ms: ms(now - waiting_since),
-            barrier_wait_ms: ms(last - first),
-            slowest_rank: last_rank,
-            arrival_lag_ms: slots
-                .iter()
-                .map(|s| (s.rank, ms(s.arrived - first)))
-                .collect(),
-            apply_ms: ms(now - started),
-            tail_ms: ms(now.saturating_duration_since(last)),
-            eval: slots.iter().fold((0u64, 0u64), |a, s| {
-                (a.0.saturating_add(s.eval.0), a.1.saturating_add(s.eval.1))
-            }),
-            ranks: rank_sq,
-            clip,
-            buckets: buckets.map(|early| (early, self.buckets.len() as u32)),
-        };
+        let figures = self.figures(
+            (step, lr, grad_sq_norm),
+            &slots,
+            (rank_sq, clip, buckets),
+            (started, waiting_since, now),
+        );
         {
             let mut st = self.lock();
             st.store.commit(pending);
@@ -963,6 +979,52 @@ impl Shard {
         Ok(figures)
     }
 
+    /// The figures of the step `step` applied from `slots` (`times`: the update's start, when
+    /// the barrier began waiting, now).
+    #[allow(clippy::type_complexity)]
+    fn figures(
+        &self,
+        (step, lr, grad_sq_norm): (u64, f64, f64),
+        slots: &[Slot],
+        (rank_sq, clip, buckets): (Vec<RankNorm>, Option<(f32, f32)>, Option<u32>),
+        (started, waiting_since, now): (Instant, Instant, Instant),
+    ) -> StepFigures {
+        let first = slots
+            .iter()
+            .map(|s| s.arrived)
+            .min()
+            .expect("at least one rank");
+        let (last_rank, last) = slots
+            .iter()
+            .map(|s| (s.rank, s.arrived))
+            .max_by_key(|&(_, t)| t)
+            .expect("at least one rank");
+        StepFigures {
+            step,
+            grad_sq_norm,
+            lr,
+            samples: slots.iter().map(|s| u64::from(s.samples)).sum(),
+            loss_sum: slots.iter().map(|s| s.loss_sum).sum(),
+            correct: slots.iter().map(|s| s.correct).sum(),
+            workers_in: slots.len() as u32,
+            step_ms: ms(now - waiting_since),
+            barrier_wait_ms: ms(last - first),
+            slowest_rank: last_rank,
+            arrival_lag_ms: slots
+                .iter()
+                .map(|s| (s.rank, ms(s.arrived - first)))
+                .collect(),
+            apply_ms: ms(now - started),
+            tail_ms: ms(now.saturating_duration_since(last)),
+            eval: slots.iter().fold((0u64, 0u64), |a, s| {
+                (a.0.saturating_add(s.eval.0), a.1.saturating_add(s.eval.1))
+            }),
+            ranks: rank_sq,
+            clip,
+            buckets: buckets.map(|early| (early, self.buckets.len() as u32)),
+        }
+    }
+
     /// The whole-range update of `slots` (and of the accumulator, when gradients were folded)
     /// into `pending`, from optimizer state `opt`: the fused update over the range, tensors no
     /// rank reached kept as they were, those of parameter groups and Adam's tensors behind
@@ -999,39 +1061,37 @@ impl Shard {
                 // only after pulling the version this update makes (ps_net::shm); one that
                 // breaks this can only change the values read, which are checked for
                 // finiteness right where they are used.
-                Grad::Board(b) => grads.push(unsafe { &b.slot(0)[self.range.clone()] }),
+                Grad::Board(b) => grads.push(unsafe { &b.slot(0)[self.push_range()] }),
                 Grad::Folded | Grad::Checked => continue,
             }
             cs.push(c);
             ranks.push(s.rank);
         }
+        // the exact sum: one input, the partial sums added without rounding and rounded once
+        let mut exact_sum = Vec::new();
+        if let Some(m) = self.exact {
+            match exact_aggregate(&grads, self.len(), &mut exact_sum) {
+                Ok(()) => {
+                    grads = vec![&exact_sum];
+                    cs = vec![self.exact_coefficient(m, slots)];
+                    ranks.truncate(1);
+                }
+                Err((i, e)) => {
+                    return self.refused(
+                        format!(
+                            "step {step}: rank {}'s exact partial sum on shard {}: {e}; the step is not applied (the shard stays at version {step}) and the run stops",
+                            ranks[i], self.index
+                        ),
+                        opt,
+                    );
+                }
+            }
+        }
         // tensors no rank reached are not updated; Adam's bias correction of a tensor skipped
         // before counts its own steps ([`unused`]); a tensor of a parameter group is updated
         // with its group's settings: both are updated again on their own after the fused
         // update, from the state kept before it
-        let (skip, reruns) = {
-            let st = self.lock();
-            let ranks: Vec<u32> = slots.iter().map(|s| s.rank).collect();
-            let skip = st.unused.skipped_by_all(step, &ranks);
-            let again: Vec<(u32, Option<usize>, u64)> = (0..self.spec.tensors.len() as u32)
-                .filter_map(|t| match self.treatment(t, &skip, &opt) {
-                    Some((group, own)) if group.is_some() || own != opt.steps => {
-                        Some((t, group, own))
-                    }
-                    _ => None,
-                })
-                .collect();
-            let tensors: Vec<u32> = again.iter().map(|a| a.0).collect();
-            let reruns: Vec<(u64, Range<usize>, Option<usize>)> =
-                unused::local_parts(&self.spec, &self.range, &tensors)
-                    .into_iter()
-                    .map(|(t, r)| {
-                        let (_, group, own) = again[again.partition_point(|a| a.0 < t)];
-                        (own, r, group)
-                    })
-                    .collect();
-            (unused::local_parts(&self.spec, &self.range, &skip), reruns)
-        };
+        let (skip, reruns) = self.untouched(step, slots, &opt);
         let kept: Vec<(Range<usize>, Vec<f32>, Vec<f32>)> = skip
             .iter()
             .map(|(_, r)| r.clone())
@@ -1127,7 +1187,8 @@ impl Shard {
         let rank_sq = updated
             .as_ref()
             .ok()
-            .filter(|_| exchange_failed.is_none())
+            // the exact sum's one input is no rank's own: no per-rank norms
+            .filter(|_| exchange_failed.is_none() && self.exact.is_none())
             .and_then(|n| self.rank_norms(acc, folded, slots, &ranks, &n.inputs))
             .unwrap_or_default();
         // a board truncated under the update read as zeros (the SIGBUS guard): not its values
@@ -1160,6 +1221,64 @@ impl Shard {
             rank_sq,
             skip,
             clip,
+            opt,
+            buckets: None,
+        }
+    }
+
+    /// The parts of this shard's range the fused update must not change (tensors no rank of
+    /// `slots` reached at `step`), and those updated again on their own after it (a parameter
+    /// group's, or a tensor whose Adam steps differ from the state's: `(its steps, range,
+    /// group)`).
+    #[allow(clippy::type_complexity)]
+    fn untouched(
+        &self,
+        step: u64,
+        slots: &[Slot],
+        opt: &OptState,
+    ) -> (
+        Vec<(u32, Range<usize>)>,
+        Vec<(u64, Range<usize>, Option<usize>)>,
+    ) {
+        let st = self.lock();
+        let ranks: Vec<u32> = slots.iter().map(|s| s.rank).collect();
+        let skip = st.unused.skipped_by_all(step, &ranks);
+        let again: Vec<(u32, Option<usize>, u64)> = (0..self.spec.tensors.len() as u32)
+            .filter_map(|t| match self.treatment(t, &skip, opt) {
+                Some((group, own)) if group.is_some() || own != opt.steps => Some((t, group, own)),
+                _ => None,
+            })
+            .collect();
+        let tensors: Vec<u32> = again.iter().map(|a| a.0).collect();
+        let reruns = unused::local_parts(&self.spec, &self.range, &tensors)
+            .into_iter()
+            .map(|(t, r)| {
+                let (_, group, own) = again[again.partition_point(|a| a.0 < t)];
+                (own, r, group)
+            })
+            .collect();
+        (unused::local_parts(&self.spec, &self.range, &skip), reruns)
+    }
+
+    /// The coefficient of the exact sum `S` of the step's terms of `m` samples: 1 / (number of
+    /// terms) with a mean loss (the mean over the samples in), 1 with a sum loss.
+    fn exact_coefficient(&self, m: usize, slots: &[Slot]) -> f32 {
+        match self.aggregation {
+            Aggregation::Sum => 1.0,
+            Aggregation::Mean | Aggregation::Weighted => {
+                let samples: u64 = slots.iter().map(|s| u64::from(s.samples)).sum();
+                ps_net::exact::mean_coefficient(samples as usize / m)
+            }
+        }
+    }
+
+    /// An update refused before any arithmetic: `why`, the state as it was.
+    fn refused(&self, why: String, opt: OptState) -> Applied {
+        Applied {
+            result: Err(why),
+            rank_sq: Vec::new(),
+            skip: Vec::new(),
+            clip: None,
             opt,
             buckets: None,
         }
@@ -1469,6 +1588,51 @@ impl Shard {
 }
 
 /// `v[r]`, or `v` itself when empty (an optimizer buffer the optimizer does not keep).
+/// The exact sum of the encoded partial sums `grads` (each `LIMBS * len` values), rounded
+/// once into `out`, split across threads as the fused update is (each value's sum is its own:
+/// the split changes no bit); the index of the input and the error for one that is not an
+/// encoded sum.
+fn exact_aggregate(
+    grads: &[&[f32]],
+    len: usize,
+    out: &mut Vec<f32>,
+) -> Result<(), (usize, ps_net::exact::ExactError)> {
+    use ps_net::exact::LIMBS;
+    out.resize(len, 0.0);
+    if let Some((i, g)) = grads
+        .iter()
+        .enumerate()
+        .find(|(_, g)| g.len() != LIMBS * len)
+    {
+        let e = ps_net::exact::ExactError::Length {
+            what: "the encoded partial sum",
+            got: g.len(),
+            expected: LIMBS * len,
+        };
+        return Err((i, e));
+    }
+    let chunk = len.div_ceil(threads_for(len)).max(1);
+    std::thread::scope(|scope| {
+        let jobs: Vec<_> = out
+            .chunks_mut(chunk)
+            .enumerate()
+            .map(|(c, part)| {
+                let at = c * chunk;
+                scope.spawn(move || {
+                    let mut acc = vec![0i128; part.len()];
+                    for (i, g) in grads.iter().enumerate() {
+                        let digits = &g[LIMBS * at..LIMBS * (at + part.len())];
+                        ps_net::exact::add_encoded(&mut acc, digits).map_err(|e| (i, e))?;
+                    }
+                    ps_net::exact::round(&acc, part).map_err(|e| (0, e))
+                })
+            })
+            .collect();
+        jobs.into_iter()
+            .try_for_each(|j| j.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+    })
+}
+
 fn block<'a>(v: &'a mut [f32], r: &Range<usize>) -> &'a mut [f32] {
     if v.is_empty() { v } else { &mut v[r.clone()] }
 }

@@ -175,7 +175,7 @@ impl Shard {
         let Some(host) = &self.shm else {
             return Ok(false);
         };
-        match host.attach(r, file, token, self.num_params) {
+        match host.attach(r, file, token, self.push_values()) {
             Ok(()) => Ok(true),
             Err(why) => {
                 tracing::info!(
@@ -206,7 +206,7 @@ impl Shard {
         // SAFETY: the board stays mapped while `board` lives. The worker does not write it
         // between its push and the update that uses it (ps_net::shm); one that does only
         // changes the values read here, and the update checks them again where it uses them.
-        let fp = check_and_fingerprint(unsafe { &board.slot(0)[self.range.clone()] })?;
+        let fp = check_and_fingerprint(unsafe { &board.slot(0)[self.push_range()] })?;
         if board.faulted() {
             // read as zeros under the SIGBUS guard: never used again
             if let Some(h) = &self.shm {

@@ -16,7 +16,7 @@ impl ShardService {
         step: u64,
     ) -> PsResult<Vec<f32>> {
         let (data, mut conn) = self.frame_conn(first, stream, rank).await?;
-        let len = self.shard.len();
+        let len = self.shard.push_len();
         let mut values = self.shard.take_buffer();
         values.clear();
         let what = format!("push of step {step} from rank {rank} (data connection)");
@@ -56,7 +56,7 @@ impl ShardService {
         intake: &mut Intake,
     ) -> PsResult<()> {
         let (data, mut conn) = self.frame_conn(first, stream, rank).await?;
-        let len = self.shard.len();
+        let len = self.shard.push_len();
         let what = format!("push of step {step} from rank {rank} (data connection)");
         let (wire, idle) = (self.wire, self.stream_idle);
         let vb = wire.value_bytes() as u64;
@@ -100,7 +100,7 @@ impl ShardService {
         step: u64,
     ) -> PsResult<u64> {
         let (data, mut conn) = self.frame_conn(first, stream, rank).await?;
-        let len = self.shard.len();
+        let len = self.shard.push_len();
         let what = format!("push of step {step} from rank {rank} (data connection)");
         let (wire, idle) = (self.wire, self.stream_idle);
         let vb = wire.value_bytes();

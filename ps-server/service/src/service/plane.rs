@@ -157,7 +157,7 @@ impl ShardService {
                 ))
             }
             (_, Target::Check) => {
-                let mut check = StreamCheck::new(self.shard.len()).on_wire(self.wire);
+                let mut check = StreamCheck::new(self.shard.push_len()).on_wire(self.wire);
                 let mut sink = |offset: u64, data: &[u8]| check.push(offset, data);
                 self.receive_chunks(&mut sink, first, stream).await?;
                 Ok((Grad::Checked, check.finish()?))
@@ -197,7 +197,7 @@ impl ShardService {
         first: &PushChunk,
         stream: &mut Streaming<PushChunk>,
     ) -> PsResult<(Vec<f32>, u64)> {
-        let mut rx = TensorReceiver::with_buffer(self.shard.take_buffer(), self.shard.len(), true)
+        let mut rx = TensorReceiver::with_buffer(self.shard.take_buffer(), self.shard.push_len(), true)
             .on_wire(self.wire);
         let received =
             receive_rest(&mut rx, first.offset, &first.data, stream, self.stream_idle).await;
