@@ -15,9 +15,14 @@
 //!   exactly its own;
 //! - [`unused`]: the tensors a step's backward did not reach (not updated when no rank did);
 //! - [`constants`]: the frozen parameters every worker must hold alike;
-//! - the model's buffers (shard 0 of a declared model with buffers): rank 0 puts them after
-//!   the forward pass of step t ([`Shard::put_buffers`]), they become the buffers of version
-//!   t + 1 when the step is applied ([`Shard::buffers`]), and are checkpointed with it;
+//! - `buffers`: the model's buffers (shard 0 of a declared model with buffers): rank 0 puts
+//!   them after the forward pass of step t ([`Shard::put_buffers`]), they become the buffers
+//!   of version t + 1 when the step is applied ([`Shard::buffers`]), and are checkpointed
+//!   with it;
+//! - `failure`: a failed run, refused with its reason, and which ranks have been told;
+//! - `saving`: the checkpoints of step boundaries, periodic and on preemption;
+//! - [`step`]: what a push carries and a completed step yields, and the traits the process
+//!   implements ([`StepObserver`], [`NormExchange`]);
 //! - [`shm`]: the shard's side of the shared-memory data path (boards, [`Shard::offer_shm`],
 //!   [`Shard::shm_grad`]);
 //! - [`checkpoint`]: the checkpoint files (format, checksum, plan, retries, recovery's reads).
@@ -31,34 +36,47 @@
 //! [`Shard::params`] (pull), [`Shard::poll_barrier`] (what the barrier policy says while a
 //! step waits).
 //!
-//! Locking: one std `Mutex<State>`, never held across an `.await` nor during the arithmetic;
-//! the barrier-completing push takes the slots out, computes on a blocking thread, and commits
-//! the new version. A bucket update holds the `work` lock (taken before `State`, never after)
-//! during its arithmetic, so the completion waits for it.
+//! Locking: four std mutexes on [`Shard`], none held across an `.await`, taken in this order
+//! only (a lock is never taken while a later one in the order is held):
+//!
+//! 1. `acc`, the step's running aggregate ([`intake::Acc`]): held during a fold, and by the
+//!    completion's update, so each waits for the other;
+//! 2. `work`, the step's tentative per-bucket work ([`bucket::Work`]): held during a bucket
+//!    update's arithmetic, so the completion waits for it;
+//! 3. `preempt_closed` (`saving`): held while a preemption checkpoint is written;
+//! 4. `state` (`State`: the barrier, the parameter store, the optimizer state, the
+//!    failure, the buffers): held for bookkeeping only, never during the arithmetic; the
+//!    barrier-completing push takes the slots out, computes on a blocking thread, and commits
+//!    the new version under it.
 
 pub mod barrier;
 pub mod bucket;
+mod buffers;
+mod build;
 pub mod constants;
+mod failure;
 pub mod intake;
+mod saving;
 pub mod shm;
+pub mod step;
 pub mod store;
 pub mod unused;
 pub mod update;
 
 pub mod checkpoint;
-use barrier::{Accepted, Barrier, Rules, Verdict};
+use barrier::{Accepted, Barrier, Verdict};
 use bytes::Bytes;
-use checkpoint::Saved;
 pub use intake::Announced;
 use intake::{Acc, Gate, Held};
-use ps_config::{Aggregation, Config, Transport};
-use ps_net::shm::{Board, shm_root};
+use ps_config::Aggregation;
+use ps_net::shm::Board;
 use ps_optim::{LrSchedule, OptState, Optimizer};
 use ps_proto::{PsError, PsResult};
 use shm::ShmHost;
 use std::ops::Range;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
+pub use step::{NormExchange, PushMeta, PushOutcome, RankNorm, StepFigures, StepObserver};
 use store::{Previous, Source, Store};
 use tokio::sync::watch;
 use update::{Simd, UpdateInputs, fused_update, threads_for};
@@ -101,76 +119,6 @@ pub struct Slot {
     pub arrived: Instant,
 }
 
-/// What a push carries besides the gradient.
-#[derive(Debug, Clone, Copy)]
-pub struct PushMeta {
-    /// Rank.
-    pub rank: u32,
-    /// Step.
-    pub step: u64,
-    /// `b_r`.
-    pub samples: u32,
-    /// Sum of per-sample losses.
-    pub loss_sum: f64,
-    /// Correct predictions.
-    pub correct: u64,
-    /// Evaluation (correct, count).
-    pub eval: (u64, u64),
-}
-
-/// The outcome of an accepted push.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PushOutcome {
-    /// False for an idempotent retry of a gradient already counted.
-    pub counted: bool,
-    /// Ranks in for the step now.
-    pub ranks_in: u32,
-}
-
-/// Figures of one completed step on this shard.
-#[derive(Debug, Clone)]
-pub struct StepFigures {
-    /// The step that was applied (version is now `step + 1`).
-    pub step: u64,
-    /// Squared norm of this shard's slice of the aggregated gradient.
-    pub grad_sq_norm: f64,
-    /// Learning rate used.
-    pub lr: f64,
-    /// Σ b_r.
-    pub samples: u64,
-    /// Σ loss sums.
-    pub loss_sum: f64,
-    /// Σ correct.
-    pub correct: u64,
-    /// Workers whose gradient went in.
-    pub workers_in: u32,
-    /// Time from the previous version bump to this one.
-    pub step_ms: f64,
-    /// Time from the first to the last arrival.
-    pub barrier_wait_ms: f64,
-    /// Rank that arrived last.
-    pub slowest_rank: u32,
-    /// Each rank's arrival after the step's first gradient, ms (rank order).
-    pub arrival_lag_ms: Vec<(u32, f64)>,
-    /// Time spent aggregating and updating at the barrier's completion (with per-bucket apply,
-    /// the buckets not applied before it only).
-    pub apply_ms: f64,
-    /// Time from the last gradient's arrival (counted) to the new version.
-    pub tail_ms: f64,
-    /// Test-set evaluation summed over ranks (correct, count), when carried.
-    pub eval: (u64, u64),
-    /// Each rank's squared gradient norm over this shard's range, in rank order (the gradient
-    /// noise scale's input); empty when one is not known (a rank the step went on without
-    /// after it had been folded).
-    pub ranks: Vec<RankNorm>,
-    /// With `[optimizer] clip_norm`: the global norm of the aggregated gradient over the whole
-    /// model (before clipping) and the coefficient applied (1: not clipped).
-    pub clip: Option<(f32, f32)>,
-    /// With per-bucket apply ([`bucket`]): the buckets applied before the barrier completed,
-    /// and the shard's buckets; None when the step was applied over the whole range at once.
-    pub buckets: Option<(u32, u32)>,
-}
-
 /// What an update computed, for the completion to commit ([`Shard::apply`]).
 #[derive(Debug)]
 struct Applied {
@@ -186,36 +134,7 @@ struct Applied {
     buckets: Option<u32>,
 }
 
-/// How a shard learns the global gradient norm of a step from every shard's per-tensor squared
-/// norms (`ps_model::clip`; over gRPC, `ps_server::clip`): it blocks (bounded) and is called
-/// from the update's blocking thread.
-pub trait NormExchange: Send + Sync + std::fmt::Debug {
-    /// The total norm of `step` (torch's clip_grad_norm_), given this shard's squared norms of
-    /// its part of each tensor from `first`; an error saying why when it cannot be had.
-    fn total_norm(&self, shard: &Shard, step: u64, first: u32, sq: Vec<f64>)
-    -> Result<f32, String>;
-}
-
-/// What the process around the shard does with a completed step ([`Shard::complete`]): its
-/// metrics, its report to shard 0, its logs. Called on the update's blocking thread.
-pub trait StepObserver {
-    /// The figures of the step just applied (the new version is published already).
-    fn step_done(&self, figures: StepFigures);
-    /// A checkpoint that was due after the step was attempted (written, retried, or failed).
-    fn checkpointed(&self, attempted: &checkpoint::Attempted);
-}
-
-/// One rank's share of a step on one shard.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct RankNorm {
-    /// The rank.
-    pub rank: u32,
-    /// Its `b_r`.
-    pub samples: u32,
-    /// |g_r|² over the shard's range of the gradient it pushed.
-    pub sq_norm: f64,
-}
-
+/// What the `state` lock guards (the last lock of the order in the crate's doc).
 #[derive(Debug)]
 struct State {
     /// The barrier; its step is the shard's version.
@@ -301,171 +220,6 @@ pub struct Shard {
 }
 
 impl Shard {
-    /// Builds shard `index` of `cfg` for a run of `total_steps`, with initial weights from the
-    /// seed (or, for a declared model, from its init file: see [`Shard::try_starting_from`]).
-    pub fn new(cfg: &Config, index: usize, total_steps: u64) -> Arc<Self> {
-        Self::starting_from(cfg, index, total_steps, None)
-    }
-
-    /// The range of the flat vector that shard `index` of `cfg` holds.
-    pub fn range_of(cfg: &Config, index: usize) -> Range<usize> {
-        ps_model::layout::shard_ranges(cfg.spec().num_params(), cfg.num_shards())[index].clone()
-    }
-
-    /// Like [`Shard::new`], but from `saved` (a checkpoint) when given: its version, parameters
-    /// and optimizer state. A declared model's init file that cannot be read (it changed
-    /// after the config was loaded) leaves NaN weights: use [`Shard::try_starting_from`].
-    pub fn starting_from(
-        cfg: &Config,
-        index: usize,
-        total_steps: u64,
-        saved: Option<Saved>,
-    ) -> Arc<Self> {
-        let saved = saved.or_else(|| {
-            let range = Self::range_of(cfg, index);
-            let init = cfg
-                .initial_range(range.clone())
-                .unwrap_or_else(|_| vec![f32::NAN; range.len()]);
-            let opt = cfg.optimizer.init_state(init.len());
-            let buffers = Self::initial_buffers(cfg, index).ok().flatten();
-            Some(Saved {
-                version: 0,
-                params: init,
-                opt,
-                buffers,
-            })
-        });
-        Self::build(cfg, index, total_steps, saved.expect("filled in"))
-    }
-
-    /// [`Shard::starting_from`], with the error of an unreadable init file (declared models).
-    pub fn try_starting_from(
-        cfg: &Config,
-        index: usize,
-        total_steps: u64,
-        saved: Option<Saved>,
-    ) -> Result<Arc<Self>, String> {
-        let saved = match saved {
-            Some(s) => s,
-            None => {
-                let init = cfg.initial_range(Self::range_of(cfg, index))?;
-                let opt = cfg.optimizer.init_state(init.len());
-                Saved {
-                    version: 0,
-                    params: init,
-                    opt,
-                    buffers: Self::initial_buffers(cfg, index)?,
-                }
-            }
-        };
-        if saved.buffers.is_none() && Self::buffer_model(cfg, index).is_some() {
-            return Err(format!(
-                "the checkpoint of version {} holds no buffers, but the run's model has buffers ([model] init names them): a checkpoint of another model",
-                saved.version
-            ));
-        }
-        Ok(Self::build(cfg, index, total_steps, saved))
-    }
-
-    /// The declared model when shard `index` holds its buffers (shard 0, a model with buffers).
-    fn buffer_model(cfg: &Config, index: usize) -> Option<ps_model::declared::Declared> {
-        cfg.model
-            .declared
-            .as_ref()
-            .filter(|d| index == 0 && !d.buffers.is_empty())
-            .cloned()
-    }
-
-    /// The buffers of version 0 on shard `index` (from the init file), None when it holds none.
-    fn initial_buffers(cfg: &Config, index: usize) -> Result<Option<Bytes>, String> {
-        match Self::buffer_model(cfg, index) {
-            Some(d) => Ok(d.initial_buffers()?.map(Bytes::from)),
-            None => Ok(None),
-        }
-    }
-
-    fn build(cfg: &Config, index: usize, total_steps: u64, saved: Saved) -> Arc<Self> {
-        let spec = cfg.spec();
-        let range = Self::range_of(cfg, index);
-        let (version, init, opt, buffers) = (saved.version, saved.params, saved.opt, saved.buffers);
-        let w = cfg.cluster.workers;
-        let shm = match (cfg.cluster.transport, shm_root()) {
-            (Transport::Auto, Some(root)) => {
-                let run = ps_config::runid::board_prefix(cfg.cluster.run_id.as_deref());
-                ShmHost::create(&root, &run, index, w)
-            }
-            _ => None,
-        };
-        let rules = Rules {
-            warn: Duration::from_secs_f64(cfg.server.barrier_warn_secs),
-            timeout: Duration::from_secs_f64(cfg.server.barrier_timeout_secs),
-            policy: cfg.server.barrier_policy,
-        };
-        let mode = bucket::Mode::of(
-            cfg.clip_norm.is_some(),
-            shm.is_some(),
-            cfg.server.max_pending_gradients,
-            w,
-        );
-        let buckets = match &mode {
-            bucket::Mode::Buckets => bucket::plan(&spec, &range),
-            bucket::Mode::Whole(_) => Vec::new(),
-        };
-        let state = State {
-            barrier: Barrier::new(w, version, total_steps, rules, Instant::now()),
-            store: Store::heap(version, init),
-            opt: Arc::new(opt),
-            track: Default::default(),
-            spare: Vec::new(),
-            left: vec![None; w],
-            failed: None,
-            told: vec![false; w],
-            unused: unused::Unused::new(w, spec.tensors.len()),
-            constants: Default::default(),
-            buffers,
-            next_buffers: None,
-        };
-        Arc::new(Self {
-            index,
-            range,
-            world: w,
-            num_params: spec.num_params(),
-            spec,
-            num_shards: cfg.num_shards(),
-            total_steps,
-            aggregation: cfg.train.aggregation,
-            optimizer: cfg.optimizer.clone(),
-            group_of: {
-                let mut of = vec![None; cfg.spec().tensors.len()];
-                for (g, group) in cfg.groups.iter().enumerate() {
-                    for &t in &group.tensors {
-                        of[t as usize] = Some(g);
-                    }
-                }
-                of
-            },
-            groups: cfg.groups.clone(),
-            clip_norm: cfg.clip_norm,
-            exchange: std::sync::OnceLock::new(),
-            schedule: cfg.schedule_for(total_steps),
-            state: Mutex::new(state),
-            gate: Gate::new(cfg.server.max_pending_gradients),
-            acc: Mutex::new(Acc::default()),
-            buckets,
-            mode,
-            work: Mutex::default(),
-            version_tx: watch::Sender::new(version),
-            told_changed: tokio::sync::Notify::new(),
-            shm,
-            checkpoint: checkpoint::Plan::of(cfg, index, Self::range_of(cfg, index)),
-            preempt: Default::default(),
-            preempt_plan: checkpoint::Plan::for_preemption(cfg, index, Self::range_of(cfg, index)),
-            buffer_model: Self::buffer_model(cfg, index),
-            preempt_saved: watch::Sender::new(None),
-            preempt_closed: std::sync::Mutex::new(false),
-        })
-    }
-
     /// How this shard exchanges gradient norms with the others for clipping (set once, before
     /// the first step; a shard of several with clipping and none fails its first step).
     pub fn set_norm_exchange(&self, exchange: Arc<dyn NormExchange>) {
@@ -552,146 +306,6 @@ impl Shard {
         st.barrier.rank(rank)?;
         let version = st.barrier.step();
         st.constants.check(rank, entries, version)
-    }
-
-    /// Rank 0's buffers after the forward pass of `step` (a safetensors serialization of the
-    /// model's buffers, checked against the declared ones): they become the buffers of
-    /// version `step + 1` when the step is applied. Only rank 0 puts buffers (its are the
-    /// model's, as DDP's broadcast_buffers); a put for a step already applied changes nothing
-    /// (a retry); one for a step the shard has not reached, from another rank, or on a shard
-    /// that holds no buffers is refused, changing nothing.
-    pub fn put_buffers(&self, rank: u32, step: u64, data: Bytes) -> PsResult<()> {
-        let Some(model) = &self.buffer_model else {
-            return Err(PsError::BadChunk(format!(
-                "shard {}: holds no buffers (the run's model declares none, or they are on shard 0)",
-                self.index
-            )));
-        };
-        if rank != 0 {
-            return Err(PsError::BadChunk(format!(
-                "rank {rank} put buffers: only rank 0's buffers are the model's"
-            )));
-        }
-        model.check_buffers(&data).map_err(PsError::BadChunk)?;
-        let mut st = self.lock();
-        st.barrier.rank(rank)?;
-        if let Some(why) = &st.failed {
-            return Err(PsError::Unavailable(why.clone()));
-        }
-        if !st.barrier.registered(rank) {
-            return Err(PsError::NotRegistered(rank));
-        }
-        let at = st.barrier.step();
-        if step > at {
-            return Err(PsError::BadChunk(format!(
-                "rank {rank} put buffers of step {step}: the shard is at step {at}"
-            )));
-        }
-        if step == at && !st.barrier.applying() {
-            st.next_buffers = Some((step, data));
-        }
-        Ok(())
-    }
-
-    /// The buffers of the current version when it is `version` (None: not reached yet); a
-    /// version already left behind is [`PsError::VersionGone`].
-    pub fn buffers(&self, version: u64) -> PsResult<Option<(u64, Bytes)>> {
-        if self.buffer_model.is_none() {
-            return Err(PsError::BadChunk(format!(
-                "shard {}: holds no buffers (the run's model declares none, or they are on shard 0)",
-                self.index
-            )));
-        }
-        let st = self.lock();
-        if let Some(why) = &st.failed {
-            return Err(PsError::Unavailable(why.clone()));
-        }
-        let at = st.barrier.step();
-        if version > at {
-            return Ok(None);
-        }
-        if version < at {
-            return Err(PsError::VersionGone {
-                asked: version,
-                shard: self.index,
-                current: at,
-            });
-        }
-        Ok(st.buffers.clone().map(|b| (at, b)))
-    }
-
-    /// The buffers of the current version (the final ones at the run's end), if the shard
-    /// holds any.
-    pub fn current_buffers(&self) -> Option<Bytes> {
-        self.lock().buffers.clone()
-    }
-
-    /// Marks the run failed: pulls and pushes are refused from now on.
-    pub fn fail(&self, why: String) {
-        self.lock().failed = Some(why);
-        self.wake();
-        // wake pulls (and the run's watcher) so they see the failure
-        self.version_tx.send_modify(|_| {});
-    }
-
-    /// Why the run failed, if it did.
-    pub fn failure(&self) -> Option<String> {
-        self.lock().failed.clone()
-    }
-
-    /// [`PsError::RunFailed`] once the run failed, noting that `rank` (when it is one) has
-    /// now been told; changes nothing otherwise.
-    pub fn refuse_failed(&self, rank: u32) -> PsResult<()> {
-        let mut st = self.lock();
-        match st.barrier.rank(rank) {
-            Ok(r) => self.refuse_if_failed(&mut st, r),
-            Err(_) => st
-                .failed
-                .clone()
-                .map_or(Ok(()), |why| Err(PsError::RunFailed(why))),
-        }
-    }
-
-    /// Notes that `rank` learned of the run's failure (it said it stopped, or was refused).
-    pub fn told(&self, rank: u32) {
-        let mut st = self.lock();
-        if let Ok(r) = st.barrier.rank(rank) {
-            st.told[r] = true;
-            drop(st);
-            self.told_changed.notify_waiters();
-        }
-    }
-
-    fn refuse_if_failed(&self, st: &mut State, r: usize) -> PsResult<()> {
-        let Some(why) = &st.failed else { return Ok(()) };
-        let e = PsError::RunFailed(why.clone());
-        if !std::mem::replace(&mut st.told[r], true) {
-            self.told_changed.notify_waiters();
-        }
-        Err(e)
-    }
-
-    /// Waits until every rank has learned of the run's failure (a request of its refused with
-    /// the reason, or it left), at most `bound`. The ranks that did not, in order.
-    pub async fn wait_all_told(&self, bound: Duration) -> Vec<usize> {
-        let untold = |st: &State| -> Vec<usize> {
-            (0..self.world)
-                .filter(|&r| !st.told[r] && st.left[r].is_none())
-                .collect()
-        };
-        let all = async {
-            loop {
-                let changed = self.told_changed.notified();
-                tokio::pin!(changed);
-                changed.as_mut().enable();
-                if untold(&self.lock()).is_empty() {
-                    return;
-                }
-                changed.await;
-            }
-        };
-        let _ = tokio::time::timeout(bound, all).await;
-        untold(&self.lock())
     }
 
     /// [`PsError::UnknownRank`] unless `rank` is below the world size; changes nothing.
@@ -1296,125 +910,6 @@ impl Shard {
         ))
     }
 
-    /// Writes a checkpoint of the current version if one is due (every `[checkpoint] every`
-    /// steps); None when none was due, or when a preemption wrote the step boundary instead
-    /// ([`Shard::request_preempt`]). Call it right after [`Shard::apply`], before the
-    /// barrier-completing push is answered: the next update cannot start before that push's
-    /// worker pushes again, so the state copied here is the version's. A failed write is
-    /// retried once; after `[checkpoint] max_failures` consecutive failed checkpoints the run
-    /// fails (refused from now on, and the shard exits non-zero), saying why.
-    pub fn checkpoint_if_due(&self) -> Option<checkpoint::Attempted> {
-        if self.preempt.load(std::sync::atomic::Ordering::SeqCst) {
-            // the step boundary a preemption waits for: the same state as below
-            let version = self.version();
-            let (opt, buffers) = {
-                let st = self.lock();
-                ((*st.opt).clone(), st.buffers.clone())
-            };
-            self.write_preempt(version, opt, buffers);
-            return None;
-        }
-        let plan = self.checkpoint.as_ref()?;
-        let version = self.version();
-        if !plan.due(version) {
-            return None;
-        }
-        let (opt, buffers) = {
-            let st = self.lock();
-            ((*st.opt).clone(), st.buffers.clone())
-        };
-        let saved = self
-            .params()
-            .map(|(version, params)| Saved {
-                version,
-                params,
-                opt,
-                buffers,
-            })
-            .map_err(|e| e.to_string());
-        let attempted = plan.write_retrying(version, saved);
-        if let Some(why) = &attempted.fatal {
-            self.fail(why.clone());
-        }
-        Some(attempted)
-    }
-
-    /// Preemption (SIGTERM, Slurm's `--signal=USR1`): from now on every step boundary writes a
-    /// checkpoint; the version the shard is at is written at once, unless an update is running
-    /// (its end is the boundary, written by [`Shard::checkpoint_if_due`]). Returns the version
-    /// the shard was at. Shards of one run are at most one version apart (a worker pulls
-    /// version t from every shard before pushing step t), so each writing the version it is at
-    /// and the next gives every shard the newer of the two, which a resume then agrees on.
-    pub fn request_preempt(&self) -> u64 {
-        self.preempt
-            .store(true, std::sync::atomic::Ordering::SeqCst);
-        let (version, opt) = {
-            let st = self.lock();
-            (
-                st.barrier.step(),
-                (!st.barrier.applying()).then(|| ((*st.opt).clone(), st.buffers.clone())),
-            )
-        };
-        if let Some((opt, buffers)) = opt {
-            self.write_preempt(version, opt, buffers);
-        }
-        version
-    }
-
-    /// The preemption checkpoints written: the newest version (None before the first).
-    pub fn preempt_saved(&self) -> watch::Receiver<Option<u64>> {
-        self.preempt_saved.subscribe()
-    }
-
-    /// Ends the preemption's checkpoints and returns the newest written: one being written now
-    /// is waited for, none is written after (an update still in flight would otherwise add the
-    /// next version after the shard said where it stopped).
-    pub fn close_preempt(&self) -> Option<u64> {
-        let mut closed = self
-            .preempt_closed
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        *closed = true;
-        *self.preempt_saved.borrow()
-    }
-
-    /// Writes the preemption checkpoint of `version` with optimizer state `opt` (taken at that
-    /// version), once per version; the parameters are read as of `version` (the double buffer
-    /// keeps it while the next update writes the other half).
-    fn write_preempt(&self, version: u64, opt: OptState, buffers: Option<Bytes>) {
-        let closed = self
-            .preempt_closed
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if *closed {
-            return;
-        }
-        // the boundary after an update can be written before the version the preemption
-        // found (both race for the disk): an older one adds nothing then
-        if self.preempt_saved.borrow().is_some_and(|v| v >= version) {
-            return;
-        }
-        let params = self.lock().store.source();
-        let saved = params
-            .read(version)
-            .map(|params| Saved {
-                version,
-                params,
-                opt,
-                buffers,
-            })
-            .ok_or_else(|| format!("version {version} left the buffer during the copy"));
-        if self.preempt_plan.write_checked(version, saved) {
-            self.preempt_saved.send_if_modified(|newest| {
-                let newer = newest.is_none_or(|v| v < version);
-                if newer {
-                    *newest = Some(version);
-                }
-                newer
-            });
-        }
-    }
-
     /// Records that `rank` left with its final evaluation; returns true when every rank has.
     /// Figures whose sum with the other ranks' would not fit in a u64 are refused.
     pub fn leave(&self, rank: u32, eval: (u64, u64)) -> PsResult<bool> {
@@ -1476,7 +971,7 @@ fn board_truncated(step: u64, rank: u32) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use ps_config::TestConfig;
+    use ps_config::{TestConfig, Transport};
     use std::path::Path;
 
     /// A `Leave` whose figures would overflow the sum over the ranks is refused, and changes
