@@ -149,7 +149,7 @@ pub(crate) struct Peer {
 pub const MIN_PIECE_VALUES: usize = 1 << 16;
 
 /// Runs the worker to the end of the training run; returns its timing.
-#[allow(clippy::too_many_lines)] // split next (issue 39)
+#[allow(clippy::too_many_lines)] // the step's loop: its pull/push lines are being changed by others (issue 39)
 pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
     let WorkerSetup {
         cfg,
@@ -163,28 +163,13 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
     let world = cfg.cluster.workers;
     let total = cfg.total_steps(train.len())?;
 
-    // the gradient lives in a shared-memory board that the shards on this host read in place
-    // (where /dev/shm allows), else on the heap
-    let mut grad_board = match cfg.cluster.transport {
-        Transport::Auto => grad_board(
-            &ps_config::runid::board_prefix(cfg.cluster.run_id.as_deref()),
-            rank,
-            layout.num_params(),
-        ),
-        Transport::Grpc => None,
-    };
-    let grad_file = board_file(&grad_board);
-    // what this worker computes: the built-in MLP
-    let model = describe_model(&layout);
-    let (mut peers, start_step) =
-        register_all(&cfg, &servers, rank, total, &grad_file, &model).await?;
-    let via: Vec<&str> = peers.iter().map(|p| p.link.describe()).collect();
-    tracing::info!(
-        "worker {rank}/{world}: registered with {} shards (tensors via {via:?}), starting at step {start_step} of {total}, device {}, {}",
-        servers.len(),
-        backend.name(),
-        ps_config::runid::show(cfg.cluster.run_id.as_deref())
-    );
+    let JoinedRun {
+        mut grad_board,
+        grad_file,
+        model,
+        mut peers,
+        start_step,
+    } = join_run(&cfg, &servers, rank, total, &backend.name()).await?;
 
     let mut planner = BatchPlanner::new(cfg.data_order(train.len()));
     let test_slice = split_even(test.len(), world)[rank].clone();
@@ -217,20 +202,8 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
         // for each layer's parameters (pulled straight into the backend's host weights, or,
         // on a device with its own memory, into its staging memory, uploaded piece by piece
         // as it arrives; else into `weights`, uploaded once complete)
-        let (gate, backend_gated) = match backend.open_gate(t, shard_ranges.clone(), patience) {
-            Some(g) => (g, true),
-            None => {
-                let layers = backend.layers();
-                let (ptr, len) = (weights.as_mut_ptr(), weights.len());
-                // SAFETY: `weights` is neither touched nor resized until the gate is dropped
-                // at the end of this step, except through it: the writers of the pulling
-                // thread (joined by `pull_while`) and `published` after `wait_all`.
-                let g = Arc::new(unsafe {
-                    PullGate::new(ptr, len, t, shard_ranges.clone(), layers, patience)
-                });
-                (g, false)
-            }
-        };
+        let (gate, backend_gated) =
+            step_gate(backend.as_mut(), &mut weights, t, &shard_ranges, patience);
         let jobs = pull_jobs(&peers);
         let runtime = tokio::runtime::Handle::current();
         let (mut t1, mut t2) = (t0, t0);
@@ -278,11 +251,18 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
             // each part of its range as soon as it is final, as a piece of one push; the others get
             // their whole range as soon as all of it is final; both while the earlier layers are
             // still being computed
-            let mut unsent = peers.len();
-            // per shard: where its final part starts (its range's end before any), and the
-            // pieces sent this step
-            let mut final_from: Vec<usize> = peers.iter().map(|p| p.range.end).collect();
-            let mut sent = vec![0usize; peers.len()];
+            let mut pusher = Pusher {
+                unsent: peers.len(),
+                final_from: peers.iter().map(|p| p.range.end).collect(),
+                sent: vec![0usize; peers.len()],
+                peers: &mut peers,
+                progressive: &progressive,
+                senders: &mut senders,
+                pushes: &mut pushes,
+                runtime: &runtime,
+                wire,
+                chunk_bytes,
+            };
             crate::backend::forward_backward_micro(
                 backend.as_mut(),
                 &x,
@@ -292,74 +272,8 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
                 grad,
                 &mut part,
                 &mut |start, tail, stats| {
-                    for s in (0..peers.len()).filter(|&s| progressive[s]) {
-                        let peer = &mut peers[s];
-                        let r = peer.range.clone();
-                        let (lo, hi) = (start.max(r.start), final_from[s]);
-                        if lo >= hi || (hi - lo < MIN_PIECE_VALUES && lo > r.start) {
-                            // nothing new of this shard's range is final, or too little to be
-                            // worth a piece of its own: it goes with the next one
-                            continue;
-                        }
-                        let buf = peer.piece_bufs.get_mut(sent[s]).and_then(Option::take);
-                        let values = &tail[lo - start..hi - start];
-                        let offset = lo - r.start;
-                        let bytes =
-                            encode_push_part(wire, values, offset, r.len(), &mut peer.encoder, buf);
-                        sent[s] += 1;
-                        final_from[s] = lo;
-                        let tx = senders[s].get_or_insert_with(|| {
-                            let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-                            let h = PushHeader {
-                                len: r.len() as u64,
-                                ..header(stats)
-                            };
-                            let client = peer.client.clone();
-                            pushes.push(runtime.spawn(async move {
-                                let (reply, pieces) =
-                                    client.push_progressive(h, rx, chunk_bytes).await;
-                                reply?;
-                                let bufs = pieces.into_iter().map(|(_, b)| b).collect();
-                                Ok::<_, anyhow::Error>((s, bufs))
-                            }));
-                            tx
-                        });
-                        // a push that ended early (refused) no longer takes pieces: its
-                        // error is what the step reports
-                        let _ = tx.send((offset, bytes));
-                        if lo == r.start {
-                            senders[s] = None; // the whole range is on its way
-                        }
-                    }
-                    while unsent > 0 && peers[unsent - 1].range.start >= start {
-                        unsent -= 1;
-                        let s = unsent;
-                        let peer = &mut peers[s];
-                        if peer.ahead || progressive[s] {
-                            // applied step t already, or pushed piece by piece
-                            continue;
-                        }
-                        let r = &peer.range;
-                        // the shard reads the range in this worker's gradient board, or
-                        // receives a copy through gRPC
-                        let bytes = if peer.link.grad {
-                            Bytes::new()
-                        } else {
-                            let values = &tail[r.start - start..r.end - start];
-                            let buf = peer.push_buf.take();
-                            encode_push(wire, values, &mut peer.encoder, buf)
-                        };
-                        let h = PushHeader {
-                            len: r.len() as u64,
-                            shm: peer.link.grad,
-                            ..header(stats)
-                        };
-                        let client = peer.client.clone();
-                        pushes.push(runtime.spawn(async move {
-                            client.push_retrying(h, &bytes, chunk_bytes).await?;
-                            Ok::<_, anyhow::Error>((s, vec![bytes]))
-                        }));
-                    }
+                    pusher.pieces(start, tail, &header, stats);
+                    pusher.whole(start, tail, &header, stats);
                 },
             )?;
             t2 = Instant::now();
@@ -404,19 +318,255 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
         t += 1;
     }
 
+    finish_run(
+        &mut peers,
+        backend.as_mut(),
+        &mut weights,
+        (&test, &test_idx),
+        total,
+        rank,
+        &timing,
+    )
+    .await?;
+    Ok(timing)
+}
+
+/// What a worker holds once it has joined the run ([`join_run`]).
+struct JoinedRun {
+    /// The gradient's shared-memory board (None: on the heap).
+    grad_board: Option<(BoardDir, Board)>,
+    /// The board's file and token, as registration names them.
+    grad_file: (String, u64),
+    /// The tensors this worker computes.
+    model: Vec<ps_proto::pb::TensorDesc>,
+    /// Every shard.
+    peers: Vec<Peer>,
+    /// The step it starts at.
+    start_step: u64,
+}
+
+/// Joins the run: the gradient's board, the registration with every shard (logged, with the
+/// device `backend` names), the step to start at.
+async fn join_run(
+    cfg: &Config,
+    servers: &[String],
+    rank: usize,
+    total: u64,
+    backend: &str,
+) -> anyhow::Result<JoinedRun> {
+    let layout = cfg.layout();
+    let world = cfg.cluster.workers;
+    // the gradient lives in a shared-memory board that the shards on this host read in place
+    // (where /dev/shm allows), else on the heap
+    let grad_board = match cfg.cluster.transport {
+        Transport::Auto => grad_board(
+            &ps_config::runid::board_prefix(cfg.cluster.run_id.as_deref()),
+            rank,
+            layout.num_params(),
+        ),
+        Transport::Grpc => None,
+    };
+    let grad_file = board_file(&grad_board);
+    // what this worker computes: the built-in MLP
+    let model = describe_model(&layout);
+    let (peers, start_step) = register_all(cfg, servers, rank, total, &grad_file, &model).await?;
+    let via: Vec<&str> = peers.iter().map(|p| p.link.describe()).collect();
+    tracing::info!(
+        "worker {rank}/{world}: registered with {} shards (tensors via {via:?}), starting at step {start_step} of {total}, device {}, {}",
+        servers.len(),
+        backend,
+        ps_config::runid::show(cfg.cluster.run_id.as_deref())
+    );
+    Ok(JoinedRun {
+        grad_board,
+        grad_file,
+        model,
+        peers,
+        start_step,
+    })
+}
+
+/// The gate of step `t`'s pull from the shards holding `shard_ranges` ([`PullGate`]): the
+/// backend's own (true: forward reads its weights as they arrive), else one over `weights`
+/// (false: uploaded once complete).
+fn step_gate(
+    backend: &mut dyn Backend,
+    weights: &mut [f32],
+    t: u64,
+    shard_ranges: &[Range<usize>],
+    patience: Duration,
+) -> (Arc<PullGate>, bool) {
+    match backend.open_gate(t, shard_ranges.to_vec(), patience) {
+        Some(g) => (g, true),
+        None => {
+            let layers = backend.layers();
+            let (ptr, len) = (weights.as_mut_ptr(), weights.len());
+            // SAFETY: `weights` is neither touched nor resized until the gate is dropped
+            // at the end of this step, except through it: the writers of the pulling
+            // thread (joined by `pull_while`) and `published` after `wait_all`.
+            let g = Arc::new(unsafe {
+                PullGate::new(ptr, len, t, shard_ranges.to_vec(), layers, patience)
+            });
+            (g, false)
+        }
+    }
+}
+
+/// The run's end: pulls the final weights (into `weights`), evaluates this rank's slice of the test set
+/// (`test`: the set and the slice's indices), leaves every shard with it and logs the
+/// worker's figures.
+async fn finish_run(
+    peers: &mut [Peer],
+    backend: &mut dyn Backend,
+    weights: &mut [f32],
+    test: (&Dataset, &[u32]),
+    total: u64,
+    rank: usize,
+    timing: &Timing,
+) -> anyhow::Result<()> {
     // final weights: evaluate this rank's slice of the test set and leave
     peers.iter_mut().for_each(|p| p.ahead = false);
-    pull_all(&mut peers, total, &mut weights).await?;
-    backend.set_weights(&weights)?;
-    let (correct, count) = evaluate(backend.as_mut(), &test, &test_idx, &mut x, &mut y)?;
-    leave_all(&mut peers, rank, (correct, count)).await?;
+    pull_all(peers, total, weights).await?;
+    backend.set_weights(weights)?;
+    let (correct, count) = evaluate(backend, test.0, test.1, &mut Vec::new(), &mut Vec::new())?;
+    leave_all(peers, rank, (correct, count)).await?;
     tracing::info!(
         "worker {rank}: done after {} steps; per step {}; test accuracy on its slice {:.2}% ({correct}/{count})",
         timing.steps,
         timing.describe(),
         100.0 * correct as f64 / count.max(1) as f64
     );
-    Ok(timing)
+    Ok(())
+}
+
+/// The pushes of one step, sent while backward hands over the gradient last layer first: a
+/// shard on a data connection gets each part of its range as soon as it is final, as a piece
+/// of one push ([`Pusher::pieces`]); the others get their whole range as soon as all of it
+/// is final ([`Pusher::whole`]).
+struct Pusher<'a> {
+    /// The shards whose range is not yet on its way whole (those before it, by range).
+    unsent: usize,
+    /// Per shard: where its final part starts (its range's end before any).
+    final_from: Vec<usize>,
+    /// Per shard: the pieces sent this step.
+    sent: Vec<usize>,
+    peers: &'a mut [Peer],
+    /// Per shard: pushed piece by piece.
+    progressive: &'a [bool],
+    /// Per shard: the sender of its push's pieces once it is under way.
+    senders: &'a mut Vec<Option<tokio::sync::mpsc::UnboundedSender<(usize, Bytes)>>>,
+    pushes: &'a mut Vec<PushTask>,
+    runtime: &'a tokio::runtime::Handle,
+    wire: ps_config::Wire,
+    chunk_bytes: usize,
+}
+
+impl Pusher<'_> {
+    /// Sends the pieces of the progressive shards' ranges that the gradient from flat index
+    /// `start` (`tail`) made final; `header(stats)` is the step's push header.
+    fn pieces(
+        &mut self,
+        start: usize,
+        tail: &[f32],
+        header: &dyn Fn(StepStats) -> PushHeader,
+        stats: StepStats,
+    ) {
+        let (wire, chunk_bytes, runtime) = (self.wire, self.chunk_bytes, self.runtime);
+        let Pusher {
+            final_from,
+            sent,
+            peers,
+            progressive,
+            senders,
+            pushes,
+            ..
+        } = self;
+        for s in (0..peers.len()).filter(|&s| progressive[s]) {
+            let peer = &mut peers[s];
+            let r = peer.range.clone();
+            let (lo, hi) = (start.max(r.start), final_from[s]);
+            if lo >= hi || (hi - lo < MIN_PIECE_VALUES && lo > r.start) {
+                // nothing new of this shard's range is final, or too little to be
+                // worth a piece of its own: it goes with the next one
+                continue;
+            }
+            let buf = peer.piece_bufs.get_mut(sent[s]).and_then(Option::take);
+            let values = &tail[lo - start..hi - start];
+            let offset = lo - r.start;
+            let bytes = encode_push_part(wire, values, offset, r.len(), &mut peer.encoder, buf);
+            sent[s] += 1;
+            final_from[s] = lo;
+            let tx = senders[s].get_or_insert_with(|| {
+                let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+                let h = PushHeader {
+                    len: r.len() as u64,
+                    ..header(stats)
+                };
+                let client = peer.client.clone();
+                pushes.push(runtime.spawn(async move {
+                    let (reply, pieces) = client.push_progressive(h, rx, chunk_bytes).await;
+                    reply?;
+                    let bufs = pieces.into_iter().map(|(_, b)| b).collect();
+                    Ok::<_, anyhow::Error>((s, bufs))
+                }));
+                tx
+            });
+            // a push that ended early (refused) no longer takes pieces: its
+            // error is what the step reports
+            let _ = tx.send((offset, bytes));
+            if lo == r.start {
+                senders[s] = None; // the whole range is on its way
+            }
+        }
+    }
+
+    /// Pushes the whole range of each other shard whose range the gradient from flat index
+    /// `start` (`tail`) made final, through gRPC or (`link.grad`) read in place by the shard.
+    fn whole(
+        &mut self,
+        start: usize,
+        tail: &[f32],
+        header: &dyn Fn(StepStats) -> PushHeader,
+        stats: StepStats,
+    ) {
+        let (wire, chunk_bytes, runtime) = (self.wire, self.chunk_bytes, self.runtime);
+        let Pusher {
+            unsent,
+            peers,
+            progressive,
+            pushes,
+            ..
+        } = self;
+        while *unsent > 0 && peers[*unsent - 1].range.start >= start {
+            *unsent -= 1;
+            let s = *unsent;
+            let peer = &mut peers[s];
+            if peer.ahead || progressive[s] {
+                // applied step t already, or pushed piece by piece
+                continue;
+            }
+            let r = &peer.range;
+            // the shard reads the range in this worker's gradient board, or
+            // receives a copy through gRPC
+            let bytes = if peer.link.grad {
+                Bytes::new()
+            } else {
+                let values = &tail[r.start - start..r.end - start];
+                let buf = peer.push_buf.take();
+                encode_push(wire, values, &mut peer.encoder, buf)
+            };
+            let h = PushHeader {
+                len: r.len() as u64,
+                shm: peer.link.grad,
+                ..header(stats)
+            };
+            let client = peer.client.clone();
+            pushes.push(runtime.spawn(async move {
+                client.push_retrying(h, &bytes, chunk_bytes).await?;
+                Ok::<_, anyhow::Error>((s, vec![bytes]))
+            }));
+        }
+    }
 }
 
 /// Runs `compute` on this thread while a scoped thread of its own pulls `gate`'s version
