@@ -31,6 +31,30 @@ async fn check(c: &mut HealthClient<tonic::transport::Channel>, service: &str) -
     .status
 }
 
+/// Waits (at most 30 s) until `service` is SERVING; until then it may be unknown (not yet
+/// registered) or NOT_SERVING.
+async fn wait_serving(c: &mut HealthClient<tonic::transport::Channel>, service: &str) {
+    let t0 = Instant::now();
+    loop {
+        let r = c
+            .check(HealthCheckRequest {
+                service: service.into(),
+            })
+            .await;
+        match &r {
+            Ok(ok) if ok.get_ref().status == ServingStatus::Serving as i32 => return,
+            Ok(_) => {}
+            Err(e) if e.code() == Code::NotFound => {}
+            Err(e) => panic!("health check of {service:?}: {e}"),
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "{service:?} not SERVING within 30 s: {r:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// A shard with TLS and a token answers `grpc.health.v1` in plaintext and without the token on
 /// its health port (the kubelet's probe can do neither), and on its TLS port without the token,
 /// while its shard service there still refuses a request without the token. "" and the shard
@@ -70,6 +94,9 @@ async fn grpc_health_answers_probes_and_follows_the_run() {
         .unwrap();
     let mut probe = HealthClient::new(ch);
     assert_eq!(check(&mut probe, "").await, ServingStatus::Serving as i32);
+    // the health port is up before the shard service is (set SERVING once it serves): wait
+    // for that, bounded
+    wait_serving(&mut probe, ps_server::HEALTH_SERVICE).await;
     assert_eq!(
         check(&mut probe, ps_server::HEALTH_SERVICE).await,
         ServingStatus::Serving as i32

@@ -181,7 +181,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     let run = run_id_of(&mut cfg, &cli, &env, &id_file)?;
     let run_id = run.id.clone().unwrap_or_default();
     // before anything in the folder moves: no other live run may be using it
-    let mut claim = ps_launch::outdir::claim(&out_dir, &run_id).map_err(anyhow::Error::msg)?;
+    let mut claim = ps_launch::outdir::claim(&out_dir, &run_id)?;
     let logs = out_dir.join("logs");
     let (s, w) = (cfg.num_shards(), cfg.cluster.workers);
     let (server_args, worker_args) = child_args(&cli, &cfg, &out_dir);

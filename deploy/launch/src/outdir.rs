@@ -85,18 +85,51 @@ fn holder(mut f: &File) -> String {
     s.trim().to_string()
 }
 
+/// Why an output directory cannot be claimed ([`claim`]).
+#[derive(Debug, thiserror::Error)]
+pub enum ClaimError {
+    /// The directory cannot be created.
+    #[error("cannot create {}: {error}", dir.display())]
+    Create {
+        /// The directory.
+        dir: PathBuf,
+        /// What went wrong.
+        error: std::io::Error,
+    },
+    /// The launcher's lock file cannot be opened.
+    #[error("cannot open {}: {error}", path.display())]
+    Open {
+        /// The lock file.
+        path: PathBuf,
+        /// What went wrong.
+        error: std::io::Error,
+    },
+    /// Another launcher, or a live shard, holds the directory.
+    #[error(
+        "the output directory {} belongs to a live run ({who}): nothing in it was moved or written; give this run another folder (--out-dir DIR, or --set server.out_dir=DIR), or stop that run first (SIGTERM to its ps-launch checkpoints it)",
+        dir.display()
+    )]
+    Live {
+        /// The directory.
+        dir: PathBuf,
+        /// The live run: its lock's contents (run id, pids), per holder.
+        who: String,
+    },
+}
+
 /// Claims `dir` for a new launch (creating it when missing) before anything in it moves or is
 /// written: refused when another launcher holds it or a live shard of any run holds its lock
 /// there. The error names the live run, its pids and how to choose another folder; the
 /// directory is left exactly as it was.
-pub fn claim(dir: &Path, run: &str) -> Result<Claim, String> {
+pub fn claim(dir: &Path, run: &str) -> Result<Claim, ClaimError> {
     let made_dir = !dir.exists();
-    std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
-    let refuse = |who: String| {
-        format!(
-            "the output directory {} belongs to a live run ({who}): nothing in it was moved or written; give this run another folder (--out-dir DIR, or --set server.out_dir=DIR), or stop that run first (SIGTERM to its ps-launch checkpoints it)",
-            dir.display()
-        )
+    std::fs::create_dir_all(dir).map_err(|error| ClaimError::Create {
+        dir: dir.to_path_buf(),
+        error,
+    })?;
+    let refuse = |who: String| ClaimError::Live {
+        dir: dir.to_path_buf(),
+        who,
     };
     let path = dir.join(LAUNCH_LOCK);
     let made_lock = path.symlink_metadata().is_err();
@@ -106,7 +139,10 @@ pub fn claim(dir: &Path, run: &str) -> Result<Claim, String> {
         .read(true)
         .write(true)
         .open(&path)
-        .map_err(|e| format!("cannot open {}: {e}", path.display()))?;
+        .map_err(|error| ClaimError::Open {
+            path: path.clone(),
+            error,
+        })?;
     if !try_lock(&file) {
         return Err(refuse(holder(&file)));
     }
@@ -225,7 +261,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let mut first = claim(dir.path(), "run-a").unwrap();
         first.record("run-a", &[11, 12], &[13]);
-        let e = claim(dir.path(), "run-b").unwrap_err();
+        let e = claim(dir.path(), "run-b").unwrap_err().to_string();
         assert!(
             e.contains("belongs to a live run (run run-a, ps-launch pid")
                 && e.contains("shard pids 11, 12; worker pids 13")
@@ -237,7 +273,7 @@ mod tests {
         // a live shard's own lock (a run started without ps-launch) refuses too
         drop(second);
         let _shard = ps_config::runid::lock_out_dir(dir.path(), 1, Some("job-7")).unwrap();
-        let e = claim(dir.path(), "run-c").unwrap_err();
+        let e = claim(dir.path(), "run-c").unwrap_err().to_string();
         assert!(e.contains("(shard 1: run job-7, pid"), "{e}");
     }
 }

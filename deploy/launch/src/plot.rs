@@ -14,19 +14,38 @@ struct Series {
     dots: bool,
 }
 
+/// Why a metrics file cannot be drawn ([`curves_svg`]); the line numbers count from 1.
+#[derive(Debug, thiserror::Error)]
+pub enum PlotError {
+    /// A line that is not JSON.
+    #[error("line {line}: not JSON ({error})")]
+    NotJson {
+        /// The line.
+        line: usize,
+        /// The parser's error.
+        error: serde_json::Error,
+    },
+    /// A record without a step.
+    #[error("line {0}: no \"step\"")]
+    NoStep(usize),
+    /// No record has a loss.
+    #[error("no step with a loss: expected metrics.jsonl lines with \"step\" and \"loss\"")]
+    NoLoss,
+}
+
 /// The curves of `metrics` (the text of a metrics.jsonl) as an SVG document titled `title`;
 /// an error names the first line that is not a step record.
-pub fn curves_svg(metrics: &str, title: &str) -> Result<String, String> {
+pub fn curves_svg(metrics: &str, title: &str) -> Result<String, PlotError> {
     let (mut loss, mut train, mut test) = (Vec::new(), Vec::new(), Vec::new());
     for (i, line) in metrics
         .lines()
         .enumerate()
         .filter(|(_, l)| !l.trim().is_empty())
     {
-        let v: Value =
-            serde_json::from_str(line).map_err(|e| format!("line {}: not JSON ({e})", i + 1))?;
+        let v: Value = serde_json::from_str(line)
+            .map_err(|error| PlotError::NotJson { line: i + 1, error })?;
         let num = |k: &str| v.get(k).and_then(Value::as_f64);
-        let step = num("step").ok_or_else(|| format!("line {}: no \"step\"", i + 1))?;
+        let step = num("step").ok_or(PlotError::NoStep(i + 1))?;
         if let Some(l) = num("loss").filter(|l| l.is_finite()) {
             loss.push((step, l));
         }
@@ -42,9 +61,7 @@ pub fn curves_svg(metrics: &str, title: &str) -> Result<String, String> {
         }
     }
     if loss.is_empty() {
-        return Err(
-            "no step with a loss: expected metrics.jsonl lines with \"step\" and \"loss\"".into(),
-        );
+        return Err(PlotError::NoLoss);
     }
     let panels = [
         (
@@ -314,11 +331,12 @@ mod tests {
         // no test entry without test points
         let no_test = curves_svg("{\"step\": 1, \"loss\": 1, \"train_acc\": 0.5}\n", "x").unwrap();
         assert!(!no_test.contains(">test</text>"), "{no_test}");
-        let e = curves_svg("{\"loss\": 1}\n", "x").unwrap_err();
+        let e = curves_svg("{\"loss\": 1}\n", "x").unwrap_err().to_string();
         assert!(e.contains("line 1: no \"step\""), "{e}");
         assert!(
             curves_svg("", "x")
                 .unwrap_err()
+                .to_string()
                 .contains("no step with a loss")
         );
     }

@@ -5,10 +5,11 @@
 //! `per_worker_batch`), checked like any config. Bad input exits 2 with the reason.
 
 use clap::{Parser, ValueEnum};
+use ps_config::plan::PlanError;
 use ps_config::plan::{Recipe, Request, Shape, Source, explain, plan};
-use ps_config::{Aggregation, Config, LossReduction};
+use ps_config::{Aggregation, Config, ConfigError, LossReduction};
 use ps_optim::Optimizer;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 #[derive(Parser, Debug)]
@@ -94,6 +95,75 @@ enum Agg {
     Weighted,
 }
 
+/// Why `ps-plan` refuses (exit code 2), each message naming what was expected.
+#[derive(Debug, thiserror::Error)]
+enum Error {
+    /// The config to explain or merge into.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// The recipe or the cluster shape.
+    #[error(transparent)]
+    Plan(#[from] PlanError),
+    /// A recipe with --config but no --out.
+    #[error(
+        "--config with a recipe: give --out OUT too (the merged config is written there), or leave the recipe out to explain the config"
+    )]
+    NoOut,
+    /// --momentum or --nesterov with an Adam optimizer (named).
+    #[error("--momentum/--nesterov are SGD settings; --optimizer {0} uses betas 0.9/0.999")]
+    SgdSetting(&'static str),
+    /// The config with the planned lines merged in does not load.
+    #[error("{} with the planned lines merged in is not a valid config: {message}", into.display())]
+    Merged {
+        /// The config merged into.
+        into: PathBuf,
+        /// Why it does not load.
+        message: String,
+    },
+    /// The merged config would train beyond the recipe (each setting named with the recipe's).
+    #[error(
+        "{} sets training the recipe does not have: {conflicts}; the merged file would not be the recipe, so nothing was written: give the recipe those settings (--optimizer, --momentum, --nesterov, --weight-decay) or remove them from {} ([schedule], [[optimizer.groups]] and clip_norm have no ps-plan flag: merge without them, then add them back knowing the run is no longer the recipe)",
+        into.display(),
+        into.display()
+    )]
+    NotTheRecipe {
+        /// The config merged into.
+        into: PathBuf,
+        /// The settings beyond the recipe, each with the recipe's value.
+        conflicts: String,
+    },
+    /// Reading or writing a file.
+    #[error("{}: {error}", path.display())]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// What went wrong.
+        error: std::io::Error,
+    },
+    /// The config to merge into is not TOML.
+    #[error("{}: {error}", path.display())]
+    Toml {
+        /// The file.
+        path: PathBuf,
+        /// What went wrong.
+        error: toml::de::Error,
+    },
+    /// The planned lines are not TOML (a bug of the planner).
+    #[error("the planned lines: {0}")]
+    PlannedLines(toml::de::Error),
+    /// A planned section is a plain key in the config.
+    #[error("{}: {section} is not a [section]", path.display())]
+    NotASection {
+        /// The config.
+        path: PathBuf,
+        /// The section.
+        section: String,
+    },
+    /// The merged table cannot be written as TOML.
+    #[error(transparent)]
+    Serialize(#[from] toml::ser::Error),
+}
+
 fn main() -> ExitCode {
     match run(Cli::parse()) {
         Ok(text) => {
@@ -107,17 +177,15 @@ fn main() -> ExitCode {
     }
 }
 
-fn run(cli: Cli) -> Result<String, String> {
+fn run(cli: Cli) -> Result<String, Error> {
     if let (Some(f), None) = (&cli.config, &cli.batch) {
-        let cfg = Config::load(f).map_err(|e| e.to_string())?;
+        let cfg = Config::load(f)?;
         return Ok(explain(&cfg));
     }
     let merge = match (&cli.config, &cli.out) {
         (Some(into), Some(out)) => Some((into.clone(), out.clone())),
         (Some(_), None) => {
-            return Err(
-                "--config with a recipe: give --out OUT too (the merged config is written there), or leave the recipe out to explain the config".into(),
-            );
+            return Err(Error::NoOut);
         }
         _ => None,
     };
@@ -125,17 +193,13 @@ fn run(cli: Cli) -> Result<String, String> {
         (Some(w), _, _) => Shape::workers(w),
         (None, Some(n), Some(g)) => Shape::nodes(n, g),
         _ => unreachable!("clap requires --workers or --nodes with --gpus-per-node"),
-    }
-    .map_err(|e| e.to_string())?;
+    }?;
     if cli.optimizer != Opt::Sgd && (cli.momentum != 0.0 || cli.nesterov) {
-        return Err(format!(
-            "--momentum/--nesterov are SGD settings; --optimizer {} uses betas 0.9/0.999",
-            if cli.optimizer == Opt::Adam {
-                "adam"
-            } else {
-                "adamw"
-            }
-        ));
+        return Err(Error::SgdSetting(if cli.optimizer == Opt::Adam {
+            "adam"
+        } else {
+            "adamw"
+        }));
     }
     let optimizer = match cli.optimizer {
         Opt::Sgd => Optimizer::Sgd {
@@ -175,30 +239,28 @@ fn run(cli: Cli) -> Result<String, String> {
         }),
         keep_per_worker_batch: cli.keep_per_worker_batch,
     };
-    let text = plan(&req).map(|p| p.text).map_err(|e| e.to_string())?;
+    let text = plan(&req)?.text;
     let planned_optimizer = req.recipe.optimizer.clone();
     let Some((into, out)) = merge else {
         return Ok(text);
     };
     let merged = merge_into(&into, &text)?;
     // checked like any config before it is written (paths relative to IN's directory)
-    let cfg = Config::parse(&merged, &into).map_err(|e| {
-        format!(
-            "{} with the planned lines merged in is not a valid config: {}",
-            into.display(),
-            e.message
-        )
+    let cfg = Config::parse(&merged, &into).map_err(|e| Error::Merged {
+        into: into.clone(),
+        message: e.message,
     })?;
     let conflicts = not_in_the_recipe(&cfg, &planned_optimizer);
     if !conflicts.is_empty() {
-        return Err(format!(
-            "{} sets training the recipe does not have: {}; the merged file would not be the recipe, so nothing was written: give the recipe those settings (--optimizer, --momentum, --nesterov, --weight-decay) or remove them from {} ([schedule], [[optimizer.groups]] and clip_norm have no ps-plan flag: merge without them, then add them back knowing the run is no longer the recipe)",
-            into.display(),
-            conflicts.join("; "),
-            into.display()
-        ));
+        return Err(Error::NotTheRecipe {
+            into: into.clone(),
+            conflicts: conflicts.join("; "),
+        });
     }
-    std::fs::write(&out, &merged).map_err(|e| format!("{}: {e}", out.display()))?;
+    std::fs::write(&out, &merged).map_err(|e| Error::Io {
+        path: out.clone(),
+        error: e,
+    })?;
     Ok(format!(
         "{text}# written: {} with the lines above merged in -> {}\n# ps-server will print: {}\n",
         into.display(),
@@ -240,12 +302,16 @@ fn not_in_the_recipe(cfg: &Config, optimizer: &Optimizer) -> Vec<String> {
 
 /// The config file `into` with the planned `lines` (TOML) merged in: each planned key replaces
 /// the file's, and clears the keys it excludes (`ps_config::ALTERNATIVES`).
-fn merge_into(into: &std::path::Path, lines: &str) -> Result<String, String> {
-    let text = std::fs::read_to_string(into).map_err(|e| format!("{}: {e}", into.display()))?;
-    let mut table: toml::Table =
-        toml::from_str(&text).map_err(|e| format!("{}: {e}", into.display()))?;
-    let planned: toml::Table =
-        toml::from_str(lines).map_err(|e| format!("the planned lines: {e}"))?;
+fn merge_into(into: &Path, lines: &str) -> Result<String, Error> {
+    let text = std::fs::read_to_string(into).map_err(|e| Error::Io {
+        path: into.to_path_buf(),
+        error: e,
+    })?;
+    let mut table: toml::Table = toml::from_str(&text).map_err(|e| Error::Toml {
+        path: into.to_path_buf(),
+        error: e,
+    })?;
+    let planned: toml::Table = toml::from_str(lines).map_err(Error::PlannedLines)?;
     for (section, values) in planned {
         let toml::Value::Table(values) = values else {
             continue;
@@ -254,7 +320,10 @@ fn merge_into(into: &std::path::Path, lines: &str) -> Result<String, String> {
             .entry(section.clone())
             .or_insert_with(|| toml::Value::Table(Default::default()));
         let toml::Value::Table(target) = entry else {
-            return Err(format!("{}: {section} is not a [section]", into.display()));
+            return Err(Error::NotASection {
+                path: into.to_path_buf(),
+                section,
+            });
         };
         for (key, value) in values {
             for (s, keys) in ps_config::ALTERNATIVES {
@@ -267,5 +336,5 @@ fn merge_into(into: &std::path::Path, lines: &str) -> Result<String, String> {
             target.insert(key, value);
         }
     }
-    toml::to_string(&table).map_err(|e| e.to_string())
+    Ok(toml::to_string(&table)?)
 }

@@ -544,12 +544,12 @@ impl Config {
         flag: Option<&str>,
         env: &std::collections::HashMap<String, String>,
     ) -> Result<crate::runid::RunId, ConfigError> {
-        let r = crate::runid::resolve(flag, self.cluster.run_id.as_deref(), env).map_err(
-            |message| ConfigError {
+        let r = crate::runid::resolve(flag, self.cluster.run_id.as_deref(), env).map_err(|e| {
+            ConfigError {
                 file: self.path.clone(),
-                message,
-            },
-        )?;
+                message: e.to_string(),
+            }
+        })?;
         self.cluster.run_id = r.id.clone();
         Ok(r)
     }

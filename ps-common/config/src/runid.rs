@@ -29,19 +29,67 @@ pub const ENV_SOURCES: [(&str, &str); 3] = [
     ),
 ];
 
+/// An unusable run id, or an output directory another run holds.
+#[derive(Debug, thiserror::Error)]
+pub enum RunIdError {
+    /// Empty, or longer than [`MAX_LEN`].
+    #[error("run id {0:?}: expected 1 to {MAX_LEN} characters")]
+    Length(String),
+    /// A character outside `A-Z a-z 0-9 . _ -` (the id, the character).
+    #[error(
+        "run id {0:?}: character {1:?} is not allowed: expected letters, digits, '.', '_' and '-'"
+    )]
+    Character(String, char),
+    /// The id given by `what` (`--run-id`, `PS_RUN_ID`, ...) is unusable.
+    #[error("{what}: {error}")]
+    From {
+        /// Where the id came from.
+        what: String,
+        /// Why it is unusable.
+        error: Box<RunIdError>,
+    },
+    /// The output directory cannot be created.
+    #[error("cannot create {}: {error}", dir.display())]
+    Create {
+        /// The directory.
+        dir: std::path::PathBuf,
+        /// What went wrong.
+        error: std::io::Error,
+    },
+    /// A shard's lock file cannot be opened.
+    #[error("cannot open {}: {error}", path.display())]
+    Open {
+        /// The lock file.
+        path: std::path::PathBuf,
+        /// What went wrong.
+        error: std::io::Error,
+    },
+    /// A live shard of another cluster holds the directory.
+    #[error(
+        "the output directory {} is in use by shard {shard} of another live cluster ({holder}): two runs cannot share a folder; give this one its own out_dir (or stop the other first)",
+        dir.display()
+    )]
+    InUse {
+        /// The directory.
+        dir: std::path::PathBuf,
+        /// The shard.
+        shard: usize,
+        /// The holder, as its lock file names it (run and pid).
+        holder: String,
+    },
+}
+
 /// Checks that `id` is a usable run id: 1 to [`MAX_LEN`] characters of `A-Z a-z 0-9 . _ -`
 /// (it becomes part of file names and a gRPC header).
-pub fn validate(id: &str) -> Result<(), String> {
+pub fn validate(id: &str) -> Result<(), RunIdError> {
     if id.is_empty() || id.len() > MAX_LEN {
-        return Err(format!("run id {id:?}: expected 1 to {MAX_LEN} characters"));
+        return Err(RunIdError::Length(id.to_string()));
     }
     if let Some(c) = id
         .chars()
         .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-')))
     {
-        return Err(format!(
-            "run id {id:?}: character {c:?} is not allowed: expected letters, digits, '.', '_' and '-'"
-        ));
+        return Err(RunIdError::Character(id.to_string(), c));
     }
     Ok(())
 }
@@ -76,9 +124,12 @@ pub fn resolve(
     flag: Option<&str>,
     config: Option<&str>,
     env: &HashMap<String, String>,
-) -> Result<RunId, String> {
-    let found = |id: &str, source: &str| -> Result<RunId, String> {
-        validate(id).map_err(|e| format!("{source}: {e}"))?;
+) -> Result<RunId, RunIdError> {
+    let found = |id: &str, source: &str| -> Result<RunId, RunIdError> {
+        validate(id).map_err(|e| RunIdError::From {
+            what: source.to_string(),
+            error: Box::new(e),
+        })?;
         Ok(RunId {
             id: Some(id.to_string()),
             source: source.to_string(),
@@ -132,10 +183,13 @@ pub fn board_prefix(id: Option<&str>) -> String {
 /// second run given the same folder fails at once instead of mixing its metrics, weights and
 /// checkpoints with the first's. The lock file names the holder (run and pid); the error
 /// repeats it.
-pub fn lock_out_dir(dir: &Path, shard: usize, run: Option<&str>) -> Result<File, String> {
+pub fn lock_out_dir(dir: &Path, shard: usize, run: Option<&str>) -> Result<File, RunIdError> {
     use std::io::{Read, Seek, Write};
     use std::os::fd::AsRawFd;
-    std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    std::fs::create_dir_all(dir).map_err(|error| RunIdError::Create {
+        dir: dir.to_path_buf(),
+        error,
+    })?;
     let path = dir.join(format!(".shard-{shard}.lock"));
     let mut f = OpenOptions::new()
         .create(true)
@@ -143,16 +197,19 @@ pub fn lock_out_dir(dir: &Path, shard: usize, run: Option<&str>) -> Result<File,
         .read(true)
         .write(true)
         .open(&path)
-        .map_err(|e| format!("cannot open {}: {e}", path.display()))?;
+        .map_err(|error| RunIdError::Open {
+            path: path.clone(),
+            error,
+        })?;
     // SAFETY: flock(2) on a file descriptor this `File` owns.
     if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
         let mut holder = String::new();
         let _ = f.read_to_string(&mut holder);
-        return Err(format!(
-            "the output directory {} is in use by shard {shard} of another live cluster ({}): two runs cannot share a folder; give this one its own out_dir (or stop the other first)",
-            dir.display(),
-            holder.trim()
-        ));
+        return Err(RunIdError::InUse {
+            dir: dir.to_path_buf(),
+            shard,
+            holder: holder.trim().to_string(),
+        });
     }
     let _ = f.set_len(0);
     let _ = f.rewind();
@@ -195,12 +252,16 @@ mod tests {
         let r = resolve(None, None, &env(&[("PS_RUN_ID", "")])).unwrap();
         assert_eq!(r.id, None);
         assert!(r.show().contains("unnamed"));
-        let e = resolve(Some("a b"), None, &env(&[])).unwrap_err();
+        let e = resolve(Some("a b"), None, &env(&[]))
+            .unwrap_err()
+            .to_string();
         assert!(
             e.starts_with("--run-id: run id \"a b\"") && e.contains("' '"),
             "{e}"
         );
-        let e = resolve(None, None, &env(&[("PS_RUN_ID", &"x".repeat(65))])).unwrap_err();
+        let e = resolve(None, None, &env(&[("PS_RUN_ID", &"x".repeat(65))]))
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("1 to 64"), "{e}");
         let g = generate();
         assert!(g.starts_with("local-") && validate(&g).is_ok(), "{g}");
@@ -211,7 +272,9 @@ mod tests {
     fn one_live_holder_per_shard_and_folder() {
         let dir = tempfile::tempdir().unwrap();
         let held = lock_out_dir(dir.path(), 0, Some("a")).unwrap();
-        let e = lock_out_dir(dir.path(), 0, Some("b")).unwrap_err();
+        let e = lock_out_dir(dir.path(), 0, Some("b"))
+            .unwrap_err()
+            .to_string();
         assert!(
             e.contains("in use by shard 0") && e.contains("run a, pid"),
             "{e}"

@@ -287,11 +287,88 @@ impl Deref for CnnLayout {
     }
 }
 
+/// Why a `[model] kind = "cnn"` shape is not a CNN this worker computes ([`CnnLayout::new`]).
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum CnnError {
+    /// A zero size, or fewer than two classes.
+    #[error(
+        "image = {image:?}, kernel = {kernel}, stride = {stride}, classes = {classes}: expected every size >= 1 and classes >= 2"
+    )]
+    ZeroSize {
+        /// `[c, h, w]`.
+        image: [usize; 3],
+        /// The kernel's side.
+        kernel: usize,
+        /// The stride.
+        stride: usize,
+        /// The classes.
+        classes: usize,
+    },
+    /// No convolution, or a zero width.
+    #[error(
+        "channels = {channels:?}, hidden = {hidden:?}: expected at least one convolution and every width >= 1"
+    )]
+    Widths {
+        /// The convolutions' output channels.
+        channels: Vec<usize>,
+        /// The hidden layers' widths.
+        hidden: Vec<usize>,
+    },
+    /// The padded input is smaller than the kernel (`what`: height or width).
+    #[error(
+        "{conv}: input {what} {n} + 2 x padding {padding} = {} is smaller than the kernel {kernel}",
+        n + 2 * padding
+    )]
+    KernelTooLarge {
+        /// The convolution (`conv1`, ...).
+        conv: String,
+        /// `height` or `width`.
+        what: &'static str,
+        /// The input's size.
+        n: usize,
+        /// The padding.
+        padding: usize,
+        /// The kernel's side.
+        kernel: usize,
+    },
+    /// The stride does not divide the padded input minus the kernel.
+    #[error(
+        "{conv}: stride {stride} does not divide input {what} {n} + 2 x padding {padding} - kernel {kernel} = {}",
+        n + 2 * padding - kernel
+    )]
+    Stride {
+        /// The convolution.
+        conv: String,
+        /// `height` or `width`.
+        what: &'static str,
+        /// The input's size.
+        n: usize,
+        /// The padding.
+        padding: usize,
+        /// The kernel's side.
+        kernel: usize,
+        /// The stride.
+        stride: usize,
+    },
+    /// The convolution's output is odd: 2x2 pooling would drop a row or column.
+    #[error(
+        "{conv}: output {what} {o} is odd: 2x2 max-pooling would drop its last row or column (change kernel, stride or padding)"
+    )]
+    OddOutput {
+        /// The convolution.
+        conv: String,
+        /// `height` or `width`.
+        what: &'static str,
+        /// The output's size.
+        o: usize,
+    },
+}
+
 impl CnnLayout {
     /// The layout of `shape`, or why it is not a CNN this worker computes: a zero size, a
     /// kernel larger than the padded input, a stride that does not divide the padded input
     /// minus the kernel, or a convolution output that 2x2 pooling does not halve exactly.
-    pub fn new(shape: CnnShape) -> Result<Self, String> {
+    pub fn new(shape: CnnShape) -> Result<Self, CnnError> {
         let CnnShape {
             image,
             kernel: k,
@@ -300,40 +377,52 @@ impl CnnLayout {
             ..
         } = shape;
         if image.contains(&0) || k == 0 || s == 0 || shape.classes < 2 {
-            return Err(format!(
-                "image = {image:?}, kernel = {k}, stride = {s}, classes = {}: expected every size >= 1 and classes >= 2",
-                shape.classes
-            ));
+            return Err(CnnError::ZeroSize {
+                image,
+                kernel: k,
+                stride: s,
+                classes: shape.classes,
+            });
         }
         if shape.channels.is_empty() || shape.channels.contains(&0) || shape.hidden.contains(&0) {
-            return Err(format!(
-                "channels = {:?}, hidden = {:?}: expected at least one convolution and every width >= 1",
-                shape.channels, shape.hidden
-            ));
+            return Err(CnnError::Widths {
+                channels: shape.channels.clone(),
+                hidden: shape.hidden.clone(),
+            });
         }
         let mut stages = Vec::new();
         let mut tensors = Vec::new();
         let [mut c, mut h, mut w] = image;
         for (i, &out) in shape.channels.iter().enumerate() {
             let conv = format!("conv{}", i + 1);
-            let side = |n: usize, what: &str| -> Result<usize, String> {
+            let side = |n: usize, what: &'static str| -> Result<usize, CnnError> {
                 let padded = n + 2 * p;
                 if padded < k {
-                    return Err(format!(
-                        "{conv}: input {what} {n} + 2 x padding {p} = {padded} is smaller than the kernel {k}"
-                    ));
+                    return Err(CnnError::KernelTooLarge {
+                        conv: conv.clone(),
+                        what,
+                        n,
+                        padding: p,
+                        kernel: k,
+                    });
                 }
                 if !(padded - k).is_multiple_of(s) {
-                    return Err(format!(
-                        "{conv}: stride {s} does not divide input {what} {n} + 2 x padding {p} - kernel {k} = {}",
-                        padded - k
-                    ));
+                    return Err(CnnError::Stride {
+                        conv: conv.clone(),
+                        what,
+                        n,
+                        padding: p,
+                        kernel: k,
+                        stride: s,
+                    });
                 }
                 let o = (padded - k) / s + 1;
                 if !o.is_multiple_of(2) {
-                    return Err(format!(
-                        "{conv}: output {what} {o} is odd: 2x2 max-pooling would drop its last row or column (change kernel, stride or padding)"
-                    ));
+                    return Err(CnnError::OddOutput {
+                        conv: conv.clone(),
+                        what,
+                        o,
+                    });
                 }
                 Ok(o)
             };
@@ -695,7 +784,7 @@ mod tests {
         let bad = |f: fn(&mut CnnShape)| {
             let mut s = lenet();
             f(&mut s);
-            CnnLayout::new(s).unwrap_err()
+            CnnLayout::new(s).unwrap_err().to_string()
         };
         assert_eq!(
             bad(|s| s.stride = 2),

@@ -35,10 +35,18 @@
 //! [`Shard::params`] (pull), [`Shard::poll_barrier`] (what the barrier policy says while a
 //! step waits).
 //!
-//! Locking: one std `Mutex<State>`, never held across an `.await` nor during the arithmetic;
-//! the barrier-completing push takes the slots out, computes on a blocking thread, and commits
-//! the new version. A bucket update holds the `work` lock (taken before `State`, never after)
-//! during its arithmetic, so the completion waits for it.
+//! Locking: four std mutexes on [`Shard`], none held across an `.await`, taken in this order
+//! only (a lock is never taken while a later one in the order is held):
+//!
+//! 1. `acc`, the step's running aggregate ([`intake::Acc`]): held during a fold, and by the
+//!    completion's update, so each waits for the other;
+//! 2. `work`, the step's tentative per-bucket work ([`bucket::Work`]): held during a bucket
+//!    update's arithmetic, so the completion waits for it;
+//! 3. `preempt_closed`: held while a preemption checkpoint is written;
+//! 4. `state` (`State`: the barrier, the parameter store, the optimizer state, the
+//!    failure, the buffers): held for bookkeeping only, never during the arithmetic; the
+//!    barrier-completing push takes the slots out, computes on a blocking thread, and commits
+//!    the new version under it.
 
 pub mod barrier;
 pub mod bucket;
