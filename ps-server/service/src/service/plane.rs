@@ -197,8 +197,9 @@ impl ShardService {
         first: &PushChunk,
         stream: &mut Streaming<PushChunk>,
     ) -> PsResult<(Vec<f32>, u64)> {
-        let mut rx = TensorReceiver::with_buffer(self.shard.take_buffer(), self.shard.push_len(), true)
-            .on_wire(self.wire);
+        let mut rx =
+            TensorReceiver::with_buffer(self.shard.take_buffer(), self.shard.push_len(), true)
+                .on_wire(self.wire);
         let received =
             receive_rest(&mut rx, first.offset, &first.data, stream, self.stream_idle).await;
         if let Err(e) = received {
