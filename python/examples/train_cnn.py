@@ -1,8 +1,8 @@
 """A small CNN (two conv layers with pooling, two linear layers) trained by one Python worker
-of a ps cluster; start one per rank. For example, with the shards of `run.toml` running:
+of a ps cluster; start one per rank. For example, with the shards of `examples/run.toml` running (python/README.md, from `python/`):
 
-    python examples/train_cnn.py --config run.toml --rank 0 --data ../data/mnist &
-    python examples/train_cnn.py --config run.toml --rank 1 --data ../data/mnist
+    python examples/train_cnn.py --config examples/run.toml --rank 0 --data ../data/mnist &
+    python examples/train_cnn.py --config examples/run.toml --rank 1 --data ../data/mnist
 
 Write the run's init file first (`--write-init init.safetensors`, named by `[model] init`).
 Each rank evaluates its share of the test set (`worker.test_slice`) for the shards' log; at

@@ -1,7 +1,8 @@
 """A small ResNet-style model with BatchNorm (a stem, three residual blocks, global average
 pooling: 23,298 parameters, 9 BatchNorm layers) trained by one Python worker of a ps
 cluster on Fashion-MNIST (or any IDX data set in the MNIST layout); start one per rank. With
-the shards of `run.toml` running:
+the shards of a config like `examples/run.toml` running (python/README.md), its `[model] init`
+the file written below and its `[data] dir` Fashion-MNIST:
 
     python examples/train_resnet.py --data ../data/fashion-mnist --write-init init.safetensors
     python examples/train_resnet.py --config run.toml --rank 0 --data ../data/fashion-mnist &

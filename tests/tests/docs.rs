@@ -177,11 +177,7 @@ const TOP: &[&str] = &[
 ];
 
 /// Paths a document names that are not in this checkout, each with why.
-const NOT_HERE: &[(&str, &str)] = &[(
-    "python/examples/run.toml",
-    "the config of python/README.md's recipe, added by another branch: its text is the \
-     README's block, which `the_python_recipes_config_loads_with_its_init_file` loads",
-)];
+const NOT_HERE: &[(&str, &str)] = &[];
 
 /// The code of a document: the lines of its fenced blocks and its inline code spans.
 fn code_of(text: &str) -> Vec<String> {
