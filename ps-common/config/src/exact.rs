@@ -9,27 +9,11 @@
 //! loss and `sum` aggregation; the combinations whose math depends on `W` are refused.
 
 use super::kinds::{Aggregation, LossReduction, Wire};
-use super::train::{RawTrain, TrainConfig};
+use super::train::TrainConfig;
 
 /// The micro-batch size when `exact_micro_batch` is not stated: the largest of 16, 8, 4, 2, 1
 /// that divides the global batch.
 const DEFAULT_MICRO_BATCH: usize = 16;
-
-/// `exact_micro_batch` as stated (0: not stated), when the mode is on; an error when the key is
-/// given without the mode or is 0.
-pub(super) fn stated(raw: &RawTrain) -> Result<Option<usize>, String> {
-    match (raw.exact_sum, raw.exact_micro_batch) {
-        (false, None) => Ok(None),
-        (false, Some(m)) => Err(format!(
-            "[train] exact_micro_batch = {m} without exact_sum = true: expected it only in the exact-sum mode"
-        )),
-        (true, Some(0)) => Err(
-            "[train] exact_micro_batch = 0: expected the samples of one gradient term (1 or more)"
-                .into(),
-        ),
-        (true, m) => Ok(Some(m.unwrap_or(0) as usize)),
-    }
-}
 
 /// Resolves the micro-batch size against the global batch `B` and `W`, and refuses what the
 /// mode cannot make independent of `W` (exit 2 at start-up), saying why; `declared`: a

@@ -201,7 +201,23 @@ impl RawTrain {
             log_every: self.log_every,
             eval_every: self.eval_every,
             micro_batches,
-            exact_micro_batch: super::exact::stated(self)?,
+            exact_micro_batch: exact_stated(self)?,
         })
+    }
+}
+
+/// `exact_micro_batch` as stated (0: not stated), when the mode is on; an error when the key is
+/// given without the mode or is 0.
+fn exact_stated(raw: &RawTrain) -> Result<Option<usize>, String> {
+    match (raw.exact_sum, raw.exact_micro_batch) {
+        (false, None) => Ok(None),
+        (false, Some(m)) => Err(format!(
+            "[train] exact_micro_batch = {m} without exact_sum = true: expected it only in the exact-sum mode"
+        )),
+        (true, Some(0)) => Err(
+            "[train] exact_micro_batch = 0: expected the samples of one gradient term (1 or more)"
+                .into(),
+        ),
+        (true, m) => Ok(Some(m.unwrap_or(0) as usize)),
     }
 }
