@@ -69,13 +69,7 @@ fn refused_config(e: &anyhow::Error) -> bool {
 
 fn run(cli: Cli) -> anyhow::Result<()> {
     let env: std::collections::HashMap<String, String> = std::env::vars().collect();
-    let mut overrides = ps_config::Overrides::from_env(&env);
-    overrides
-        .set_from_cli(&cli.set)
-        .map_err(|message| ps_config::ConfigError {
-            file: cli.config.clone(),
-            message,
-        })?;
+    let overrides = ps_config::Overrides::from_env_and_cli(&env, &cli.set, &cli.config)?;
     let mut cfg = Config::load_with(&cli.config, &overrides)?;
     for line in overrides.describe().lines() {
         tracing::info!("worker: {line}");

@@ -213,20 +213,8 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
         // for each layer's parameters (pulled straight into the backend's host weights, or,
         // on a device with its own memory, into its staging memory, uploaded piece by piece
         // as it arrives; else into `weights`, uploaded once complete)
-        let (gate, backend_gated) = match backend.open_gate(t, shard_ranges.clone(), patience) {
-            Some(g) => (g, true),
-            None => {
-                let layers = backend.layers();
-                let (ptr, len) = (weights.as_mut_ptr(), weights.len());
-                // SAFETY: `weights` is neither touched nor resized until the gate is dropped
-                // at the end of this step, except through it: the writers of the pulling
-                // thread (joined by `pull_while`) and `published` after `wait_all`.
-                let g = Arc::new(unsafe {
-                    PullGate::new(ptr, len, t, shard_ranges.clone(), layers, patience)
-                });
-                (g, false)
-            }
-        };
+        let (gate, backend_gated) =
+            open_step_gate(backend.as_mut(), &mut weights, t, &shard_ranges, patience);
         let jobs = pull_jobs(&peers);
         let runtime = tokio::runtime::Handle::current();
         let (mut t1, mut t2) = (t0, t0);
@@ -413,19 +401,63 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
         t += 1;
     }
 
-    // final weights: evaluate this rank's slice of the test set and leave
+    finish_run(
+        &mut peers,
+        backend.as_mut(),
+        (rank, total),
+        (&test, &test_idx),
+        &mut weights,
+        &timing,
+    )
+    .await?;
+    Ok(timing)
+}
+
+/// The gate of step `t`'s pull: the backend's own (its host weights or staging memory; `true`),
+/// else one over `weights`, uploaded once complete (`false`).
+fn open_step_gate(
+    backend: &mut dyn Backend,
+    weights: &mut [f32],
+    t: u64,
+    shard_ranges: &[Range<usize>],
+    patience: Duration,
+) -> (Arc<PullGate>, bool) {
+    if let Some(g) = backend.open_gate(t, shard_ranges.to_vec(), patience) {
+        return (g, true);
+    }
+    let layers = backend.layers();
+    let (ptr, len) = (weights.as_mut_ptr(), weights.len());
+    // SAFETY: `weights` is neither touched nor resized until the gate is dropped at the end of
+    // this step, except through it: the writers of the pulling thread (joined by `pull_while`)
+    // and `published` after `wait_all`.
+    let g =
+        Arc::new(unsafe { PullGate::new(ptr, len, t, shard_ranges.to_vec(), layers, patience) });
+    (g, false)
+}
+
+/// The run's end: pulls the final weights, evaluates this rank's slice of the test set, leaves
+/// every shard with that count, and says so.
+async fn finish_run(
+    peers: &mut [Peer],
+    backend: &mut dyn Backend,
+    (rank, total): (usize, u64),
+    (test, test_idx): (&Dataset, &[u32]),
+    weights: &mut [f32],
+    timing: &Timing,
+) -> anyhow::Result<()> {
     peers.iter_mut().for_each(|p| p.ahead = false);
-    pull_all(&mut peers, total, &mut weights).await?;
-    backend.set_weights(&weights)?;
-    let (correct, count) = evaluate(backend.as_mut(), &test, &test_idx, &mut x, &mut y)?;
-    leave_all(&mut peers, rank, (correct, count)).await?;
+    pull_all(peers, total, weights).await?;
+    backend.set_weights(weights)?;
+    let (mut x, mut y) = (Vec::new(), Vec::new());
+    let (correct, count) = evaluate(backend, test, test_idx, &mut x, &mut y)?;
+    leave_all(peers, rank, (correct, count)).await?;
     tracing::info!(
         "worker {rank}: done after {} steps; per step {}; test accuracy on its slice {:.2}% ({correct}/{count})",
         timing.steps,
         timing.describe(),
         100.0 * correct as f64 / count.max(1) as f64
     );
-    Ok(timing)
+    Ok(())
 }
 
 /// Runs `compute` on this thread while a scoped thread of its own pulls `gate`'s version

@@ -146,13 +146,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         libc::signal(libc::SIGUSR1, on_signal as *const () as libc::sighandler_t);
     }
     let env: std::collections::HashMap<String, String> = std::env::vars().collect();
-    let mut overrides = ps_config::Overrides::from_env(&env);
-    overrides
-        .set_from_cli(&cli.set)
-        .map_err(|message| ps_config::ConfigError {
-            file: cli.config.clone(),
-            message,
-        })?;
+    let overrides = ps_config::Overrides::from_env_and_cli(&env, &cli.set, &cli.config)?;
     let mut cfg = Config::load_with(&cli.config, &overrides)?;
     for line in overrides.describe().lines() {
         eprintln!("ps-launch: {line}");

@@ -189,6 +189,23 @@ impl Overrides {
         }
     }
 
+    /// A program's start-up overrides: `env`'s `PS_SET_*`, then the command line's `sets`
+    /// (which win). A malformed `--set` is a refused config of `file` ([`ConfigError`]: exit 2).
+    pub fn from_env_and_cli(
+        env: &std::collections::HashMap<String, String>,
+        sets: &[String],
+        file: &Path,
+    ) -> Result<Self, ConfigError> {
+        let mut overrides = Self::from_env(env);
+        overrides
+            .set_from_cli(sets)
+            .map_err(|message| ConfigError {
+                file: file.to_path_buf(),
+                message,
+            })?;
+        Ok(overrides)
+    }
+
     /// Adds the command line's `--set section.key=value` settings (after the environment's,
     /// so they win); the error names a setting that is not `section.key=value`.
     pub fn set_from_cli(&mut self, sets: &[String]) -> Result<(), String> {
