@@ -139,12 +139,7 @@ fn main() -> std::process::ExitCode {
 /// and workers started and watched, then the weights exported and (`--check-reference`)
 /// compared with one process.
 fn run(cli: Cli) -> anyhow::Result<()> {
-    // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
-    unsafe {
-        libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
-        libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
-        libc::signal(libc::SIGUSR1, on_signal as *const () as libc::sighandler_t);
-    }
+    install_signal_handlers();
     let env: std::collections::HashMap<String, String> = std::env::vars().collect();
     let overrides = ps_config::Overrides::from_env_and_cli(&env, &cli.set, &cli.config)?;
     let mut cfg = Config::load_with(&cli.config, &overrides)?;
@@ -162,14 +157,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     if cli.export {
         return export(&cfg, &out_dir);
     }
-    if cfg.model.declared.is_some()
-        && cfg.spec().names_and_shapes() != cfg.layout().names_and_shapes()
-    {
-        anyhow::bail!(
-            "{}: [model] init declares a model other than the built-in MLP of [model] inputs/classes or the CNN of kind = \"cnn\" (ps-worker trains only those): start the shards with ps-server and the workers with the Python package (python/), then merge the weights with ps-launch --export",
-            cli.config.display()
-        );
-    }
+    refuse_declared_model(&cfg, &cli.config)?;
     // the run id: given, else (on --resume) the one of the run in out_dir, else a new one
     let id_file = out_dir.join("run_id");
     let run = run_id_of(&mut cfg, &cli, &env, &id_file)?;
@@ -240,17 +228,51 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     );
     export(&cfg, &out_dir)?;
     if cli.check_reference {
-        let run = check::RunArgs {
-            overrides: Some(&overrides),
-            data_dir: cli.data_dir.as_deref(),
-            worker_args: &cli.worker_arg,
-        };
-        let report =
-            check::check_reference(&cfg, &cli.config, &out_dir, &run).context("reference check")?;
-        print!("{report}");
-        if !report.agrees() {
-            anyhow::bail!("the cluster run does not agree with the single-process reference");
-        }
+        check_against_reference(&cli, &cfg, &overrides, &out_dir)?;
+    }
+    Ok(())
+}
+
+/// SIGINT and SIGTERM stop the run (the workers first), SIGUSR1 is a preemption notice.
+fn install_signal_handlers() {
+    // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
+    unsafe {
+        libc::signal(libc::SIGINT, on_signal as *const () as libc::sighandler_t);
+        libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
+        libc::signal(libc::SIGUSR1, on_signal as *const () as libc::sighandler_t);
+    }
+}
+
+/// ps-worker trains only the built-in models: a config that declares another one is refused.
+fn refuse_declared_model(cfg: &Config, config: &Path) -> anyhow::Result<()> {
+    if cfg.model.declared.is_some()
+        && cfg.spec().names_and_shapes() != cfg.layout().names_and_shapes()
+    {
+        anyhow::bail!(
+            "{}: [model] init declares a model other than the built-in MLP of [model] inputs/classes or the CNN of kind = \"cnn\" (ps-worker trains only those): start the shards with ps-server and the workers with the Python package (python/), then merge the weights with ps-launch --export",
+            config.display()
+        );
+    }
+    Ok(())
+}
+
+/// `--check-reference`: the finished run's weights against one process trained the same way.
+fn check_against_reference(
+    cli: &Cli,
+    cfg: &Config,
+    overrides: &ps_config::Overrides,
+    out_dir: &Path,
+) -> anyhow::Result<()> {
+    let run = check::RunArgs {
+        overrides: Some(overrides),
+        data_dir: cli.data_dir.as_deref(),
+        worker_args: &cli.worker_arg,
+    };
+    let report =
+        check::check_reference(cfg, &cli.config, out_dir, &run).context("reference check")?;
+    print!("{report}");
+    if !report.agrees() {
+        anyhow::bail!("the cluster run does not agree with the single-process reference");
     }
     Ok(())
 }
