@@ -121,12 +121,7 @@ impl Shard {
         let mode = if exact.is_some() {
             bucket::Mode::Whole("the exact sum (exact_sum) adds the workers' whole partial sums")
         } else {
-            bucket::Mode::of(
-                cfg.clip_norm.is_some(),
-                shm.is_some(),
-                cfg.server.max_pending_gradients,
-                w,
-            )
+            bucket::Mode::of(cfg.clip_norm.is_some(), cfg.server.max_pending_gradients, w)
         };
         let buckets = match &mode {
             bucket::Mode::Buckets => bucket::plan(&spec, &range),

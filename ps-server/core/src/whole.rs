@@ -44,9 +44,9 @@ impl Shard {
         lr: f64,
     ) -> Applied {
         let folded = acc.step == step && acc.folded();
+        let mut exact_sum = Vec::new();
         let (mut grads, mut cs, mut ranks) = self.inputs(slots, acc, folded);
         // the exact sum: one input, the partial sums added without rounding and rounded once
-        let mut exact_sum = Vec::new();
         if let Some(m) = self.exact {
             match exact_aggregate(&grads, self.len(), &mut exact_sum) {
                 Ok(()) => {
@@ -54,15 +54,7 @@ impl Shard {
                     cs = vec![self.exact_coefficient(m, slots)];
                     ranks.truncate(1);
                 }
-                Err((i, e)) => {
-                    return self.refused(
-                        format!(
-                            "step {step}: rank {}'s exact partial sum on shard {}: {e}; the step is not applied (the shard stays at version {step}) and the run stops",
-                            ranks[i], self.index
-                        ),
-                        opt,
-                    );
-                }
+                Err((i, e)) => return self.refused(self.exact_refused(step, ranks[i], &e), opt),
             }
         }
         // tensors no rank reached are not updated; Adam's bias correction of a tensor skipped
@@ -266,7 +258,11 @@ impl Shard {
         // a board truncated under the update read as zeros (the SIGBUS guard): not its values
         let truncated = slots
             .iter()
-            .find(|s| matches!(&s.grad, Grad::Board(b) if b.faulted()))
+            .find(|s| match &s.grad {
+                Grad::Board(b) => b.faulted(),
+                Grad::Received(r) => r.buf.faulted(),
+                _ => false,
+            })
             .map(|s| s.rank);
         match (updated, truncated, exchange_failed) {
             (_, _, Some(why)) => Err(format!(
@@ -288,6 +284,15 @@ impl Shard {
             )),
             (Ok(norms), None, None) => Ok(norms.aggregate),
         }
+    }
+
+    /// Why a step is refused whose rank `rank` pushed something that is not an exact partial
+    /// sum.
+    fn exact_refused(&self, step: u64, rank: u32, e: &ps_net::exact::ExactError) -> String {
+        format!(
+            "step {step}: rank {rank}'s exact partial sum on shard {}: {e}; the step is not applied (the shard stays at version {step}) and the run stops",
+            self.index
+        )
     }
 
     /// The parts of this shard's range the fused update must not change (tensors no rank of
