@@ -456,7 +456,35 @@ impl StreamCheck {
 
     /// Takes values already decoded (widened from bfloat16 on that wire) that claim to start
     /// at value `offset`: the same as [`StreamCheck::push`] of their encoded bytes.
+    /// The values whose lanes line up with blocks of `FP_LANES` go through the vectorised
+    /// [`fp_blocks`] (as [`check_and_fingerprint`] does), the others one by one.
     pub fn push_values(&mut self, offset: u64, values: &[f32]) -> Result<(), PsError> {
+        let head = ((FP_LANES - self.at % FP_LANES) % FP_LANES).min(values.len());
+        self.push_f32(offset, &values[..head])?;
+        let body = (values.len() - head) / FP_LANES * FP_LANES;
+        if body > 0 {
+            let end = self.at + body;
+            if end > self.len {
+                return Err(PsError::WrongLength {
+                    expected: self.len as u64,
+                    got: end as u64,
+                });
+            }
+            let blocks = &values[head..head + body];
+            // self.at is a multiple of FP_LANES here: value j of each block goes to lane j
+            if fp_blocks(&mut self.lanes, blocks) && self.bad.is_none() {
+                self.bad = blocks
+                    .iter()
+                    .position(|v| !v.is_finite())
+                    .map(|i| ((self.at + i) as u64, blocks[i]));
+            }
+            self.at = end;
+        }
+        self.push_f32(self.at as u64, &values[head + body..])
+    }
+
+    /// [`StreamCheck::push`] of `values` as f32 bytes.
+    fn push_f32(&mut self, offset: u64, values: &[f32]) -> Result<(), PsError> {
         let saved = self.wire;
         self.wire = Wire::F32;
         let r = self.push(offset, as_le_bytes(values));

@@ -17,9 +17,11 @@
 //!   update would be (a push refused or broken after its pieces were used, a second push of a
 //!   rank, other members, other unused tensors, another optimizer state) discards the work,
 //!   and the completion runs the whole-range update from the intact state.
-//! - Where it runs ([`Mode`]): no `clip_norm` (the global norm comes first), no shared-memory
-//!   host (board gradients, board parameters), and a receive buffer for every rank
-//!   (`max_pending_gradients >= workers`: no fold into the accumulator). Decided at start-up.
+//! - Where it runs ([`Mode`]): no `clip_norm` (the global norm comes first), and a receive
+//!   buffer for every rank (`max_pending_gradients >= workers`: no fold into the accumulator).
+//!   Decided at start-up. A push in a shared-memory gradient board is not copied: its
+//!   [`RecvBuf`] is a view of the board's range, checked (finiteness, fingerprint) and
+//!   published bucket by bucket in one pass ([`Shard::receive_board`]).
 //!
 //! Locks: the tracking ([`Track`]) is in the shard's `State` (quick, per published region);
 //! the arithmetic runs under the shard's `work` lock only (taken before `State`, never after),
@@ -29,6 +31,7 @@ use super::{Grad, Shard, State};
 use crate::update::{Norms, Simd, UpdateInputs, fused_update, threads_for};
 use ps_config::Wire;
 use ps_model::layout::ModelSpec;
+use ps_net::shm::Board;
 use ps_optim::{OptState, Optimizer};
 use ps_proto::{PsError, PsResult};
 use std::mem::MaybeUninit;
@@ -75,12 +78,11 @@ pub enum Mode {
 }
 
 impl Mode {
-    /// The mode for a shard with these settings.
-    pub fn of(clip: bool, shm: bool, buffers: usize, world: usize) -> Self {
+    /// The mode for a shard with these settings (a shared-memory host applies per bucket
+    /// too: a board push is read in place, bucket by bucket, [`Shard::receive_board`]).
+    pub fn of(clip: bool, buffers: usize, world: usize) -> Self {
         if clip {
             Mode::Whole("[optimizer] clip_norm needs the global gradient norm before any update")
-        } else if shm {
-            Mode::Whole("shared-memory gradients and parameters on this host")
         } else if buffers < world {
             Mode::Whole(
                 "[server] max_pending_gradients < workers: gradients are folded as they arrive",
@@ -103,6 +105,9 @@ pub struct RecvBuf {
     cap: usize,
     len: usize,
     complete: AtomicBool,
+    /// For a view of a shared-memory gradient board's range: the board, which keeps it mapped
+    /// (nothing is written through the view, and nothing is freed).
+    board: Option<Arc<Board>>,
 }
 
 // SAFETY: the buffer is plain memory owned by the RecvBuf; concurrent access follows the
@@ -133,7 +138,34 @@ impl RecvBuf {
             cap,
             len,
             complete: AtomicBool::new(false),
+            board: None,
         }
+    }
+
+    /// A view of values `r` of `board`'s slot 0 (a worker's gradient board), read in place.
+    ///
+    /// # Safety
+    /// The worker does not write its board between its push and the update of the version the
+    /// push is for (`ps_net::shm`'s protocol); one that breaks it can only change the values
+    /// read, which every update checks for finiteness where it reads them.
+    unsafe fn on_board(board: Arc<Board>, r: Range<usize>) -> Self {
+        // SAFETY: the board stays mapped while the Arc lives (kept in the view); the caller's
+        // contract on writes.
+        let values = unsafe { &board.slot(0)[r] };
+        let ptr = NonNull::from(values).cast::<f32>();
+        Self {
+            ptr,
+            cap: 0,
+            len: values.len(),
+            complete: AtomicBool::new(false),
+            board: Some(board),
+        }
+    }
+
+    /// True when the board this views was found truncated while it was read (read as zeros
+    /// under the SIGBUS guard: not the rank's values).
+    pub fn faulted(&self) -> bool {
+        self.board.as_ref().is_some_and(|b| b.faulted())
     }
 
     /// Its length.
@@ -168,6 +200,9 @@ impl RecvBuf {
     /// another holder (the applier) still reads it.
     pub fn into_vec(this: Arc<Self>) -> Option<Vec<f32>> {
         let buf = Arc::try_unwrap(this).ok()?;
+        if buf.board.is_some() {
+            return None;
+        }
         let buf = std::mem::ManuallyDrop::new(buf);
         let len = if buf.complete.load(Ordering::Acquire) {
             buf.len
@@ -183,6 +218,10 @@ impl RecvBuf {
 
 impl Drop for RecvBuf {
     fn drop(&mut self) {
+        if self.board.is_some() {
+            // a view: the board owns the memory
+            return;
+        }
         // SAFETY: the allocation taken apart in `new`; f32 needs no drop, so length 0 frees it.
         drop(unsafe { Vec::from_raw_parts(self.ptr.as_ptr(), 0, self.cap) });
     }
@@ -339,6 +378,11 @@ impl Shard {
             return None;
         }
         let buf = Arc::new(RecvBuf::new(self.take_buffer(), self.len()));
+        self.intake_into(rank, step, buf)
+    }
+
+    /// [`Shard::intake`] into `buf` (a receive buffer, or a view of a gradient board).
+    fn intake_into(self: &Arc<Self>, rank: u32, step: u64, buf: Arc<RecvBuf>) -> Option<Intake> {
         let mut st = self.lock();
         let r = st.barrier.rank(rank).ok()?;
         if st.barrier.step() != step || st.barrier.applying() || st.failed.is_some() {
@@ -500,9 +544,6 @@ impl Shard {
     /// Starts the tentative work of `step`: its members, coefficients, unreached tensors, the
     /// optimizer state it reads and the pending version it writes.
     fn begin_work(&self, st: &mut State, work: &mut Work, step: u64) -> Result<(), &'static str> {
-        if st.store.is_board() {
-            return Err("the parameters are in a shared-memory board");
-        }
         let Some((members, samples)) = st.barrier.frozen().cloned() else {
             return Err("the step's members are not fixed");
         };
@@ -628,6 +669,15 @@ impl Shard {
         Ok(())
     }
 
+    /// Drops the step's tentative work and the update it began, for `why` (the buckets not
+    /// applied yet are not either: the completion updates the whole range).
+    pub(crate) fn drop_work(&self, st: &mut State, work: &mut Work, why: &str) {
+        if work.of.take().is_some() {
+            st.track.discard(self.index, why);
+        }
+        work.update = None;
+    }
+
     /// At the barrier's completion with `slots` (under the `work` lock, the state locked as
     /// `st`): the step's tentative work when it is exactly what the whole-range update of
     /// these slots would compute, else None (the work is dropped; its pending version is
@@ -659,6 +709,7 @@ impl Shard {
             && slots.iter().zip(&basis.bufs).all(
                 |(s, buf)| matches!(&s.grad, Grad::Received(rec) if Arc::ptr_eq(&rec.buf, buf)),
             )
+            && !basis.bufs.iter().any(|b| b.faulted())
             && Arc::ptr_eq(&basis.opt, &st.opt)
             && st.unused.skipped_by_all(step, &basis.ranks) == basis.skip;
         if !same {
@@ -753,6 +804,73 @@ pub(crate) struct Finished {
     pub early: u32,
 }
 
+/// The shared-memory side of per-bucket apply.
+impl Shard {
+    /// A push in `rank`'s gradient board `board` for `step`, on a shard that applies per
+    /// bucket: the board's range is read in place (not copied), bucket by bucket, each bucket
+    /// checked for finite values and added to the push's fingerprint while in cache, then
+    /// published to the applier, which runs right here when buckets became ready (the last
+    /// push of a bucket applies it while its values are still in cache). Blocking: call it
+    /// from a blocking thread. None when this shard applies the whole range only or the step
+    /// is not the one being gathered (the caller checks the whole range then,
+    /// [`Shard::shm_grad`]). A bucket holding a value that is not finite refuses the push at
+    /// once ([`PsError::NonFinite`], index in the shard's range); the buckets published before
+    /// it are discarded with the intake (dropped uncounted), as a gRPC push refused halfway.
+    /// Keep the intake until [`Shard::accept`] answered.
+    pub fn receive_board(
+        self: &Arc<Self>,
+        rank: u32,
+        step: u64,
+        board: Arc<Board>,
+    ) -> Option<PsResult<(Grad, u64, Intake)>> {
+        if self.buckets.is_empty() {
+            return None;
+        }
+        // SAFETY: the worker does not write its board before the update of this step
+        // (ps_net::shm); the update checks every value it reads for finiteness anyway.
+        let buf = unsafe { RecvBuf::on_board(board.clone(), self.push_range()) };
+        let mut intake = self.intake_into(rank, step, Arc::new(buf))?;
+        Some(
+            self.read_board(rank, &mut intake, &board)
+                .map(|(grad, fp)| (grad, fp, intake)),
+        )
+    }
+
+    /// The pass of [`Shard::receive_board`] over the board's range, bucket by bucket.
+    fn read_board(&self, rank: u32, intake: &mut Intake, board: &Board) -> PsResult<(Grad, u64)> {
+        let buf = intake.buf().clone();
+        let mut check = ps_net::wire::StreamCheck::new(buf.len());
+        for bucket in &self.buckets {
+            let r = bucket.range.clone();
+            // SAFETY: a board view is never written through (RecvBuf::on_board)
+            let values = unsafe { buf.part(r.clone()) };
+            if let Some(i) = values.iter().position(|v| !v.is_finite()) {
+                return Err(PsError::NonFinite {
+                    index: (r.start + i) as u64,
+                    value: values[i],
+                });
+            }
+            check.push_values(r.start as u64, values)?;
+            intake.mark(r)?;
+            // SAFETY: the region's values are the board's, in place (nothing to write)
+            if unsafe { intake.publish() } {
+                self.run_buckets();
+            }
+        }
+        if board.faulted() {
+            if let Some(h) = &self.shm {
+                h.detach(rank as usize);
+            }
+            return Err(crate::shm::truncated_push(rank, board));
+        }
+        let fp = check.finish()?;
+        buf.complete.store(true, Ordering::Release);
+        // the intake lives on until the push is counted or refused, as a gRPC push's
+        let grad = Grad::Received(Received { buf, permit: None });
+        Ok((grad, fp))
+    }
+}
+
 /// The receiving task's handle on a push received for per-bucket apply ([`Shard::intake`]).
 /// Dropped before the push is counted, it discards the step's work that used its values.
 #[derive(Debug)]
@@ -795,6 +913,24 @@ impl Intake {
         Ok(unsafe {
             std::slice::from_raw_parts_mut(ptr.add(r.start).cast::<MaybeUninit<f32>>(), r.len())
         })
+    }
+
+    /// Records values `r` as handed out (never written: a board view's), as
+    /// [`Intake::region`] does; refused in the same cases.
+    fn mark(&mut self, r: Range<usize>) -> PsResult<()> {
+        let len = self.buf().len();
+        let overlaps = self
+            .given
+            .iter()
+            .any(|g| g.start < r.end && r.start < g.end);
+        if r.start > r.end || r.end > len || overlaps {
+            return Err(PsError::Internal(format!(
+                "board region {r:?} of {len} values overlaps one read already"
+            )));
+        }
+        self.given.push(r.clone());
+        self.last = Some(r);
+        Ok(())
     }
 
     /// Publishes the region handed out last as received; true when an applier should run

@@ -354,104 +354,8 @@ impl Shard {
             return Ok(());
         }
         let mut acc = self.acc.lock().unwrap_or_else(|p| p.into_inner());
-        loop {
-            let (r, grad, c, first) = {
-                let mut st = self.lock();
-                if st.failed.is_some() || st.barrier.applying() {
-                    return Ok(());
-                }
-                let step = st.barrier.step();
-                if acc.step != step || (acc.coeffs.is_empty() && acc.folded()) {
-                    if let Some(v) = acc.values.take() {
-                        st.spare.push(v);
-                    }
-                    *acc = Acc {
-                        step,
-                        ..Acc::default()
-                    };
-                }
-                if acc.coeffs.is_empty() {
-                    let Some((members, samples)) = st.barrier.freeze_if_ready() else {
-                        return Ok(());
-                    };
-                    acc.coeffs = self.member_coeffs(members, samples);
-                    acc.norms = vec![None; self.world];
-                    acc.members = members.clone();
-                    acc.samples = samples.clone();
-                }
-                while acc.next < self.world && !acc.members[acc.next] {
-                    acc.next += 1;
-                }
-                let r = acc.next;
-                let last = (r + 1..self.world).all(|q| !acc.members[q]);
-                if r >= self.world || last {
-                    return Ok(());
-                }
-                let Some(grad) = st.barrier.take_for_fold(r) else {
-                    return Ok(());
-                };
-                (r, grad, acc.coeffs[r], !acc.folded())
-            };
-            let board = match &grad {
-                Grad::Board(b) => Some(b.clone()),
-                _ => None,
-            };
-            // the squared norm of the gradient, taken in the pass that folds it
-            let acc_norm = acc.as_is.is_some();
-            let folded = match grad {
-                Grad::Owned(mut held) if first => {
-                    match scale_in_place(&mut held.values, c) {
-                        Some(sq) => acc.norms[r] = Some(sq),
-                        // kept as it is: its norm is the accumulator's, taken when it is next
-                        // read (the next fold, or the update)
-                        None => acc.as_is = Some(r),
-                    }
-                    acc.values = Some(std::mem::take(&mut held.values));
-                    Ok(())
-                }
-                Grad::Owned(held) => {
-                    let out = fold(
-                        acc.values.as_mut().expect("folded before"),
-                        &held.values,
-                        c,
-                        false,
-                        false,
-                        acc_norm,
-                    );
-                    self.return_buffer(held.values);
-                    out.map(|f| acc.record(r, f))
-                }
-                Grad::Board(b) => {
-                    let mut values = acc.values.take().unwrap_or_else(|| self.take_buffer());
-                    // SAFETY: as in `apply`: the Arc keeps the board mapped; a worker that
-                    // writes it against the protocol only changes the values, checked here
-                    let out = fold(
-                        &mut values,
-                        unsafe { &b.slot(0)[self.range.clone()] },
-                        c,
-                        first,
-                        true,
-                        acc_norm,
-                    );
-                    acc.values = Some(values);
-                    out.map(|f| acc.record(r, f))
-                }
-                Grad::Folded | Grad::Checked | Grad::Received(_) => Ok(()),
-            };
-            let step = acc.step;
-            // a board truncated under the fold read as zeros (the SIGBUS guard): not its values
-            let why = if board.is_some_and(|b| b.faulted()) {
-                if let Some(h) = &self.shm {
-                    h.detach(r);
-                }
-                Some(board_truncated(step, r as u32))
-            } else {
-                folded.err().map(|(index, value)| format!(
-                    "step {step}: rank {r}'s gradient holds {value} at index {index} of shard {}'s range when the update reads it, although its push was checked: its shared-memory board was written after the push was accepted; the step is not applied (the shard stays at version {step}) and the run stops",
-                    self.index
-                ))
-            };
-            if let Some(why) = why {
+        while let Some((r, grad, c, first)) = self.next_to_fold(&mut acc) {
+            if let Err(why) = self.fold_one(&mut acc, r, grad, c, first) {
                 tracing::error!("shard {}: {why}", self.index);
                 acc.values = None;
                 self.fail(why.clone());
@@ -460,6 +364,117 @@ impl Shard {
             acc.next = r + 1;
             self.wake();
         }
+        Ok(())
+    }
+
+    /// The next gradient to fold, taken out of the barrier under the state lock: (its rank,
+    /// the gradient, its coefficient, whether it is the first folded). The accumulator is
+    /// reset for a new step, and its coefficients fixed once the barrier's members are. None
+    /// when nothing is to be folded now (the run failed, the update runs, the next rank is not
+    /// in yet, or it is the last the step needs).
+    fn next_to_fold(&self, acc: &mut Acc) -> Option<(usize, Grad, f32, bool)> {
+        let mut st = self.lock();
+        if st.failed.is_some() || st.barrier.applying() {
+            return None;
+        }
+        let step = st.barrier.step();
+        if acc.step != step || (acc.coeffs.is_empty() && acc.folded()) {
+            if let Some(v) = acc.values.take() {
+                st.spare.push(v);
+            }
+            *acc = Acc {
+                step,
+                ..Acc::default()
+            };
+        }
+        if acc.coeffs.is_empty() {
+            let (members, samples) = st.barrier.freeze_if_ready()?;
+            acc.coeffs = self.member_coeffs(members, samples);
+            acc.norms = vec![None; self.world];
+            acc.members = members.clone();
+            acc.samples = samples.clone();
+        }
+        while acc.next < self.world && !acc.members[acc.next] {
+            acc.next += 1;
+        }
+        let r = acc.next;
+        let last = (r + 1..self.world).all(|q| !acc.members[q]);
+        if r >= self.world || last {
+            return None;
+        }
+        let grad = st.barrier.take_for_fold(r)?;
+        Some((r, grad, acc.coeffs[r], !acc.folded()))
+    }
+
+    /// Folds rank `r`'s gradient into the accumulator with coefficient `c` (`first`: the
+    /// accumulator is empty), its squared norm taken in the same pass; why the run stops when
+    /// a shared-memory gradient is not finite or its board was truncated under the fold.
+    fn fold_one(
+        &self,
+        acc: &mut Acc,
+        r: usize,
+        grad: Grad,
+        c: f32,
+        first: bool,
+    ) -> Result<(), String> {
+        let board = match &grad {
+            Grad::Board(b) => Some(b.clone()),
+            _ => None,
+        };
+        // the squared norm of the gradient, taken in the pass that folds it
+        let acc_norm = acc.as_is.is_some();
+        let folded = match grad {
+            Grad::Owned(mut held) if first => {
+                match scale_in_place(&mut held.values, c) {
+                    Some(sq) => acc.norms[r] = Some(sq),
+                    // kept as it is: its norm is the accumulator's, taken when it is next
+                    // read (the next fold, or the update)
+                    None => acc.as_is = Some(r),
+                }
+                acc.values = Some(std::mem::take(&mut held.values));
+                Ok(())
+            }
+            Grad::Owned(held) => {
+                let out = fold(
+                    acc.values.as_mut().expect("folded before"),
+                    &held.values,
+                    c,
+                    false,
+                    false,
+                    acc_norm,
+                );
+                self.return_buffer(held.values);
+                out.map(|f| acc.record(r, f))
+            }
+            Grad::Board(b) => {
+                let mut values = acc.values.take().unwrap_or_else(|| self.take_buffer());
+                // SAFETY: as in `apply`: the Arc keeps the board mapped; a worker that
+                // writes it against the protocol only changes the values, checked here
+                let out = fold(
+                    &mut values,
+                    unsafe { &b.slot(0)[self.range.clone()] },
+                    c,
+                    first,
+                    true,
+                    acc_norm,
+                );
+                acc.values = Some(values);
+                out.map(|f| acc.record(r, f))
+            }
+            Grad::Folded | Grad::Checked | Grad::Received(_) => Ok(()),
+        };
+        let step = acc.step;
+        // a board truncated under the fold read as zeros (the SIGBUS guard): not its values
+        if board.is_some_and(|b| b.faulted()) {
+            if let Some(h) = &self.shm {
+                h.detach(r);
+            }
+            return Err(board_truncated(step, r as u32));
+        }
+        folded.map_err(|(index, value)| format!(
+            "step {step}: rank {r}'s gradient holds {value} at index {index} of shard {}'s range when the update reads it, although its push was checked: its shared-memory board was written after the push was accepted; the step is not applied (the shard stays at version {step}) and the run stops",
+            self.index
+        ))
     }
 
     /// The coefficient of the accumulator in an update of `slots`: 1 when they are the ranks

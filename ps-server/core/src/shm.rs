@@ -130,12 +130,23 @@ fn parse_proc_addr(s: &str) -> Option<std::net::SocketAddr> {
     Some(SocketAddr::new(ip.to_canonical(), port))
 }
 
+/// Why `rank`'s push is refused when its gradient `board` was found truncated.
+pub(crate) fn truncated_push(rank: u32, board: &Board) -> PsError {
+    PsError::BadChunk(format!(
+        "rank {rank}'s shared-memory gradient board {} was truncated (another process shrank the file): push refused; register again with a new board, or push through gRPC",
+        board.path().display()
+    ))
+}
+
 /// The shared-memory side of the facade.
 impl Shard {
     /// The shared-memory directory and token to offer `rank` on registration for its pulls,
     /// or None when this shard serves through gRPC only. The first offer moves the parameters
     /// into the shared-memory board (updates then read and write them there).
     pub fn offer_shm(&self, rank: u32) -> PsResult<Option<(String, u64)>> {
+        // the lock order: `work` before `state`; a step's per-bucket work begun on the heap
+        // is dropped before the parameters move (its update would commit into the heap)
+        let mut work = self.work.lock().unwrap_or_else(|p| p.into_inner());
         let mut st = self.lock();
         st.barrier.rank(rank)?;
         let Some(host) = &self.shm else {
@@ -157,6 +168,11 @@ impl Shard {
                 }
             };
             let version = st.barrier.step();
+            self.drop_work(
+                &mut st,
+                &mut work,
+                "the parameters moved into a shared-memory board",
+            );
             st.store.move_to_board(board, version);
             tracing::info!(
                 "shard {}: parameters in shared memory for the workers on this host ({})",
@@ -187,6 +203,36 @@ impl Shard {
         }
     }
 
+    /// `rank`'s gradient board, for a push that says it is in shared memory; refused when
+    /// the rank registered none here.
+    pub fn grad_board(&self, rank: u32) -> PsResult<Arc<Board>> {
+        let r = self.lock().barrier.rank(rank)?;
+        let board = self.shm.as_ref().and_then(|h| h.grad(r));
+        board.ok_or_else(|| {
+            PsError::BadChunk(format!(
+                "rank {rank} pushed through shared memory but shard {} has no gradient board of it: expected a registration with a grad_file first",
+                self.index
+            ))
+        })
+    }
+
+    /// A push in `rank`'s gradient board for `step`, as the shard takes it: read in place
+    /// bucket by bucket where it applies per bucket ([`Shard::receive_board`]), else checked
+    /// over the whole range ([`Shard::shm_grad`]). The gradient, its fingerprint and the
+    /// bucket intake to keep until [`Shard::accept`] answered. Blocking: call it from a
+    /// blocking thread.
+    pub fn board_push(
+        self: &Arc<Self>,
+        rank: u32,
+        step: u64,
+    ) -> PsResult<(Grad, u64, Option<crate::bucket::Intake>)> {
+        let board = self.grad_board(rank)?;
+        match self.receive_board(rank, step, board) {
+            Some(got) => got.map(|(grad, fp, intake)| (grad, fp, Some(intake))),
+            None => self.shm_grad(rank).map(|(grad, fp)| (grad, fp, None)),
+        }
+    }
+
     /// True when pulls can be answered through the shared-memory board.
     pub fn has_board(&self) -> bool {
         self.lock().store.is_board()
@@ -195,14 +241,7 @@ impl Shard {
     /// `rank`'s gradient for a push that says it is in shared memory: the rank's board, once
     /// its range is checked in place (finite values) and fingerprinted like a received one.
     pub fn shm_grad(&self, rank: u32) -> PsResult<(Grad, u64)> {
-        let r = self.lock().barrier.rank(rank)?;
-        let board = self.shm.as_ref().and_then(|h| h.grad(r));
-        let board = board.ok_or_else(|| {
-            PsError::BadChunk(format!(
-                "rank {rank} pushed through shared memory but shard {} has no gradient board of it: expected a registration with a grad_file first",
-                self.index
-            ))
-        })?;
+        let board = self.grad_board(rank)?;
         // SAFETY: the board stays mapped while `board` lives. The worker does not write it
         // between its push and the update that uses it (ps_net::shm); one that does only
         // changes the values read here, and the update checks them again where it uses them.
@@ -210,12 +249,9 @@ impl Shard {
         if board.faulted() {
             // read as zeros under the SIGBUS guard: never used again
             if let Some(h) = &self.shm {
-                h.detach(r);
+                h.detach(rank as usize);
             }
-            return Err(PsError::BadChunk(format!(
-                "rank {rank}'s shared-memory gradient board {} was truncated (another process shrank the file): push refused; register again with a new board, or push through gRPC",
-                board.path().display()
-            )));
+            return Err(truncated_push(rank, &board));
         }
         Ok((Grad::Board(board), fp))
     }

@@ -310,14 +310,7 @@ async fn run_generation(
         metrics_listen,
         health_listen,
     } = setup;
-    let Opened {
-        total_steps,
-        shard_token,
-        shard,
-        metrics,
-        reporter,
-        clip_hub,
-    } = open_shard(
+    let opened = open_shard(
         &cfg,
         index,
         train_len,
@@ -325,50 +318,22 @@ async fn run_generation(
         resume_from,
         cell.generation(),
     )?;
-    let all_left = Arc::new(Notify::new());
+    let (total_steps, shard, reporter) = (
+        opened.total_steps,
+        opened.shard.clone(),
+        opened.reporter.clone(),
+    );
     let (health, health_service) = tonic_health::server::health_reporter();
     let side = serve_side(
         &cfg,
         index,
         cell.generation(),
-        (metrics_listen.as_deref(), &metrics),
+        (metrics_listen.as_deref(), &opened.metrics),
         (health_listen.as_deref(), &health_service),
     )
     .await?;
-    let peers: Arc<peers::Peers> = Default::default();
-    let leases = Arc::new(lease::Leases::new(
-        index,
-        cfg.cluster.workers,
-        cell.generation(),
-        peers.clone(),
-    ));
-    let data = serve_data(&cfg, index, &listener, &leases).await?;
-    let max_streams = max_streams(&cfg, index);
-    let svc = ShardService {
-        data,
-        shard: shard.clone(),
-        reporter: reporter.clone(),
-        pull_timeout: Duration::from_secs_f64(cfg.server.pull_timeout_secs),
-        chunk_bytes: cfg.server.chunk_bytes,
-        all_left: all_left.clone(),
-        run_id: cfg.cluster.run_id.clone().unwrap_or_default(),
-        metrics,
-        peers,
-        leases,
-        test_slices: test_len.map(|n| {
-            ps_model::layout::split_even(n, cfg.cluster.workers)
-                .iter()
-                .map(|r| r.len() as u64)
-                .collect()
-        }),
-        stream_idle: Duration::from_secs_f64(cfg.server.stream_idle_secs),
-        shard_token: shard_token.clone(),
-        refusals: Default::default(),
-        max_streams,
-        recovery: cell.clone(),
-        wire: cfg.cluster.wire,
-        clip_hub,
-    };
+    let svc = build_service(&cfg, (index, test_len), &listener, &cell, opened).await?;
+    let max_streams = svc.max_streams;
     tracing::info!(
         "shard {index}/{}: parameters {}..{} ({} values) of {}, {} steps, listening on {}",
         cfg.num_shards(),
@@ -402,6 +367,58 @@ async fn run_generation(
     .await;
     watcher.log_unreported_refusals();
     Ok(outcome)
+}
+
+/// The gRPC service of a shard `opened` (shard `index` of `cfg`, with a test set of
+/// `test_len` samples): its peers, its leases, its data connection on `listener`'s host.
+async fn build_service(
+    cfg: &Config,
+    (index, test_len): (usize, Option<usize>),
+    listener: &TcpListener,
+    cell: &Arc<recovery::Cell>,
+    opened: Opened,
+) -> anyhow::Result<ShardService> {
+    let Opened {
+        total_steps: _,
+        shard_token,
+        shard,
+        metrics,
+        reporter,
+        clip_hub,
+    } = opened;
+    let peers: Arc<peers::Peers> = Default::default();
+    let leases = Arc::new(lease::Leases::new(
+        index,
+        cfg.cluster.workers,
+        cell.generation(),
+        peers.clone(),
+    ));
+    let data = serve_data(cfg, index, listener, &leases).await?;
+    Ok(ShardService {
+        data,
+        shard,
+        reporter,
+        pull_timeout: Duration::from_secs_f64(cfg.server.pull_timeout_secs),
+        chunk_bytes: cfg.server.chunk_bytes,
+        all_left: Arc::new(Notify::new()),
+        run_id: cfg.cluster.run_id.clone().unwrap_or_default(),
+        metrics,
+        peers,
+        leases,
+        test_slices: test_len.map(|n| {
+            ps_model::layout::split_even(n, cfg.cluster.workers)
+                .iter()
+                .map(|r| r.len() as u64)
+                .collect()
+        }),
+        stream_idle: Duration::from_secs_f64(cfg.server.stream_idle_secs),
+        shard_token,
+        refusals: Default::default(),
+        max_streams: max_streams(cfg, index),
+        recovery: cell.clone(),
+        wire: cfg.cluster.wire,
+        clip_hub,
+    })
 }
 
 /// Serves until the run ends ([`watch_run`]), `shutdown` or `preempt` fires, or `cell` orders

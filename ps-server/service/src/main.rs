@@ -135,18 +135,10 @@ fn main() -> std::process::ExitCode {
     }
 }
 
-async fn serve(cli: Cli) -> anyhow::Result<Outcome> {
+async fn serve(mut cli: Cli) -> anyhow::Result<Outcome> {
     let env: std::collections::HashMap<String, String> = std::env::vars().collect();
-    let mut overrides = Overrides::from_env(&env);
-    overrides.data_dir = cli.data_dir;
-    overrides.out_dir = cli.out_dir;
-    overrides
-        .set_from_cli(&cli.set)
-        .map_err(anyhow::Error::msg)?;
-    for line in overrides.describe().lines() {
-        tracing::info!("shard {}: {line}", cli.shard);
-    }
-    let mut setup = load_setup(&cli.config, cli.shard, cli.shard0, &overrides)?;
+    let overrides = overrides(&mut cli, &env)?;
+    let mut setup = load_setup(&cli.config, cli.shard, cli.shard0.take(), &overrides)?;
     let run = setup.cfg.resolve_run_id(cli.run_id.as_deref(), &env)?;
     tracing::info!(
         "shard {}: {} (run id from {})",
@@ -155,19 +147,11 @@ async fn serve(cli: Cli) -> anyhow::Result<Outcome> {
         run.source
     );
     if cli.metrics_listen.is_some() {
-        setup.metrics_listen = cli.metrics_listen;
+        setup.metrics_listen = cli.metrics_listen.take();
     }
-    setup.health_listen = cli.health_listen;
+    setup.health_listen = cli.health_listen.take();
     if cli.check {
-        let total = setup.cfg.total_steps(setup.train_len)?;
-        setup.cfg.schedule = setup.cfg.schedule_for(total);
-        println!("{}", setup.cfg.describe());
-        let eq = setup.cfg.equivalence();
-        println!("{eq}");
-        // the warnings the run logs, word for word
-        for w in &eq.warnings {
-            println!("warning: {w}");
-        }
+        print_check(&mut setup)?;
         return Ok(Outcome::Finished);
     }
     // what cannot work without the shard credential is refused before anything is
@@ -176,23 +160,7 @@ async fn serve(cli: Cli) -> anyhow::Result<Outcome> {
         .map_err(anyhow::Error::msg)?;
     ps_server::needs_shard_credential(&setup.cfg, setup.index, credential.is_some(), cli.recover)
         .map_err(anyhow::Error::msg)?;
-    let mut generation = 0;
-    if cli.recover {
-        // before anything is written: a replacement whose checkpoint directory is gone must
-        // not create an empty one and start from nothing
-        let peers = if cli.peers.is_empty() {
-            setup.cfg.cluster.servers.clone()
-        } else {
-            cli.peers.clone()
-        };
-        let shard_token = ps_net::auth::shard_token(setup.cfg.server.shard_token_file.as_deref())
-            .map_err(anyhow::Error::msg)?;
-        let r =
-            ps_server::recovery::handshake(&setup.cfg, setup.index, &peers, shard_token.as_ref())
-                .await?;
-        generation = r.generation;
-        setup.resume_from = r.saved;
-    }
+    let generation = recover(&cli, &mut setup).await?;
     // before listening: a shard that could not save its results never looks ready
     ps_server::check_output_dirs(&setup.cfg)?;
     // one live cluster per output folder: a second run given the same one fails here, before
@@ -220,8 +188,81 @@ async fn serve(cli: Cli) -> anyhow::Result<Outcome> {
             tracing::warn!("{w}");
         }
     }
+    let listener = listen(&cli, &setup)?;
+    // Ctrl-C stops at once; SIGTERM (scancel, a pod's deletion, preemption) and SIGUSR1
+    // (Slurm's --signal=USR1@N) checkpoint at the next step boundary first
+    run_shard_recovering(
+        setup,
+        listener,
+        generation,
+        async {
+            let _ = tokio::signal::ctrl_c().await;
+        },
+        ps_process::preempt_signal(),
+    )
+    .await
+}
+
+/// The overrides of the environment and the command line (`--data-dir`, `--out-dir`,
+/// `--set`), each logged.
+fn overrides(
+    cli: &mut Cli,
+    env: &std::collections::HashMap<String, String>,
+) -> anyhow::Result<Overrides> {
+    let mut overrides = Overrides::from_env(env);
+    overrides.data_dir = cli.data_dir.take();
+    overrides.out_dir = cli.out_dir.take();
+    overrides
+        .set_from_cli(&cli.set)
+        .map_err(anyhow::Error::msg)?;
+    for line in overrides.describe().lines() {
+        tracing::info!("shard {}: {line}", cli.shard);
+    }
+    Ok(overrides)
+}
+
+/// `--check`: prints the run's description and its equivalence statement, with the warnings
+/// the run logs, word for word.
+fn print_check(setup: &mut ps_server::ShardSetup) -> anyhow::Result<()> {
+    let total = setup.cfg.total_steps(setup.train_len)?;
+    setup.cfg.schedule = setup.cfg.schedule_for(total);
+    println!("{}", setup.cfg.describe());
+    let eq = setup.cfg.equivalence();
+    println!("{eq}");
+    // the warnings the run logs, word for word
+    for w in &eq.warnings {
+        println!("warning: {w}");
+    }
+    Ok(())
+}
+
+/// `--recover`: the replacement's handshake with its peers, before anything is written; the
+/// generation it joins (0 without `--recover`), and the state it starts from in `setup`.
+async fn recover(cli: &Cli, setup: &mut ps_server::ShardSetup) -> anyhow::Result<u64> {
+    if !cli.recover {
+        return Ok(0);
+    }
+    // before anything is written: a replacement whose checkpoint directory is gone must
+    // not create an empty one and start from nothing
+    let peers = if cli.peers.is_empty() {
+        setup.cfg.cluster.servers.clone()
+    } else {
+        cli.peers.clone()
+    };
+    let shard_token = ps_net::auth::shard_token(setup.cfg.server.shard_token_file.as_deref())
+        .map_err(anyhow::Error::msg)?;
+    let r = ps_server::recovery::handshake(&setup.cfg, setup.index, &peers, shard_token.as_ref())
+        .await?;
+    setup.resume_from = r.saved;
+    Ok(r.generation)
+}
+
+/// Binds the shard's address (`--listen`, else its entry of `[cluster] servers`), warns when
+/// it is exposed without a credential, and writes `--addr-file`.
+fn listen(cli: &Cli, setup: &ps_server::ShardSetup) -> anyhow::Result<std::net::TcpListener> {
     let addr = cli
         .listen
+        .clone()
         .unwrap_or_else(|| setup.cfg.cluster.servers[setup.index].clone());
     // a std listener: after a rollback the shard serves again on the same socket
     let listener = std::net::TcpListener::bind(&addr)
@@ -241,16 +282,5 @@ async fn serve(cli: Cli) -> anyhow::Result<Outcome> {
         std::fs::write(&tmp, format!("{bound}\n"))?;
         std::fs::rename(&tmp, f)?;
     }
-    // Ctrl-C stops at once; SIGTERM (scancel, a pod's deletion, preemption) and SIGUSR1
-    // (Slurm's --signal=USR1@N) checkpoint at the next step boundary first
-    run_shard_recovering(
-        setup,
-        listener,
-        generation,
-        async {
-            let _ = tokio::signal::ctrl_c().await;
-        },
-        ps_process::preempt_signal(),
-    )
-    .await
+    Ok(listener)
 }

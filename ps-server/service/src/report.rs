@@ -277,124 +277,183 @@ fn clock(secs: f64) -> String {
     }
 }
 
+/// Shard 0's outputs: the metrics file, the TensorBoard events, and what the steps' figures
+/// are turned into (the noise scale, the progress line).
+struct Outputs {
+    metrics: Option<std::fs::File>,
+    tb: Option<crate::tensorboard::EventWriter>,
+    noise: Noise,
+}
+
+impl Outputs {
+    /// Opens the metrics file and the TensorBoard events of `cfg` (each warned about and left
+    /// out when it cannot be written).
+    fn open(cfg: &ReporterConfig) -> Self {
+        let metrics = cfg.metrics_file.as_ref().and_then(|p| {
+            let open = || -> std::io::Result<std::fs::File> {
+                if let Some(d) = p.parent() {
+                    std::fs::create_dir_all(d)?;
+                }
+                std::fs::OpenOptions::new()
+                    .create(true)
+                    .write(true)
+                    .append(cfg.append_metrics)
+                    .truncate(!cfg.append_metrics)
+                    .open(p)
+            };
+            open()
+                .map_err(|e| tracing::warn!("cannot write metrics file {}: {e}", p.display()))
+                .ok()
+        });
+        let tb = cfg.tensorboard_dir.as_ref().and_then(|d| {
+            crate::tensorboard::EventWriter::create(d, cfg.resumed_at)
+                .map_err(|e| {
+                    tracing::warn!("cannot write TensorBoard events in {}: {e}", d.display())
+                })
+                .ok()
+        });
+        if let Some(w) = &tb {
+            tracing::info!("TensorBoard events in {}", w.path().display());
+        }
+        let noise = Noise {
+            scale: NoiseScale::new(NOISE_DECAY),
+            advisor: noise::Advisor::new(),
+            said_one_worker: false,
+            progress: Progress::new(Instant::now()),
+        };
+        Self { metrics, tb, noise }
+    }
+
+    /// Emits the figures of one step ([`emit`]).
+    fn emit(&mut self, cfg: &ReporterConfig, p: Pending) {
+        emit(
+            cfg,
+            p,
+            self.metrics.as_mut(),
+            self.tb.as_mut(),
+            &mut self.noise,
+        );
+    }
+}
+
 async fn run(cfg: ReporterConfig, mut rx: mpsc::UnboundedReceiver<Event>) {
     if cfg.shard != 0 {
         forward_to_shard0(cfg, rx).await;
         return;
     }
-    let mut metrics = cfg.metrics_file.as_ref().and_then(|p| {
-        let open = || -> std::io::Result<std::fs::File> {
-            if let Some(d) = p.parent() {
-                std::fs::create_dir_all(d)?;
-            }
-            std::fs::OpenOptions::new()
-                .create(true)
-                .write(true)
-                .append(cfg.append_metrics)
-                .truncate(!cfg.append_metrics)
-                .open(p)
-        };
-        open()
-            .map_err(|e| tracing::warn!("cannot write metrics file {}: {e}", p.display()))
-            .ok()
-    });
-    let mut tb = cfg.tensorboard_dir.as_ref().and_then(|d| {
-        crate::tensorboard::EventWriter::create(d, cfg.resumed_at)
-            .map_err(|e| tracing::warn!("cannot write TensorBoard events in {}: {e}", d.display()))
-            .ok()
-    });
-    if let Some(w) = &tb {
-        tracing::info!("TensorBoard events in {}", w.path().display());
-    }
+    let mut out = Outputs::open(&cfg);
     let mut pending: BTreeMap<u64, Pending> = BTreeMap::new();
-    let mut noise = Noise {
-        scale: NoiseScale::new(NOISE_DECAY),
-        advisor: noise::Advisor::new(),
-        said_one_worker: false,
-        progress: Progress::new(Instant::now()),
-    };
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     loop {
         tokio::select! {
             ev = rx.recv() => {
                 let Some(ev) = ev else { break };
-                let step = match ev {
-                    Event::Flush(done) => {
-                        for (_, p) in std::mem::take(&mut pending) {
-                            if p.local.is_some() {
-                                emit(&cfg, p, metrics.as_mut(), tb.as_mut(), &mut noise);
-                            }
-                        }
-                        let _ = done.send(());
-                        continue;
-                    }
-                    Event::FinalEval(step, acc, done) => {
-                        if let Some(w) = tb.as_mut() {
-                            tensorboard_scalars(w, step, &[("test/accuracy", acc)]);
-                        }
-                        let _ = done.send(());
-                        continue;
-                    }
-                    Event::Local(f) => {
-                        let step = f.step;
-                        let p = pending.entry(step).or_default();
-                        p.first_seen.get_or_insert_with(Instant::now);
-                        p.add_ranks(f.ranks.iter().copied());
-                        p.local = Some(f);
-                        step
-                    }
-                    Event::Remote(r) => {
-                        let p = pending.entry(r.step).or_default();
-                        p.first_seen.get_or_insert_with(Instant::now);
-                        if !p.from.insert(r.shard) {
-                            tracing::debug!("step {}: a second report of shard {} ignored", r.step, r.shard);
-                            continue;
-                        }
-                        p.remote_sq += r.grad_sq_norm;
-                        p.remote += 1;
-                        p.add_ranks(r.ranks.iter().map(|q| RankNorm {
-                            rank: q.rank,
-                            samples: q.samples,
-                            sq_norm: q.sq_norm,
-                        }));
-                        r.step
-                    }
-                };
+                let Some(step) = on_event(&cfg, ev, &mut pending, &mut out) else { continue };
                 if let Some(p) = pending.get(&step)
                     && p.local.is_some()
                     && p.remote + 1 == cfg.num_shards
                 {
                     let p = pending.remove(&step).expect("present");
-                    emit(&cfg, p, metrics.as_mut(), tb.as_mut(), &mut noise);
+                    out.emit(&cfg, p);
                 }
             }
-            _ = tick.tick() => {
-                let stale: Vec<u64> = pending
-                    .iter()
-                    .filter(|(_, p)| p.local.is_some() && p.first_seen.is_some_and(|t| t.elapsed() > REPORT_WAIT))
-                    .map(|(s, _)| *s)
-                    .collect();
-                for s in stale {
-                    let p = pending.remove(&s).expect("present");
-                    // a shard whose reports fail does so every step: once per LOG_EVERY
-                    static PARTIAL: SharedThrottle = SharedThrottle::new();
-                    if let Some(r) = PARTIAL.hit() {
-                        tracing::warn!("step {s}: only {} of {} shards reported; the gradient norm covers those{r}", p.remote + 1, cfg.num_shards);
-                    }
-                    emit(&cfg, p, metrics.as_mut(), tb.as_mut(), &mut noise);
-                }
-                // reports of a step this shard never applied (it failed, or they were wrong)
-                // are not kept past twice the wait
-                pending.retain(|s, p| {
-                    let keep = p.local.is_some() || p.first_seen.is_none_or(|t| t.elapsed() <= 2 * REPORT_WAIT);
-                    if !keep {
-                        tracing::debug!("step {s}: {} reports dropped, this shard never applied the step", p.remote);
-                    }
-                    keep
-                });
-            }
+            _ = tick.tick() => on_tick(&cfg, &mut pending, &mut out),
         }
     }
+}
+
+/// Takes one event in: a flush or the final evaluation done at once, a step's figures (this
+/// shard's or another's) added to what is pending for the step, whose number is returned.
+fn on_event(
+    cfg: &ReporterConfig,
+    ev: Event,
+    pending: &mut BTreeMap<u64, Pending>,
+    out: &mut Outputs,
+) -> Option<u64> {
+    match ev {
+        Event::Flush(done) => {
+            for (_, p) in std::mem::take(pending) {
+                if p.local.is_some() {
+                    out.emit(cfg, p);
+                }
+            }
+            let _ = done.send(());
+            None
+        }
+        Event::FinalEval(step, acc, done) => {
+            if let Some(w) = out.tb.as_mut() {
+                tensorboard_scalars(w, step, &[("test/accuracy", acc)]);
+            }
+            let _ = done.send(());
+            None
+        }
+        Event::Local(f) => {
+            let step = f.step;
+            let p = pending.entry(step).or_default();
+            p.first_seen.get_or_insert_with(Instant::now);
+            p.add_ranks(f.ranks.iter().copied());
+            p.local = Some(f);
+            Some(step)
+        }
+        Event::Remote(r) => {
+            let p = pending.entry(r.step).or_default();
+            p.first_seen.get_or_insert_with(Instant::now);
+            if !p.from.insert(r.shard) {
+                tracing::debug!(
+                    "step {}: a second report of shard {} ignored",
+                    r.step,
+                    r.shard
+                );
+                return None;
+            }
+            p.remote_sq += r.grad_sq_norm;
+            p.remote += 1;
+            p.add_ranks(r.ranks.iter().map(|q| RankNorm {
+                rank: q.rank,
+                samples: q.samples,
+                sq_norm: q.sq_norm,
+            }));
+            Some(r.step)
+        }
+    }
+}
+
+/// Once a second: the steps whose other shards' reports did not all come within
+/// [`REPORT_WAIT`] are emitted with those that did; reports of a step this shard never applied
+/// are dropped after twice the wait.
+fn on_tick(cfg: &ReporterConfig, pending: &mut BTreeMap<u64, Pending>, out: &mut Outputs) {
+    let stale: Vec<u64> = pending
+        .iter()
+        .filter(|(_, p)| {
+            p.local.is_some() && p.first_seen.is_some_and(|t| t.elapsed() > REPORT_WAIT)
+        })
+        .map(|(s, _)| *s)
+        .collect();
+    for s in stale {
+        let p = pending.remove(&s).expect("present");
+        // a shard whose reports fail does so every step: once per LOG_EVERY
+        static PARTIAL: SharedThrottle = SharedThrottle::new();
+        if let Some(r) = PARTIAL.hit() {
+            tracing::warn!(
+                "step {s}: only {} of {} shards reported; the gradient norm covers those{r}",
+                p.remote + 1,
+                cfg.num_shards
+            );
+        }
+        out.emit(cfg, p);
+    }
+    // reports of a step this shard never applied (it failed, or they were wrong)
+    // are not kept past twice the wait
+    pending.retain(|s, p| {
+        let keep = p.local.is_some() || p.first_seen.is_none_or(|t| t.elapsed() <= 2 * REPORT_WAIT);
+        if !keep {
+            tracing::debug!(
+                "step {s}: {} reports dropped, this shard never applied the step",
+                p.remote
+            );
+        }
+        keep
+    });
 }
 
 /// Shard 0's output for one step whose figures are all in (`p`): the noise scale's estimate,

@@ -183,15 +183,11 @@ impl ShardService {
     }
 }
 
-#[tonic::async_trait]
-impl ParameterServer for ShardService {
-    async fn register(
-        &self,
-        request: Request<RegisterRequest>,
-    ) -> Result<Response<RegisterReply>, Status> {
-        let peer = request.remote_addr();
-        let theirs = worker_wire(request.metadata())?;
-        let r = request.into_inner();
+impl ShardService {
+    /// A registering worker's view of the cluster checked against this shard's: the protocol,
+    /// the wire (`theirs`), the world size, the model, the parameter count, the shard's index
+    /// and the shard count; a mismatch is refused naming both sides.
+    fn check_cluster(&self, r: &RegisterRequest, theirs: ps_config::Wire) -> Result<(), Status> {
         let s = &self.shard;
         if r.protocol_version != PROTOCOL_VERSION {
             return Err(PsError::ProtocolMismatch {
@@ -243,6 +239,45 @@ impl ParameterServer for ShardService {
         mismatch("parameter count", r.num_params, s.num_params as u64)?;
         mismatch("shard index", u64::from(r.shard), s.index as u64)?;
         mismatch("shard count", u64::from(r.num_shards), s.num_shards as u64)?;
+        Ok(())
+    }
+
+    /// Opens rank `r`'s gradient board when it names one and its connection (`peer`) is of
+    /// this process's user (a board is shared with no other user: that worker pushes through
+    /// gRPC); whether it was opened.
+    fn attach_board(
+        &self,
+        r: &RegisterRequest,
+        peer: Option<std::net::SocketAddr>,
+    ) -> Result<bool, Status> {
+        let s = &self.shard;
+        // a gradient board is shared only with a worker of this process's user
+        let peer_user = peer.and_then(crate::shard::shm::peer_uid);
+        let other_user = peer_user.filter(|&u| u != ps_net::shm::this_user());
+        if let (Some(uid), false) = (other_user, r.grad_file.is_empty()) {
+            tracing::warn!(
+                "shard {}: rank {} registered from a connection of uid {uid}, another user: its gradient board is not opened (it pushes through gRPC)",
+                s.index,
+                r.rank
+            );
+        }
+        Ok(!r.grad_file.is_empty()
+            && other_user.is_none()
+            && s.attach_grad(r.rank, std::path::Path::new(&r.grad_file), r.grad_token)?)
+    }
+}
+
+#[tonic::async_trait]
+impl ParameterServer for ShardService {
+    async fn register(
+        &self,
+        request: Request<RegisterRequest>,
+    ) -> Result<Response<RegisterReply>, Status> {
+        let peer = request.remote_addr();
+        let theirs = worker_wire(request.metadata())?;
+        let r = request.into_inner();
+        let s = &self.shard;
+        self.check_cluster(&r, theirs)?;
         s.check_rank(r.rank)?;
         if let Some(why) = s.failure() {
             // retryable: a rollback fails the shard's state until its new generation serves
@@ -256,19 +291,7 @@ impl ParameterServer for ShardService {
         } else {
             Default::default()
         };
-        // a gradient board is shared only with a worker of this process's user
-        let peer_user = peer.and_then(crate::shard::shm::peer_uid);
-        let other_user = peer_user.filter(|&u| u != ps_net::shm::this_user());
-        if let (Some(uid), false) = (other_user, r.grad_file.is_empty()) {
-            tracing::warn!(
-                "shard {}: rank {} registered from a connection of uid {uid}, another user: its gradient board is not opened (it pushes through gRPC)",
-                s.index,
-                r.rank
-            );
-        }
-        let grad_shm = !r.grad_file.is_empty()
-            && other_user.is_none()
-            && s.attach_grad(r.rank, std::path::Path::new(&r.grad_file), r.grad_token)?;
+        let grad_shm = self.attach_board(&r, peer)?;
         tracing::debug!(
             shard = s.index,
             rank = r.rank,

@@ -85,12 +85,14 @@ impl ShardService {
         src: PushSource<'_>,
         samples: u32,
     ) -> PsResult<(Grad, u64, Option<Intake>)> {
-        if src.plane == Plane::Board {
-            let (grad, fp) = self.receive_shm(src.rank, src.first, src.stream).await?;
-            return Ok((grad, fp, None));
-        }
-        // the rank is not missing while its push waits for its turn or streams in
+        // the rank is not missing while its push waits for its turn, streams in or is read
+        // from its board
         let _under_way = self.shard.announce(src.rank, src.step, samples);
+        if src.plane == Plane::Board {
+            return self
+                .receive_shm(src.rank, src.step, src.first, src.stream)
+                .await;
+        }
         self.fold().await?;
         let Some(permit) = self.shard.wait_turn(src.rank, src.step).await? else {
             let (grad, fp) = self.read_into(src, Target::Check).await?;

@@ -3,14 +3,17 @@
 use super::*;
 
 impl ShardService {
-    /// A push whose gradient is in the rank's shared-memory board: checked there in place, on
-    /// a blocking thread (a whole-range read: never on the async runtime's threads).
+    /// A push whose gradient is in the rank's shared-memory board: read there in place, on a
+    /// blocking thread (never on the async runtime's threads), bucket by bucket where the
+    /// shard applies per bucket ([`crate::shard::Shard::board_push`]). The gradient, its
+    /// fingerprint and the bucket intake, kept until the barrier counted or refused the push.
     pub(super) async fn receive_shm(
         &self,
         rank: u32,
+        step: u64,
         first: &PushChunk,
         stream: &mut Streaming<PushChunk>,
-    ) -> PsResult<(Grad, u64)> {
+    ) -> PsResult<(Grad, u64, Option<Intake>)> {
         let extra = !first.data.is_empty()
             || stream
                 .message()
@@ -23,7 +26,7 @@ impl ShardService {
             ));
         }
         let shard = self.shard.clone();
-        tokio::task::spawn_blocking(move || shard.shm_grad(rank))
+        tokio::task::spawn_blocking(move || shard.board_push(rank, step))
             .await
             .map_err(|e| PsError::Internal(format!("shared-memory check task failed: {e}")))?
     }

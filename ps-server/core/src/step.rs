@@ -1,0 +1,170 @@
+//! The step's types: where a rank's gradient lies ([`Grad`]), a rank's slot ([`Slot`]), what a
+//! push carries and gets ([`PushMeta`], [`PushOutcome`]), a completed step's figures
+//! ([`StepFigures`], [`RankNorm`]), and the two traits the process around the shard implements
+//! ([`NormExchange`], [`StepObserver`]).
+
+use crate::intake::Held;
+use crate::{NormError, Shard, bucket, checkpoint};
+use ps_net::shm::Board;
+use ps_optim::OptState;
+use std::ops::Range;
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Where a rank's gradient slice for the current step lies.
+#[derive(Debug)]
+pub enum Grad {
+    /// Received through gRPC into a shard buffer (with the permit to hold it).
+    Owned(Held),
+    /// In the shard's range of the rank's shared-memory gradient board (checked in place at
+    /// push time, and for finiteness again by the update that reads it).
+    Board(Arc<Board>),
+    /// Received into a buffer shared with the per-bucket applier ([`bucket`]).
+    Received(bucket::Received),
+    /// Already folded into the step's accumulator ([`crate::intake::Acc`]).
+    Folded,
+    /// Received and checked (fingerprint, finiteness) without being kept: a push of a rank
+    /// the step has already counted (a retry, a conflict) or no longer waits for.
+    Checked,
+}
+
+/// One rank's gradient for the current step.
+#[derive(Debug)]
+pub struct Slot {
+    /// The rank it came from.
+    pub rank: u32,
+    /// The gradient slice.
+    pub grad: Grad,
+    /// Fingerprint of its bytes (to recognise retries).
+    pub fingerprint: u64,
+    /// `b_r`.
+    pub samples: u32,
+    /// Sum of per-sample losses.
+    pub loss_sum: f64,
+    /// Correct predictions.
+    pub correct: u64,
+    /// Test-set evaluation carried with the push (correct, count).
+    pub eval: (u64, u64),
+    /// When it arrived.
+    pub arrived: Instant,
+}
+
+/// What a push carries besides the gradient.
+#[derive(Debug, Clone, Copy)]
+pub struct PushMeta {
+    /// Rank.
+    pub rank: u32,
+    /// Step.
+    pub step: u64,
+    /// `b_r`.
+    pub samples: u32,
+    /// Sum of per-sample losses.
+    pub loss_sum: f64,
+    /// Correct predictions.
+    pub correct: u64,
+    /// Evaluation (correct, count).
+    pub eval: (u64, u64),
+}
+
+/// The outcome of an accepted push.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PushOutcome {
+    /// False for an idempotent retry of a gradient already counted.
+    pub counted: bool,
+    /// Ranks in for the step now.
+    pub ranks_in: u32,
+}
+
+/// Figures of one completed step on this shard.
+#[derive(Debug, Clone)]
+pub struct StepFigures {
+    /// The step that was applied (version is now `step + 1`).
+    pub step: u64,
+    /// Squared norm of this shard's slice of the aggregated gradient.
+    pub grad_sq_norm: f64,
+    /// Learning rate used.
+    pub lr: f64,
+    /// Σ b_r.
+    pub samples: u64,
+    /// Σ loss sums.
+    pub loss_sum: f64,
+    /// Σ correct.
+    pub correct: u64,
+    /// Workers whose gradient went in.
+    pub workers_in: u32,
+    /// Time from the previous version bump to this one.
+    pub step_ms: f64,
+    /// Time from the first to the last arrival.
+    pub barrier_wait_ms: f64,
+    /// Rank that arrived last.
+    pub slowest_rank: u32,
+    /// Each rank's arrival after the step's first gradient, ms (rank order).
+    pub arrival_lag_ms: Vec<(u32, f64)>,
+    /// Time spent aggregating and updating at the barrier's completion (with per-bucket apply,
+    /// the buckets not applied before it only).
+    pub apply_ms: f64,
+    /// Time from the last gradient's arrival (counted) to the new version.
+    pub tail_ms: f64,
+    /// Test-set evaluation summed over ranks (correct, count), when carried.
+    pub eval: (u64, u64),
+    /// Each rank's squared gradient norm over this shard's range, in rank order (the gradient
+    /// noise scale's input); empty when one is not known (a rank the step went on without
+    /// after it had been folded).
+    pub ranks: Vec<RankNorm>,
+    /// With `[optimizer] clip_norm`: the global norm of the aggregated gradient over the whole
+    /// model (before clipping) and the coefficient applied (1: not clipped).
+    pub clip: Option<(f32, f32)>,
+    /// With per-bucket apply ([`bucket`]): the buckets applied before the barrier completed,
+    /// and the shard's buckets; None when the step was applied over the whole range at once.
+    pub buckets: Option<(u32, u32)>,
+}
+
+/// What an update computed, for the completion to commit ([`Shard::apply`]).
+#[derive(Debug)]
+pub(crate) struct Applied {
+    /// The aggregate's squared norm, or why the step is refused.
+    pub(crate) result: Result<f64, String>,
+    pub(crate) rank_sq: Vec<RankNorm>,
+    /// The parts of the tensors no rank reached.
+    pub(crate) skip: Vec<(u32, Range<usize>)>,
+    pub(crate) clip: Option<(f32, f32)>,
+    /// The new optimizer state (steps not yet counted; partly advanced on an error).
+    pub(crate) opt: OptState,
+    /// Buckets applied before the barrier completed, when applied per bucket.
+    pub(crate) buckets: Option<u32>,
+}
+
+/// How a shard learns the global gradient norm of a step from every shard's per-tensor squared
+/// norms (`ps_model::clip`; over gRPC, `ps_server::clip`): it blocks (bounded) and is called
+/// from the update's blocking thread.
+pub trait NormExchange: Send + Sync + std::fmt::Debug {
+    /// The total norm of `step` (torch's clip_grad_norm_), given this shard's squared norms of
+    /// its part of each tensor from `first`; an error saying why when it cannot be had.
+    fn total_norm(
+        &self,
+        shard: &Shard,
+        step: u64,
+        first: u32,
+        sq: Vec<f64>,
+    ) -> Result<f32, NormError>;
+}
+
+/// What the process around the shard does with a completed step ([`Shard::complete`]): its
+/// metrics, its report to shard 0, its logs. Called on the update's blocking thread.
+pub trait StepObserver {
+    /// The figures of the step just applied (the new version is published already).
+    fn step_done(&self, figures: StepFigures);
+    /// A checkpoint that was due after the step was attempted (written, retried, or failed).
+    fn checkpointed(&self, attempted: &checkpoint::Attempted);
+}
+
+/// One rank's share of a step on one shard.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RankNorm {
+    /// The rank.
+    pub rank: u32,
+    /// Its `b_r`.
+    pub samples: u32,
+    /// |g_r|² over the shard's range of the gradient it pushed.
+    pub sq_norm: f64,
+}

@@ -1,0 +1,290 @@
+//! Per-bucket apply of shared-memory pushes in-process: a worker's gradient board read in place
+//! bucket by bucket ([`Shard::board_push`]), checked (finiteness, fingerprint) in the pass that
+//! publishes each bucket to the applier, with the parameters in the shard's board: weights and
+//! optimizer state bit-identical to the whole-range update of the same gradients, and a push
+//! refused halfway (a value that is not finite in its board) then retried with other values
+//! bit-identical to a run that only saw the retry's.
+
+use ps_config::{Aggregation, Config, TestConfig, Transport};
+use ps_net::shm::{Board, BoardDir, grad_path, shm_root};
+use ps_optim::OptState;
+use ps_proto::PsError;
+use ps_shard::checkpoint::Attempted;
+use ps_shard::intake::Held;
+use ps_shard::{Grad, PushMeta, Shard, StepFigures, StepObserver};
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+
+#[derive(Default)]
+struct Recorder {
+    steps: Mutex<Vec<StepFigures>>,
+}
+
+impl StepObserver for Recorder {
+    fn step_done(&self, figures: StepFigures) {
+        self.steps.lock().unwrap().push(figures);
+    }
+
+    fn checkpointed(&self, _: &Attempted) {}
+}
+
+impl Recorder {
+    /// The per-bucket figure of the last step: (buckets applied early, buckets), or None
+    /// when it was applied over the whole range.
+    fn last_buckets(&self) -> Option<(u32, u32)> {
+        self.steps.lock().unwrap().last().expect("a step").buckets
+    }
+}
+
+const W: u32 = 3;
+
+/// 784 -> 1600 -> 10 on 2 shards (fc1.weight spans several buckets on each), every rank with a
+/// buffer, AdamW (its state is compared too), on `transport`.
+fn config(dir: &Path, transport: Transport) -> Config {
+    let t = TestConfig::new()
+        .shards(2)
+        .workers(W as usize)
+        .hidden(&[1600])
+        .transport(transport)
+        .aggregation(Aggregation::Mean)
+        .max_pending_gradients(W as usize)
+        .adam(0.01, 0.01, true);
+    Config::parse(&t.toml(), &dir.join("config.toml")).unwrap()
+}
+
+/// Rank `rank`'s gradient of `step` (`salt`: another gradient of the same step).
+fn grad(n: usize, rank: u32, step: u64, salt: u64) -> Vec<f32> {
+    let mut x = 0x9e37_79b9_7f4a_7c15u64 ^ (u64::from(rank) << 32) ^ (step << 8) ^ (salt << 20) ^ 1;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            ((x >> 40) as f32 / (1u64 << 23) as f32 - 1.0) * (1 + (x & 0xff)) as f32 / 37.0
+        })
+        .collect()
+}
+
+fn meta(rank: u32, step: u64, samples: u32) -> PushMeta {
+    PushMeta {
+        rank,
+        step,
+        samples,
+        loss_sum: 1.0,
+        correct: 0,
+        eval: (0, 0),
+    }
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+fn assert_same(a: &Shard, b: &Shard, what: &str) {
+    let (va, pa) = a.params().unwrap();
+    let (vb, pb) = b.params().unwrap();
+    assert_eq!(va, vb, "{what}: versions");
+    assert!(bits(&pa) == bits(&pb), "{what}: parameters differ");
+    let (oa, ob): (OptState, OptState) = (a.optimizer_state(), b.optimizer_state());
+    assert_eq!(oa.steps, ob.steps, "{what}: steps");
+    assert!(bits(&oa.m) == bits(&ob.m), "{what}: m differs");
+    assert!(bits(&oa.v) == bits(&ob.v), "{what}: v differs");
+}
+
+/// The reference: a gRPC shard taking whole pushes (the whole-range update).
+fn push_whole(shard: &Shard, obs: &Recorder, rank: u32, step: u64, samples: u32, values: &[f32]) {
+    shard.precheck(rank, step, values.len() as u64).unwrap();
+    let fp = ps_net::wire::check_and_fingerprint(values).unwrap();
+    let held = Held {
+        values: values.to_vec(),
+        permit: None,
+    };
+    let (_, ready) = shard
+        .accept(meta(rank, step, samples), Grad::Owned(held), fp)
+        .unwrap();
+    if let Some(slots) = ready {
+        shard.complete(slots, obs).unwrap();
+    }
+}
+
+/// A shard on a shared-memory host with its parameters in its board, and each rank's
+/// gradient board (a worker's, made as ps-worker makes it) attached.
+struct BoardShard {
+    shard: Arc<Shard>,
+    /// Each rank's board directory (removed on drop) and board (this test writes it).
+    boards: Vec<(BoardDir, Board)>,
+}
+
+impl BoardShard {
+    fn new(cfg: &Config, index: usize, steps: u64) -> Self {
+        let root = shm_root().expect("a shared-memory root (/dev/shm)");
+        let shard = Shard::new(cfg, index, steps);
+        let mut boards = Vec::new();
+        for r in 0..W {
+            shard.register(r).unwrap();
+            let dir = BoardDir::create(&root, &format!("boardtest-w{r}")).unwrap();
+            let path = grad_path(dir.path());
+            let board = Board::create(&path, dir.token(), shard.push_values(), 1).unwrap();
+            assert!(
+                shard.attach_grad(r, &path, dir.token()).unwrap(),
+                "rank {r}'s board"
+            );
+            boards.push((dir, board));
+        }
+        assert!(shard.offer_shm(0).unwrap().is_some());
+        assert!(shard.has_board(), "the parameters are in the shard's board");
+        assert_eq!(shard.apply_mode(), &ps_shard::bucket::Mode::Buckets);
+        Self { shard, boards }
+    }
+
+    /// Writes rank `rank`'s gradient of this shard's range into its board.
+    fn write(&mut self, rank: u32, values: &[f32]) {
+        let range = self.shard.range.clone();
+        self.boards[rank as usize].1.slot_mut(0)[range].copy_from_slice(values);
+    }
+
+    /// Rank `rank`'s push of `step` from its board, as ps-server takes it; its fingerprint.
+    fn push(&self, obs: &Recorder, rank: u32, step: u64, samples: u32) -> Result<u64, PsError> {
+        let s = &self.shard;
+        s.precheck(rank, step, s.len() as u64)?;
+        // as ps-server: the rank is not missing while its push is read from its board
+        let _under_way = s.announce(rank, step, samples);
+        let (grad, fp, intake) = s.board_push(rank, step)?;
+        assert!(intake.is_some(), "rank {rank}: read per bucket");
+        let (outcome, ready) = s.accept(meta(rank, step, samples), grad, fp)?;
+        assert!(outcome.counted);
+        if let Some(slots) = ready {
+            s.complete(slots, obs)?;
+        }
+        drop(intake);
+        Ok(fp)
+    }
+}
+
+const SAMPLES: [u32; 3] = [5, 3, 4];
+
+/// Both shards of the run, four steps: every board push is read per bucket, its fingerprint
+/// is the whole range's, every bucket is applied before the barrier completes (by the last
+/// push's pass, its values in cache), and weights and AdamW state end every step bit-identical
+/// to the whole-range update of the same gradients.
+#[test]
+fn board_pushes_apply_per_bucket_bit_identical_to_the_whole_range_update() {
+    let dir = tempfile::tempdir().unwrap();
+    let shm = config(dir.path(), Transport::Auto);
+    let grpc = config(dir.path(), Transport::Grpc);
+    for index in 0..2 {
+        let (ob, ow) = (Recorder::default(), Recorder::default());
+        let mut boards = BoardShard::new(&shm, index, 4);
+        let whole = Shard::new(&grpc, index, 4);
+        for r in 0..W {
+            whole.register(r).unwrap();
+        }
+        let n = boards.shard.len();
+        let buckets = boards.shard.buckets().len() as u32;
+        assert!(buckets > 1, "shard {index}: several buckets");
+        for step in 0..4 {
+            for r in 0..W {
+                let g = grad(n, r, step, u64::from(index as u32));
+                boards.write(r, &g);
+                let fp = boards
+                    .push(&ob, r, step, SAMPLES[r as usize])
+                    .unwrap_or_else(|e| panic!("shard {index} step {step} rank {r}: {e}"));
+                assert_eq!(fp, ps_net::wire::check_and_fingerprint(&g).unwrap());
+                push_whole(&whole, &ow, r, step, SAMPLES[r as usize], &g);
+            }
+            assert_eq!(ob.last_buckets(), Some((buckets, buckets)), "step {step}");
+            assert_eq!(ow.last_buckets(), None);
+            assert_same(&boards.shard, &whole, &format!("shard {index} step {step}"));
+        }
+    }
+}
+
+/// Step 1: ranks 0 and 1 push, rank 2's board holds a NaN in its second bucket: its push is
+/// refused at that value (the buckets it published before are discarded), then rank 2 writes
+/// other values and pushes again. The step is applied over the whole range and ends
+/// bit-identical to a run that only saw the retry's values; the next step is per bucket again.
+#[test]
+fn a_board_push_refused_halfway_then_retried_with_other_values_is_the_retry_bit_for_bit() {
+    let dir = tempfile::tempdir().unwrap();
+    let shm = config(dir.path(), Transport::Auto);
+    let grpc = config(dir.path(), Transport::Grpc);
+    let (ob, ow) = (Recorder::default(), Recorder::default());
+    let mut boards = BoardShard::new(&shm, 0, 3);
+    let whole = Shard::new(&grpc, 0, 3);
+    for r in 0..W {
+        whole.register(r).unwrap();
+    }
+    let n = boards.shard.len();
+    let buckets = boards.shard.buckets().len() as u32;
+    assert!(buckets > 2);
+    for step in 0..3 {
+        for r in 0..W {
+            let g = grad(n, r, step, 0);
+            if step == 1 && r == 2 {
+                let mut bad = g.clone();
+                let at = boards.shard.buckets()[1].range.start + 17;
+                bad[at] = f32::NAN;
+                boards.write(r, &bad);
+                match boards.push(&ob, r, step, SAMPLES[2]) {
+                    Err(PsError::NonFinite { index, value }) => {
+                        assert_eq!(index, at as u64);
+                        assert!(value.is_nan());
+                    }
+                    other => panic!("expected the NaN refused, got {other:?}"),
+                }
+                assert_eq!(boards.shard.version(), 1, "nothing applied");
+                // the retry, with other values
+                let retry = grad(n, r, step, 99);
+                boards.write(r, &retry);
+                boards.push(&ob, r, step, SAMPLES[2]).unwrap();
+                push_whole(&whole, &ow, r, step, SAMPLES[2], &retry);
+                continue;
+            }
+            boards.write(r, &g);
+            boards.push(&ob, r, step, SAMPLES[r as usize]).unwrap();
+            push_whole(&whole, &ow, r, step, SAMPLES[r as usize], &g);
+        }
+        let expected = if step == 1 {
+            None
+        } else {
+            Some((buckets, buckets))
+        };
+        assert_eq!(ob.last_buckets(), expected, "step {step}");
+        assert_same(&boards.shard, &whole, &format!("step {step}"));
+    }
+}
+
+/// The pass of a board push fingerprints bucket by bucket, at offsets that do not line up with
+/// the fingerprint's lanes: the same fingerprint as the whole range's, and the first value
+/// that is not finite named as the whole range's check names it.
+#[test]
+fn the_fingerprint_taken_piece_by_piece_is_the_whole_ranges() {
+    let g = grad(10_007, 1, 2, 3);
+    let cuts = [0, 5, 37, 64, 1000, 1031, 9000, 10_007];
+    let whole = ps_net::wire::check_and_fingerprint(&g).unwrap();
+    let mut check = ps_net::wire::StreamCheck::new(g.len());
+    for w in cuts.windows(2) {
+        check.push_values(w[0] as u64, &g[w[0]..w[1]]).unwrap();
+    }
+    assert_eq!(check.finish().unwrap(), whole);
+    let mut bad = g.clone();
+    bad[1040] = f32::INFINITY;
+    bad[9500] = f32::NAN;
+    let mut check = ps_net::wire::StreamCheck::new(g.len());
+    for w in cuts.windows(2) {
+        check.push_values(w[0] as u64, &bad[w[0]..w[1]]).unwrap();
+    }
+    match (check.finish(), ps_net::wire::check_and_fingerprint(&bad)) {
+        (
+            Err(PsError::NonFinite { index, value }),
+            Err(PsError::NonFinite {
+                index: i2,
+                value: v2,
+            }),
+        ) => {
+            assert_eq!((index, i2), (1040, 1040));
+            assert_eq!((value, v2), (f32::INFINITY, f32::INFINITY));
+        }
+        other => panic!("expected both to name index 1040, got {other:?}"),
+    }
+}
