@@ -467,12 +467,12 @@ async fn finish_run(
 fn pull_while<R>(
     runtime: &tokio::runtime::Handle,
     jobs: Vec<PullJob>,
-    gate: &PullGate,
+    gate: &Arc<PullGate>,
     compute: impl FnOnce() -> R,
 ) -> (anyhow::Result<()>, R) {
     tokio::task::block_in_place(|| {
         std::thread::scope(|scope| {
-            let puller = scope.spawn(|| runtime.block_on(pull_gated(jobs, gate)));
+            let puller = scope.spawn(|| runtime.block_on(pull_gated(jobs, gate.clone())));
             let computed = compute();
             let pulled = puller
                 .join()
