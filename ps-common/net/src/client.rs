@@ -12,7 +12,7 @@ use crate::auth::{Client, ClientSecurity};
 use crate::shm::{Board, params_path};
 use crate::sink::{PullSink, SliceSink, write_chunk};
 use crate::wire::{MAX_MESSAGE_BYTES, chunks_of};
-pub use plane::{DATA_IDLE, FrameError, Plane};
+pub use plane::{DATA_IDLE, Feed, FrameError, Plane};
 use plane::{Frame, PushPlane};
 
 mod plane;
@@ -125,6 +125,27 @@ pub enum ClientError {
         /// The deadline, s.
         waited_secs: f64,
     },
+    /// A progressive push's deadline ([`call_deadline`]) passed while the backward pass that
+    /// feeds it had not handed over the whole range: the worker's computation stalled, not
+    /// (necessarily) the shard. Not retried.
+    #[error(
+        "the push of step {step} to shard {shard}: the backward pass feeding it handed over {got} of {total} bytes within {waited_secs:.0} s (none for the last {idle_secs:.0} s; the worker's deadline: max([server] pull_timeout_secs, 2 x barrier_timeout_secs) + {margin} s)",
+        margin = DEADLINE_MARGIN.as_secs()
+    )]
+    FeedStalled {
+        /// The shard's index.
+        shard: usize,
+        /// The step pushed.
+        step: u64,
+        /// Bytes of the range handed over.
+        got: usize,
+        /// Bytes of the range.
+        total: usize,
+        /// The deadline, s.
+        waited_secs: f64,
+        /// Time since the last piece, s.
+        idle_secs: f64,
+    },
     /// The shard answered, but not as the contract says (or not what this client expects).
     #[error("shard {shard}: {message}")]
     BadReply {
@@ -188,6 +209,7 @@ impl ClientError {
             ClientError::Refused { status, .. } => is_retryable_code(status.code()),
             ClientError::BadAddress(_)
             | ClientError::NoAnswer { .. }
+            | ClientError::FeedStalled { .. }
             | ClientError::BadReply { .. }
             | ClientError::Incomplete(_) => false,
         }
@@ -733,14 +755,29 @@ impl ShardClient {
         pieces: PieceReceiver,
         chunk_bytes: usize,
     ) -> (Result<PushReply, ClientError>, Vec<(usize, Bytes)>) {
+        let mut feed = Feed::new(pieces);
         let call = async {
             Ok(self
-                .push_progressive_unbounded(header, pieces, chunk_bytes)
+                .push_progressive_unbounded(header, &mut feed, chunk_bytes)
                 .await)
         };
         let what = || format!("the push of step {}", header.step);
         match bounded(self.bound(), what, call).await {
             Ok(done) => done,
+            Err(ClientError::NoAnswer { waited_secs, .. })
+                if !feed.ended && feed.bytes < header.len as usize * self.wire.value_bytes() =>
+            {
+                // the deadline covers the backward pass that feeds the push: say which stalled
+                let e = ClientError::FeedStalled {
+                    shard: self.shard,
+                    step: header.step,
+                    got: feed.bytes,
+                    total: header.len as usize * self.wire.value_bytes(),
+                    waited_secs,
+                    idle_secs: feed.last.elapsed().as_secs_f64(),
+                };
+                (Err(e), Vec::new())
+            }
             Err(e) => (Err(e), Vec::new()),
         }
     }
@@ -748,13 +785,13 @@ impl ShardClient {
     async fn push_progressive_unbounded(
         &self,
         header: PushHeader,
-        mut pieces: PieceReceiver,
+        pieces: &mut Feed,
         chunk_bytes: usize,
     ) -> (Result<PushReply, ClientError>, Vec<(usize, Bytes)>) {
         let mut got = Vec::new();
         if let PushPlane::Link(link, conn) = self.open_push_plane(&header, header.len > 0).await {
             let frame = Frame::Pieces {
-                pieces: &mut pieces,
+                pieces,
                 got: &mut got,
             };
             match self.push_on_link(link, conn, header, frame).await {

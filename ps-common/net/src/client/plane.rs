@@ -14,6 +14,7 @@ use bytes::Bytes;
 use ps_proto::keys::DATA_RANK_KEY;
 use ps_proto::pb::{Lease, PullRequest, PushChunk, PushHeader, PushReply};
 use std::time::Duration;
+use std::time::Instant;
 use tonic::Status;
 
 /// Longest a read or write on a data connection may wait for progress before the request is
@@ -60,10 +61,48 @@ pub(super) enum Frame<'a> {
     /// The pieces, each its offset in values and its encoded bytes.
     Pieces {
         /// Where they come from.
-        pieces: &'a mut PieceReceiver,
+        pieces: &'a mut Feed,
         /// Those written so far.
         got: &'a mut Vec<(usize, Bytes)>,
     },
+}
+
+/// The pieces of a progressive push as the backward pass hands them over, with how far they
+/// got: what a push whose deadline passed says of the backward pass that feeds it.
+#[derive(Debug)]
+pub struct Feed {
+    rx: PieceReceiver,
+    /// Bytes received so far.
+    pub(super) bytes: usize,
+    /// The sender is gone: no piece comes any more.
+    pub(super) ended: bool,
+    /// When the last piece came (or the feed was made).
+    pub(super) last: Instant,
+}
+
+impl Feed {
+    /// A feed of `rx`'s pieces.
+    pub fn new(rx: PieceReceiver) -> Self {
+        Self {
+            rx,
+            bytes: 0,
+            ended: false,
+            last: Instant::now(),
+        }
+    }
+
+    /// The next piece, None once the sender is gone.
+    pub(super) async fn recv(&mut self) -> Option<(usize, Bytes)> {
+        let p = self.rx.recv().await;
+        match &p {
+            Some((_, b)) => {
+                self.bytes += b.len();
+                self.last = Instant::now();
+            }
+            None => self.ended = true,
+        }
+        p
+    }
 }
 
 /// The plane a push goes on, opened: the data connection (its stream taken), or a gRPC call
