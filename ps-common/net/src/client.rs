@@ -93,7 +93,7 @@ pub enum ClientError {
     },
     /// The address (or the TLS set-up for it) is unusable: trying again cannot help.
     #[error("{0}")]
-    BadAddress(String),
+    BadAddress(#[from] crate::auth::EndpointError),
     /// The shard (or the transport) answered a call with an error status.
     #[error("{what}: {}", status.message())]
     Refused {
@@ -218,7 +218,10 @@ impl ClientError {
 
 /// The endpoint of the shard at `addr` with the flow-control windows and frame size used by
 /// every client of the project, TLS when `security` has it.
-pub fn endpoint(addr: &str, security: &ClientSecurity) -> Result<Endpoint, String> {
+pub fn endpoint(
+    addr: &str,
+    security: &ClientSecurity,
+) -> Result<Endpoint, crate::auth::EndpointError> {
     Ok(security
         .endpoint(addr)?
         .initial_stream_window_size(STREAM_WINDOW_BYTES)
@@ -384,7 +387,7 @@ impl ShardClient {
             reason,
         };
         let start = Instant::now();
-        let endpoint = endpoint(addr, security).map_err(ClientError::BadAddress)?;
+        let endpoint = endpoint(addr, security)?;
         let mut delay = Duration::from_millis(50);
         let (mut tries, mut said) = (0u32, Instant::now());
         loop {
