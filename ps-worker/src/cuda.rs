@@ -851,48 +851,7 @@ impl CudaDevice {
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream().map_err(cuda_err("creating a stream"))?;
         let device_name = ctx.name().map_err(cuda_err("reading the device name"))?;
-        let (major, minor) = ctx
-            .compute_capability()
-            .map_err(cuda_err("reading the compute capability"))?;
-        // Machine code for this device first; PTX (JIT-compiled by the driver, which must then
-        // be at least as new as NVRTC) when NVRTC cannot make a cubin or the driver refuses it.
-        let cubin = compile_cubin(major, minor).and_then(|bin| {
-            ctx.load_module(Ptx::from_binary(bin))
-                .map_err(|e| format!("the driver refused the sm_{major}{minor} cubin: {e}"))
-        });
-        let (module, arch) = match cubin {
-            Ok(m) => (m, format!("sm_{major}{minor} cubin")),
-            Err(why) => {
-                let (ptx, arch) = compile_kernels(major, minor)?;
-                let m = ctx.load_module(ptx).map_err(cuda_err(format_args!(
-                    "loading the NVRTC kernels ({arch} PTX, after: {why}) into cuda:{ordinal} \
-                     (an UNSUPPORTED_PTX_VERSION error means libnvrtc is newer than the driver)"
-                )))?;
-                (
-                    m,
-                    format!("{arch} PTX, JIT-compiled by the driver (no cubin: {why})"),
-                )
-            }
-        };
-        let f = |name: &str| {
-            module
-                .load_function(name)
-                .map_err(cuda_err(format_args!("loading kernel {name}")))
-        };
-        let k = Kernels {
-            bias_act: f("bias_act_f32")?,
-            relu_backward: f("relu_backward_f32")?,
-            softmax_xent: f("softmax_xent_f32")?,
-            argmax_correct: f("argmax_correct_f32")?,
-            bias_grad: f("bias_grad_f32")?,
-            reduce_stats: f("reduce_stats_f32")?,
-            im2col: f("im2col_f32")?,
-            col2im: f("col2im_f32")?,
-            maxpool2: f("maxpool2_f32")?,
-            maxpool2_backward: f("maxpool2_backward_f32")?,
-            channel_bias_act: f("channel_bias_act_f32")?,
-            channel_bias_grad: f("channel_bias_grad_f32")?,
-        };
+        let (k, arch) = load_kernels(&ctx, ordinal)?;
         let blas = CudaBlas::new(stream.clone()).map_err(cuda_err("creating the cuBLAS handle"))?;
         // Full FP32: the default math mode never uses TF32 tensor cores for sgemm; set it
         // explicitly in case a later cuBLAS changes its default.
@@ -1595,6 +1554,55 @@ impl Device for CudaDevice {
         .map(|_| ())
         .map_err(cuda_err("launching maxpool2_backward_f32"))
     }
+}
+
+/// The project's kernels loaded into `ctx` (device `ordinal`): machine code for this device
+/// first; PTX (JIT-compiled by the driver, which must then be at least as new as NVRTC) when
+/// NVRTC cannot make a cubin or the driver refuses it. With what they were loaded as.
+fn load_kernels(ctx: &Arc<CudaContext>, ordinal: usize) -> BackendResult<(Kernels, String)> {
+    let (major, minor) = ctx
+        .compute_capability()
+        .map_err(cuda_err("reading the compute capability"))?;
+    // Machine code for this device first; PTX (JIT-compiled by the driver, which must then
+    // be at least as new as NVRTC) when NVRTC cannot make a cubin or the driver refuses it.
+    let cubin = compile_cubin(major, minor).and_then(|bin| {
+        ctx.load_module(Ptx::from_binary(bin))
+            .map_err(|e| format!("the driver refused the sm_{major}{minor} cubin: {e}"))
+    });
+    let (module, arch) = match cubin {
+        Ok(m) => (m, format!("sm_{major}{minor} cubin")),
+        Err(why) => {
+            let (ptx, arch) = compile_kernels(major, minor)?;
+            let m = ctx.load_module(ptx).map_err(cuda_err(format_args!(
+                "loading the NVRTC kernels ({arch} PTX, after: {why}) into cuda:{ordinal} \
+             (an UNSUPPORTED_PTX_VERSION error means libnvrtc is newer than the driver)"
+            )))?;
+            (
+                m,
+                format!("{arch} PTX, JIT-compiled by the driver (no cubin: {why})"),
+            )
+        }
+    };
+    let f = |name: &str| {
+        module
+            .load_function(name)
+            .map_err(cuda_err(format_args!("loading kernel {name}")))
+    };
+    let k = Kernels {
+        bias_act: f("bias_act_f32")?,
+        relu_backward: f("relu_backward_f32")?,
+        softmax_xent: f("softmax_xent_f32")?,
+        argmax_correct: f("argmax_correct_f32")?,
+        bias_grad: f("bias_grad_f32")?,
+        reduce_stats: f("reduce_stats_f32")?,
+        im2col: f("im2col_f32")?,
+        col2im: f("col2im_f32")?,
+        maxpool2: f("maxpool2_f32")?,
+        maxpool2_backward: f("maxpool2_backward_f32")?,
+        channel_bias_act: f("channel_bias_act_f32")?,
+        channel_bias_grad: f("channel_bias_grad_f32")?,
+    };
+    Ok((k, arch))
 }
 
 #[cfg(test)]

@@ -3,7 +3,7 @@
 use anyhow::Context;
 use clap::Parser;
 use ps_config::Config;
-use ps_data::idx::{Split, load_split};
+use ps_data::idx::{Dataset, Split, load_split};
 use ps_worker::worker::{WorkerSetup, run_worker};
 use std::path::PathBuf;
 
@@ -67,6 +67,33 @@ fn refused_config(e: &anyhow::Error) -> bool {
     e.chain().any(|c| c.is::<ps_config::ConfigError>())
 }
 
+/// The training and test sets of `cfg` (the model it declares must be one ps-worker trains).
+fn load_data(config: &std::path::Path, cfg: &Config) -> anyhow::Result<(Dataset, Dataset)> {
+    if let Some(d) = &cfg.model.declared
+        && cfg.model.cnn.is_none()
+        && ps_model::layout::MlpLayout::from_spec(&d.spec).is_none()
+    {
+        anyhow::bail!(
+            "{}: [model] init = {} declares a model other than an MLP (fc1.weight, fc1.bias, ...): ps-worker trains only the built-in MLP and CNN ([model] kind = \"cnn\"); use the Python worker (python/) for this model",
+            config.display(),
+            d.path.display()
+        );
+    }
+    let classes = cfg.model.dims[cfg.model.dims.len() - 1];
+    let train =
+        load_split(&cfg.data.dir, Split::Train, classes).context("loading the training set")?;
+    let test = load_split(&cfg.data.dir, Split::Test, classes).context("loading the test set")?;
+    if train.features() != cfg.model.dims[0] {
+        anyhow::bail!(
+            "{}: images have {} pixels but [model] inputs = {}",
+            cfg.data.dir.display(),
+            train.features(),
+            cfg.model.dims[0]
+        );
+    }
+    Ok((train, test))
+}
+
 fn run(cli: Cli) -> anyhow::Result<()> {
     let env: std::collections::HashMap<String, String> = std::env::vars().collect();
     let overrides = ps_config::Overrides::from_env_and_cli(&env, &cli.set, &cli.config)?;
@@ -120,28 +147,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     // SAFETY: set before any thread of this process exists (the runtime starts below);
     // matrixmultiply reads it once, at its first threaded product.
     unsafe { std::env::set_var("MATMUL_NUM_THREADS", threads.to_string()) };
-    if let Some(d) = &cfg.model.declared
-        && cfg.model.cnn.is_none()
-        && ps_model::layout::MlpLayout::from_spec(&d.spec).is_none()
-    {
-        anyhow::bail!(
-            "{}: [model] init = {} declares a model other than an MLP (fc1.weight, fc1.bias, ...): ps-worker trains only the built-in MLP and CNN ([model] kind = \"cnn\"); use the Python worker (python/) for this model",
-            cli.config.display(),
-            d.path.display()
-        );
-    }
-    let classes = cfg.model.dims[cfg.model.dims.len() - 1];
-    let train =
-        load_split(&cfg.data.dir, Split::Train, classes).context("loading the training set")?;
-    let test = load_split(&cfg.data.dir, Split::Test, classes).context("loading the test set")?;
-    if train.features() != cfg.model.dims[0] {
-        anyhow::bail!(
-            "{}: images have {} pixels but [model] inputs = {}",
-            cfg.data.dir.display(),
-            train.features(),
-            cfg.model.dims[0]
-        );
-    }
+    let (train, test) = load_data(&cli.config, &cfg)?;
     let device = cli.device.unwrap_or_else(|| cfg.worker.device.clone());
     let (backend, chosen) =
         ps_worker::device::open_backend(&device, place.local_rank, &cfg.layout(), threads)?;
@@ -151,7 +157,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         .enable_all()
         .build()?;
     let rank = place.rank;
-    rt.block_on(async {
+    let done = rt.block_on(async {
         tokio::select! {
             done = run_worker(WorkerSetup { cfg, servers, rank, train, test, backend }) => done.map(drop),
             // dropping the run removes this worker's shared-memory board
@@ -172,5 +178,12 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 anyhow::bail!("worker {rank}: preempted (SIGTERM or SIGUSR1)")
             }
         }
-    })
+    });
+    // a stalled backward pass (`run_worker`) keeps its thread: do not wait for it
+    rt.shutdown_timeout(RUNTIME_SHUTDOWN);
+    done
 }
+
+/// How long ps-worker waits for its runtime's threads at the end (a thread stalled in a
+/// backward pass is left behind: the process exits).
+const RUNTIME_SHUTDOWN: std::time::Duration = std::time::Duration::from_secs(5);

@@ -128,279 +128,171 @@ pub use ps_net::peer::STOP_REQUESTED;
 /// (and an earlier start of the push) that would save almost no time on the link.
 pub const MIN_PIECE_VALUES: usize = 1 << 16;
 
-/// Runs the worker to the end of the training run; returns its timing.
-#[allow(clippy::too_many_lines)] // split next (issue 39)
+/// Runs the worker to the end of the training run; returns its timing. The run is a task of
+/// its own; this returns early, with the error, when a step's backward pass stalls
+/// ([`Watch`]: its push's deadline passed with the gradient unfinished, or
+/// [`STALL_GRACE`] after a push of the step failed): that thread cannot be stopped, so the
+/// caller must not wait for the runtime's threads to end (ps-worker shuts its runtime down
+/// with a bound and exits).
 pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
-    let WorkerSetup {
-        cfg,
-        servers,
-        rank,
-        train,
-        test,
-        mut backend,
-    } = setup;
-    let layout = cfg.layout();
-    let world = cfg.cluster.workers;
-    let total = cfg.total_steps(train.len())?;
+    let watch = Watch::default();
+    let mut task = AbortOnDrop(tokio::spawn(train(setup, watch.clone())));
+    tokio::select! {
+        r = &mut task.0 => r.context("the worker's task")?,
+        e = watch.stalled() => Err(e),
+    }
+}
 
-    // the gradient lives in a shared-memory board that the shards on this host read in place
-    // (where /dev/shm allows), else on the heap
-    // with [train] exact_sum the gradient pushed is the encoded exact partial sum
-    let exact = cfg.train.exact_micro_batch;
-    let push_len = match exact {
-        Some(_) => crate::exact::wire_len(layout.num_params()),
-        None => layout.num_params(),
-    };
-    let mut grad_board = match cfg.cluster.transport {
-        Transport::Auto => grad_board(
-            &ps_config::runid::board_prefix(cfg.cluster.run_id.as_deref()),
-            rank,
-            push_len,
-        ),
-        Transport::Grpc => None,
-    };
-    let grad_file = board_file(&grad_board);
-    // what this worker computes: the built-in MLP
-    let model = describe_model(&layout);
-    let (mut peers, start_step) =
-        register_all(&cfg, &servers, rank, total, &grad_file, &model).await?;
-    let via: Vec<&str> = peers.iter().map(|p| p.link.describe()).collect();
-    tracing::info!(
-        "worker {rank}/{world}: registered with {} shards (tensors via {via:?}), starting at step {start_step} of {total}, device {}, {}",
-        servers.len(),
-        backend.name(),
-        ps_config::runid::show(cfg.cluster.run_id.as_deref())
-    );
+/// A task aborted when dropped (the run of [`run_worker`], when its caller gives up on it).
+struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
 
-    let mut planner = BatchPlanner::new(cfg.data_order(train.len()));
-    let test_slice = split_even(test.len(), world)[rank].clone();
-    let test_idx: Vec<u32> = (test_slice.start as u32..test_slice.end as u32).collect();
-    let mut weights = vec![0f32; layout.num_params()];
-    let mut heap_grad = Vec::new();
-    let grad: &mut [f32] = match &mut grad_board {
-        Some((_, board)) => board.slot_mut(0),
-        None => {
-            heap_grad.resize(push_len, 0.0);
-            &mut heap_grad
-        }
-    };
-    let (mut x, mut y) = (Vec::new(), Vec::new());
-    // one micro-batch's gradient, with [train] micro_batches > 1
-    let mut part = Vec::new();
-    // the exact partial sum, with [train] exact_sum
-    let mut exact_acc = Vec::new();
-    let mut timing = Timing::default();
-    let chunk_bytes = cfg.server.chunk_bytes;
-    let wire = cfg.cluster.wire;
+impl<T> Drop for AbortOnDrop<T> {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
 
-    let elastic = cfg.server.barrier_policy == BarrierPolicy::Continue;
-    let shard_ranges: Vec<Range<usize>> = peers.iter().map(|p| p.range.clone()).collect();
-    // where each shard's push lies in `grad`: its range, or that of the encoded partial sum
-    let push_ranges: Vec<Range<usize>> = match exact {
-        Some(_) => shard_ranges
-            .iter()
-            .map(|r| crate::exact::wire_len(r.start)..crate::exact::wire_len(r.end))
-            .collect(),
-        None => shard_ranges.clone(),
-    };
-    let patience = pull_patience(&cfg);
-    let mut t = start_step;
-    while t < total {
-        // the copies counted for this step are its own (not those of a failed one)
-        backend.take_copy_times()?;
-        let t0 = Instant::now();
-        // the pulls of version t run while this thread computes: forward waits at the gate
-        // for each layer's parameters (pulled straight into the backend's host weights, or,
-        // on a device with its own memory, into its staging memory, uploaded piece by piece
-        // as it arrives; else into `weights`, uploaded once complete)
-        let (gate, backend_gated) =
-            open_step_gate(backend.as_mut(), &mut weights, t, &shard_ranges, patience);
-        let jobs = pull_jobs(&peers);
-        let runtime = tokio::runtime::Handle::current();
-        let (mut t1, mut t2) = (t0, t0);
-        let mut pushes = Vec::with_capacity(peers.len());
-        let progressive: Vec<bool> = peers
-            .iter()
-            .map(|p| !p.ahead && !p.link.grad && p.client.data_link_usable() && !p.range.is_empty())
-            .collect();
-        // per shard: the sender of its push's pieces once it is under way
-        let mut senders: Vec<Option<tokio::sync::mpsc::UnboundedSender<(usize, Bytes)>>> =
-            (0..peers.len()).map(|_| None).collect();
-        // the gradient board is read in place by the shards on this host until they publish
-        // version t: backward writes it after forward, which waited for every layer of
-        // version t; gradient accumulation and an empty batch write it (zeros) before any
-        // forward, so they wait for the whole pull first
-        let grad_shared = peers.iter().any(|p| p.link.grad);
-        let (pulled, computed) = pull_while(&runtime, jobs, &gate, || -> anyhow::Result<()> {
-            if !backend_gated {
-                gate.wait_all()?;
-                backend.set_weights(gate.published(0..layout.num_params()))?;
-            }
-            t1 = Instant::now();
-            let eval =
-                if cfg.train.eval_every > 0 && t > 0 && t.is_multiple_of(cfg.train.eval_every) {
-                    evaluate(backend.as_mut(), &test, &test_idx, &mut x, &mut y)?
-                } else {
-                    (0, 0)
-                };
-            train.gather(planner.worker_batch(t, rank, world), &mut x, &mut y);
-            if grad_shared && (cfg.train.micro_batches > 1 || exact.is_some() || y.is_empty()) {
-                gate.wait_all()?;
-            }
-            let header = |stats: StepStats| PushHeader {
-                rank: rank as u32,
-                step: t,
-                samples: y.len() as u32,
-                loss_sum: stats.loss_sum,
-                correct: stats.correct,
-                len: 0,
-                eval_correct: eval.0,
-                eval_count: eval.1,
-                shm: false,
-            };
-            // backward hands over the gradient last layer first: a shard on a data connection gets
-            // each part of its range as soon as it is final, as a piece of one push; the others get
-            // their whole range as soon as all of it is final; both while the earlier layers are
-            // still being computed
-            let mut unsent = peers.len();
-            // per shard: where its final part starts (its range's end before any), and the
-            // pieces sent this step
-            let mut final_from: Vec<usize> = push_ranges.iter().map(|r| r.end).collect();
-            let mut sent = vec![0usize; peers.len()];
-            let mut ready = |start: usize, tail: &[f32], stats: StepStats| {
-                for s in (0..peers.len()).filter(|&s| progressive[s]) {
-                    let peer = &mut peers[s];
-                    let r = push_ranges[s].clone();
-                    let (lo, hi) = (start.max(r.start), final_from[s]);
-                    if lo >= hi || (hi - lo < MIN_PIECE_VALUES && lo > r.start) {
-                        // nothing new of this shard's range is final, or too little to be
-                        // worth a piece of its own: it goes with the next one
-                        continue;
-                    }
-                    let buf = peer.piece_bufs.get_mut(sent[s]).and_then(Option::take);
-                    let values = &tail[lo - start..hi - start];
-                    let offset = lo - r.start;
-                    let bytes =
-                        encode_push_part(wire, values, offset, r.len(), &mut peer.encoder, buf);
-                    sent[s] += 1;
-                    final_from[s] = lo;
-                    let tx = senders[s].get_or_insert_with(|| {
-                        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-                        let h = PushHeader {
-                            len: r.len() as u64,
-                            ..header(stats)
-                        };
-                        let client = peer.client.clone();
-                        pushes.push(runtime.spawn(async move {
-                            let (reply, pieces) = client.push_progressive(h, rx, chunk_bytes).await;
-                            reply?;
-                            let bufs = pieces.into_iter().map(|(_, b)| b).collect();
-                            Ok::<_, anyhow::Error>((s, bufs))
-                        }));
-                        tx
-                    });
-                    // a push that ended early (refused) no longer takes pieces: its
-                    // error is what the step reports
-                    let _ = tx.send((offset, bytes));
-                    if lo == r.start {
-                        senders[s] = None; // the whole range is on its way
-                    }
-                }
-                while unsent > 0 && push_ranges[unsent - 1].start >= start {
-                    unsent -= 1;
-                    let s = unsent;
-                    let peer = &mut peers[s];
-                    if peer.ahead || progressive[s] {
-                        // applied step t already, or pushed piece by piece
-                        continue;
-                    }
-                    let r = &push_ranges[s];
-                    // the shard reads the range in this worker's gradient board, or
-                    // receives a copy through gRPC
-                    let bytes = if peer.link.grad {
-                        Bytes::new()
-                    } else {
-                        let values = &tail[r.start - start..r.end - start];
-                        let buf = peer.push_buf.take();
-                        encode_push(wire, values, &mut peer.encoder, buf)
-                    };
-                    let h = PushHeader {
-                        len: r.len() as u64,
-                        shm: peer.link.grad,
-                        ..header(stats)
-                    };
-                    let client = peer.client.clone();
-                    pushes.push(runtime.spawn(async move {
-                        client.push_retrying(h, &bytes, chunk_bytes).await?;
-                        Ok::<_, anyhow::Error>((s, vec![bytes]))
-                    }));
-                }
-            };
-            match exact {
-                Some(m) => crate::exact::forward_backward_exact(
-                    backend.as_mut(),
-                    &x,
-                    &y,
-                    cfg.train.loss_reduction,
-                    m,
-                    &mut exact_acc,
-                    &mut part,
-                    grad,
-                    &mut ready,
-                )?,
-                None => crate::backend::forward_backward_micro(
-                    backend.as_mut(),
-                    &x,
-                    &y,
-                    cfg.train.loss_reduction,
-                    cfg.train.micro_batches,
-                    grad,
-                    &mut part,
-                    &mut ready,
-                )?,
-            };
-            t2 = Instant::now();
-            Ok(())
-        });
-        backend.close_gate();
-        drop(senders);
-        let waits = gate.waits();
-        drop(gate);
-        let failed = match pulled {
-            Err(e) => {
-                // forward stopped at the gate: nothing computed with these weights was pushed
-                debug_assert!(pushes.is_empty(), "a push after a failed pull");
-                Some(e)
-            }
-            Ok(()) => {
-                computed?;
-                await_pushes(pushes, &progressive, &mut peers).await?
-            }
-        };
-        if let Some(e) = failed {
-            t = after_failure(
-                elastic,
-                &cfg,
-                &mut peers,
-                rank,
-                (&grad_file, &model),
-                total,
-                t,
-                e,
-            )
-            .await?;
-            continue;
-        }
-        // only the first step (or the first after a rejoin) can find shards ahead
-        peers.iter_mut().for_each(|p| p.ahead = false);
-        let t3 = Instant::now();
-        timing.add_step(t1 - t0, t2 - t1, t3 - t2, &waits);
-        if let Some(c) = backend.take_copy_times()? {
-            *timing.copies.get_or_insert_default() += c;
-        }
-        t += 1;
+/// How long a step's backward pass may go on after one of its pushes failed before the worker
+/// gives up on it (the step is lost; a backward still running is stalled).
+pub const STALL_GRACE: Duration = ps_net::client::DEADLINE_MARGIN;
+
+/// The watch over each step's backward pass: which step computes, and the error that ends the
+/// run when that computation stalls (a push of the step failed and it did not end within
+/// [`STALL_GRACE`], or the push's deadline passed while the backward pass fed it).
+#[derive(Clone, Default)]
+pub struct Watch(Arc<WatchState>);
+
+#[derive(Default)]
+struct WatchState {
+    /// The step whose backward pass runs, plus one (0: none).
+    computing: std::sync::atomic::AtomicU64,
+    fatal: std::sync::Mutex<Option<anyhow::Error>>,
+    notify: tokio::sync::Notify,
+}
+
+impl Watch {
+    /// Step `t`'s computation begins (`Some`) or ended (`None`).
+    fn computing(&self, t: Option<u64>) {
+        let v = t.map_or(0, |t| t + 1);
+        self.0
+            .computing
+            .store(v, std::sync::atomic::Ordering::SeqCst);
     }
 
+    fn still_computing(&self, t: u64) -> bool {
+        self.0.computing.load(std::sync::atomic::Ordering::SeqCst) == t + 1
+    }
+
+    /// A push of step `t` to a shard failed with `e`: if the step's backward pass still runs
+    /// when its feed stalled, or [`STALL_GRACE`] later otherwise, the run ends with the error.
+    fn push_failed(&self, t: u64, rank: usize, e: &ps_net::client::ClientError) {
+        let stalled = matches!(e, ps_net::client::ClientError::FeedStalled { .. });
+        let (w, said) = (self.clone(), e.to_string());
+        tokio::spawn(async move {
+            if !stalled {
+                tokio::time::sleep(STALL_GRACE).await;
+            }
+            if w.still_computing(t) {
+                let e = if stalled {
+                    anyhow::anyhow!("worker {rank}: step {t}: {said}")
+                } else {
+                    anyhow::anyhow!(
+                        "worker {rank}: the backward pass of step {t} did not end within {} s after its push failed ({said})",
+                        STALL_GRACE.as_secs()
+                    )
+                };
+                w.fire(e);
+            }
+        });
+    }
+
+    fn fire(&self, e: anyhow::Error) {
+        let mut f = self.0.fatal.lock().unwrap_or_else(|p| p.into_inner());
+        f.get_or_insert(e);
+        self.0.notify.notify_one();
+    }
+
+    /// Waits until the run must end on a stalled computation: the error.
+    async fn stalled(&self) -> anyhow::Error {
+        loop {
+            self.0.notify.notified().await;
+            let mut f = self.0.fatal.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(e) = f.take() {
+                return e;
+            }
+        }
+    }
+}
+
+/// Where the gradient lives: a shared-memory board that the shards on this host read in place
+/// (where /dev/shm allows), else the heap.
+enum GradMem {
+    /// The board, and its directory (removed when dropped).
+    Board {
+        _dir: ps_net::shm::BoardDir,
+        board: ps_net::shm::Board,
+    },
+    Heap(Vec<f32>),
+}
+
+impl GradMem {
+    fn values(&mut self) -> &mut [f32] {
+        match self {
+            GradMem::Board { board, .. } => board.slot_mut(0),
+            GradMem::Heap(v) => v,
+        }
+    }
+}
+
+/// A worker's run: what stays from step to step.
+struct Run {
+    cfg: Config,
+    rank: usize,
+    total: u64,
+    train: Dataset,
+    test: Dataset,
+    backend: Box<dyn Backend>,
+    grad: GradMem,
+    /// The gradient board's file and token, for registration again.
+    grad_file: (String, u64),
+    model: Vec<ps_proto::pb::TensorDesc>,
+    peers: Vec<Peer>,
+    planner: BatchPlanner,
+    test_idx: Vec<u32>,
+    weights: Vec<f32>,
+    /// A batch's features and labels.
+    x: Vec<f32>,
+    y: Vec<u8>,
+    /// One micro-batch's gradient, with [train] micro_batches > 1.
+    part: Vec<f32>,
+    /// The exact partial sum, with [train] exact_sum.
+    exact_acc: Vec<i128>,
+    timing: Timing,
+    shard_ranges: Vec<Range<usize>>,
+    /// Where each shard's push lies in the gradient: its range, or that of the encoded
+    /// partial sum.
+    push_ranges: Vec<Range<usize>>,
+    /// The next step.
+    t: u64,
+}
+
+/// The run: registration, the steps, the end.
+async fn train(setup: WorkerSetup, watch: Watch) -> anyhow::Result<Timing> {
+    let mut run = Run::start(setup).await?;
+    while run.t < run.total {
+        run.step(&watch).await?;
+    }
+    let Run {
+        mut peers,
+        mut backend,
+        rank,
+        total,
+        test,
+        test_idx,
+        mut weights,
+        timing,
+        ..
+    } = run;
     finish_run(
         &mut peers,
         backend.as_mut(),
@@ -411,6 +303,453 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
     )
     .await?;
     Ok(timing)
+}
+
+impl Run {
+    /// Creates the gradient's memory and registers with every shard.
+    async fn start(setup: WorkerSetup) -> anyhow::Result<Self> {
+        let WorkerSetup {
+            cfg,
+            servers,
+            rank,
+            train,
+            test,
+            backend,
+        } = setup;
+        let layout = cfg.layout();
+        let world = cfg.cluster.workers;
+        let total = cfg.total_steps(train.len())?;
+        // with [train] exact_sum the gradient pushed is the encoded exact partial sum
+        let exact = cfg.train.exact_micro_batch;
+        let push_len = match exact {
+            Some(_) => crate::exact::wire_len(layout.num_params()),
+            None => layout.num_params(),
+        };
+        let board = match cfg.cluster.transport {
+            Transport::Auto => grad_board(
+                &ps_config::runid::board_prefix(cfg.cluster.run_id.as_deref()),
+                rank,
+                push_len,
+            ),
+            Transport::Grpc => None,
+        };
+        let grad_file = board_file(&board);
+        let grad = match board {
+            Some((_dir, board)) => GradMem::Board { _dir, board },
+            None => GradMem::Heap(vec![0.0; push_len]),
+        };
+        // what this worker computes: the built-in MLP
+        let model = describe_model(&layout);
+        let (peers, start_step) =
+            register_all(&cfg, &servers, rank, total, &grad_file, &model).await?;
+        let via: Vec<&str> = peers.iter().map(|p| p.link.describe()).collect();
+        tracing::info!(
+            "worker {rank}/{world}: registered with {} shards (tensors via {via:?}), starting at step {start_step} of {total}, device {}, {}",
+            servers.len(),
+            backend.name(),
+            ps_config::runid::show(cfg.cluster.run_id.as_deref())
+        );
+        let test_slice = split_even(test.len(), world)[rank].clone();
+        let shard_ranges: Vec<Range<usize>> = peers.iter().map(|p| p.range.clone()).collect();
+        let push_ranges = match exact {
+            Some(_) => shard_ranges
+                .iter()
+                .map(|r| crate::exact::wire_len(r.start)..crate::exact::wire_len(r.end))
+                .collect(),
+            None => shard_ranges.clone(),
+        };
+        Ok(Self {
+            planner: BatchPlanner::new(cfg.data_order(train.len())),
+            test_idx: (test_slice.start as u32..test_slice.end as u32).collect(),
+            weights: vec![0f32; layout.num_params()],
+            cfg,
+            rank,
+            total,
+            train,
+            test,
+            backend,
+            grad,
+            grad_file,
+            model,
+            peers,
+            x: Vec::new(),
+            y: Vec::new(),
+            part: Vec::new(),
+            exact_acc: Vec::new(),
+            timing: Timing::default(),
+            shard_ranges,
+            push_ranges,
+            t: start_step,
+        })
+    }
+
+    /// Step `self.t`: the pulls of version t run while this thread computes (forward waits at
+    /// the gate for each layer's parameters, pulled straight into the backend's host weights,
+    /// or, on a device with its own memory, into its staging memory, uploaded piece by piece as
+    /// it arrives; else into `weights`, uploaded once complete); backward hands each shard its
+    /// part as it is final ([`StepPushes`]); then the pushes' answers. A failure goes to
+    /// recovery ([`after_failure`]), which says the step to go on from.
+    async fn step(&mut self, watch: &Watch) -> anyhow::Result<()> {
+        let t = self.t;
+        // the copies counted for this step are its own (not those of a failed one)
+        self.backend.take_copy_times()?;
+        let t0 = Instant::now();
+        let patience = pull_patience(&self.cfg);
+        let (gate, backend_gated) = open_step_gate(
+            self.backend.as_mut(),
+            &mut self.weights,
+            t,
+            &self.shard_ranges,
+            patience,
+        );
+        let (pulled, computed, tasks, progressive) =
+            self.compute_while_pulling(watch, &gate, backend_gated);
+        self.backend.close_gate();
+        let waits = gate.waits();
+        drop(gate);
+        let mut times = (t0, t0);
+        let failed = match pulled {
+            Err(e) => {
+                // forward stopped at the gate: nothing computed with these weights was pushed
+                debug_assert!(tasks.is_empty(), "a push after a failed pull");
+                Some(e)
+            }
+            Ok(()) => {
+                times = computed?;
+                await_pushes(tasks, &progressive, &mut self.peers).await?
+            }
+        };
+        if let Some(e) = failed {
+            let elastic = self.cfg.server.barrier_policy == BarrierPolicy::Continue;
+            let files = (&self.grad_file, &self.model[..]);
+            let (cfg, rank, total) = (&self.cfg, self.rank, self.total);
+            self.t = after_failure(elastic, cfg, &mut self.peers, rank, files, total, t, e).await?;
+            return Ok(());
+        }
+        let (t1, t2) = times;
+        // only the first step (or the first after a rejoin) can find shards ahead
+        self.peers.iter_mut().for_each(|p| p.ahead = false);
+        let t3 = Instant::now();
+        self.timing.add_step(t1 - t0, t2 - t1, t3 - t2, &waits);
+        if let Some(c) = self.backend.take_copy_times()? {
+            *self.timing.copies.get_or_insert_default() += c;
+        }
+        self.t += 1;
+        Ok(())
+    }
+
+    /// Runs step `self.t`'s computation on this thread while its pulls fill `gate` (the
+    /// backend's own when `backend_gated`), the pushes starting as backward hands the gradient
+    /// over: the pulls' result, the computation's (when forward began and backward ended),
+    /// the push tasks and which shards were pushed piece by piece.
+    fn compute_while_pulling(
+        &mut self,
+        watch: &Watch,
+        gate: &Arc<PullGate>,
+        backend_gated: bool,
+    ) -> StepOutcome {
+        let t = self.t;
+        let jobs = pull_jobs(&self.peers);
+        let runtime = tokio::runtime::Handle::current();
+        let Run {
+            cfg,
+            rank,
+            train,
+            test,
+            backend,
+            grad,
+            peers,
+            planner,
+            test_idx,
+            x,
+            y,
+            part,
+            exact_acc,
+            push_ranges,
+            ..
+        } = self;
+        let mut pushes = StepPushes::new(peers, push_ranges, (cfg, *rank, t), watch, &runtime);
+        let mut c = Compute {
+            cfg,
+            rank: *rank,
+            t,
+            train,
+            test,
+            test_idx,
+            planner,
+            backend: backend.as_mut(),
+            x,
+            y,
+            part,
+            exact_acc,
+            grad: grad.values(),
+        };
+        watch.computing(Some(t));
+        let (pulled, computed) = pull_while(&runtime, jobs, gate, || {
+            c.run(&mut pushes, gate, backend_gated)
+        });
+        watch.computing(None);
+        drop(pushes.senders);
+        (pulled, computed, pushes.tasks, pushes.progressive)
+    }
+}
+
+/// What a step's computation left: the pulls' result, the computation's (when forward began
+/// and backward ended), the push tasks and which shards were pushed piece by piece.
+type StepOutcome = (
+    anyhow::Result<()>,
+    anyhow::Result<(Instant, Instant)>,
+    Vec<PushTask>,
+    Vec<bool>,
+);
+
+/// What one step's computation reads and writes.
+struct Compute<'a> {
+    cfg: &'a Config,
+    rank: usize,
+    t: u64,
+    train: &'a Dataset,
+    test: &'a Dataset,
+    test_idx: &'a [u32],
+    planner: &'a mut BatchPlanner,
+    backend: &'a mut dyn Backend,
+    x: &'a mut Vec<f32>,
+    y: &'a mut Vec<u8>,
+    part: &'a mut Vec<f32>,
+    exact_acc: &'a mut Vec<i128>,
+    grad: &'a mut [f32],
+}
+
+impl Compute<'_> {
+    /// Forward (after the weights it reads, at `gate`), an evaluation when the step asks for
+    /// one, and backward, handing the gradient to `pushes` as it becomes final: when forward
+    /// began and when backward ended.
+    fn run(
+        &mut self,
+        pushes: &mut StepPushes<'_>,
+        gate: &PullGate,
+        backend_gated: bool,
+    ) -> anyhow::Result<(Instant, Instant)> {
+        let (cfg, t) = (self.cfg, self.t);
+        if !backend_gated {
+            gate.wait_all()?;
+            let n = cfg.layout().num_params();
+            self.backend.set_weights(gate.published(0..n))?;
+        }
+        let t1 = Instant::now();
+        let eval = if cfg.train.eval_every > 0 && t > 0 && t.is_multiple_of(cfg.train.eval_every) {
+            evaluate(self.backend, self.test, self.test_idx, self.x, self.y)?
+        } else {
+            (0, 0)
+        };
+        let world = cfg.cluster.workers;
+        let batch = self.planner.worker_batch(t, self.rank, world);
+        self.train.gather(batch, self.x, self.y);
+        // the gradient board is read in place by the shards on this host until they publish
+        // version t: backward writes it after forward, which waited for every layer of
+        // version t; gradient accumulation and an empty batch write it (zeros) before any
+        // forward, so they wait for the whole pull first
+        let exact = cfg.train.exact_micro_batch;
+        if pushes.grad_shared
+            && (cfg.train.micro_batches > 1 || exact.is_some() || self.y.is_empty())
+        {
+            gate.wait_all()?;
+        }
+        pushes.base.samples = self.y.len() as u32;
+        (pushes.base.eval_correct, pushes.base.eval_count) = eval;
+        let mut ready = |start: usize, tail: &[f32], stats: StepStats| {
+            pushes.ready(start, tail, stats);
+        };
+        let reduction = cfg.train.loss_reduction;
+        match exact {
+            Some(m) => crate::exact::forward_backward_exact(
+                self.backend,
+                self.x,
+                self.y,
+                reduction,
+                m,
+                self.exact_acc,
+                self.part,
+                self.grad,
+                &mut ready,
+            )?,
+            None => crate::backend::forward_backward_micro(
+                self.backend,
+                self.x,
+                self.y,
+                reduction,
+                cfg.train.micro_batches,
+                self.grad,
+                self.part,
+                &mut ready,
+            )?,
+        };
+        Ok((t1, Instant::now()))
+    }
+}
+
+/// One step's pushes, started as backward hands the gradient over, last layer first: a shard
+/// on a data connection gets each part of its range as soon as it is final, as a piece of one
+/// push; the others get their whole range as soon as all of it is final; both while the
+/// earlier layers are still being computed.
+struct StepPushes<'a> {
+    peers: &'a mut [Peer],
+    push_ranges: &'a [Range<usize>],
+    /// Per shard: pushed piece by piece.
+    progressive: Vec<bool>,
+    /// Per shard: the sender of its push's pieces once it is under way.
+    senders: Vec<Option<tokio::sync::mpsc::UnboundedSender<(usize, Bytes)>>>,
+    tasks: Vec<PushTask>,
+    /// Shards `0..unsent` have not been handed their whole range.
+    unsent: usize,
+    /// Per shard: where its final part starts (its range's end before any).
+    final_from: Vec<usize>,
+    /// Per shard: the pieces sent this step.
+    sent: Vec<usize>,
+    /// The header of every push of the step, but the figures of backward and the range.
+    base: PushHeader,
+    /// A shard reads the gradient in this worker's board.
+    grad_shared: bool,
+    runtime: tokio::runtime::Handle,
+    watch: Watch,
+    rank: usize,
+    wire: ps_config::Wire,
+    chunk_bytes: usize,
+}
+
+impl<'a> StepPushes<'a> {
+    fn new(
+        peers: &'a mut [Peer],
+        push_ranges: &'a [Range<usize>],
+        (cfg, rank, t): (&Config, usize, u64),
+        watch: &Watch,
+        runtime: &tokio::runtime::Handle,
+    ) -> Self {
+        let progressive = peers
+            .iter()
+            .map(|p| !p.ahead && !p.link.grad && p.client.data_link_usable() && !p.range.is_empty())
+            .collect();
+        let n = peers.len();
+        Self {
+            grad_shared: peers.iter().any(|p| p.link.grad),
+            peers,
+            push_ranges,
+            progressive,
+            senders: (0..n).map(|_| None).collect(),
+            tasks: Vec::with_capacity(n),
+            unsent: n,
+            final_from: push_ranges.iter().map(|r| r.end).collect(),
+            sent: vec![0; n],
+            base: PushHeader {
+                rank: rank as u32,
+                step: t,
+                ..PushHeader::default()
+            },
+            runtime: runtime.clone(),
+            watch: watch.clone(),
+            rank,
+            wire: cfg.cluster.wire,
+            chunk_bytes: cfg.server.chunk_bytes,
+        }
+    }
+
+    /// The step's header for a push of `len` values, with backward's figures.
+    fn header(&self, stats: StepStats, len: usize, shm: bool) -> PushHeader {
+        PushHeader {
+            loss_sum: stats.loss_sum,
+            correct: stats.correct,
+            len: len as u64,
+            shm,
+            ..self.base
+        }
+    }
+
+    /// Backward says the gradient from `start` on (`tail`) is final.
+    fn ready(&mut self, start: usize, tail: &[f32], stats: StepStats) {
+        for s in 0..self.peers.len() {
+            if self.progressive[s] {
+                self.send_piece(s, start, tail, stats);
+            }
+        }
+        while self.unsent > 0 && self.push_ranges[self.unsent - 1].start >= start {
+            self.unsent -= 1;
+            self.push_whole(self.unsent, start, tail, stats);
+        }
+    }
+
+    /// Shard `s`'s part of `tail` (from `start`) that became final, as a piece of its push
+    /// (the push begins with its first piece).
+    fn send_piece(&mut self, s: usize, start: usize, tail: &[f32], stats: StepStats) {
+        let r = self.push_ranges[s].clone();
+        let (lo, hi) = (start.max(r.start), self.final_from[s]);
+        if lo >= hi || (hi - lo < MIN_PIECE_VALUES && lo > r.start) {
+            // nothing new of this shard's range is final, or too little to be worth a piece
+            // of its own: it goes with the next one
+            return;
+        }
+        let header = self.header(stats, r.len(), false);
+        let peer = &mut self.peers[s];
+        let buf = peer.piece_bufs.get_mut(self.sent[s]).and_then(Option::take);
+        let values = &tail[lo - start..hi - start];
+        let offset = lo - r.start;
+        let bytes = encode_push_part(self.wire, values, offset, r.len(), &mut peer.encoder, buf);
+        self.sent[s] += 1;
+        self.final_from[s] = lo;
+        if self.senders[s].is_none() {
+            let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+            let client = peer.client.clone();
+            let (watch, rank, chunk_bytes) = (self.watch.clone(), self.rank, self.chunk_bytes);
+            self.tasks.push(self.runtime.spawn(async move {
+                let (reply, pieces) = client.push_progressive(header, rx, chunk_bytes).await;
+                if let Err(e) = &reply {
+                    watch.push_failed(header.step, rank, e);
+                }
+                reply?;
+                let bufs = pieces.into_iter().map(|(_, b)| b).collect();
+                Ok::<_, anyhow::Error>((s, bufs))
+            }));
+            self.senders[s] = Some(tx);
+        }
+        if let Some(tx) = &self.senders[s] {
+            // a push that ended early (refused) no longer takes pieces: its error is what
+            // the step reports
+            let _ = tx.send((offset, bytes));
+        }
+        if lo == r.start {
+            self.senders[s] = None; // the whole range is on its way
+        }
+    }
+
+    /// Shard `s`'s whole range, final: pushed (the shard reads it in this worker's gradient
+    /// board, or receives a copy through gRPC), unless it goes piece by piece or the shard
+    /// applied step t already.
+    fn push_whole(&mut self, s: usize, start: usize, tail: &[f32], stats: StepStats) {
+        let peer = &self.peers[s];
+        if peer.ahead || self.progressive[s] {
+            return;
+        }
+        let r = self.push_ranges[s].clone();
+        let shm = peer.link.grad;
+        let header = self.header(stats, r.len(), shm);
+        let peer = &mut self.peers[s];
+        let bytes = if shm {
+            Bytes::new()
+        } else {
+            let values = &tail[r.start - start..r.end - start];
+            let buf = peer.push_buf.take();
+            encode_push(self.wire, values, &mut peer.encoder, buf)
+        };
+        let client = peer.client.clone();
+        let (watch, rank, chunk_bytes) = (self.watch.clone(), self.rank, self.chunk_bytes);
+        self.tasks.push(self.runtime.spawn(async move {
+            let r = client.push_retrying(header, &bytes, chunk_bytes).await;
+            if let Err(e) = &r {
+                watch.push_failed(header.step, rank, e);
+            }
+            r?;
+            Ok::<_, anyhow::Error>((s, vec![bytes]))
+        }));
+    }
 }
 
 /// The gate of step `t`'s pull: the backend's own (its host weights or staging memory; `true`),
@@ -467,12 +806,12 @@ async fn finish_run(
 fn pull_while<R>(
     runtime: &tokio::runtime::Handle,
     jobs: Vec<PullJob>,
-    gate: &PullGate,
+    gate: &Arc<PullGate>,
     compute: impl FnOnce() -> R,
 ) -> (anyhow::Result<()>, R) {
     tokio::task::block_in_place(|| {
         std::thread::scope(|scope| {
-            let puller = scope.spawn(|| runtime.block_on(pull_gated(jobs, gate)));
+            let puller = scope.spawn(|| runtime.block_on(pull_gated(jobs, gate.clone())));
             let computed = compute();
             let pulled = puller
                 .join()

@@ -92,10 +92,14 @@ impl ClientSecurity {
 
     /// The endpoint of the shard at `addr` (`host:port`): `https` with the CA and the name to
     /// check when TLS is on, `http` otherwise.
-    pub fn endpoint(&self, addr: &str) -> Result<Endpoint, String> {
+    pub fn endpoint(&self, addr: &str) -> Result<Endpoint, EndpointError> {
         let scheme = if self.tls.is_some() { "https" } else { "http" };
-        let e = Endpoint::from_shared(format!("{scheme}://{addr}"))
-            .map_err(|e| format!("bad server address {addr:?}: expected host:port ({e})"))?;
+        let e = Endpoint::from_shared(format!("{scheme}://{addr}")).map_err(|e| {
+            EndpointError::BadAddress {
+                addr: addr.to_string(),
+                reason: e.to_string(),
+            }
+        })?;
         let Some(tls) = &self.tls else {
             return Ok(e);
         };
@@ -108,13 +112,37 @@ impl ClientSecurity {
                 .ca_certificate(Certificate::from_pem(tls.ca()))
                 .domain_name(domain),
         )
-        .map_err(|e| format!("TLS set-up for {addr}: {e}"))
+        .map_err(|source| EndpointError::Tls {
+            addr: addr.to_string(),
+            source,
+        })
     }
 
     /// The interceptor that adds the token and the run id.
     pub fn interceptor(&self) -> AddToken {
         AddToken::new(self.token.as_ref()).with_run_id(self.run_id.as_deref())
     }
+}
+
+/// Why no endpoint could be made for a shard's address: trying again cannot help.
+#[derive(Debug, thiserror::Error)]
+pub enum EndpointError {
+    /// Not `host:port`.
+    #[error("bad server address {addr:?}: expected host:port ({reason})")]
+    BadAddress {
+        /// The address given.
+        addr: String,
+        /// What the URI parser said.
+        reason: String,
+    },
+    /// The TLS configuration (the CA, the name to check) was refused.
+    #[error("TLS set-up for {addr}: {source}")]
+    Tls {
+        /// The address given.
+        addr: String,
+        /// The transport's error.
+        source: tonic::transport::Error,
+    },
 }
 
 /// Client side: adds the token (nothing without one) and the run id (`x-ps-run-id`, nothing

@@ -12,10 +12,14 @@ use crate::auth::{Client, ClientSecurity};
 use crate::shm::{Board, params_path};
 use crate::sink::{PullSink, SliceSink, write_chunk};
 use crate::wire::{MAX_MESSAGE_BYTES, chunks_of};
+pub use plane::{DATA_IDLE, Feed, FrameError, Plane};
+use plane::{Frame, PushPlane};
+
+mod plane;
 use ps_proto::pb::parameter_server_client::ParameterServerClient;
 use ps_proto::pb::{
-    ConstantsRequest, Lease, LeaveRequest, PullChunk, PullHeader, PullRequest, PushChunk,
-    PushHeader, PushReply, RegisterReply, RegisterRequest, UnusedRequest,
+    ConstantsRequest, Lease, LeaveRequest, PullChunk, PullHeader, PushChunk, PushHeader, PushReply,
+    RegisterReply, RegisterRequest, UnusedRequest,
 };
 
 use bytes::Bytes;
@@ -89,7 +93,7 @@ pub enum ClientError {
     },
     /// The address (or the TLS set-up for it) is unusable: trying again cannot help.
     #[error("{0}")]
-    BadAddress(String),
+    BadAddress(#[from] crate::auth::EndpointError),
     /// The shard (or the transport) answered a call with an error status.
     #[error("{what}: {}", status.message())]
     Refused {
@@ -120,6 +124,27 @@ pub enum ClientError {
         what: String,
         /// The deadline, s.
         waited_secs: f64,
+    },
+    /// A progressive push's deadline ([`call_deadline`]) passed while the backward pass that
+    /// feeds it had not handed over the whole range: the worker's computation stalled, not
+    /// (necessarily) the shard. Not retried.
+    #[error(
+        "the push of step {step} to shard {shard}: the backward pass feeding it handed over {got} of {total} bytes within {waited_secs:.0} s (none for the last {idle_secs:.0} s; the worker's deadline: max([server] pull_timeout_secs, 2 x barrier_timeout_secs) + {margin} s)",
+        margin = DEADLINE_MARGIN.as_secs()
+    )]
+    FeedStalled {
+        /// The shard's index.
+        shard: usize,
+        /// The step pushed.
+        step: u64,
+        /// Bytes of the range handed over.
+        got: usize,
+        /// Bytes of the range.
+        total: usize,
+        /// The deadline, s.
+        waited_secs: f64,
+        /// Time since the last piece, s.
+        idle_secs: f64,
     },
     /// The shard answered, but not as the contract says (or not what this client expects).
     #[error("shard {shard}: {message}")]
@@ -184,6 +209,7 @@ impl ClientError {
             ClientError::Refused { status, .. } => is_retryable_code(status.code()),
             ClientError::BadAddress(_)
             | ClientError::NoAnswer { .. }
+            | ClientError::FeedStalled { .. }
             | ClientError::BadReply { .. }
             | ClientError::Incomplete(_) => false,
         }
@@ -192,7 +218,10 @@ impl ClientError {
 
 /// The endpoint of the shard at `addr` with the flow-control windows and frame size used by
 /// every client of the project, TLS when `security` has it.
-pub fn endpoint(addr: &str, security: &ClientSecurity) -> Result<Endpoint, String> {
+pub fn endpoint(
+    addr: &str,
+    security: &ClientSecurity,
+) -> Result<Endpoint, crate::auth::EndpointError> {
     Ok(security
         .endpoint(addr)?
         .initial_stream_window_size(STREAM_WINDOW_BYTES)
@@ -282,113 +311,6 @@ pub fn with_lease(mut msgs: Vec<PushChunk>, lease: Option<Lease>) -> Vec<PushChu
 /// values from the start of the shard's range, and its bytes as the client's wire encodes them.
 pub type PieceReceiver = tokio::sync::mpsc::UnboundedReceiver<(usize, Bytes)>;
 
-/// The gRPC half of a push whose values go on `link`: `header` alone, naming the connection's
-/// rank so that the shard reads the frame from it.
-fn header_on_link(
-    link: &DataLink,
-    header: PushHeader,
-    lease: Option<Lease>,
-) -> tonic::Request<tokio_stream::Iter<std::vec::IntoIter<PushChunk>>> {
-    let mut request = tonic::Request::new(tokio_stream::iter(vec![PushChunk {
-        header: Some(header),
-        offset: 0,
-        data: Bytes::new(),
-        lease,
-    }]));
-    request
-        .metadata_mut()
-        .insert(DATA_RANK_KEY, link.rank.clone());
-    request
-}
-
-/// Longest a read or write on a data connection may wait for progress before the request is
-/// given up (a pull then falls back to gRPC chunks; a push is retried).
-pub const DATA_IDLE: Duration = Duration::from_secs(60);
-
-/// A worker's tensor data connection to one shard (`crate::datalink`), opened on first use
-/// and again after a request that failed on it.
-#[derive(Debug)]
-struct DataLink {
-    /// `host:port` of the shard's data listener.
-    target: String,
-    /// The hello this worker opens it with.
-    hello: Vec<u8>,
-    /// The rank, as the requests' metadata names it.
-    rank: tonic::metadata::AsciiMetadataValue,
-    /// The same rank as a number.
-    rank_number: u32,
-    conn: tokio::sync::Mutex<Option<tokio::net::TcpStream>>,
-    /// A connection could not be made (a firewall, a port not forwarded): gRPC chunks from then
-    /// on, without waiting for a connect timeout on every request.
-    unreachable: std::sync::atomic::AtomicBool,
-}
-
-impl DataLink {
-    /// The open connection, or a new one (hello answered by the shard).
-    async fn take(&self) -> std::io::Result<tokio::net::TcpStream> {
-        use std::sync::atomic::Ordering;
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        if let Some(c) = self.conn.lock().await.take() {
-            return Ok(c);
-        }
-        if self.unreachable.load(Ordering::Relaxed) {
-            return Err(std::io::Error::other(format!(
-                "{} could not be reached before",
-                self.target
-            )));
-        }
-        let connected = tokio::time::timeout(
-            CONNECT_ATTEMPT,
-            tokio::net::TcpStream::connect(&self.target),
-        )
-        .await
-        .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "connect timed out"))
-        .and_then(|r| r);
-        let mut c = match connected {
-            Ok(c) => c,
-            Err(e) => {
-                self.unreachable.store(true, Ordering::Relaxed);
-                tracing::warn!(
-                    "cannot connect to the shard's data port {} ({e}): pushes and pulls go through gRPC chunks",
-                    self.target
-                );
-                return Err(e);
-            }
-        };
-        let hello = async {
-            c.set_nodelay(true)?;
-            c.write_all(&self.hello).await?;
-            let mut answer = [0u8; 1];
-            tokio::time::timeout(CONNECT_ATTEMPT, c.read_exact(&mut answer))
-                .await
-                .map_err(|_| {
-                    std::io::Error::new(std::io::ErrorKind::TimedOut, "no answer to the hello")
-                })??;
-            if answer[0] != crate::datalink::HELLO_OK {
-                return Err(std::io::Error::new(
-                    std::io::ErrorKind::PermissionDenied,
-                    "the shard refused the hello (token, run id or rank; see its log)",
-                ));
-            }
-            Ok(())
-        };
-        if let Err(e) = hello.await {
-            self.unreachable.store(true, Ordering::Relaxed);
-            tracing::warn!(
-                "data connection to {}: {e}: pushes and pulls go through gRPC chunks",
-                self.target
-            );
-            return Err(e);
-        }
-        Ok(c)
-    }
-
-    /// Keeps a connection whose last frame went through in full.
-    async fn put(&self, c: tokio::net::TcpStream) {
-        *self.conn.lock().await = Some(c);
-    }
-}
-
 /// A connection to one shard (cheap to clone: clones share the HTTP/2 connection).
 #[derive(Clone)]
 pub struct ShardClient {
@@ -398,7 +320,7 @@ pub struct ShardClient {
     /// Whether this client speaks TLS (to word a TLS mismatch).
     tls: bool,
     /// The tensor data connection, once a registration reply offered one.
-    data: Option<std::sync::Arc<DataLink>>,
+    data: Option<std::sync::Arc<plane::DataLink>>,
     /// The credentials, for the data connection's hello.
     security: ClientSecurity,
     /// How this client's pushes encode their values over the network (`[cluster] wire`):
@@ -465,7 +387,7 @@ impl ShardClient {
             reason,
         };
         let start = Instant::now();
-        let endpoint = endpoint(addr, security).map_err(ClientError::BadAddress)?;
+        let endpoint = endpoint(addr, security)?;
         let mut delay = Duration::from_millis(50);
         let (mut tries, mut said) = (0u32, Instant::now());
         loop {
@@ -570,7 +492,7 @@ impl ShardClient {
             .as_ref()
             .filter(|d| d.target == target)
             .is_some_and(|d| d.unreachable.load(std::sync::atomic::Ordering::Relaxed));
-        self.data = Some(std::sync::Arc::new(DataLink {
+        self.data = Some(std::sync::Arc::new(plane::DataLink {
             target,
             hello,
             rank: rank.to_string().parse().expect("digits"),
@@ -726,107 +648,16 @@ impl ShardClient {
         board: Option<&Board>,
         sink: &mut dyn PullSink,
     ) -> Result<(), ClientError> {
-        let s = self.shard;
-        let mut via_board = board.is_some();
-        let mut via_data = self.data.clone().filter(|_| !via_board && !exact);
-        loop {
-            let what = format!("pull of version {version} from shard {s} failed");
-            let mut request = tonic::Request::new(PullRequest {
-                min_version: version,
-                shm: via_board,
-                exact,
-                lease: self.leases.latest(),
-            });
-            // the data connection is open before the shard is asked to write on it
-            let mut conn = None;
-            if let Some(link) = &via_data {
-                match link.take().await {
-                    Ok(c) => {
-                        conn = Some(c);
-                        request
-                            .metadata_mut()
-                            .insert(DATA_RANK_KEY, link.rank.clone());
-                    }
-                    Err(e) => {
-                        tracing::debug!(
-                            "shard {s}: cannot open the data connection ({e}); pulling version {version} through gRPC"
-                        );
-                        via_data = None;
-                    }
-                }
-            }
-            let mut stream = self
-                .rpc
-                .pull(request)
-                .await
-                .map_err(refused(self.shard, what.clone()))?
-                .into_inner();
-            let first = stream
-                .message()
-                .await
-                .map_err(refused(self.shard, what.clone()))?
-                .ok_or_else(|| self.bad("empty pull reply".into()))?;
-            let h = self.pull_header(&first, version, sink.len())?;
-            if h.data_tcp {
-                let (Some(link), Some(mut c)) = (&via_data, conn) else {
-                    return Err(self.bad(
-                        "answered on the data connection, which this pull did not ask for".into(),
-                    ));
-                };
-                let what = format!("pull of version {version} from shard {s}");
-                let read = async {
-                    crate::datalink::read_frame_header(
-                        &mut c,
-                        version,
-                        4 * sink.len() as u64,
-                        &what,
-                        DATA_IDLE,
-                    )
-                    .await?;
-                    // the data connection is only ever a pull's first try (without a board)
-                    debug_assert_eq!(sink.filled(), 0, "a data frame after a partial pull");
-                    while sink.filled() < sink.len() {
-                        let n = sink.piece_end().max(sink.filled() + 1) - sink.filled();
-                        crate::datalink::read_values(&mut c, sink.next(n), &what, DATA_IDLE)
-                            .await?;
-                        sink.publish(n);
-                    }
-                    Ok::<_, ps_proto::PsError>(())
-                };
-                match read.await {
-                    Ok(()) => {
-                        link.put(c).await;
-                        return Ok(());
-                    }
-                    Err(e) => {
-                        tracing::warn!(
-                            "shard {s}: {e}; data connection dropped, pulling version {version} through gRPC"
-                        );
-                        via_data = None;
-                        continue;
-                    }
-                }
-            }
-            if let (Some(link), Some(c)) = (&via_data, conn) {
-                link.put(c).await; // answered with chunks: the connection is unused
-            }
-            if h.shm {
-                let board = board.filter(|_| via_board).ok_or_else(|| {
-                    self.bad(
-                        "answered through shared memory, which this pull did not ask for".into(),
-                    )
-                })?;
-                if board.read_version_into(version, sink) {
-                    return Ok(());
-                }
-                tracing::warn!(
-                    "shard {s}: version {version} left the shared-memory board during the copy; pulling it through gRPC"
-                );
-                via_board = false;
-                continue;
-            }
-            return self.pull_chunks(first, &mut stream, sink, &what).await;
+        let mut plane = match (board, &self.data) {
+            (Some(_), _) => Plane::Board,
+            (None, Some(_)) if !exact => Plane::DataLink,
+            _ => Plane::Chunks,
+        };
+        // a plane that fails under the copy leaves the rest to chunks
+        while !self.pull_on(plane, (version, exact), board, sink).await? {
+            plane = Plane::Chunks;
         }
+        Ok(())
     }
 
     /// The header of a pull reply's first chunk, checked against the `version` and `len`
@@ -904,121 +735,12 @@ impl ShardClient {
         bytes: &Bytes,
         chunk_bytes: usize,
     ) -> Result<PushReply, ClientError> {
-        if let Some(link) = self
-            .data
-            .as_ref()
-            // the connection speaks for the rank registered last: a client pushing for several
-            // ranks (tests) sends the others' through gRPC chunks
-            .filter(|l| l.rank_number == header.rank && !header.shm && !bytes.is_empty())
-        {
-            return self.push_on_link(link, header, bytes, chunk_bytes).await;
-        }
-        let msgs = with_lease(
-            push_messages_of(header, bytes, chunk_bytes, self.wire.value_bytes()),
-            self.leases.of(header.rank),
-        );
-        self.rpc
-            .clone()
-            .push(tokio_stream::iter(msgs))
-            .await
-            .map(|r| r.into_inner())
-            .map_err(refused(
-                self.shard,
-                format!(
-                    "shard {} refused the gradient of step {}",
-                    self.shard, header.step
-                ),
-            ))
-    }
-
-    /// A push whose values go as one frame on the data connection, the header on gRPC. Any
-    /// failure drops the connection (a retry opens a new one); one that is not the shard's
-    /// refusal is said as `Unavailable`, which a retry may overcome.
-    async fn push_on_link(
-        &self,
-        link: &DataLink,
-        header: PushHeader,
-        bytes: &Bytes,
-        chunk_bytes: usize,
-    ) -> Result<PushReply, ClientError> {
-        let mut conn = match link.take().await {
-            Ok(c) => c,
-            Err(e) => {
-                tracing::debug!(
-                    "shard {}: cannot open the data connection ({e}); pushing step {} through gRPC",
-                    self.shard,
-                    header.step
-                );
-                let msgs = with_lease(
-                    push_messages_of(header, bytes, chunk_bytes, self.wire.value_bytes()),
-                    self.leases.of(header.rank),
-                );
-                return self
-                    .rpc
-                    .clone()
-                    .push(tokio_stream::iter(msgs))
+        match self.open_push_plane(&header, !bytes.is_empty()).await {
+            PushPlane::Link(link, conn) => {
+                self.push_on_link(link, conn, header, Frame::Whole(bytes))
                     .await
-                    .map(|r| r.into_inner())
-                    .map_err(refused(self.shard, self.refused_push(header.step)));
             }
-        };
-        let mut rpc = self.rpc.clone();
-        let call = rpc.push(header_on_link(link, header, self.leases.of(header.rank)));
-        tokio::pin!(call);
-        let (reply, written) = {
-            let write = crate::datalink::write_frame(&mut conn, header.step, bytes);
-            let write = tokio::time::timeout(DATA_IDLE, write);
-            tokio::pin!(write);
-            let mut written: Option<Result<(), String>> = None;
-            let reply = loop {
-                tokio::select! {
-                    w = &mut write, if written.is_none() => {
-                        written = Some(match w {
-                            Ok(Ok(())) => Ok(()),
-                            Ok(Err(e)) => Err(e.to_string()),
-                            Err(_) => Err(format!("no progress for {DATA_IDLE:?}")),
-                        });
-                    }
-                    r = &mut call => break r,
-                }
-            };
-            (reply, written)
-        };
-        self.settle_link_push(link, conn, header.step, reply, written)
-            .await
-    }
-
-    /// What a refusal of this client's push of `step` says it was.
-    fn refused_push(&self, step: u64) -> String {
-        format!("shard {} refused the gradient of step {step}", self.shard)
-    }
-
-    /// The outcome of a push on a data connection from the shard's `reply` and what became of
-    /// its frame (`written`, None when the reply came first): the connection goes back to
-    /// `link` when both succeeded; a retryable refusal whose frame failed says why the frame
-    /// failed.
-    async fn settle_link_push(
-        &self,
-        link: &DataLink,
-        conn: tokio::net::TcpStream,
-        step: u64,
-        reply: Result<tonic::Response<PushReply>, Status>,
-        written: Option<Result<(), String>>,
-    ) -> Result<PushReply, ClientError> {
-        match (reply, written) {
-            (Ok(r), Some(Ok(()))) => {
-                link.put(conn).await;
-                Ok(r.into_inner())
-            }
-            (Ok(_), _) => Err(self.bad(format!(
-                "accepted the gradient of step {step} before its frame was written"
-            ))),
-            (Err(st), Some(Err(e))) if is_retryable_code(st.code()) => Err(ClientError::Refused {
-                shard: self.shard,
-                what: self.refused_push(step),
-                status: Status::unavailable(format!("data connection: {e}")),
-            }),
-            (Err(st), _) => Err(refused(self.shard, self.refused_push(step))(st)),
+            PushPlane::Call => self.push_chunks_call(header, bytes, chunk_bytes).await,
         }
     }
 
@@ -1036,14 +758,29 @@ impl ShardClient {
         pieces: PieceReceiver,
         chunk_bytes: usize,
     ) -> (Result<PushReply, ClientError>, Vec<(usize, Bytes)>) {
+        let mut feed = Feed::new(pieces);
         let call = async {
             Ok(self
-                .push_progressive_unbounded(header, pieces, chunk_bytes)
+                .push_progressive_unbounded(header, &mut feed, chunk_bytes)
                 .await)
         };
         let what = || format!("the push of step {}", header.step);
         match bounded(self.bound(), what, call).await {
             Ok(done) => done,
+            Err(ClientError::NoAnswer { waited_secs, .. })
+                if !feed.ended && feed.bytes < header.len as usize * self.wire.value_bytes() =>
+            {
+                // the deadline covers the backward pass that feeds the push: say which stalled
+                let e = ClientError::FeedStalled {
+                    shard: self.shard,
+                    step: header.step,
+                    got: feed.bytes,
+                    total: header.len as usize * self.wire.value_bytes(),
+                    waited_secs,
+                    idle_secs: feed.last.elapsed().as_secs_f64(),
+                };
+                (Err(e), Vec::new())
+            }
             Err(e) => (Err(e), Vec::new()),
         }
     }
@@ -1051,37 +788,25 @@ impl ShardClient {
     async fn push_progressive_unbounded(
         &self,
         header: PushHeader,
-        mut pieces: PieceReceiver,
+        pieces: &mut Feed,
         chunk_bytes: usize,
     ) -> (Result<PushReply, ClientError>, Vec<(usize, Bytes)>) {
         let mut got = Vec::new();
-        let link = self
-            .data
-            .as_ref()
-            .filter(|l| l.rank_number == header.rank && !header.shm && header.len > 0);
-        if let Some(link) = link {
-            match link.take().await {
-                Ok(conn) => {
-                    let r = self
-                        .push_pieces_on_link(link, conn, header, &mut pieces, &mut got)
-                        .await;
-                    match r {
-                        Err(e) if e.is_retryable() => {
-                            tracing::warn!(
-                                "push of step {} to shard {} failed ({e}); pushing it again whole",
-                                header.step,
-                                self.shard
-                            );
-                            tokio::time::sleep(Duration::from_millis(200)).await;
-                        }
-                        r => return (r, got),
-                    }
+        if let PushPlane::Link(link, conn) = self.open_push_plane(&header, header.len > 0).await {
+            let frame = Frame::Pieces {
+                pieces,
+                got: &mut got,
+            };
+            match self.push_on_link(link, conn, header, frame).await {
+                Err(e) if e.is_retryable() => {
+                    tracing::warn!(
+                        "push of step {} to shard {} failed ({e}); pushing it again whole",
+                        header.step,
+                        self.shard
+                    );
+                    tokio::time::sleep(Duration::from_millis(200)).await;
                 }
-                Err(e) => tracing::debug!(
-                    "shard {}: cannot open the data connection ({e}); pushing step {} whole through gRPC",
-                    self.shard,
-                    header.step
-                ),
+                r => return (r, got),
             }
         }
         while let Some(p) = pieces.recv().await {
@@ -1117,76 +842,6 @@ impl ShardClient {
             )));
         }
         Ok(whole.freeze())
-    }
-
-    /// A progressive push on the data connection `conn`: the header on gRPC, the frame's
-    /// header at once and each piece of `pieces` as it arrives (kept in `got`). Failures as
-    /// [`ShardClient::push_on_link`].
-    async fn push_pieces_on_link(
-        &self,
-        link: &DataLink,
-        mut conn: tokio::net::TcpStream,
-        header: PushHeader,
-        pieces: &mut PieceReceiver,
-        got: &mut Vec<(usize, Bytes)>,
-    ) -> Result<PushReply, ClientError> {
-        let vb = self.wire.value_bytes();
-        let total = header.len as usize * vb;
-        let mut rpc = self.rpc.clone();
-        let call = rpc.push(header_on_link(link, header, self.leases.of(header.rank)));
-        tokio::pin!(call);
-        let (reply, written) = {
-            let write = async {
-                let stalled = |_| format!("no progress for {DATA_IDLE:?}");
-                let w = crate::datalink::write_pieces_header(&mut conn, header.step, total as u64);
-                tokio::time::timeout(DATA_IDLE, w)
-                    .await
-                    .map_err(stalled)?
-                    .map_err(|e| e.to_string())?;
-                let mut covered = 0;
-                // done at the last byte of the range, not at the sender's end: the shard may
-                // answer as soon as it has the last piece
-                while covered < total
-                    && let Some((at, b)) = pieces.recv().await
-                {
-                    let w = crate::datalink::write_piece(&mut conn, (at * vb) as u64, &b);
-                    tokio::time::timeout(DATA_IDLE, w)
-                        .await
-                        .map_err(stalled)?
-                        .map_err(|e| e.to_string())?;
-                    covered += b.len();
-                    got.push((at, b));
-                }
-                if covered != total {
-                    // the shard must not wait for the rest: it sees the frame end here
-                    let _ = tokio::io::AsyncWriteExt::shutdown(&mut conn).await;
-                    return Err(format!(
-                        "the gradient's pieces stopped at {covered} of {total} bytes"
-                    ));
-                }
-                tokio::time::timeout(DATA_IDLE, tokio::io::AsyncWriteExt::flush(&mut conn))
-                    .await
-                    .map_err(stalled)?
-                    .map_err(|e| e.to_string())
-            };
-            tokio::pin!(write);
-            let mut written: Option<Result<(), String>> = None;
-            let reply = loop {
-                tokio::select! {
-                    biased;
-                    w = &mut write, if written.is_none() => written = Some(w),
-                    r = &mut call => break r,
-                }
-            };
-            if written.is_none() && reply.is_ok() {
-                // accepted: the last piece is written; let the writer say so
-                let w = tokio::time::timeout(DATA_IDLE, &mut write).await;
-                written = Some(w.unwrap_or_else(|_| Err(format!("no progress for {DATA_IDLE:?}"))));
-            }
-            (reply, written)
-        };
-        self.settle_link_push(link, conn, header.step, reply, written)
-            .await
     }
 
     /// [`ShardClient::push`], made again after a retryable failure (up to [`PUSH_RETRIES`]

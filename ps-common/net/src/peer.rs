@@ -4,7 +4,7 @@
 //! side by side (into a flat vector, or into a [`PullGate`] beside the forward pass). Used by
 //! the Rust worker's loop (`ps-worker`) and by [`crate::session`] (the Python worker).
 
-use crate::client::{ShardClient, ShmLink};
+use crate::client::{ClientError, ShardClient, ShmLink};
 use crate::gate::PullGate;
 use crate::shm::{Board, BoardDir, grad_path, shm_root};
 use crate::wire::Bf16Encoder;
@@ -431,30 +431,59 @@ pub fn pull_patience(cfg: &Config) -> Duration {
 }
 
 /// Pulls `gate`'s version from every shard, all side by side, each shard's values published
-/// into the gate as they arrive; the requests go out in shard order (shard 0, the first
-/// layers, first). A failed pull fails the gate (the forward pass stops at the next layer it
-/// lacks) and is returned. (Pulling the shards of one host one after the other, so that the
-/// first layers come at the link's whole speed, was measured slower on one host: the wait is
-/// mostly the shards' barrier and update, and the later layers then waited for whole
-/// round trips: see PERFORMANCE.md.)
-pub async fn pull_gated(jobs: Vec<PullJob>, gate: &PullGate) -> anyhow::Result<()> {
-    let futs = jobs.into_iter().enumerate().map(|(s, mut job)| async move {
-        let mut writer = gate.writer(s);
-        let pulled = job
-            .client
-            .pull_to(gate.version(), job.exact, job.board.as_deref(), &mut writer)
-            .await;
-        if let Err(e) = pulled {
-            gate.fail(s, e.to_string());
-            return Err(e);
-        }
-        writer.finish();
-        Ok(())
+/// into the gate as they arrive: each shard's pull is a task of its own, spawned in shard order
+/// (shard 0, the first layers, first), so that the shards' board copies run at once, each on
+/// its own threads (`Board::read_version_into`). A failed pull fails the gate (the forward
+/// pass stops at the next layer it lacks) and is returned (the first in shard order). The
+/// tasks hold `gate` until they end; dropping this future aborts them (a copy under way ends
+/// first: wait for `gate`'s other holders to go before freeing its memory). (Pulling the
+/// shards of one host one after the other, so that the first layers come at the link's whole
+/// speed, was measured slower on one host: the wait is mostly the shards' barrier and update,
+/// and the later layers then waited for whole round trips: see PERFORMANCE.md.)
+pub async fn pull_gated(jobs: Vec<PullJob>, gate: Arc<PullGate>) -> anyhow::Result<()> {
+    let tasks = jobs.into_iter().enumerate().map(|(s, mut job)| {
+        let gate = gate.clone();
+        tokio::spawn(async move {
+            let mut writer = gate.writer(s);
+            let pulled = job
+                .client
+                .pull_to(gate.version(), job.exact, job.board.as_deref(), &mut writer)
+                .await;
+            if let Err(e) = pulled {
+                gate.fail(s, e.to_string());
+                return Err(e);
+            }
+            writer.finish();
+            Ok(())
+        })
     });
-    for r in futures::future::join_all(futs).await {
-        r?;
+    let mut tasks = AbortOnDrop(tasks.collect());
+    let mut first = None;
+    for (s, r) in futures::future::join_all(tasks.0.iter_mut())
+        .await
+        .into_iter()
+        .enumerate()
+    {
+        let r = r.unwrap_or_else(|e| {
+            gate.fail(s, format!("the pull task failed: {e}"));
+            Err(ClientError::Incomplete(format!(
+                "the pull of shard {s} failed: {e}"
+            )))
+        });
+        if let Err(e) = r {
+            first.get_or_insert(e);
+        }
     }
-    Ok(())
+    first.map_or(Ok(()), |e| Err(e.into()))
+}
+
+/// Tasks aborted when dropped ([`pull_gated`]'s, when its future is).
+struct AbortOnDrop(Vec<tokio::task::JoinHandle<Result<(), ClientError>>>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.iter().for_each(tokio::task::JoinHandle::abort);
+    }
 }
 
 /// Pulls version `version` from every shard in parallel, each straight into its range of

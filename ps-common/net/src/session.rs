@@ -105,8 +105,24 @@ impl PendingPull {
                 .and_then(|r| r);
             self.ended = Some(ended);
         }
+        // an aborted pull's shard tasks end at their next wait (a board copy under way
+        // first): they hold the gate until then
+        let t = Instant::now();
+        while Arc::strong_count(&self.gate) > 1 {
+            if t.elapsed() > SETTLE_BOUND {
+                tracing::error!(
+                    "a pull's shard tasks did not end within {SETTLE_BOUND:?} of their abort"
+                );
+                std::process::abort();
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
     }
 }
+
+/// Longest an aborted pull's shard tasks may take to end (a board copy under way: a few
+/// milliseconds); past it the process stops rather than free memory they may still write.
+const SETTLE_BOUND: Duration = Duration::from_secs(60);
 
 impl Session {
     /// Connects and registers with every shard of `servers` as `rank`, describing `model`
@@ -254,7 +270,7 @@ impl Session {
         });
         let jobs = pull_jobs(&self.peers);
         let g = gate.clone();
-        let task = tokio::spawn(async move { pull_gated(jobs, &g).await });
+        let task = tokio::spawn(pull_gated(jobs, g));
         self.pending = Some(PendingPull {
             gate,
             task: Some(task),

@@ -288,12 +288,15 @@ impl Board {
 
     /// Opens and maps the file at `path`, checking that it is a board of `slots` slots of `len`
     /// values created with `token`; the error says what did not match.
-    pub fn open(path: &Path, token: u64, len: usize, slots: usize) -> Result<Self, String> {
+    pub fn open(path: &Path, token: u64, len: usize, slots: usize) -> Result<Self, BoardError> {
         let file = OpenOptions::new()
             .read(true)
             .write(true)
             .open(path)
-            .map_err(|e| format!("cannot open {}: {e}", path.display()))?;
+            .map_err(|source| BoardError::Open {
+                path: path.to_path_buf(),
+                source,
+            })?;
         Self::map_file(file, path, token, len, slots)
     }
 
@@ -311,9 +314,12 @@ impl Board {
         token: u64,
         len: usize,
         slots: usize,
-    ) -> Result<Self, String> {
+    ) -> Result<Self, BoardError> {
         use std::os::unix::fs::MetadataExt;
-        let refuse = |why: String| format!("{} refused: {why}", path.display());
+        let refuse = |why: String| BoardError::Refused {
+            path: path.to_path_buf(),
+            why,
+        };
         let dir = path
             .parent()
             .filter(|_| path.file_name().is_some())
@@ -378,27 +384,36 @@ impl Board {
         token: u64,
         len: usize,
         slots: usize,
-    ) -> Result<Self, String> {
+    ) -> Result<Self, BoardError> {
         let size = file
             .metadata()
-            .map_err(|e| format!("cannot stat {}: {e}", path.display()))?
+            .map_err(|source| BoardError::Stat {
+                path: path.to_path_buf(),
+                source,
+            })?
             .len() as usize;
         let total = HEADER + slots * slot_bytes(len);
         if size != total {
-            return Err(format!(
-                "{} has {size} bytes: expected {total} ({slots} slots of {len} values)",
-                path.display()
-            ));
+            return Err(BoardError::Size {
+                path: path.to_path_buf(),
+                size,
+                total,
+                slots,
+                len,
+            });
         }
-        let map = Mapping::new(&file, total)
-            .map_err(|e| format!("cannot map {}: {e}", path.display()))?;
+        let map = Mapping::new(&file, total).map_err(|source| BoardError::Map {
+            path: path.to_path_buf(),
+            source,
+        })?;
         let got = [0, 8, 16, 24].map(|o| map.atomic(o).load(Ordering::Acquire));
-        if got != [MAGIC, token, len as u64, slots as u64] {
-            return Err(format!(
-                "{} is not this shard's board: header (magic, token, length, slots) = {got:x?}, expected {:x?} (another host's or a stale file?)",
-                path.display(),
-                [MAGIC, token, len as u64, slots as u64]
-            ));
+        let expected = [MAGIC, token, len as u64, slots as u64];
+        if got != expected {
+            return Err(BoardError::NotThisBoard {
+                path: path.to_path_buf(),
+                got,
+                expected,
+            });
         }
         Ok(Self {
             map,
@@ -688,6 +703,75 @@ unsafe impl Sync for SendPtr {}
 impl SendPtr {
     fn get(self) -> *mut f32 {
         self.0
+    }
+}
+
+/// Why a board could not be opened ([`Board::open`], [`Board::open_trusted`]).
+#[derive(Debug, thiserror::Error)]
+pub enum BoardError {
+    /// The file could not be opened.
+    #[error("cannot open {}: {source}", path.display())]
+    Open {
+        /// The board's file.
+        path: PathBuf,
+        /// The system's error.
+        source: io::Error,
+    },
+    /// The file could not be examined.
+    #[error("cannot stat {}: {source}", path.display())]
+    Stat {
+        /// The board's file.
+        path: PathBuf,
+        /// The system's error.
+        source: io::Error,
+    },
+    /// Another user's file, or one outside the board directories (`Board::open_trusted`).
+    #[error("{} refused: {why}", path.display())]
+    Refused {
+        /// The file named.
+        path: PathBuf,
+        /// What it is, and what was expected.
+        why: String,
+    },
+    /// The file's size is not that of the board asked for.
+    #[error("{} has {size} bytes: expected {total} ({slots} slots of {len} values)", path.display())]
+    Size {
+        /// The board's file.
+        path: PathBuf,
+        /// Its size.
+        size: usize,
+        /// The size expected.
+        total: usize,
+        /// Slots asked for.
+        slots: usize,
+        /// Values per slot asked for.
+        len: usize,
+    },
+    /// The file could not be mapped.
+    #[error("cannot map {}: {source}", path.display())]
+    Map {
+        /// The board's file.
+        path: PathBuf,
+        /// The system's error.
+        source: io::Error,
+    },
+    /// The header is not that of the board asked for.
+    #[error("{} is not this shard's board: header (magic, token, length, slots) = {got:x?}, expected {expected:x?} (another host's or a stale file?)", path.display())]
+    NotThisBoard {
+        /// The board's file.
+        path: PathBuf,
+        /// Its header.
+        got: [u64; 4],
+        /// The header expected.
+        expected: [u64; 4],
+    },
+}
+
+/// For callers whose errors are still words (the shard core's attach, which says why a rank
+/// pushes through gRPC).
+impl From<BoardError> for String {
+    fn from(e: BoardError) -> Self {
+        e.to_string()
     }
 }
 
@@ -1020,8 +1104,12 @@ mod tests {
         assert_eq!(out[0], 7.0);
         // wrong token, length or slot count: refused with the reason
         let e = Board::open(&path, dir.token() ^ 2, 1000, 2).unwrap_err();
+        assert!(matches!(e, BoardError::NotThisBoard { .. }), "{e}");
+        let e = e.to_string();
         assert!(e.contains("not this shard's board"), "{e}");
-        let e = Board::open(&path, dir.token(), 999, 2).unwrap_err();
+        let e = Board::open(&path, dir.token(), 999, 2)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("expected"), "{e}");
         assert!(Board::open(&grad_path(dir.path()), dir.token(), 10, 1).is_err());
         // a gradient board: written by one side, read by the other
@@ -1148,20 +1236,28 @@ mod tests {
         let fake_dir = elsewhere.join("ps-worker0-pid1-00");
         std::fs::create_dir_all(&fake_dir).unwrap();
         std::fs::copy(&path, fake_dir.join("grad")).unwrap();
-        let e = Board::open_trusted(&root, &fake_dir.join("grad"), dir.token(), 10, 1).unwrap_err();
+        let e = Board::open_trusted(&root, &fake_dir.join("grad"), dir.token(), 10, 1)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("expected a board directory"), "{e}");
         let plain = root.join("grad");
         std::fs::copy(&path, &plain).unwrap();
-        let e = Board::open_trusted(&root, &plain, dir.token(), 10, 1).unwrap_err();
+        let e = Board::open_trusted(&root, &plain, dir.token(), 10, 1)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("expected a board directory"), "{e}");
         // a symbolic link in a board directory
         let link = dir.path().join("link");
         std::os::unix::fs::symlink(&plain, &link).unwrap();
-        let e = Board::open_trusted(&root, &link, dir.token(), 10, 1).unwrap_err();
+        let e = Board::open_trusted(&root, &link, dir.token(), 10, 1)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("without following links"), "{e}");
         // readable by others
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
-        let e = Board::open_trusted(&root, &path, dir.token(), 10, 1).unwrap_err();
+        let e = Board::open_trusted(&root, &path, dir.token(), 10, 1)
+            .unwrap_err()
+            .to_string();
         assert!(
             e.contains("mode 644") && e.contains("expected a regular file of uid"),
             "{e}"
@@ -1171,11 +1267,15 @@ mod tests {
         // SAFETY: geteuid(2) cannot fail.
         if unsafe { libc::geteuid() } == 0 {
             std::os::unix::fs::chown(&path, Some(65534), Some(65534)).unwrap();
-            let e = Board::open_trusted(&root, &path, dir.token(), 10, 1).unwrap_err();
+            let e = Board::open_trusted(&root, &path, dir.token(), 10, 1)
+                .unwrap_err()
+                .to_string();
             assert!(e.contains("of uid 65534"), "{e}");
             std::os::unix::fs::chown(&path, Some(0), Some(0)).unwrap();
             std::os::unix::fs::chown(dir.path(), Some(65534), None).unwrap();
-            let e = Board::open_trusted(&root, &path, dir.token(), 10, 1).unwrap_err();
+            let e = Board::open_trusted(&root, &path, dir.token(), 10, 1)
+                .unwrap_err()
+                .to_string();
             assert!(
                 e.contains("its directory") && e.contains("of uid 65534"),
                 "{e}"
