@@ -128,8 +128,8 @@ impl Client {
         // scheduler's job id
         cfg.resolve_run_id(run_id.as_deref(), &env)
             .map_err(|e| PyValueError::new_err(e.to_string()))?;
-        let place =
-            ps_process::env::resolve(rank, None, None, &env).map_err(PyValueError::new_err)?;
+        let place = ps_process::env::resolve(rank, None, None, &env)
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
         let world = place.world.unwrap_or(cfg.cluster.workers);
         if world != cfg.cluster.workers {
             return Err(PyValueError::new_err(format!(

@@ -1,6 +1,11 @@
-//! Helpers for the integration tests: write a config into a temporary directory, run a real
-//! cluster of `ps-server` and `ps-worker` processes on 127.0.0.1 (OS-chosen ports), read the
-//! weights the shards wrote, and run the single-process reference in this process.
+//! Helpers for the integration tests: a builder of the run's set-up ([`Spec`]: config, data,
+//! cluster shape; [`Spec::small`] the 1-shard, 2-worker set-up of the protocol tests) written
+//! into a temporary directory ([`Spec::prepare`]); a cluster in this process ([`inproc`]:
+//! shards and workers as tasks on 127.0.0.1:0) for the tests of the protocol and the math,
+//! or of real `ps-server` and `ps-worker` processes ([`run_cluster`]) where the process is the
+//! subject; the weights the shards wrote, and the single-process reference.
+
+pub mod inproc;
 
 use ps_config::{Aggregation, Config, LossReduction, TestConfig, Transport};
 use ps_data::idx::{Dataset, Split, load_split};
@@ -21,6 +26,12 @@ pub fn mnist_dir() -> PathBuf {
 pub fn mnist_train() -> &'static Dataset {
     static TRAIN: OnceLock<Dataset> = OnceLock::new();
     TRAIN.get_or_init(|| load_split(&mnist_dir(), Split::Train, 10).expect("shipped MNIST loads"))
+}
+
+/// The MNIST test set, loaded once per test binary.
+pub fn mnist_test() -> &'static Dataset {
+    static TEST: OnceLock<Dataset> = OnceLock::new();
+    TEST.get_or_init(|| load_split(&mnist_dir(), Split::Test, 10).expect("shipped MNIST loads"))
 }
 
 /// What varies between the test configs: the run's shape as typed fields, everything else as
@@ -88,12 +99,114 @@ impl Spec {
             .toml()
     }
 
+    /// The set-up of most protocol tests: 1 shard, 2 workers, hidden layer of 4, 2 steps of
+    /// global batch 32, SGD at lr 0.5 without momentum (the rest as [`Spec::default`]).
+    pub fn small() -> Self {
+        Self {
+            shards: 1,
+            workers: 2,
+            hidden: vec![4],
+            steps: 2,
+            config: Self::base().sgd(0.5, 0.0),
+            ..Self::default()
+        }
+    }
+
+    /// With `n` shards.
+    pub fn shards(mut self, n: usize) -> Self {
+        self.shards = n;
+        self
+    }
+
+    /// With `n` workers.
+    pub fn workers(mut self, n: usize) -> Self {
+        self.workers = n;
+        self
+    }
+
+    /// With these hidden widths.
+    pub fn hidden(mut self, widths: &[usize]) -> Self {
+        self.hidden = widths.to_vec();
+        self
+    }
+
+    /// With global batch `b`.
+    pub fn batch(mut self, b: usize) -> Self {
+        self.global_batch = b;
+        self
+    }
+
+    /// With `n` steps.
+    pub fn steps(mut self, n: u64) -> Self {
+        self.steps = n;
+        self
+    }
+
+    /// With this `[cluster] transport`.
+    pub fn transport(mut self, t: Transport) -> Self {
+        self.transport = t;
+        self
+    }
+
+    /// With this `[train] aggregation`.
+    pub fn aggregation(mut self, a: Aggregation) -> Self {
+        self.aggregation = a;
+        self
+    }
+
+    /// With this `[train] loss_reduction`.
+    pub fn loss(mut self, l: LossReduction) -> Self {
+        self.loss = l;
+        self
+    }
+
+    /// With everything else from `config` (see [`Spec::base`]).
+    pub fn config(mut self, config: TestConfig) -> Self {
+        self.config = config;
+        self
+    }
+
+    /// Writes the config into a new temporary directory.
+    pub fn prepare(&self) -> Prepared {
+        let dir = tempfile::tempdir().expect("temporary directory");
+        let (path, cfg) = self.write(dir.path());
+        Prepared { dir, path, cfg }
+    }
+
     /// Writes the config into `dir/config.toml` and returns its path and parsed form.
     pub fn write(&self, dir: &Path) -> (PathBuf, Config) {
         let path = dir.join("config.toml");
         std::fs::write(&path, self.toml(&dir.join("out"))).expect("write config");
         let cfg = Config::load(&path).unwrap_or_else(|e| panic!("test config is valid: {e}"));
         (path, cfg)
+    }
+}
+
+/// A [`Spec`] written into a temporary directory (removed when this is dropped).
+pub struct Prepared {
+    /// The directory: `config.toml`, `out/`, `logs/` of a process cluster.
+    pub dir: tempfile::TempDir,
+    /// `dir/config.toml`.
+    pub path: PathBuf,
+    /// Its parsed form (`[cluster] servers` placeholders: clusters bind port 0).
+    pub cfg: Config,
+}
+
+impl Prepared {
+    /// Runs the whole cluster in this process to the end ([`inproc::run_in_process`]).
+    pub fn run_in_process(&self) -> inproc::Finished {
+        inproc::run_in_process(&self.path)
+    }
+
+    /// Runs the whole cluster in this process to the end; the final weights.
+    pub fn weights_in_process(&self) -> Vec<f32> {
+        self.run_in_process();
+        cluster_weights(&self.cfg)
+    }
+
+    /// Starts the shards in this process ([`inproc::Shards::start`]).
+    pub fn shards_in_process(&self) -> inproc::Shards {
+        inproc::Shards::start(&self.path)
     }
 }
 
@@ -170,12 +283,10 @@ pub fn rel_diff(cfg: &Config, a: &[f32], b: &[f32]) -> f64 {
     ps_model::weights::max_rel_diff(&cfg.layout(), a, b).0
 }
 
-/// The final weights of an uninterrupted run of `spec` (in a temporary directory).
+/// The final weights of an uninterrupted run of `spec` (in a temporary directory), run in
+/// this process.
 pub fn uninterrupted_weights(spec: &Spec) -> Vec<f32> {
-    let dir = tempfile::tempdir().expect("temporary directory");
-    let (path, cfg) = spec.write(dir.path());
-    run_cluster(&path, &cfg, &Start::default());
-    cluster_weights(&cfg)
+    spec.prepare().weights_in_process()
 }
 
 /// Panics with `what` unless `a` and `b` hold the same bits.

@@ -1,14 +1,14 @@
 //! The shared token (`[cluster] token_file`) and TLS (`tls_cert`, `tls_key`, `tls_ca`) with
-//! real processes: a cluster whose config names them trains normally (workers and the
+//! clusters in this process (`ps_tests::inproc`): a cluster whose config names them trains normally (workers and the
 //! shard-to-shard reports carry the token over TLS); a request without the token or with
 //! another is refused as UNAUTHENTICATED, and the shard logs the refusal without the token; a
 //! client without TLS, or trusting another CA, cannot talk to a TLS shard.
 
-use ps_launch::{LocalCluster, bin_dir};
 use ps_proto::PROTOCOL_VERSION;
 use ps_proto::pb::RegisterRequest;
 use ps_proto::pb::parameter_server_client::ParameterServerClient;
-use ps_tests::{Spec, Start, cluster_weights, run_cluster};
+use ps_tests::inproc::{Shards, run_in_process};
+use ps_tests::{Spec, cluster_weights};
 use std::time::Duration;
 use tonic::Code;
 
@@ -29,14 +29,12 @@ fn a_cluster_with_a_token_trains() {
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("token"), format!("{TOKEN}\n")).unwrap();
     let (path, cfg) = spec().write(dir.path());
-    run_cluster(&path, &cfg, &Start::default());
+    let run = run_in_process(&path);
     assert_eq!(cluster_weights(&cfg).len(), cfg.layout().num_params());
-    for name in ["shard-0.log", "shard-1.log"] {
-        let log = std::fs::read_to_string(dir.path().join("logs").join(name)).unwrap();
-        assert!(
-            name != "shard-0.log" || log.contains("shared token required"),
-            "{log}"
-        );
+    // what ps-server logs at start
+    let described = cfg.describe();
+    assert!(described.contains("shared token required"), "{described}");
+    for log in &run.shard_logs {
         assert!(
             !log.contains("refused") && !log.contains("report to shard 0 failed"),
             "{log}"
@@ -49,13 +47,8 @@ async fn requests_without_the_token_are_refused() {
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("token"), TOKEN).unwrap();
     let (path, cfg) = spec().write(dir.path());
-    let mut cluster = LocalCluster::new(bin_dir(), path, Some(dir.path().join("logs")));
-    cluster
-        .start_servers(1, &[], Duration::from_secs(60))
-        .unwrap();
-    let mut c = ParameterServerClient::connect(format!("http://{}", cluster.addrs[0]))
-        .await
-        .unwrap();
+    let shards = Shards::start(&path);
+    let mut c = ParameterServerClient::connect(shards.url(0)).await.unwrap();
     let req = || RegisterRequest {
         protocol_version: PROTOCOL_VERSION,
         rank: 0,
@@ -81,9 +74,9 @@ async fn requests_without_the_token_are_refused() {
         .metadata_mut()
         .insert("authorization", format!("Bearer {TOKEN}").parse().unwrap());
     assert_eq!(c.register(right).await.unwrap().into_inner().version, 0);
-    cluster.kill_all();
-    let log = std::fs::read_to_string(dir.path().join("logs/shard-0.log")).unwrap();
-    assert!(log.contains("refused a request from 127.0.0.1"), "{log}");
+    let log = shards.nodes[0]
+        .log
+        .wait_for("refused a request from 127.0.0.1", Duration::from_secs(10));
     assert!(
         !log.contains(TOKEN),
         "the token leaked into the log:\n{log}"
@@ -111,11 +104,14 @@ fn a_cluster_with_tls_and_a_token_trains() {
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("token"), TOKEN).unwrap();
     let (path, cfg) = tls_spec().write(dir.path());
-    run_cluster(&path, &cfg, &Start::default());
+    let run = run_in_process(&path);
     assert_eq!(cluster_weights(&cfg).len(), cfg.layout().num_params());
-    let log0 = std::fs::read_to_string(dir.path().join("logs/shard-0.log")).unwrap();
-    assert!(log0.contains("TLS, shared token required"), "{log0}");
-    let log1 = std::fs::read_to_string(dir.path().join("logs/shard-1.log")).unwrap();
+    let described = cfg.describe();
+    assert!(
+        described.contains("TLS, shared token required"),
+        "{described}"
+    );
+    let log1 = &run.shard_logs[1];
     assert!(!log1.contains("report to shard 0 failed"), "{log1}");
 }
 
@@ -125,11 +121,8 @@ async fn a_tls_shard_refuses_plain_text_and_unknown_cas() {
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("token"), TOKEN).unwrap();
     let (path, _) = tls_spec().write(dir.path());
-    let mut cluster = LocalCluster::new(bin_dir(), path, Some(dir.path().join("logs")));
-    cluster
-        .start_servers(1, &[], Duration::from_secs(60))
-        .unwrap();
-    let addr = cluster.addrs[0].clone();
+    let shards = Shards::start(&path);
+    let addr = shards.addrs[0].clone();
     let register = |ch| async move {
         let mut c = ParameterServerClient::new(ch);
         let mut req = tonic::Request::new(RegisterRequest {

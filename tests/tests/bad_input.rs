@@ -1,14 +1,14 @@
-//! A live `ps-server` process refuses every bad request with the expected status and a message
+//! A live shard (in this process, `ps_tests::inproc`) refuses every bad request with the expected status and a message
 //! that says what was expected, leaves its state untouched, and still completes a correct step.
 #![allow(clippy::too_many_lines)] // a scenario test reads top to bottom in one function
 
-use ps_launch::{LocalCluster, bin_dir};
 use ps_net::auth::ClientSecurity;
 use ps_net::client::{ClientError, ShardClient};
 use ps_net::wire::{TensorReceiver, f32_to_bytes};
 use ps_proto::PROTOCOL_VERSION;
 use ps_proto::pb::{PullRequest, PushHeader, PushReply, RegisterRequest};
-use ps_tests::{Spec, register_request};
+use ps_tests::inproc::Shards;
+use ps_tests::{Prepared, Spec, register_request};
 use std::time::Duration;
 use tonic::Code;
 
@@ -42,37 +42,25 @@ async fn pull(c: &mut Client, version: u64) -> Result<Vec<f32>, tonic::Status> {
 }
 
 /// A live one-shard server for W = 2 (plain SGD, lr 0.5), a client, and the parameter count;
-/// keep the directory and the cluster alive while testing.
-async fn one_shard() -> (tempfile::TempDir, LocalCluster, Client, usize) {
-    one_shard_with(&[]).await
+/// keep the set-up and the shards alive while testing.
+async fn one_shard() -> (Prepared, Shards, Client, usize) {
+    one_shard_with(|_| Ok(())).await
 }
 
-/// [`one_shard`] with extra arguments for the server.
-async fn one_shard_with(args: &[String]) -> (tempfile::TempDir, LocalCluster, Client, usize) {
-    let spec = Spec {
-        shards: 1,
-        workers: 2,
-        hidden: vec![4],
-        steps: 2,
-        config: Spec::base().sgd(0.5, 0.0),
-        ..Spec::default()
-    };
-    let dir = tempfile::tempdir().unwrap();
-    let (path, cfg) = spec.write(dir.path());
-    let n = cfg.layout().num_params();
-    let mut cluster = LocalCluster::new(bin_dir(), path, Some(dir.path().join("logs")));
-    cluster
-        .start_servers(1, args, Duration::from_secs(60))
-        .unwrap();
+/// [`one_shard`], the shard's setup changed by `tweak`.
+async fn one_shard_with(tweak: impl ps_tests::inproc::Tweak) -> (Prepared, Shards, Client, usize) {
+    let run = Spec::small().prepare();
+    let n = run.cfg.layout().num_params();
+    let shards = Shards::start_with(&run.path, tweak);
     let c = Client::connect(
         0,
-        &cluster.addrs[0],
+        &shards.addrs[0],
         &ClientSecurity::default(),
         Duration::from_secs(10),
     )
     .await
     .unwrap();
-    (dir, cluster, c, n)
+    (run, shards, c, n)
 }
 
 /// A refusal: a raw status or a [`ClientError::Refused`], with `code` and `words` in the
@@ -107,7 +95,7 @@ impl From<ClientError> for Refusal {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn live_server_refuses_bad_pushes_and_still_steps() {
-    let (_dir, _cluster, mut c, n) = one_shard().await;
+    let (_run, _shards, mut c, n) = one_shard().await;
 
     let reg = |rank: u32| register_request(rank, 2, n);
     expect_err(
@@ -271,7 +259,7 @@ async fn live_server_refuses_bad_pushes_and_still_steps() {
 async fn shared_memory_pushes_are_validated_like_grpc_ones() {
     use ps_net::shm::{Board, BoardDir, grad_path, params_path, shm_root};
     use std::path::Path;
-    let (_dir, _cluster, mut c, n) = one_shard().await;
+    let (_run, _shards, mut c, n) = one_shard().await;
     let root = shm_root().expect("/dev/shm on the test machine");
     let board_dir = BoardDir::create(&root, "test-worker0").unwrap();
     let mut grad = Board::create(&grad_path(board_dir.path()), board_dir.token(), n, 1).unwrap();
@@ -411,21 +399,14 @@ fn sample(body: &str, name_and_labels: &str) -> f64 {
 /// refused pushes by code, as a live shard applies a step.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prometheus_metrics_follow_the_shard() {
-    let (dir, _cluster, mut c, n) =
-        one_shard_with(&["--metrics-listen".into(), "127.0.0.1:0".into()]).await;
-    let log_path = dir.path().join("logs/shard-0.log");
-    let t0 = std::time::Instant::now();
-    let addr = loop {
-        let log = std::fs::read_to_string(&log_path).unwrap_or_default();
-        if let Some(rest) = log.split("Prometheus metrics on http://").nth(1) {
-            break rest.split('/').next().unwrap().to_string();
-        }
-        assert!(
-            t0.elapsed() < Duration::from_secs(20),
-            "no metrics address in:\n{log}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    let (_run, shards, mut c, n) = one_shard_with(|s| {
+        s.metrics_listen = Some("127.0.0.1:0".into());
+        Ok(())
+    })
+    .await;
+    let addr = shards.nodes[0]
+        .log
+        .addr_after("Prometheus metrics on http://", Duration::from_secs(20));
     let (status, body) = http_get(&addr, "/metrics").await;
     assert_eq!(status, "HTTP/1.1 200 OK");
     assert_eq!(sample(&body, "ps_version{shard=\"0\"}"), 0.0);
@@ -486,7 +467,7 @@ async fn prometheus_metrics_follow_the_shard() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn evaluation_figures_are_checked_against_the_rank_slice_of_the_test_set() {
     use ps_proto::pb::LeaveRequest;
-    let (_dir, _cluster, mut c, n) = one_shard().await;
+    let (_run, _shards, mut c, n) = one_shard().await;
     let reg = |rank: u32| register_request(rank, 2, n);
     c.register(reg(0)).await.unwrap();
     c.register(reg(1)).await.unwrap();

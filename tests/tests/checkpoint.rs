@@ -1,4 +1,5 @@
-//! Checkpoints and resume with real processes: a run stopped and resumed from its checkpoints
+//! Checkpoints and resume, with clusters in this process (`ps_tests::inproc`) and, where the
+//! exit code or the launcher is the subject, real processes: a run stopped and resumed from its checkpoints
 //! ends with bit-identical weights to a run that was never interrupted; the shards agree on
 //! the newest version they all have; a resume without checkpoints, or from another model's,
 //! is refused with a message that says what was expected; a corrupted or truncated newest
@@ -7,7 +8,8 @@
 
 use ps_config::TestConfig;
 use ps_launch::{LocalCluster, bin_dir};
-use ps_tests::{Spec, Start, cluster_weights, run_cluster};
+use ps_tests::inproc::{resume, run_in_process, run_in_process_with};
+use ps_tests::{Spec, cluster_weights};
 use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
@@ -28,13 +30,6 @@ fn spec(steps: u64) -> Spec {
     }
 }
 
-fn resume() -> Start {
-    Start {
-        server_args: vec!["--resume".into()],
-        ..Start::default()
-    }
-}
-
 #[test]
 fn a_resumed_run_equals_an_uninterrupted_one_bit_for_bit() {
     let straight = ps_tests::uninterrupted_weights(&spec(20));
@@ -42,7 +37,7 @@ fn a_resumed_run_equals_an_uninterrupted_one_bit_for_bit() {
     // the same run, stopped after 12 steps (checkpoints at versions 5 and 10), then resumed
     let dir = tempfile::tempdir().unwrap();
     let (path, cfg) = spec(12).write(dir.path());
-    run_cluster(&path, &cfg, &Start::default());
+    run_in_process(&path);
     let ck = cfg.checkpoint_dir();
     let mut names: Vec<String> = std::fs::read_dir(&ck)
         .unwrap()
@@ -62,10 +57,10 @@ fn a_resumed_run_equals_an_uninterrupted_one_bit_for_bit() {
     let backup = dir.path().join("checkpoints-at-12");
     copy_dir(&ck, &backup);
     let (path, cfg) = spec(20).write(dir.path());
-    run_cluster(&path, &cfg, &resume());
-    let log = std::fs::read_to_string(dir.path().join("logs/shard-0.log")).unwrap();
+    let run = run_in_process_with(&path, resume);
+    let log = &run.shard_logs[0];
     assert!(log.contains("resuming at version 10"), "{log}");
-    let worker = std::fs::read_to_string(dir.path().join("logs/worker-0.log")).unwrap();
+    let worker = &run.worker_logs[0];
     assert!(worker.contains("starting at step 10 of 20"), "{worker}");
     ps_tests::assert_bit_identical(
         &cluster_weights(&cfg),
@@ -84,8 +79,7 @@ fn a_resumed_run_equals_an_uninterrupted_one_bit_for_bit() {
     std::fs::remove_dir_all(&ck).unwrap();
     copy_dir(&backup, &ck);
     std::fs::remove_file(ck.join("shard-1-of-2-v00000010.safetensors")).unwrap();
-    run_cluster(&path, &cfg, &resume());
-    let log = std::fs::read_to_string(dir.path().join("logs/shard-1.log")).unwrap();
+    let log = run_in_process_with(&path, resume).shard_logs.remove(1);
     assert!(log.contains("resuming at version 5"), "{log}");
     ps_tests::assert_bit_identical(&cluster_weights(&cfg), &straight, "resumed at 5");
 
@@ -118,7 +112,7 @@ fn a_resume_skips_a_corrupted_or_truncated_checkpoint_for_the_newest_intact_comm
     let straight = ps_tests::uninterrupted_weights(&spec(20));
     let dir = tempfile::tempdir().unwrap();
     let (path, cfg) = spec(12).write(dir.path());
-    run_cluster(&path, &cfg, &Start::default());
+    run_in_process(&path);
     let ck = cfg.checkpoint_dir();
     let backup = dir.path().join("checkpoints-at-12");
     copy_dir(&ck, &backup);
@@ -132,10 +126,8 @@ fn a_resume_skips_a_corrupted_or_truncated_checkpoint_for_the_newest_intact_comm
         std::fs::remove_dir_all(&ck).unwrap();
         copy_dir(&backup, &ck);
         damage(&ck.join(newest));
-        run_cluster(&path, &cfg, &resume());
-        for s in 0..2 {
-            let log =
-                std::fs::read_to_string(dir.path().join(format!("logs/shard-{s}.log"))).unwrap();
+        let run = run_in_process_with(&path, resume);
+        for log in &run.shard_logs {
             assert!(log.contains("resuming at version 5"), "{how}: {log}");
             let skipped = log
                 .lines()
@@ -207,8 +199,8 @@ fn a_resume_without_usable_checkpoints_is_refused() {
     );
 
     // a checkpoint written by a run with momentum: its state does not fit plain SGD
-    let (path, cfg) = one_shard(vec![8], 0.9).write(dir.path());
-    run_cluster(&path, &cfg, &Start::default());
+    let (path, _) = one_shard(vec![8], 0.9).write(dir.path());
+    run_in_process(&path);
     let (path, _) = one_shard(vec![8], 0.0).write(dir.path());
     let (code, log) = failed_resume(&path, dir.path());
     assert_eq!(code, Some(2), "{log}");

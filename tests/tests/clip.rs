@@ -1,5 +1,5 @@
 //! Global gradient-norm clipping (`[optimizer] clip_norm`) and gradient accumulation (`[train]
-//! micro_batches`) on real clusters (Rust workers) on 127.0.0.1, against the single-process
+//! micro_batches`) on clusters in this process (shards and Rust workers as tasks on 127.0.0.1:0), against the single-process
 //! reference, which clips its whole gradient as `torch.nn.utils.clip_grad_norm_` does.
 //!
 //! Clipping: 2 shards (a tensor of the model spans both, so the global norm needs both shards'
@@ -10,7 +10,7 @@
 //! the config is read, before any step, naming the key and the sizes.
 
 use ps_config::{Aggregation, Config, LossReduction, TestConfig};
-use ps_tests::{Spec, Start, cluster_weights, reference_weights, rel_diff, run_cluster};
+use ps_tests::{Spec, cluster_weights, reference_weights, rel_diff};
 use std::path::Path;
 
 /// Float rounding only, after 20 steps.
@@ -19,7 +19,7 @@ const TOL: f64 = 1e-5;
 /// Runs `spec` and returns the largest relative difference from the reference and the config.
 fn run(spec: &Spec, dir: &Path) -> (f64, Config) {
     let (path, cfg) = spec.write(dir);
-    run_cluster(&path, &cfg, &Start::default());
+    ps_tests::inproc::run_in_process(&path);
     let got = cluster_weights(&cfg);
     let want = reference_weights(&cfg);
     let d = rel_diff(&cfg, &got, &want);

@@ -1,10 +1,11 @@
-//! Real clusters on 127.0.0.1 against the single-process reference: the equivalences of
-//! the README's sum-or-mean table, bit-reproducibility whatever the start order, sharding independence, and
-//! convergence on the shipped MNIST.
+//! Clusters in this process (shards and workers as tasks on 127.0.0.1:0, `ps_tests::inproc`)
+//! against the single-process reference: the equivalences of the README's sum-or-mean table,
+//! bit-reproducibility whatever the start order, sharding independence, and convergence on the
+//! shipped MNIST.
 
 use ps_config::{Aggregation, LossReduction, Transport};
-use ps_data::idx::{Split, load_split};
-use ps_tests::{Spec, Start, cluster_weights, mnist_dir, reference_weights, rel_diff, run_cluster};
+use ps_tests::inproc::{Shards, finish, start_worker};
+use ps_tests::{Spec, cluster_weights, mnist_test, reference_weights, rel_diff};
 use std::time::Duration;
 
 /// Tolerance of every equivalence: float rounding only, after 20+ steps.
@@ -17,10 +18,9 @@ fn equivalence(spec: Spec) -> f64 {
 /// Runs `spec` as a cluster; its largest relative difference from the single process, its
 /// config and its final weights.
 fn run_equivalence(spec: Spec) -> (f64, ps_config::Config, Vec<f32>) {
-    let dir = tempfile::tempdir().unwrap();
-    let (path, cfg) = spec.write(dir.path());
-    run_cluster(&path, &cfg, &Start::default());
-    let got = cluster_weights(&cfg);
+    let run = spec.prepare();
+    let cfg = run.cfg.clone();
+    let got = run.weights_in_process();
     let want = reference_weights(&cfg);
     let init = cfg.layout().init_range(cfg.train.seed, 0..got.len());
     assert!(
@@ -165,22 +165,24 @@ fn reruns_are_bit_identical_whatever_the_start_order() {
         ..Spec::default()
     };
     let mut results = Vec::new();
-    for start in [
-        Start {
-            order: Some(vec![0, 1, 2]),
-            delay: Duration::ZERO,
-            ..Start::default()
-        },
-        Start {
-            order: Some(vec![2, 0, 1]),
-            delay: Duration::from_millis(400),
-            ..Start::default()
-        },
-    ] {
-        let dir = tempfile::tempdir().unwrap();
-        let (path, cfg) = spec.write(dir.path());
-        run_cluster(&path, &cfg, &start);
-        results.push(cluster_weights(&cfg));
+    // in rank order at once; then rank 2 first, ranks 0 and 1 once it has registered (it
+    // waits at the first barrier for them)
+    for (order, first_alone) in [([0, 1, 2], false), ([2, 0, 1], true)] {
+        let run = spec.prepare();
+        let shards = Shards::start(&run.path);
+        let mut workers: Vec<_> = Vec::new();
+        for (i, r) in order.into_iter().enumerate() {
+            workers.push((r, start_worker(&shards.cfg, r)));
+            if i == 0 && first_alone {
+                workers[0].1.log.wait_for(
+                    &format!("worker {r}/3: registered"),
+                    Duration::from_secs(60),
+                );
+            }
+        }
+        workers.sort_by_key(|(r, _)| *r);
+        finish(shards, workers.into_iter().map(|(_, w)| w).collect());
+        results.push(cluster_weights(&run.cfg));
     }
     let same = results[0]
         .iter()
@@ -206,11 +208,9 @@ fn shared_memory_and_grpc_transports_give_bit_identical_weights() {
             transport,
             ..Spec::default()
         };
-        let dir = tempfile::tempdir().unwrap();
-        let (path, cfg) = spec.write(dir.path());
-        run_cluster(&path, &cfg, &Start::default());
-        results.push(cluster_weights(&cfg));
-        let log = std::fs::read_to_string(dir.path().join("logs/worker-1.log")).unwrap();
+        let run = spec.prepare();
+        let log = run.run_in_process().worker_logs.remove(1);
+        results.push(cluster_weights(&run.cfg));
         assert!(
             log.contains(&format!("tensors via [\"{via}\", \"{via}\"]")),
             "{transport}: worker log does not say {via}:\n{log}"
@@ -234,11 +234,9 @@ fn one_and_three_shards_give_the_same_weights() {
             steps: 20,
             ..Spec::default()
         };
-        let dir = tempfile::tempdir().unwrap();
-        let (path, cfg) = spec.write(dir.path());
-        run_cluster(&path, &cfg, &Start::default());
-        results.push(cluster_weights(&cfg));
-        cfgs.push(cfg);
+        let run = spec.prepare();
+        results.push(run.weights_in_process());
+        cfgs.push(run.cfg);
     }
     let d = rel_diff(&cfgs[0], &results[1], &results[0]);
     assert!(d < 1e-6, "1 vs 3 shards: {d:.3e}");
@@ -255,11 +253,11 @@ fn converges_on_mnist_and_logs_metrics() {
         config: Spec::base().sgd(0.1, 0.9).eval_every(100),
         ..Spec::default()
     };
-    let dir = tempfile::tempdir().unwrap();
-    let (path, cfg) = spec.write(dir.path());
-    run_cluster(&path, &cfg, &Start::default());
-    let weights = cluster_weights(&cfg);
-    let test = load_split(&mnist_dir(), Split::Test, 10).unwrap();
+    let run = spec.prepare();
+    let cfg = &run.cfg;
+    let finished = run.run_in_process();
+    let weights = cluster_weights(cfg);
+    let test = mnist_test();
     let mut cpu = ps_worker::cpu::cpu_model(&cfg.layout(), 1);
     cpu.set_weights(&weights).unwrap();
     let (mut x, mut y) = (Vec::new(), Vec::new());
@@ -299,12 +297,14 @@ fn converges_on_mnist_and_logs_metrics() {
         && l["samples"] == 64
         && l["grad_norm"].as_f64().unwrap() > 0.0));
 
-    // the server's log says what the run is equivalent to and shows the global line
-    let log = std::fs::read_to_string(dir.path().join("logs/shard-0.log")).unwrap();
+    // what the run is equivalent to (ps-server logs it at start; docs.rs and the process
+    // tests read it there); shard 0's log shows the global line
+    let eq = cfg.equivalence().to_string();
     assert!(
-        log.contains("equivalent to one process with batch 64, mean loss, lr 0.1"),
-        "{log}"
+        eq.contains("equivalent to one process with batch 64, mean loss, lr 0.1"),
+        "{eq}"
     );
+    let log = &finished.shard_logs[0];
     assert!(log.contains("step 300/300 | loss"), "{log}");
     assert!(log.contains("final test accuracy"), "{log}");
 }
@@ -325,12 +325,11 @@ fn one_worker_is_bit_identical_to_one_process_across_epochs_and_schedules() {
             .cosine(5, 0.001),
         ..Spec::default()
     };
-    let dir = tempfile::tempdir().unwrap();
-    let (path, cfg) = spec.write(dir.path());
+    let run = spec.prepare();
+    let cfg = &run.cfg;
     assert_eq!(cfg.data_order(60000).steps_per_epoch(), 14);
-    run_cluster(&path, &cfg, &Start::default());
-    let got = cluster_weights(&cfg);
-    let want = reference_weights(&cfg);
+    let got = run.weights_in_process();
+    let want = reference_weights(cfg);
     let same = got
         .iter()
         .zip(&want)
@@ -338,7 +337,7 @@ fn one_worker_is_bit_identical_to_one_process_across_epochs_and_schedules() {
     assert!(
         same,
         "largest relative difference {:.3e}",
-        rel_diff(&cfg, &got, &want)
+        rel_diff(cfg, &got, &want)
     );
 }
 
@@ -354,11 +353,11 @@ fn weighted_aggregation_stays_exact_with_the_short_last_batch_kept() {
         config: Spec::base().keep_last(true),
         ..Spec::default()
     };
-    let dir = tempfile::tempdir().unwrap();
-    let (path, cfg) = spec.write(dir.path());
+    let run = spec.prepare();
+    let cfg = &run.cfg;
     let order = cfg.data_order(60000);
     assert_eq!((order.steps_per_epoch(), order.batch_len(14)), (15, 2656));
-    run_cluster(&path, &cfg, &Start::default());
-    let d = rel_diff(&cfg, &cluster_weights(&cfg), &reference_weights(&cfg));
+    let got = run.weights_in_process();
+    let d = rel_diff(cfg, &got, &reference_weights(cfg));
     assert!(d < TOL, "relative difference {d:.3e} >= {TOL:e}");
 }

@@ -1,4 +1,4 @@
-//! The built-in CNN (`[model] kind = "cnn"`) trained by real clusters on 127.0.0.1 equals the
+//! The built-in CNN (`[model] kind = "cnn"`) trained by clusters in this process (`ps_tests::inproc`) equals the
 //! single-process reference after 20 steps, for the sum-or-mean combinations of the README's
 //! table: mean loss with mean aggregation, weighted aggregation of uneven batches, and sum
 //! loss with sum aggregation. Small (4 and 8 channels, batch 16) so each takes seconds.
@@ -10,7 +10,7 @@
 //! at lr 0.1 2.0e-7 after 15 steps, then 2.5e-3 after 20, a flip, not a drift.
 
 use ps_config::{Aggregation, LossReduction};
-use ps_tests::{Spec, Start, cluster_weights, reference_weights, rel_diff, run_cluster};
+use ps_tests::{Spec, cluster_weights, reference_weights, rel_diff};
 
 /// Float rounding only, after 20 steps.
 const TOL: f64 = 1e-5;
@@ -20,7 +20,7 @@ fn cnn_equivalence(spec: Spec) -> f64 {
     let (path, cfg) = spec.write(dir.path());
     assert!(cfg.model.cnn.is_some(), "the run trains the CNN");
     assert_eq!(cfg.layout().tensors[0].name, "conv1.weight");
-    run_cluster(&path, &cfg, &Start::default());
+    ps_tests::inproc::run_in_process(&path);
     let got = cluster_weights(&cfg);
     let want = reference_weights(&cfg);
     let init = cfg.layout().init_range(cfg.train.seed, 0..got.len());

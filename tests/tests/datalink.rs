@@ -1,10 +1,11 @@
-//! The tensor data connection of a live `ps-server` (`ps_net::datalink`): hellos with a
+//! The tensor data connection of a live shard (in this process, `ps_tests::inproc`; as a
+//! `ps-server` process where its exit or its port flags are the subject) (`ps_net::datalink`): hellos with a
 //! wrong run id, an unknown rank or garbage are refused; a push that names another rank's
 //! connection, or whose frame is cut short or of the wrong length, is refused with a precise
 //! status; and afterwards pushes and pulls on new connections still make a correct step.
 #![allow(clippy::too_many_lines)] // a scenario test reads top to bottom in one function
 
-use ps_launch::{LocalCluster, bin_dir};
+use ps_launch::bin_dir;
 use ps_net::auth::ClientSecurity;
 use ps_net::client::{DATA_RANK_KEY, ShardClient};
 use ps_net::datalink::{HELLO_NO, HELLO_OK, Hello, PIECES, frame_header, piece_header};
@@ -42,12 +43,9 @@ async fn data_connections_refuse_bad_hellos_and_frames_and_still_step() {
     let dir = tempfile::tempdir().unwrap();
     let (path, cfg) = spec.write(dir.path());
     let n = cfg.layout().num_params();
-    let mut cluster = LocalCluster::new(bin_dir(), path, Some(dir.path().join("logs")));
-    cluster
-        .start_servers(1, &[], Duration::from_secs(60))
-        .unwrap();
+    let shards = ps_tests::inproc::Shards::start(&path);
     let sec = ClientSecurity::default();
-    let mut c = ShardClient::connect(0, &cluster.addrs[0], &sec, Duration::from_secs(10))
+    let mut c = ShardClient::connect(0, &shards.addrs[0], &sec, Duration::from_secs(10))
         .await
         .unwrap();
     let reg = |rank: u32| register_request(rank, 2, n);
@@ -57,7 +55,7 @@ async fn data_connections_refuse_bad_hellos_and_frames_and_still_step() {
         "a shard without TLS offers data connections"
     );
     assert!(c.has_data_link());
-    let mut c1 = ShardClient::connect(0, &cluster.addrs[0], &sec, Duration::from_secs(10))
+    let mut c1 = ShardClient::connect(0, &shards.addrs[0], &sec, Duration::from_secs(10))
         .await
         .unwrap();
     c1.register(reg(1)).await.unwrap();
@@ -66,7 +64,7 @@ async fn data_connections_refuse_bad_hellos_and_frames_and_still_step() {
         c.pull_into(0, false, None, &mut w).await.unwrap();
         w
     };
-    let host = cluster.addrs[0].rsplit_once(':').unwrap().0.to_string();
+    let host = shards.addrs[0].rsplit_once(':').unwrap().0.to_string();
     let data_addr = format!("{host}:{}", r0.data_port);
 
     // hellos: garbage, a wrong run id, an unknown rank are refused; a good one is accepted
@@ -350,18 +348,15 @@ async fn two_steps(pieces: bool, max_pending: usize) -> Vec<u32> {
     let dir = tempfile::tempdir().unwrap();
     let (path, cfg) = spec.write(dir.path());
     let n = cfg.layout().num_params();
-    let mut cluster = LocalCluster::new(bin_dir(), path, Some(dir.path().join("logs")));
-    cluster
-        .start_servers(1, &[], Duration::from_secs(60))
-        .unwrap();
+    let shards = ps_tests::inproc::Shards::start(&path);
     let sec = ClientSecurity::default();
     let reg = |rank: u32| register_request(rank, 2, n);
-    let connect = || ShardClient::connect(0, &cluster.addrs[0], &sec, Duration::from_secs(10));
+    let connect = || ShardClient::connect(0, &shards.addrs[0], &sec, Duration::from_secs(10));
     let mut c = connect().await.unwrap();
     let r0 = c.register(reg(0)).await.unwrap();
     let mut c1 = connect().await.unwrap();
     c1.register(reg(1)).await.unwrap();
-    let host = cluster.addrs[0].rsplit_once(':').unwrap().0.to_string();
+    let host = shards.addrs[0].rsplit_once(':').unwrap().0.to_string();
     let data_addr = format!("{host}:{}", r0.data_port);
     let g0: Vec<f32> = (0..n).map(|i| ((i % 13) as f32 - 6.0) * 0.01).collect();
     let g1: Vec<f32> = (0..n).map(|i| ((i % 7) as f32 - 3.0) * 0.02).collect();
@@ -507,7 +502,7 @@ async fn pushes_in_pieces_in_any_order_give_the_whole_range_weights() {
 #[test]
 fn progressive_pushes_of_real_workers_give_the_shared_memory_weights() {
     use ps_config::Transport;
-    use ps_tests::{Start, cluster_weights, run_cluster};
+    use ps_tests::cluster_weights;
     let mut results = Vec::new();
     for transport in [Transport::Auto, Transport::Grpc] {
         let spec = Spec {
@@ -536,7 +531,7 @@ fn progressive_pushes_of_real_workers_give_the_shared_memory_weights() {
             );
             assert!(r.end - w2.start >= min, "{r:?} {w2:?}");
         }
-        run_cluster(&path, &cfg, &Start::default());
+        ps_tests::inproc::run_in_process(&path);
         results.push(cluster_weights(&cfg));
     }
     let bits = |w: &[f32]| w.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
@@ -547,7 +542,7 @@ fn progressive_pushes_of_real_workers_give_the_shared_memory_weights() {
     );
 }
 
-/// Per-bucket apply with real processes: 2 shards, 3 workers on data connections with
+/// Per-bucket apply (clusters in this process): 2 shards, 3 workers on data connections with
 /// progressive pushes (`transport = "grpc"`, a buffer for every rank), batches of 11, 11 and
 /// 10, weighted aggregation. The final weights equal, bit for bit, those of the same cluster applying the whole range
 /// at once (`max_pending_gradients` 2 < 3 workers: folded as they arrive, itself bit-identical
@@ -558,9 +553,7 @@ fn progressive_pushes_of_real_workers_give_the_shared_memory_weights() {
 #[test]
 fn bucketed_apply_on_data_connections_equals_whole_range_and_one_process() {
     use ps_config::Transport;
-    use ps_tests::{
-        Start, assert_bit_identical, cluster_weights, reference_weights, rel_diff, run_cluster,
-    };
+    use ps_tests::{assert_bit_identical, cluster_weights, reference_weights, rel_diff};
     let run = |max_pending: usize, data: bool| {
         let spec = Spec {
             shards: 2,
@@ -579,12 +572,7 @@ fn bucketed_apply_on_data_connections_equals_whole_range_and_one_process() {
         };
         let dir = tempfile::tempdir().unwrap();
         let (path, cfg) = spec.write(dir.path());
-        run_cluster(&path, &cfg, &Start::default());
-        let logs: Vec<String> = (0..2)
-            .map(|s| {
-                std::fs::read_to_string(dir.path().join(format!("logs/shard-{s}.log"))).unwrap()
-            })
-            .collect();
+        let logs = ps_tests::inproc::run_in_process(&path).shard_logs;
         (cfg.clone(), cluster_weights(&cfg), logs, dir)
     };
     let (cfg, bucketed, logs, _dir) = run(3, true);

@@ -1,17 +1,17 @@
-//! Models declared by the user (`[model] init = "init.safetensors"`): a real cluster trains a
+//! Models declared by the user (`[model] init = "init.safetensors"`): a cluster in this process trains a
 //! declared model from the file's weights exactly as the single-process reference does; the
 //! config refuses missing, malformed and non-f32 init files; a shard refuses a worker that
 //! describes another model, naming the first tensor that differs; ps-worker refuses a declared
 //! model that is not an MLP.
 
 use ps_config::{Config, TestConfig};
-use ps_launch::launch::{LocalCluster, bin_dir};
+use ps_launch::launch::bin_dir;
 use ps_model::declared::ORDER_KEY;
 use ps_model::layout::MlpLayout;
 use ps_net::client::ShardClient;
 use ps_proto::PROTOCOL_VERSION;
 use ps_proto::pb::{RegisterRequest, TensorDesc};
-use ps_tests::{Start, cluster_weights, mnist_dir, reference_weights, rel_diff, run_cluster};
+use ps_tests::{cluster_weights, mnist_dir, reference_weights, rel_diff};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -74,7 +74,7 @@ fn a_declared_mlp_trains_from_its_file_like_the_reference() {
             .contains("declared model of 4 tensors (25,450 parameters)")
     );
     assert_eq!(cfg.initial_range(0..flat.len()).unwrap(), flat);
-    run_cluster(&path, &cfg, &Start::default());
+    ps_tests::inproc::run_in_process(&path);
     let got = cluster_weights(&cfg);
     let want = reference_weights(&cfg);
     assert!(
@@ -181,10 +181,7 @@ fn a_shard_refuses_another_model_naming_the_first_differing_tensor() {
         "{err}"
     );
 
-    let mut cluster = LocalCluster::new(bin_dir(), path.clone(), Some(dir.path().join("logs")));
-    cluster
-        .start_servers(1, &[], Duration::from_secs(60))
-        .unwrap_or_else(|e| panic!("{e}"));
+    let shards = ps_tests::inproc::Shards::start(&path);
     let rt = tokio::runtime::Runtime::new().unwrap();
     let desc = |shape: &[u64]| {
         let mut m: Vec<TensorDesc> = cfg
@@ -203,7 +200,7 @@ fn a_shard_refuses_another_model_naming_the_first_differing_tensor() {
         rt.block_on(async {
             let mut c = ShardClient::connect(
                 0,
-                &cluster.addrs[0],
+                &shards.addrs[0],
                 &ps_net::auth::ClientSecurity::of(&cfg),
                 Duration::from_secs(10),
             )

@@ -4,10 +4,11 @@
 //! reaches the layers it holds before their values of the step's version are in; a worker
 //! that read them early would compute with the previous version's values there. With one
 //! worker the cluster computes exactly what one process computes: the final weights must be
-//! bit-identical to the single-process reference, on every transport.
+//! bit-identical to the single-process reference, on every transport. The cluster runs in
+//! this process (`ps_tests::inproc`).
 
 use ps_config::Transport;
-use ps_launch::{LocalCluster, bin_dir};
+use ps_tests::inproc::{Shards, finish, start_worker};
 use ps_tests::{
     Spec, assert_bit_identical, cluster_weights, delaying_proxy, reference_weights, rel_diff,
 };
@@ -16,21 +17,15 @@ use std::time::Duration;
 /// Runs `spec` with the answers of its last shard held back `delay` per read, and checks the
 /// final weights against the reference bit for bit.
 fn late_last_shard_is_exact(spec: Spec, delay: Duration) {
-    let dir = tempfile::tempdir().unwrap();
-    let (path, cfg) = spec.write(dir.path());
-    let mut cluster = LocalCluster::new(bin_dir(), path.clone(), Some(dir.path().join("logs")));
-    cluster
-        .start_servers(cfg.num_shards(), &[], Duration::from_secs(60))
-        .unwrap_or_else(|e| panic!("{e}"));
-    let last = cluster.addrs.len() - 1;
-    cluster.addrs[last] = delaying_proxy(cluster.addrs[last].clone(), delay);
-    cluster
-        .start_worker(0, 1, &[])
-        .unwrap_or_else(|e| panic!("{e}"));
-    cluster
-        .wait(Duration::from_secs(300), &|| false)
-        .unwrap_or_else(|e| panic!("{e}"));
-    let log = std::fs::read_to_string(dir.path().join("logs/worker-0.log")).unwrap_or_default();
+    let run = spec.prepare();
+    let cfg = &run.cfg;
+    let shards = Shards::start(&run.path);
+    // the worker reaches the last shard through the proxy
+    let mut through = shards.cfg.clone();
+    let last = shards.addrs.len() - 1;
+    through.cluster.servers[last] = delaying_proxy(shards.addrs[last].clone(), delay);
+    let worker = start_worker(&through, 0);
+    let log = finish(shards, vec![worker]).worker_logs.remove(0);
     // the worker says what forward waited for, per layer (three layers)
     let waits = log
         .lines()
@@ -45,12 +40,12 @@ fn late_last_shard_is_exact(spec: Spec, delay: Duration) {
         .collect();
     assert_eq!(waits.len(), 3, "{log}");
     println!("{:?}: waits {waits:?}", spec.transport);
-    let got = cluster_weights(&cfg);
-    let want = reference_weights(&cfg);
+    let got = cluster_weights(cfg);
+    let want = reference_weights(cfg);
     let what = format!(
         "{:?}: against one process (largest relative difference {:.3e})",
         spec.transport,
-        rel_diff(&cfg, &got, &want)
+        rel_diff(cfg, &got, &want)
     );
     assert_bit_identical(&got, &want, &what);
 }

@@ -1,11 +1,10 @@
-//! Rank leases on a live `ps-server` (`ps_server::lease`): a process that never registered,
+//! Rank leases on a live shard (in this process, `ps_tests::inproc`; `ps_server::lease`): a process that never registered,
 //! or that forges a lease, is refused on every transport (gRPC pushes and pulls, the data
 //! connection's hello, a shared-memory push naming another rank's board), and the honest
 //! ranks' step is applied with their own gradients only.
 #![allow(clippy::too_many_lines)] // a scenario test reads top to bottom in one function
 
 use ps_config::Transport;
-use ps_launch::{LocalCluster, bin_dir};
 use ps_net::auth::ClientSecurity;
 use ps_net::client::{ShardClient, push_chunks, with_lease};
 use ps_net::datalink::{HELLO_NO, HELLO_OK, Hello};
@@ -63,12 +62,9 @@ async fn only_a_rank_lease_holder_acts_for_it_on_every_transport() {
     let dir = tempfile::tempdir().unwrap();
     let (path, cfg) = spec.write(dir.path());
     let n = cfg.layout().num_params();
-    let mut cluster = LocalCluster::new(bin_dir(), path, Some(dir.path().join("logs")));
-    cluster
-        .start_servers(1, &[], Duration::from_secs(60))
-        .unwrap();
+    let shards = ps_tests::inproc::Shards::start(&path);
     let sec = ClientSecurity::default();
-    let addr = cluster.addrs[0].clone();
+    let addr = shards.addrs[0].clone();
     let connect = || ShardClient::connect(0, &addr, &sec, Duration::from_secs(10));
     // rank 0 pushes through its shared-memory gradient board, rank 1 on its data connection
     let root = shm_root().expect("/dev/shm on the test machine");
@@ -208,7 +204,7 @@ async fn only_a_rank_lease_holder_acts_for_it_on_every_transport() {
         hello(&data_addr, &hello_of(1, Some(&l1))).await,
         Some(HELLO_OK)
     );
-    cluster.kill_all();
+    drop(shards);
 }
 
 /// A rank registered again gets a new lease; the old one is refused from then on, and the
@@ -227,12 +223,9 @@ async fn a_new_registration_of_a_rank_retires_its_old_lease() {
     let dir = tempfile::tempdir().unwrap();
     let (path, cfg) = spec.write(dir.path());
     let n = cfg.layout().num_params();
-    let mut cluster = LocalCluster::new(bin_dir(), path, Some(dir.path().join("logs")));
-    cluster
-        .start_servers(1, &[], Duration::from_secs(60))
-        .unwrap();
+    let shards = ps_tests::inproc::Shards::start(&path);
     let sec = ClientSecurity::default();
-    let mut c = ShardClient::connect(0, &cluster.addrs[0], &sec, Duration::from_secs(10))
+    let mut c = ShardClient::connect(0, &shards.addrs[0], &sec, Duration::from_secs(10))
         .await
         .unwrap();
     let first = c
@@ -264,5 +257,5 @@ async fn a_new_registration_of_a_rank_retires_its_old_lease() {
         .await
         .unwrap();
     assert!(r.counted, "{r:?}");
-    cluster.kill_all();
+    drop(shards);
 }

@@ -1,5 +1,4 @@
-//! The live gradient noise scale, end to end: real clusters of `ps-server` and `ps-worker`
-//! processes; the per-rank squared gradient norms shard 0 writes to `metrics.jsonl` (summed
+//! The live gradient noise scale, end to end: clusters in this process (`ps_tests::inproc`); the per-rank squared gradient norms shard 0 writes to `metrics.jsonl` (summed
 //! over the shards) are checked against the gradients recomputed offline for step 1, as are
 //! the aggregate's norm and the first noise estimate; B_noise must be finite, positive and
 //! plausible, logged with its advice; with one worker the log says once that it cannot be
@@ -8,17 +7,17 @@
 use ps_config::noise;
 use ps_config::{Aggregation, Config, LossReduction, Transport};
 use ps_data::order::BatchPlanner;
-use ps_tests::{Spec, Start, mnist_train, run_cluster};
+use ps_tests::inproc::{Finished, run_in_process};
+use ps_tests::{Spec, mnist_train};
 use serde_json::Value;
-use std::path::Path;
 
-/// Every log of the cluster under `dir/logs`, concatenated.
-fn logs(dir: &Path) -> String {
-    let mut all = String::new();
-    for e in std::fs::read_dir(dir.join("logs")).expect("logs") {
-        all.push_str(&std::fs::read_to_string(e.unwrap().path()).unwrap_or_default());
-    }
-    all
+/// Every log of the run, concatenated.
+fn logs(run: &Finished) -> String {
+    run.shard_logs
+        .iter()
+        .chain(&run.worker_logs)
+        .cloned()
+        .collect()
 }
 
 fn metrics_lines(cfg: &Config) -> Vec<Value> {
@@ -65,7 +64,7 @@ fn rel(a: f64, b: f64) -> f64 {
 fn check_run(spec: &Spec) {
     let dir = tempfile::tempdir().unwrap();
     let (path, cfg) = spec.write(dir.path());
-    run_cluster(&path, &cfg, &Start::default());
+    let run = run_in_process(&path);
     let lines = metrics_lines(&cfg);
     let what = format!(
         "{:?} aggregation, {:?} loss, {:?} transport",
@@ -166,7 +165,7 @@ fn check_run(spec: &Spec) {
     );
 
     // the log: every log_every steps, with the batch and the advice
-    let log = logs(dir.path());
+    let log = logs(&run);
     let noise_lines: Vec<&str> = log
         .lines()
         .filter(|l| l.contains("gradient noise scale: B_noise ≈"))
@@ -221,8 +220,7 @@ fn one_worker_says_once_that_the_noise_scale_cannot_be_estimated() {
     };
     let dir = tempfile::tempdir().unwrap();
     let (path, cfg) = spec.write(dir.path());
-    run_cluster(&path, &cfg, &Start::default());
-    let log = logs(dir.path());
+    let log = logs(&run_in_process(&path));
     assert_eq!(
         log.matches("gradient noise scale: cannot be estimated with one worker")
             .count(),

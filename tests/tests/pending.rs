@@ -1,17 +1,15 @@
-//! Bounded pending gRPC gradients (`[server] max_pending_gradients`) on live processes: the
+//! Bounded pending gRPC gradients (`[server] max_pending_gradients`) on live shards (in this process, `ps_tests::inproc`): the
 //! weights are bit-identical whatever the limit and the arrival order, pushes that wait for
 //! their turn neither deadlock nor count as missing for the barrier timeout, and retries and
 //! conflicts are still recognised while other pushes wait.
 
 use ps_config::{Aggregation, Transport};
-use ps_launch::{LocalCluster, bin_dir};
 use ps_net::client::{push_chunks, with_lease};
 use ps_net::wire::{TensorReceiver, f32_to_bytes};
 use ps_proto::pb::parameter_server_client::ParameterServerClient;
 use ps_proto::pb::{Lease, PushChunk, PushHeader, PushReply};
 use ps_tests::{
-    Spec, Start, assert_bit_identical, cluster_weights, reference_weights, register_request,
-    rel_diff, run_cluster,
+    Spec, assert_bit_identical, cluster_weights, reference_weights, register_request, rel_diff,
 };
 use std::time::Duration;
 use tonic::Code;
@@ -138,11 +136,8 @@ async fn two_steps(
     let dir = tempfile::tempdir().unwrap();
     let (path, cfg) = spec.write(dir.path());
     let n = cfg.layout().num_params();
-    let mut cluster = LocalCluster::new(bin_dir(), path, Some(dir.path().join("logs")));
-    cluster
-        .start_servers(1, &[], Duration::from_secs(60))
-        .unwrap();
-    let url = format!("http://{}", cluster.addrs[0]);
+    let shards = ps_tests::inproc::Shards::start(&path);
+    let url = shards.url(0);
     let (mut clients, mut leases) = (Vec::new(), Vec::new());
     for rank in 0..W as u32 {
         let mut c = Client::connect(url.clone()).await.unwrap();
@@ -201,9 +196,7 @@ async fn two_steps(
         .await
         .unwrap();
     assert!(!r.counted);
-    cluster.kill_all();
-    let log = std::fs::read_to_string(dir.path().join("logs/shard-0.log")).unwrap_or_default();
-    (versions, log)
+    (versions, shards.log(0))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -253,7 +246,7 @@ fn sixteen_workers_with_two_pending_gradients_equal_sixteen() {
         };
         let dir = tempfile::tempdir().unwrap();
         let (path, cfg) = spec.write(dir.path());
-        run_cluster(&path, &cfg, &Start::default());
+        ps_tests::inproc::run_in_process(&path);
         let w = cluster_weights(&cfg);
         let d = rel_diff(&cfg, &w, &reference_weights(&cfg));
         assert!(

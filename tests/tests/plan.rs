@@ -1,10 +1,10 @@
 //! `ps-plan`, run as a process: the questions users arrive with (issue 12), the printed config
-//! lines, and that those lines, merged into a real config, train a real cluster to the weights
+//! lines, and that those lines, merged into a real config, train a cluster (in this process) to the weights
 //! of the single-process recipe (computed separately, not from the planned config).
 
 use ps_config::{Aggregation, Config, LossReduction};
 use ps_launch::bin_dir;
-use ps_tests::{Spec, Start, cluster_weights, reference_weights, rel_diff, run_cluster};
+use ps_tests::{Spec, cluster_weights, reference_weights, rel_diff};
 use std::process::Command;
 
 /// Float rounding only, after 20 steps (as in cluster.rs).
@@ -98,7 +98,7 @@ fn merge(base: &str, snippet: &str) -> String {
 }
 
 /// The planned lines merged into a small test config (2 shards, MLP 784-32-10, 20 steps), run
-/// as a real cluster; compared with the recipe run in one process (`recipe`: W = 1). Returns
+/// as a cluster in this process (`ps_tests::inproc`); compared with the recipe run in one process (`recipe`: W = 1). Returns
 /// the largest relative weight difference.
 fn planned_cluster_equals_recipe(planned: &str, recipe: Spec) -> f64 {
     let dir = tempfile::tempdir().unwrap();
@@ -107,7 +107,7 @@ fn planned_cluster_equals_recipe(planned: &str, recipe: Spec) -> f64 {
     let path = dir.path().join("config.toml");
     std::fs::write(&path, &text).unwrap();
     let cfg = Config::load(&path).unwrap_or_else(|e| panic!("{e}\n{text}"));
-    run_cluster(&path, &cfg, &Start::default());
+    ps_tests::inproc::run_in_process(&path);
     let got = cluster_weights(&cfg);
 
     // the recipe itself: one worker, so the reference is the recipe with no rescaling at all

@@ -4,19 +4,18 @@
 //! 2 bytes a value (4 are refused), on gRPC chunks and on the data connection.
 
 use ps_config::{Transport, Wire};
-use ps_data::idx::{Split, load_split};
-use ps_launch::{LocalCluster, bin_dir};
 use ps_net::auth::ClientSecurity;
 use ps_net::client::{ShardClient, push_chunks_of, with_lease};
 use ps_net::wire::{Bf16Encoder, f32_to_bytes};
-use ps_tests::{Spec, Start, cluster_weights, mnist_dir, register_request, run_cluster};
+use ps_tests::{Spec, cluster_weights, mnist_test, register_request};
 use std::time::Duration;
 use tonic::Code;
 
 /// The default job (`deploy/mnist.toml`: 784-256-128-10, batch 128 on 2 workers, SGD 0.1
 /// with momentum 0.9, cosine with 100 warm-up steps, 3 epochs = 1404 steps, seed 42) over
-/// gRPC on `wire`; returns the test accuracy of the final weights, the weights and the
-/// shard 0 log.
+/// gRPC on `wire`, in this process (`ps_tests::inproc`); returns the test accuracy of the
+/// final weights, the weights and what shard 0 logs at start (`ps-server` logs the config's
+/// description, its equivalence statement and its warnings; `docs.rs` runs the binary).
 fn default_job(wire: Wire) -> (f64, Vec<f32>, String) {
     let spec = Spec {
         shards: 2,
@@ -35,15 +34,16 @@ fn default_job(wire: Wire) -> (f64, Vec<f32>, String) {
     };
     let dir = tempfile::tempdir().unwrap();
     let (path, cfg) = spec.write(dir.path());
-    run_cluster(&path, &cfg, &Start::default());
+    ps_tests::inproc::run_in_process(&path);
     let weights = cluster_weights(&cfg);
-    let test = load_split(&mnist_dir(), Split::Test, 10).unwrap();
+    let test = mnist_test();
     let mut cpu = ps_worker::cpu::cpu_model(&cfg.layout(), 1);
     cpu.set_weights(&weights).unwrap();
     let (mut x, mut y) = (Vec::new(), Vec::new());
     test.gather(&(0..test.len() as u32).collect::<Vec<_>>(), &mut x, &mut y);
     let acc = cpu.evaluate(&x, &y).unwrap() as f64 / test.len() as f64;
-    let log = std::fs::read_to_string(dir.path().join("logs/shard-0.log")).unwrap_or_default();
+    let eq = cfg.equivalence();
+    let log = format!("{}\n{eq}\n{}", cfg.describe(), eq.warnings.join("\n"));
     (acc, weights, log)
 }
 
@@ -82,25 +82,15 @@ use ps_tests::push_header as header;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_bf16_shard_refuses_an_f32_worker_and_takes_half_the_bytes() {
-    let spec = Spec {
-        shards: 1,
-        workers: 2,
-        hidden: vec![4],
-        steps: 2,
-        transport: Transport::Grpc,
-        config: Spec::base().sgd(0.5, 0.0).wire(Wire::Bf16),
-        ..Spec::default()
-    };
-    let dir = tempfile::tempdir().unwrap();
-    let (path, cfg) = spec.write(dir.path());
-    let n = cfg.layout().num_params();
-    let mut cluster = LocalCluster::new(bin_dir(), path, Some(dir.path().join("logs")));
-    cluster
-        .start_servers(1, &[], Duration::from_secs(60))
-        .unwrap();
+    let run = Spec::small()
+        .transport(Transport::Grpc)
+        .config(Spec::base().sgd(0.5, 0.0).wire(Wire::Bf16))
+        .prepare();
+    let n = run.cfg.layout().num_params();
+    let shards = run.shards_in_process();
     let sec = ClientSecurity::default();
     let reg = |rank: u32| register_request(rank, 2, n);
-    let connect = || ShardClient::connect(0, &cluster.addrs[0], &sec, Duration::from_secs(10));
+    let connect = || ShardClient::connect(0, &shards.addrs[0], &sec, Duration::from_secs(10));
 
     // a worker with the f32 wire (another config) is refused, naming the key and both values
     let mut f32_client = connect().await.unwrap();
@@ -202,5 +192,4 @@ async fn a_bf16_shard_refuses_an_f32_worker_and_takes_half_the_bytes() {
             after[i]
         );
     }
-    cluster.kill_all();
 }

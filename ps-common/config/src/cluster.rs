@@ -4,6 +4,7 @@ use super::Resolve;
 use super::kinds::{Transport, Wire};
 use super::limits::{MAX_SHARDS, MAX_WORKERS, at_most};
 use crate::credential::{TlsFiles, Token};
+use crate::invalid::Invalid;
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 
@@ -59,27 +60,32 @@ pub struct ClusterConfig {
 }
 
 impl RawCluster {
-    pub(super) fn validate(&self, resolve: &Resolve) -> Result<ClusterConfig, String> {
+    pub(super) fn validate(&self, resolve: &Resolve) -> Result<ClusterConfig, Invalid> {
         if self.servers.is_empty() {
             return Err("[cluster] servers = []: expected at least one shard address".into());
         }
         if self.servers.len() > MAX_SHARDS {
-            return Err(format!(
+            return Err(invalid!(
                 "[cluster] servers has {} addresses: expected at most {MAX_SHARDS}",
                 self.servers.len()
             ));
         }
         for (i, s) in self.servers.iter().enumerate() {
             if s.parse::<std::net::SocketAddr>().is_err() && !s.contains(':') {
-                return Err(format!(
+                return Err(invalid!(
                     "[cluster] servers[{i}] = {s:?}: expected host:port"
                 ));
             }
         }
         let token = match &self.token_file {
-            Some(f) => Some(
-                Token::read(&resolve.path(f)).map_err(|e| format!("[cluster] token_file: {e}"))?,
-            ),
+            Some(f) => {
+                Some(
+                    Token::read(&resolve.path(f)).map_err(|source| Invalid::Credential {
+                        key: "[cluster] token_file",
+                        source,
+                    })?,
+                )
+            }
             None => None,
         };
         let tls = match (&self.tls_cert, &self.tls_key, &self.tls_ca) {
@@ -96,7 +102,10 @@ impl RawCluster {
                     &resolve.path(ca),
                     self.tls_domain.clone(),
                 )
-                .map_err(|e| format!("[cluster] tls: {e}"))?,
+                .map_err(|source| Invalid::Credential {
+                    key: "[cluster] tls",
+                    source,
+                })?,
             ),
             _ => {
                 return Err(
@@ -109,7 +118,7 @@ impl RawCluster {
         }
         let workers = at_most("[cluster] workers", self.workers, MAX_WORKERS)?;
         if let Some(id) = &self.run_id {
-            crate::runid::validate(id).map_err(|e| format!("[cluster] run_id: {e}"))?;
+            crate::runid::validate(id).map_err(|e| invalid!("[cluster] run_id: {e}"))?;
         }
         Ok(ClusterConfig {
             servers: self.servers.clone(),

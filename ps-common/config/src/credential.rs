@@ -4,8 +4,77 @@
 //! on the wire (headers, interceptors, rustls) is `ps_net::auth`'s.
 
 use std::fmt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
+
+/// What the advice of a malformed token says: what a token must be.
+const TOKEN_RULE: &str = "expected one token of at least 16 printable ASCII characters without spaces (e.g. `openssl rand -hex 32`)";
+
+/// Why a credential could not be read or written. The messages name the file and what was
+/// expected, never what a token file holds.
+#[derive(Debug, thiserror::Error)]
+pub enum CredentialError {
+    /// The token file could not be read.
+    #[error("cannot read the token file {}: {source}", path.display())]
+    ReadToken {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// A token (from `what`: a file, an environment variable) that is not one.
+    #[error("{what}: {TOKEN_RULE}")]
+    BadToken {
+        /// Where it came from: "token file PATH", "PS_SHARD_TOKEN".
+        what: String,
+    },
+    /// `[server] shard_token_file` could not be read or holds no token.
+    #[error("[server] shard_token_file: {0}")]
+    ShardTokenFile(Box<CredentialError>),
+    /// A folder or file of [`write_credentials`] could not be created.
+    #[error("cannot create {}: {source}", path.display())]
+    Create {
+        /// The folder or file.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// A credential file could not be written.
+    #[error("cannot write {}: {source}", path.display())]
+    Write {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// [`write_credentials`] found a credential file already there.
+    #[error(
+        "{} exists: the credentials of a run are written once and copied to every host; remove the files to make new ones (every shard and worker must then read the new ones)",
+        path.display()
+    )]
+    Exists {
+        /// The file.
+        path: PathBuf,
+    },
+    /// A TLS file could not be read.
+    #[error("cannot read {what} {}: {source}", path.display())]
+    ReadPem {
+        /// "certificate", "private key", "CA certificate".
+        what: &'static str,
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// A TLS file that is not PEM.
+    #[error("{what} {}: expected PEM (-----BEGIN ...)", path.display())]
+    NotPem {
+        /// "certificate", "private key", "CA certificate".
+        what: &'static str,
+        /// The file.
+        path: PathBuf,
+    },
+}
 
 /// The shared token, kept out of `Debug` output and logs.
 #[derive(Clone, PartialEq, Eq)]
@@ -22,19 +91,18 @@ impl Token {
     /// [`MAX_TOKEN_FILE_BYTES`](crate::limits::MAX_TOKEN_FILE_BYTES) bytes: a larger
     /// or endless file (`/dev/zero`) is refused, never read without bound. The error says what
     /// was expected, never what the file holds.
-    pub fn read(path: &Path) -> Result<Self, String> {
+    pub fn read(path: &Path) -> Result<Self, CredentialError> {
         let max = crate::limits::MAX_TOKEN_FILE_BYTES;
-        let bytes = crate::limits::read_bounded(path, max)
-            .map_err(|e| format!("cannot read the token file {}: {e}", path.display()))?;
-        let text = String::from_utf8_lossy(&bytes);
-        let t = text.trim();
-        if t.len() < 16 || !t.bytes().all(|b| b.is_ascii_graphic()) {
-            return Err(format!(
-                "token file {}: expected one token of at least 16 printable ASCII characters without spaces (e.g. `openssl rand -hex 32`)",
-                path.display()
-            ));
-        }
-        Ok(Self(t.into()))
+        let bytes = crate::limits::read_bounded(path, max).map_err(|source| {
+            CredentialError::ReadToken {
+                path: path.to_path_buf(),
+                source,
+            }
+        })?;
+        Self::parse(
+            &String::from_utf8_lossy(&bytes),
+            &format!("token file {}", path.display()),
+        )
     }
 
     /// The `authorization` header value: `Bearer <token>`.
@@ -44,12 +112,10 @@ impl Token {
 
     /// A token from `text` (surrounding whitespace trimmed), checked as [`Token::read`] checks
     /// a file's; `what` names the source in the error.
-    pub fn parse(text: &str, what: &str) -> Result<Self, String> {
+    pub fn parse(text: &str, what: &str) -> Result<Self, CredentialError> {
         let t = text.trim();
         if t.len() < 16 || !t.bytes().all(|b| b.is_ascii_graphic()) {
-            return Err(format!(
-                "{what}: expected one token of at least 16 printable ASCII characters without spaces (e.g. `openssl rand -hex 32`)"
-            ));
+            return Err(CredentialError::BadToken { what: what.into() });
         }
         Ok(Self(t.into()))
     }
@@ -84,19 +150,19 @@ pub const CREDENTIAL_FILES: [&str; 2] = ["token", "shard-token"];
 /// each readable by its owner only (0600), and returns the config lines that point at them.
 /// Files already there are never replaced (the error names them): every host of a run must
 /// read the same ones.
-pub fn write_credentials(dir: &Path) -> Result<String, String> {
+pub fn write_credentials(dir: &Path) -> Result<String, CredentialError> {
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
-    std::fs::create_dir_all(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
-    if let Some(there) = CREDENTIAL_FILES
+    std::fs::create_dir_all(dir).map_err(|source| CredentialError::Create {
+        path: dir.to_path_buf(),
+        source,
+    })?;
+    if let Some(path) = CREDENTIAL_FILES
         .iter()
         .map(|f| dir.join(f))
         .find(|p| p.symlink_metadata().is_ok())
     {
-        return Err(format!(
-            "{} exists: the credentials of a run are written once and copied to every host; remove the files to make new ones (every shard and worker must then read the new ones)",
-            there.display()
-        ));
+        return Err(CredentialError::Exists { path });
     }
     for f in CREDENTIAL_FILES {
         let path = dir.join(f);
@@ -105,10 +171,16 @@ pub fn write_credentials(dir: &Path) -> Result<String, String> {
             .create_new(true)
             .mode(0o600)
             .open(&path)
-            .map_err(|e| format!("cannot create {}: {e}", path.display()))?;
+            .map_err(|source| CredentialError::Create {
+                path: path.clone(),
+                source,
+            })?;
         writeln!(file, "{}", Token::random().secret())
             .and_then(|()| file.sync_all())
-            .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+            .map_err(|source| CredentialError::Write {
+                path: path.clone(),
+                source,
+            })?;
     }
     let abs = std::path::absolute(dir).unwrap_or_else(|_| dir.to_path_buf());
     Ok(format!(
@@ -125,11 +197,11 @@ pub const SHARD_TOKEN_ENV: &str = "PS_SHARD_TOKEN";
 
 /// The shard credential of this process: `[server] shard_token_file` (`file`) when set, else
 /// [`SHARD_TOKEN_ENV`]; None without either.
-pub fn shard_token(file: Option<&Path>) -> Result<Option<Token>, String> {
+pub fn shard_token(file: Option<&Path>) -> Result<Option<Token>, CredentialError> {
     if let Some(f) = file {
         return Token::read(f)
             .map(Some)
-            .map_err(|e| format!("[server] shard_token_file: {e}"));
+            .map_err(|e| CredentialError::ShardTokenFile(Box::new(e)));
     }
     match std::env::var(SHARD_TOKEN_ENV) {
         Ok(v) => Token::parse(&v, SHARD_TOKEN_ENV).map(Some),
@@ -162,15 +234,20 @@ impl TlsFiles {
         key: &Path,
         ca: &Path,
         domain: Option<String>,
-    ) -> Result<Self, String> {
-        let pem = |p: &Path, what: &str| -> Result<Arc<[u8]>, String> {
-            let b = crate::limits::read_bounded(p, crate::limits::MAX_PEM_FILE_BYTES)
-                .map_err(|e| format!("cannot read {what} {}: {e}", p.display()))?;
+    ) -> Result<Self, CredentialError> {
+        let pem = |p: &Path, what: &'static str| -> Result<Arc<[u8]>, CredentialError> {
+            let b = crate::limits::read_bounded(p, crate::limits::MAX_PEM_FILE_BYTES).map_err(
+                |source| CredentialError::ReadPem {
+                    what,
+                    path: p.to_path_buf(),
+                    source,
+                },
+            )?;
             if !b.windows(11).any(|w| w == b"-----BEGIN ") {
-                return Err(format!(
-                    "{what} {}: expected PEM (-----BEGIN ...)",
-                    p.display()
-                ));
+                return Err(CredentialError::NotPem {
+                    what,
+                    path: p.to_path_buf(),
+                });
             }
             Ok(b.into())
         };

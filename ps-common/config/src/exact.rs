@@ -10,6 +10,7 @@
 
 use super::kinds::{Aggregation, LossReduction, Wire};
 use super::train::TrainConfig;
+use crate::invalid::Invalid;
 
 /// The micro-batch size when `exact_micro_batch` is not stated: the largest of 16, 8, 4, 2, 1
 /// that divides the global batch.
@@ -23,7 +24,7 @@ pub(super) fn resolve(
     workers: usize,
     wire: Wire,
     declared: bool,
-) -> Result<(), String> {
+) -> Result<(), Invalid> {
     let Some(stated) = train.exact_micro_batch else {
         return Ok(());
     };
@@ -37,7 +38,7 @@ pub(super) fn resolve(
     } else {
         stated
     };
-    let refuse = |why: String| Err(format!("[train] exact_sum = true: {why}"));
+    let refuse = |why: String| Err(invalid!("[train] exact_sum = true: {why}"));
     if !b.is_multiple_of(m) {
         return refuse(format!(
             "exact_micro_batch = {m} does not divide the global batch {b}: expected B to be whole micro-batches"

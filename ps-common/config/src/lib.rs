@@ -25,6 +25,8 @@
 //! - `runid`: the run identity (from the flag, the environment or `[cluster] run_id`);
 //! - `credential`: the token and TLS files the file names, read and checked.
 
+#[macro_use]
+pub mod invalid;
 mod builder;
 mod cluster;
 pub mod credential;
@@ -42,6 +44,7 @@ mod train;
 
 pub use builder::TestConfig;
 pub use cluster::ClusterConfig;
+pub use invalid::Invalid;
 pub use kinds::{
     Aggregation, BarrierPolicy, LossReduction, OptimizerKind, ScheduleKind, Transport, Wire,
 };
@@ -197,18 +200,16 @@ impl Overrides {
         file: &Path,
     ) -> Result<Self, ConfigError> {
         let mut overrides = Self::from_env(env);
-        overrides
-            .set_from_cli(sets)
-            .map_err(|message| ConfigError {
-                file: file.to_path_buf(),
-                message,
-            })?;
+        overrides.set_from_cli(sets).map_err(|e| ConfigError {
+            file: file.to_path_buf(),
+            message: e.to_string(),
+        })?;
         Ok(overrides)
     }
 
     /// Adds the command line's `--set section.key=value` settings (after the environment's,
     /// so they win); the error names a setting that is not `section.key=value`.
-    pub fn set_from_cli(&mut self, sets: &[String]) -> Result<(), String> {
+    pub fn set_from_cli(&mut self, sets: &[String]) -> Result<(), Invalid> {
         for s in sets {
             let parsed = s.split_once('=').and_then(|(k, v)| {
                 let (section, key) = k.trim().split_once('.')?;
@@ -216,7 +217,7 @@ impl Overrides {
                     .then(|| (format!("{section}.{key}"), v.trim().to_string()))
             });
             let Some((key, value)) = parsed else {
-                return Err(format!(
+                return Err(invalid!(
                     "--set {s:?}: expected section.key=value (e.g. --set train.steps=100)"
                 ));
             };
@@ -265,7 +266,7 @@ impl Overrides {
     /// The file's text with [`Overrides::sets`] applied, as a TOML table (what
     /// [`Config::load_with`] validates; `ps-launch --check-reference` writes its early config
     /// from it).
-    pub fn apply_sets(&self, text: &str) -> Result<toml::Table, String> {
+    pub fn apply_sets(&self, text: &str) -> Result<toml::Table, Invalid> {
         let mut table: toml::Table = toml::from_str(text).map_err(|e| one_line(&e.to_string()))?;
         for s in &self.sets {
             let (section, key) = s.key.split_once('.').expect("checked when added");
@@ -277,9 +278,11 @@ impl Overrides {
                 .entry(section.to_string())
                 .or_insert_with(|| toml::Value::Table(Default::default()));
             let toml::Value::Table(sec) = entry else {
-                return Err(format!(
+                return Err(invalid!(
                     "{} {}={}: {section} is not a [section]",
-                    s.source, s.key, s.value
+                    s.source,
+                    s.key,
+                    s.value
                 ));
             };
             for other in alternatives_of(&s.key) {
@@ -360,9 +363,9 @@ impl Config {
 
     /// Reads `path`, applies the command-line `overrides`, and validates the result.
     pub fn load_with(path: &Path, overrides: &Overrides) -> Result<Config, ConfigError> {
-        let text = read_config_text(path).map_err(|message| ConfigError {
+        let text = read_config_text(path).map_err(|e| ConfigError {
             file: path.into(),
-            message,
+            message: e.to_string(),
         })?;
         Self::parse_with(&text, path, overrides, &Host::this())
     }
@@ -387,7 +390,7 @@ impl Config {
         let mut raw: RawConfig = if overrides.sets.is_empty() {
             toml::from_str(text).map_err(|e| err(one_line(&e.to_string())))?
         } else {
-            let table = overrides.apply_sets(text).map_err(&err)?;
+            let table = overrides.apply_sets(text).map_err(|e| err(e.to_string()))?;
             table.try_into().map_err(|e: toml::de::Error| {
                 let given: Vec<String> = overrides
                     .sets
@@ -405,7 +408,7 @@ impl Config {
         let resolve = Resolve {
             base: path.parent().unwrap_or(Path::new(".")),
         };
-        Self::validate(raw, path, &resolve, host).map_err(err)
+        Self::validate(raw, path, &resolve, host).map_err(|e| err(e.to_string()))
     }
 
     /// Each section validates itself; then the checks that span sections.
@@ -414,7 +417,7 @@ impl Config {
         path: &Path,
         resolve: &Resolve,
         host: &Host,
-    ) -> Result<Config, String> {
+    ) -> Result<Config, Invalid> {
         let cluster = raw.cluster.validate(resolve)?;
         let model = raw.model.validate(resolve)?;
         let mut train = raw.train.validate()?;
@@ -444,7 +447,7 @@ impl Config {
                 })?;
         }
         if train.global_batch < w {
-            return Err(format!(
+            return Err(invalid!(
                 "[train] global_batch = {} is smaller than [cluster] workers = {w}: expected every worker to get at least one sample",
                 train.global_batch
             ));
@@ -463,7 +466,7 @@ impl Config {
                 .map(|r| r.len())
                 .collect();
             if let Some(bad) = b.iter().find(|&&b| b % k != 0) {
-                return Err(format!(
+                return Err(invalid!(
                     "[train] micro_batches = {k} does not divide the per-worker batch {bad} (global batch {} over {w} workers: {b:?}): expected every worker's batch to split into {k} equal micro-batches",
                     train.global_batch
                 ));
@@ -471,7 +474,7 @@ impl Config {
         }
         // [server] x [cluster]: one metrics address per shard
         if !server.metrics_addrs.is_empty() && server.metrics_addrs.len() != cluster.servers.len() {
-            return Err(format!(
+            return Err(invalid!(
                 "[server] metrics_addrs has {} addresses: expected none or one per shard ({})",
                 server.metrics_addrs.len(),
                 cluster.servers.len()
@@ -529,14 +532,14 @@ impl Config {
         worker.max(shard).checked_mul(4)
     }
 
-    fn check_memory(&self, host: &Host) -> Result<(), String> {
+    fn check_memory(&self, host: &Host) -> Result<(), Invalid> {
         let need = self.model_memory_bytes();
         let Some(avail) = host.available_bytes else {
             return Ok(());
         };
         match need {
             Some(n) if n <= avail => Ok(()),
-            _ => Err(format!(
+            _ => Err(invalid!(
                 "[model] {} ({} parameters) with a per-worker batch of up to {}: needs about {} per process for parameters, optimizer state and gradient buffers, but this host has {} available (MemAvailable)",
                 match &self.model.declared {
                     Some(d) => format!("init = {}", d.path.display()),
@@ -993,10 +996,10 @@ fn show_bytes(b: u64) -> String {
 
 /// The config file's text; bounded like every file a config names (a config is never
 /// near 1 MiB).
-fn read_config_text(path: &Path) -> Result<String, String> {
+fn read_config_text(path: &Path) -> Result<String, Invalid> {
     let bytes = limits::read_bounded(path, limits::MAX_CONFIG_FILE_BYTES)
-        .map_err(|e| format!("cannot read the config file: {e}"))?;
-    String::from_utf8(bytes).map_err(|_| "cannot read the config file: not UTF-8".to_string())
+        .map_err(|e| invalid!("cannot read the config file: {e}"))?;
+    String::from_utf8(bytes).map_err(|_| "cannot read the config file: not UTF-8".into())
 }
 
 #[cfg(test)]

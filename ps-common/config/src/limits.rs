@@ -4,6 +4,8 @@
 //! process: durations stay far from `Duration`'s and tokio's limits, products of counts are
 //! computed with checked arithmetic, and the model's memory is checked against the host's.
 
+use crate::invalid::Invalid;
+
 /// Longest duration of any `*_secs` key: 7 days.
 pub const MAX_SECS: f64 = 7.0 * 24.0 * 3600.0;
 /// Most shards (`[cluster] servers`).
@@ -41,26 +43,31 @@ pub fn show(v: f64) -> String {
 }
 
 /// A duration in seconds: positive, finite, at most [`MAX_SECS`].
-pub fn secs(key: &str, v: f64) -> Result<f64, String> {
+pub fn secs(key: &str, v: f64) -> Result<f64, Invalid> {
     if !(v.is_finite() && v > 0.0) {
-        return Err(format!(
-            "{key} = {}: expected a positive number of seconds",
-            show(v)
-        ));
+        return Err(Invalid::NotPositiveSecs {
+            key: key.into(),
+            value: show(v),
+        });
     }
     if v > MAX_SECS {
-        return Err(format!(
-            "{key} = {}: expected at most {MAX_SECS} seconds (7 days)",
-            show(v)
-        ));
+        return Err(Invalid::TooManySecs {
+            key: key.into(),
+            value: show(v),
+            max: MAX_SECS,
+        });
     }
     Ok(v)
 }
 
 /// A count at most `max`.
-pub fn at_most<T: PartialOrd + std::fmt::Display>(key: &str, v: T, max: T) -> Result<T, String> {
+pub fn at_most<T: PartialOrd + std::fmt::Display>(key: &str, v: T, max: T) -> Result<T, Invalid> {
     if v > max {
-        return Err(format!("{key} = {v}: expected at most {max}"));
+        return Err(Invalid::TooLarge {
+            key: key.into(),
+            value: v.to_string(),
+            max: max.to_string(),
+        });
     }
     Ok(v)
 }

@@ -4,6 +4,7 @@
 
 use super::Resolve;
 use super::limits::{MAX_HIDDEN_LAYERS, MAX_PARAMS, MAX_WIDTH};
+use crate::invalid::Invalid;
 use ps_model::declared::Declared;
 use ps_model::layout::{CnnLayout, CnnShape};
 use serde::{Deserialize, Serialize};
@@ -72,7 +73,7 @@ pub struct ModelConfig {
 }
 
 impl RawModel {
-    pub(super) fn validate(&self, resolve: &Resolve) -> Result<ModelConfig, String> {
+    pub(super) fn validate(&self, resolve: &Resolve) -> Result<ModelConfig, Invalid> {
         let cnn = match self.kind.as_deref() {
             None | Some("mlp") => {
                 for (key, given) in [
@@ -83,7 +84,7 @@ impl RawModel {
                     ("padding", self.padding.is_some()),
                 ] {
                     if given {
-                        return Err(format!(
+                        return Err(invalid!(
                             "[model] {key} is a key of the CNN: set kind = \"cnn\" (the model is the MLP)"
                         ));
                     }
@@ -92,7 +93,7 @@ impl RawModel {
             }
             Some("cnn") => true,
             Some(other) => {
-                return Err(format!(
+                return Err(invalid!(
                     "[model] kind = {other:?}: expected \"mlp\" or \"cnn\""
                 ));
             }
@@ -109,25 +110,29 @@ impl RawModel {
         };
         let hidden = self.hidden.clone().unwrap_or(DEFAULT_HIDDEN.to_vec());
         if self.inputs == 0 || self.classes < 2 || hidden.contains(&0) {
-            return Err(format!(
+            return Err(invalid!(
                 "[model] inputs = {}, classes = {}, hidden = {:?}: expected inputs >= 1, classes >= 2 and hidden widths >= 1",
-                self.inputs, self.classes, hidden
+                self.inputs,
+                self.classes,
+                hidden
             ));
         }
         if hidden.len() > MAX_HIDDEN_LAYERS {
-            return Err(format!(
+            return Err(invalid!(
                 "[model] hidden has {} layers: expected at most {MAX_HIDDEN_LAYERS}",
                 hidden.len()
             ));
         }
         for (key, v) in [("inputs", self.inputs), ("classes", self.classes)] {
             if v > MAX_WIDTH {
-                return Err(format!("[model] {key} = {v}: expected at most {MAX_WIDTH}"));
+                return Err(invalid!(
+                    "[model] {key} = {v}: expected at most {MAX_WIDTH}"
+                ));
             }
         }
         for (i, &v) in hidden.iter().enumerate() {
             if v > MAX_WIDTH {
-                return Err(format!(
+                return Err(invalid!(
                     "[model] hidden[{i}] = {v}: expected at most {MAX_WIDTH} units per layer"
                 ));
             }
@@ -149,7 +154,7 @@ impl RawModel {
         };
         let params = m.num_params();
         if params > MAX_PARAMS {
-            return Err(format!(
+            return Err(invalid!(
                 "[model] hidden = {:?}: {params} parameters, expected at most {MAX_PARAMS}",
                 hidden
             ));
@@ -161,20 +166,20 @@ impl RawModel {
 impl RawModel {
     /// `kind = "cnn"`: the geometry, checked by [`CnnLayout::new`], and an init file (if any)
     /// with exactly the CNN's tensors.
-    fn validate_cnn(&self, resolve: &Resolve) -> Result<ModelConfig, String> {
+    fn validate_cnn(&self, resolve: &Resolve) -> Result<ModelConfig, Invalid> {
         let image = self.image.unwrap_or([1, 28, 28]);
         let hidden = self.hidden.clone().unwrap_or(DEFAULT_CNN_HIDDEN.to_vec());
         let channels = self.channels.clone().unwrap_or(DEFAULT_CHANNELS.to_vec());
         let pixels = image.iter().try_fold(1usize, |a, &b| a.checked_mul(b));
         if pixels != Some(self.inputs) {
-            return Err(format!(
+            return Err(invalid!(
                 "[model] image = {image:?} is {} values per sample but inputs = {}: expected them equal",
                 pixels.map_or("too many".to_string(), |p| p.to_string()),
                 self.inputs
             ));
         }
         if hidden.len() > MAX_HIDDEN_LAYERS || channels.len() > MAX_HIDDEN_LAYERS {
-            return Err(format!(
+            return Err(invalid!(
                 "[model] hidden has {} layers and channels {}: expected at most {MAX_HIDDEN_LAYERS} each",
                 hidden.len(),
                 channels.len()
@@ -191,7 +196,9 @@ impl RawModel {
             ])
         {
             if v > MAX_WIDTH {
-                return Err(format!("[model] {key} = {v}: expected at most {MAX_WIDTH}"));
+                return Err(invalid!(
+                    "[model] {key} = {v}: expected at most {MAX_WIDTH}"
+                ));
             }
         }
         // the convolutions' weights, bounded before the layout multiplies sizes in usize
@@ -202,7 +209,7 @@ impl RawModel {
             .map(|(i, &o)| i as u128 * k * k * o as u128)
             .sum();
         if conv_params > u128::from(MAX_PARAMS) {
-            return Err(format!(
+            return Err(invalid!(
                 "[model] kind = \"cnn\": channels = {channels:?} with kernel {k}: {conv_params} convolution weights, expected at most {MAX_PARAMS} parameters"
             ));
         }
@@ -216,10 +223,10 @@ impl RawModel {
             classes: self.classes,
         };
         let layout =
-            CnnLayout::new(shape.clone()).map_err(|e| format!("[model] kind = \"cnn\": {e}"))?;
+            CnnLayout::new(shape.clone()).map_err(|e| invalid!("[model] kind = \"cnn\": {e}"))?;
         let params = layout.num_params() as u64;
         if params > MAX_PARAMS {
-            return Err(format!(
+            return Err(invalid!(
                 "[model] kind = \"cnn\": {params} parameters, expected at most {MAX_PARAMS}"
             ));
         }
@@ -228,7 +235,7 @@ impl RawModel {
             Some(p) => {
                 let d = Declared::open(&resolve.path(p))?;
                 if d.spec.names_and_shapes() != layout.names_and_shapes() {
-                    return Err(format!(
+                    return Err(invalid!(
                         "[model] init = {}: its tensors {:?} are not those of the CNN of [model] ({:?})",
                         p.display(),
                         d.spec.names_and_shapes(),

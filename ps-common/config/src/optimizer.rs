@@ -2,6 +2,7 @@
 
 use super::kinds::{OptimizerKind, ScheduleKind};
 use super::limits::{MAX_STEPS, at_most, show};
+use crate::invalid::Invalid;
 use ps_optim::{Decay, LrSchedule, Optimizer};
 use serde::{Deserialize, Serialize};
 
@@ -92,20 +93,20 @@ pub(super) fn resolve_groups(
     groups: &[RawGroup],
     names: &[&str],
     optimizer: &Optimizer,
-) -> Result<Vec<ParamGroup>, String> {
+) -> Result<Vec<ParamGroup>, Invalid> {
     let mut owner: Vec<Option<usize>> = vec![None; names.len()];
     let mut out = Vec::with_capacity(groups.len());
     for (i, g) in groups.iter().enumerate() {
         let at = format!("[[optimizer.groups]] {i} (params = {:?})", g.params);
         if g.params.is_empty() {
-            return Err(format!("{at}: params is empty: expected name patterns"));
+            return Err(invalid!("{at}: params is empty: expected name patterns"));
         }
         let mut tensors = Vec::new();
         for pat in &g.params {
             let hits: Vec<usize> = (0..names.len()).filter(|&t| glob(pat, names[t])).collect();
             if hits.is_empty() {
                 let shown: Vec<&str> = names.iter().take(8).copied().collect();
-                return Err(format!(
+                return Err(invalid!(
                     "{at}: pattern {pat:?} matches no tensor of the model (its tensors: {shown:?}{})",
                     if names.len() > 8 { " ..." } else { "" }
                 ));
@@ -113,7 +114,7 @@ pub(super) fn resolve_groups(
             for t in hits {
                 match owner[t] {
                     Some(j) if j != i => {
-                        return Err(format!(
+                        return Err(invalid!(
                             "{at}: tensor {:?} is in group {j} too: each tensor may be in one group only",
                             names[t]
                         ));
@@ -129,7 +130,7 @@ pub(super) fn resolve_groups(
         tensors.dedup();
         let lr_scale = g.lr_scale.unwrap_or(1.0);
         if !(lr_scale.is_finite() && lr_scale > 0.0) {
-            return Err(format!(
+            return Err(invalid!(
                 "{at}: lr_scale = {}: expected a positive number",
                 show(lr_scale)
             ));
@@ -137,13 +138,13 @@ pub(super) fn resolve_groups(
         if let Some(wd) = g.weight_decay
             && !(wd.is_finite() && wd >= 0.0)
         {
-            return Err(format!("{at}: weight_decay = {wd}: expected 0 or more"));
+            return Err(invalid!("{at}: weight_decay = {wd}: expected 0 or more"));
         }
         let mut opt = optimizer.clone();
         match &mut opt {
             Optimizer::Sgd { weight_decay, .. } => {
                 if g.beta1.is_some() || g.beta2.is_some() {
-                    return Err(format!(
+                    return Err(invalid!(
                         "{at}: beta1/beta2 are Adam settings; the optimizer is SGD"
                     ));
                 }
@@ -161,7 +162,7 @@ pub(super) fn resolve_groups(
                     if let Some(v) = v
                         && !(0.0..1.0).contains(&v)
                     {
-                        return Err(format!("{at}: {k} = {v}: expected 0 <= {k} < 1"));
+                        return Err(invalid!("{at}: {k} = {v}: expected 0 <= {k} < 1"));
                     }
                 }
                 *beta1 = g.beta1.unwrap_or(*beta1);
@@ -210,13 +211,13 @@ pub(super) fn default_eps() -> f32 {
 impl RawOptimizer {
     /// `clip_norm`, checked: a positive, finite number that is one as an f32 too (the shards
     /// clip in f32, as torch does).
-    pub(super) fn clip_norm(&self) -> Result<Option<f32>, String> {
+    pub(super) fn clip_norm(&self) -> Result<Option<f32>, Invalid> {
         let Some(c) = self.clip_norm else {
             return Ok(None);
         };
         let f = c as f32;
         if !(c.is_finite() && c > 0.0 && f.is_finite() && f > 0.0) {
-            return Err(format!(
+            return Err(invalid!(
                 "[optimizer] clip_norm = {}: expected a positive, finite number (the max_norm of torch.nn.utils.clip_grad_norm_); leave it out for no clipping",
                 show(c)
             ));
@@ -224,15 +225,15 @@ impl RawOptimizer {
         Ok(Some(f))
     }
 
-    pub(super) fn validate(&self) -> Result<Optimizer, String> {
+    pub(super) fn validate(&self) -> Result<Optimizer, Invalid> {
         if !(self.lr.is_finite() && self.lr > 0.0) {
-            return Err(format!(
+            return Err(invalid!(
                 "[optimizer] lr = {}: expected a positive number",
                 show(self.lr)
             ));
         }
         if !(self.weight_decay.is_finite() && self.weight_decay >= 0.0) {
-            return Err(format!(
+            return Err(invalid!(
                 "[optimizer] weight_decay = {}: expected 0 or more",
                 self.weight_decay
             ));
@@ -240,7 +241,7 @@ impl RawOptimizer {
         match self.kind {
             OptimizerKind::Sgd => {
                 if !(0.0..1.0).contains(&self.momentum) {
-                    return Err(format!(
+                    return Err(invalid!(
                         "[optimizer] momentum = {}: expected 0 <= momentum < 1",
                         self.momentum
                     ));
@@ -257,17 +258,17 @@ impl RawOptimizer {
             OptimizerKind::Adam | OptimizerKind::AdamW => {
                 for (k, v) in [("beta1", self.beta1), ("beta2", self.beta2)] {
                     if !(0.0..1.0).contains(&v) {
-                        return Err(format!("[optimizer] {k} = {v}: expected 0 <= {k} < 1"));
+                        return Err(invalid!("[optimizer] {k} = {v}: expected 0 <= {k} < 1"));
                     }
                 }
                 if self.eps.is_nan() || self.eps <= 0.0 {
-                    return Err(format!(
+                    return Err(invalid!(
                         "[optimizer] eps = {}: expected a positive number",
                         self.eps
                     ));
                 }
                 if self.momentum != 0.0 || self.nesterov {
-                    return Err(format!(
+                    return Err(invalid!(
                         "[optimizer] momentum/nesterov are SGD settings; kind = {:?} uses beta1/beta2",
                         self.kind.name()
                     ));
@@ -317,7 +318,7 @@ impl Default for RawSchedule {
 
 impl RawSchedule {
     /// Validates the schedule, whose base is `[optimizer] lr` (already checked positive).
-    pub(super) fn validate(&self, lr: f64) -> Result<LrSchedule, String> {
+    pub(super) fn validate(&self, lr: f64) -> Result<LrSchedule, Invalid> {
         let decay = match self.kind {
             ScheduleKind::Constant => Decay::Constant,
             ScheduleKind::Step => {
@@ -330,7 +331,7 @@ impl RawSchedule {
                     "[schedule] kind = \"step\" needs gamma (the factor applied every step_size steps)",
                 )?;
                 if !(gamma.is_finite() && gamma > 0.0) {
-                    return Err(format!(
+                    return Err(invalid!(
                         "[schedule] gamma = {}: expected a positive number",
                         show(gamma)
                     ));
@@ -339,7 +340,7 @@ impl RawSchedule {
             }
             ScheduleKind::Cosine => {
                 if !(self.min_lr.is_finite() && self.min_lr >= 0.0 && self.min_lr < lr) {
-                    return Err(format!(
+                    return Err(invalid!(
                         "[schedule] min_lr = {}: expected 0 <= min_lr < lr ({lr})",
                         show(self.min_lr)
                     ));
@@ -352,7 +353,7 @@ impl RawSchedule {
             }
         };
         if self.kind != ScheduleKind::Step && (self.step_size.is_some() || self.gamma.is_some()) {
-            return Err(format!(
+            return Err(invalid!(
                 "[schedule] step_size/gamma only apply to kind = \"step\", not {:?}",
                 self.kind.name()
             ));

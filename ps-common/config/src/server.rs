@@ -3,6 +3,7 @@
 use super::Resolve;
 use super::kinds::BarrierPolicy;
 use super::limits::{MAX_CHECKPOINT_FAILURES, MAX_KEEP, MAX_STEPS, MAX_THREADS, at_most, secs};
+use crate::invalid::Invalid;
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 
@@ -136,7 +137,7 @@ pub struct ServerConfig {
 }
 
 impl RawServer {
-    pub(super) fn validate(&self, resolve: &Resolve) -> Result<ServerConfig, String> {
+    pub(super) fn validate(&self, resolve: &Resolve) -> Result<ServerConfig, Invalid> {
         for (key, v) in [
             ("[server] barrier_warn_secs", self.barrier_warn_secs),
             ("[server] barrier_timeout_secs", self.barrier_timeout_secs),
@@ -173,27 +174,27 @@ impl RawServer {
             ),
         ] {
             if v == 0 {
-                return Err(format!("{key} = 0: expected at least 1"));
+                return Err(invalid!("{key} = 0: expected at least 1"));
             }
             at_most(key, v, max)?;
         }
         if !(MIN_STREAM_WINDOW_BYTES..=MAX_STREAM_WINDOW_BYTES).contains(&self.stream_window_bytes)
         {
-            return Err(format!(
+            return Err(invalid!(
                 "[server] stream_window_bytes = {}: expected {MIN_STREAM_WINDOW_BYTES} to {MAX_STREAM_WINDOW_BYTES}",
                 self.stream_window_bytes
             ));
         }
 
         if self.data_port_offset > u32::from(u16::MAX) {
-            return Err(format!(
+            return Err(invalid!(
                 "[server] data_port_offset = {}: expected 0 (a free port) to 65535 (added to the shard's gRPC port)",
                 self.data_port_offset
             ));
         }
         let max_chunk = crate::limits::MAX_MESSAGE_BYTES / 2;
         if !(1024..=max_chunk).contains(&self.chunk_bytes) {
-            return Err(format!(
+            return Err(invalid!(
                 "[server] chunk_bytes = {}: expected 1024 to {max_chunk}",
                 self.chunk_bytes
             ));
@@ -257,14 +258,14 @@ pub struct WorkerConfig {
 }
 
 impl RawWorker {
-    pub(super) fn validate(&self) -> Result<WorkerConfig, String> {
+    pub(super) fn validate(&self) -> Result<WorkerConfig, Invalid> {
         let device_ok = matches!(self.device.as_str(), "cpu" | "cuda" | "auto")
             || self
                 .device
                 .strip_prefix("cuda:")
                 .is_some_and(|n| n.parse::<usize>().is_ok());
         if !device_ok {
-            return Err(format!(
+            return Err(invalid!(
                 "[worker] device = {:?}: expected \"cpu\", \"cuda\", \"cuda:N\" or \"auto\"",
                 self.device
             ));
@@ -314,7 +315,7 @@ pub struct CheckpointConfig {
 }
 
 impl RawCheckpoint {
-    pub(super) fn validate(&self, resolve: &Resolve) -> Result<CheckpointConfig, String> {
+    pub(super) fn validate(&self, resolve: &Resolve) -> Result<CheckpointConfig, Invalid> {
         if self.keep == 0 {
             return Err(
                 "[checkpoint] keep = 0: expected at least 1 (the newest checkpoint is what a resume needs)"

@@ -743,7 +743,9 @@ fn exact_sum_refuses_what_depends_on_w_naming_why() {
     // a declared model that is not the CNN: its workers are PyTorch workers
     let mut train = exact("").unwrap().train;
     train.exact_micro_batch = Some(0);
-    let e = exact::resolve(&mut train, 4, Wire::F32, true).unwrap_err();
+    let e = exact::resolve(&mut train, 4, Wire::F32, true)
+        .unwrap_err()
+        .to_string();
     assert!(
         e.contains("which do not push exact partial sums yet"),
         "{e}"

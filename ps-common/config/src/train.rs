@@ -3,6 +3,7 @@
 use super::Resolve;
 use super::kinds::{Aggregation, LossReduction};
 use super::limits::{MAX_BATCH, MAX_STEPS, at_most};
+use crate::invalid::Invalid;
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 
@@ -35,11 +36,11 @@ pub struct DataConfig {
 }
 
 impl RawData {
-    pub(super) fn validate(&self, resolve: &Resolve) -> Result<DataConfig, String> {
+    pub(super) fn validate(&self, resolve: &Resolve) -> Result<DataConfig, Invalid> {
         if let Some(n) = self.train_len
             && (n == 0 || n > u64::from(u32::MAX))
         {
-            return Err(format!(
+            return Err(invalid!(
                 "[data] train_len = {n}: expected 1..={} samples",
                 u32::MAX
             ));
@@ -139,7 +140,7 @@ pub struct TrainConfig {
 impl RawTrain {
     /// Validates the section alone; `global_batch` is then the number stated, which
     /// [`super::Config`]'s cross-section checks multiply by the workers when it is per worker.
-    pub(super) fn validate(&self) -> Result<TrainConfig, String> {
+    pub(super) fn validate(&self) -> Result<TrainConfig, Invalid> {
         let (batch, batch_from_per_worker) = match (self.global_batch, self.per_worker_batch) {
             (Some(b), None) if b > 0 => (b, false),
             (None, Some(b)) if b > 0 => (b, true),
@@ -208,10 +209,10 @@ impl RawTrain {
 
 /// `exact_micro_batch` as stated (0: not stated), when the mode is on; an error when the key is
 /// given without the mode or is 0.
-fn exact_stated(raw: &RawTrain) -> Result<Option<usize>, String> {
+fn exact_stated(raw: &RawTrain) -> Result<Option<usize>, Invalid> {
     match (raw.exact_sum, raw.exact_micro_batch) {
         (false, None) => Ok(None),
-        (false, Some(m)) => Err(format!(
+        (false, Some(m)) => Err(invalid!(
             "[train] exact_micro_batch = {m} without exact_sum = true: expected it only in the exact-sum mode"
         )),
         (true, Some(0)) => Err(

@@ -297,7 +297,7 @@ mod tests {
         let t = Token::read(&p).unwrap();
         assert_eq!(format!("{t:?}"), "Token(<redacted>)");
         std::fs::write(&p, "short").unwrap();
-        let e = Token::read(&p).unwrap_err();
+        let e = Token::read(&p).unwrap_err().to_string();
         assert!(e.contains("at least 16") && !e.contains("short"), "{e}");
         std::fs::write(&p, "has a space in the middle!").unwrap();
         assert!(Token::read(&p).is_err());

@@ -5,6 +5,24 @@ use std::collections::HashMap;
 
 const WORLD_FLAG: &str = "flags (--world-size)";
 
+/// Why no placement could be resolved.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PlacementError {
+    /// A launcher variable that is not a non-negative integer.
+    #[error("environment {key}={value:?}: expected a non-negative integer")]
+    NotAnInteger {
+        /// The variable.
+        key: String,
+        /// Its value.
+        value: String,
+    },
+    /// Neither a flag nor any launcher's environment gives a rank.
+    #[error(
+        "no rank: pass --rank R, or run under torchrun (RANK), Slurm (SLURM_PROCID) or a Kubernetes Indexed Job (JOB_COMPLETION_INDEX)"
+    )]
+    NoRank,
+}
+
 /// A worker's place in the job and where it was read from.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Placement {
@@ -27,20 +45,24 @@ pub fn resolve(
     world: Option<usize>,
     local_rank: Option<usize>,
     env: &HashMap<String, String>,
-) -> Result<Placement, String> {
-    let get = |k: &str| -> Result<Option<usize>, String> {
+) -> Result<Placement, PlacementError> {
+    let get = |k: &str| -> Result<Option<usize>, PlacementError> {
         env.get(k)
             .map(|v| {
                 v.trim()
                     .parse::<usize>()
-                    .map_err(|_| format!("environment {k}={v:?}: expected a non-negative integer"))
+                    .map_err(|_| PlacementError::NotAnInteger {
+                        key: k.to_string(),
+                        value: v.clone(),
+                    })
             })
             .transpose()
     };
     // the local rank: the flag, else the launcher's (with any rank source: `--rank` beside
     // torchrun's or Slurm's environment still runs on that launcher's GPU)
-    let env_local =
-        || -> Result<Option<usize>, String> { Ok(get("LOCAL_RANK")?.or(get("SLURM_LOCALID")?)) };
+    let env_local = || -> Result<Option<usize>, PlacementError> {
+        Ok(get("LOCAL_RANK")?.or(get("SLURM_LOCALID")?))
+    };
     if let Some(rank) = rank {
         return Ok(Placement {
             rank,
@@ -99,7 +121,7 @@ pub fn resolve(
             world_source: world.map(|_| WORLD_FLAG),
         });
     }
-    Err("no rank: pass --rank R, or run under torchrun (RANK), Slurm (SLURM_PROCID) or a Kubernetes Indexed Job (JOB_COMPLETION_INDEX)".into())
+    Err(PlacementError::NoRank)
 }
 
 #[cfg(test)]
@@ -160,15 +182,13 @@ mod tests {
         assert!(p.source.starts_with("slurm"));
         let p = resolve(None, None, None, &env(&[("JOB_COMPLETION_INDEX", "2")])).unwrap();
         assert_eq!((p.rank, p.world), (2, None));
-        assert!(
-            resolve(None, None, None, &env(&[]))
-                .unwrap_err()
-                .contains("no rank")
-        );
-        assert!(
-            resolve(None, None, None, &env(&[("RANK", "x")]))
-                .unwrap_err()
-                .contains("RANK=\"x\"")
+        let e = resolve(None, None, None, &env(&[])).unwrap_err();
+        assert_eq!(e, PlacementError::NoRank);
+        assert!(e.to_string().starts_with("no rank: pass --rank R"), "{e}");
+        let e = resolve(None, None, None, &env(&[("RANK", "x")])).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "environment RANK=\"x\": expected a non-negative integer"
         );
     }
 }
