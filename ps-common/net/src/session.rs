@@ -519,6 +519,7 @@ impl Session {
                     eval_correct,
                     eval_count,
                     failed: String::new(),
+                    evaluating: false,
                     lease: None,
                 })
                 .await?;
