@@ -996,6 +996,7 @@ fn slurm_config_generation_gives_every_shard_its_node_and_port() {
             ("PS_PORT", "6000".into()),
             ("PS_WORKERS", "3".into()),
             ("PS_JOB_DIR", job_dir2.display().to_string()),
+            ("PS_BIN", bin_dir().display().to_string()),
         ],
         &tmp,
         Duration::from_secs(30),
