@@ -21,6 +21,8 @@ fi
 ENV="$(cd "$ENV" && pwd)"  # PS_PYENV may be relative or absolute
 export PATH="$ENV/bin:$PATH"
 cargo build --release --bin ps-server --bin ps-worker --bin ps-launch
-pip install --quiet --no-build-isolation --force-reinstall --no-deps ./python
+# through the venv's python, not its pip script: a venv copied from another path keeps its
+# scripts' shebangs, which would install into the venv it was copied from
+python -m pip install --quiet --no-build-isolation --force-reinstall --no-deps ./python
 cd python/tests
 exec python -m pytest -q "$@"

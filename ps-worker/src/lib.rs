@@ -10,12 +10,14 @@
 //! step's pulls and its forward pass sharing the weights, layer by layer (`ps_net::gate`; the
 //! worker's shards and the Python worker's session are `ps_net::peer` and `ps_net::session`).
 //! `exact`: a step's gradient as the exact sum of micro-batch terms (`[train] exact_sum`).
+//! `evaluating`: the word to the shards while the final evaluation runs.
 
 pub mod backend;
 pub mod cpu;
 pub mod cuda;
 pub mod device;
 pub mod error;
+pub mod evaluating;
 /// A worker's placement from flags or its launcher's environment (`ps_process::env`).
 pub use ps_process::env;
 pub mod exact;

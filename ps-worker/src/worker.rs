@@ -299,7 +299,7 @@ async fn train(setup: WorkerSetup, watch: Watch) -> anyhow::Result<Timing> {
         (rank, total),
         (&test, &test_idx),
         &mut weights,
-        &timing,
+        (&timing, cfg.server.linger_secs),
     )
     .await?;
     Ok(timing)
@@ -775,20 +775,27 @@ fn open_step_gate(
 }
 
 /// The run's end: pulls the final weights, evaluates this rank's slice of the test set, leaves
-/// every shard with that count, and says so.
+/// every shard with that count, and says so. From before the pull until the leave, the shards
+/// are told every quarter of `linger_secs` that this rank is evaluating (`crate::evaluating`).
 async fn finish_run(
     peers: &mut [Peer],
     backend: &mut dyn Backend,
     (rank, total): (usize, u64),
     (test, test_idx): (&Dataset, &[u32]),
     weights: &mut [f32],
-    timing: &Timing,
+    (timing, linger_secs): (&Timing, f64),
 ) -> anyhow::Result<()> {
     peers.iter_mut().for_each(|p| p.ahead = false);
-    pull_all(peers, total, weights).await?;
-    backend.set_weights(weights)?;
-    let (mut x, mut y) = (Vec::new(), Vec::new());
-    let (correct, count) = evaluate(backend, test, test_idx, &mut x, &mut y)?;
+    let words = crate::evaluating::say_evaluating(peers, rank, linger_secs);
+    let evaluated = async {
+        pull_all(peers, total, weights).await?;
+        backend.set_weights(weights)?;
+        let (mut x, mut y) = (Vec::new(), Vec::new());
+        tokio::task::block_in_place(|| evaluate(backend, test, test_idx, &mut x, &mut y))
+    }
+    .await;
+    words.abort();
+    let (correct, count) = evaluated?;
     leave_all(peers, rank, (correct, count)).await?;
     tracing::info!(
         "worker {rank}: done after {} steps; per step {}; test accuracy on its slice {:.2}% ({correct}/{count})",
@@ -853,6 +860,7 @@ async fn leave_all(peers: &mut [Peer], rank: usize, eval: (u64, u64)) -> anyhow:
                 eval_correct: eval.0,
                 eval_count: eval.1,
                 failed: String::new(),
+                evaluating: false,
                 lease: None,
             })
             .await?;

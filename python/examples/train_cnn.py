@@ -1,10 +1,12 @@
 """A small CNN (two conv layers with pooling, two linear layers) trained by one Python worker
-of a ps cluster; start one per rank. For example, with the shards of `examples/run.toml` running (python/README.md, from `python/`):
+of a ps cluster; start one per rank. From `python/`: the run's init file (the one `[model]
+init` of `examples/run.toml` names) first, then, with the shards of `examples/run.toml`
+running (python/README.md, step 3), the workers:
 
+    python examples/train_cnn.py --data ../data/mnist --write-init examples/init.safetensors
     python examples/train_cnn.py --config examples/run.toml --rank 0 --data ../data/mnist &
     python examples/train_cnn.py --config examples/run.toml --rank 1 --data ../data/mnist
 
-Write the run's init file first (`--write-init init.safetensors`, named by `[model] init`).
 Each rank evaluates its share of the test set (`worker.test_slice`) for the shards' log; at
 the end each rank prints the test accuracy of the final weights on the whole test set. The
 script needs only the ps-torch package (`import ps_torch`, with torch and numpy): it runs from

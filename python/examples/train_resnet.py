@@ -1,12 +1,14 @@
 """A small ResNet-style model with BatchNorm (a stem, three residual blocks, global average
 pooling: 23,298 parameters, 9 BatchNorm layers) trained by one Python worker of a ps
-cluster on Fashion-MNIST (or any IDX data set in the MNIST layout); start one per rank. With
-the shards of a config like `examples/run.toml` running (python/README.md), its `[model] init`
-the file written below and its `[data] dir` Fashion-MNIST:
+cluster on Fashion-MNIST (or any IDX data set in the MNIST layout); start one per rank. From
+`python/`, with `examples/run-resnet.toml` (python/README.md's `examples/run.toml` with this
+model's init file, Fashion-MNIST and its own out_dir): the init file, the shards, the workers:
 
-    python examples/train_resnet.py --data ../data/fashion-mnist --write-init init.safetensors
-    python examples/train_resnet.py --config run.toml --rank 0 --data ../data/fashion-mnist &
-    python examples/train_resnet.py --config run.toml --rank 1 --data ../data/fashion-mnist
+    python examples/train_resnet.py --data ../data/fashion-mnist --write-init examples/resnet-init.safetensors
+    ps-server --config examples/run-resnet.toml --shard 0 &
+    ps-server --config examples/run-resnet.toml --shard 1 &
+    python examples/train_resnet.py --config examples/run-resnet.toml --rank 0 --data ../data/fashion-mnist &
+    python examples/train_resnet.py --config examples/run-resnet.toml --rank 1 --data ../data/fashion-mnist
 
 With 2 workers, global batch 64, 300 steps, SGD lr 0.05 with momentum 0.9 it reaches 73.5%
 test accuracy on Fashion-MNIST (`python/tests/test_cnn.py` runs exactly that, copied out of

@@ -185,7 +185,9 @@ def save_init(model: torch.nn.Module, path: str | os.PathLike[str]) -> None:
     carried in the file's metadata under ``parameter_order``; its persistent buffers
     (``buffer_order``: the shards hold them through the run) and frozen parameters
     (``constant_order``), each in its own dtype; and its tied entries (``aliases``), so that
-    the shards' export holds the whole ``state_dict``."""
+    the shards' export holds the whole ``state_dict``. ``batch_statistics`` names the modules
+    that normalise by the batch's statistics and keep no running ones (BatchNorm with
+    ``track_running_stats=False``), for the shards' equivalence statement."""
     import json
 
     from safetensors.torch import save_file
@@ -197,8 +199,17 @@ def save_init(model: torch.nn.Module, path: str | os.PathLike[str]) -> None:
         "buffer_order": json.dumps([n for n, _ in buffers]),
         "constant_order": json.dumps([n for n, _ in frozen]),
         "aliases": json.dumps(aliases),
+        "batch_statistics": json.dumps(_batch_statistics(model)),
     }
     save_file(tensors, str(path), metadata=meta)
+
+
+def _batch_statistics(model: torch.nn.Module) -> list[str]:
+    """The modules of ``model`` that normalise by the statistics of the batch they see and
+    hold no running statistics (BatchNorm with ``track_running_stats=False``: also in eval
+    mode): on the cluster each worker's forward pass sees only its own samples of a step."""
+    return [n for n, m in model.named_modules()
+            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and not m.track_running_stats]
 
 
 def export(model: torch.nn.Module, path: str | os.PathLike[str],

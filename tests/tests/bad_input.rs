@@ -477,6 +477,7 @@ async fn evaluation_figures_are_checked_against_the_rank_slice_of_the_test_set()
         eval_correct: correct,
         eval_count: count,
         failed: String::new(),
+        evaluating: false,
         lease: leases.get(rank as usize).cloned().flatten(),
     };
     for (correct, count) in [(2, 4), (u64::MAX - 1, u64::MAX), (0, 5001)] {

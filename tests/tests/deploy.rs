@@ -996,6 +996,7 @@ fn slurm_config_generation_gives_every_shard_its_node_and_port() {
             ("PS_PORT", "6000".into()),
             ("PS_WORKERS", "3".into()),
             ("PS_JOB_DIR", job_dir2.display().to_string()),
+            ("PS_BIN", bin_dir().display().to_string()),
         ],
         &tmp,
         Duration::from_secs(30),
@@ -1254,9 +1255,13 @@ fn slurm_job_fails_within_the_wait_naming_a_shard_that_never_listens() {
     // stand-in binaries: a shard that starts but never listens; a worker that must not start
     let fake = tmp.join("fakebin");
     std::fs::create_dir(&fake).unwrap();
+    // (the credentials step is the real one's)
     write_exe(
         &fake.join("ps-server"),
-        "#!/bin/sh\necho 'shard stuck before listening'\nexec sleep 600\n",
+        &format!(
+            "#!/bin/sh\n[ \"$1\" = credentials ] && exec {:?} \"$@\"\necho 'shard stuck before listening'\nexec sleep 600\n",
+            bin_dir().join("ps-server")
+        ),
     );
     write_exe(
         &fake.join("ps-worker"),

@@ -799,13 +799,15 @@ impl Config {
             micro_batches: self.train.micro_batches,
             exact_sum: exact::statement(&self.train, self.clip_norm.is_some()),
             buffers: self.model.declared.as_ref().and_then(|d| {
-                (!d.buffers.is_empty()).then(|| {
-                    format!(
+                if !d.buffers.is_empty() {
+                    Some(format!(
                         "; the model's {} buffers (BatchNorm statistics, ...) as DDP's broadcast_buffers: each worker's forward pass, BatchNorm included, sees only its own samples of a step (per-worker batch statistics: batch norm over b_r = {b:?}, ghost batch norm, not over {}), and every worker starts each step from rank 0's buffers, which are the model's",
                         d.buffers.len(),
                         self.train.global_batch
-                    )
-                })
+                    ))
+                } else {
+                    batch_statistics_statement(&d.batch_statistics, &b, self.train.global_batch)
+                }
             }),
         }
     }
@@ -973,6 +975,30 @@ impl fmt::Display for Equivalence {
         f.write_str(self.exact_sum.as_deref().unwrap_or(""))?;
         f.write_str(self.buffers.as_deref().unwrap_or(""))
     }
+}
+
+/// What a declared model's BatchNorm without running statistics (`modules`, per-worker
+/// batches `b`, global batch `global`) makes the run equal (appended to the statement); None
+/// when there is none or one worker (its batch is the whole batch).
+fn batch_statistics_statement(modules: &[String], b: &[usize], global: usize) -> Option<String> {
+    if modules.is_empty() || b.len() < 2 {
+        return None;
+    }
+    let mut names = modules
+        .iter()
+        .take(3)
+        .cloned()
+        .collect::<Vec<_>>()
+        .join(", ");
+    if modules.len() > 3 {
+        names.push_str(", ...");
+    }
+    Some(format!(
+        "; the model's BatchNorm without running statistics ({} module{}: {names}) normalises each worker's forward pass over that worker's own samples of a step: the one process normalises its batch in {} chunks of b_r = {b:?} samples (per-worker batch statistics, ghost batch norm), not over the whole batch of {global}",
+        modules.len(),
+        if modules.len() == 1 { "" } else { "s" },
+        b.len()
+    ))
 }
 
 fn fmt_num(x: f64) -> String {

@@ -28,6 +28,9 @@ pub const ORDER_KEY: &str = "parameter_order";
 pub const BUFFER_KEY: &str = "buffer_order";
 /// The metadata key of the frozen parameters: a JSON array of tensor names (any dtype).
 pub const CONSTANT_KEY: &str = "constant_order";
+/// The metadata key of the modules that normalise by the batch's statistics and keep no
+/// running ones (BatchNorm with `track_running_stats=False`): a JSON array of module names.
+pub const BATCH_STAT_KEY: &str = "batch_statistics";
 /// The metadata key of tied entries: a JSON object `{"alias": "entry it shares storage with"}`.
 pub const ALIAS_KEY: &str = "aliases";
 /// Most bytes of all buffers together: they travel in one gRPC message per step.
@@ -52,6 +55,8 @@ pub struct Declared {
     pub constants: Vec<Extra>,
     /// Tied entries ([`ALIAS_KEY`]): (alias, the entry it is a copy of).
     pub aliases: Vec<(String, String)>,
+    /// The modules that normalise by each forward pass's own samples ([`BATCH_STAT_KEY`]).
+    pub batch_statistics: Vec<String>,
 }
 
 /// A `state_dict` entry of a declared model that the shards do not train (a buffer, a frozen
@@ -126,6 +131,7 @@ impl Declared {
             buffers,
             constants,
             aliases,
+            batch_statistics: batch_statistics(&meta, &e)?,
         })
     }
 
@@ -457,6 +463,18 @@ fn params_in_order(
     Ok(specs)
 }
 
+/// The module names of the metadata's [`BATCH_STAT_KEY`] list (none when absent).
+fn batch_statistics(meta: &Metadata, e: Prefix) -> Result<Vec<String>, String> {
+    match meta.metadata().as_ref().and_then(|m| m.get(BATCH_STAT_KEY)) {
+        None => Ok(Vec::new()),
+        Some(text) => serde_json::from_str(text).map_err(|err| {
+            e(format!(
+                "metadata \"{BATCH_STAT_KEY}\" is not a JSON list of module names: {err}"
+            ))
+        }),
+    }
+}
+
 /// The entries the metadata's `key` list names (buffers or constants): each held by the file,
 /// named by no other list (added to `seen`), of one of [`EXTRA_DTYPES`].
 fn extras(
@@ -642,6 +660,36 @@ mod tests {
         assert_eq!(st.tensor("f").unwrap().dtype(), Dtype::F64);
         // no buffers given for a model that has them
         assert!(write_full_model(&out, &m, &[5., 6.], None, &Default::default()).is_err());
+    }
+
+    /// The modules that normalise by their batch's statistics: read from the metadata, none
+    /// when the key is absent, a value that is not a list of names refused naming the key.
+    #[test]
+    fn batch_statistics_modules_are_read_from_the_metadata() {
+        let d = tempfile::tempdir().unwrap();
+        let t: &[(&str, &[usize], &[f32])] = &[("w", &[2], &[1., 2.])];
+        let with = |v: Option<&str>| {
+            let p = d.path().join("init.safetensors");
+            let mut meta = BTreeMap::new();
+            meta.insert(ORDER_KEY.to_string(), r#"["w"]"#.to_string());
+            if let Some(v) = v {
+                meta.insert(BATCH_STAT_KEY.to_string(), v.to_string());
+            }
+            crate::weights::write_safetensors(&p, t, &meta).unwrap();
+            Declared::open(&p)
+        };
+        assert!(with(None).unwrap().batch_statistics.is_empty());
+        assert_eq!(
+            with(Some(r#"["bn", "blocks.0.bn"]"#))
+                .unwrap()
+                .batch_statistics,
+            ["bn", "blocks.0.bn"]
+        );
+        let e = with(Some("{}")).unwrap_err();
+        assert!(
+            e.contains("metadata \"batch_statistics\" is not a JSON list of module names"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -535,6 +535,7 @@ impl Session {
                     eval_correct,
                     eval_count,
                     failed: String::new(),
+                    evaluating: false,
                     lease: None,
                 })
                 .await?;

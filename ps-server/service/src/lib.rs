@@ -23,6 +23,7 @@ pub mod data;
 pub mod exporter;
 pub mod handshake;
 pub mod lease;
+pub mod linger;
 pub mod memory;
 pub mod partial;
 pub mod peers;
@@ -45,7 +46,6 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::net::TcpListener;
-use tokio::sync::Notify;
 
 /// How a shard's run ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -400,7 +400,7 @@ async fn build_service(
         reporter,
         pull_timeout: Duration::from_secs_f64(cfg.server.pull_timeout_secs),
         chunk_bytes: cfg.server.chunk_bytes,
-        all_left: Arc::new(Notify::new()),
+        all_left: Arc::new(linger::Leaving::default()),
         run_id: cfg.cluster.run_id.clone().unwrap_or_default(),
         metrics,
         peers,
@@ -1119,26 +1119,29 @@ fn write_final(cfg: &Config, shard: &Shard) -> Outcome {
     Outcome::Finished
 }
 
-/// The run's end once its weights are written: waits (at most `[server] linger_secs`) for the
-/// workers to leave, flushes the step lines, and on shard 0 logs and records the final test
-/// evaluation.
+/// The run's end once its weights are written: waits for the workers to leave (each rank at
+/// most `[server] linger_secs` after the later of the run's end and its last word, `linger`),
+/// flushes the step lines, and on shard 0 logs and records the final test evaluation.
 async fn close_run(cfg: &Config, svc: &ShardService) {
     let (shard, all_left, reporter) = (&svc.shard, &*svc.all_left, &svc.reporter);
     let linger = Duration::from_secs_f64(cfg.server.linger_secs);
-    let left = tokio::time::timeout(linger, async {
-        while !shard.final_eval().1.is_empty() {
-            all_left.notified().await;
-        }
-    })
-    .await;
+    let t0 = std::time::Instant::now();
+    let left = all_left.wait(linger, || shard.final_eval().1).await;
+    if left.is_ok() {
+        tracing::info!(
+            "shard {}: every rank left {:.2} s after the last step",
+            shard.index,
+            t0.elapsed().as_secs_f64()
+        );
+    }
     // every step's line is out (or sent to shard 0) before the closing line
     reporter.flush().await;
     let ((correct, count), missing) = shard.final_eval();
     if left.is_err() {
         tracing::warn!(
-            "shard {}: ranks {missing:?} did not leave within {} s after the last step",
+            "shard {}: ranks {missing:?} did not leave within {} s of the last step or of their last word ([server] linger_secs): the final evaluation counts {count} test samples",
             shard.index,
-            linger.as_secs()
+            linger.as_secs_f64()
         );
     }
     if count > 0 {

@@ -33,7 +33,6 @@ use ps_proto::{PROTOCOL_VERSION, PsError, PsResult};
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::Notify;
 use tonic::{Request, Response, Status, Streaming};
 
 mod frame;
@@ -59,8 +58,8 @@ pub struct ShardService {
     pub pull_timeout: Duration,
     /// Payload bytes per pulled chunk.
     pub chunk_bytes: usize,
-    /// Notified when every worker has left after the last step.
-    pub all_left: Arc<Notify>,
+    /// The workers' leaves and last words after the last step (`crate::linger`).
+    pub all_left: Arc<crate::linger::Leaving>,
     /// What `GET /metrics` shows.
     pub metrics: Arc<Metrics>,
     /// Open connections and the calls under way on each.
@@ -400,11 +399,21 @@ impl ParameterServer for ShardService {
             self.shard.told(r.rank);
             return Ok(Response::new(LeaveReply {}));
         }
+        if r.evaluating {
+            if self.all_left.evaluating(r.rank as usize) {
+                tracing::info!(
+                    "shard {}: rank {} is evaluating the final weights; waiting for its leave ([server] linger_secs after its last word)",
+                    self.shard.index,
+                    r.rank
+                );
+            }
+            return Ok(Response::new(LeaveReply {}));
+        }
         self.check_eval(r.rank, r.eval_count, true)?;
         let all = self.shard.leave(r.rank, (r.eval_correct, r.eval_count))?;
         tracing::debug!(shard = self.shard.index, rank = r.rank, "worker left");
         if all && self.shard.version() >= self.shard.total_steps {
-            self.all_left.notify_one();
+            self.all_left.all_left();
         }
         Ok(Response::new(LeaveReply {}))
     }
