@@ -283,6 +283,7 @@ async fn train(setup: WorkerSetup, watch: Watch) -> anyhow::Result<Timing> {
         run.step(&watch).await?;
     }
     let Run {
+        cfg,
         mut peers,
         mut backend,
         rank,
