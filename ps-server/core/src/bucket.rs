@@ -832,9 +832,10 @@ impl Shard {
     /// last push of a bucket: its values are still in cache), until the barrier completes.
     /// Blocking: call it from a blocking thread. None when this shard applies the whole range only or the step
     /// is not the one being gathered (the caller checks the whole range then,
-    /// [`Shard::shm_grad`]). A bucket holding a value that is not finite refuses the push at
-    /// once ([`PsError::NonFinite`], index in the shard's range); the buckets published before
-    /// it are discarded with the intake (dropped uncounted), as a gRPC push refused halfway.
+    /// [`Shard::shm_grad`]). A value that is not finite refuses the push at the end of the
+    /// pass ([`PsError::NonFinite`], the first such index in the shard's range); the work that
+    /// used its buckets is discarded with the intake (dropped uncounted), as for a gRPC push
+    /// refused halfway.
     /// Keep the intake until [`Shard::accept`] answered.
     pub fn receive_board(
         self: &Arc<Self>,
@@ -884,12 +885,8 @@ impl Shard {
             let r = bucket.range.clone();
             // SAFETY: a board view is never written through (RecvBuf::on_board)
             let values = unsafe { buf.part(r.clone()) };
-            if let Some(i) = values.iter().position(|v| !v.is_finite()) {
-                return Err(PsError::NonFinite {
-                    index: (r.start + i) as u64,
-                    value: values[i],
-                });
-            }
+            // finiteness and the fingerprint in one (vectorised) pass; a bucket holding a value
+            // that is not finite fails its update, if it comes to one, which discards the work
             check.push_values(r.start as u64, values)?;
             intake.mark(r)?;
             // SAFETY: the region's values are the board's, in place (nothing to write)

@@ -202,7 +202,7 @@ fn board_pushes_apply_per_bucket_bit_identical_to_the_whole_range_update() {
 }
 
 /// Step 1: ranks 0 and 1 push, rank 2's board holds a NaN in its second bucket: its push is
-/// refused at that value (the buckets it published before are discarded), then rank 2 writes
+/// refused naming that value (the work that used its buckets is discarded), then rank 2 writes
 /// other values and pushes again. The step is applied over the whole range and ends
 /// bit-identical to a run that only saw the retry's values; the next step is per bucket again.
 #[test]
