@@ -4,7 +4,8 @@
 
 use crate::intake::Acc;
 use crate::{
-    Applied, Grad, RankNorm, Shard, Slot, StepFigures, StepObserver, bucket, store, unused,
+    Applied, Grad, RankNorm, Shard, Slot, StepError, StepFigures, StepObserver, bucket, store,
+    unused,
 };
 use ps_optim::OptState;
 use ps_proto::{PsError, PsResult};
@@ -145,7 +146,8 @@ impl Shard {
 
     /// A step refused by its update (`why`): the pending version abandoned, the optimizer
     /// state kept as it is, the run failed; wakes whoever waits.
-    fn abandon(&self, pending: store::Update, opt: OptState, why: String) -> PsError {
+    fn abandon(&self, pending: store::Update, opt: OptState, why: StepError) -> PsError {
+        let why = why.to_string();
         tracing::error!("shard {}: {why}", self.index);
         {
             let mut st = self.lock();
@@ -249,7 +251,7 @@ impl Shard {
     }
 
     /// An update refused before any arithmetic: `why`, the state as it was.
-    pub(crate) fn refused(&self, why: String, opt: OptState) -> Applied {
+    pub(crate) fn refused(&self, why: StepError, opt: OptState) -> Applied {
         Applied {
             result: Err(why),
             rank_sq: Vec::new(),

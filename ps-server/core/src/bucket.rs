@@ -541,6 +541,25 @@ impl Shard {
         }
     }
 
+    /// Begins the tentative work of the step being gathered, unless it is begun, or the
+    /// per-bucket work of the step cannot be had (then discarded, saying why).
+    fn begin_if_usable(&self) {
+        let mut work = self.work.lock().unwrap_or_else(|p| p.into_inner());
+        let mut st = self.lock();
+        let step = st.barrier.step();
+        let usable = st.track.step == step
+            && !st.track.broken
+            && !st.barrier.applying()
+            && st.failed.is_none();
+        if usable
+            && work.of.as_ref().is_none_or(|o| o.step != step)
+            && let Err(why) = self.begin_work(&mut st, &mut work, step)
+        {
+            let index = self.index;
+            st.track.discard(index, why);
+        }
+    }
+
     /// Starts the tentative work of `step`: its members, coefficients, unreached tensors, the
     /// optimizer state it reads and the pending version it writes.
     fn begin_work(&self, st: &mut State, work: &mut Work, step: u64) -> Result<(), &'static str> {
@@ -809,13 +828,14 @@ impl Shard {
     /// A push in `rank`'s gradient board `board` for `step`, on a shard that applies per
     /// bucket: the board's range is read in place (not copied), bucket by bucket, each bucket
     /// checked for finite values and added to the push's fingerprint while in cache, then
-    /// published to the applier, which runs right here when buckets became ready (the last
-    /// push of a bucket applies it while its values are still in cache). Blocking: call it
-    /// from a blocking thread. None when this shard applies the whole range only or the step
+    /// published to the applier, which runs beside the pass when buckets became ready (the
+    /// last push of a bucket: its values are still in cache), until the barrier completes.
+    /// Blocking: call it from a blocking thread. None when this shard applies the whole range only or the step
     /// is not the one being gathered (the caller checks the whole range then,
-    /// [`Shard::shm_grad`]). A bucket holding a value that is not finite refuses the push at
-    /// once ([`PsError::NonFinite`], index in the shard's range); the buckets published before
-    /// it are discarded with the intake (dropped uncounted), as a gRPC push refused halfway.
+    /// [`Shard::shm_grad`]). A value that is not finite refuses the push at the end of the
+    /// pass ([`PsError::NonFinite`], the first such index in the shard's range); the work that
+    /// used its buckets is discarded with the intake (dropped uncounted), as for a gRPC push
+    /// refused halfway.
     /// Keep the intake until [`Shard::accept`] answered.
     pub fn receive_board(
         self: &Arc<Self>,
@@ -836,25 +856,42 @@ impl Shard {
         )
     }
 
+    /// Runs [`Shard::run_buckets`] on a thread of its own, beside the pass that publishes the
+    /// buckets (inline when no thread can be had). It stops once the barrier completed: the
+    /// completion applies the buckets left, each on several threads.
+    fn start_applier(self: &Arc<Self>) {
+        // the step's work begun here, before the push is counted: the completion then finds
+        // it, whether or not the applier got to a bucket first
+        self.begin_if_usable();
+        let shard = self.clone();
+        let spawned = std::thread::Builder::new()
+            .name("ps-buckets".into())
+            .spawn(move || shard.run_buckets());
+        if spawned.is_err() {
+            self.run_buckets();
+        }
+    }
+
     /// The pass of [`Shard::receive_board`] over the board's range, bucket by bucket.
-    fn read_board(&self, rank: u32, intake: &mut Intake, board: &Board) -> PsResult<(Grad, u64)> {
+    fn read_board(
+        self: &Arc<Self>,
+        rank: u32,
+        intake: &mut Intake,
+        board: &Board,
+    ) -> PsResult<(Grad, u64)> {
         let buf = intake.buf().clone();
         let mut check = ps_net::wire::StreamCheck::new(buf.len());
         for bucket in &self.buckets {
             let r = bucket.range.clone();
             // SAFETY: a board view is never written through (RecvBuf::on_board)
             let values = unsafe { buf.part(r.clone()) };
-            if let Some(i) = values.iter().position(|v| !v.is_finite()) {
-                return Err(PsError::NonFinite {
-                    index: (r.start + i) as u64,
-                    value: values[i],
-                });
-            }
+            // finiteness and the fingerprint in one (vectorised) pass; a bucket holding a value
+            // that is not finite fails its update, if it comes to one, which discards the work
             check.push_values(r.start as u64, values)?;
             intake.mark(r)?;
             // SAFETY: the region's values are the board's, in place (nothing to write)
             if unsafe { intake.publish() } {
-                self.run_buckets();
+                self.start_applier();
             }
         }
         if board.faulted() {

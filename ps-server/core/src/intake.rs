@@ -15,7 +15,7 @@
 //!   the pass that reads it.
 
 use super::update::{self, sum_of_squares};
-use super::{Grad, Shard, Slot, board_truncated};
+use super::{Grad, Shard, Slot, StepError};
 use ps_config::Aggregation;
 use ps_proto::PsError;
 use ps_proto::PsResult;
@@ -356,6 +356,7 @@ impl Shard {
         let mut acc = self.acc.lock().unwrap_or_else(|p| p.into_inner());
         while let Some((r, grad, c, first)) = self.next_to_fold(&mut acc) {
             if let Err(why) = self.fold_one(&mut acc, r, grad, c, first) {
+                let why = why.to_string();
                 tracing::error!("shard {}: {why}", self.index);
                 acc.values = None;
                 self.fail(why.clone());
@@ -416,7 +417,7 @@ impl Shard {
         grad: Grad,
         c: f32,
         first: bool,
-    ) -> Result<(), String> {
+    ) -> Result<(), StepError> {
         let board = match &grad {
             Grad::Board(b) => Some(b.clone()),
             _ => None,
@@ -469,12 +470,18 @@ impl Shard {
             if let Some(h) = &self.shm {
                 h.detach(r);
             }
-            return Err(board_truncated(step, r as u32));
+            return Err(StepError::BoardTruncated {
+                step,
+                rank: r as u32,
+            });
         }
-        folded.map_err(|(index, value)| format!(
-            "step {step}: rank {r}'s gradient holds {value} at index {index} of shard {}'s range when the update reads it, although its push was checked: its shared-memory board was written after the push was accepted; the step is not applied (the shard stays at version {step}) and the run stops",
-            self.index
-        ))
+        folded.map_err(|(index, value)| StepError::NonFinite {
+            step,
+            rank: r as u32,
+            value,
+            index,
+            shard: self.index,
+        })
     }
 
     /// The coefficient of the accumulator in an update of `slots`: 1 when they are the ranks

@@ -79,11 +79,11 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 pub(crate) use step::Applied;
 pub use step::{
-    Grad, NormExchange, PushMeta, PushOutcome, RankNorm, Slot, StepFigures, StepObserver,
+    Grad, NormExchange, PushMeta, PushOutcome, RankNorm, Slot, StepError, StepFigures, StepObserver,
 };
 use store::Store;
 use tokio::sync::watch;
-pub(crate) use whole::{block, board_truncated};
+pub(crate) use whole::block;
 
 /// What the `state` lock of [`Shard`] guards (taken last in the lock order): the barrier,
 /// the parameters and the optimizer state of the current version, and the run's bookkeeping.

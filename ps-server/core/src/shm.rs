@@ -9,6 +9,26 @@ use ps_proto::{PsError, PsResult};
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
+/// Why a board of the shared-memory data path is not usable (the tensors then go through
+/// gRPC).
+#[derive(Debug, thiserror::Error)]
+pub enum ShmError {
+    /// The parameters board could not be made.
+    #[error("cannot create {}: {source}", path.display())]
+    Create {
+        /// Its file.
+        path: std::path::PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// This shard's board directory has no parent (no shared-memory root to open boards in).
+    #[error("this shard's board directory has no parent")]
+    NoRoot,
+    /// A worker's gradient board refused by [`Board::open_trusted`] (its reason).
+    #[error("{0}")]
+    Refused(String),
+}
+
 /// The shared-memory side of one shard.
 #[derive(Debug)]
 pub struct ShmHost {
@@ -49,10 +69,10 @@ impl ShmHost {
 
     /// Creates the parameters board (two slots of `len` values); the error is logged by the
     /// caller, which then serves pulls through gRPC.
-    pub fn create_params_board(&self, len: usize) -> Result<Board, String> {
+    pub fn create_params_board(&self, len: usize) -> Result<Board, ShmError> {
         let path = params_path(self.dir.path());
         Board::create(&path, self.token(), len, 2)
-            .map_err(|e| format!("cannot create {}: {e}", path.display()))
+            .map_err(|source| ShmError::Create { path, source })
     }
 
     /// Opens `rank`'s gradient board: `file`, of `num_params` values, made with `token`, in a
@@ -65,13 +85,10 @@ impl ShmHost {
         file: &Path,
         token: u64,
         num_params: usize,
-    ) -> Result<(), String> {
-        let root = self
-            .dir
-            .path()
-            .parent()
-            .ok_or_else(|| "this shard's board directory has no parent".to_string())?;
-        let board = Board::open_trusted(root, file, token, num_params, 1)?;
+    ) -> Result<(), ShmError> {
+        let root = self.dir.path().parent().ok_or(ShmError::NoRoot)?;
+        let board =
+            Board::open_trusted(root, file, token, num_params, 1).map_err(ShmError::Refused)?;
         self.grads.lock().unwrap_or_else(|p| p.into_inner())[rank] = Some(Arc::new(board));
         Ok(())
     }

@@ -123,7 +123,7 @@ pub struct StepFigures {
 #[derive(Debug)]
 pub(crate) struct Applied {
     /// The aggregate's squared norm, or why the step is refused.
-    pub(crate) result: Result<f64, String>,
+    pub(crate) result: Result<f64, StepError>,
     pub(crate) rank_sq: Vec<RankNorm>,
     /// The parts of the tensors no rank reached.
     pub(crate) skip: Vec<(u32, Range<usize>)>,
@@ -167,4 +167,70 @@ pub struct RankNorm {
     pub samples: u32,
     /// |g_r|² over the shard's range of the gradient it pushed.
     pub sq_norm: f64,
+}
+
+/// Why a step is not applied (the shard stays at its version and the run stops); each says
+/// which step, and what was found where.
+#[derive(Debug, thiserror::Error)]
+pub enum StepError {
+    /// A rank pushed something that is not an exact partial sum (`[train] exact_sum`).
+    #[error(
+        "step {step}: rank {rank}'s exact partial sum on shard {shard}: {why}; the step is not applied (the shard stays at version {step}) and the run stops"
+    )]
+    ExactSum {
+        /// The step.
+        step: u64,
+        /// The rank.
+        rank: u32,
+        /// The shard.
+        shard: usize,
+        /// What is wrong with it.
+        why: ps_net::exact::ExactError,
+    },
+    /// The global gradient norm could not be had (`[optimizer] clip_norm`).
+    #[error(
+        "step {step}: gradient clipping ([optimizer] clip_norm) needs the gradient norm of every shard: {why}; the step is not applied (the shard stays at version {step}) and the run stops"
+    )]
+    NormExchange {
+        /// The step.
+        step: u64,
+        /// Why.
+        why: NormError,
+    },
+    /// A rank's gradient board shrank while the shard read it.
+    #[error(
+        "step {step}: rank {rank}'s shared-memory gradient board was truncated while the update read it (another process shrank the file, against the protocol): what was read is not its gradient; the step is not applied (the shard stays at version {step}) and the run stops"
+    )]
+    BoardTruncated {
+        /// The step.
+        step: u64,
+        /// The rank.
+        rank: u32,
+    },
+    /// The shard's parameters board shrank during the update.
+    #[error(
+        "step {step}: shard {shard}'s shared-memory parameters board was truncated during the update (another process shrank the file): the parameters are lost; the run stops"
+    )]
+    ParamsTruncated {
+        /// The step.
+        step: u64,
+        /// The shard.
+        shard: usize,
+    },
+    /// A gradient value not finite where the update reads it, although its push was checked.
+    #[error(
+        "step {step}: rank {rank}'s gradient holds {value} at index {index} of shard {shard}'s range when the update reads it, although its push was checked: its shared-memory board was written after the push was accepted; the step is not applied (the shard stays at version {step}) and the run stops"
+    )]
+    NonFinite {
+        /// The step.
+        step: u64,
+        /// The rank.
+        rank: u32,
+        /// The value.
+        value: f32,
+        /// Its index in the shard's range.
+        index: usize,
+        /// The shard.
+        shard: usize,
+    },
 }

@@ -4,7 +4,7 @@
 
 use crate::intake::Acc;
 use crate::update::{self, Simd, UpdateInputs, fused_update, threads_for};
-use crate::{Applied, Grad, NormError, Shard, Slot, store, unused};
+use crate::{Applied, Grad, NormError, Shard, Slot, StepError, store, unused};
 use ps_config::Aggregation;
 use ps_optim::OptState;
 use std::ops::Range;
@@ -54,7 +54,15 @@ impl Shard {
                     cs = vec![self.exact_coefficient(m, slots)];
                     ranks.truncate(1);
                 }
-                Err((i, e)) => return self.refused(self.exact_refused(step, ranks[i], &e), opt),
+                Err((i, why)) => {
+                    let e = StepError::ExactSum {
+                        step,
+                        rank: ranks[i],
+                        shard: self.index,
+                        why,
+                    };
+                    return self.refused(e, opt);
+                }
             }
         }
         // tensors no rank reached are not updated; Adam's bias correction of a tensor skipped
@@ -254,7 +262,7 @@ impl Shard {
             Option<NormError>,
         ),
         ranks: &[u32],
-    ) -> Result<f64, String> {
+    ) -> Result<f64, StepError> {
         // a board truncated under the update read as zeros (the SIGBUS guard): not its values
         let truncated = slots
             .iter()
@@ -265,34 +273,26 @@ impl Shard {
             })
             .map(|s| s.rank);
         match (updated, truncated, exchange_failed) {
-            (_, _, Some(why)) => Err(format!(
-                "step {step}: gradient clipping ([optimizer] clip_norm) needs the gradient norm of every shard: {why}; the step is not applied (the shard stays at version {step}) and the run stops"
-            )),
+            (_, _, Some(why)) => Err(StepError::NormExchange { step, why }),
             (_, Some(rank), None) => {
                 if let Some(h) = &self.shm {
                     h.detach(rank as usize);
                 }
-                Err(board_truncated(step, rank))
+                Err(StepError::BoardTruncated { step, rank })
             }
-            _ if pending.faulted() => Err(format!(
-                "step {step}: shard {}'s shared-memory parameters board was truncated during the update (another process shrank the file): the parameters are lost; the run stops",
-                self.index
-            )),
-            (Err(bad), None, None) => Err(format!(
-                "step {step}: rank {}'s gradient holds {} at index {} of shard {}'s range when the update reads it, although its push was checked: its shared-memory board was written after the push was accepted; the step is not applied (the shard stays at version {step}) and the run stops",
-                ranks[bad.source], bad.value, bad.index, self.index
-            )),
+            _ if pending.faulted() => Err(StepError::ParamsTruncated {
+                step,
+                shard: self.index,
+            }),
+            (Err(bad), None, None) => Err(StepError::NonFinite {
+                step,
+                rank: ranks[bad.source],
+                value: bad.value,
+                index: bad.index,
+                shard: self.index,
+            }),
             (Ok(norms), None, None) => Ok(norms.aggregate),
         }
-    }
-
-    /// Why a step is refused whose rank `rank` pushed something that is not an exact partial
-    /// sum.
-    fn exact_refused(&self, step: u64, rank: u32, e: &ps_net::exact::ExactError) -> String {
-        format!(
-            "step {step}: rank {rank}'s exact partial sum on shard {}: {e}; the step is not applied (the shard stays at version {step}) and the run stops",
-            self.index
-        )
     }
 
     /// The parts of this shard's range the fused update must not change (tensors no rank of
@@ -390,11 +390,4 @@ fn exact_aggregate(
 /// `v[r]`, or `v` itself when empty (an optimizer buffer the optimizer does not keep).
 pub(crate) fn block<'a>(v: &'a mut [f32], r: &Range<usize>) -> &'a mut [f32] {
     if v.is_empty() { v } else { &mut v[r.clone()] }
-}
-
-/// Why a step stops when rank `rank`'s gradient board shrank while the shard read it.
-pub(crate) fn board_truncated(step: u64, rank: u32) -> String {
-    format!(
-        "step {step}: rank {rank}'s shared-memory gradient board was truncated while the update read it (another process shrank the file, against the protocol): what was read is not its gradient; the step is not applied (the shard stays at version {step}) and the run stops"
-    )
 }
