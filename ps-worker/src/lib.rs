@@ -11,6 +11,7 @@
 //! worker's shards and the Python worker's session are `ps_net::peer` and `ps_net::session`).
 //! `exact`: a step's gradient as the exact sum of micro-batch terms (`[train] exact_sum`).
 //! `evaluating`: the word to the shards while the final evaluation runs.
+//! `watch`: the bound on a step's backward pass once its push failed or stalled (no hang).
 
 pub mod backend;
 pub mod cpu;
@@ -25,6 +26,7 @@ pub mod gate;
 pub mod model;
 pub mod ops;
 pub mod reference;
+pub mod watch;
 pub mod worker;
 
 /// Threads for the CPU backend's matrix products: the configured number, or the cores this

@@ -1,0 +1,88 @@
+//! The watch over a worker's backward passes (issue 41: no silent hang): a step whose push
+//! failed, or whose push's deadline passed while the backward pass fed it, and whose backward
+//! pass does not end within a bound, ends the run with an error naming the step, the shard and
+//! the wait ([`crate::worker::run_worker`] returns it; the stuck thread is left behind).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+/// A task aborted when dropped (the run of [`crate::worker::run_worker`], when its caller gives up on it).
+pub(crate) struct AbortOnDrop<T>(pub(crate) tokio::task::JoinHandle<T>);
+
+impl<T> Drop for AbortOnDrop<T> {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// How long a step's backward pass may go on after one of its pushes failed before the worker
+/// gives up on it (the step is lost; a backward still running is stalled).
+pub const STALL_GRACE: Duration = ps_net::client::DEADLINE_MARGIN;
+
+/// The watch over each step's backward pass: which step computes, and the error that ends the
+/// run when that computation stalls (a push of the step failed and it did not end within
+/// [`STALL_GRACE`], or the push's deadline passed while the backward pass fed it).
+#[derive(Clone, Default)]
+pub struct Watch(Arc<WatchState>);
+
+#[derive(Default)]
+struct WatchState {
+    /// The step whose backward pass runs, plus one (0: none).
+    computing: std::sync::atomic::AtomicU64,
+    fatal: std::sync::Mutex<Option<anyhow::Error>>,
+    notify: tokio::sync::Notify,
+}
+
+impl Watch {
+    /// Step `t`'s computation begins (`Some`) or ended (`None`).
+    pub(crate) fn computing(&self, t: Option<u64>) {
+        let v = t.map_or(0, |t| t + 1);
+        self.0
+            .computing
+            .store(v, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    fn still_computing(&self, t: u64) -> bool {
+        self.0.computing.load(std::sync::atomic::Ordering::SeqCst) == t + 1
+    }
+
+    /// A push of step `t` to a shard failed with `e`: if the step's backward pass still runs
+    /// when its feed stalled, or [`STALL_GRACE`] later otherwise, the run ends with the error.
+    pub(crate) fn push_failed(&self, t: u64, rank: usize, e: &ps_net::client::ClientError) {
+        let stalled = matches!(e, ps_net::client::ClientError::FeedStalled { .. });
+        let (w, said) = (self.clone(), e.to_string());
+        tokio::spawn(async move {
+            if !stalled {
+                tokio::time::sleep(STALL_GRACE).await;
+            }
+            if w.still_computing(t) {
+                let e = if stalled {
+                    anyhow::anyhow!("worker {rank}: step {t}: {said}")
+                } else {
+                    anyhow::anyhow!(
+                        "worker {rank}: the backward pass of step {t} did not end within {} s after its push failed ({said})",
+                        STALL_GRACE.as_secs()
+                    )
+                };
+                w.fire(e);
+            }
+        });
+    }
+
+    fn fire(&self, e: anyhow::Error) {
+        let mut f = self.0.fatal.lock().unwrap_or_else(|p| p.into_inner());
+        f.get_or_insert(e);
+        self.0.notify.notify_one();
+    }
+
+    /// Waits until the run must end on a stalled computation: the error.
+    pub(crate) async fn stalled(&self) -> anyhow::Error {
+        loop {
+            self.0.notify.notified().await;
+            let mut f = self.0.fatal.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(e) = f.take() {
+                return e;
+            }
+        }
+    }
+}
