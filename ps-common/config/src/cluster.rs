@@ -4,7 +4,7 @@ use super::Resolve;
 use super::kinds::{Transport, Wire};
 use super::limits::{MAX_SHARDS, MAX_WORKERS, at_most};
 use crate::credential::{TlsFiles, Token};
-use crate::invalid::Invalid;
+use crate::error::Invalid;
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 

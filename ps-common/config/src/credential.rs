@@ -4,77 +4,10 @@
 //! on the wire (headers, interceptors, rustls) is `ps_net::auth`'s.
 
 use std::fmt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 
-/// What the advice of a malformed token says: what a token must be.
-const TOKEN_RULE: &str = "expected one token of at least 16 printable ASCII characters without spaces (e.g. `openssl rand -hex 32`)";
-
-/// Why a credential could not be read or written. The messages name the file and what was
-/// expected, never what a token file holds.
-#[derive(Debug, thiserror::Error)]
-pub enum CredentialError {
-    /// The token file could not be read.
-    #[error("cannot read the token file {}: {source}", path.display())]
-    ReadToken {
-        /// The file.
-        path: PathBuf,
-        /// Why.
-        source: std::io::Error,
-    },
-    /// A token (from `what`: a file, an environment variable) that is not one.
-    #[error("{what}: {TOKEN_RULE}")]
-    BadToken {
-        /// Where it came from: "token file PATH", "PS_SHARD_TOKEN".
-        what: String,
-    },
-    /// `[server] shard_token_file` could not be read or holds no token.
-    #[error("[server] shard_token_file: {0}")]
-    ShardTokenFile(Box<CredentialError>),
-    /// A folder or file of [`write_credentials`] could not be created.
-    #[error("cannot create {}: {source}", path.display())]
-    Create {
-        /// The folder or file.
-        path: PathBuf,
-        /// Why.
-        source: std::io::Error,
-    },
-    /// A credential file could not be written.
-    #[error("cannot write {}: {source}", path.display())]
-    Write {
-        /// The file.
-        path: PathBuf,
-        /// Why.
-        source: std::io::Error,
-    },
-    /// [`write_credentials`] found a credential file already there.
-    #[error(
-        "{} exists: the credentials of a run are written once and copied to every host; remove the files to make new ones (every shard and worker must then read the new ones)",
-        path.display()
-    )]
-    Exists {
-        /// The file.
-        path: PathBuf,
-    },
-    /// A TLS file could not be read.
-    #[error("cannot read {what} {}: {source}", path.display())]
-    ReadPem {
-        /// "certificate", "private key", "CA certificate".
-        what: &'static str,
-        /// The file.
-        path: PathBuf,
-        /// Why.
-        source: std::io::Error,
-    },
-    /// A TLS file that is not PEM.
-    #[error("{what} {}: expected PEM (-----BEGIN ...)", path.display())]
-    NotPem {
-        /// "certificate", "private key", "CA certificate".
-        what: &'static str,
-        /// The file.
-        path: PathBuf,
-    },
-}
+pub use crate::error::CredentialError;
 
 /// The shared token, kept out of `Debug` output and logs.
 #[derive(Clone, PartialEq, Eq)]

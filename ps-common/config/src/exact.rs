@@ -10,7 +10,7 @@
 
 use super::kinds::{Aggregation, LossReduction, Wire};
 use super::train::TrainConfig;
-use crate::invalid::Invalid;
+use crate::error::Invalid;
 
 /// The micro-batch size when `exact_micro_batch` is not stated: the largest of 16, 8, 4, 2, 1
 /// that divides the global batch.

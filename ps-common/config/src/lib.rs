@@ -26,7 +26,7 @@
 //! - `credential`: the token and TLS files the file names, read and checked.
 
 #[macro_use]
-pub mod invalid;
+pub mod error;
 mod builder;
 mod cluster;
 pub mod credential;
@@ -44,7 +44,7 @@ mod train;
 
 pub use builder::TestConfig;
 pub use cluster::ClusterConfig;
-pub use invalid::Invalid;
+pub use error::{CredentialError, Invalid};
 pub use kinds::{
     Aggregation, BarrierPolicy, LossReduction, OptimizerKind, ScheduleKind, Transport, Wire,
 };

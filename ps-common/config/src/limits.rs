@@ -4,7 +4,7 @@
 //! process: durations stay far from `Duration`'s and tokio's limits, products of counts are
 //! computed with checked arithmetic, and the model's memory is checked against the host's.
 
-use crate::invalid::Invalid;
+use crate::error::Invalid;
 
 /// Longest duration of any `*_secs` key: 7 days.
 pub const MAX_SECS: f64 = 7.0 * 24.0 * 3600.0;

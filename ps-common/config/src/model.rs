@@ -4,7 +4,7 @@
 
 use super::Resolve;
 use super::limits::{MAX_HIDDEN_LAYERS, MAX_PARAMS, MAX_WIDTH};
-use crate::invalid::Invalid;
+use crate::error::Invalid;
 use ps_model::declared::Declared;
 use ps_model::layout::{CnnLayout, CnnShape};
 use serde::{Deserialize, Serialize};

@@ -2,7 +2,7 @@
 
 use super::kinds::{OptimizerKind, ScheduleKind};
 use super::limits::{MAX_STEPS, at_most, show};
-use crate::invalid::Invalid;
+use crate::error::Invalid;
 use ps_optim::{Decay, LrSchedule, Optimizer};
 use serde::{Deserialize, Serialize};
 

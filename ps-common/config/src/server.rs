@@ -3,7 +3,7 @@
 use super::Resolve;
 use super::kinds::BarrierPolicy;
 use super::limits::{MAX_CHECKPOINT_FAILURES, MAX_KEEP, MAX_STEPS, MAX_THREADS, at_most, secs};
-use crate::invalid::Invalid;
+use crate::error::Invalid;
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 

@@ -3,7 +3,7 @@
 use super::Resolve;
 use super::kinds::{Aggregation, LossReduction};
 use super::limits::{MAX_BATCH, MAX_STEPS, at_most};
-use crate::invalid::Invalid;
+use crate::error::Invalid;
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 
