@@ -188,7 +188,7 @@ pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
     // one micro-batch's gradient, with [train] micro_batches > 1
     let mut part = Vec::new();
     // the exact partial sum, with [train] exact_sum
-    let mut exact_acc = Vec::new();
+    let mut exact_acc = ps_net::exact::TermSum::default();
     let mut timing = Timing::default();
     let chunk_bytes = cfg.server.chunk_bytes;
     let wire = cfg.cluster.wire;
