@@ -21,6 +21,8 @@ fi
 ENV="$(cd "$ENV" && pwd)"  # PS_PYENV may be relative or absolute
 export PATH="$ENV/bin:$PATH"
 cargo build --release --bin ps-server --bin ps-worker --bin ps-launch
-pip install --quiet --no-build-isolation --force-reinstall --no-deps ./python
+# python -m pip: a venv copied from another checkout keeps bin/pip's shebang to the original
+# venv's python, so a plain `pip` would install there
+python -m pip install --quiet --no-build-isolation --force-reinstall --no-deps ./python
 cd python/tests
 exec python -m pytest -q "$@"

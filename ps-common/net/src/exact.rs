@@ -323,19 +323,29 @@ fn encode_portable(hi: &[i64], lo: &[i64], out: &mut [f32]) -> bool {
 const TOP: i32 = 1 << DIGIT_BITS;
 
 /// Adds the digits `d` into the lanes `acc` (one per digit); true when one is not a digit an
-/// encoder writes (the lanes then hold garbage).
+/// encoder writes (the lanes then hold garbage). In f64 lanes (no saturating conversion, so
+/// it vectorises): a digit is integral when rounding it to an integer leaves it unchanged
+/// (NaN never is), and in range by two comparisons (which the infinities fail).
 #[inline(always)]
 fn add_digits_portable(acc: &mut [i64], d: &[f32]) -> bool {
-    // 8 values (24 digits) a pass, with the bounds of their positions: it vectorises
+    // 8 values (24 digits) a pass, with the bounds of their positions
     const N: usize = 8 * LIMBS;
-    let lower: [i32; N] = std::array::from_fn(|k| if k % LIMBS == LIMBS - 1 { -TOP } else { 0 });
-    let mut bad = false;
-    let mut add = |a: &mut [i64], x: &[f32], lower: &[i32]| {
-        for ((a, &x), &low) in a.iter_mut().zip(x).zip(lower) {
-            // NaN converts to 0 and the out of range saturates: both fail the round trip
-            let di = x as i32;
-            bad |= (di as f32 != x) | (di < low) | (di >= TOP);
-            *a = a.wrapping_add(i64::from(di));
+    let lower: [f64; N] = std::array::from_fn(|k| {
+        if k % LIMBS == LIMBS - 1 {
+            -f64::from(TOP)
+        } else {
+            0.0
+        }
+    });
+    let top = f64::from(TOP);
+    // a flag per position, reduced once at the end
+    let mut bad = [false; N];
+    let mut add = |a: &mut [i64], x: &[f32], lower: &[f64]| {
+        for (((a, &x), &low), bad) in a.iter_mut().zip(x).zip(lower).zip(bad.iter_mut()) {
+            let x = f64::from(x);
+            let r = x + MAGIC;
+            *bad |= ((r - MAGIC) != x) | !((x >= low) & (x < top));
+            *a = a.wrapping_add(unmagic(r));
         }
     };
     let mut chunks = acc.chunks_exact_mut(N);
@@ -344,7 +354,7 @@ fn add_digits_portable(acc: &mut [i64], d: &[f32]) -> bool {
         add(a, x, &lower);
     }
     add(chunks.into_remainder(), xs.remainder(), &lower);
-    bad
+    bad.contains(&true)
 }
 
 /// Rounds the lanes `acc` (three per value, digits' sums) into `out`.
