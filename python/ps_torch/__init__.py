@@ -962,3 +962,7 @@ class Distributed(torch.nn.Module):
     def micro_batches(self, batch: Any, k: int) -> Iterator[tuple[Any, float]]:
         """``Worker.micro_batches`` of this step's batch."""
         return self.worker.micro_batches(batch, k)
+
+    def terms(self, batch: Any) -> Iterator[Any]:
+        """``Worker.terms`` of this step's batch (``[train] exact_sum = true``)."""
+        return self.worker.terms(batch)
