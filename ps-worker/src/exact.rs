@@ -6,10 +6,10 @@
 
 use crate::backend::{Backend, BackendResult, StepStats};
 use ps_config::LossReduction;
-use ps_net::exact::{LIMBS, add_term, encode};
+use ps_net::exact::{LIMBS, TermSum};
 
 /// The gradient terms of `x`/`labels` (whole micro-batches of `m`), summed exactly into `acc`
-/// (the model's length; reset here), then encoded into `wire` ([`LIMBS`] values per
+/// (reset here to the model's length), then encoded into `wire` ([`LIMBS`] values per
 /// parameter); `part` is the scratch of one term. `ready` is called once, with the whole
 /// encoded sum at offset 0, and the figures summed over the micro-batches.
 #[allow(clippy::too_many_arguments)]
@@ -19,14 +19,14 @@ pub fn forward_backward_exact(
     labels: &[u8],
     reduction: LossReduction,
     m: usize,
-    acc: &mut Vec<i128>,
+    acc: &mut TermSum,
     part: &mut Vec<f32>,
     wire: &mut [f32],
     ready: &mut dyn FnMut(usize, &[f32], StepStats),
 ) -> BackendResult<StepStats> {
     let params = wire.len() / LIMBS;
     let total = partial_sum(backend, x, labels, reduction, (m, params), acc, part)?;
-    encode(acc, wire)?;
+    acc.encode(0..params, wire)?;
     ready(0, wire, total);
     Ok(total)
 }
@@ -39,13 +39,12 @@ pub fn partial_sum(
     labels: &[u8],
     reduction: LossReduction,
     (m, params): (usize, usize),
-    acc: &mut Vec<i128>,
+    acc: &mut TermSum,
     part: &mut Vec<f32>,
 ) -> BackendResult<StepStats> {
     let n = labels.len();
     let inputs = x.len().checked_div(n).unwrap_or(0);
-    acc.clear();
-    acc.resize(params, 0);
+    acc.reset(params);
     part.resize(params, 0.0);
     let mut total = StepStats::default();
     for start in (0..n).step_by(m.max(1)) {
@@ -56,7 +55,7 @@ pub fn partial_sum(
             reduction,
             part,
         )?;
-        add_term(acc, part)?;
+        acc.add_term(part)?;
         total.loss_sum += stats.loss_sum;
         total.correct += stats.correct;
     }
@@ -87,14 +86,15 @@ mod tests {
             .collect();
         let y: Vec<u8> = (0..m * batches).map(|i| (i * 7 % 4) as u8).collect();
         let rounded = |splits: &[usize], backend: &mut dyn Backend| {
-            let (mut total, mut loss) = (vec![0i128; n], 0.0);
-            let (mut acc, mut part, mut wire) = (Vec::new(), Vec::new(), vec![0f32; wire_len(n)]);
+            let (mut wires, mut loss) = (Vec::new(), 0.0);
+            let (mut acc, mut part) = (TermSum::default(), Vec::new());
             let mut start = 0;
             for &k in splits {
                 let (xs, ys) = (
                     &x[start * m * 6..(start + k) * m * 6],
                     &y[start * m..(start + k) * m],
                 );
+                let mut wire = vec![0f32; wire_len(n)];
                 let stats = forward_backward_exact(
                     backend,
                     xs,
@@ -108,11 +108,12 @@ mod tests {
                 )
                 .unwrap();
                 loss += stats.loss_sum;
-                ps_net::exact::add_encoded(&mut total, &wire).unwrap();
+                wires.push(wire);
                 start += k;
             }
+            let parts: Vec<&[f32]> = wires.iter().map(|w| &w[..]).collect();
             let mut out = vec![0f32; n];
-            ps_net::exact::round(&total, &mut out).unwrap();
+            ps_net::exact::sum_encoded(&parts, 0, &mut out).unwrap();
             (out.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), loss)
         };
         let (one, loss) = rounded(&[6], backend.as_mut());

@@ -63,7 +63,7 @@ pub fn run_reference_of(cfg: &Config, train: &Dataset, kind: Kind) -> anyhow::Re
     let (mut x, mut y) = (Vec::new(), Vec::new());
     let mut last_loss = 0.0;
     let world = cfg.cluster.workers;
-    let mut exact_acc = Vec::new();
+    let mut exact_acc = ps_net::exact::TermSum::default();
     for t in 0..total {
         backend.set_weights(&params)?;
         if let Some(m) = cfg.train.exact_micro_batch {
@@ -126,13 +126,13 @@ fn exact_step(
     backend: &mut dyn crate::backend::Backend,
     (x, y): (&[f32], &[u8]),
     m: usize,
-    acc: &mut Vec<i128>,
+    acc: &mut ps_net::exact::TermSum,
     part: &mut Vec<f32>,
     grad: &mut [f32],
 ) -> anyhow::Result<f64> {
     let reduction = cfg.train.loss_reduction;
     let stats = crate::exact::partial_sum(backend, x, y, reduction, (m, grad.len()), acc, part)?;
-    ps_net::exact::round(acc, grad)?;
+    acc.round(grad)?;
     if reduction == ps_config::LossReduction::Mean {
         let c = ps_net::exact::mean_coefficient(y.len() / m);
         grad.iter_mut().for_each(|g| *g *= c);

@@ -187,7 +187,7 @@ struct Run {
     /// One micro-batch's gradient, with [train] micro_batches > 1.
     part: Vec<f32>,
     /// The exact partial sum, with [train] exact_sum.
-    exact_acc: Vec<i128>,
+    exact_acc: ps_net::exact::TermSum,
     timing: Timing,
     shard_ranges: Vec<Range<usize>>,
     /// Where each shard's push lies in the gradient: its range, or that of the encoded
@@ -297,7 +297,7 @@ impl Run {
             x: Vec::new(),
             y: Vec::new(),
             part: Vec::new(),
-            exact_acc: Vec::new(),
+            exact_acc: ps_net::exact::TermSum::default(),
             timing: Timing::default(),
             shard_ranges,
             push_ranges,
@@ -438,7 +438,7 @@ struct Compute<'a> {
     x: &'a mut Vec<f32>,
     y: &'a mut Vec<u8>,
     part: &'a mut Vec<f32>,
-    exact_acc: &'a mut Vec<i128>,
+    exact_acc: &'a mut ps_net::exact::TermSum,
     grad: &'a mut [f32],
 }
 

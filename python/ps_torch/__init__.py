@@ -42,6 +42,11 @@ scale).backward()`` then ``step()`` once (the whole batch's gradient). Parameter
 multiplier, weight decay, betas by tensor-name pattern) are the config's
 ``[[optimizer.groups]]``, applied by the shards.
 
+The exact-sum mode (``[train] exact_sum = true``: the same bits at any number of workers):
+``for part in worker.terms(batch): loss(part).backward()`` then ``step()`` once; each
+micro-batch's gradient is added to an exact fixed-point sum (``ps_net::exact``), which the
+shards add to the other workers' and round once.
+
 Behaviour with special parameters and buffers:
 
 * Parameters with ``requires_grad=False`` are not part of the run's model: ``save_init`` and
@@ -303,6 +308,9 @@ class Worker:
                     p.data = v
         self._step = None
         self._samples = 0
+        # [train] exact_sum: the step whose terms were summed (terms()), the tensors reached
+        self._exact_m = self._native.exact_micro_batch
+        self._terms = None
         self._timing = (0, 0.0, 0, 0.0)
         # backward(): each parameter's gradient goes to the shards as soon as autograd has
         # accumulated it (the hooks act only inside Worker.backward)
@@ -481,6 +489,84 @@ class Worker:
             yield (chunk if isinstance(batch, (tuple, list)) else chunk[0]), (
                 size / n if mean else 1.0)
 
+    def terms(self, batch: Any) -> Iterator[Any]:
+        """The exact-sum mode (``[train] exact_sum = true``): splits this step's ``batch`` (a
+        tensor, or a tuple/list of tensors sharing the first dimension) into the run's
+        micro-batches of ``[train] exact_micro_batch`` samples and yields each: call
+        ``backward()`` on its loss (the configured reduction over the micro-batch). After
+        each, its gradient (every ``.grad``) is added without rounding to this step's exact
+        partial sum and cleared; then call ``step()`` once, which pushes the sum. The same
+        samples meet the same shapes at any W, so the run's weights are the same bits at any
+        W."""
+        t = self._step
+        if t is None:
+            raise RuntimeError("worker.terms() outside a step of worker.batches()")
+        m = self._exact_m
+        if m is None:
+            raise ValueError("worker.terms(): [train] exact_sum is off in the config: use "
+                             "backward() (or micro_batches() for gradient accumulation)")
+        parts = batch if isinstance(batch, (tuple, list)) else (batch,)
+        n = len(parts[0])
+        if n % m:
+            raise ValueError(f"worker.terms(): a batch of {n} samples at step {t}: expected "
+                             f"whole micro-batches of exact_micro_batch = {m} (this rank's "
+                             "batch of the step, as batches() or sampler() gives it)")
+        self._terms = None
+        self._native.begin_terms(t)
+        reached = [False] * len(self._params)
+        for i in range(n // m):
+            chunk = tuple(p[i * m:(i + 1) * m] for p in parts)
+            yield chunk if isinstance(batch, (tuple, list)) else chunk[0]
+            self._add_term(t, reached)
+        self._terms = (t, reached)
+
+    def _add_term(self, t: int, reached: list) -> None:
+        """Adds every ``.grad`` (None: not reached, zeros) to step ``t``'s exact sum and clears
+        them."""
+        arrays = []
+        with torch.no_grad():
+            for i, ((_, p), o) in enumerate(zip(self._params, self._offsets)):
+                g = p.grad
+                if g is None:
+                    arrays.append(None)
+                    continue
+                reached[i] = True
+                if g.device.type == "cpu" and g.dtype == torch.float32 and g.is_contiguous():
+                    arrays.append(g.reshape(-1).numpy())
+                else:
+                    buf = self._grad[o : o + p.numel()]
+                    buf.copy_(g.reshape(-1))
+                    arrays.append(buf.numpy())
+        self._native.add_term(t, arrays)
+        for _, p in self._params:
+            p.grad = None
+
+    def _step_exact(self, t: int, loss_sum, correct, samples) -> None:
+        """``step()`` in the exact-sum mode: pushes the exact partial sum of ``terms()``."""
+        done, self._terms = self._terms, None
+        if done is None or done[0] != t:
+            raise RuntimeError(f"worker.step() at step {t} in the exact-sum mode: expected "
+                               "the step's terms first (for part in worker.terms(batch): "
+                               "loss(part).backward())")
+        unused = [i for i, r in enumerate(done[1]) if not r]
+        self._check_reached(unused, t)
+        ev = (0, 0)
+        if self._eval_every and t > 0 and t % self._eval_every == 0:
+            ev = self._run_evaluate()
+        if isinstance(loss_sum, torch.Tensor):
+            loss_sum = loss_sum.item()
+        if isinstance(correct, torch.Tensor):
+            correct = correct.item()
+        n = self._samples if samples is None else int(samples)
+
+        def push():
+            self._put_buffers(t)
+            if unused:
+                self._native.mark_unused(t, unused)
+            self._native.push_exact(t, n, float(loss_sum), int(correct), ev[0], ev[1])
+
+        self._push_and_pull(push)
+
     def _check_accumulation(self, k: int) -> None:
         """``k`` divides this rank's batch of every step of the run (checked once per k)."""
         checked = getattr(self, "_accumulation_ok", set())
@@ -639,6 +725,9 @@ class Worker:
         if not self._finish_pull():
             self._step = None  # computed with a failed pull's weights: redone after the rollback
             return
+        if self._exact_m is not None:
+            self._step_exact(t, loss_sum, correct, samples)
+            return
         # one array per tensor: CPU float32 gradients are read in place (copied once, into
         # the buffer the shards read); others are first copied to the CPU
         parts = []
@@ -701,6 +790,9 @@ class Worker:
         t = self._step
         if t is None:
             raise RuntimeError("worker.backward() outside a step of worker.batches()")
+        if self._exact_m is not None:
+            raise ValueError("worker.backward(): [train] exact_sum = true pushes the exact sum "
+                             "of micro-batch terms: use worker.terms(batch), then step()")
         if not self._finish_pull():
             self._step = None  # computed with a failed pull's weights: redone after the rollback
             return
@@ -881,3 +973,7 @@ class Distributed(torch.nn.Module):
     def micro_batches(self, batch: Any, k: int) -> Iterator[tuple[Any, float]]:
         """``Worker.micro_batches`` of this step's batch."""
         return self.worker.micro_batches(batch, k)
+
+    def terms(self, batch: Any) -> Iterator[Any]:
+        """``Worker.terms`` of this step's batch (``[train] exact_sum = true``)."""
+        return self.worker.terms(batch)

@@ -4,7 +4,9 @@
 //! memory on one host, gRPC otherwise, token and TLS as the config says), hands out this rank's
 //! sample indices of each step (the data-order contract), pushes a flat gradient and pulls a flat
 //! weight vector, both as float32 buffers (numpy arrays) that it reads and writes in place with the
-//! GIL released. The Python package (`ps_torch/__init__.py`) wraps it in `ps_torch.Worker`.
+//! GIL released. With `[train] exact_sum` it sums the micro-batch gradient terms PyTorch computes
+//! exactly (`ps_net::exact`) and pushes that partial sum, encoded. The Python package
+//! (`ps_torch/__init__.py`) wraps it in `ps_torch.Worker`.
 
 use ps_config::Config;
 use ps_data::order::BatchPlanner;
@@ -93,9 +95,22 @@ struct Client {
     /// The destination of the pull under way beside the forward pass (`begin_pull`), kept
     /// alive until the pull has ended (after `session`, which stops the pull when dropped).
     pulling: Option<Py<PyAny>>,
+    /// `[train] exact_sum`: the step whose terms `terms` sums (`begin_terms`), and the sum.
+    terms: (Option<u64>, ps_net::exact::TermSum),
 }
 
 impl Client {
+    /// An error for a plain gradient push (`what`) in the exact-sum mode, whose pushes carry
+    /// the encoded exact partial sum (`push_exact`).
+    fn refuse_in_exact(&self, what: &str) -> PyResult<()> {
+        match self.cfg.train.exact_micro_batch {
+            Some(m) => Err(PyValueError::new_err(format!(
+                "{what}: [train] exact_sum = true pushes the exact partial sum of micro-batch terms of {m} samples: use begin_terms, add_term and push_exact (ps_torch: Worker.terms)"
+            ))),
+            None => Ok(()),
+        }
+    }
+
     fn session(&mut self) -> PyResult<&mut Session> {
         self.session.as_mut().ok_or_else(|| {
             PyRuntimeError::new_err(
@@ -191,6 +206,7 @@ impl Client {
             session: None,
             planner: None,
             pulling: None,
+            terms: Default::default(),
         })
     }
 
@@ -312,6 +328,7 @@ impl Client {
         eval_correct: u64,
         eval_count: u64,
     ) -> PyResult<()> {
+        self.refuse_in_exact("push")?;
         let addr = f32_buffer(grad, self.num_params, false, "gradient")?;
         let n = self.num_params;
         let rt = &self.rt;
@@ -343,6 +360,7 @@ impl Client {
         eval_correct: u64,
         eval_count: u64,
     ) -> PyResult<()> {
+        self.refuse_in_exact("push_parts")?;
         if grads.len() != self.model.len() {
             return Err(PyValueError::new_err(format!(
                 "{} gradient arrays: expected one per tensor ({})",
@@ -390,6 +408,7 @@ impl Client {
         eval_correct: u64,
         eval_count: u64,
     ) -> PyResult<()> {
+        self.refuse_in_exact("begin_push")?;
         self.session()?
             .begin_push(step, samples, loss_sum, correct, (eval_correct, eval_count))
             .map_err(runtime_err)
@@ -572,6 +591,104 @@ impl Client {
             .iter()
             .map(|s| s.to_string())
             .collect())
+    }
+
+    /// `[train] exact_micro_batch`, the samples of a gradient term, when `[train] exact_sum`
+    /// is on; None otherwise.
+    #[getter]
+    fn exact_micro_batch(&self) -> Option<usize> {
+        self.cfg.train.exact_micro_batch
+    }
+
+    /// `[train] exact_sum`: starts step `step`'s exact partial sum at zero (terms of an
+    /// earlier attempt of any step are dropped).
+    fn begin_terms(&mut self, step: u64) -> PyResult<()> {
+        if self.cfg.train.exact_micro_batch.is_none() {
+            return Err(PyValueError::new_err(
+                "exact terms: [train] exact_sum is off in this run's config",
+            ));
+        }
+        self.terms.0 = Some(step);
+        self.terms.1.reset(self.num_params);
+        Ok(())
+    }
+
+    /// `[train] exact_sum`: adds one micro-batch's gradient term of step `step` to its exact
+    /// partial sum, without rounding: one float32 array per tensor in flat order, None for
+    /// a tensor its backward did not reach (zeros).
+    fn add_term(
+        &mut self,
+        py: Python<'_>,
+        step: u64,
+        grads: Vec<Option<Bound<'_, PyAny>>>,
+    ) -> PyResult<()> {
+        if self.terms.0 != Some(step) {
+            return Err(PyRuntimeError::new_err(format!(
+                "a term of step {step}: call begin_terms({step}) first (the sum under way is of step {:?})",
+                self.terms.0
+            )));
+        }
+        if grads.len() != self.model.len() {
+            return Err(PyValueError::new_err(format!(
+                "{} gradient arrays: expected one per tensor ({})",
+                grads.len(),
+                self.model.len()
+            )));
+        }
+        let mut parts = Vec::with_capacity(grads.len());
+        for ((g, t), &off) in grads.iter().zip(&self.model).zip(&self.offsets) {
+            if let Some(g) = g {
+                let len = t.shape.iter().product::<u64>() as usize;
+                let addr = f32_buffer(g, len, false, &format!("gradient of {}", t.name))?;
+                parts.push((off, addr, len));
+            }
+        }
+        let sum = &mut self.terms.1;
+        py.detach(|| {
+            for (off, addr, len) in parts {
+                // SAFETY: a float32 buffer of `len` values, alive for this call (the caller
+                // holds the arrays and is blocked in it).
+                let src = unsafe { std::slice::from_raw_parts(addr as *const f32, len) };
+                sum.add_term_at(off, src)?;
+            }
+            Ok::<_, ps_net::exact::ExactError>(())
+        })
+        .map_err(|e| {
+            self.terms.0 = None;
+            PyValueError::new_err(format!("step {step}: exact sum: {e}"))
+        })
+    }
+
+    /// `[train] exact_sum`: pushes step `step`'s exact partial sum (its terms added with
+    /// `add_term`), encoded, to every shard, which add the workers' sums and round once; the
+    /// sum is used up.
+    #[pyo3(signature = (step, samples, loss_sum, correct, eval_correct=0, eval_count=0))]
+    #[allow(clippy::too_many_arguments)]
+    fn push_exact(
+        &mut self,
+        py: Python<'_>,
+        step: u64,
+        samples: u32,
+        loss_sum: f64,
+        correct: u64,
+        eval_correct: u64,
+        eval_count: u64,
+    ) -> PyResult<()> {
+        if self.terms.0.take() != Some(step) {
+            return Err(PyRuntimeError::new_err(format!(
+                "push_exact({step}): no terms of step {step} (begin_terms, then add_term for each micro-batch)"
+            )));
+        }
+        let (rt, sum, n) = (&self.rt, &self.terms.1, self.num_params);
+        let session = self.session.as_mut().ok_or_else(|| {
+            PyRuntimeError::new_err("not connected: call connect(train_len) first")
+        })?;
+        py.detach(|| {
+            sum.encode(0..n, session.grad_mut())
+                .map_err(|e| PyValueError::new_err(format!("step {step}: exact sum: {e}")))?;
+            rt.block_on(session.push(step, samples, loss_sum, correct, (eval_correct, eval_count)))
+                .map_err(|e| after_failure(rt, session, step, e))
+        })
     }
 
     /// This worker's rank.

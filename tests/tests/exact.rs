@@ -234,3 +234,48 @@ fn clipping_is_the_same_bits_at_two_w() {
         assert_bit_identical(&got, &want, &format!("clipped, W = {w}, one shard"));
     }
 }
+
+/// CUDA workers in the mode (a GPU, or the GPU-less CUDA harness: `scripts/cuda-harness.sh
+/// test` runs this): W = 1 and W = 2 (2 shards) end with the same bits, and training moved
+/// the weights. Equal to the CPU is not required (cuBLAS sums a term in its own order).
+#[test]
+#[ignore = "needs a CUDA GPU or the CUDA harness: run with --ignored (scripts/cuda-harness.sh test)"]
+fn cuda_workers_are_the_same_bits_at_w_1_and_2() {
+    let n =
+        ps_worker::cuda::device_count().unwrap_or_else(|e| panic!("this test needs a GPU: {e}"));
+    assert!(n > 0, "this test needs a GPU: no CUDA device");
+    let spec = |workers: usize| Spec {
+        workers,
+        shards: 2,
+        hidden: vec![32],
+        global_batch: 32,
+        steps: 8,
+        config: TestConfig::new()
+            .seed(42)
+            .adam(0.01, 0.0, false)
+            .barrier_timeout_secs(300.0)
+            .linger_secs(300.0)
+            .exact_sum(Some(8)),
+        ..Spec::default()
+    };
+    let weights = |workers: usize| {
+        let dir = tempfile::tempdir().unwrap();
+        let (path, cfg) = spec(workers).write(dir.path());
+        let start = Start {
+            worker_args: vec!["--device=cuda".into()],
+            ..Start::default()
+        };
+        run_cluster(&path, &cfg, &start);
+        let log = std::fs::read_to_string(dir.path().join("logs/worker-0.log")).unwrap();
+        assert!(log.contains("device cuda: using cuda:"), "on CUDA:\n{log}");
+        (cfg.clone(), cluster_weights(&cfg))
+    };
+    let (cfg, one) = weights(1);
+    let (_, two) = weights(2);
+    assert_bit_identical(&two, &one, "CUDA workers, W = 2 against W = 1");
+    let init = cfg.layout().init_range(cfg.train.seed, 0..one.len());
+    assert!(
+        rel_diff(&cfg, &init, &one) > 1e-3,
+        "training moved the weights"
+    );
+}

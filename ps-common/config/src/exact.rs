@@ -17,14 +17,10 @@ use crate::error::Invalid;
 const DEFAULT_MICRO_BATCH: usize = 16;
 
 /// Resolves the micro-batch size against the global batch `B` and `W`, and refuses what the
-/// mode cannot make independent of `W` (exit 2 at start-up), saying why; `declared`: a
-/// declared model (`[model] init`), trained by PyTorch workers.
-pub(super) fn resolve(
-    train: &mut TrainConfig,
-    workers: usize,
-    wire: Wire,
-    declared: bool,
-) -> Result<(), Invalid> {
+/// mode cannot make independent of `W` (exit 2 at start-up), saying why. A declared model
+/// (`[model] init`) is trained by PyTorch workers, which push exact partial sums too
+/// (`ps_torch.Worker.terms`).
+pub(super) fn resolve(train: &mut TrainConfig, workers: usize, wire: Wire) -> Result<(), Invalid> {
     let Some(stated) = train.exact_micro_batch else {
         return Ok(());
     };
@@ -70,9 +66,6 @@ pub(super) fn resolve(
     }
     if wire == Wire::Bf16 {
         return refuse("[cluster] wire = \"bf16\" rounds each worker's gradient to bfloat16 with a per-worker error feedback: not exact; use wire = \"f32\"".into());
-    }
-    if declared {
-        return refuse("a declared model ([model] init, not kind = \"cnn\") is trained by PyTorch workers (ps_torch), which do not push exact partial sums yet: expected the built-in MLP or CNN".into());
     }
     train.exact_micro_batch = Some(m);
     Ok(())

@@ -452,12 +452,7 @@ impl Config {
                 train.global_batch
             ));
         }
-        exact::resolve(
-            &mut train,
-            w,
-            cluster.wire,
-            model.declared.is_some() && model.cnn.is_none(),
-        )?;
+        exact::resolve(&mut train, w, cluster.wire)?;
         // [train] micro_batches x the per-worker batches
         let k = train.micro_batches;
         if k > 1 {

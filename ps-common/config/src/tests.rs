@@ -740,14 +740,36 @@ fn exact_sum_refuses_what_depends_on_w_naming_why() {
         ),
         "[train] exact_micro_batch = 2 without exact_sum = true",
     );
-    // a declared model that is not the CNN: its workers are PyTorch workers
+    // a declared model (PyTorch workers, ps_torch's Worker.terms) is in the mode too
     let mut train = exact("").unwrap().train;
     train.exact_micro_batch = Some(0);
-    let e = exact::resolve(&mut train, 4, Wire::F32, true)
-        .unwrap_err()
-        .to_string();
+    exact::resolve(&mut train, 4, Wire::F32).unwrap();
+    assert_eq!(train.exact_micro_batch, Some(2));
+}
+
+/// With `clip_norm` the exact mode's statement says that the bits hold for a given shard
+/// count only (a tensor split between shards has its squared norm summed in parts, in f64),
+/// and without it that they hold for any shard count.
+#[test]
+fn exact_sum_with_clipping_states_that_the_shard_count_is_fixed() {
+    let clipped = parse(
+        &GOOD
+            .replace(
+                "aggregation = \"weighted\"",
+                "aggregation = \"weighted\"\nexact_sum = true",
+            )
+            .replace("lr = 0.1", "lr = 0.1\nclip_norm = 1.0"),
+    )
+    .unwrap()
+    .equivalence()
+    .to_string();
     assert!(
-        e.contains("which do not push exact partial sums yet"),
-        "{e}"
+        clipped.contains("and a given number of shards")
+            && clipped.contains("other shard counts are not guaranteed the same bits"),
+        "{clipped}"
     );
+    assert!(!clipped.contains("and any number of shards"), "{clipped}");
+    let plain = exact("").unwrap().equivalence().to_string();
+    assert!(plain.contains("and any number of shards"), "{plain}");
+    assert!(!plain.contains("a given number of shards"), "{plain}");
 }

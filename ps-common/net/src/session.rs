@@ -42,6 +42,9 @@ pub struct Session {
     pub start_step: u64,
     /// Flat parameter count.
     pub num_params: usize,
+    /// Values pushed per parameter: 1, or [`crate::exact::LIMBS`] with `[train] exact_sum`
+    /// (the push buffer holds the encoded exact partial sum, [`Session::grad_mut`]).
+    pub limbs: usize,
     peers: Vec<Peer>,
     board: Option<(BoardDir, Board)>,
     heap_grad: Vec<f32>,
@@ -147,11 +150,15 @@ impl Session {
             .iter()
             .map(|t| t.shape.iter().product::<u64>() as usize)
             .sum();
+        let limbs = match cfg.train.exact_micro_batch {
+            Some(_) => crate::exact::LIMBS,
+            None => 1,
+        };
         let board = match cfg.cluster.transport {
             Transport::Auto => grad_board(
                 &ps_config::runid::board_prefix(cfg.cluster.run_id.as_deref()),
                 rank,
-                num_params,
+                limbs * num_params,
             ),
             Transport::Grpc => None,
         };
@@ -160,13 +167,14 @@ impl Session {
         let heap_grad = if board.is_some() {
             Vec::new()
         } else {
-            vec![0.0; num_params]
+            vec![0.0; limbs * num_params]
         };
         Ok(Self {
             rank,
             total_steps: total,
             start_step,
             num_params,
+            limbs,
             peers,
             board,
             heap_grad,
@@ -213,7 +221,8 @@ impl Session {
     }
 
     /// Where the next push's gradient is written: this worker's shared-memory board (read by
-    /// the shards on this host in place) or a heap buffer.
+    /// the shards on this host in place) or a heap buffer; [`Session::limbs`] values per
+    /// parameter.
     pub fn grad_mut(&mut self) -> &mut [f32] {
         match &mut self.board {
             Some((_, b)) => b.slot_mut(0),
@@ -369,7 +378,7 @@ impl Session {
         if peer.ahead {
             return None;
         }
-        let r = peer.range.clone();
+        let r = self.limbs * peer.range.start..self.limbs * peer.range.end;
         let bytes = if peer.link.grad {
             Bytes::new()
         } else {
@@ -423,6 +432,10 @@ impl Session {
         correct: u64,
         eval: (u64, u64),
     ) -> anyhow::Result<()> {
+        anyhow::ensure!(
+            self.limbs == 1,
+            "[train] exact_sum = true: a push carries the whole exact partial sum, encoded, after the last micro-batch; no push overlaps backward"
+        );
         anyhow::ensure!(
             self.overlapped.is_none(),
             "a push of step {} is under way: finish it first",

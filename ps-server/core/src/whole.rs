@@ -371,15 +371,7 @@ fn exact_aggregate(
             .chunks_mut(chunk)
             .enumerate()
             .map(|(c, part)| {
-                let at = c * chunk;
-                scope.spawn(move || {
-                    let mut acc = vec![0i128; part.len()];
-                    for (i, g) in grads.iter().enumerate() {
-                        let digits = &g[LIMBS * at..LIMBS * (at + part.len())];
-                        ps_net::exact::add_encoded(&mut acc, digits).map_err(|e| (i, e))?;
-                    }
-                    ps_net::exact::round(&acc, part).map_err(|e| (0, e))
-                })
+                scope.spawn(move || ps_net::exact::sum_encoded(grads, c * chunk, part))
             })
             .collect();
         jobs.into_iter()
