@@ -767,14 +767,6 @@ pub enum BoardError {
     },
 }
 
-/// For callers whose errors are still words (the shard core's attach, which says why a rank
-/// pushes through gRPC).
-impl From<BoardError> for String {
-    fn from(e: BoardError) -> Self {
-        e.to_string()
-    }
-}
-
 /// A directory of boards in `/dev/shm`, removed when dropped. Its owner holds an exclusive
 /// `flock` on `<dir>/owner.lock` for as long as it lives: the kernel drops the lock when the
 /// process dies (however it dies), and a lock is seen from every PID namespace that shares the

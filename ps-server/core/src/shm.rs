@@ -25,8 +25,8 @@ pub enum ShmError {
     #[error("this shard's board directory has no parent")]
     NoRoot,
     /// A worker's gradient board refused by [`Board::open_trusted`] (its reason).
-    #[error("{0}")]
-    Refused(String),
+    #[error(transparent)]
+    Refused(#[from] ps_net::shm::BoardError),
 }
 
 /// The shared-memory side of one shard.
