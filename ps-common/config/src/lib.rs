@@ -620,7 +620,7 @@ impl Config {
     /// the init file (that range only) for a declared model.
     pub fn initial_range(&self, range: std::ops::Range<usize>) -> Result<Vec<f32>, String> {
         match &self.model.declared {
-            Some(d) => d.read_range(range),
+            Some(d) => d.read_range(range).map_err(|e| e.to_string()),
             None => Ok(self.layout().init_range(self.train.seed, range)),
         }
     }

@@ -106,7 +106,7 @@ impl RawModel {
             Some(_) if self.hidden.is_some() => {
                 return Err("[model] init and hidden are both given: expected one (init declares the model, hidden sizes the built-in MLP)".into());
             }
-            Some(p) => Some(Declared::open(&resolve.path(p))?),
+            Some(p) => Some(Declared::open(&resolve.path(p)).map_err(|e| e.to_string())?),
         };
         let hidden = self.hidden.clone().unwrap_or(DEFAULT_HIDDEN.to_vec());
         if self.inputs == 0 || self.classes < 2 || hidden.contains(&0) {
@@ -233,7 +233,7 @@ impl RawModel {
         let declared = match &self.init {
             None => None,
             Some(p) => {
-                let d = Declared::open(&resolve.path(p))?;
+                let d = Declared::open(&resolve.path(p)).map_err(|e| e.to_string())?;
                 if d.spec.names_and_shapes() != layout.names_and_shapes() {
                     return Err(invalid!(
                         "[model] init = {}: its tensors {:?} are not those of the CNN of [model] ({:?})",

@@ -22,6 +22,119 @@ use std::ops::Range;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
+/// What is wrong with a declared model's init file, a buffers blob, or an export of the model.
+#[derive(Debug, thiserror::Error)]
+pub enum DeclaredError {
+    /// The init file cannot be opened or read.
+    #[error("[model] init = {path:?}: {doing}: {source}")]
+    Unreadable {
+        /// The file.
+        path: String,
+        /// What was being read ("cannot open", "cannot read tensor \"w\"").
+        doing: String,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// The init file is read but refused: its header, metadata or a tensor is not what is
+    /// expected (the reason says what was expected).
+    #[error("[model] init = {path:?}: {reason}")]
+    Refused {
+        /// The file.
+        path: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// Buffers were given for a model that has none.
+    #[error(
+        "the run's model has no buffers (its init file names none in \"buffer_order\"): write it with ps.save_init(model, path) from the model that has them"
+    )]
+    NoBuffers,
+    /// A buffers blob that is not a safetensors serialization.
+    #[error("buffers: not a safetensors serialization: {0}")]
+    BuffersNotSafetensors(safetensors::SafeTensorError),
+    /// A buffer of the model is missing from the blob.
+    #[error("buffers: {name:?} missing (the run's model has buffers {have:?})")]
+    BufferMissing {
+        /// The missing buffer.
+        name: String,
+        /// The model's buffers.
+        have: Vec<String>,
+    },
+    /// A buffer of the blob has another dtype or shape than the model's.
+    #[error(
+        "buffers: {name:?} is {dtype:?} {shape:?}: the run's model has {want_dtype:?} {want_shape:?}"
+    )]
+    BufferDiffers {
+        /// The buffer.
+        name: String,
+        /// Its dtype in the blob.
+        dtype: Dtype,
+        /// Its shape in the blob.
+        shape: Vec<usize>,
+        /// The model's dtype.
+        want_dtype: Dtype,
+        /// The model's shape.
+        want_shape: Vec<usize>,
+    },
+    /// The blob holds an entry that is not a buffer of the model.
+    #[error("buffers: {0:?} is not a buffer of the run's model")]
+    NotABuffer(String),
+    /// An export of a model with buffers was given none.
+    #[error("{path}: the model has buffers ({count}) but the run wrote none")]
+    ExportWithoutBuffers {
+        /// The export file.
+        path: String,
+        /// How many buffers the model has.
+        count: usize,
+    },
+    /// A tied alias names an entry the export does not hold.
+    #[error("alias {alias:?}: no entry {target:?}")]
+    AliasTarget {
+        /// The alias.
+        alias: String,
+        /// The entry it names.
+        target: String,
+    },
+    /// An entry whose bytes do not fit its dtype and shape.
+    #[error("tensor {name:?}: {source}")]
+    Tensor {
+        /// The entry.
+        name: String,
+        /// What safetensors says.
+        source: safetensors::SafeTensorError,
+    },
+    /// A serialization that safetensors refuses.
+    #[error(transparent)]
+    Safetensors(#[from] safetensors::SafeTensorError),
+    /// The export cannot be written.
+    #[error("{path}: cannot write: {source}")]
+    Write {
+        /// The export file.
+        path: String,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+}
+
+impl DeclaredError {
+    /// An I/O error reading the init file `path` while `doing`.
+    fn unreadable(path: &Path, doing: impl Into<String>, source: std::io::Error) -> Self {
+        Self::Unreadable {
+            path: path.display().to_string(),
+            doing: doing.into(),
+            source,
+        }
+    }
+
+    /// The init file `path` refused for `reason`.
+    fn refused(path: &Path) -> impl Fn(String) -> Self + '_ {
+        move |reason| Self::Refused {
+            path: path.display().to_string(),
+            reason,
+        }
+    }
+}
+
 /// The metadata key of the flat order: a JSON array of tensor names.
 pub const ORDER_KEY: &str = "parameter_order";
 /// The metadata key of the buffers: a JSON array of tensor names (any dtype).
@@ -92,8 +205,8 @@ pub const EXTRA_DTYPES: [Dtype; 10] = [
 impl Declared {
     /// Reads and checks the header of `path`: every tensor F32, the order metadata naming each
     /// tensor of the file exactly once, and the data section exactly as long as the header says.
-    pub fn open(path: &Path) -> Result<Self, String> {
-        let e = |m: String| format!("[model] init = {:?}: {m}", path.display().to_string());
+    pub fn open(path: &Path) -> Result<Self, DeclaredError> {
+        let e = DeclaredError::refused(path);
         let (meta, data_start) = read_header(path, &e)?;
         let tensors = meta.tensors();
         if tensors.is_empty() {
@@ -136,10 +249,10 @@ impl Declared {
     }
 
     /// The initial values of `range` of the flat vector, read from the file (only that range).
-    pub fn read_range(&self, range: Range<usize>) -> Result<Vec<f32>, String> {
-        let e = |m: String| format!("[model] init = {:?}: {m}", self.path.display().to_string());
-        let file =
-            std::fs::File::open(&self.path).map_err(|err| e(format!("cannot open: {err}")))?;
+    pub fn read_range(&self, range: Range<usize>) -> Result<Vec<f32>, DeclaredError> {
+        let e = DeclaredError::refused(&self.path);
+        let file = std::fs::File::open(&self.path)
+            .map_err(|err| DeclaredError::unreadable(&self.path, "cannot open", err))?;
         let mut out = vec![0f32; range.len()];
         let mut bytes = Vec::new();
         for t in &self.spec.tensors {
@@ -153,7 +266,13 @@ impl Declared {
             };
             bytes.resize((hi - lo) * 4, 0);
             file.read_exact_at(&mut bytes, byte_offset + ((lo - r.start) * 4) as u64)
-                .map_err(|err| e(format!("cannot read tensor {:?}: {err}", t.name)))?;
+                .map_err(|err| {
+                    DeclaredError::unreadable(
+                        &self.path,
+                        format!("cannot read tensor {:?}", t.name),
+                        err,
+                    )
+                })?;
             for (dst, src) in out[lo - range.start..hi - range.start]
                 .iter_mut()
                 .zip(bytes.chunks_exact(4))
@@ -168,15 +287,21 @@ impl Declared {
 impl Declared {
     /// The entries `which` read from the file, as one safetensors serialization (names,
     /// dtypes, shapes, bytes): what [`Declared::check_buffers`] accepts for the buffers.
-    pub fn read_extras(&self, which: &[Extra]) -> Result<Vec<u8>, String> {
-        let e = |m: String| format!("[model] init = {:?}: {m}", self.path.display().to_string());
-        let file =
-            std::fs::File::open(&self.path).map_err(|err| e(format!("cannot open: {err}")))?;
+    pub fn read_extras(&self, which: &[Extra]) -> Result<Vec<u8>, DeclaredError> {
+        let e = DeclaredError::refused(&self.path);
+        let file = std::fs::File::open(&self.path)
+            .map_err(|err| DeclaredError::unreadable(&self.path, "cannot open", err))?;
         let mut raw = Vec::with_capacity(which.len());
         for x in which {
             let mut bytes = vec![0u8; x.byte_len as usize];
             file.read_exact_at(&mut bytes, x.byte_offset)
-                .map_err(|err| e(format!("cannot read tensor {:?}: {err}", x.name)))?;
+                .map_err(|err| {
+                    DeclaredError::unreadable(
+                        &self.path,
+                        format!("cannot read tensor {:?}", x.name),
+                        err,
+                    )
+                })?;
             raw.push(bytes);
         }
         let views = which
@@ -192,7 +317,7 @@ impl Declared {
     }
 
     /// The buffers' initial values (None when the model has none).
-    pub fn initial_buffers(&self) -> Result<Option<Vec<u8>>, String> {
+    pub fn initial_buffers(&self) -> Result<Option<Vec<u8>>, DeclaredError> {
         if self.buffers.is_empty() {
             return Ok(None);
         }
@@ -201,32 +326,27 @@ impl Declared {
 
     /// Checks that `blob` (a safetensors serialization) holds exactly the model's buffers:
     /// the same names, dtypes and shapes, nothing else; the error names the first difference.
-    pub fn check_buffers(&self, blob: &[u8]) -> Result<(), String> {
+    pub fn check_buffers(&self, blob: &[u8]) -> Result<(), DeclaredError> {
         if self.buffers.is_empty() {
-            return Err("the run's model has no buffers (its init file names none in \"buffer_order\"): write it with ps.save_init(model, path) from the model that has them".into());
+            return Err(DeclaredError::NoBuffers);
         }
         let st = safetensors::SafeTensors::deserialize(blob)
-            .map_err(|err| format!("buffers: not a safetensors serialization: {err}"))?;
+            .map_err(DeclaredError::BuffersNotSafetensors)?;
         for x in &self.buffers {
-            let t = st.tensor(&x.name).map_err(|_| {
-                format!(
-                    "buffers: {:?} missing (the run's model has buffers {:?})",
-                    x.name,
-                    self.buffers
-                        .iter()
-                        .map(|b| b.name.as_str())
-                        .collect::<Vec<_>>()
-                )
-            })?;
+            let t = st
+                .tensor(&x.name)
+                .map_err(|_| DeclaredError::BufferMissing {
+                    name: x.name.clone(),
+                    have: self.buffers.iter().map(|b| b.name.clone()).collect(),
+                })?;
             if t.dtype() != x.dtype || t.shape() != x.shape.as_slice() {
-                return Err(format!(
-                    "buffers: {:?} is {:?} {:?}: the run's model has {:?} {:?}",
-                    x.name,
-                    t.dtype(),
-                    t.shape(),
-                    x.dtype,
-                    x.shape
-                ));
+                return Err(DeclaredError::BufferDiffers {
+                    name: x.name.clone(),
+                    dtype: t.dtype(),
+                    shape: t.shape().to_vec(),
+                    want_dtype: x.dtype,
+                    want_shape: x.shape.clone(),
+                });
             }
         }
         if st.len() != self.buffers.len() {
@@ -236,9 +356,7 @@ impl Declared {
                 .find(|n| !self.buffers.iter().any(|b| b.name == *n))
                 .unwrap_or_default()
                 .to_string();
-            return Err(format!(
-                "buffers: {extra:?} is not a buffer of the run's model"
-            ));
+            return Err(DeclaredError::NotABuffer(extra));
         }
         Ok(())
     }
@@ -255,7 +373,7 @@ pub fn write_full_model(
     flat: &[f32],
     buffers: Option<&[u8]>,
     meta: &std::collections::BTreeMap<String, String>,
-) -> Result<(), String> {
+) -> Result<(), DeclaredError> {
     let mut entries: Vec<Entry> = Vec::new();
     for t in &d.spec.tensors {
         let bytes = flat[t.range()]
@@ -265,17 +383,14 @@ pub fn write_full_model(
         entries.push((t.name.clone(), Dtype::F32, t.shape.clone(), bytes));
     }
     if !d.buffers.is_empty() {
-        let blob = buffers.ok_or_else(|| {
-            format!(
-                "{}: the model has buffers ({}) but the run wrote none",
-                path.display(),
-                d.buffers.len()
-            )
+        let blob = buffers.ok_or_else(|| DeclaredError::ExportWithoutBuffers {
+            path: path.display().to_string(),
+            count: d.buffers.len(),
         })?;
         d.check_buffers(blob)?;
-        let st = safetensors::SafeTensors::deserialize(blob).map_err(|e| e.to_string())?;
+        let st = safetensors::SafeTensors::deserialize(blob)?;
         for x in &d.buffers {
-            let t = st.tensor(&x.name).map_err(|e| e.to_string())?;
+            let t = st.tensor(&x.name)?;
             entries.push((x.name.clone(), x.dtype, x.shape.clone(), t.data().to_vec()));
         }
     }
@@ -286,7 +401,10 @@ pub fn write_full_model(
             .iter()
             .find(|(n, ..)| n == target)
             .cloned()
-            .ok_or_else(|| format!("alias {alias:?}: no entry {target:?}"))?;
+            .ok_or_else(|| DeclaredError::AliasTarget {
+                alias: alias.clone(),
+                target: target.clone(),
+            })?;
         entries.push((alias.clone(), dtype, shape, bytes));
     }
     let views = entries
@@ -294,18 +412,24 @@ pub fn write_full_model(
         .map(|(n, dt, shape, b)| {
             safetensors::tensor::TensorView::new(*dt, shape.clone(), b)
                 .map(|v| (n.clone(), v))
-                .map_err(|e| format!("tensor {n:?}: {e}"))
+                .map_err(|source| DeclaredError::Tensor {
+                    name: n.clone(),
+                    source,
+                })
         })
         .collect::<Result<Vec<_>, _>>()?;
     let info: std::collections::HashMap<String, String> =
         meta.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
-    let bytes = safetensors::serialize(views, Some(info)).map_err(|e| e.to_string())?;
+    let bytes = safetensors::serialize(views, Some(info))?;
     let tmp = path.with_extension("safetensors.tmp");
     std::fs::write(&tmp, &bytes)
         .and_then(|()| std::fs::rename(&tmp, path))
-        .map_err(|e| {
+        .map_err(|source| {
             let _ = std::fs::remove_file(&tmp);
-            format!("{}: cannot write: {e}", path.display())
+            DeclaredError::Write {
+                path: path.display().to_string(),
+                source,
+            }
         })
 }
 
@@ -313,11 +437,11 @@ pub fn write_full_model(
 type Entry = (String, Dtype, Vec<usize>, Vec<u8>);
 
 /// The tensors of a safetensors serialization.
-fn safetensors_blob_entries(blob: &[u8]) -> Result<Vec<Entry>, String> {
+fn safetensors_blob_entries(blob: &[u8]) -> Result<Vec<Entry>, DeclaredError> {
     if blob.is_empty() {
         return Ok(Vec::new());
     }
-    let st = safetensors::SafeTensors::deserialize(blob).map_err(|e| e.to_string())?;
+    let st = safetensors::SafeTensors::deserialize(blob)?;
     Ok(st
         .tensors()
         .into_iter()
@@ -357,18 +481,19 @@ pub fn first_difference(ours: &ModelSpec, theirs: &[(String, Vec<usize>)]) -> Op
 }
 
 /// The error text of [`Declared::open`]: the file named before `m`.
-type Prefix<'a> = &'a dyn Fn(String) -> String;
+type Prefix<'a> = &'a dyn Fn(String) -> DeclaredError;
 
 /// The tensors of a safetensors header, by name.
 type Tensors<'a> = std::collections::HashMap<String, &'a safetensors::tensor::TensorInfo>;
 
 /// Reads the safetensors header of `path`: the metadata and where the data section starts,
 /// checked to end exactly at the end of the file.
-fn read_header(path: &Path, e: Prefix) -> Result<(Metadata, u64), String> {
-    let file = std::fs::File::open(path).map_err(|err| e(format!("cannot open: {err}")))?;
+fn read_header(path: &Path, e: Prefix) -> Result<(Metadata, u64), DeclaredError> {
+    let file = std::fs::File::open(path)
+        .map_err(|err| DeclaredError::unreadable(path, "cannot open", err))?;
     let file_len = file
         .metadata()
-        .map_err(|err| e(format!("cannot read: {err}")))?
+        .map_err(|err| DeclaredError::unreadable(path, "cannot read", err))?
         .len();
     let mut len8 = [0u8; 8];
     file.read_exact_at(&mut len8, 0).map_err(|_| {
@@ -385,7 +510,7 @@ fn read_header(path: &Path, e: Prefix) -> Result<(Metadata, u64), String> {
     }
     let mut head = vec![0u8; n as usize];
     file.read_exact_at(&mut head, 8)
-        .map_err(|err| e(format!("cannot read the header: {err}")))?;
+        .map_err(|err| DeclaredError::unreadable(path, "cannot read the header", err))?;
     let meta: Metadata = serde_json::from_slice(&head)
         .map_err(|err| e(format!("malformed safetensors header: {err}")))?;
     let data_start = 8 + n;
@@ -407,7 +532,7 @@ fn params_in_order(
     data_start: u64,
     seen: &mut HashSet<String>,
     e: Prefix,
-) -> Result<Vec<(String, Vec<usize>, Init)>, String> {
+) -> Result<Vec<(String, Vec<usize>, Init)>, DeclaredError> {
     let order_text = meta
         .metadata()
         .as_ref()
@@ -464,7 +589,7 @@ fn params_in_order(
 }
 
 /// The module names of the metadata's [`BATCH_STAT_KEY`] list (none when absent).
-fn batch_statistics(meta: &Metadata, e: Prefix) -> Result<Vec<String>, String> {
+fn batch_statistics(meta: &Metadata, e: Prefix) -> Result<Vec<String>, DeclaredError> {
     match meta.metadata().as_ref().and_then(|m| m.get(BATCH_STAT_KEY)) {
         None => Ok(Vec::new()),
         Some(text) => serde_json::from_str(text).map_err(|err| {
@@ -484,8 +609,8 @@ fn extras(
     seen: &mut HashSet<String>,
     key: &str,
     e: Prefix,
-) -> Result<Vec<Extra>, String> {
-    let list = |key: &str| -> Result<Vec<String>, String> {
+) -> Result<Vec<Extra>, DeclaredError> {
+    let list = |key: &str| -> Result<Vec<String>, DeclaredError> {
         match meta.metadata().as_ref().and_then(|m| m.get(key)) {
             None => Ok(Vec::new()),
             Some(text) => serde_json::from_str(text).map_err(|err| {
@@ -530,7 +655,7 @@ fn aliases(
     meta: &Metadata,
     seen: &HashSet<String>,
     e: Prefix,
-) -> Result<Vec<(String, String)>, String> {
+) -> Result<Vec<(String, String)>, DeclaredError> {
     Ok(
         match meta.metadata().as_ref().and_then(|m| m.get(ALIAS_KEY)) {
             None => Vec::new(),
@@ -635,7 +760,7 @@ mod tests {
             None,
         )
         .unwrap();
-        let e = m.check_buffers(&other).unwrap_err();
+        let e = m.check_buffers(&other).unwrap_err().to_string();
         assert!(
             e.contains("\"n\" is I32 []: the run's model has I64 []"),
             "{e}"
@@ -643,6 +768,7 @@ mod tests {
         assert!(
             m.check_buffers(b"junk")
                 .unwrap_err()
+                .to_string()
                 .contains("not a safetensors")
         );
         let out = d.path().join("model.safetensors");
@@ -685,7 +811,7 @@ mod tests {
                 .batch_statistics,
             ["bn", "blocks.0.bn"]
         );
-        let e = with(Some("{}")).unwrap_err();
+        let e = with(Some("{}")).unwrap_err().to_string();
         assert!(
             e.contains("metadata \"batch_statistics\" is not a JSON list of module names"),
             "{e}"
@@ -698,35 +824,48 @@ mod tests {
         let t: &[(&str, &[usize], &[f32])] = &[("w", &[2], &[1., 2.]), ("v", &[1], &[3.])];
         let err = |order: Option<&str>| {
             let p = write(d.path(), t, order);
-            Declared::open(&p).unwrap_err()
+            Declared::open(&p).unwrap_err().to_string()
         };
         assert!(err(None).contains("no \"parameter_order\""));
         assert!(err(Some("nope")).contains("not a JSON list"));
         assert!(err(Some(r#"["w"]"#)).contains("tensor \"v\" is in the file but in none"));
         assert!(err(Some(r#"["w","v","x"]"#)).contains("\"x\", which the file does not hold"));
         assert!(err(Some(r#"["w","w","v"]"#)).contains("twice"));
-        let missing = Declared::open(&d.path().join("none.safetensors")).unwrap_err();
+        let missing = Declared::open(&d.path().join("none.safetensors"))
+            .unwrap_err()
+            .to_string();
         assert!(missing.contains("cannot open"), "{missing}");
         // truncated
         let p = write(d.path(), t, Some(r#"["w","v"]"#));
         let bytes = std::fs::read(&p).unwrap();
         std::fs::write(&p, &bytes[..bytes.len() - 2]).unwrap();
-        assert!(Declared::open(&p).unwrap_err().contains("truncated"));
+        assert!(
+            Declared::open(&p)
+                .unwrap_err()
+                .to_string()
+                .contains("truncated")
+        );
         std::fs::write(&p, b"abc").unwrap();
         assert!(
             Declared::open(&p)
                 .unwrap_err()
+                .to_string()
                 .contains("not a safetensors file")
         );
         std::fs::write(&p, [8u8, 0, 0, 0, 0, 0, 0, 0, b'{', b'x', 0, 0, 0, 0, 0, 0]).unwrap();
-        assert!(Declared::open(&p).unwrap_err().contains("malformed"));
+        assert!(
+            Declared::open(&p)
+                .unwrap_err()
+                .to_string()
+                .contains("malformed")
+        );
         // a non-f32 tensor
         let head = br#"{"__metadata__":{"parameter_order":"[\"h\"]"},"h":{"dtype":"F16","shape":[2],"data_offsets":[0,4]}}"#;
         let mut f = (head.len() as u64).to_le_bytes().to_vec();
         f.extend_from_slice(head);
         f.extend_from_slice(&[0; 4]);
         std::fs::write(&p, f).unwrap();
-        let msg = Declared::open(&p).unwrap_err();
+        let msg = Declared::open(&p).unwrap_err().to_string();
         assert!(msg.contains("tensor \"h\" is F16: expected F32"), "{msg}");
     }
 }

@@ -87,16 +87,15 @@ pub fn write_safetensors(
         .map(|(name, shape, data)| (*name, F32View { shape, data }));
     let info: HashMap<String, String> = metadata.clone().into_iter().collect();
     let tmp = path.with_extension("safetensors.tmp");
-    let write = || -> Result<(), String> {
+    let write = || -> std::io::Result<()> {
         if let Some(dir) = path.parent() {
-            std::fs::create_dir_all(dir).map_err(|e| e.to_string())?;
+            std::fs::create_dir_all(dir)?;
         }
         safetensors::serialize_to_file(views, (!info.is_empty()).then_some(info), &tmp)
-            .map_err(|e| e.to_string())?;
+            .map_err(std::io::Error::other)?;
         std::fs::File::open(&tmp)
             .and_then(|f| f.sync_all())
             .and_then(|()| std::fs::rename(&tmp, path))
-            .map_err(|e| e.to_string())
     };
     write().map_err(|e| {
         // a failed write (a full disk) leaves no partial temporary file behind

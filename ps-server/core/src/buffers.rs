@@ -25,7 +25,9 @@ impl Shard {
                 "rank {rank} put buffers: only rank 0's buffers are the model's"
             )));
         }
-        model.check_buffers(&data).map_err(PsError::BadChunk)?;
+        model
+            .check_buffers(&data)
+            .map_err(|e| PsError::BadChunk(e.to_string()))?;
         let mut st = self.lock();
         st.barrier.rank(rank)?;
         if let Some(why) = &st.failed {

@@ -95,7 +95,10 @@ impl Shard {
     /// The buffers of version 0 on shard `index` (from the init file), None when it holds none.
     fn initial_buffers(cfg: &Config, index: usize) -> Result<Option<Bytes>, String> {
         match Self::buffer_model(cfg, index) {
-            Some(d) => Ok(d.initial_buffers()?.map(Bytes::from)),
+            Some(d) => Ok(d
+                .initial_buffers()
+                .map_err(|e| e.to_string())?
+                .map(Bytes::from)),
             None => Ok(None),
         }
     }
