@@ -28,6 +28,19 @@
 //! so the completion waits for a bucket update under way.
 
 use super::{Grad, Shard, State};
+
+/// Why a bucket's update is not made (the per-bucket work is discarded, or the completion
+/// runs the whole-range update, which says the same of the step).
+#[derive(Debug, thiserror::Error)]
+#[error("rank {rank}'s gradient holds {value} at index {index}")]
+pub struct BadGradient {
+    /// The rank whose gradient it is.
+    pub rank: u32,
+    /// The value that is not finite.
+    pub value: f32,
+    /// Its index in the flat vector.
+    pub index: usize,
+}
 use crate::update::{Norms, Simd, UpdateInputs, fused_update, threads_for};
 use ps_config::Wire;
 use ps_model::layout::ModelSpec;
@@ -533,7 +546,7 @@ impl Shard {
             if let Err(why) = self.run_bucket(&mut work, b, 1) {
                 let mut st = self.lock();
                 let index = self.index;
-                st.track.discard(index, &why);
+                st.track.discard(index, &why.to_string());
                 st.track.runner = false;
                 return;
             }
@@ -609,7 +622,7 @@ impl Shard {
 
     /// Applies bucket `b` from the work's basis: reads the current parameters and optimizer
     /// state, writes the pending ones; its norms are added to the work's.
-    fn run_bucket(&self, work: &mut Work, b: usize, threads: usize) -> Result<(), String> {
+    fn run_bucket(&self, work: &mut Work, b: usize, threads: usize) -> Result<(), BadGradient> {
         let Work {
             of,
             update,
@@ -667,13 +680,10 @@ impl Shard {
             super::block(m, &r),
             super::block(v, &r),
         )
-        .map_err(|bad| {
-            format!(
-                "rank {}'s gradient holds {} at index {}",
-                basis.ranks[bad.source],
-                bad.value,
-                r.start + bad.index
-            )
+        .map_err(|bad| BadGradient {
+            rank: basis.ranks[bad.source],
+            value: bad.value,
+            index: r.start + bad.index,
         })?;
         let sum = norms.get_or_insert_with(|| Norms {
             aggregate: 0.0,

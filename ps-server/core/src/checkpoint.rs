@@ -28,6 +28,47 @@ use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, Ordering};
 
+/// Why a checkpoint is not written, or not read (each names the file, or the version).
+#[derive(Debug, thiserror::Error)]
+pub enum CheckpointError {
+    /// The file cannot be read or written, or does not parse (truncated, say).
+    #[error(transparent)]
+    File(#[from] ps_model::weights::WeightsError),
+    /// The file parses but its contents do not give the checksum it carries.
+    #[error(
+        "{path}: checksum mismatch: the file says {want}, its contents give {got}: the file is corrupted"
+    )]
+    Corrupted {
+        /// The file.
+        path: String,
+        /// The checksum the file carries.
+        want: String,
+        /// The checksum of its contents.
+        got: String,
+    },
+    /// The file is intact but not this shard's state: another run, model, shard layout or
+    /// optimizer, or metadata or a tensor that is not what is expected (`why` says which).
+    #[error("{path}: {why}")]
+    Refused {
+        /// The file.
+        path: String,
+        /// What did not match, and what was expected.
+        why: String,
+    },
+    /// The skipped steps could not be encoded.
+    #[error(transparent)]
+    Encode(#[from] serde_json::Error),
+    /// The shard's state at the version could not be had.
+    #[error(transparent)]
+    State(#[from] ps_proto::PsError),
+    /// The version's parameters left the shard's buffer while they were copied.
+    #[error("version {version} left the buffer during the copy")]
+    LeftBuffer {
+        /// The version.
+        version: u64,
+    },
+}
+
 /// When and where a shard writes checkpoints (`[checkpoint] every` > 0), and how many
 /// consecutive failed ones it has seen.
 #[derive(Debug)]
@@ -83,7 +124,7 @@ impl Plan {
 
     /// Writes `saved` and prunes older checkpoints, retrying once as
     /// [`Plan::write_retrying`] does; true when written (a failure is logged).
-    pub fn write_checked(&self, version: u64, saved: Result<Saved, String>) -> bool {
+    pub fn write_checked(&self, version: u64, saved: Result<Saved, CheckpointError>) -> bool {
         self.write_retrying(version, saved).written
     }
 
@@ -95,7 +136,7 @@ impl Plan {
     /// Writes `saved` and prunes older checkpoints, retrying a failed write once (a failed
     /// attempt leaves no temporary file); logs the outcome. After `max_failures` consecutive
     /// failed checkpoints the outcome says the run must fail.
-    pub fn write_retrying(&self, version: u64, saved: Result<Saved, String>) -> Attempted {
+    pub fn write_retrying(&self, version: u64, saved: Result<Saved, CheckpointError>) -> Attempted {
         let started = std::time::Instant::now();
         let shard = self.id.shard;
         let saved = match saved {
@@ -103,7 +144,7 @@ impl Plan {
             Err(e) => return self.failed(version, 0, e),
         };
         let mut failed_attempts = 0;
-        let mut last_error = String::new();
+        let mut last_error = None;
         for attempt in 1..=2 {
             match write(&self.dir, &self.id, &saved, self.keep) {
                 Ok(path) => {
@@ -127,14 +168,15 @@ impl Plan {
                             "shard {shard}: checkpoint of version {version}: {e}; retrying once"
                         );
                     }
-                    last_error = e;
+                    last_error = Some(e);
                 }
             }
         }
-        self.failed(version, failed_attempts, last_error)
+        let e = last_error.map_or_else(String::new, |e| e.to_string());
+        self.failed(version, failed_attempts, e)
     }
 
-    fn failed(&self, version: u64, failed_attempts: u32, e: String) -> Attempted {
+    fn failed(&self, version: u64, failed_attempts: u32, e: impl std::fmt::Display) -> Attempted {
         let shard = self.id.shard;
         let n = self.consecutive_failures.fetch_add(1, Ordering::Relaxed) + 1;
         tracing::error!(
@@ -196,7 +238,7 @@ fn verify(
     path: &Path,
     tensors: &[NamedTensor],
     meta: &BTreeMap<String, String>,
-) -> Result<(), String> {
+) -> Result<(), CheckpointError> {
     let Some(want) = meta.get(CHECKSUM_KEY) else {
         tracing::warn!(
             "{}: no checksum (a checkpoint written before checkpoints carried one): its values cannot be verified; accepted as it is",
@@ -210,10 +252,11 @@ fn verify(
         .collect();
     let got = checksum(meta, &views);
     if &got != want {
-        return Err(format!(
-            "{}: checksum mismatch: the file says {want}, its contents give {got}: the file is corrupted",
-            path.display()
-        ));
+        return Err(CheckpointError::Corrupted {
+            path: path.display().to_string(),
+            want: want.clone(),
+            got,
+        });
     }
     Ok(())
 }
@@ -226,9 +269,9 @@ pub fn check_intact(
     shard: usize,
     num_shards: usize,
     version: u64,
-) -> Result<(), String> {
+) -> Result<(), CheckpointError> {
     let path = file(dir, shard, num_shards, version);
-    let (tensors, meta) = read_safetensors(&path).map_err(|e| e.to_string())?;
+    let (tensors, meta) = read_safetensors(&path)?;
     verify(&path, &tensors, &meta)
 }
 
@@ -258,6 +301,7 @@ pub fn latest_intact_common(dir: &Path, num_shards: usize) -> (Option<u64>, Vec<
     for v in common_versions(dir, num_shards).into_iter().rev() {
         let broken: Vec<String> = (0..num_shards)
             .filter_map(|s| check_intact(dir, s, num_shards, v).err())
+            .map(|e| e.to_string())
             .collect();
         if broken.is_empty() {
             return (Some(v), skipped);
@@ -396,7 +440,12 @@ pub const COMMON_KEPT: usize = 2;
 /// every shard has, and not among the [`COMMON_KEPT`] newest such versions. A shard never
 /// deletes a checkpoint unless every shard has a newer one, so the directory always holds a
 /// version common to all shards once it has held one. Returns the file.
-pub fn write(dir: &Path, id: &Identity, saved: &Saved, keep: usize) -> Result<PathBuf, String> {
+pub fn write(
+    dir: &Path,
+    id: &Identity,
+    saved: &Saved,
+    keep: usize,
+) -> Result<PathBuf, CheckpointError> {
     let path = file(dir, id.shard, id.num_shards, saved.version);
     let shapes = [
         [saved.params.len()],
@@ -413,7 +462,7 @@ pub fn write(dir: &Path, id: &Identity, saved: &Saved, keep: usize) -> Result<Pa
     }
     let mut meta = id.metadata(saved.version, saved.opt.steps);
     if !saved.opt.skipped.is_empty() {
-        let skipped = serde_json::to_string(&saved.opt.skipped).map_err(|e| e.to_string())?;
+        let skipped = serde_json::to_string(&saved.opt.skipped)?;
         meta.insert(SKIPPED_KEY.to_string(), skipped);
     }
     if let Some(b) = &saved.buffers {
@@ -421,7 +470,7 @@ pub fn write(dir: &Path, id: &Identity, saved: &Saved, keep: usize) -> Result<Pa
     }
     let views: Vec<(&str, &[f32])> = tensors.iter().map(|(n, _, d)| (*n, *d)).collect();
     meta.insert(CHECKSUM_KEY.to_string(), checksum(&meta, &views));
-    write_safetensors(&path, &tensors, &meta).map_err(|e| e.to_string())?;
+    write_safetensors(&path, &tensors, &meta)?;
     for old in prunable(dir, id.shard, id.num_shards, keep) {
         let _ = std::fs::remove_file(file(dir, id.shard, id.num_shards, old));
     }
@@ -489,11 +538,19 @@ pub fn any_checkpoint(dir: &Path) -> bool {
 /// Reads shard `id`'s checkpoint at `version`, checking it against `id` and the optimizer
 /// state layout `fresh` (what the config's optimizer keeps); the error names the file and what
 /// did not match.
-pub fn read(dir: &Path, id: &Identity, version: u64, fresh: &OptState) -> Result<Saved, String> {
+pub fn read(
+    dir: &Path,
+    id: &Identity,
+    version: u64,
+    fresh: &OptState,
+) -> Result<Saved, CheckpointError> {
     let path = file(dir, id.shard, id.num_shards, version);
-    let (tensors, meta) = read_safetensors(&path).map_err(|e| e.to_string())?;
+    let (tensors, meta) = read_safetensors(&path)?;
     verify(&path, &tensors, &meta)?;
-    let bad = |what: String| format!("{}: {what}", path.display());
+    let bad = |why: String| CheckpointError::Refused {
+        path: path.display().to_string(),
+        why,
+    };
     let expected = id.metadata(version, 0);
     // another run's checkpoint (files without a run id are the unnamed run's)
     let theirs = meta.get("run_id").filter(|s| !s.is_empty());
@@ -520,7 +577,7 @@ pub fn read(dir: &Path, id: &Identity, version: u64, fresh: &OptState) -> Result
         .get("opt_steps")
         .and_then(|s| s.parse().ok())
         .ok_or_else(|| bad("metadata opt_steps missing".into()))?;
-    let take = |name: &str, len: usize| -> Result<Vec<f32>, String> {
+    let take = |name: &str, len: usize| -> Result<Vec<f32>, CheckpointError> {
         if len == 0 {
             return Ok(Vec::new());
         }
@@ -623,14 +680,18 @@ mod tests {
             optimizer: "adam".into(),
             ..id(0)
         };
-        let e = read(dir.path(), &other, 20, &fresh).unwrap_err();
+        let e = read(dir.path(), &other, 20, &fresh)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("metadata optimizer"), "{e}");
         // another run's checkpoint is refused, naming both runs and the way out
         let other_run = Identity {
             run_id: Some("r2".into()),
             ..id(0)
         };
-        let e = read(dir.path(), &other_run, 20, &fresh).unwrap_err();
+        let e = read(dir.path(), &other_run, 20, &fresh)
+            .unwrap_err()
+            .to_string();
         assert!(
             e.contains("a checkpoint of run r1, but this is run r2")
                 && e.contains("--resume-from r1"),
@@ -647,7 +708,8 @@ mod tests {
                 skipped: Vec::new(),
             },
         )
-        .unwrap_err();
+        .unwrap_err()
+        .to_string();
         assert!(e.contains("no tensor opt.v"), "{e}");
         assert!(read(dir.path(), &id(0), 10, &fresh).is_err(), "pruned");
         assert_eq!(
@@ -743,12 +805,12 @@ mod tests {
         let n = bytes.len();
         bytes[n - 4..].copy_from_slice(&0.75f32.to_le_bytes());
         std::fs::write(&f, &bytes).unwrap();
-        let e = check_intact(d, 1, 2, 10).unwrap_err();
+        let e = check_intact(d, 1, 2, 10).unwrap_err().to_string();
         assert!(
             e.contains("shard-1-of-2-v00000010.safetensors: checksum mismatch"),
             "{e}"
         );
-        let e = read(d, &id(1), 10, &fresh).unwrap_err();
+        let e = read(d, &id(1), 10, &fresh).unwrap_err().to_string();
         assert!(e.contains("checksum mismatch"), "{e}");
         assert_eq!(intact_versions(d, 1, 2, u64::MAX), vec![5]);
         assert_eq!(intact_versions(d, 0, 2, 7), vec![5], "up to 7");
@@ -764,7 +826,7 @@ mod tests {
         let f = file(d, 0, 2, 5);
         let bytes = std::fs::read(&f).unwrap();
         std::fs::write(&f, &bytes[..bytes.len() - 3]).unwrap();
-        let e = check_intact(d, 0, 2, 5).unwrap_err();
+        let e = check_intact(d, 0, 2, 5).unwrap_err().to_string();
         assert!(e.contains("shard-0-of-2-v00000005.safetensors"), "{e}");
         let (v, skipped) = latest_intact_common(d, 2);
         assert_eq!((v, skipped.len()), (None, 2), "{skipped:?}");
@@ -779,7 +841,7 @@ mod tests {
         let mut edited = text.clone();
         edited[at..at + to.len()].copy_from_slice(to);
         std::fs::write(&f, &edited).unwrap();
-        let e = check_intact(d, 0, 2, 10).unwrap_err();
+        let e = check_intact(d, 0, 2, 10).unwrap_err().to_string();
         assert!(e.contains("checksum mismatch"), "{e}");
         // the format before checksums: read as it is (with a warning)
         let old = tempfile::tempdir().unwrap();

@@ -3,7 +3,7 @@
 //! stopped.
 
 use crate::Shard;
-use crate::checkpoint::{self, Saved};
+use crate::checkpoint::{self, CheckpointError, Saved};
 use bytes::Bytes;
 use ps_optim::OptState;
 use tokio::sync::watch;
@@ -44,7 +44,7 @@ impl Shard {
                 opt,
                 buffers,
             })
-            .map_err(|e| e.to_string());
+            .map_err(CheckpointError::from);
         let attempted = plan.write_retrying(version, saved);
         if let Some(why) = &attempted.fatal {
             self.fail(why.clone());
@@ -116,7 +116,7 @@ impl Shard {
                 opt,
                 buffers,
             })
-            .ok_or_else(|| format!("version {version} left the buffer during the copy"));
+            .ok_or(CheckpointError::LeftBuffer { version });
         if self.preempt_plan.write_checked(version, saved) {
             self.preempt_saved.send_if_modified(|newest| {
                 let newer = newest.is_none_or(|v| v < version);

@@ -89,31 +89,32 @@ impl Hub {
 
     /// Checks a request of shard `r.shard`: another shard of the layout, its tensors, finite
     /// non-negative sums. The message says what is wrong.
-    pub fn check(&self, r: &ClipNormRequest) -> Result<(), String> {
+    pub fn check(&self, r: &ClipNormRequest) -> Result<(), ClipError> {
         let s = self.ranges.len();
         let shard = r.shard as usize;
         if shard == 0 || shard >= s {
-            return Err(format!(
-                "gradient norms from shard {}: expected a shard in 1..{s}",
-                r.shard
-            ));
+            return Err(ClipError::NotASpoke {
+                shard: r.shard,
+                shards: s,
+            });
         }
         let t = tensors_of(&self.spec, &self.ranges[shard]);
         if r.first_tensor as usize != t.start || r.sq.len() != t.len() {
-            return Err(format!(
-                "gradient norms from shard {shard}: {} sums from tensor {}: expected {} from tensor {} (the tensors of its range {:?})",
-                r.sq.len(),
-                r.first_tensor,
-                t.len(),
-                t.start,
-                self.ranges[shard]
-            ));
+            return Err(ClipError::WrongTensors {
+                shard,
+                sums: r.sq.len(),
+                first: r.first_tensor,
+                want_sums: t.len(),
+                want_first: t.start,
+                range: self.ranges[shard].clone(),
+            });
         }
-        if let Some(bad) = r.sq.iter().find(|v| !(v.is_finite() && **v >= 0.0)) {
-            return Err(format!(
-                "gradient norms from shard {shard} of step {}: squared norm {bad}: expected finite non-negative numbers",
-                r.step
-            ));
+        if let Some(&value) = r.sq.iter().find(|v| !(v.is_finite() && **v >= 0.0)) {
+            return Err(ClipError::BadSum {
+                shard,
+                step: r.step,
+                value,
+            });
         }
         Ok(())
     }
@@ -364,6 +365,49 @@ impl NormExchange for Spoke {
             }
         })
     }
+}
+
+/// Why shard 0 refuses another shard's gradient norms ([`Hub::check`]).
+#[derive(Debug, thiserror::Error)]
+pub enum ClipError {
+    /// The sender is not a shard i > 0 of the layout.
+    #[error("gradient norms from shard {shard}: expected a shard in 1..{shards}")]
+    NotASpoke {
+        /// The shard it says it is.
+        shard: u32,
+        /// S.
+        shards: usize,
+    },
+    /// Not the sums of the tensors of the sender's range.
+    #[error(
+        "gradient norms from shard {shard}: {sums} sums from tensor {first}: expected {want_sums} from tensor {want_first} (the tensors of its range {range:?})"
+    )]
+    WrongTensors {
+        /// The shard.
+        shard: usize,
+        /// How many sums it sent.
+        sums: usize,
+        /// The tensor of its first sum.
+        first: u32,
+        /// How many its range has.
+        want_sums: usize,
+        /// Its range's first tensor.
+        want_first: usize,
+        /// Its range of the flat vector.
+        range: std::ops::Range<usize>,
+    },
+    /// A sum that is not a finite non-negative number.
+    #[error(
+        "gradient norms from shard {shard} of step {step}: squared norm {value}: expected finite non-negative numbers"
+    )]
+    BadSum {
+        /// The shard.
+        shard: usize,
+        /// The step.
+        step: u64,
+        /// The sum.
+        value: f64,
+    },
 }
 
 #[cfg(test)]

@@ -814,7 +814,7 @@ pub fn needs_shard_credential(
     index: usize,
     has_credential: bool,
     recover: bool,
-) -> Result<(), String> {
+) -> Result<(), StartRefused> {
     let needs = if has_credential || cfg.num_shards() < 2 {
         None
     } else if cfg.clip_norm.is_some() {
@@ -829,10 +829,7 @@ pub fn needs_shard_credential(
     };
     match needs {
         None => Ok(()),
-        Some(what) => Err(format!(
-            "shard {index}: {what} needs the shard credential, and none is set ([server] shard_token_file, or {}): run `ps-server credentials --dir DIR` once for the run, copy DIR to every host, and put the lines it prints in the config (ps-launch makes its own; see deploy/README.md, \"Credentials\")",
-            ps_net::auth::SHARD_TOKEN_ENV
-        )),
+        Some(what) => Err(StartRefused::NoShardCredential { index, what }),
     }
 }
 
@@ -847,7 +844,7 @@ pub fn check_exposure(
     index: usize,
     bound: std::net::SocketAddr,
     shard_credential: bool,
-) -> Result<Option<String>, String> {
+) -> Result<Option<String>, StartRefused> {
     // a token without a shard credential is safe: the shard refuses every shard-to-shard call
     if bound.ip().is_loopback() || cfg.cluster.token.is_some() {
         return Ok(None);
@@ -862,9 +859,34 @@ pub fn check_exposure(
             "shard {index} listens on {bound}, outside loopback, WITHOUT ANY CREDENTIAL ([server] allow_unauthenticated = true): anyone who can reach this port can register, push gradients, read the weights and stop or roll back the run"
         )));
     }
-    Err(format!(
+    Err(StartRefused::Unauthenticated { index, bound })
+}
+
+/// Why a shard refuses to start ([`needs_shard_credential`], [`check_exposure`]); the message
+/// says what to set.
+#[derive(Debug, thiserror::Error)]
+pub enum StartRefused {
+    /// Something the config asks for needs the shard credential, and none is set.
+    #[error(
+        "shard {index}: {what} needs the shard credential, and none is set ([server] shard_token_file, or {env}): run `ps-server credentials --dir DIR` once for the run, copy DIR to every host, and put the lines it prints in the config (ps-launch makes its own; see deploy/README.md, \"Credentials\")",
+        env = ps_net::auth::SHARD_TOKEN_ENV
+    )]
+    NoShardCredential {
+        /// The shard.
+        index: usize,
+        /// What needs it.
+        what: String,
+    },
+    /// The shard would listen outside loopback with no credential at all.
+    #[error(
         "shard {index} would listen on {bound}, outside loopback, without any credential: anyone who can reach this port could register, push gradients, read the weights and stop or roll back the run. Set [cluster] token_file (the workers' token, e.g. `openssl rand -hex 32 > token`) and a shard credential ([server] shard_token_file or PS_SHARD_TOKEN; ps-launch, the Slurm recipe and the Kubernetes manifests set one), or listen on loopback (--listen 127.0.0.1:PORT); on a network where every host is trusted, [server] allow_unauthenticated = true (or --set server.allow_unauthenticated=true) starts it anyway"
-    ))
+    )]
+    Unauthenticated {
+        /// The shard.
+        index: usize,
+        /// The address it would listen on.
+        bound: std::net::SocketAddr,
+    },
 }
 
 /// Checks that the output directory (final weights, metrics) and, when the run writes

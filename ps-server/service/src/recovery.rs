@@ -89,7 +89,7 @@ impl Cell {
     }
 
     /// Reads this shard's state at `version` (None for version 0: the initial weights).
-    pub fn load(&self, version: u64) -> Result<Option<Saved>, String> {
+    pub fn load(&self, version: u64) -> Result<Option<Saved>, checkpoint::CheckpointError> {
         load(&self.cfg, self.index, version)
     }
 
@@ -128,7 +128,11 @@ impl Cell {
 
 /// Shard `index`'s state at `version` from its checkpoint (None for version 0: the initial
 /// weights, which the shard makes from the seed or the init file).
-pub fn load(cfg: &Config, index: usize, version: u64) -> Result<Option<Saved>, String> {
+pub fn load(
+    cfg: &Config,
+    index: usize,
+    version: u64,
+) -> Result<Option<Saved>, checkpoint::CheckpointError> {
     if version == 0 {
         return Ok(None);
     }
@@ -304,7 +308,7 @@ async fn call(
     c: &mut ps_net::client::ShardClient,
     req: RecoverRequest,
     shard_token: Option<&ps_net::auth::Token>,
-) -> Result<RecoverReply, String> {
+) -> Result<RecoverReply, Refused> {
     let mut request = tonic::Request::new(req);
     request.set_timeout(Duration::from_secs(60));
     if let Some(t) = shard_token {
@@ -317,8 +321,13 @@ async fn call(
         .recover(request)
         .await
         .map(|r| r.into_inner())
-        .map_err(|s| format!("{:?}: {}", s.code(), s.message()))
+        .map_err(Refused)
 }
+
+/// A `Recover` call another shard refused or did not answer: its gRPC status.
+#[derive(Debug, thiserror::Error)]
+#[error("{:?}: {}", .0.code(), .0.message())]
+struct Refused(tonic::Status);
 
 /// Tells every shard in `clients` to stop the run with `why` (best effort: it is stopping).
 async fn abort(

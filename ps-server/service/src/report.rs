@@ -100,30 +100,73 @@ impl NoiseSetup {
     }
 }
 
+/// What is wrong with the rank norms of a step report ([`check_report_ranks`]).
+#[derive(Debug, thiserror::Error)]
+pub enum ReportError {
+    /// More norms than ranks.
+    #[error(
+        "step report from shard {shard} holds {count} rank norms: expected at most {world} (one per rank)"
+    )]
+    TooManyRanks {
+        /// The reporting shard.
+        shard: u32,
+        /// How many norms it holds.
+        count: usize,
+        /// The world size.
+        world: usize,
+    },
+    /// A rank out of range, repeated, or out of order.
+    #[error(
+        "step report from shard {shard}: rank norm of rank {rank}: expected ranks below {world}, each once, in increasing order"
+    )]
+    RankOrder {
+        /// The reporting shard.
+        shard: u32,
+        /// The rank.
+        rank: u32,
+        /// The world size.
+        world: usize,
+    },
+    /// A squared norm that is not a finite non-negative number.
+    #[error(
+        "step report from shard {shard}: rank {rank}'s squared norm {sq_norm}: expected a finite non-negative number"
+    )]
+    BadNorm {
+        /// The reporting shard.
+        shard: u32,
+        /// The rank.
+        rank: u32,
+        /// The squared norm.
+        sq_norm: f64,
+    },
+}
+
 /// Checks the noise figures of a step report: at most `world` ranks, each below `world`, once,
 /// in increasing order, with a finite non-negative squared norm. The message says what is
 /// wrong.
-pub fn check_report_ranks(r: &StepReport, world: usize) -> Result<(), String> {
+pub fn check_report_ranks(r: &StepReport, world: usize) -> Result<(), ReportError> {
     if r.ranks.len() > world {
-        return Err(format!(
-            "step report from shard {} holds {} rank norms: expected at most {world} (one per rank)",
-            r.shard,
-            r.ranks.len()
-        ));
+        return Err(ReportError::TooManyRanks {
+            shard: r.shard,
+            count: r.ranks.len(),
+            world,
+        });
     }
     let mut prev: Option<u32> = None;
     for q in &r.ranks {
         if q.rank as usize >= world || prev.is_some_and(|p| p >= q.rank) {
-            return Err(format!(
-                "step report from shard {}: rank norm of rank {}: expected ranks below {world}, each once, in increasing order",
-                r.shard, q.rank
-            ));
+            return Err(ReportError::RankOrder {
+                shard: r.shard,
+                rank: q.rank,
+                world,
+            });
         }
         if !q.sq_norm.is_finite() || q.sq_norm < 0.0 {
-            return Err(format!(
-                "step report from shard {}: rank {}'s squared norm {}: expected a finite non-negative number",
-                r.shard, q.rank, q.sq_norm
-            ));
+            return Err(ReportError::BadNorm {
+                shard: r.shard,
+                rank: q.rank,
+                sq_norm: q.sq_norm,
+            });
         }
         prev = Some(q.rank);
     }

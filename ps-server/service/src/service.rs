@@ -545,7 +545,8 @@ impl ParameterServer for ShardService {
             ))
             .into());
         }
-        hub.check(&r).map_err(PsError::BadChunk)?;
+        hub.check(&r)
+            .map_err(|e| PsError::BadChunk(e.to_string()))?;
         // a shard applies step t only after every worker pulled version t from every shard:
         // norms for a step past this shard's version are not a shard's of this run
         let version = self.shard.version();

@@ -152,7 +152,8 @@ impl ShardService {
                 r.shard, r.grad_sq_norm, r.step_ms, r.barrier_wait_ms
             )));
         }
-        crate::report::check_report_ranks(r, self.shard.world).map_err(PsError::BadChunk)?;
+        crate::report::check_report_ranks(r, self.shard.world)
+            .map_err(|e| PsError::BadChunk(e.to_string()))?;
         let v = self.shard.version();
         if r.step >= self.shard.total_steps
             || r.step + REPORT_WINDOW < v
