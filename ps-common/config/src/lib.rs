@@ -618,9 +618,12 @@ impl Config {
 
     /// The initial values of `range` of the flat vector: from the seed for the MLP, read from
     /// the init file (that range only) for a declared model.
-    pub fn initial_range(&self, range: std::ops::Range<usize>) -> Result<Vec<f32>, String> {
+    pub fn initial_range(
+        &self,
+        range: std::ops::Range<usize>,
+    ) -> Result<Vec<f32>, ps_model::declared::DeclaredError> {
         match &self.model.declared {
-            Some(d) => d.read_range(range).map_err(|e| e.to_string()),
+            Some(d) => d.read_range(range),
             None => Ok(self.layout().init_range(self.train.seed, range)),
         }
     }

@@ -16,6 +16,23 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::watch;
 
+/// Why a shard cannot start from its initial weights or a checkpoint
+/// ([`Shard::try_starting_from`]).
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    /// The declared model's init file cannot be read.
+    #[error(transparent)]
+    Init(#[from] ps_model::declared::DeclaredError),
+    /// A checkpoint without buffers for a model that has them.
+    #[error(
+        "the checkpoint of version {version} holds no buffers, but the run's model has buffers ([model] init names them): a checkpoint of another model"
+    )]
+    NoBuffers {
+        /// The checkpoint's version.
+        version: u64,
+    },
+}
+
 impl Shard {
     /// Builds shard `index` of `cfg` for a run of `total_steps`, with initial weights from the
     /// seed (or, for a declared model, from its init file: see [`Shard::try_starting_from`]).
@@ -60,7 +77,7 @@ impl Shard {
         index: usize,
         total_steps: u64,
         saved: Option<Saved>,
-    ) -> Result<Arc<Self>, String> {
+    ) -> Result<Arc<Self>, StartError> {
         let saved = match saved {
             Some(s) => s,
             None => {
@@ -75,10 +92,9 @@ impl Shard {
             }
         };
         if saved.buffers.is_none() && Self::buffer_model(cfg, index).is_some() {
-            return Err(format!(
-                "the checkpoint of version {} holds no buffers, but the run's model has buffers ([model] init names them): a checkpoint of another model",
-                saved.version
-            ));
+            return Err(StartError::NoBuffers {
+                version: saved.version,
+            });
         }
         Ok(Self::build(cfg, index, total_steps, saved))
     }
@@ -93,12 +109,12 @@ impl Shard {
     }
 
     /// The buffers of version 0 on shard `index` (from the init file), None when it holds none.
-    fn initial_buffers(cfg: &Config, index: usize) -> Result<Option<Bytes>, String> {
+    fn initial_buffers(
+        cfg: &Config,
+        index: usize,
+    ) -> Result<Option<Bytes>, ps_model::declared::DeclaredError> {
         match Self::buffer_model(cfg, index) {
-            Some(d) => Ok(d
-                .initial_buffers()
-                .map_err(|e| e.to_string())?
-                .map(Bytes::from)),
+            Some(d) => Ok(d.initial_buffers()?.map(Bytes::from)),
             None => Ok(None),
         }
     }

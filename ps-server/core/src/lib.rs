@@ -59,6 +59,7 @@ pub mod checkpoint;
 mod apply;
 mod buffers;
 mod build;
+pub use build::StartError;
 mod failure;
 mod pull;
 mod saving;
