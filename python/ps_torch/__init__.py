@@ -550,14 +550,7 @@ class Worker:
                                "loss(part).backward())")
         unused = [i for i, r in enumerate(done[1]) if not r]
         self._check_reached(unused, t)
-        ev = (0, 0)
-        if self._eval_every and t > 0 and t % self._eval_every == 0:
-            ev = self._run_evaluate()
-        if isinstance(loss_sum, torch.Tensor):
-            loss_sum = loss_sum.item()
-        if isinstance(correct, torch.Tensor):
-            correct = correct.item()
-        n = self._samples if samples is None else int(samples)
+        ev, loss_sum, correct, n = self._step_figures(t, loss_sum, correct, samples)
 
         def push():
             self._put_buffers(t)
@@ -701,6 +694,20 @@ class Worker:
             self._pull_or_rewind(t + 1)
         self._step = None
 
+    def _step_figures(self, t, loss_sum, correct, samples):
+        """The figures a push of step ``t`` carries: the evaluation of version ``t`` when one
+        is due (``(correct, count)``, else ``(0, 0)``), the loss sum and the correct count as
+        numbers, and the step's sample count."""
+        ev = (0, 0)
+        if self._eval_every and t > 0 and t % self._eval_every == 0:
+            ev = self._run_evaluate()
+        if isinstance(loss_sum, torch.Tensor):
+            loss_sum = loss_sum.item()
+        if isinstance(correct, torch.Tensor):
+            correct = correct.item()
+        n = self._samples if samples is None else int(samples)
+        return ev, loss_sum, correct, n
+
     def _run_evaluate(self):
         if self._evaluate is None:
             return 0, 0
@@ -747,14 +754,7 @@ class Worker:
                     buf = self._grad[o : o + p.numel()]
                     buf.copy_(g.reshape(-1))
                     parts.append(buf.numpy())
-        ev = (0, 0)
-        if self._eval_every and t > 0 and t % self._eval_every == 0:
-            ev = self._run_evaluate()
-        if isinstance(loss_sum, torch.Tensor):
-            loss_sum = loss_sum.item()
-        if isinstance(correct, torch.Tensor):
-            correct = correct.item()
-        n = self._samples if samples is None else int(samples)
+        ev, loss_sum, correct, n = self._step_figures(t, loss_sum, correct, samples)
 
         def push():
             self._put_buffers(t)

@@ -531,7 +531,17 @@ fn read_idx_from(
     expected_dims: usize,
     header_only: bool,
 ) -> Result<(Vec<usize>, Vec<u8>), IdxError> {
-    let read_err = |error: io::Error| {
+    let (dims, expected) = read_header(&mut r, path, gzip, expected_dims)?;
+    if header_only {
+        return Ok((dims, Vec::new()));
+    }
+    let payload = read_payload(&mut r, path, gzip, &dims, expected)?;
+    Ok((dims, payload))
+}
+
+/// The reading error of `path` (the gzip stream's, when `gzip`).
+fn read_error(path: &Path, gzip: bool) -> impl Fn(io::Error) -> IdxError + '_ {
+    move |error| {
         if gzip {
             IdxError::Gzip {
                 path: path.to_path_buf(),
@@ -544,11 +554,21 @@ fn read_idx_from(
                 error,
             }
         }
-    };
-    let header_len = 4 + 4 * expected_dims;
+    }
+}
 
+/// The header: the magic word (unsigned bytes, `expected_dims` dimensions), the dimensions,
+/// and the payload's size in bytes, at most `MAX_PAYLOAD_BYTES`.
+fn read_header(
+    r: &mut impl Read,
+    path: &Path,
+    gzip: bool,
+    expected_dims: usize,
+) -> Result<(Vec<usize>, u64), IdxError> {
+    let read_err = read_error(path, gzip);
+    let header_len = 4 + 4 * expected_dims;
     let mut magic = [0u8; 4];
-    let got = read_full(&mut r, &mut magic).map_err(read_err)?;
+    let got = read_full(r, &mut magic).map_err(&read_err)?;
     if got < 4 {
         return Err(IdxError::TruncatedHeader {
             path: path.to_path_buf(),
@@ -574,9 +594,8 @@ fn read_idx_from(
             found_dims,
         });
     }
-
     let mut dim_bytes = vec![0u8; 4 * expected_dims];
-    let got = read_full(&mut r, &mut dim_bytes).map_err(read_err)?;
+    let got = read_full(r, &mut dim_bytes).map_err(&read_err)?;
     if got < dim_bytes.len() {
         return Err(IdxError::TruncatedHeader {
             path: path.to_path_buf(),
@@ -593,24 +612,29 @@ fn read_idx_from(
     let total = dims
         .iter()
         .try_fold(1u64, |acc, &d| acc.checked_mul(d as u64));
-    let expected = match total {
-        Some(t) if t <= MAX_PAYLOAD_BYTES => t,
-        _ => {
-            return Err(IdxError::TooLarge {
-                path: path.to_path_buf(),
-                dims,
-                total,
-            });
-        }
-    };
-
-    if header_only {
-        return Ok((dims, Vec::new()));
+    match total {
+        Some(t) if t <= MAX_PAYLOAD_BYTES => Ok((dims, t)),
+        _ => Err(IdxError::TooLarge {
+            path: path.to_path_buf(),
+            dims,
+            total,
+        }),
     }
+}
+
+/// The payload of `expected` bytes after the header, and nothing after it.
+fn read_payload(
+    r: &mut impl Read,
+    path: &Path,
+    gzip: bool,
+    dims: &[usize],
+    expected: u64,
+) -> Result<Vec<u8>, IdxError> {
+    let read_err = read_error(path, gzip);
     let expected_usize = usize::try_from(expected).map_err(|_| IdxError::TooLarge {
         path: path.to_path_buf(),
-        dims: dims.clone(),
-        total,
+        dims: dims.to_vec(),
+        total: Some(expected),
     })?;
     let mut payload = Vec::new();
     payload
@@ -620,29 +644,30 @@ fn read_idx_from(
             action: "allocate the payload",
             error: io::Error::new(io::ErrorKind::OutOfMemory, e),
         })?;
-    let got = (&mut r)
+    let got = r
+        .by_ref()
         .take(expected)
         .read_to_end(&mut payload)
-        .map_err(read_err)? as u64;
+        .map_err(&read_err)? as u64;
     if got < expected {
         return Err(IdxError::Truncated {
             path: path.to_path_buf(),
             gzip,
-            dims,
+            dims: dims.to_vec(),
             found: got,
         });
     }
-    let extra = io::copy(&mut r, &mut io::sink()).map_err(read_err)?;
+    let extra = io::copy(r, &mut io::sink()).map_err(&read_err)?;
     if extra > 0 {
         return Err(IdxError::TrailingData {
             path: path.to_path_buf(),
             gzip,
-            dims,
+            dims: dims.to_vec(),
             expected,
             found: expected + extra,
         });
     }
-    Ok((dims, payload))
+    Ok(payload)
 }
 
 #[cfg(test)]

@@ -835,6 +835,23 @@ pub(crate) struct Finished {
 
 /// The shared-memory side of per-bucket apply.
 impl Shard {
+    /// A push in `rank`'s gradient board for `step`, as the shard takes it: read in place
+    /// bucket by bucket where it applies per bucket ([`Shard::receive_board`]), else checked
+    /// over the whole range ([`Shard::shm_grad`]). The gradient, its fingerprint and the
+    /// bucket intake to keep until [`Shard::accept`] answered. Blocking: call it from a
+    /// blocking thread.
+    pub fn board_push(
+        self: &Arc<Self>,
+        rank: u32,
+        step: u64,
+    ) -> PsResult<(Grad, u64, Option<Intake>)> {
+        let board = self.grad_board(rank)?;
+        match self.receive_board(rank, step, board) {
+            Some(got) => got.map(|(grad, fp, intake)| (grad, fp, Some(intake))),
+            None => self.shm_grad(rank).map(|(grad, fp)| (grad, fp, None)),
+        }
+    }
+
     /// A push in `rank`'s gradient board `board` for `step`, on a shard that applies per
     /// bucket: the board's range is read in place (not copied), bucket by bucket, each bucket
     /// checked for finite values and added to the push's fingerprint while in cache, then
