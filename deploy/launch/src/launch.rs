@@ -575,6 +575,7 @@ impl LocalCluster {
                     && !s.success()
                 {
                     let msg = format!("{} failed with {s}{}", p.name, p.log_tail(30));
+                    self.let_exit(FAILURE_GRACE);
                     self.kill_all();
                     return Err(LaunchError(msg));
                 }
@@ -588,6 +589,29 @@ impl LocalCluster {
                     "still running after {timeout:?}: {}",
                     running.join(", ")
                 )));
+            }
+            std::thread::sleep(Duration::from_millis(25));
+        }
+    }
+
+    /// After a failure, the processes still running get `grace` to end on their own before
+    /// they are stopped: a worker that its shard told why the run failed says so in its log
+    /// (stopped at once, it could lose that race on a loaded machine).
+    fn let_exit(&mut self, grace: Duration) {
+        let start = Instant::now();
+        loop {
+            let mut running = false;
+            for p in self.servers.iter_mut().chain(self.workers.iter_mut()) {
+                if p.status.is_none() {
+                    match p.child.try_wait() {
+                        Ok(Some(s)) => p.status = Some(s),
+                        Ok(None) => running = true,
+                        Err(_) => {}
+                    }
+                }
+            }
+            if !running || start.elapsed() > grace {
+                return;
             }
             std::thread::sleep(Duration::from_millis(25));
         }
@@ -740,6 +764,10 @@ pub enum Ended {
 /// grace for the next step boundary (`ps_server::PREEMPT_GRACE`) plus the workers' grace to
 /// see the shards go.
 pub const PREEMPT_WAIT: Duration = Duration::from_secs(45);
+
+/// How long the processes still running after a failure get to end on their own (and log
+/// why) before they are stopped.
+pub const FAILURE_GRACE: Duration = Duration::from_secs(3);
 
 /// How long [`LocalCluster::preflight`] waits for `ps-server --check`.
 pub const PREFLIGHT_TIMEOUT: Duration = Duration::from_secs(120);
