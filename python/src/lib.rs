@@ -100,6 +100,17 @@ struct Client {
 }
 
 impl Client {
+    /// An error unless `n` gradient arrays are one per tensor of the model.
+    fn check_tensor_count(&self, n: usize) -> PyResult<()> {
+        if n != self.model.len() {
+            return Err(PyValueError::new_err(format!(
+                "{n} gradient arrays: expected one per tensor ({})",
+                self.model.len()
+            )));
+        }
+        Ok(())
+    }
+
     /// An error for a plain gradient push (`what`) in the exact-sum mode, whose pushes carry
     /// the encoded exact partial sum (`push_exact`).
     fn refuse_in_exact(&self, what: &str) -> PyResult<()> {
@@ -361,13 +372,7 @@ impl Client {
         eval_count: u64,
     ) -> PyResult<()> {
         self.refuse_in_exact("push_parts")?;
-        if grads.len() != self.model.len() {
-            return Err(PyValueError::new_err(format!(
-                "{} gradient arrays: expected one per tensor ({})",
-                grads.len(),
-                self.model.len()
-            )));
-        }
+        self.check_tensor_count(grads.len())?;
         let mut parts = Vec::with_capacity(grads.len());
         for (g, t) in grads.iter().zip(&self.model) {
             let len = t.shape.iter().product::<u64>() as usize;
@@ -628,13 +633,7 @@ impl Client {
                 self.terms.0
             )));
         }
-        if grads.len() != self.model.len() {
-            return Err(PyValueError::new_err(format!(
-                "{} gradient arrays: expected one per tensor ({})",
-                grads.len(),
-                self.model.len()
-            )));
-        }
+        self.check_tensor_count(grads.len())?;
         let mut parts = Vec::with_capacity(grads.len());
         for ((g, t), &off) in grads.iter().zip(&self.model).zip(&self.offsets) {
             if let Some(g) = g {
