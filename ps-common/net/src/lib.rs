@@ -2,6 +2,7 @@
 //! - `client`: a worker's (or a shard's) client of one shard over gRPC, the data connection
 //!   and the shared-memory boards, with retries and errors in words;
 //! - `wire`: tensors as bytes on gRPC (f32, bf16 with error feedback), chunking and checks;
+//! - `copied`: the host bytes the data path copies, counted where it copies;
 //! - `exact`: the exact-sum mode's fixed point and its encoding as f32 digits;
 //! - `datalink`: the plain-TCP tensor data connection's framing (hello, frames, pieces);
 //! - `shm`: the shared-memory boards of a host;
@@ -14,13 +15,14 @@
 //! - `throttle`: the rate limit of repeated warnings.
 //!
 //! The credentials themselves are read by `ps_config::credential`; the messages and the error
-//! table are `ps_proto`'s. Without the `grpc` feature only `wire`, `shm`, `sink`, `gate` and
+//! table are `ps_proto`'s. Without the `grpc` feature only `wire`, `shm`, `sink`, `gate`, `copied` and
 //! `throttle` are here (no tonic, no tokio): the shard core's part.
 
 #[cfg(feature = "grpc")]
 pub mod auth;
 #[cfg(feature = "grpc")]
 pub mod client;
+pub mod copied;
 #[cfg(feature = "grpc")]
 pub mod datalink;
 pub mod exact;
