@@ -49,6 +49,17 @@ pub trait Backend: Send {
     /// Ends the gate of [`Backend::open_gate`]: forward reads the weights as they are.
     fn close_gate(&mut self) {}
 
+    /// The registrar of the device's DMA ([`crate::ops::Device::registrar`]): the boards
+    /// registered with it are read and written by the device where they lie, with no host copy.
+    fn registrar(&self) -> Option<Arc<dyn ps_net::shm::Registrar>> {
+        None
+    }
+
+    /// Whether the gates of [`Backend::open_gate`] may take values in place from registered
+    /// boards (on by default; off, every pull copies into the staging memory: the redo of a
+    /// step whose in-place version was torn).
+    fn set_in_place(&mut self, _on: bool) {}
+
     /// What the copies between host and device memory took since the last call
     /// ([`crate::ops::Device::take_copy_times`]); `None` for a backend in host memory.
     fn take_copy_times(&mut self) -> BackendResult<Option<crate::ops::CopyTimes>> {

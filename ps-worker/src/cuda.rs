@@ -13,6 +13,8 @@
 //! row-major product `C = op(A)·op(B)` is computed as the column-major `Cᵀ = op(B)ᵀ·op(A)ᵀ`
 //! (see `GemmShape::row_major`).
 
+mod dma;
+
 use crate::backend::Backend;
 use crate::backend::{BackendError, BackendResult, StepStats};
 use crate::cpu::{check_len, check_rows};
@@ -484,6 +486,11 @@ pub struct CudaDevice {
     /// recorded behind its last copy. (The pinned slice's own event is not recorded: event
     /// tracking is disabled on this context, see `init`.)
     staging: HashMap<usize, (PinnedHostSlice<f32>, CudaEvent)>,
+    /// Downloads straight into registered host memory ([`Device::start_download_registered`]),
+    /// by slot: the destination (address, values) and the event recorded behind the copy.
+    direct: HashMap<usize, (usize, usize, CudaEvent)>,
+    /// The host ranges registered with this context ([`Device::registrar`]).
+    registered: dma::Ranges,
     /// Pinned host memory of [`Device::staging`]: the weights a pull writes, uploaded from
     /// there piece by piece while the rest arrives.
     weight_staging: Option<PinnedHostSlice<f32>>,
@@ -886,6 +893,8 @@ impl CudaDevice {
             .map_err(cuda_err("allocating the row flags"))?;
         Ok(Self {
             staging: HashMap::new(),
+            direct: HashMap::new(),
+            registered: Default::default(),
             weight_staging: None,
             copy_spans: Vec::new(),
             copy_times: CopyTimes::default(),
@@ -1095,6 +1104,7 @@ impl Device for CudaDevice {
 
     fn start_download(&mut self, src: CudaView<'_, f32>, slot: usize) -> BackendResult<()> {
         self.bind()?;
+        self.direct.remove(&slot);
         let len = src.len();
         if self
             .staging
@@ -1132,6 +1142,18 @@ impl Device for CudaDevice {
 
     fn finish_download(&mut self, slot: usize, dst: &mut [f32]) -> BackendResult<()> {
         self.bind()?;
+        if let Some((at, len, done)) = self.direct.remove(&slot) {
+            if (at, len) != (dst.as_ptr() as usize, dst.len()) {
+                return Err(BackendError::Shape(format!(
+                    "slot {slot} was downloaded into {len} values at {at:#x}, not into the {} at {:p}",
+                    dst.len(),
+                    dst.as_ptr()
+                )));
+            }
+            return done.synchronize().map_err(cuda_err(format_args!(
+                "waiting for the copy of slot {slot}"
+            )));
+        }
         let Some((p, done)) = self.staging.get(&slot) else {
             return Err(BackendError::Shape(format!(
                 "no download was started in slot {slot}"
@@ -1147,8 +1169,58 @@ impl Device for CudaDevice {
             .map_err(cuda_err(format_args!("reading the copy of slot {slot}")))?;
         let t = Instant::now();
         copy_out(dst, &host[..len]);
+        ps_net::copied::count(ps_net::copied::Side::Push, 4 * len);
         self.copy_times.copy_out += t.elapsed();
         Ok(())
+    }
+
+    fn registrar(&self) -> Option<Arc<dyn ps_net::shm::Registrar>> {
+        Some(Arc::new(dma::CudaRegistrar {
+            ctx: self.ctx.clone(),
+            ranges: self.registered.clone(),
+        }))
+    }
+
+    fn is_registered(&self, ptr: *const f32, len: usize) -> bool {
+        dma::covers(&self.registered, ptr as usize, 4 * len)
+    }
+
+    unsafe fn start_download_registered(
+        &mut self,
+        src: CudaView<'_, f32>,
+        dst: *mut f32,
+        slot: usize,
+    ) -> BackendResult<()> {
+        let len = src.len();
+        if !self.is_registered(dst, len) {
+            return Err(BackendError::Shape(format!(
+                "a download into {len} values at {dst:p}: not host memory registered with this device"
+            )));
+        }
+        self.bind()?;
+        self.staging.remove(&slot);
+        let done = match self.direct.remove(&slot) {
+            Some((_, _, e)) => e,
+            None => self
+                .ctx
+                .new_event(None)
+                .map_err(cuda_err("creating an event"))?,
+        };
+        let span = self.span_begin()?;
+        if len > 0 {
+            // SAFETY: registered memory of `len` values that the caller leaves alone until
+            // finish_download or sync (the contract); the copy writes it by DMA
+            let host = unsafe { std::slice::from_raw_parts_mut(dst, len) };
+            self.stream
+                .memcpy_dtoh(&src, host)
+                .map_err(cuda_err(format_args!(
+                    "queueing a copy of {len} floats into registered host memory"
+                )))?;
+        }
+        done.record(&self.stream)
+            .map_err(cuda_err("recording a download's event"))?;
+        self.direct.insert(slot, (dst as usize, len, done));
+        self.span_end(false, len, span)
     }
 
     fn fill_zero(&mut self, mut v: CudaViewMut<'_, f32>) -> BackendResult<()> {

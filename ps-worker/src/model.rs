@@ -15,7 +15,7 @@
 //! layers below.
 
 use crate::backend::{Backend, BackendError, BackendResult, StepStats, check_shapes};
-use crate::gate::PullGate;
+use crate::gate::{PullGate, Source};
 use crate::ops::{ConvGeom, Device, Mat};
 use ps_config::LossReduction;
 use ps_model::layout::{CnnLayout, MlpLayout, ModelLayout};
@@ -90,6 +90,9 @@ pub struct Model<D: Device, N: Net<D>> {
     /// With a gate over the device's staging memory ([`Device::staging`]) rather than over
     /// the weights themselves: how far the upload of what the pull published there has got.
     upload_from: Option<usize>,
+    /// A gate may take shards' values in place from boards registered with the device
+    /// ([`Backend::set_in_place`]).
+    in_place: bool,
     /// Labels of the batch whose features are in `x` (see [`Model::upload_batch`]).
     labels: Vec<u8>,
     /// Rows the batch buffers hold; a smaller batch uses their first rows.
@@ -182,6 +185,7 @@ impl<D: Device, N: Net<D>> Model<D, N> {
             x,
             gate: None,
             upload_from: None,
+            in_place: true,
             labels: Vec::new(),
             rows: 0,
             dev,
@@ -337,13 +341,28 @@ impl<D: Device, N: Net<D>> Model<D, N> {
         while at < len {
             let layer_end = ends.iter().copied().filter(|&e| e > at).min();
             let end = layer_end.unwrap_or(len).min(at + UPLOAD_PIECE).min(len);
+            let end = end.min(gate.shard_end(at));
             gate.wait(at..end)?;
             let dst = D::view_mut(&mut self.weights, at..end);
-            self.dev.upload(gate.published(at..end), dst)?;
+            match gate.source(at..end) {
+                Source::Copied(v) => self.dev.upload(v, dst)?,
+                // SAFETY: read by the device's DMA from a registered board; the values are
+                // used only if `verify_in_place` finds the slot intact after the copies
+                Source::InPlace(slot, r) => self.dev.upload(unsafe { slot.values(r) }, dst)?,
+            }
             at = end;
             self.upload_from = Some(at);
         }
         Ok(())
+    }
+
+    /// After the device's copies out of the gate's in-place board slots completed: refuses
+    /// the values when a shard overwrote its slot meanwhile ([`PullGate::verify`]).
+    fn verify_in_place(&self) -> BackendResult<()> {
+        match &self.gate {
+            Some(g) if g.any_in_place() => g.verify().map_err(BackendError::from),
+            _ => Ok(()),
+        }
     }
 
     /// Forward pass over the `n` uploaded rows, each layer after its weights are pulled
@@ -409,18 +428,51 @@ impl<D: Device, N: Net<D>> Model<D, N> {
         grad: &mut [f32],
         ready: &mut dyn FnMut(usize, &[f32], StepStats),
     ) -> BackendResult<StepStats> {
+        // straight into `grad` where it is registered host memory (a gradient board)
+        let direct = self.dev.is_registered(grad.as_ptr(), grad.len());
+        let result = self.device_step_queued(n, reduction, buf, grad, direct, ready);
+        if result.is_err() && direct {
+            // no copy may still write `grad` once this returns; the error is what counts
+            let _ = self.dev.sync();
+        }
+        result
+    }
+
+    fn device_step_queued(
+        &mut self,
+        n: usize,
+        reduction: LossReduction,
+        buf: &mut D::Buf,
+        grad: &mut [f32],
+        direct: bool,
+        ready: &mut dyn FnMut(usize, &[f32], StepStats),
+    ) -> BackendResult<StepStats> {
         self.forward(n)?;
         self.loss(n, reduction)?;
         let p = self.layout.num_params();
+        let to = grad.as_mut_ptr();
         self.backward(n, D::view_mut(buf, 0..p), &mut |dev, layer, g| {
-            dev.start_download(D::sub(g, layer.clone()), layer.start)
+            let src = D::sub(g, layer.clone());
+            if direct {
+                // SAFETY: `layer` lies inside `grad` (the gradient's length), registered; it
+                // is left alone until its finish_download below (or the sync on an error)
+                unsafe { dev.start_download_registered(src, to.add(layer.start), layer.start) }
+            } else {
+                dev.start_download(src, layer.start)
+            }
         })?;
         let mut stats = None;
         for r in self.net.layers().into_iter().rev() {
             self.dev.finish_download(r.start, &mut grad[r.clone()])?;
             let s = match stats {
                 Some(s) => s,
-                None => *stats.insert(self.dev.stats()?),
+                None => {
+                    // the first copy back waited for every upload queued before the backward
+                    // pass: the weights read in place were that version alone, or are refused
+                    // before any gradient is handed on
+                    self.verify_in_place()?;
+                    *stats.insert(self.dev.stats()?)
+                }
             };
             ready(r.start, &grad[r.start..], s);
         }
@@ -487,9 +539,14 @@ impl<D: Device, N: Net<D>> Backend for Model<D, N> {
         // `open_gate`, after this gate is closed), and which is read only by the uploads of
         // `upload_published`, of ranges `PullGate::wait` returned for. The caller drops the
         // writers before it closes the gate.
-        let gate = Arc::new(unsafe {
-            PullGate::new(ptr, len, version, shards, self.net.layers(), patience)
-        });
+        let gate = unsafe { PullGate::new(ptr, len, version, shards, self.net.layers(), patience) };
+        let gate = match self.dev.registrar() {
+            // values a pull hands over in place are uploaded from their board
+            // (`upload_published`) and checked after the copies (`verify_in_place`)
+            Some(r) if staged && self.in_place => gate.with_in_place(r.key()),
+            _ => gate,
+        };
+        let gate = Arc::new(gate);
         self.gate = Some(gate.clone());
         self.upload_from = staged.then_some(0);
         Some(gate)
@@ -498,6 +555,14 @@ impl<D: Device, N: Net<D>> Backend for Model<D, N> {
     fn close_gate(&mut self) {
         self.gate = None;
         self.upload_from = None;
+    }
+
+    fn registrar(&self) -> Option<Arc<dyn ps_net::shm::Registrar>> {
+        self.dev.registrar()
+    }
+
+    fn set_in_place(&mut self, on: bool) {
+        self.in_place = on;
     }
 
     fn take_copy_times(&mut self) -> BackendResult<Option<crate::ops::CopyTimes>> {
@@ -568,6 +633,7 @@ impl<D: Device, N: Net<D>> Backend for Model<D, N> {
                 classes,
             )?;
         }
+        self.verify_in_place()?;
         Ok(correct)
     }
 }

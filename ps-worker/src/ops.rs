@@ -13,6 +13,7 @@
 
 use crate::error::{BackendError, BackendResult};
 use std::ops::Range;
+use std::sync::Arc;
 use std::time::Duration;
 
 /// Figures of one forward and backward pass.
@@ -240,8 +241,39 @@ pub trait Device: Send {
     /// CPU) have nothing to download and refuse it.
     fn start_download(&mut self, src: Self::View<'_>, slot: usize) -> BackendResult<()>;
     /// Waits for the copy of [`Device::start_download`] into `slot` (only for it and what was
-    /// queued before it) and copies its values into `dst` (same length).
+    /// queued before it) and copies its values into `dst` (same length); after
+    /// [`Device::start_download_registered`] into `dst` itself, waits and copies nothing.
     fn finish_download(&mut self, slot: usize, dst: &mut [f32]) -> BackendResult<()>;
+    /// The registrar of host memory for this device's DMA, when it reads and writes host
+    /// memory directly once registered (a GPU: `cuMemHostRegister`): a shared-memory board
+    /// registered with it ([`ps_net::shm::Board::register`]) is then uploaded from and
+    /// downloaded into where it lies, with no host copy. `None` otherwise.
+    fn registrar(&self) -> Option<Arc<dyn ps_net::shm::Registrar>> {
+        None
+    }
+    /// True when the `len` values at `ptr` lie in host memory registered with
+    /// [`Device::registrar`].
+    fn is_registered(&self, _ptr: *const f32, _len: usize) -> bool {
+        false
+    }
+    /// [`Device::start_download`] straight into `dst`, host memory registered for this device's
+    /// DMA ([`Device::is_registered`]): no staging buffer; [`Device::finish_download`] of `slot`
+    /// with `dst` then waits for the copy and copies nothing. Refused by default.
+    ///
+    /// # Safety
+    /// The `src.len()` values at `dst` stay allocated, and neither read nor written by the
+    /// host, until [`Device::finish_download`] of `slot` or [`Device::sync`] returned.
+    unsafe fn start_download_registered(
+        &mut self,
+        _src: Self::View<'_>,
+        _dst: *mut f32,
+        _slot: usize,
+    ) -> BackendResult<()> {
+        Err(BackendError::Shape(format!(
+            "{}: no download into registered host memory",
+            self.name()
+        )))
+    }
     /// Sets every value of `v` to zero.
     fn fill_zero(&mut self, v: Self::ViewMut<'_>) -> BackendResult<()>;
     /// Waits until every queued operation has finished.

@@ -10,6 +10,13 @@
 //! A reader makes references to a range only after [`PullGate::wait`] returned for it: every
 //! value there is published (a release store read with acquire), so no writer touches it any
 //! more in this version.
+//!
+//! In place: a gate that accepts them ([`PullGate::with_in_place`], for a device that
+//! registered the shards' boards for DMA) lets a shard's pull hand over the board's slot itself
+//! instead of copying it ([`crate::sink::PullSink::in_place`]); the reader uploads that range
+//! straight from the board ([`PullGate::source`]) and, once those uploads completed, checks
+//! with [`PullGate::verify`] that no shard overwrote its slot meanwhile (a torn version is
+//! refused: [`GateError::Torn`]).
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -48,6 +55,27 @@ pub enum GateError {
         /// How long it waited.
         waited_secs: f64,
     },
+    /// A shard's board slot read in place left the version before the device's copies out of
+    /// it completed: what was read may mix versions and was not used.
+    #[error(
+        "shard {shard} overwrote its board slot of version {version} while the device was copying it: the values read are refused"
+    )]
+    Torn {
+        /// The shard.
+        shard: usize,
+        /// The version pulled.
+        version: u64,
+    },
+}
+
+/// Where a published range of a [`PullGate`] lies.
+#[derive(Debug)]
+pub enum Source<'a> {
+    /// Copied into the gate's memory by the pull.
+    Copied(&'a [f32]),
+    /// In a shard's board slot: these values of it (a device reads them by DMA; see
+    /// [`PullGate::verify`]).
+    InPlace(&'a crate::shm::InPlace, Range<usize>),
 }
 
 /// What a reader's wait is blocked on, and the per-layer wait times.
@@ -79,6 +107,10 @@ pub struct PullGate {
     patience: Duration,
     state: Mutex<GateState>,
     published_cv: Condvar,
+    /// The registrar key of the device whose registered boards a pull may hand over in place.
+    in_place_key: Option<u64>,
+    /// Each shard's board slot, when its pull handed it over in place.
+    sources: Vec<std::sync::OnceLock<crate::shm::InPlace>>,
 }
 
 // SAFETY: the pointer is written only by the shard writers, each in the unpublished part of
@@ -129,7 +161,71 @@ impl PullGate {
             layers,
             patience,
             published_cv: Condvar::new(),
+            in_place_key: None,
+            sources: (0..n).map(|_| std::sync::OnceLock::new()).collect(),
         }
+    }
+
+    /// This gate, taking a shard's values in place ([`ShardWriter`]'s
+    /// [`crate::sink::PullSink::in_place`]) from boards that the device of registrar key `key`
+    /// registered.
+    pub fn with_in_place(mut self, key: u64) -> Self {
+        self.in_place_key = Some(key);
+        self
+    }
+
+    /// Where range `r` (inside one shard's range), which [`PullGate::wait`] returned `Ok` for,
+    /// lies: the gate's memory, or the shard's board slot. Panics when some values are not
+    /// published or `r` spans shards.
+    pub fn source(&self, r: Range<usize>) -> Source<'_> {
+        let s = self.shard_of(r.start);
+        let sr = &self.shards[s];
+        assert!(r.end <= sr.end, "{r:?} spans shards");
+        match self.sources[s].get() {
+            Some(slot) => {
+                assert!(
+                    self.missing(&r).is_none(),
+                    "parameters {r:?} read before they were published"
+                );
+                Source::InPlace(slot, r.start - sr.start..r.end - sr.start)
+            }
+            None => Source::Copied(self.published(r)),
+        }
+    }
+
+    /// The end of the shard range that holds value `at`.
+    pub fn shard_end(&self, at: usize) -> usize {
+        self.shards[self.shard_of(at)].end
+    }
+
+    fn shard_of(&self, at: usize) -> usize {
+        self.shards
+            .iter()
+            .position(|r| r.contains(&at))
+            .unwrap_or(self.shards.len().saturating_sub(1))
+    }
+
+    /// True when some shard's values were handed over in place.
+    pub fn any_in_place(&self) -> bool {
+        self.sources.iter().any(|s| s.get().is_some())
+    }
+
+    /// After the device's copies out of the in-place slots completed: `Ok` when every such
+    /// slot still holds this version (the copies read it alone), [`GateError::Torn`] for the
+    /// first shard whose slot left it.
+    ///
+    /// # Errors
+    /// [`GateError::Torn`], as above.
+    pub fn verify(&self) -> Result<(), GateError> {
+        for (shard, s) in self.sources.iter().enumerate() {
+            if s.get().is_some_and(|slot| !slot.intact()) {
+                return Err(GateError::Torn {
+                    shard,
+                    version: self.version,
+                });
+            }
+        }
+        Ok(())
     }
 
     /// The version this gate's pulls deliver.
@@ -267,6 +363,13 @@ impl PullGate {
     pub fn published(&self, range: Range<usize>) -> &[f32] {
         assert!(range.start <= range.end && range.end <= self.len);
         assert!(
+            self.shards
+                .iter()
+                .zip(&self.sources)
+                .all(|(r, s)| s.get().is_none() || r.start >= range.end || range.start >= r.end),
+            "parameters {range:?} lie in a board slot: read them through source()"
+        );
+        assert!(
             self.missing(&range).is_none(),
             "parameters {range:?} read before they were published"
         );
@@ -362,6 +465,23 @@ impl crate::sink::PullSink for ShardWriter<'_> {
         // under the lock, so that a reader between its check and its wait does not miss it
         drop(self.gate.lock());
         self.gate.published_cv.notify_all();
+    }
+
+    fn in_place(&mut self, slot: &crate::shm::InPlace) -> bool {
+        let usable = self
+            .gate
+            .in_place_key
+            .is_some_and(|k| slot.registered_with(k))
+            && self.cursor == 0
+            && slot.len() == self.len
+            && slot.version() == self.gate.version
+            && slot.intact();
+        if !usable || self.gate.sources[self.shard].set(slot.clone()).is_err() {
+            return false;
+        }
+        // every value is published: the reader takes them from the slot (`PullGate::source`)
+        self.publish(self.len);
+        true
     }
 
     fn piece_end(&self) -> usize {

@@ -19,6 +19,17 @@
 //! gRPC instead of reading the wrong memory. The owner of a directory holds a `flock` on its
 //! `owner.lock` while it lives; a new owner removes the directories whose lock is free (the pid
 //! in the name is for people: it means nothing in another PID namespace).
+//!
+//! A board's memory can be read and written by a device directly (DMA, no host copy): the
+//! device registers the mapping through [`Board::register`] ([`registration`]), and the board
+//! owns that registration from then on. The lifetime rule is a type rule: a registration lives
+//! inside the mapping's owner and is dropped (unregistered) by the mapping's own `Drop`, before
+//! the `munmap`; every value that reads the board in place ([`InPlace`]) holds the mapping, so
+//! neither the memory nor its registration can go while one is in use.
+
+pub mod registration;
+
+pub use registration::{HostRegistration, InPlace, RegisterError, Registrar};
 
 use crate::sink::PullSink;
 use std::fs::{File, OpenOptions};
@@ -42,12 +53,24 @@ const MAX_SLOTS: usize = 8;
 /// A file in shared memory mapped into this process, guarded against truncation
 /// ([`guard`]): a page that the file no longer backs reads as zeros instead of killing the
 /// process with SIGBUS, and the mapping says it [`Mapping::faulted`].
-#[derive(Debug)]
 struct Mapping {
     ptr: NonNull<u8>,
     len: usize,
     /// Its slot in the SIGBUS guard's table (None: the table was full; unguarded).
     guard: Option<usize>,
+    /// The devices' registrations of this mapping for DMA, by registrar key: dropped
+    /// (unregistered) by `Drop` before the memory is unmapped.
+    registrations: std::sync::Mutex<Vec<(u64, Box<dyn HostRegistration>)>>,
+}
+
+impl std::fmt::Debug for Mapping {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Mapping")
+            .field("ptr", &self.ptr)
+            .field("len", &self.len)
+            .field("guard", &self.guard)
+            .finish()
+    }
 }
 
 // SAFETY: the mapping is plain shared memory; access to the header goes through atomics and
@@ -76,6 +99,7 @@ impl Mapping {
             ptr: NonNull::new(p.cast()).expect("mmap returned a null mapping"),
             len,
             guard: guard::register(p as usize, len),
+            registrations: std::sync::Mutex::new(Vec::new()),
         })
     }
 
@@ -95,6 +119,12 @@ impl Mapping {
 
 impl Drop for Mapping {
     fn drop(&mut self) {
+        // the devices' registrations first: no DMA may reach the memory once it is unmapped
+        let registrations = self
+            .registrations
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner());
+        registrations.clear();
         if let Some(g) = self.guard {
             guard::unregister(g);
         }
@@ -233,7 +263,8 @@ mod guard {
 /// A shared-memory file of `slots` slots of `len` f32 values each, behind a checked header.
 #[derive(Debug)]
 pub struct Board {
-    map: Mapping,
+    /// Shared with the [`InPlace`] views of its slots, which keep it mapped.
+    map: std::sync::Arc<Mapping>,
     len: usize,
     slots: usize,
     path: PathBuf,
@@ -272,7 +303,7 @@ impl Board {
                 format!("cannot reserve {total} bytes: {e}"),
             ));
         }
-        let map = Mapping::new(&file, total)?;
+        let map = std::sync::Arc::new(Mapping::new(&file, total)?);
         map.atomic(8).store(token, Ordering::Relaxed);
         map.atomic(16).store(len as u64, Ordering::Relaxed);
         map.atomic(24).store(slots as u64, Ordering::Relaxed);
@@ -402,10 +433,13 @@ impl Board {
                 len,
             });
         }
-        let map = Mapping::new(&file, total).map_err(|source| BoardError::Map {
-            path: path.to_path_buf(),
-            source,
-        })?;
+        let map =
+            std::sync::Arc::new(
+                Mapping::new(&file, total).map_err(|source| BoardError::Map {
+                    path: path.to_path_buf(),
+                    source,
+                })?,
+            );
         let got = [0, 8, 16, 24].map(|o| map.atomic(o).load(Ordering::Acquire));
         let expected = [MAGIC, token, len as u64, slots as u64];
         if got != expected {

@@ -34,6 +34,13 @@ pub trait PullSink: Send {
     fn piece_end(&self) -> usize {
         self.len().min(self.filled() + PIECE_VALUES)
     }
+    /// The pull's values lie complete in `slot` (a shard's parameters board, this version):
+    /// a sink whose reader can use them there (a device that registered the board reads them
+    /// by DMA, checking [`crate::shm::InPlace::intact`] afterwards) takes them and returns
+    /// true: nothing is copied. False (the default): the pull copies them into the sink.
+    fn in_place(&mut self, _slot: &crate::shm::InPlace) -> bool {
+        false
+    }
 }
 
 /// A pull straight into a slice, with no reader waiting on it.

@@ -380,9 +380,22 @@ impl ShardClient {
     /// Copies version `version` out of the shard's parameters `board` into `sink` (a large
     /// range on several threads, `Board::read_version_into`), off the async runtime's
     /// worker where the runtime has several (so that the shards' copies of one pull run at
-    /// once); false when the version left the board during the copy.
+    /// once); false when the version left the board during the copy. A sink that reads the
+    /// slot in place (a device that registered the board: [`PullSink::in_place`]) takes it
+    /// without a copy. The bytes copied count as the pull's host copies (`crate::copied`).
     fn pull_board(&self, board: &Board, version: u64, sink: &mut dyn PullSink) -> bool {
-        let mut copy = || board.read_version_into(version, sink);
+        if sink.filled() == 0
+            && let Some(slot) = board.in_place(version)
+            && sink.in_place(&slot)
+        {
+            return true;
+        }
+        let mut copy = || {
+            let before = sink.filled();
+            let ok = board.read_version_into(version, sink);
+            crate::copied::count(crate::copied::Side::Pull, 4 * (sink.filled() - before));
+            ok
+        };
         let copied = match tokio::runtime::Handle::try_current() {
             Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
                 tokio::task::block_in_place(copy)
