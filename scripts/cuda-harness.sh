@@ -5,7 +5,8 @@
 #   scripts/cuda-harness.sh test        runs the CUDA tests under it (what .ci/run runs):
 #                                       NVRTC compiles every kernel for sm_80 and sm_90, the
 #                                       ps-worker lib tests with a "GPU" present, the CUDA parity
-#                                       tests, a --device cuda cluster against the reference, and
+#                                       tests, the registered-board (DMA) tests, a --device cuda
+#                                       cluster against the reference, and
 #                                       the exact-sum mode's CUDA workers at W = 1 and 2;
 #   scripts/cuda-harness.sh run CMD...  runs CMD under it (e.g. target/release/ps-launch ...).
 # An emulation, not a GPU: the device calls itself "cuda-harness CPU emulation (not a GPU)",
@@ -47,6 +48,9 @@ test)
     cargo test --release -p ps-worker --lib -- --include-ignored --test-threads=1
     cargo test --release -p ps-worker --test cli -- --include-ignored --test-threads=1
     cargo test --release -p ps-worker --test cuda_parity -- --include-ignored --test-threads=1
+    # registered boards: 0 host bytes on pull and push, a torn version refused, unregistration
+    # before unmap (the harness checks it at each unregistration and at exit)
+    cargo test --release -p ps-worker --test cuda_dma -- --include-ignored --test-threads=1
     cargo test --release -p ps-tests --test cluster_cuda -- --include-ignored --test-threads=1
     cargo test --release -p ps-tests --test exact -- --ignored --test-threads=1 cuda_workers
     echo "cuda-harness: every CUDA test passed on the CPU emulation (not a GPU)"

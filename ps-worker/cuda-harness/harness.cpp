@@ -26,6 +26,17 @@
 // snapshots its source at the call, as the real driver stages it; one from pinned memory
 // (cuMemHostAlloc) reads it when it runs, as DMA does. Concurrency between streams and the
 // speed of a GPU cannot show here.
+// Registered host memory (cuMemHostRegister_v2 / cuMemHostUnregister): ranges are refused as
+// the driver refuses them (overlapping a registered or cuMemHostAlloc'd range: 712
+// HOST_MEMORY_ALREADY_REGISTERED; unregistering what is not a registered range's start: 713
+// HOST_MEMORY_NOT_REGISTERED); a copy from or to registered memory is DMA like pinned memory's
+// (read or written when it runs). Copies from and to pageable memory are counted
+// (cuda_harness_pageable_bytes), so a test can assert that a path moves nothing through it.
+// Lifetime checks (errors): a registered range must still be mapped when a copy runs on it and
+// when it is unregistered (unregister before unmap); one unmapped while registered is reported
+// at exit. cuda_harness_before_registered_read sets a hook run once, right before the next
+// queued copy from registered memory runs (to write the memory between the queueing and the
+// DMA, as a shard may).
 #include "simt.h"
 #include KERNELS_CU
 #include <algorithm>
@@ -66,6 +77,10 @@ static std::map<void *, Stream *> streams;
 struct Event { Stream *stream = nullptr; long at = 0; unsigned flags = 0; bool recorded = false; double when = 0; };
 static std::set<void *> events;
 static std::map<const char *, size_t> pinned; // cuMemHostAlloc'd blocks and their sizes
+static std::map<const char *, size_t> registered; // cuMemHostRegister'd ranges and their sizes
+static long long pageable_h2d = 0, pageable_d2h = 0, registered_copies = 0;
+static void (*before_registered_read)(void *) = nullptr;
+static void *before_registered_arg = nullptr;
 static long ops_queued = 0, ops_run = 0;
 static long errors = 0, launches = 0, sgemms = 0, modules = 0;
 static std::map<std::string, long> launch_count;
@@ -115,7 +130,20 @@ static bool in_live(const void *ptr, size_t bytes, const char *what) {
   return true;
 }
 
+static bool is_mapped(const void *p, size_t n) {
+  uintptr_t a = (uintptr_t)p & ~(uintptr_t)(PAGE - 1);
+  size_t len = (uintptr_t)p + n - a;
+  return msync((void *)a, len ? len : 1, MS_ASYNC) == 0;
+}
+
 static void at_exit_report() {
+  long still = 0;
+  for (auto &kv : registered) {
+    ++still;
+    if (!is_mapped(kv.first, kv.second)) err("host range %p (+%zu) was unmapped while registered (cuMemHostUnregister must come first)", kv.first, kv.second);
+  }
+  std::fprintf(stderr, "CUDA-HARNESS: %lld bytes copied from pageable host memory, %lld to it, %lld copies by DMA on registered memory, %ld ranges registered at exit\n",
+               pageable_h2d, pageable_d2h, registered_copies, still);
   std::fprintf(stderr, "CUDA-HARNESS: CPU emulation, not a GPU: %ld module loads (last: %s), %ld kernel launches, %ld sgemm calls, %ld of %ld queued operations run, %ld errors\n",
                modules, last_image_kind.c_str(), launches, sgemms, ops_run, ops_queued, errors);
   for (auto &kv : launch_count) std::fprintf(stderr, "CUDA-HARNESS:   %s x%ld\n", kv.first.c_str(), kv.second);
@@ -388,12 +416,45 @@ CUresult cuMemFreeHost(void *p) {
   if (!pinned.erase((const char *)p)) { err("cuMemFreeHost of %p: not a cuMemHostAlloc block", p); return INVALID_VALUE; }
   std::free(p); return OK;
 }
-static bool is_pinned(const void *ptr) {
+static bool in_ranges(const std::map<const char *, size_t> &m, const void *ptr, size_t n = 1) {
   const char *p = (const char *)ptr;
-  auto it = pinned.upper_bound(p);
-  if (it == pinned.begin()) return false;
+  auto it = m.upper_bound(p);
+  if (it == m.begin()) return false;
   --it;
-  return p < it->first + it->second;
+  return p + n <= it->first + it->second;
+}
+static bool overlaps(const std::map<const char *, size_t> &m, const char *p, size_t n) {
+  for (auto &kv : m) if (p < kv.first + kv.second && kv.first < p + n) return true;
+  return false;
+}
+static bool is_registered(const void *ptr, size_t n) { return in_ranges(registered, ptr, n); }
+// Memory the device reaches by DMA: cuMemHostAlloc'd or registered (the whole copy inside).
+static bool is_pinned(const void *ptr, size_t n = 1) { return in_ranges(pinned, ptr, n) || is_registered(ptr, n); }
+// Checked when a copy on registered memory runs: still registered and mapped.
+static void check_registered(const void *p, size_t n, const char *what) {
+  ++registered_copies;
+  if (!is_registered(p, n)) err("%s: %p (+%zu) is no longer registered when the copy runs", what, p, n);
+  else if (!is_mapped(p, n)) err("%s: registered %p (+%zu) is no longer mapped when the copy runs", what, p, n);
+}
+CUresult cuMemHostRegister_v2(void *p, size_t bytes, unsigned) {
+  std::lock_guard<std::recursive_mutex> l(mu);
+  need_ctx("cuMemHostRegister");
+  const char *c = (const char *)p;
+  if (!p || !bytes) return INVALID_VALUE;
+  if (overlaps(registered, c, bytes) || overlaps(pinned, c, bytes)) return 712; // HOST_MEMORY_ALREADY_REGISTERED
+  if (!is_mapped(p, bytes)) return INVALID_VALUE;
+  registered[c] = bytes;
+  return OK;
+}
+CUresult cuMemHostUnregister(void *p) {
+  std::lock_guard<std::recursive_mutex> l(mu);
+  auto it = registered.find((const char *)p);
+  if (it == registered.end()) return 713; // HOST_MEMORY_NOT_REGISTERED
+  if (!is_mapped(p, it->second)) err("cuMemHostUnregister of %p (+%zu): its memory was unmapped first", p, it->second);
+  for (auto &kv : streams)
+    if (!kv.second->q.empty()) err("cuMemHostUnregister of %p with work still queued on a stream (synchronise first)", p);
+  registered.erase(it);
+  return OK;
 }
 CUresult cuGetErrorString(int e, const char **p) { static char b[80]; std::snprintf(b, 80, "cuda-harness error %d", e); *p = b; return OK; }
 CUresult cuGetErrorName(int e, const char **p) { static char b[64]; std::snprintf(b, 64, "CUDA_HARNESS_ERROR_%d", e); *p = b; return OK; }
@@ -449,9 +510,16 @@ CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t n, void *
   need_ctx("cuMemcpyHtoDAsync");
   if (!in_live((void *)dst, n, "cuMemcpyHtoDAsync")) return INVALID_VALUE;
   Stream *st = need_stream(s, "cuMemcpyHtoDAsync");
-  if (is_pinned(src)) {
+  if (is_registered(src, n)) {
+    enqueue(st, [=] {
+      if (auto hook = before_registered_read) { before_registered_read = nullptr; hook(before_registered_arg); }
+      check_registered(src, n, "cuMemcpyHtoDAsync");
+      std::memcpy((void *)dst, src, n);
+    });
+  } else if (is_pinned(src, n)) {
     enqueue(st, [=] { std::memcpy((void *)dst, src, n); });
   } else {
+    pageable_h2d += n;
     auto copy = std::make_shared<std::vector<char>>((const char *)src, (const char *)src + n);
     enqueue(st, [=] { std::memcpy((void *)dst, copy->data(), n); });
   }
@@ -462,8 +530,12 @@ CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t n, void *s) {
   need_ctx("cuMemcpyDtoHAsync");
   if (!in_live((void *)src, n, "cuMemcpyDtoHAsync")) return INVALID_VALUE;
   Stream *st = need_stream(s, "cuMemcpyDtoHAsync");
-  enqueue(st, [=] { std::memcpy(dst, (const void *)src, n); });
-  if (!is_pinned(dst)) run_until(st); // to pageable memory the driver returns once it is done
+  const bool reg = is_registered(dst, n);
+  enqueue(st, [=] {
+    if (reg) check_registered(dst, n, "cuMemcpyDtoHAsync");
+    std::memcpy(dst, (const void *)src, n);
+  });
+  if (!is_pinned(dst, n)) { pageable_d2h += n; run_until(st); } // to pageable memory the driver returns once it is done
   return OK;
 }
 
@@ -518,6 +590,18 @@ CUresult cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned
 // For tests (found with dlsym): operations queued and run so far in this process.
 long cuda_harness_ops_queued() { std::lock_guard<std::recursive_mutex> l(mu); return ops_queued; }
 long cuda_harness_ops_run() { std::lock_guard<std::recursive_mutex> l(mu); return ops_run; }
+// Bytes copied from (h2d) and to (d2h) pageable host memory so far in this process.
+long long cuda_harness_pageable_bytes(int d2h) { std::lock_guard<std::recursive_mutex> l(mu); return d2h ? pageable_d2h : pageable_h2d; }
+// Copies run on registered host memory so far, and bytes registered now.
+long long cuda_harness_registered_copies() { std::lock_guard<std::recursive_mutex> l(mu); return registered_copies; }
+long long cuda_harness_registered_bytes() {
+  std::lock_guard<std::recursive_mutex> l(mu);
+  long long b = 0; for (auto &kv : registered) b += kv.second; return b;
+}
+// Runs `hook(arg)` once, right before the next queued copy from registered memory runs.
+void cuda_harness_before_registered_read(void (*hook)(void *), void *arg) {
+  std::lock_guard<std::recursive_mutex> l(mu); before_registered_read = hook; before_registered_arg = arg;
+}
 
 // ---------------- cuBLAS ----------------
 struct Handle { void *stream; int math; };

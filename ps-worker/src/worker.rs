@@ -8,7 +8,7 @@
 //! (`ps_net::shm`); each shard and direction falls back to gRPC on its own.
 
 use crate::backend::{Backend, StepStats};
-use crate::gate::PullGate;
+use crate::gate::{GateError, PullGate};
 use crate::watch::AbortOnDrop;
 pub use crate::watch::{STALL_GRACE, Watch};
 use anyhow::Context;
@@ -195,6 +195,9 @@ struct Run {
     push_ranges: Vec<Range<usize>>,
     /// The next step.
     t: u64,
+    /// The device's DMA registration of the boards was refused (said once): every pull and
+    /// download goes through the device's staging memory.
+    dma_refused: bool,
 }
 
 /// The run: registration, the steps, the end.
@@ -302,6 +305,7 @@ impl Run {
             shard_ranges,
             push_ranges,
             t: start_step,
+            dma_refused: false,
         })
     }
 
@@ -312,6 +316,53 @@ impl Run {
     /// part as it is final ([`StepPushes`]); then the pushes' answers. A failure goes to
     /// recovery ([`after_failure`]), which says the step to go on from.
     async fn step(&mut self, watch: &Watch) -> anyhow::Result<()> {
+        self.register_boards();
+        match self.step_once(watch).await {
+            Err(e) if torn(&e) => {
+                // nothing computed from the torn weights was handed on: the step again, its
+                // pulls copying (through gRPC where the version left the board)
+                tracing::warn!(
+                    "worker {}: {e:#}; step {} again, copying the weights",
+                    self.rank,
+                    self.t
+                );
+                self.backend.set_in_place(false);
+                let again = self.step_once(watch).await;
+                self.backend.set_in_place(true);
+                again
+            }
+            r => r,
+        }
+    }
+
+    /// Registers the shards' parameters boards and this worker's gradient board for the
+    /// device's DMA (a GPU's `cuMemHostRegister`; each board owns its registration and drops it
+    /// before it is unmapped), so that the weights are uploaded from where the shards publish
+    /// them and the gradient downloaded where they read it: no host copy. A board registered
+    /// already is left as it is; the boards of shards registered again (a rejoin) are new. A
+    /// refusal is said once and leaves the run on the staging path.
+    fn register_boards(&mut self) {
+        let Some(r) = self.backend.registrar().filter(|_| !self.dma_refused) else {
+            return;
+        };
+        let params = self.peers.iter().filter_map(|p| p.link.params.as_deref());
+        let grad = match &self.grad {
+            GradMem::Board { board, .. } => Some(board),
+            GradMem::Heap(_) => None,
+        };
+        for b in params.chain(grad) {
+            if let Err(e) = b.register(r.as_ref()) {
+                tracing::warn!(
+                    "worker {}: {e}; the weights and gradients go through the device's pinned staging memory (a host copy each way)",
+                    self.rank
+                );
+                self.dma_refused = true;
+                return;
+            }
+        }
+    }
+
+    async fn step_once(&mut self, watch: &Watch) -> anyhow::Result<()> {
         let t = self.t;
         // the copies counted for this step are its own (not those of a failed one)
         self.backend.take_copy_times()?;
@@ -672,6 +723,16 @@ impl<'a> StepPushes<'a> {
             Ok::<_, anyhow::Error>((s, vec![bytes]))
         }));
     }
+}
+
+/// True when `e` is a pull's version torn under the device's copies out of its board.
+fn torn(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| {
+        matches!(
+            c.downcast_ref::<crate::backend::BackendError>(),
+            Some(crate::backend::BackendError::Gate(GateError::Torn { .. }))
+        ) || matches!(c.downcast_ref::<GateError>(), Some(GateError::Torn { .. }))
+    })
 }
 
 /// The gate of step `t`'s pull: the backend's own (its host weights or staging memory; `true`),

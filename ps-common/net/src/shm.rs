@@ -628,8 +628,16 @@ impl Board {
     /// version `version` was not on the board or left it during the copy: the pieces published
     /// before are of `version` (each was checked), the rest is not filled. A large range is
     /// copied by several threads at once ([`copy_threads`]: one alone does not reach the
-    /// machine's memory bandwidth), still published in ascending order.
+    /// machine's memory bandwidth), still published in ascending order. The values published
+    /// count as a pull's host copy ([`crate::copied`]).
     pub fn read_version_into(&self, version: u64, sink: &mut dyn PullSink) -> bool {
+        let before = sink.filled();
+        let ok = self.read_version_into_uncounted(version, sink);
+        crate::copied::count(crate::copied::Side::Pull, 4 * (sink.filled() - before));
+        ok
+    }
+
+    fn read_version_into_uncounted(&self, version: u64, sink: &mut dyn PullSink) -> bool {
         assert_eq!(sink.len(), self.len, "board read: length mismatch");
         let k = (version % 2) as usize;
         let seq = self.map.atomic(seq_offset(k));

@@ -382,7 +382,7 @@ impl ShardClient {
     /// worker where the runtime has several (so that the shards' copies of one pull run at
     /// once); false when the version left the board during the copy. A sink that reads the
     /// slot in place (a device that registered the board: [`PullSink::in_place`]) takes it
-    /// without a copy. The bytes copied count as the pull's host copies (`crate::copied`).
+    /// without a copy.
     fn pull_board(&self, board: &Board, version: u64, sink: &mut dyn PullSink) -> bool {
         if sink.filled() == 0
             && let Some(slot) = board.in_place(version)
@@ -390,12 +390,7 @@ impl ShardClient {
         {
             return true;
         }
-        let mut copy = || {
-            let before = sink.filled();
-            let ok = board.read_version_into(version, sink);
-            crate::copied::count(crate::copied::Side::Pull, 4 * (sink.filled() - before));
-            ok
-        };
+        let mut copy = || board.read_version_into(version, sink);
         let copied = match tokio::runtime::Handle::try_current() {
             Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
                 tokio::task::block_in_place(copy)
