@@ -7,6 +7,7 @@
 //! - `datalink`: the plain-TCP tensor data connection's framing (hello, frames, pieces);
 //! - `shm`: the shared-memory boards of a host;
 //! - `sink`: where a pull writes its values, piece by piece, publishing how far it got;
+//! - `source`: where a shard reads a push's values, in place, whatever plane carried them;
 //! - `gate`: a step's pulls and its forward pass sharing the weights, layer by layer;
 //! - `peer`: a worker's shards: registration, recovery from a lost shard, pulls of every shard;
 //! - `session`: register, pull, push, leave, without a training loop (the Python worker's);
@@ -35,5 +36,6 @@ pub mod peer;
 pub mod session;
 pub mod shm;
 pub mod sink;
+pub mod source;
 pub mod throttle;
 pub mod wire;

@@ -298,7 +298,7 @@ impl Shard {
             .map(|s| {
                 let sq_norm = match s.grad {
                     Grad::Folded => acc.norm_of(s.rank as usize, acc_sq)?,
-                    Grad::Owned(_) | Grad::Board(_) | Grad::Received(_) => {
+                    Grad::Owned(_) | Grad::InPlace(_) | Grad::Received(_) => {
                         let i = input_ranks
                             .get(direct..)?
                             .iter()

@@ -19,9 +19,10 @@
 //!   and the completion runs the whole-range update from the intact state.
 //! - Where it runs ([`Mode`]): no `clip_norm` (the global norm comes first), and a receive
 //!   buffer for every rank (`max_pending_gradients >= workers`: no fold into the accumulator).
-//!   Decided at start-up. A push in a shared-memory gradient board is not copied: its
-//!   [`RecvBuf`] is a view of the board's range, checked (finiteness, fingerprint) and
-//!   published bucket by bucket in one pass ([`Shard::receive_board`]).
+//!   Decided at start-up. A push whose values lie in place (a shared-memory gradient board,
+//!   [`PushSource`]) is not copied: its [`RecvBuf`] is a view of the source, checked
+//!   (finiteness, fingerprint) and published bucket by bucket in one pass
+//!   ([`Shard::receive_in_place`]).
 //!
 //! Locks: the tracking ([`Track`]) is in the shard's `State` (quick, per published region);
 //! the arithmetic runs under the shard's `work` lock only (taken before `State`, never after),
@@ -44,7 +45,7 @@ pub struct BadGradient {
 use crate::update::{Norms, Simd, UpdateInputs, fused_update, threads_for};
 use ps_config::Wire;
 use ps_model::layout::ModelSpec;
-use ps_net::shm::Board;
+use ps_net::source::{PushSource, SourceFault};
 use ps_optim::{OptState, Optimizer};
 use ps_proto::{PsError, PsResult};
 use std::mem::MaybeUninit;
@@ -92,7 +93,7 @@ pub enum Mode {
 
 impl Mode {
     /// The mode for a shard with these settings (a shared-memory host applies per bucket
-    /// too: a board push is read in place, bucket by bucket, [`Shard::receive_board`]).
+    /// too: a board push is read in place, bucket by bucket, [`Shard::receive_in_place`]).
     pub fn of(clip: bool, buffers: usize, world: usize) -> Self {
         if clip {
             Mode::Whole("[optimizer] clip_norm needs the global gradient norm before any update")
@@ -118,9 +119,9 @@ pub struct RecvBuf {
     cap: usize,
     len: usize,
     complete: AtomicBool,
-    /// For a view of a shared-memory gradient board's range: the board, which keeps it mapped
-    /// (nothing is written through the view, and nothing is freed).
-    board: Option<Arc<Board>>,
+    /// For a view of values in place: their source, which keeps them alive (nothing is
+    /// written through the view, and nothing is freed).
+    view: Option<Arc<dyn PushSource>>,
 }
 
 // SAFETY: the buffer is plain memory owned by the RecvBuf; concurrent access follows the
@@ -151,34 +152,28 @@ impl RecvBuf {
             cap,
             len,
             complete: AtomicBool::new(false),
-            board: None,
+            view: None,
         }
     }
 
-    /// A view of values `r` of `board`'s slot 0 (a worker's gradient board), read in place.
-    ///
-    /// # Safety
-    /// The worker does not write its board between its push and the update of the version the
-    /// push is for (`ps_net::shm`'s protocol); one that breaks it can only change the values
-    /// read, which every update checks for finiteness where it reads them.
-    unsafe fn on_board(board: Arc<Board>, r: Range<usize>) -> Self {
-        // SAFETY: the board stays mapped while the Arc lives (kept in the view); the caller's
-        // contract on writes.
-        let values = unsafe { &board.slot(0)[r] };
+    /// A view of `src`'s values, read in place (its memory stays the same while it lives:
+    /// [`PushSource`]'s contract; nothing is written through the view).
+    fn in_place(src: Arc<dyn PushSource>) -> Self {
+        let values = src.values();
         let ptr = NonNull::from(values).cast::<f32>();
         Self {
             ptr,
             cap: 0,
             len: values.len(),
             complete: AtomicBool::new(false),
-            board: Some(board),
+            view: Some(src),
         }
     }
 
-    /// True when the board this views was found truncated while it was read (read as zeros
-    /// under the SIGBUS guard: not the rank's values).
-    pub fn faulted(&self) -> bool {
-        self.board.as_ref().is_some_and(|b| b.faulted())
+    /// Why the values this views are not the push's (their memory faulted while read: a
+    /// truncated board, read as zeros under the SIGBUS guard); None for a buffer of its own.
+    pub fn fault(&self) -> Option<SourceFault> {
+        self.view.as_ref().and_then(|src| src.fault())
     }
 
     /// Its length.
@@ -213,7 +208,7 @@ impl RecvBuf {
     /// another holder (the applier) still reads it.
     pub fn into_vec(this: Arc<Self>) -> Option<Vec<f32>> {
         let buf = Arc::try_unwrap(this).ok()?;
-        if buf.board.is_some() {
+        if buf.view.is_some() {
             return None;
         }
         let buf = std::mem::ManuallyDrop::new(buf);
@@ -231,8 +226,8 @@ impl RecvBuf {
 
 impl Drop for RecvBuf {
     fn drop(&mut self) {
-        if self.board.is_some() {
-            // a view: the board owns the memory
+        if self.view.is_some() {
+            // a view: its source owns the memory
             return;
         }
         // SAFETY: the allocation taken apart in `new`; f32 needs no drop, so length 0 frees it.
@@ -253,6 +248,17 @@ impl Received {
     /// The values.
     pub fn values(&self) -> &[f32] {
         self.buf.values().expect("a received gradient is complete")
+    }
+}
+
+/// A gradient received into a shard buffer (or viewed in place) for per-bucket apply.
+impl PushSource for Received {
+    fn values(&self) -> &[f32] {
+        Received::values(self)
+    }
+
+    fn fault(&self) -> Option<SourceFault> {
+        self.buf.fault()
     }
 }
 
@@ -738,7 +744,7 @@ impl Shard {
             && slots.iter().zip(&basis.bufs).all(
                 |(s, buf)| matches!(&s.grad, Grad::Received(rec) if Arc::ptr_eq(&rec.buf, buf)),
             )
-            && !basis.bufs.iter().any(|b| b.faulted())
+            && !basis.bufs.iter().any(|b| b.fault().is_some())
             && Arc::ptr_eq(&basis.opt, &st.opt)
             && st.unused.skipped_by_all(step, &basis.ranks) == basis.skip;
         if !same {
@@ -833,52 +839,33 @@ pub(crate) struct Finished {
     pub early: u32,
 }
 
-/// The shared-memory side of per-bucket apply.
+/// Per-bucket apply of values that lie in place.
 impl Shard {
-    /// A push in `rank`'s gradient board for `step`, as the shard takes it: read in place
-    /// bucket by bucket where it applies per bucket ([`Shard::receive_board`]), else checked
-    /// over the whole range ([`Shard::shm_grad`]). The gradient, its fingerprint and the
-    /// bucket intake to keep until [`Shard::accept`] answered. Blocking: call it from a
-    /// blocking thread.
-    pub fn board_push(
-        self: &Arc<Self>,
-        rank: u32,
-        step: u64,
-    ) -> PsResult<(Grad, u64, Option<Intake>)> {
-        let board = self.grad_board(rank)?;
-        match self.receive_board(rank, step, board) {
-            Some(got) => got.map(|(grad, fp, intake)| (grad, fp, Some(intake))),
-            None => self.shm_grad(rank).map(|(grad, fp)| (grad, fp, None)),
-        }
-    }
-
-    /// A push in `rank`'s gradient board `board` for `step`, on a shard that applies per
-    /// bucket: the board's range is read in place (not copied), bucket by bucket, each bucket
-    /// checked for finite values and added to the push's fingerprint while in cache, then
-    /// published to the applier, which runs beside the pass when buckets became ready (the
-    /// last push of a bucket: its values are still in cache), until the barrier completes.
-    /// Blocking: call it from a blocking thread. None when this shard applies the whole range only or the step
-    /// is not the one being gathered (the caller checks the whole range then,
-    /// [`Shard::shm_grad`]). A value that is not finite refuses the push at the end of the
-    /// pass ([`PsError::NonFinite`], the first such index in the shard's range); the work that
-    /// used its buckets is discarded with the intake (dropped uncounted), as for a gRPC push
-    /// refused halfway.
+    /// A push of `rank` for `step` whose values lie in place in `src` (a shared-memory
+    /// gradient board's range), on a shard that applies per bucket: read where they lie (not
+    /// copied), bucket by bucket, each bucket checked for finite values and added to the
+    /// push's fingerprint while in cache, then published to the applier, which runs beside the
+    /// pass when buckets became ready (the last push of a bucket: its values are still in
+    /// cache), until the barrier completes. Blocking: call it from a blocking thread. None
+    /// when this shard applies the whole range only or the step is not the one being gathered
+    /// (the caller checks the whole range then, [`Shard::check_in_place`]). A value that is not
+    /// finite refuses the push at the end of the pass ([`PsError::NonFinite`], the first such
+    /// index in the shard's range); the work that used its buckets is discarded with the
+    /// intake (dropped uncounted), as for a gRPC push refused halfway.
     /// Keep the intake until [`Shard::accept`] answered.
-    pub fn receive_board(
+    pub fn receive_in_place(
         self: &Arc<Self>,
         rank: u32,
         step: u64,
-        board: Arc<Board>,
+        src: Arc<dyn PushSource>,
     ) -> Option<PsResult<(Grad, u64, Intake)>> {
         if self.buckets.is_empty() {
             return None;
         }
-        // SAFETY: the worker does not write its board before the update of this step
-        // (ps_net::shm); the update checks every value it reads for finiteness anyway.
-        let buf = unsafe { RecvBuf::on_board(board.clone(), self.push_range()) };
+        let buf = RecvBuf::in_place(src);
         let mut intake = self.intake_into(rank, step, Arc::new(buf))?;
         Some(
-            self.read_board(rank, &mut intake, &board)
+            self.read_in_place(rank, &mut intake)
                 .map(|(grad, fp)| (grad, fp, intake)),
         )
     }
@@ -899,33 +886,25 @@ impl Shard {
         }
     }
 
-    /// The pass of [`Shard::receive_board`] over the board's range, bucket by bucket.
-    fn read_board(
-        self: &Arc<Self>,
-        rank: u32,
-        intake: &mut Intake,
-        board: &Board,
-    ) -> PsResult<(Grad, u64)> {
+    /// The pass of [`Shard::receive_in_place`] over the view's values, bucket by bucket.
+    fn read_in_place(self: &Arc<Self>, rank: u32, intake: &mut Intake) -> PsResult<(Grad, u64)> {
         let buf = intake.buf().clone();
         let mut check = ps_net::wire::StreamCheck::new(buf.len());
         for bucket in &self.buckets {
             let r = bucket.range.clone();
-            // SAFETY: a board view is never written through (RecvBuf::on_board)
+            // SAFETY: a view is never written through (RecvBuf::in_place)
             let values = unsafe { buf.part(r.clone()) };
             // finiteness and the fingerprint in one (vectorised) pass; a bucket holding a value
             // that is not finite fails its update, if it comes to one, which discards the work
             check.push_values(r.start as u64, values)?;
             intake.mark(r)?;
-            // SAFETY: the region's values are the board's, in place (nothing to write)
+            // SAFETY: the region's values are the source's, in place (nothing to write)
             if unsafe { intake.publish() } {
                 self.start_applier();
             }
         }
-        if board.faulted() {
-            if let Some(h) = &self.shm {
-                h.detach(rank as usize);
-            }
-            return Err(crate::shm::truncated_push(rank, board));
+        if let Some(fault) = buf.fault() {
+            return Err(fault.refused(rank));
         }
         let fp = check.finish()?;
         buf.complete.store(true, Ordering::Release);

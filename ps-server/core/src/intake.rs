@@ -17,6 +17,7 @@
 use super::update::{self, sum_of_squares};
 use super::{Grad, Shard, Slot, StepError};
 use ps_config::Aggregation;
+use ps_net::source::PushSource;
 use ps_proto::PsError;
 use ps_proto::PsResult;
 use std::collections::HashMap;
@@ -126,6 +127,13 @@ pub struct Held {
     pub values: Vec<f32>,
     /// Given back with the buffer.
     pub permit: Option<Permit>,
+}
+
+/// A gradient received whole into a shard buffer, read where it lies.
+impl PushSource for Held {
+    fn values(&self) -> &[f32] {
+        &self.values
+    }
 }
 
 /// The running aggregate of the step being gathered.
@@ -273,6 +281,18 @@ impl Shard {
         }
     }
 
+    /// `rank`'s gradient whose values lie in place in `src` (a shared-memory gradient board's
+    /// range), taken whole: its values checked (finite) and fingerprinted like a received
+    /// one, in one pass. Refused when a value is not finite, or when the memory faulted under
+    /// the pass (a truncated board, read as zeros).
+    pub fn check_in_place(&self, rank: u32, src: Arc<dyn PushSource>) -> PsResult<(Grad, u64)> {
+        let fp = ps_net::wire::check_and_fingerprint(src.values())?;
+        if let Some(fault) = src.fault() {
+            return Err(fault.refused(rank));
+        }
+        Ok((Grad::InPlace(src), fp))
+    }
+
     /// gRPC gradient buffers held now (receiving, or received and not yet folded).
     pub fn buffers_held(&self) -> usize {
         self.gate.held()
@@ -418,8 +438,8 @@ impl Shard {
         c: f32,
         first: bool,
     ) -> Result<(), StepError> {
-        let board = match &grad {
-            Grad::Board(b) => Some(b.clone()),
+        let in_place = match &grad {
+            Grad::InPlace(src) => Some(src.clone()),
             _ => None,
         };
         // the squared norm of the gradient, taken in the pass that folds it
@@ -447,29 +467,19 @@ impl Shard {
                 self.return_buffer(held.values);
                 out.map(|f| acc.record(r, f))
             }
-            Grad::Board(b) => {
+            Grad::InPlace(src) => {
                 let mut values = acc.values.take().unwrap_or_else(|| self.take_buffer());
-                // SAFETY: as in `apply`: the Arc keeps the board mapped; a worker that
-                // writes it against the protocol only changes the values, checked here
-                let out = fold(
-                    &mut values,
-                    unsafe { &b.slot(0)[self.range.clone()] },
-                    c,
-                    first,
-                    true,
-                    acc_norm,
-                );
+                // read in place: a writer breaking its plane's protocol only changes the
+                // values, checked here
+                let out = fold(&mut values, src.values(), c, first, true, acc_norm);
                 acc.values = Some(values);
                 out.map(|f| acc.record(r, f))
             }
             Grad::Folded | Grad::Checked | Grad::Received(_) => Ok(()),
         };
         let step = acc.step;
-        // a board truncated under the fold read as zeros (the SIGBUS guard): not its values
-        if board.is_some_and(|b| b.faulted()) {
-            if let Some(h) = &self.shm {
-                h.detach(r);
-            }
+        // memory that faulted under the fold (a truncated board, read as zeros): not its values
+        if in_place.is_some_and(|src| src.fault().is_some()) {
             return Err(StepError::BoardTruncated {
                 step,
                 rank: r as u32,

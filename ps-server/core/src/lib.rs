@@ -19,7 +19,7 @@
 //!   the forward pass of step t ([`Shard::put_buffers`]), they become the buffers of version
 //!   t + 1 when the step is applied ([`Shard::buffers`]), and are checkpointed with it;
 //! - [`shm`]: the shard's side of the shared-memory data path (boards, [`Shard::offer_shm`],
-//!   [`Shard::shm_grad`]);
+//!   [`Shard::shm_grad`], each push read through `ps_net::source`);
 //! - [`checkpoint`]: the checkpoint files (format, checksum, plan, retries, recovery's reads).
 //!
 //! The shard's own methods are grouped by what they do, in private modules: `step` (the

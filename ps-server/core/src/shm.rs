@@ -1,10 +1,12 @@
 //! The shard's side of the shared-memory data path (`ps_net::shm`): the directory where it
 //! offers its parameters board to the workers on its host, and the workers' gradient boards it
-//! reads pushes from.
+//! reads pushes from, each push's range as a [`BoardSource`] (the rest of the shard reads it
+//! through [`PushSource`], as any plane's values).
 
 use super::{Grad, Shard};
+use crate::bucket::Intake;
 use ps_net::shm::{Board, BoardDir, params_path};
-use ps_net::wire::check_and_fingerprint;
+use ps_net::source::{BoardSource, PushSource};
 use ps_proto::{PsError, PsResult};
 use std::path::Path;
 use std::sync::{Arc, Mutex};
@@ -93,15 +95,15 @@ impl ShmHost {
         Ok(())
     }
 
-    /// `rank`'s gradient board, if attached.
+    /// `rank`'s gradient board, if attached. One found truncated (a read met the fault) is
+    /// forgotten: it is never read again; the rank must register again with a new one, or
+    /// push through gRPC.
     pub fn grad(&self, rank: usize) -> Option<Arc<Board>> {
-        self.grads.lock().unwrap_or_else(|p| p.into_inner())[rank].clone()
-    }
-
-    /// Forgets `rank`'s gradient board (it was truncated: it is never read again; the rank
-    /// must register again with a new one, or push through gRPC).
-    pub fn detach(&self, rank: usize) {
-        self.grads.lock().unwrap_or_else(|p| p.into_inner())[rank] = None;
+        let mut grads = self.grads.lock().unwrap_or_else(|p| p.into_inner());
+        if grads[rank].as_ref().is_some_and(|b| b.faulted()) {
+            grads[rank] = None;
+        }
+        grads[rank].clone()
     }
 }
 
@@ -145,14 +147,6 @@ fn parse_proc_addr(s: &str) -> Option<std::net::SocketAddr> {
         _ => return None,
     };
     Some(SocketAddr::new(ip.to_canonical(), port))
-}
-
-/// Why `rank`'s push is refused when its gradient `board` was found truncated.
-pub(crate) fn truncated_push(rank: u32, board: &Board) -> PsError {
-    PsError::BadChunk(format!(
-        "rank {rank}'s shared-memory gradient board {} was truncated (another process shrank the file): push refused; register again with a new board, or push through gRPC",
-        board.path().display()
-    ))
 }
 
 /// The shared-memory side of the facade.
@@ -220,17 +214,24 @@ impl Shard {
         }
     }
 
-    /// `rank`'s gradient board, for a push that says it is in shared memory; refused when
-    /// the rank registered none here.
-    pub fn grad_board(&self, rank: u32) -> PsResult<Arc<Board>> {
+    /// This shard's range of `rank`'s gradient board, read in place, for a push that says it
+    /// is in shared memory; refused when the rank registered none here.
+    pub fn grad_source(&self, rank: u32) -> PsResult<Arc<dyn PushSource>> {
         let r = self.lock().barrier.rank(rank)?;
         let board = self.shm.as_ref().and_then(|h| h.grad(r));
-        board.ok_or_else(|| {
+        let board = board.ok_or_else(|| {
             PsError::BadChunk(format!(
                 "rank {rank} pushed through shared memory but shard {} has no gradient board of it: expected a registration with a grad_file first",
                 self.index
             ))
-        })
+        })?;
+        // SAFETY: the worker does not write its board between its push and the update of the
+        // version the push is for (ps_net::shm); one that does only changes the values read,
+        // which the update checks again where it uses them. The board was opened with the
+        // whole model's length (`attach_grad`), so the push's range lies in its slot.
+        Ok(Arc::new(unsafe {
+            BoardSource::new(board, self.push_range())
+        }))
     }
 
     /// True when pulls can be answered through the shared-memory board.
@@ -241,19 +242,26 @@ impl Shard {
     /// `rank`'s gradient for a push that says it is in shared memory: the rank's board, once
     /// its range is checked in place (finite values) and fingerprinted like a received one.
     pub fn shm_grad(&self, rank: u32) -> PsResult<(Grad, u64)> {
-        let board = self.grad_board(rank)?;
-        // SAFETY: the board stays mapped while `board` lives. The worker does not write it
-        // between its push and the update that uses it (ps_net::shm); one that does only
-        // changes the values read here, and the update checks them again where it uses them.
-        let fp = check_and_fingerprint(unsafe { &board.slot(0)[self.push_range()] })?;
-        if board.faulted() {
-            // read as zeros under the SIGBUS guard: never used again
-            if let Some(h) = &self.shm {
-                h.detach(rank as usize);
-            }
-            return Err(truncated_push(rank, &board));
+        self.check_in_place(rank, self.grad_source(rank)?)
+    }
+
+    /// A push in `rank`'s gradient board for `step`, as the shard takes it: read in place
+    /// bucket by bucket where it applies per bucket ([`Shard::receive_in_place`]), else checked
+    /// over the whole range ([`Shard::shm_grad`]). The gradient, its fingerprint and the
+    /// bucket intake to keep until [`Shard::accept`] answered. Blocking: call it from a
+    /// blocking thread.
+    pub fn board_push(
+        self: &Arc<Self>,
+        rank: u32,
+        step: u64,
+    ) -> PsResult<(Grad, u64, Option<Intake>)> {
+        let src = self.grad_source(rank)?;
+        match self.receive_in_place(rank, step, src.clone()) {
+            Some(got) => got.map(|(grad, fp, intake)| (grad, fp, Some(intake))),
+            None => self
+                .check_in_place(rank, src)
+                .map(|(grad, fp)| (grad, fp, None)),
         }
-        Ok((Grad::Board(board), fp))
     }
 }
 

@@ -1,11 +1,12 @@
-//! The step's types: where a rank's gradient lies ([`Grad`]), a rank's slot ([`Slot`]), what a
+//! The step's types: where a rank's gradient lies ([`Grad`], read through
+//! [`ps_net::source::PushSource`] whatever plane carried it), a rank's slot ([`Slot`]), what a
 //! push carries and gets ([`PushMeta`], [`PushOutcome`]), a completed step's figures
 //! ([`StepFigures`], [`RankNorm`]), and the two traits the process around the shard implements
 //! ([`NormExchange`], [`StepObserver`]).
 
 use crate::intake::Held;
 use crate::{NormError, Shard, bucket, checkpoint};
-use ps_net::shm::Board;
+use ps_net::source::PushSource;
 use ps_optim::OptState;
 use std::ops::Range;
 use std::sync::Arc;
@@ -16,9 +17,9 @@ use std::time::Instant;
 pub enum Grad {
     /// Received through gRPC into a shard buffer (with the permit to hold it).
     Owned(Held),
-    /// In the shard's range of the rank's shared-memory gradient board (checked in place at
-    /// push time, and for finiteness again by the update that reads it).
-    Board(Arc<Board>),
+    /// Read in place where its plane put it (a shared-memory gradient board's range): checked
+    /// at push time, and for finiteness again by the update that reads it.
+    InPlace(Arc<dyn PushSource>),
     /// Received into a buffer shared with the per-bucket applier ([`bucket`]).
     Received(bucket::Received),
     /// Already folded into the step's accumulator ([`crate::intake::Acc`]).
@@ -26,6 +27,19 @@ pub enum Grad {
     /// Received and checked (fingerprint, finiteness) without being kept: a push of a rank
     /// the step has already counted (a retry, a conflict) or no longer waits for.
     Checked,
+}
+
+impl Grad {
+    /// Its values, wherever they lie (received into a shard buffer, or in place); None for a
+    /// gradient already folded or not kept.
+    pub fn source(&self) -> Option<&dyn PushSource> {
+        match self {
+            Grad::Owned(held) => Some(held),
+            Grad::InPlace(src) => Some(&**src),
+            Grad::Received(received) => Some(received),
+            Grad::Folded | Grad::Checked => None,
+        }
+    }
 }
 
 /// One rank's gradient for the current step.

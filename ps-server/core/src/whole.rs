@@ -4,7 +4,7 @@
 
 use crate::intake::Acc;
 use crate::update::{self, Simd, UpdateInputs, fused_update, threads_for};
-use crate::{Applied, Grad, NormError, Shard, Slot, StepError, store, unused};
+use crate::{Applied, NormError, Shard, Slot, StepError, store, unused};
 use ps_config::Aggregation;
 use ps_optim::OptState;
 use std::ops::Range;
@@ -158,16 +158,13 @@ impl Shard {
             ranks.push(slots.first().map_or(0, |s| s.rank));
         }
         for (s, &c) in slots.iter().zip(&coeffs) {
-            match &s.grad {
-                Grad::Owned(h) => grads.push(h.values.as_slice()),
-                Grad::Received(r) => grads.push(r.values()),
-                // SAFETY: the Arc keeps the board mapped. The worker writes its board again
-                // only after pulling the version this update makes (ps_net::shm); one that
-                // breaks this can only change the values read, which are checked for
-                // finiteness right where they are used.
-                Grad::Board(b) => grads.push(unsafe { &b.slot(0)[self.push_range()] }),
-                Grad::Folded | Grad::Checked => continue,
-            }
+            // in place or received: a writer breaking its plane's protocol (a worker writing
+            // its board before pulling the version this update makes) can only change the
+            // values read, which are checked for finiteness right where they are used
+            let Some(src) = s.grad.source() else {
+                continue; // folded, or not kept
+            };
+            grads.push(src.values());
             cs.push(c);
             ranks.push(s.rank);
         }
@@ -263,23 +260,15 @@ impl Shard {
         ),
         ranks: &[u32],
     ) -> Result<f64, StepError> {
-        // a board truncated under the update read as zeros (the SIGBUS guard): not its values
+        // memory that faulted under the update (a truncated board, read as zeros): not the
+        // rank's values
         let truncated = slots
             .iter()
-            .find(|s| match &s.grad {
-                Grad::Board(b) => b.faulted(),
-                Grad::Received(r) => r.buf.faulted(),
-                _ => false,
-            })
+            .find(|s| s.grad.source().is_some_and(|src| src.fault().is_some()))
             .map(|s| s.rank);
         match (updated, truncated, exchange_failed) {
             (_, _, Some(why)) => Err(StepError::NormExchange { step, why }),
-            (_, Some(rank), None) => {
-                if let Some(h) = &self.shm {
-                    h.detach(rank as usize);
-                }
-                Err(StepError::BoardTruncated { step, rank })
-            }
+            (_, Some(rank), None) => Err(StepError::BoardTruncated { step, rank }),
             _ if pending.faulted() => Err(StepError::ParamsTruncated {
                 step,
                 shard: self.index,

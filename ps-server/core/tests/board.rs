@@ -5,28 +5,15 @@
 //! refused halfway (a value that is not finite in its board) then retried with other values
 //! bit-identical to a run that only saw the retry's.
 
+mod common;
+
+use common::{Recorder, W, assert_same, grad, meta, push_whole};
 use ps_config::{Aggregation, Config, TestConfig, Transport};
 use ps_net::shm::{Board, BoardDir, grad_path, shm_root};
-use ps_optim::OptState;
 use ps_proto::PsError;
-use ps_shard::checkpoint::Attempted;
-use ps_shard::intake::Held;
-use ps_shard::{Grad, PushMeta, Shard, StepFigures, StepObserver};
+use ps_shard::Shard;
 use std::path::Path;
-use std::sync::{Arc, Mutex};
-
-#[derive(Default)]
-struct Recorder {
-    steps: Mutex<Vec<StepFigures>>,
-}
-
-impl StepObserver for Recorder {
-    fn step_done(&self, figures: StepFigures) {
-        self.steps.lock().unwrap().push(figures);
-    }
-
-    fn checkpointed(&self, _: &Attempted) {}
-}
+use std::sync::Arc;
 
 impl Recorder {
     /// The per-bucket figure of the last step: (buckets applied early, buckets), or None
@@ -35,8 +22,6 @@ impl Recorder {
         self.steps.lock().unwrap().last().expect("a step").buckets
     }
 }
-
-const W: u32 = 3;
 
 /// 784 -> 1600 -> 10 on 2 shards (fc1.weight spans several buckets on each), every rank with a
 /// buffer, AdamW (its state is compared too), on `transport`.
@@ -50,61 +35,6 @@ fn config(dir: &Path, transport: Transport) -> Config {
         .max_pending_gradients(W as usize)
         .adam(0.01, 0.01, true);
     Config::parse(&t.toml(), &dir.join("config.toml")).unwrap()
-}
-
-/// Rank `rank`'s gradient of `step` (`salt`: another gradient of the same step).
-fn grad(n: usize, rank: u32, step: u64, salt: u64) -> Vec<f32> {
-    let mut x = 0x9e37_79b9_7f4a_7c15u64 ^ (u64::from(rank) << 32) ^ (step << 8) ^ (salt << 20) ^ 1;
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            ((x >> 40) as f32 / (1u64 << 23) as f32 - 1.0) * (1 + (x & 0xff)) as f32 / 37.0
-        })
-        .collect()
-}
-
-fn meta(rank: u32, step: u64, samples: u32) -> PushMeta {
-    PushMeta {
-        rank,
-        step,
-        samples,
-        loss_sum: 1.0,
-        correct: 0,
-        eval: (0, 0),
-    }
-}
-
-fn bits(v: &[f32]) -> Vec<u32> {
-    v.iter().map(|x| x.to_bits()).collect()
-}
-
-fn assert_same(a: &Shard, b: &Shard, what: &str) {
-    let (va, pa) = a.params().unwrap();
-    let (vb, pb) = b.params().unwrap();
-    assert_eq!(va, vb, "{what}: versions");
-    assert!(bits(&pa) == bits(&pb), "{what}: parameters differ");
-    let (oa, ob): (OptState, OptState) = (a.optimizer_state(), b.optimizer_state());
-    assert_eq!(oa.steps, ob.steps, "{what}: steps");
-    assert!(bits(&oa.m) == bits(&ob.m), "{what}: m differs");
-    assert!(bits(&oa.v) == bits(&ob.v), "{what}: v differs");
-}
-
-/// The reference: a gRPC shard taking whole pushes (the whole-range update).
-fn push_whole(shard: &Shard, obs: &Recorder, rank: u32, step: u64, samples: u32, values: &[f32]) {
-    shard.precheck(rank, step, values.len() as u64).unwrap();
-    let fp = ps_net::wire::check_and_fingerprint(values).unwrap();
-    let held = Held {
-        values: values.to_vec(),
-        permit: None,
-    };
-    let (_, ready) = shard
-        .accept(meta(rank, step, samples), Grad::Owned(held), fp)
-        .unwrap();
-    if let Some(slots) = ready {
-        shard.complete(slots, obs).unwrap();
-    }
 }
 
 /// A shard on a shared-memory host with its parameters in its board, and each rank's
@@ -175,10 +105,7 @@ fn board_pushes_apply_per_bucket_bit_identical_to_the_whole_range_update() {
     for index in 0..2 {
         let (ob, ow) = (Recorder::default(), Recorder::default());
         let mut boards = BoardShard::new(&shm, index, 4);
-        let whole = Shard::new(&grpc, index, 4);
-        for r in 0..W {
-            whole.register(r).unwrap();
-        }
+        let whole = common::shard(&grpc, index, 4);
         let n = boards.shard.len();
         let buckets = boards.shard.buckets().len() as u32;
         assert!(buckets > 1, "shard {index}: several buckets");
@@ -212,10 +139,7 @@ fn a_board_push_refused_halfway_then_retried_with_other_values_is_the_retry_bit_
     let grpc = config(dir.path(), Transport::Grpc);
     let (ob, ow) = (Recorder::default(), Recorder::default());
     let mut boards = BoardShard::new(&shm, 0, 3);
-    let whole = Shard::new(&grpc, 0, 3);
-    for r in 0..W {
-        whole.register(r).unwrap();
-    }
+    let whole = common::shard(&grpc, 0, 3);
     let n = boards.shard.len();
     let buckets = boards.shard.buckets().len() as u32;
     assert!(buckets > 2);
@@ -255,6 +179,41 @@ fn a_board_push_refused_halfway_then_retried_with_other_values_is_the_retry_bit_
         }
         assert_same(&boards.shard, &whole, &format!("step {step}"));
     }
+}
+
+/// A board truncated before its push is read (another process shrank the file: the pass reads
+/// zeros under the SIGBUS guard) refuses the push naming the rank and the file, through the
+/// push's source; the shard forgets the board, so the rank's next shared-memory push is
+/// refused as one with no board, and nothing is applied.
+#[test]
+fn a_board_truncated_under_its_push_is_refused_and_forgotten() {
+    let dir = tempfile::tempdir().unwrap();
+    let shm = config(dir.path(), Transport::Auto);
+    let ob = Recorder::default();
+    let mut boards = BoardShard::new(&shm, 0, 2);
+    let n = boards.shard.len();
+    boards.write(0, &grad(n, 0, 0, 0));
+    boards.push(&ob, 0, 0, SAMPLES[0]).unwrap();
+    boards.write(1, &grad(n, 1, 0, 0));
+    let path = grad_path(boards.boards[1].0.path());
+    let file = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+    file.set_len(0).unwrap();
+    let refusal = |got: Result<u64, PsError>| match got {
+        Err(PsError::BadChunk(m)) => m,
+        other => panic!("expected the push refused, got {other:?}"),
+    };
+    assert_eq!(
+        refusal(boards.push(&ob, 1, 0, SAMPLES[1])),
+        format!(
+            "rank 1's shared-memory gradient board {} was truncated (another process shrank the file): push refused; register again with a new board, or push through gRPC",
+            path.display()
+        )
+    );
+    assert_eq!(
+        refusal(boards.push(&ob, 1, 0, SAMPLES[1])),
+        "rank 1 pushed through shared memory but shard 0 has no gradient board of it: expected a registration with a grad_file first"
+    );
+    assert_eq!(boards.shard.version(), 0, "nothing applied");
 }
 
 /// The pass of a board push fingerprints bucket by bucket, at offsets that do not line up with

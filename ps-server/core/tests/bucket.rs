@@ -5,29 +5,15 @@
 //! bf16 values, unused tensors, parameter groups, pieces in several orders, after a recovery,
 //! and when a push whose pieces were used breaks and comes again with other values.
 
+mod common;
+
+use common::{Recorder, W, assert_same, meta, push_whole, shard};
 use ps_config::{Aggregation, Config, TestConfig, Transport, Wire};
-use ps_optim::OptState;
-use ps_shard::checkpoint::{self, Attempted, Identity};
-use ps_shard::intake::Held;
-use ps_shard::{Grad, PushMeta, Shard, StepFigures, StepObserver};
+use ps_shard::Shard;
+use ps_shard::checkpoint::{self, Identity};
 use std::ops::Range;
 use std::path::Path;
-use std::sync::{Arc, Mutex};
-
-#[derive(Default)]
-struct Recorder {
-    steps: Mutex<Vec<StepFigures>>,
-}
-
-impl StepObserver for Recorder {
-    fn step_done(&self, figures: StepFigures) {
-        self.steps.lock().unwrap().push(figures);
-    }
-
-    fn checkpointed(&self, _: &Attempted) {}
-}
-
-const W: u32 = 3;
+use std::sync::Arc;
 
 /// 784 -> 800 -> 10 (636,010 parameters: fc1.weight spans three buckets) on 2 shards over gRPC,
 /// every rank with a buffer; fc1.bias in a parameter group of its own.
@@ -46,49 +32,16 @@ fn config(dir: &Path, opt: &dyn Fn(TestConfig) -> TestConfig, agg: Aggregation) 
     Config::parse(&text, &dir.join("config.toml")).unwrap()
 }
 
-/// Rank `rank`'s gradient of `step`, rounded to bfloat16 when `bf16` (what the wire carries).
+/// Rank `rank`'s gradient of `step` ([`common::grad`]), rounded to bfloat16 when `bf16` (what
+/// the wire carries).
 fn grad(n: usize, rank: u32, step: u64, salt: u64, bf16: bool) -> Vec<f32> {
-    let mut x = 0x9e37_79b9_7f4a_7c15u64 ^ (u64::from(rank) << 32) ^ (step << 8) ^ (salt << 20) ^ 1;
-    (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            let v = ((x >> 40) as f32 / (1u64 << 23) as f32 - 1.0) * (1 + (x & 0xff)) as f32 / 37.0;
-            if bf16 {
-                ps_net::wire::bf16_to_f32(ps_net::wire::f32_to_bf16(v))
-            } else {
-                v
-            }
-        })
+    let g = common::grad(n, rank, step, salt);
+    if !bf16 {
+        return g;
+    }
+    g.into_iter()
+        .map(|v| ps_net::wire::bf16_to_f32(ps_net::wire::f32_to_bf16(v)))
         .collect()
-}
-
-fn meta(rank: u32, step: u64, samples: u32) -> PushMeta {
-    PushMeta {
-        rank,
-        step,
-        samples,
-        loss_sum: 1.0,
-        correct: 0,
-        eval: (0, 0),
-    }
-}
-
-/// The whole-range path: a push received whole (ps-server's receipt without buckets).
-fn push_whole(shard: &Shard, obs: &Recorder, rank: u32, step: u64, samples: u32, values: &[f32]) {
-    shard.precheck(rank, step, values.len() as u64).unwrap();
-    let fp = ps_net::wire::check_and_fingerprint(values).unwrap();
-    let held = Held {
-        values: values.to_vec(),
-        permit: None,
-    };
-    let (_, ready) = shard
-        .accept(meta(rank, step, samples), Grad::Owned(held), fp)
-        .unwrap();
-    if let Some(slots) = ready {
-        shard.complete(slots, obs).unwrap();
-    }
 }
 
 /// Writes `values[r]` into `intake`'s region `r` (f32 as read from a data connection, or
@@ -224,30 +177,6 @@ fn bucketed_step(
             }
         }
     }
-}
-
-fn bits(v: &[f32]) -> Vec<u32> {
-    v.iter().map(|x| x.to_bits()).collect()
-}
-
-fn assert_same(a: &Shard, b: &Shard, what: &str) {
-    let (va, pa) = a.params().unwrap();
-    let (vb, pb) = b.params().unwrap();
-    assert_eq!(va, vb, "{what}: versions");
-    assert!(bits(&pa) == bits(&pb), "{what}: parameters differ");
-    let (oa, ob): (OptState, OptState) = (a.optimizer_state(), b.optimizer_state());
-    assert_eq!(oa.steps, ob.steps, "{what}: steps");
-    assert!(bits(&oa.m) == bits(&ob.m), "{what}: m differs");
-    assert!(bits(&oa.v) == bits(&ob.v), "{what}: v differs");
-    assert_eq!(oa.skipped, ob.skipped, "{what}: skipped");
-}
-
-fn shard(cfg: &Config, index: usize, steps: u64) -> Arc<Shard> {
-    let s = Shard::new(cfg, index, steps);
-    for r in 0..W {
-        s.register(r).unwrap();
-    }
-    s
 }
 
 type Opt = (&'static str, fn(TestConfig) -> TestConfig);

@@ -43,7 +43,7 @@ mod push;
 mod shm;
 mod step;
 
-use plane::{Plane, PushSource};
+use plane::{Incoming, Plane};
 use pull::{IdlePull, PullStream, pull_response};
 pub use pull::{PullBody, SharedPulls, grpc_message, pull_chunks};
 

@@ -49,7 +49,7 @@ impl Plane {
 
 /// A push's values, not yet read: the header's chunk and the rest of its gRPC stream, and the
 /// plane its values come on.
-pub(super) struct PushSource<'a> {
+pub(super) struct Incoming<'a> {
     /// The plane.
     pub(super) plane: Plane,
     /// The first chunk (the header; gRPC chunks may carry data in it too).
@@ -82,7 +82,7 @@ impl ShardService {
     /// caller keeps until the barrier counted or refused the push.
     pub(super) async fn receive_push(
         &self,
-        src: PushSource<'_>,
+        src: Incoming<'_>,
         samples: u32,
     ) -> PsResult<(Grad, u64, Option<Intake>)> {
         // the rank is not missing while its push waits for its turn, streams in or is read
@@ -110,8 +110,8 @@ impl ShardService {
     /// Reads the values of `src` (gRPC chunks or a data-connection frame) into `target`.
     /// For [`Target::Buckets`] the returned gradient is [`Grad::Checked`]: the intake's
     /// `finish` makes the real one.
-    async fn read_into(&self, src: PushSource<'_>, target: Target<'_>) -> PsResult<(Grad, u64)> {
-        let PushSource {
+    async fn read_into(&self, src: Incoming<'_>, target: Target<'_>) -> PsResult<(Grad, u64)> {
+        let Incoming {
             plane,
             first,
             stream,

@@ -26,7 +26,7 @@ impl ShardService {
         *leased = true;
         let plane = Plane::of(&h, via_data, self.data.is_some())?;
         self.check_header(&h)?;
-        let src = PushSource {
+        let src = Incoming {
             plane,
             first: &first,
             stream: &mut stream,
