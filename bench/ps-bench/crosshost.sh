@@ -45,7 +45,14 @@
 # memory even with the shard on the same host: `[cluster] transport`; unset: "auto"),
 # MAX_PENDING (`[server] max_pending_gradients`; unset: the default), KEEP=1 keeps the run
 # directory (configs, logs, metrics). Prints a markdown table; exits 2 with one line saying
-# why when it cannot run. Traffic stays inside the namespaces, which are
+# why when it cannot run.
+#
+# PUSHPULL=1: instead of the training runs, the data connection's push and pull of the large
+# model against raw TCP moving the same bytes between the same two hosts, alternated in one
+# run (`ps-bench --xhost-serve` on host 1, `ps-bench --xhost-client` on host 2: see
+# bench/ps-bench/src/xhost.rs; REPEATS timed rounds, default 7; needs `cargo build --release
+# -p ps-bench`). RATE=none leaves the links unshaped (the veth pairs' own speed), so that the
+# transport's cost is not hidden under the link's. Traffic stays inside the namespaces, which are
 # removed at exit.
 set -uo pipefail
 
@@ -68,9 +75,13 @@ for t in ip tc unshare setsid timeout awk; do
     command -v "$t" >/dev/null || cannot "no '$t' on PATH (iproute2 / util-linux / coreutils)"
 done
 ip netns list >/dev/null 2>&1 || cannot "'ip netns' does not work here: $(ip netns list 2>&1 | head -n1)"
-for b in ps-server ps-worker; do
-    [ -x "$BIN/$b" ] || cannot "$BIN/$b missing: cargo build --release --bins (or set BIN)"
-done
+if [ "${PUSHPULL:-0}" = 1 ]; then
+    [ -x "$BIN/ps-bench" ] || cannot "$BIN/ps-bench missing: cargo build --release -p ps-bench (or set BIN)"
+else
+    for b in ps-server ps-worker; do
+        [ -x "$BIN/$b" ] || cannot "$BIN/$b missing: cargo build --release --bins (or set BIN)"
+    done
+fi
 [ -f "$ROOT/data/mnist/train-images-idx3-ubyte" ] || [ -f "$ROOT/data/mnist/train-images-idx3-ubyte.gz" ] \
     || cannot "no MNIST in $ROOT/data/mnist"
 [[ "$HOSTS" =~ ^[0-9]+$ ]] && [ "$HOSTS" -ge 2 ] && [ "$HOSTS" -le 16 ] || cannot "HOSTS=$HOSTS: expected 2..16"
@@ -79,8 +90,9 @@ for n in $(seq 1 "$HOSTS") sw; do
     ip netns list | awk '{print $1}' | grep -qx "$ns" && cannot "network namespace $ns already exists (another run? 'ip netns del $ns')"
 done
 
-# RATE in bits per second (tc units: bit, kbit, mbit, gbit; k = 1000)
-RATE_BPS="$(awk -v r="$RATE" 'BEGIN {
+# RATE in bits per second (tc units: bit, kbit, mbit, gbit; k = 1000); "none": not shaped
+[ "$RATE" = none ] && [ "${PUSHPULL:-0}" != 1 ] && cannot "RATE=none is for PUSHPULL=1 (the training rows' limit needs the link's rate)"
+[ "$RATE" = none ] && RATE_BPS=0 || RATE_BPS="$(awk -v r="$RATE" 'BEGIN {
     if (match(r, /^[0-9.]+/) == 0) exit 1
     v = substr(r, 1, RLENGTH); u = substr(r, RLENGTH + 1)
     m["bit"] = 1; m["kbit"] = 1e3; m["mbit"] = 1e6; m["gbit"] = 1e9; m["tbit"] = 1e12
@@ -114,6 +126,7 @@ for i in $(seq 1 "$HOSTS"); do
     ip -n "$ns" link set eth0 up
     # both directions of the host's link: host -> switch on eth0, switch -> host on p$i
     # (this kernel may lack netem: rate only, as in ../shared/bench/crosshost)
+    [ "$RATE" = none ] && continue
     ip netns exec "$ns" tc qdisc add dev eth0 root tbf rate "$RATE" burst 4mb latency 50ms \
         || cannot "tc tbf failed on $ns"
     ip netns exec "$SWITCH" tc qdisc add dev "p$i" root tbf rate "$RATE" burst 4mb latency 50ms \
@@ -214,6 +227,28 @@ ddp() {
     wait
     sed -n 's/^ddp ms\/step \([0-9.]*\) busy-core-ms\/step \([0-9.]*\)$/\1 \2/p' "$out.0" | grep . \
         || { echo "crosshost: DDP failed: $(tail -n 1 "$out.0")" >&2; echo nan nan; }
+}
+
+# --- PUSHPULL=1: the data connection against raw TCP, hosts 1 and 2 ----------------------------
+# Prints ps-bench's table; non-zero when either side failed (with the server's log tail).
+pushpull() {
+    local server rc=0
+    setsid timeout 600 ip netns exec "${PREFIX}1" unshare -m --propagation private \
+        sh -c 'mount -t tmpfs tmpfs /dev/shm && exec "$0" --xhost-serve 10.78.0.1:'"$PORT" "$BIN/ps-bench" \
+        >"$RUN/xhost-serve.log" 2>&1 &
+    server=$!
+    LAUNCHERS+=("$server")
+    timeout 600 ip netns exec "${PREFIX}2" unshare -m --propagation private \
+        sh -c 'mount -t tmpfs tmpfs /dev/shm && exec "$0" --xhost-client 10.78.0.1:'"$PORT"' --xhost-repeats "$1"' \
+        "$BIN/ps-bench" "${REPEATS:-7}" || rc=1
+    wait "$server" || rc=1
+    LAUNCHERS=()
+    if [ "$rc" != 0 ]; then
+        echo "crosshost: PUSHPULL failed; the server's log:" >&2
+        tail -n 20 "$RUN/xhost-serve.log" >&2
+    fi
+    echo "load after the run: $(cut -d' ' -f1-3 /proc/loadavg)"
+    return $rc
 }
 
 # --- one run ----------------------------------------------------------------------------------
@@ -372,6 +407,10 @@ EOF
 }
 
 echo "crosshost: $HOSTS hosts (network + /dev/shm namespaces) on a switch, each link $RATE each way; $(nproc) cores, load $(cut -d' ' -f1-3 /proc/loadavg)" >&2
+if [ "${PUSHPULL:-0}" = 1 ]; then
+    pushpull
+    exit $?
+fi
 read -r RAW_GBIT RAW_KMS_PER_MB < <(raw_tcp)
 if [ "$RAW_GBIT" = nan ]; then
     echo "raw TCP between hosts not measured (no python3, or its transfer failed): no raw TCP column" >&2

@@ -1,15 +1,22 @@
 //! Section 7, **the host's data path** without a device: the large model, one shard in this
 //! process (`run_shard`, shared memory offered), W = 2 workers on this host, each a task of
 //! its own with its own client, doing what a worker whose device computes nothing does each
-//! step: wait (untimed) for the shard's version t, pull it out of the shard's parameter board, write its gradient into its own
-//! gradient board (the copy a device's download makes), push the header. The shard checks the
-//! pushes and, at the second, applies the step (mean of the two, plain SGD). Per step, the
-//! medians of: the pull (the slower worker), the gradient write, the push (the slower worker:
-//! the last push's reply comes after the update), the whole step; beside a `copy_from_slice`
-//! of one range measured in the same run (this machine's memcpy rate), and the host bytes the
-//! path moves per step, counted from what each side reads and writes (not measured).
+//! step: wait (untimed) for the shard's version t, pull it out of the shard's parameter board,
+//! write its gradient into its own gradient board (the copy a device's download makes), push
+//! the header. The shard checks the pushes and, at the second, applies the step (mean of the
+//! two, plain SGD). Per step, the medians of: the pull (the slower worker), the gradient write,
+//! the push (the slower worker: the last push's reply comes after the update), the whole step;
+//! beside a `copy_from_slice` of one range measured in the same run (this machine's memcpy
+//! rate).
+//!
+//! Host bytes copied are measured, not derived: `ps_net::copied::totals()` read before the
+//! first step and after the last, divided by the steps (the shard and both workers are in
+//! this process, so the counter sees every copy site of the data path that calls
+//! `copied::count`). The bench's own gradient write, standing for the device's download, is
+//! counted by the bench (`Side::Push`) and shown on its own row.
 
 use super::*;
+use ps_net::copied::{self, Side};
 
 /// One worker's timings of each step after the first: (pull, gradient write, push, step).
 type WorkerTimes = Vec<[f64; 4]>;
@@ -30,8 +37,8 @@ pub(crate) fn section_host_path(tmp: &Path, plan: &Plan) -> anyhow::Result<Vec<V
         .worker_threads(2)
         .enable_all()
         .build()?;
-    let times: Vec<WorkerTimes> = rt.block_on(async {
-        let mut tasks = Vec::new();
+    let (counted, times): ((u64, u64), Vec<WorkerTimes>) = rt.block_on(async {
+        let mut workers = Vec::new();
         for r in 0..2 {
             let d = BoardDir::create(&root, &format!("bench-host-worker{r}"))?;
             let b = Board::create(&grad_path(d.path()), d.token(), len, 1)?;
@@ -41,19 +48,42 @@ pub(crate) fn section_host_path(tmp: &Path, plan: &Plan) -> anyhow::Result<Vec<V
             if link.describe() != "shared memory" {
                 bail!("the in-process shard offered no shared memory: {reply:?}");
             }
+            workers.push((c, link, (d, b), r));
+        }
+        // every worker registered: from here to the end only the steps copy
+        let before = copied::totals();
+        let mut tasks = Vec::new();
+        for (c, link, board, r) in workers {
             let cfg = cfg.clone();
-            tasks.push(tokio::spawn(worker_steps(c, link, (d, b), cfg, r, steps)));
+            tasks.push(tokio::spawn(worker_steps(c, link, board, cfg, r, steps)));
         }
         let mut out = Vec::new();
         for t in tasks {
             out.push(t.await.context("worker task")??);
         }
-        Ok::<_, anyhow::Error>(out)
+        let after = copied::totals();
+        Ok::<_, anyhow::Error>(((after.0 - before.0, after.1 - before.1), out))
     })?;
     drop(rt);
     shard.stop()?;
     let copy = median(&bench_copy(len, plan.net_repeats.max(3)));
-    Ok(rows(&times, len, copy))
+    let per_step = |b: u64| b as f64 / steps as f64;
+    let copied = Copied {
+        pull: per_step(counted.0),
+        push: per_step(counted.1) - (2 * len * 4) as f64,
+        grad: (2 * len * 4) as f64,
+    };
+    Ok(rows(&times, len, copy, &copied))
+}
+
+/// Host bytes copied per step, measured with `ps_net::copied` over every step of the run.
+struct Copied {
+    /// `Side::Pull`, all workers and the shard.
+    pull: f64,
+    /// `Side::Push` less the bench's own gradient write: the client's and the shard's.
+    push: f64,
+    /// The bench's gradient write into each worker's board (counted by the bench).
+    grad: f64,
 }
 
 /// Steps `0..steps` of worker `rank`: wait for version t, pull it from the board, write the
@@ -89,6 +119,8 @@ async fn worker_steps(
             .await?;
         let t1 = Instant::now();
         board.slot_mut(0).copy_from_slice(black_box(&grad));
+        // the device download this write stands for copies on the host: counted here
+        copied::count(Side::Push, len * 4);
         let t2 = Instant::now();
         push_shm(&c, rank, t, len).await?;
         let t3 = Instant::now();
@@ -101,55 +133,58 @@ async fn worker_steps(
 }
 
 /// The table's rows from both workers' times (per step the slower worker's figure), with the
-/// bytes each part moves and its rate against the memcpy rate `copy` (seconds per range).
-fn rows(times: &[WorkerTimes], len: usize, copy: f64) -> Vec<Value> {
+/// host bytes copied per step (`c`, measured) and the time they take at this run's memcpy
+/// rate (`copy`: seconds per range).
+fn rows(times: &[WorkerTimes], len: usize, copy: f64, c: &Copied) -> Vec<Value> {
     let range = len * 4;
-    let w = times.len();
+    let rate = range as f64 / copy; // bytes per second
     let per_step = |k: usize| -> Vec<f64> {
         (0..times[0].len())
             .map(|i| times.iter().map(|t| t[i][k]).fold(0.0, f64::max))
             .collect()
     };
-    // bytes read + written per step, from the path: a pull copies the range (read, write); the
-    // gradient write likewise; the shard reads each pushed range once to check it and the
-    // update reads W gradients and the parameters and writes the parameters
     let parts = [
         (
-            "pull (each worker copies the range out of the shard's board)",
+            "pull: each worker's copy of the range out of the shard's board",
             0,
-            2 * w * range,
+            c.pull,
+            "Side::Pull, every copy site of the pull that counts (client and shard)",
         ),
         (
-            "gradient into the worker's board (the device download's copy)",
+            "gradient into each worker's board (stands for the device download)",
             1,
-            2 * w * range,
+            c.grad,
+            "the bench's copy_from_slice, counted by the bench (Side::Push)",
         ),
         (
-            "push: the shard's check of each range + the update at the last",
+            "push: the shard's checks, the update at the last push",
             2,
-            w * range + (w + 2) * range,
+            c.push,
+            "Side::Push less the bench's own: client and shard copies (the update's reads and writes are not copies)",
         ),
         (
             "step (one worker's pull, write, push)",
             3,
-            (6 * w + 2) * range,
+            c.pull + c.grad + c.push,
+            "all of the above",
         ),
     ];
     let mut out: Vec<Value> = parts
         .iter()
-        .map(|&(what, k, bytes)| {
+        .map(|&(what, k, bytes, counts)| {
             let s = per_step(k);
             let med = median(&s);
             json!({
-                "what": what, "bytes_moved": bytes, "ms": med * 1e3,
+                "what": what, "copied_bytes": bytes, "counts": counts, "ms": med * 1e3,
                 "ms_samples": s.iter().map(|v| v * 1e3).collect::<Vec<_>>(),
-                "gbs": gbs(bytes, med),
+                "ms_at_memcpy": bytes / rate * 1e3,
             })
         })
         .collect();
     out.push(json!({
-        "what": "memcpy of one range (copy_from_slice, this run)", "bytes_moved": 2 * range,
-        "ms": copy * 1e3, "gbs": gbs(2 * range, copy),
+        "what": "memcpy of one range (copy_from_slice, this run)", "copied_bytes": range,
+        "counts": "the range once", "ms": copy * 1e3, "ms_at_memcpy": copy * 1e3,
+        "gbs": gbs(range, copy),
     }));
     out
 }
@@ -158,16 +193,35 @@ fn rows(times: &[WorkerTimes], len: usize, copy: f64) -> Vec<Value> {
 pub(crate) fn table_host_path(rows: &[Value]) -> String {
     let mut s = String::from(
         "## 7. The host's data path: large model, W = 2, one shard, shared memory, no device\n\n\
-         | part | bytes read+written per step (counted) | ms (median) | GB/s |\n|---|---:|---:|---:|\n",
+         | part | host bytes copied per step (ps_net::copied, measured) | what the count covers | ms (median) | ms at this run's memcpy rate |\n\
+         |---|---:|---|---:|---:|\n",
     );
     for r in rows {
         let _ = writeln!(
             s,
-            "| {} | {:.1} MB | {:.2} | {:.2} |",
+            "| {} | {:.1} MB | {} | {:.2} | {:.2} |",
             r["what"].as_str().unwrap_or("?"),
-            f(r, "bytes_moved") / 1e6,
+            f(r, "copied_bytes") / 1e6,
+            r["counts"].as_str().unwrap_or("?"),
             f(r, "ms"),
-            f(r, "gbs")
+            f(r, "ms_at_memcpy"),
+        );
+    }
+    for (side, r) in [("Side::Pull", &rows[0]), ("Side::Push", &rows[2])] {
+        if f(r, "copied_bytes") == 0.0 {
+            let _ = writeln!(
+                s,
+                "\n{side}: 0 bytes counted: this build copies nothing there, or its copy sites there do not call `ps_net::copied::count`"
+            );
+        }
+    }
+    if let Some(m) = rows.iter().find(|r| r.get("gbs").is_some()) {
+        let range = f(m, "copied_bytes");
+        let _ = writeln!(
+            s,
+            "\nmemcpy rate this run: {:.2} GB/s; one copy per direction per worker (W = 2) is {:.1} MB per step",
+            f(m, "gbs"),
+            4.0 * range / 1e6
         );
     }
     s

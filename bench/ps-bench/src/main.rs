@@ -37,6 +37,7 @@
 
 mod host_path;
 mod vs_torch;
+mod xhost;
 
 use anyhow::{Context, bail};
 use bytes::Bytes;
@@ -125,6 +126,19 @@ struct Cli {
     /// Section 5: steps per run, the first untimed (default 3, 6 without --quick).
     #[arg(long)]
     scale_steps: Option<u64>,
+    /// Across hosts (`crosshost.sh` with `PUSHPULL=1`), instead of the sections: serve the large
+    /// model's shard (W = 2) on this address and a raw TCP peer on its port + 1, until the
+    /// client is done.
+    #[arg(long, conflicts_with = "xhost_client")]
+    xhost_serve: Option<SocketAddr>,
+    /// Across hosts, instead of the sections: push and pull the large model on the data
+    /// connection of the shard served (`--xhost-serve`) at this address, beside raw TCP of the
+    /// same bytes to its peer, alternated; prints the table.
+    #[arg(long)]
+    xhost_client: Option<SocketAddr>,
+    /// With --xhost-client: timed repeats (after one untimed).
+    #[arg(long, default_value_t = 7)]
+    xhost_repeats: usize,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -217,6 +231,9 @@ fn main() -> ExitCode {
 /// The sections the command line asks for, their tables printed and their rows written to
 /// `--json`; false when a run of section 3 failed.
 fn run(cli: &Cli) -> anyhow::Result<bool> {
+    if cli.xhost_serve.is_some() || cli.xhost_client.is_some() {
+        return run_xhost(cli).map(|()| true);
+    }
     let plan = Plan::new(cli.quick);
     let want = |s: u32| cli.sections.contains(&s);
     let binaries = if want(3) {
@@ -307,6 +324,31 @@ fn run(cli: &Cli) -> anyhow::Result<bool> {
     }
     let _ = std::fs::remove_dir_all(&tmp);
     Ok(ok)
+}
+
+/// `--xhost-serve` or `--xhost-client` (`xhost.rs`): one side of the cross-host measurement.
+fn run_xhost(cli: &Cli) -> anyhow::Result<()> {
+    let tmp = std::env::temp_dir().join(format!("ps-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
+    let r = match (cli.xhost_serve, cli.xhost_client) {
+        (Some(addr), _) => xhost::serve(addr, &tmp),
+        (None, Some(addr)) => {
+            let load = loadavg();
+            xhost::client(addr, cli.xhost_repeats.max(1), &tmp).and_then(|rows| {
+                println!("{}", xhost::table(&rows, addr));
+                println!("load average before / after: {load} / {}", loadavg());
+                if let Some(p) = &cli.json {
+                    let out = json!({ "tool": "ps-bench", "xhost": rows });
+                    std::fs::write(p, serde_json::to_string_pretty(&out)? + "\n")
+                        .with_context(|| format!("writing {}", p.display()))?;
+                }
+                Ok(())
+            })
+        }
+        (None, None) => Ok(()),
+    };
+    let _ = std::fs::remove_dir_all(&tmp);
+    r
 }
 
 /// Section 5 with the command line's settings (the worker counts, the pending-gradient
@@ -613,7 +655,13 @@ struct InProcShard {
 
 impl InProcShard {
     fn start(cfg: Config) -> anyhow::Result<Self> {
-        let std_listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+        Self::start_on(cfg, SocketAddr::from(([127, 0, 0, 1], 0)))
+    }
+
+    /// A shard listening on `bind` (its data connections on the same address, another port).
+    fn start_on(cfg: Config, bind: SocketAddr) -> anyhow::Result<Self> {
+        let std_listener =
+            std::net::TcpListener::bind(bind).with_context(|| format!("listening on {bind}"))?;
         std_listener.set_nonblocking(true)?;
         let addr = std_listener.local_addr()?;
         let (tx, rx) = tokio::sync::oneshot::channel::<()>();

@@ -1,0 +1,240 @@
+//! **Across hosts: the data connection against raw TCP** (`crosshost.sh` with `PUSHPULL=1`):
+//! two ps-bench processes on two hosts (network namespaces), one serving, one measuring.
+//!
+//! - `--xhost-serve ADDR` (host 1): a shard of the large model, W = 2, served by `run_shard`
+//!   on ADDR (its data connections on their own port beside it, as in `ps-server`), and a raw
+//!   TCP peer on ADDR's port + 1: told `P` it reads the model's bytes into a preallocated
+//!   buffer and answers one byte; told `G` it writes them from its own buffer; `Q` ends it.
+//! - `--xhost-client ADDR` (host 2): ranks 0 and 1 registered without shared memory, so every
+//!   value travels on the data connection. Per repeat: version t pulled by rank 0 (the gRPC
+//!   request, the frame read straight into a `Vec<f32>`), rank 0's push of step t timed (the
+//!   gradient encoded once before, as in section 2; the barrier is then incomplete, so the
+//!   reply does not wait for an update), rank 1's push untimed, the update waited for, then the
+//!   same bytes on the raw connection both ways (`P`: write all, wait for the byte; `G`: one
+//!   byte asked, all read). The two transports alternate within each repeat, so load from
+//!   elsewhere falls on both alike.
+
+use super::*;
+
+/// Longest either side waits for the other (connect, a transfer, the shard's version).
+const XHOST_WAIT: Duration = Duration::from_secs(120);
+
+/// The config both sides build (the same text: the same layout).
+fn xhost_config(tmp: &Path) -> anyhow::Result<Config> {
+    let dir = tmp.join("xhost");
+    write_config(
+        &dir.join("config.toml"),
+        &config_text(1, 2, &LARGE, ENDLESS, &dir.join("out")),
+    )
+}
+
+/// The raw peer's address: the shard's host, its port + 1.
+fn raw_addr(addr: SocketAddr) -> anyhow::Result<SocketAddr> {
+    let port = addr
+        .port()
+        .checked_add(1)
+        .context("the shard's port + 1 (the raw TCP peer) is past 65535")?;
+    Ok(SocketAddr::new(addr.ip(), port))
+}
+
+/// `--xhost-serve`: the shard and the raw peer on `addr` until the client says `Q` (or
+/// nothing connects within [`XHOST_WAIT`]).
+pub(crate) fn serve(addr: SocketAddr, tmp: &Path) -> anyhow::Result<()> {
+    let cfg = xhost_config(tmp)?;
+    let n = cfg.layout().num_params() * 4;
+    let raw = std::net::TcpListener::bind(raw_addr(addr)?)
+        .with_context(|| format!("raw TCP peer on {}", raw_addr(addr).unwrap_or(addr)))?;
+    raw.set_nonblocking(true)?;
+    let shard = InProcShard::start_on(cfg, addr)?;
+    eprintln!(
+        "ps-bench: serving the large model's shard on {} and raw TCP on {}",
+        shard.addr,
+        raw.local_addr()?
+    );
+    let peer = spawn_runtime(1, move || raw_peer(raw, n));
+    let r = peer
+        .join()
+        .map_err(|_| anyhow::anyhow!("the raw TCP peer panicked"))?;
+    shard.stop()?;
+    r
+}
+
+/// The raw TCP peer: one connection, commands `P` (receive `n` bytes, answer one), `G` (send
+/// `n` bytes), `Q` (end).
+async fn raw_peer(listener: std::net::TcpListener, n: usize) -> anyhow::Result<()> {
+    let listener = tokio::net::TcpListener::from_std(listener)?;
+    let (mut s, _) = tokio::time::timeout(XHOST_WAIT, listener.accept())
+        .await
+        .context("no client on the raw TCP port")??;
+    s.set_nodelay(true)?;
+    let mut buf: Vec<u8> = (0..n).map(|i| i as u8).collect();
+    let mut cmd = [0u8; 1];
+    loop {
+        tokio::time::timeout(XHOST_WAIT, s.read_exact(&mut cmd))
+            .await
+            .context("the client said nothing")??;
+        match cmd[0] {
+            b'P' => {
+                s.read_exact(&mut buf).await?;
+                s.write_all(&[1]).await?;
+            }
+            b'G' => s.write_all(&buf).await?,
+            b'Q' => break,
+            c => bail!("raw TCP peer: command {c:#04x}: expected P, G or Q"),
+        }
+    }
+    black_box(&buf);
+    Ok(())
+}
+
+/// Seconds of each repeat: (data connection pull, push; raw TCP shard → client, client →
+/// shard).
+#[derive(Debug, Default)]
+struct XhostTimes {
+    pull: Vec<f64>,
+    push: Vec<f64>,
+    raw_pull: Vec<f64>,
+    raw_push: Vec<f64>,
+}
+
+/// `--xhost-client`: `repeats` timed rounds (after one untimed) against the shard on `addr`;
+/// the table's rows.
+pub(crate) fn client(addr: SocketAddr, repeats: usize, tmp: &Path) -> anyhow::Result<Vec<Value>> {
+    let cfg = xhost_config(tmp)?;
+    let len = cfg.layout().num_params();
+    let grad = f32_to_bytes(&vec![1e-6f32; len]);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let times = rt.block_on(rounds(addr, &cfg, &grad, repeats))?;
+    Ok(xhost_rows(&times, len * 4))
+}
+
+async fn rounds(
+    addr: SocketAddr,
+    cfg: &Config,
+    grad: &Bytes,
+    repeats: usize,
+) -> anyhow::Result<XhostTimes> {
+    let len = cfg.layout().num_params();
+    let connect = |_| async {
+        ShardClient::connect(0, &addr.to_string(), &ClientSecurity::default(), XHOST_WAIT)
+            .await
+            .with_context(|| format!("connecting to the shard at {addr}"))
+    };
+    let (mut c0, mut c1) = (connect(0).await?, connect(1).await?);
+    register(&mut c0, cfg, 0).await?;
+    register(&mut c1, cfg, 1).await?;
+    if !c0.has_data_link() || !c1.has_data_link() {
+        bail!("the shard at {addr} offered no data connection");
+    }
+    let mut raw = raw_connect(raw_addr(addr)?).await?;
+    let mut w = vec![0f32; len];
+    let mut rbuf = vec![0u8; len * 4];
+    let raw_data: Vec<u8> = (0..len * 4).map(|i| (i * 7) as u8).collect();
+    let mut out = XhostTimes::default();
+    for t in 0..=repeats as u64 {
+        wait_version(&mut c0, cfg, t).await?;
+        let t0 = Instant::now();
+        c0.pull_into(t, false, None, &mut w).await?;
+        let t1 = Instant::now();
+        push(&mut c0, 0, t, grad).await?;
+        let t2 = Instant::now();
+        push(&mut c1, 1, t, grad).await?;
+        // the update done before the raw transfers, so they do not share the CPU with it
+        wait_version(&mut c0, cfg, t + 1).await?;
+        let t3 = Instant::now();
+        raw.write_all(b"P").await?;
+        raw.write_all(&raw_data).await?;
+        raw.read_exact(&mut [0u8; 1]).await?;
+        let t4 = Instant::now();
+        raw.write_all(b"G").await?;
+        raw.read_exact(&mut rbuf).await?;
+        let t5 = Instant::now();
+        if t > 0 {
+            let s = |a: Instant, b: Instant| (b - a).as_secs_f64();
+            out.pull.push(s(t0, t1));
+            out.push.push(s(t1, t2));
+            out.raw_push.push(s(t3, t4));
+            out.raw_pull.push(s(t4, t5));
+        }
+    }
+    raw.write_all(b"Q").await?;
+    if !c0.data_link_usable() || !c1.data_link_usable() {
+        bail!(
+            "the data connection to {addr} was found unreachable: the values went through gRPC chunks"
+        );
+    }
+    black_box((&w, &rbuf));
+    Ok(out)
+}
+
+/// The raw peer's connection, retried until it listens (bounded by [`XHOST_WAIT`]).
+async fn raw_connect(addr: SocketAddr) -> anyhow::Result<tokio::net::TcpStream> {
+    let deadline = Instant::now() + XHOST_WAIT;
+    loop {
+        match tokio::net::TcpStream::connect(addr).await {
+            Ok(s) => {
+                s.set_nodelay(true)?;
+                return Ok(s);
+            }
+            Err(e) if Instant::now() > deadline => {
+                return Err(e).with_context(|| format!("raw TCP peer at {addr}"));
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+        }
+    }
+}
+
+/// One row per direction: the data connection's median against raw TCP's of the same bytes.
+fn xhost_rows(t: &XhostTimes, bytes: usize) -> Vec<Value> {
+    let row = |what: &str, how: &str, dl: &[f64], raw: &[f64]| {
+        let (d, r) = (median(dl), median(raw));
+        json!({
+            "what": what, "how": how, "bytes": bytes,
+            "ms": d * 1e3, "gbs": gbs(bytes, d), "raw_ms": r * 1e3, "raw_gbs": gbs(bytes, r),
+            "ratio": d / r,
+            "ms_samples": dl.iter().map(|v| v * 1e3).collect::<Vec<_>>(),
+            "raw_ms_samples": raw.iter().map(|v| v * 1e3).collect::<Vec<_>>(),
+        })
+    };
+    vec![
+        row(
+            "pull",
+            "version t by rank 0: gRPC request, one frame shard -> worker read into a Vec<f32>; raw: 1 byte asked, all bytes read into a buffer",
+            &t.pull,
+            &t.raw_pull,
+        ),
+        row(
+            "push",
+            "step t of rank 0 (W = 2: no update before the reply), pre-encoded: gRPC header + one frame worker -> shard; raw: all bytes written, 1-byte ack",
+            &t.push,
+            &t.raw_push,
+        ),
+    ]
+}
+
+/// The table of `--xhost-client`.
+pub(crate) fn table(rows: &[Value], addr: SocketAddr) -> String {
+    let mut s = format!(
+        "## Across hosts: the data connection against raw TCP (large model, S = 1, this host -> {addr})\n\n\
+         | transfer | what exactly | bytes | data connection ms | GB/s | raw TCP ms (same bytes, same hosts, same run) | GB/s | ratio (data connection / raw) |\n\
+         |---|---|---:|---:|---:|---:|---:|---:|\n"
+    );
+    for r in rows {
+        let _ = writeln!(
+            s,
+            "| {} | {} | {:.1} MB | {:.1} | {:.2} | {:.1} | {:.2} | {:.2} |",
+            r["what"].as_str().unwrap_or("?"),
+            r["how"].as_str().unwrap_or("?"),
+            f(r, "bytes") / 1e6,
+            f(r, "ms"),
+            f(r, "gbs"),
+            f(r, "raw_ms"),
+            f(r, "raw_gbs"),
+            f(r, "ratio"),
+        );
+    }
+    s
+}
