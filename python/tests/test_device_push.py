@@ -306,3 +306,30 @@ def test_push_buffer_lent_once_and_given_back_before_unmapping(tmp_path):
         assert mapped_file(address) != board
         client.close()
         assert calls == [board]
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["step", "backward"])
+def test_device_path_goes_on_bit_identical_after_a_lost_shard(tmp_path, device_path, cpu_run,
+                                                              overlap):
+    """Shard 1 killed mid-run and recovered (test_recovery.py's run, rank 1 pushing from
+    backward() in the "backward" case): the device path's workers roll back and end with the
+    CPU path's weights of a run that lost nothing, the same bits; the push buffer stays lent
+    and registered once through the recovery."""
+    from test_recovery import run as recovery_run
+
+    torch.manual_seed(11)
+    base = SmallCNN()
+    x, y = load(DATA, "train")
+    (tmp_path / "straight").mkdir()
+    straight = cpu_run(recovery_run, tmp_path / "straight", base, x, y, lose_shard=False,
+                       overlap=overlap)
+    (tmp_path / "lost").mkdir()
+    lost = recovery_run(tmp_path / "lost", base, x, y, lose_shard=True, overlap=overlap)
+    log = (tmp_path / "lost" / "shard-1.recover.log").read_text()
+    assert "every shard rolls back to version" in log, log[-3000:]
+    for r in range(2):
+        assert_same_bits(lost[r], straight[r])
+        copies = device_path[r]
+        assert len(copies.kinds("register")) == 1 and len(copies.kinds("unregister")) == 1
+        # every copy waited for (before its push, or at the release)
+        assert len(copies.kinds("wait")) == len(copies.kinds("copy")) >= 120 * 8
