@@ -104,7 +104,7 @@ import numpy as np
 import torch
 import torch.utils.data
 
-from . import _native
+from . import _device, _native
 from ._native import ModelMismatchError
 
 try:
@@ -300,6 +300,11 @@ class Worker:
         self._flat = torch.zeros(n, dtype=torch.float32)
         self._grad = torch.zeros(n, dtype=torch.float32)
         self._views = all(p.device.type == "cpu" for _, p in self._params)
+        # a model on a GPU: its gradients are copied off it asynchronously into page-locked
+        # memory (the push buffer, lent once connected; a staging tensor for exact terms)
+        self._copies = _device.copies_for([p for _, p in self._params])
+        self._push_buffer = None
+        self._staging = None
         if self._views:
             with torch.no_grad():
                 for (_, p), o in zip(self._params, self._offsets):
@@ -523,6 +528,9 @@ class Worker:
     def _add_term(self, t: int, reached: list) -> None:
         """Adds every ``.grad`` (None: not reached, zeros) to step ``t``'s exact sum and clears
         them."""
+        if self._copies is not None:
+            self._add_device_term(t, reached)
+            return
         arrays = []
         with torch.no_grad():
             for i, ((_, p), o) in enumerate(zip(self._params, self._offsets)):
@@ -537,6 +545,26 @@ class Worker:
                     buf = self._grad[o : o + p.numel()]
                     buf.copy_(g.reshape(-1))
                     arrays.append(buf.numpy())
+        self._native.add_term(t, arrays)
+        for _, p in self._params:
+            p.grad = None
+
+    def _add_device_term(self, t: int, reached: list) -> None:
+        """``_add_term`` for a model on a GPU: the gradients are copied asynchronously into a
+        page-locked staging tensor (allocated once), waited for, and added from there."""
+        if self._staging is None:
+            flat = self._copies.staging(self._native.num_params)
+            self._staging = _device.DeviceGrads(flat, self._copies, self._offsets, self._sizes())
+        staging = self._staging
+        arrays = []
+        for i, (_, p) in enumerate(self._params):
+            if p.grad is None:
+                arrays.append(None)
+                continue
+            reached[i] = True
+            staging.queue(i, p.grad)
+            arrays.append(staging.views[i].numpy())
+        staging.wait()
         self._native.add_term(t, arrays)
         for _, p in self._params:
             p.grad = None
@@ -594,6 +622,9 @@ class Worker:
         self.start_step, self.total_steps = start, total
         self._transport = self._native.transport()
         try:
+            if self._copies is not None and self._exact_m is None:
+                self._push_buffer = _device.PushBuffer(
+                    self._native, self._copies, self._offsets, self._sizes())
             # frozen parameters and buffers: every worker's must equal the first worker's
             self._native.check_constants(self._constants())
             self._rewind = None
@@ -636,7 +667,8 @@ class Worker:
             self._step = None
             self._pulling = None  # close() stops a pull under way
             self._timing = self._native.timing()
-            self._native.close()
+            self._native.close()  # gives the push buffer back first (PushBuffer.release)
+            self._push_buffer = None
 
     def _constants(self):
         """(name, shape, dtype, fingerprint, is a buffer) of each frozen parameter (the
@@ -735,6 +767,9 @@ class Worker:
         if self._exact_m is not None:
             self._step_exact(t, loss_sum, correct, samples)
             return
+        if self._push_buffer is not None:
+            self._step_device(t, loss_sum, correct, samples)
+            return
         # one array per tensor: CPU float32 gradients are read in place (copied once, into
         # the buffer the shards read); others are first copied to the CPU
         parts = []
@@ -763,6 +798,32 @@ class Worker:
             self._native.push_parts(t, parts, n, float(loss_sum), int(correct), ev[0], ev[1])
 
         self._push_and_pull(push)
+
+    def _step_device(self, t: int, loss_sum, correct, samples) -> None:
+        """``step()`` for a model on a GPU: each ``.grad`` is copied asynchronously into its
+        range of the page-locked push buffer; the push waits for those copies, then the shards
+        read the buffer as it is."""
+        buf = self._push_buffer
+        unused = [i for i, (_, p) in enumerate(self._params) if p.grad is None]
+        self._check_reached(unused, t)
+        for i, (_, p) in enumerate(self._params):
+            if p.grad is None:  # not reached: zeros, and the shards are told (mark_unused)
+                buf.zero(i)
+            else:
+                buf.queue(i, p.grad)
+        ev, loss_sum, correct, n = self._step_figures(t, loss_sum, correct, samples)
+
+        def push():
+            self._put_buffers(t)
+            if unused:
+                self._native.mark_unused(t, unused)
+            buf.wait()
+            self._native.push_in_place(t, n, float(loss_sum), int(correct), ev[0], ev[1])
+
+        self._push_and_pull(push)
+
+    def _sizes(self) -> list[int]:
+        return [p.numel() for _, p in self._params]
 
     def _put_buffers(self, t: int) -> None:
         """Rank 0: its buffers after the forward pass of step ``t`` go to shard 0 (they are
@@ -812,7 +873,9 @@ class Worker:
             self._pull_or_rewind(self._rolled_back(e))
             self._step = None
             return
-        self._native.begin_push(t, n, loss_sum, int(correct), ev[0], ev[1])
+        device = self._push_buffer
+        if device is None:
+            self._native.begin_push(t, n, loss_sum, int(correct), ev[0], ev[1])
         self._overlap = [False] * len(self._params)
         try:
             loss.backward()
@@ -820,13 +883,23 @@ class Worker:
             written, self._overlap = self._overlap, None
         missing = [i for i, w in enumerate(written) if not w]
         if len(missing) == len(self._params):
-            try:
-                self._native.finish_push()  # nothing was written: drops the begun push
-            except RuntimeError:
-                pass
+            if device is None:
+                try:
+                    self._native.finish_push()  # nothing was written: drops the begun push
+                except RuntimeError:
+                    pass
             self._check_reached(missing, t)
 
         def finish():
+            if device is not None:
+                # a model on a GPU: the hooks queued the copies into the push buffer
+                for i in missing:
+                    device.zero(i)
+                if missing:
+                    self._native.mark_unused(t, missing)
+                device.wait()
+                self._native.push_in_place(t, n, loss_sum, int(correct), ev[0], ev[1])
+                return
             # parameters backward did not reach: zeros, after telling the shards holding
             # them (whose pushes wait for these values, so they start only now)
             if missing:
@@ -845,6 +918,10 @@ class Worker:
             if self._overlap is None:
                 return
             g = p.grad
+            if self._push_buffer is not None:  # a model on a GPU: an asynchronous copy
+                self._push_buffer.queue(i, g)
+                self._overlap[i] = True
+                return
             with torch.no_grad():
                 if g.device.type == "cpu" and g.dtype == torch.float32 and g.is_contiguous():
                     arr = g.reshape(-1).numpy()

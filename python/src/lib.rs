@@ -97,6 +97,18 @@ struct Client {
     pulling: Option<Py<PyAny>>,
     /// `[train] exact_sum`: the step whose terms `terms` sums (`begin_terms`), and the sum.
     terms: (Option<u64>, ps_net::exact::TermSum),
+    /// The push buffer lent out (`lend_grad_buffer`): the callable to call before it goes away
+    /// (the caller unregisters it from the GPU's DMA there), called once.
+    lent: Option<Py<PyAny>>,
+}
+
+impl Drop for Client {
+    /// A push buffer lent out is given back before the session (and its board) goes away.
+    fn drop(&mut self) {
+        if self.lent.is_some() {
+            Python::attach(|py| self.give_back(py));
+        }
+    }
 }
 
 impl Client {
@@ -119,6 +131,16 @@ impl Client {
                 "{what}: [train] exact_sum = true pushes the exact partial sum of micro-batch terms of {m} samples: use begin_terms, add_term and push_exact (ps_torch: Worker.terms)"
             ))),
             None => Ok(()),
+        }
+    }
+
+    /// Calls the release callable of the push buffer lent out, if any (once), before the
+    /// buffer goes away; its error is reported as unraisable (the buffer goes all the same).
+    fn give_back(&mut self, py: Python<'_>) {
+        if let Some(release) = self.lent.take()
+            && let Err(e) = release.call0(py)
+        {
+            e.write_unraisable(py, Some(release.bind(py)));
         }
     }
 
@@ -218,12 +240,14 @@ impl Client {
             planner: None,
             pulling: None,
             terms: Default::default(),
+            lent: None,
         })
     }
 
     /// Registers with every shard for a training set of `train_len` samples; returns
     /// (the step to start at, the run's total steps).
     fn connect(&mut self, py: Python<'_>, train_len: usize) -> PyResult<(u64, u64)> {
+        self.give_back(py); // a session before this one: its push buffer goes below
         let (cfg, servers, rank, model) = (&self.cfg, &self.servers, self.rank, self.model.clone());
         let rt = &self.rt;
         let session = py
@@ -465,6 +489,51 @@ impl Client {
         })
     }
 
+    /// Lends the push buffer, the memory the shards read this worker's gradient from (its
+    /// shared-memory board on one host, else the buffer the gRPC push encodes from): returns
+    /// its (address, float32 values). The caller writes the gradient there in place (a GPU
+    /// copies into it once registered for DMA) and pushes it with `push_in_place`. `release`
+    /// (a callable with no argument) is called exactly once before the buffer goes away
+    /// (`close`, a new `connect`, this client's end): the caller unregisters it there. The
+    /// buffer stays at the same address until then (also across a lost shard's recovery).
+    fn lend_grad_buffer(&mut self, release: Py<PyAny>) -> PyResult<(usize, usize)> {
+        self.refuse_in_exact("lend_grad_buffer")?;
+        if self.lent.is_some() {
+            return Err(PyRuntimeError::new_err(
+                "the push buffer is lent already (one borrower until close)",
+            ));
+        }
+        let grad = self.session()?.grad_mut();
+        let lent = (grad.as_mut_ptr() as usize, grad.len());
+        self.lent = Some(release);
+        Ok(lent)
+    }
+
+    /// Pushes the gradient of step `step` as the push buffer holds it (written in place
+    /// through `lend_grad_buffer`'s address) to every shard, copying nothing on this side.
+    #[pyo3(signature = (step, samples, loss_sum, correct, eval_correct=0, eval_count=0))]
+    #[allow(clippy::too_many_arguments)]
+    fn push_in_place(
+        &mut self,
+        py: Python<'_>,
+        step: u64,
+        samples: u32,
+        loss_sum: f64,
+        correct: u64,
+        eval_correct: u64,
+        eval_count: u64,
+    ) -> PyResult<()> {
+        self.refuse_in_exact("push_in_place")?;
+        let rt = &self.rt;
+        let session = self.session.as_mut().ok_or_else(|| {
+            PyRuntimeError::new_err("not connected: call connect(train_len) first")
+        })?;
+        py.detach(|| {
+            rt.block_on(session.push(step, samples, loss_sum, correct, (eval_correct, eval_count)))
+                .map_err(|e| after_failure(rt, session, step, e))
+        })
+    }
+
     /// Tells each shard holding part of them that this worker's backward of `step` did not
     /// reach `tensors` (indices in flat order), before the step's push (whose gradient holds
     /// zeros there): a tensor no rank reached is not updated, as torch.optim skips it.
@@ -571,8 +640,9 @@ impl Client {
     }
 
     /// Drops the connections and this worker's shared-memory gradient board (stopping a pull
-    /// under way first).
-    fn close(&mut self) {
+    /// under way first), after the release callable of the push buffer lent out, if any.
+    fn close(&mut self, py: Python<'_>) {
+        self.give_back(py);
         self.session = None;
         self.pulling = None;
     }

@@ -1,0 +1,140 @@
+"""How the gradients of a model on a CUDA device leave the GPU (``ps_torch.Worker``'s device path).
+
+The session's push buffer (this worker's shared-memory gradient board when its shards share the
+host, else the buffer the gRPC push encodes from) is lent by the native client
+(``lend_grad_buffer``), page-locked for the GPU's DMA (``cudaHostRegister``) and seen as one
+float32 tensor. Each gradient is copied into its own range of it by a non-blocking
+device-to-host copy queued on a copy stream, after the work of the gradient's stream, and a CUDA
+event is recorded behind the copy; the push waits for those events (not for the whole device)
+and hands the buffer over as it is (``push_in_place``): no synchronous copy, no pageable memory,
+no host copy. The native client calls ``PushBuffer.release`` before the buffer goes away
+(``close``, a new ``connect``, the client's end): the queued copies are waited for and the
+memory unregistered while it is still mapped.
+
+With ``[train] exact_sum`` the gradient terms are summed on the host: they are copied the same
+way into a page-locked staging tensor allocated once (``DeviceGrads`` over ``Copies.staging``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+
+class CudaCopies:
+    """The CUDA operations of the device path: page-locking host memory, the copy stream of
+    each device, non-blocking copies and the events behind them."""
+
+    def __init__(self) -> None:
+        self._cudart = torch.cuda.cudart()
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    def register(self, address: int, nbytes: int) -> None:
+        """Page-locks ``nbytes`` of host memory at ``address`` for the GPU's DMA."""
+        torch.cuda.check_error(self._cudart.cudaHostRegister(address, nbytes, 0))
+
+    def unregister(self, address: int) -> None:
+        torch.cuda.check_error(self._cudart.cudaHostUnregister(address))
+
+    def staging(self, n: int) -> torch.Tensor:
+        """A page-locked float32 host tensor of ``n`` values."""
+        return torch.zeros(n, dtype=torch.float32, pin_memory=True)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> torch.cuda.Event:
+        """Queues ``dst.copy_(src)`` (``dst`` in page-locked host memory, ``src`` on a GPU)
+        on the copy stream of ``src``'s device, after the work queued so far on its current
+        stream (which produced ``src``); returns the event recorded behind the copy."""
+        main = torch.cuda.current_stream(src.device)
+        side = self._streams.get(src.device)
+        if side is None:
+            side = self._streams[src.device] = torch.cuda.Stream(src.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            dst.copy_(src, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(side)
+        # the caching allocator must not hand src's memory out again before the copy has read it
+        src.record_stream(side)
+        return done
+
+    def wait(self, event: torch.cuda.Event) -> None:
+        """Blocks until the copy behind ``event`` has landed."""
+        event.synchronize()
+
+    def drain(self) -> None:
+        """Blocks until every copy queued so far has landed."""
+        for s in self._streams.values():
+            s.synchronize()
+
+
+def copies_for(params: Sequence[torch.Tensor]) -> Any:
+    """The device operations for a model whose trainable parameters are ``params``: the CUDA
+    ones when every parameter is on a CUDA device; None otherwise (the parameters on the CPU,
+    or on several kinds of device: the gradients are read, or copied to the CPU, as before)."""
+    if params and all(p.device.type == "cuda" for p in params):
+        return CudaCopies()
+    return None
+
+
+class DeviceGrads:
+    """Gradients copied off the device into the float32 host tensor ``flat``, tensor ``i``
+    into ``flat[offsets[i]:offsets[i] + sizes[i]]`` (a view made once and reused every step),
+    by ``copies`` (``CudaCopies`` or an object with its ``copy`` and ``wait``)."""
+
+    def __init__(self, flat: torch.Tensor, copies: Any, offsets: Sequence[int],
+                 sizes: Sequence[int]) -> None:
+        self.flat = flat
+        self.views = [flat[o : o + k] for o, k in zip(offsets, sizes)]
+        self._copies = copies
+        self._pending: dict[int, Any] = {}
+
+    def queue(self, i: int, grad: torch.Tensor) -> None:
+        """Queues the copy of tensor ``i``'s gradient ``grad`` into its view (non-blocking)."""
+        with torch.no_grad():
+            self._pending[i] = self._copies.copy(self.views[i], grad.detach().reshape(-1))
+
+    def zero(self, i: int) -> None:
+        """Zeros tensor ``i``'s view (a tensor backward did not reach), after a copy into it
+        still queued, if any."""
+        if i in self._pending:
+            self._copies.wait(self._pending.pop(i))
+        self.views[i].zero_()
+
+    def wait(self) -> None:
+        """Blocks until every copy queued has landed: then ``flat`` holds the gradients."""
+        pending, self._pending = self._pending, {}
+        for event in pending.values():
+            self._copies.wait(event)
+
+
+class PushBuffer(DeviceGrads):
+    """The native client's push buffer, lent (``lend_grad_buffer``) and page-locked for the
+    copies of ``DeviceGrads``: the gradients land where the shards read them. ``release`` (the
+    native client calls it before the buffer goes away) waits for the copies queued and
+    unregisters the memory."""
+
+    def __init__(self, native: Any, copies: Any, offsets: Sequence[int],
+                 sizes: Sequence[int]) -> None:
+        self.address, n = native.lend_grad_buffer(self.release)
+        self.nbytes = 4 * n
+        self.registered = False
+        memory = (ctypes.c_float * n).from_address(self.address)
+        super().__init__(torch.frombuffer(memory, dtype=torch.float32), copies, offsets, sizes)
+        copies.register(self.address, self.nbytes)
+        self.registered = True
+
+    def release(self) -> None:
+        """Before the buffer goes away: every copy into it landed, then it is unregistered;
+        the views are dropped (nothing may write them any more)."""
+        try:
+            self._copies.drain()
+            self._pending = {}
+            if self.registered:
+                self.registered = False
+                self._copies.unregister(self.address)
+        finally:
+            self.views = []
+            self.flat = None
