@@ -45,6 +45,7 @@ pub struct BadGradient {
 use crate::update::{Norms, Simd, UpdateInputs, fused_update, threads_for};
 use ps_config::Wire;
 use ps_model::layout::ModelSpec;
+use ps_net::copied::{self, Side};
 use ps_net::source::{PushSource, SourceFault};
 use ps_optim::{OptState, Optimizer};
 use ps_proto::{PsError, PsResult};
@@ -1012,6 +1013,8 @@ impl Intake {
                 d.write(ps_net::wire::bf16_to_f32(u16::from_le_bytes([c[0], c[1]])));
             }),
         }
+        // a received chunk's values decoded into the shard's buffer
+        copied::count(Side::Push, 4 * n);
         // SAFETY: every value of the region was written just above.
         Ok(unsafe { self.publish() })
     }

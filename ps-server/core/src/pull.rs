@@ -1,9 +1,11 @@
 //! What pulls read: the current version's parameters (a snapshot shared by the version's
-//! gRPC pulls), the previous version, the optimizer state.
+//! gRPC pulls), the previous version, the optimizer state. Each copy of the weights into a
+//! reply is counted (`ps_net::copied`, [`Side::Pull`]).
 
 use crate::Shard;
 use crate::store::{self, Previous, Source};
 use bytes::Bytes;
+use ps_net::copied::{self, Side};
 use ps_optim::OptState;
 use ps_proto::{PsError, PsResult};
 use std::sync::Arc;
@@ -23,6 +25,8 @@ impl Shard {
             st.store.take_snapshot_buffer()
         };
         let (version, values) = self.params_into(reuse.unwrap_or_default())?;
+        // the weights copied into the version's reply (shared by its pulls)
+        copied::count(Side::Pull, 4 * values.len());
         let values = Arc::new(values);
         let mut st = self.lock();
         if st.barrier.step() == version {
@@ -50,7 +54,11 @@ impl Shard {
             Some(Previous::Board(b)) => {
                 drop(st);
                 match Source::Board(b).read(version) {
-                    Some(values) => Ok((version, store::shared_bytes(Arc::new(values)))),
+                    Some(values) => {
+                        // the weights copied out of the board into the reply
+                        copied::count(Side::Pull, 4 * values.len());
+                        Ok((version, store::shared_bytes(Arc::new(values))))
+                    }
                     None => Err(gone(self.version())),
                 }
             }

@@ -8,7 +8,7 @@
 mod common;
 
 use common::{Recorder, W, assert_same, grad, meta, push_whole};
-use ps_config::{Aggregation, Config, TestConfig, Transport};
+use ps_config::{Aggregation, Config, TestConfig, Transport, Wire};
 use ps_net::shm::{Board, BoardDir, grad_path, shm_root};
 use ps_proto::PsError;
 use ps_shard::Shard;
@@ -214,6 +214,64 @@ fn a_board_truncated_under_its_push_is_refused_and_forgotten() {
         "rank 1 pushed through shared memory but shard 0 has no gradient board of it: expected a registration with a grad_file first"
     );
     assert_eq!(boards.shard.version(), 0, "nothing applied");
+}
+
+/// Host copies on the shard's side (`ps_net::copied`): one step's board pushes, read in place,
+/// copy no push byte; the same gradients received as gRPC chunks (decoded into the per-bucket
+/// buffer, as ps-server's receipt does) copy exactly their range, rank by rank, and end
+/// bit-identical; a version's first reply copies the weights out of the board once, and the
+/// next pull shares it. No other test of this binary decodes a chunk or takes a snapshot, so
+/// the process-wide counts move only by this test's copies.
+#[test]
+fn board_pushes_copy_nothing_and_chunked_pushes_copy_their_range() {
+    use ps_net::copied::totals;
+    let dir = tempfile::tempdir().unwrap();
+    let shm = config(dir.path(), Transport::Auto);
+    let grpc = config(dir.path(), Transport::Grpc);
+    let (ob, oc) = (Recorder::default(), Recorder::default());
+    let mut boards = BoardShard::new(&shm, 1, 2);
+    let chunked = common::shard(&grpc, 1, 2);
+    let n = boards.shard.len();
+    let before = totals().1;
+    for r in 0..W {
+        boards.write(r, &grad(n, r, 0, 5));
+        boards.push(&ob, r, 0, SAMPLES[r as usize]).unwrap();
+    }
+    assert_eq!(totals().1, before, "board pushes are read in place");
+    for r in 0..W {
+        let bytes: Vec<u8> = grad(n, r, 0, 5)
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect();
+        let before = totals().1;
+        chunked_push(&chunked, &oc, r, SAMPLES[r as usize], &bytes);
+        assert_eq!(totals().1 - before, 4 * n as u64, "rank {r}: its range");
+    }
+    assert_same(&boards.shard, &chunked, "step 0");
+    let before = totals().0;
+    let (version, reply) = boards.shard.snapshot().unwrap();
+    assert_eq!((version, reply.len()), (1, 4 * n));
+    assert_eq!(totals().0 - before, 4 * n as u64, "the weights, once");
+    boards.shard.snapshot().unwrap();
+    assert_eq!(totals().0 - before, 4 * n as u64, "shared by the next pull");
+}
+
+/// Rank `rank`'s push of step 0, its f32 `bytes` received in 1 MiB gRPC chunks into the
+/// per-bucket buffer (the applier run whenever buckets became ready), then counted.
+fn chunked_push(shard: &Arc<Shard>, obs: &Recorder, rank: u32, samples: u32, bytes: &[u8]) {
+    shard.precheck(rank, 0, (bytes.len() / 4) as u64).unwrap();
+    let _under_way = shard.announce(rank, 0, samples);
+    let mut intake = shard.intake(rank, 0).expect("per-bucket apply");
+    for (i, chunk) in bytes.chunks(1 << 20).enumerate() {
+        if intake.decode(i << 18, Wire::F32, chunk).unwrap() {
+            shard.run_buckets();
+        }
+    }
+    let (grad, fp) = intake.finish(None).unwrap();
+    let (_, ready) = shard.accept(meta(rank, 0, samples), grad, fp).unwrap();
+    if let Some(slots) = ready {
+        shard.complete(slots, obs).unwrap();
+    }
 }
 
 /// The pass of a board push fingerprints bucket by bucket, at offsets that do not line up with

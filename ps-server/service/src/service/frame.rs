@@ -2,6 +2,7 @@
 //! (`ps_net::datalink`), read straight into a receive buffer and checked as it streams.
 
 use super::*;
+use ps_net::copied::{self, Side};
 
 impl ShardService {
     /// The gradient of a push whose values come on `rank`'s data connection: the gRPC stream
@@ -40,6 +41,8 @@ impl ShardService {
             self.shard.return_buffer(values);
             return Err(e);
         }
+        // the frame's values read into the shard's buffer
+        copied::count(Side::Push, 4 * values.len());
         data.put_read(rank, conn).await;
         Ok(values)
     }
@@ -240,7 +243,9 @@ async fn read_published<R: tokio::io::AsyncRead + Unpin>(
 ) -> PsResult<()> {
     for lo in r.clone().step_by(crate::shard::bucket::BUCKET_VALUES) {
         let seg = lo..(lo + crate::shard::bucket::BUCKET_VALUES).min(r.end);
-        datalink::read_piece(conn, intake.region(seg)?, wire, what, idle).await?;
+        datalink::read_piece(conn, intake.region(seg.clone())?, wire, what, idle).await?;
+        // the segment's values read into the shard's buffer
+        copied::count(Side::Push, 4 * seg.len());
         // SAFETY: read_piece returned Ok: it wrote every value of the region
         if unsafe { intake.publish() } {
             super::push::spawn_buckets(shard);

@@ -4,11 +4,14 @@
 //! named by each push ([`Plane::of`]); the barrier sees a [`Grad`] and a fingerprint, never the
 //! plane. The shard takes the values in one of three ways ([`Target`]): into the per-bucket
 //! applier's buffer, into a whole-range buffer, or checked and dropped (a push the step does
-//! not wait for); every plane serves every way, with the same checks and the same fingerprint.
+//! not wait for); every plane serves every way, with the same checks and the same fingerprint:
+//! the streaming planes through [`Streamed`] (gRPC chunks, a data-connection frame), a board
+//! through the shard core's in-place receipt (`Shard::board_push`).
 
-use super::push::{receive_rest, spawn_buckets};
+use super::push::spawn_buckets;
 use super::*;
 use crate::shard::intake::Permit;
+use ps_net::copied::{self, Side};
 use ps_proto::pb::PushHeader;
 
 /// How a push's values travel (gRPC is the control channel: the header always comes on it).
@@ -73,6 +76,76 @@ enum Target<'i> {
     Check,
 }
 
+/// A plane whose values stream in after the header (gRPC chunks, a data-connection frame):
+/// how they come into the shard's memory, for each way the shard takes them ([`Target`]).
+/// Once in, the shard reads them through the same [`ps_net::source::PushSource`] as a board's.
+trait Streamed {
+    /// Into the per-bucket applier's buffer, each bucket published as soon as it is in.
+    async fn into_intake(self, svc: &ShardService, intake: &mut Intake) -> PsResult<()>;
+    /// Into a whole-range receive buffer from the pool (given back on failure): the values
+    /// and their fingerprint.
+    async fn into_buffer(self, svc: &ShardService) -> PsResult<(Vec<f32>, u64)>;
+    /// Read, checked and fingerprinted, not kept: the fingerprint.
+    async fn check(self, svc: &ShardService) -> PsResult<u64>;
+}
+
+/// gRPC chunks after the header (the header's chunk may carry data too).
+struct Chunks<'a> {
+    first: &'a PushChunk,
+    stream: &'a mut Streaming<PushChunk>,
+}
+
+impl Streamed for Chunks<'_> {
+    async fn into_intake(self, svc: &ShardService, intake: &mut Intake) -> PsResult<()> {
+        svc.chunks_into(self.first, self.stream, intake).await
+    }
+
+    async fn into_buffer(self, svc: &ShardService) -> PsResult<(Vec<f32>, u64)> {
+        svc.chunks_to_buffer(self.first, self.stream).await
+    }
+
+    async fn check(self, svc: &ShardService) -> PsResult<u64> {
+        let mut check = StreamCheck::new(svc.shard.push_len()).on_wire(svc.wire);
+        let mut sink = |offset: u64, data: &[u8]| check.push(offset, data);
+        svc.receive_chunks(&mut sink, self.first, self.stream)
+            .await?;
+        check.finish()
+    }
+}
+
+/// One frame on the rank's data connection (the gRPC stream holds the header alone).
+struct Frame<'a> {
+    first: &'a PushChunk,
+    stream: &'a mut Streaming<PushChunk>,
+    rank: u32,
+    step: u64,
+}
+
+impl Streamed for Frame<'_> {
+    async fn into_intake(self, svc: &ShardService, intake: &mut Intake) -> PsResult<()> {
+        svc.receive_frame_into(self.first, self.stream, self.rank, self.step, intake)
+            .await
+    }
+
+    async fn into_buffer(self, svc: &ShardService) -> PsResult<(Vec<f32>, u64)> {
+        let values = svc
+            .receive_frame(self.first, self.stream, self.rank, self.step)
+            .await?;
+        match check_and_fingerprint(&values) {
+            Ok(fp) => Ok((values, fp)),
+            Err(e) => {
+                svc.shard.return_buffer(values);
+                Err(e)
+            }
+        }
+    }
+
+    async fn check(self, svc: &ShardService) -> PsResult<u64> {
+        svc.check_frame(self.first, self.stream, self.rank, self.step)
+            .await
+    }
+}
+
 impl ShardService {
     /// Receives the values of the push `src` (of `samples` samples) through its plane, as the
     /// shard takes them: a board's in place; otherwise, once the rank's turn came (under the
@@ -118,52 +191,36 @@ impl ShardService {
             rank,
             step,
         } = src;
-        match (plane, target) {
-            (Plane::Frame, Target::Buckets(intake)) => {
-                self.receive_frame_into(first, stream, rank, step, intake)
-                    .await?;
+        match plane {
+            Plane::Frame => {
+                let frame = Frame {
+                    first,
+                    stream,
+                    rank,
+                    step,
+                };
+                self.take(frame, target).await
+            }
+            Plane::Chunks | Plane::Board => self.take(Chunks { first, stream }, target).await,
+        }
+    }
+
+    /// Takes the values `from` brings as `target` says: the gradient and its fingerprint.
+    async fn take(&self, from: impl Streamed, target: Target<'_>) -> PsResult<(Grad, u64)> {
+        match target {
+            Target::Buckets(intake) => {
+                from.into_intake(self, intake).await?;
                 Ok((Grad::Checked, 0))
             }
-            (Plane::Frame, Target::Buffer(permit)) => {
-                let values = self.receive_frame(first, stream, rank, step).await?;
-                match check_and_fingerprint(&values) {
-                    Ok(fp) => Ok((
-                        Grad::Owned(Held {
-                            values,
-                            permit: Some(permit),
-                        }),
-                        fp,
-                    )),
-                    Err(e) => {
-                        self.shard.return_buffer(values);
-                        Err(e)
-                    }
-                }
+            Target::Buffer(permit) => {
+                let (values, fp) = from.into_buffer(self).await?;
+                let held = Held {
+                    values,
+                    permit: Some(permit),
+                };
+                Ok((Grad::Owned(held), fp))
             }
-            (Plane::Frame, Target::Check) => Ok((
-                Grad::Checked,
-                self.check_frame(first, stream, rank, step).await?,
-            )),
-            (_, Target::Buckets(intake)) => {
-                self.chunks_into(first, stream, intake).await?;
-                Ok((Grad::Checked, 0))
-            }
-            (_, Target::Buffer(permit)) => {
-                let values = self.chunks_to_buffer(first, stream).await?;
-                Ok((
-                    Grad::Owned(Held {
-                        values: values.0,
-                        permit: Some(permit),
-                    }),
-                    values.1,
-                ))
-            }
-            (_, Target::Check) => {
-                let mut check = StreamCheck::new(self.shard.push_len()).on_wire(self.wire);
-                let mut sink = |offset: u64, data: &[u8]| check.push(offset, data);
-                self.receive_chunks(&mut sink, first, stream).await?;
-                Ok((Grad::Checked, check.finish()?))
-            }
+            Target::Check => Ok((Grad::Checked, from.check(self).await?)),
         }
     }
 
@@ -202,8 +259,14 @@ impl ShardService {
         let mut rx =
             TensorReceiver::with_buffer(self.shard.take_buffer(), self.shard.push_len(), true)
                 .on_wire(self.wire);
-        let received =
-            receive_rest(&mut rx, first.offset, &first.data, stream, self.stream_idle).await;
+        let wire = self.wire;
+        let mut sink = |offset: u64, data: &[u8]| -> PsResult<()> {
+            rx.push(offset, data)?;
+            // the chunk's values decoded into the shard's buffer
+            copied::count(Side::Push, data.len() / wire.value_bytes() * 4);
+            Ok(())
+        };
+        let received = self.receive_chunks(&mut sink, first, stream).await;
         if let Err(e) = received {
             self.shard.return_buffer(rx.into_buffer());
             return Err(e);

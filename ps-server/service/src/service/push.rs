@@ -146,18 +146,6 @@ pub(super) fn spawn_buckets(shard: &Arc<Shard>) {
     tokio::task::spawn_blocking(move || shard.run_buckets());
 }
 
-/// Receives the first chunk's data and every further chunk of a push into `rx`.
-pub(super) async fn receive_rest(
-    rx: &mut TensorReceiver,
-    offset: u64,
-    data: &[u8],
-    stream: &mut Streaming<PushChunk>,
-    idle: Duration,
-) -> PsResult<()> {
-    let mut sink = |offset: u64, data: &[u8]| rx.push(offset, data);
-    receive_with(&mut sink, offset, data, stream, idle).await
-}
-
 /// Hands the first chunk's data and every further chunk of a push to `sink`; a stream that
 /// sends nothing for `idle` is ended with [`PsError::Timeout`].
 pub(super) async fn receive_with(
