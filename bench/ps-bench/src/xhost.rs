@@ -76,16 +76,24 @@ async fn raw_peer(listener: std::net::TcpListener, n: usize) -> anyhow::Result<(
             .context("the client said nothing")??;
         match cmd[0] {
             b'P' => {
-                s.read_exact(&mut buf).await?;
-                s.write_all(&[1]).await?;
+                within("reading the client's bytes", s.read_exact(&mut buf)).await?;
+                within("answering the client", s.write_all(&[1])).await?;
             }
-            b'G' => s.write_all(&buf).await?,
+            b'G' => within("writing the bytes to the client", s.write_all(&buf)).await?,
             b'Q' => break,
             c => bail!("raw TCP peer: command {c:#04x}: expected P, G or Q"),
         }
     }
     black_box(&buf);
     Ok(())
+}
+
+/// `io` within [`XHOST_WAIT`], or an error saying what did not finish.
+async fn within<T>(what: &str, io: impl Future<Output = std::io::Result<T>>) -> anyhow::Result<T> {
+    match tokio::time::timeout(XHOST_WAIT, io).await {
+        Ok(r) => r.with_context(|| what.to_string()),
+        Err(_) => bail!("{what}: not done within {} s", XHOST_WAIT.as_secs()),
+    }
 }
 
 /// Seconds of each repeat: (data connection pull, push; raw TCP shard → client, client →
@@ -175,12 +183,18 @@ async fn rounds(
         // the update done before the raw transfers, so they do not share the CPU with it
         wait_version(&mut c0, cfg, t + 1).await?;
         let t3 = Instant::now();
-        raw.write_all(b"P").await?;
-        raw.write_all(&raw_data).await?;
-        raw.read_exact(&mut [0u8; 1]).await?;
+        within("raw TCP to the peer", async {
+            raw.write_all(b"P").await?;
+            raw.write_all(&raw_data).await?;
+            raw.read_exact(&mut [0u8; 1]).await
+        })
+        .await?;
         let t4 = Instant::now();
-        raw.write_all(b"G").await?;
-        raw.read_exact(&mut rbuf).await?;
+        within("raw TCP from the peer", async {
+            raw.write_all(b"G").await?;
+            raw.read_exact(&mut rbuf).await
+        })
+        .await?;
         let t5 = Instant::now();
         if t > 0 {
             let s = |a: Instant, b: Instant| (b - a).as_secs_f64();
@@ -190,7 +204,7 @@ async fn rounds(
             out.raw_pull.push(s(t4, t5));
         }
     }
-    raw.write_all(b"Q").await?;
+    within("ending the raw peer", raw.write_all(b"Q")).await?;
     if !c0.data_link_usable() || !c1.data_link_usable() {
         bail!(
             "the data connection to {addr} was found unreachable: the values went through gRPC chunks"
