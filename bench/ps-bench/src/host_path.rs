@@ -5,9 +5,9 @@
 //! write its gradient into its own gradient board (the copy a device's download makes), push
 //! the header. The shard checks the pushes and, at the second, applies the step (mean of the
 //! two, plain SGD). Per step, the medians of: the pull (the slower worker), the gradient write,
-//! the push (the slower worker: the last push's reply comes after the update), the whole step;
-//! beside a `copy_from_slice` of one range measured in the same run (this machine's memcpy
-//! rate).
+//! the push (the slower worker: the last push's reply comes after the update), the update
+//! itself (the shard's `apply_ms` in its metrics.jsonl), the whole step; beside a
+//! `copy_from_slice` of one range measured in the same run (this machine's memcpy rate).
 //!
 //! Host bytes copied are measured, not derived: `ps_net::copied::totals()` read before the
 //! first step and after the last, divided by the steps (the shard and both workers are in
@@ -66,6 +66,13 @@ pub(crate) fn section_host_path(tmp: &Path, plan: &Plan) -> anyhow::Result<Vec<V
     })?;
     drop(rt);
     shard.stop()?;
+    // the shard's own figure of each update (metrics.jsonl), after the first step
+    let apply: Vec<f64> = read_metrics(&dir.join("out").join("metrics.jsonl"))
+        .iter()
+        .skip(1)
+        .map(|m| f(m, "apply_ms"))
+        .filter(|v| v.is_finite())
+        .collect();
     let copy = median(&bench_copy(len, plan.net_repeats.max(3)));
     let per_step = |b: u64| b as f64 / steps as f64;
     let copied = Copied {
@@ -73,7 +80,21 @@ pub(crate) fn section_host_path(tmp: &Path, plan: &Plan) -> anyhow::Result<Vec<V
         push: per_step(counted.1) - (2 * len * 4) as f64,
         grad: (2 * len * 4) as f64,
     };
-    Ok(rows(&times, len, copy, &copied))
+    let mut out = rows(&times, len, copy, &copied);
+    // the update reads the 2 gradients and the parameters and writes the parameters: the
+    // traffic of 2 memcpy's of the range
+    out.insert(
+        3,
+        json!({
+            "what": "update (inside the push row: the shard's apply_ms, metrics.jsonl)",
+            "copied_bytes": 0,
+            "counts": "no copy: reads 2 gradients and the parameters, writes the parameters in place (the traffic of 2 memcpy's of the range)",
+            "ms": if apply.is_empty() { f64::NAN } else { median(&apply) },
+            "ms_samples": apply,
+            "ms_at_memcpy": 2.0 * copy * 1e3,
+        }),
+    );
+    Ok(out)
 }
 
 /// Host bytes copied per step, measured with `ps_net::copied` over every step of the run.
@@ -166,7 +187,7 @@ fn rows(times: &[WorkerTimes], len: usize, copy: f64, c: &Copied) -> Vec<Value> 
             "step (one worker's pull, write, push)",
             3,
             c.pull + c.grad + c.push,
-            "all of the above",
+            "the pull, gradient and push rows",
         ),
     ];
     let mut out: Vec<Value> = parts

@@ -12,7 +12,8 @@
 //!   reply does not wait for an update), rank 1's push untimed, the update waited for, then the
 //!   same bytes on the raw connection both ways (`P`: write all, wait for the byte; `G`: one
 //!   byte asked, all read). The two transports alternate within each repeat, so load from
-//!   elsewhere falls on both alike.
+//!   elsewhere falls on both alike; the ratio printed is the median of the repeats' own
+//!   ratios.
 
 use super::*;
 
@@ -75,16 +76,24 @@ async fn raw_peer(listener: std::net::TcpListener, n: usize) -> anyhow::Result<(
             .context("the client said nothing")??;
         match cmd[0] {
             b'P' => {
-                s.read_exact(&mut buf).await?;
-                s.write_all(&[1]).await?;
+                within("reading the client's bytes", s.read_exact(&mut buf)).await?;
+                within("answering the client", s.write_all(&[1])).await?;
             }
-            b'G' => s.write_all(&buf).await?,
+            b'G' => within("writing the bytes to the client", s.write_all(&buf)).await?,
             b'Q' => break,
             c => bail!("raw TCP peer: command {c:#04x}: expected P, G or Q"),
         }
     }
     black_box(&buf);
     Ok(())
+}
+
+/// `io` within [`XHOST_WAIT`], or an error saying what did not finish.
+async fn within<T>(what: &str, io: impl Future<Output = std::io::Result<T>>) -> anyhow::Result<T> {
+    match tokio::time::timeout(XHOST_WAIT, io).await {
+        Ok(r) => r.with_context(|| what.to_string()),
+        Err(_) => bail!("{what}: not done within {} s", XHOST_WAIT.as_secs()),
+    }
 }
 
 /// Seconds of each repeat: (data connection pull, push; raw TCP shard → client, client →
@@ -108,7 +117,36 @@ pub(crate) fn client(addr: SocketAddr, repeats: usize, tmp: &Path) -> anyhow::Re
         .enable_all()
         .build()?;
     let times = rt.block_on(rounds(addr, &cfg, &grad, repeats))?;
-    Ok(xhost_rows(&times, len * 4))
+    let mut rows = xhost_rows(&times, len * 4);
+    rows.extend(shard_passes(len, repeats));
+    Ok(rows)
+}
+
+/// The passes over the range that the shard makes and raw TCP does not, timed on this
+/// machine in the same run: the pull's snapshot (a copy of the parameters, once per version)
+/// and the push's check after its last byte (`check_and_fingerprint` of the whole range).
+fn shard_passes(len: usize, repeats: usize) -> Vec<Value> {
+    let copy = median(&bench_copy(len, repeats));
+    let values: Vec<f32> = (0..len).map(|i| 1e-6 * (i % 7) as f32).collect();
+    let mut fp = Vec::new();
+    for rep in 0..=repeats {
+        let t = Instant::now();
+        black_box(ps_net::wire::check_and_fingerprint(black_box(&values)).is_ok());
+        if rep > 0 {
+            fp.push(t.elapsed().as_secs_f64());
+        }
+    }
+    let row = |what: &str, s: f64| json!({ "what": what, "pass": true, "ms": s * 1e3 });
+    vec![
+        row(
+            "pull: the shard's snapshot of the version (memcpy of the range)",
+            copy,
+        ),
+        row(
+            "push: the shard's check after the last byte (check_and_fingerprint of the range)",
+            median(&fp),
+        ),
+    ]
 }
 
 async fn rounds(
@@ -145,12 +183,18 @@ async fn rounds(
         // the update done before the raw transfers, so they do not share the CPU with it
         wait_version(&mut c0, cfg, t + 1).await?;
         let t3 = Instant::now();
-        raw.write_all(b"P").await?;
-        raw.write_all(&raw_data).await?;
-        raw.read_exact(&mut [0u8; 1]).await?;
+        within("raw TCP to the peer", async {
+            raw.write_all(b"P").await?;
+            raw.write_all(&raw_data).await?;
+            raw.read_exact(&mut [0u8; 1]).await
+        })
+        .await?;
         let t4 = Instant::now();
-        raw.write_all(b"G").await?;
-        raw.read_exact(&mut rbuf).await?;
+        within("raw TCP from the peer", async {
+            raw.write_all(b"G").await?;
+            raw.read_exact(&mut rbuf).await
+        })
+        .await?;
         let t5 = Instant::now();
         if t > 0 {
             let s = |a: Instant, b: Instant| (b - a).as_secs_f64();
@@ -160,7 +204,7 @@ async fn rounds(
             out.raw_pull.push(s(t4, t5));
         }
     }
-    raw.write_all(b"Q").await?;
+    within("ending the raw peer", raw.write_all(b"Q")).await?;
     if !c0.data_link_usable() || !c1.data_link_usable() {
         bail!(
             "the data connection to {addr} was found unreachable: the values went through gRPC chunks"
@@ -191,10 +235,13 @@ async fn raw_connect(addr: SocketAddr) -> anyhow::Result<tokio::net::TcpStream> 
 fn xhost_rows(t: &XhostTimes, bytes: usize) -> Vec<Value> {
     let row = |what: &str, how: &str, dl: &[f64], raw: &[f64]| {
         let (d, r) = (median(dl), median(raw));
+        // each repeat's two transfers ran back to back: their ratio, then the median, so that
+        // a burst of load from elsewhere falls on both sides of one ratio
+        let paired: Vec<f64> = dl.iter().zip(raw).map(|(a, b)| a / b).collect();
         json!({
             "what": what, "how": how, "bytes": bytes,
             "ms": d * 1e3, "gbs": gbs(bytes, d), "raw_ms": r * 1e3, "raw_gbs": gbs(bytes, r),
-            "ratio": d / r,
+            "ratio": median(&paired), "ratio_of_medians": d / r,
             "ms_samples": dl.iter().map(|v| v * 1e3).collect::<Vec<_>>(),
             "raw_ms_samples": raw.iter().map(|v| v * 1e3).collect::<Vec<_>>(),
         })
@@ -219,10 +266,10 @@ fn xhost_rows(t: &XhostTimes, bytes: usize) -> Vec<Value> {
 pub(crate) fn table(rows: &[Value], addr: SocketAddr) -> String {
     let mut s = format!(
         "## Across hosts: the data connection against raw TCP (large model, S = 1, this host -> {addr})\n\n\
-         | transfer | what exactly | bytes | data connection ms | GB/s | raw TCP ms (same bytes, same hosts, same run) | GB/s | ratio (data connection / raw) |\n\
+         | transfer | what exactly | bytes | data connection ms | GB/s | raw TCP ms (same bytes, same hosts, same run) | GB/s | ratio (data connection / raw: median of the repeats' ratios) |\n\
          |---|---|---:|---:|---:|---:|---:|---:|\n"
     );
-    for r in rows {
+    for r in rows.iter().filter(|r| r.get("pass").is_none()) {
         let _ = writeln!(
             s,
             "| {} | {} | {:.1} MB | {:.1} | {:.2} | {:.1} | {:.2} | {:.2} |",
@@ -234,6 +281,18 @@ pub(crate) fn table(rows: &[Value], addr: SocketAddr) -> String {
             f(r, "raw_ms"),
             f(r, "raw_gbs"),
             f(r, "ratio"),
+        );
+    }
+    let _ = writeln!(
+        s,
+        "\nPasses over the range the shard makes and raw TCP does not (timed on this host, same run):"
+    );
+    for r in rows.iter().filter(|r| r.get("pass").is_some()) {
+        let _ = writeln!(
+            s,
+            "- {}: {:.1} ms",
+            r["what"].as_str().unwrap_or("?"),
+            f(r, "ms")
         );
     }
     s

@@ -13,3 +13,74 @@ fn ps_bench_answers_version() {
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.starts_with("ps-bench "), "{text}");
 }
+
+/// A port `p` on 127.0.0.1 with `p + 1` free too (the shard's and the raw peer's), as far as
+/// binding both and letting them go can tell.
+fn free_port_pair() -> u16 {
+    for _ in 0..100 {
+        let a = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let p = a.local_addr().unwrap().port();
+        if p < u16::MAX && std::net::TcpListener::bind(("127.0.0.1", p + 1)).is_ok() {
+            return p;
+        }
+    }
+    panic!("no two consecutive free ports on 127.0.0.1 in 100 tries");
+}
+
+/// What `crosshost.sh` with `PUSHPULL=1` runs on two hosts, here on 127.0.0.1: the client
+/// pulls and pushes the large model on the data connection and moves the same bytes on raw
+/// TCP, writes one row per direction with both times and their ratio, and both sides end by
+/// themselves.
+#[test]
+fn xhost_client_times_the_data_connection_beside_raw_tcp() {
+    let bin = env!("CARGO_BIN_EXE_ps-bench");
+    let addr = format!("127.0.0.1:{}", free_port_pair());
+    let mut serve = Command::new(bin)
+        .args(["--xhost-serve", &addr])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let json = std::env::temp_dir().join(format!("ps-bench-xhost-{}.json", std::process::id()));
+    let out = Command::new(bin)
+        .args(["--xhost-client", &addr, "--xhost-repeats", "1", "--json"])
+        .arg(&json)
+        .output()
+        .unwrap();
+    // the client said Q (or failed): the server ends on its own, within a bound
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    let served = loop {
+        if let Some(s) = serve.try_wait().unwrap() {
+            break Some(s);
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = serve.kill();
+            break None;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    assert!(out.status.success(), "{out:?}");
+    assert!(served.is_some_and(|s| s.success()), "server: {served:?}");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("## Across hosts: the data connection against raw TCP"),
+        "{text}"
+    );
+    let rows: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let _ = std::fs::remove_file(&json);
+    let rows = rows["xhost"].as_array().unwrap();
+    // 784-4096-4096-10: 3,211,264 + 4,096 + 16,777,216 + 4,096 + 40,960 + 10 parameters
+    let bytes = 4 * 20_037_642u64;
+    for what in ["pull", "push"] {
+        let r = rows.iter().find(|r| r["what"] == what).unwrap();
+        assert_eq!(r["bytes"].as_u64(), Some(bytes), "{r}");
+        for key in ["ms", "raw_ms", "ratio"] {
+            let v = r[key].as_f64().unwrap();
+            assert!(v.is_finite() && v > 0.0, "{what} {key}: {r}");
+        }
+        assert_eq!(r["ms_samples"].as_array().unwrap().len(), 1, "{r}");
+    }
+    let passes = rows.iter().filter(|r| r["pass"] == true).count();
+    assert_eq!(passes, 2, "the snapshot and check passes: {rows:?}");
+}
