@@ -305,6 +305,11 @@ class Worker:
         self._copies = _device.copies_for([p for _, p in self._params])
         self._push_buffer = None
         self._staging = None
+        # and its weights pulled into page-locked memory, uploaded by non-blocking copies (the
+        # events behind the last pull's uploads: waited for before the next pull writes there)
+        self._uploads = []
+        if self._copies is not None and not self._views:
+            self._flat = self._copies.staging(n)
         if self._views:
             with torch.no_grad():
                 for (_, p), o in zip(self._params, self._offsets):
@@ -397,8 +402,15 @@ class Worker:
         return save({n: b.detach().cpu().contiguous() for n, b in self._buffers})
 
     def _pull(self, version: int) -> None:
+        for event in self._uploads:  # the last pull's uploads read the memory pulled into
+            self._copies.wait(event)
+        self._uploads = []
         self._native.pull(version, self._flat.numpy())
-        if not self._views:
+        if not self._views and self._copies is not None:
+            self._uploads = self._copies.upload(
+                [(p.data, self._flat[o : o + p.numel()].view_as(p))
+                 for (_, p), o in zip(self._params, self._offsets)])
+        elif not self._views:
             with torch.no_grad():
                 for (_, p), o in zip(self._params, self._offsets):
                     p.data.copy_(self._flat[o : o + p.numel()].view_as(p))

@@ -12,7 +12,9 @@ no host copy. The native client calls ``PushBuffer.release`` before the buffer g
 memory unregistered while it is still mapped.
 
 With ``[train] exact_sum`` the gradient terms are summed on the host: they are copied the same
-way into a page-locked staging tensor allocated once (``DeviceGrads`` over ``Copies.staging``).
+way into a page-locked staging tensor allocated once (``DeviceGrads`` over ``CudaCopies.staging``).
+The weights are pulled into a page-locked tensor too and uploaded from it by non-blocking copies
+queued before the forward pass (``CudaCopies.upload``); the next pull waits for them first.
 """
 
 from __future__ import annotations
@@ -59,6 +61,24 @@ class CudaCopies:
         # the caching allocator must not hand src's memory out again before the copy has read it
         src.record_stream(side)
         return done
+
+    def upload(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.cuda.Event]:
+        """Queues ``dst.copy_(src, non_blocking=True)`` for each ``(dst, src)`` (``dst`` on a
+        GPU, ``src`` in page-locked host memory) on the current stream of ``dst``'s device, so
+        that the work queued there next (the forward pass) reads the new values; returns the
+        events recorded behind them (one per device), to wait for before ``src`` is written
+        again."""
+        streams = {}
+        with torch.no_grad():
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
+                streams[dst.device] = torch.cuda.current_stream(dst.device)
+        events = []
+        for stream in streams.values():
+            done = torch.cuda.Event()
+            done.record(stream)
+            events.append(done)
+        return events
 
     def wait(self, event: torch.cuda.Event) -> None:
         """Blocks until the copy behind ``event`` has landed."""

@@ -4,7 +4,8 @@ hooks), and each equals the single-process CPU reference (torch.optim.SGD on the
 1e-5 (TF32 off, cuDNN deterministic). Every gradient left the GPU by a non-blocking copy into
 page-locked memory (the push buffer registered with cudaHostRegister: ``is_pinned()``), once per
 tensor and step, the buffer registered and unregistered once per worker, and no synchronous
-device-to-host copy (``Tensor.copy_``, ``.cpu()``, ``.to("cpu")`` counted in the whole run).
+device-to-host copy (``Tensor.copy_``, ``.cpu()``, ``.to("cpu")`` counted in the whole run); the
+pulled weights went up by non-blocking copies from page-locked memory.
 
 On the GPU machine (no pytest needed), from the repository root, as scripts/gpu-session.sh does:
     PS_BIN_DIR=.dev/gpu-bin PYTHONPATH=.dev/pypkg python3 python/tests/test_cuda_push.py
@@ -59,7 +60,8 @@ class CountingCudaCopies(_device.CudaCopies):
 
 class SyncDeviceToHost:
     """Counts the synchronous device-to-host copies made through ``Tensor.copy_``, ``.cpu()``
-    and ``.to()`` while active (any thread)."""
+    and ``.to()`` while active (any thread), and the host-to-device ``copy_`` from pageable
+    memory (the pull's uploads)."""
 
     def __init__(self):
         self.seen = []
@@ -73,6 +75,9 @@ class SyncDeviceToHost:
             if src.device.type == "cuda" and dst.device.type == "cpu" and not (
                     non_blocking and dst.is_pinned()):
                 seen.append(("copy_", tuple(src.shape)))
+            if src.device.type == "cpu" and dst.device.type == "cuda" and not (
+                    non_blocking and src.is_pinned()):
+                seen.append(("copy_ up", tuple(src.shape)))  # from pageable memory: synchronous
             return copy_(dst, src, non_blocking)
 
         def counted_cpu(t, *a, **kw):
