@@ -15,18 +15,40 @@ impl<T> Drop for AbortOnDrop<T> {
     }
 }
 
-/// How long a step's backward pass may go on after one of its pushes failed before the worker
-/// gives up on it (the step is lost; a backward still running is stalled).
+/// The longest a step's backward pass may go on after one of its pushes failed before the
+/// worker gives up on it (the step is lost; a backward still running is stalled): the grace of
+/// the default config, and of every config whose shards hold a step this long or longer.
 pub const STALL_GRACE: Duration = ps_net::client::DEADLINE_MARGIN;
 
+/// The grace of a run of `cfg`: the longest a shard of it holds a step (`[server]
+/// pull_timeout_secs`, or twice `barrier_timeout_secs`, as in `ps_net::client::call_deadline`),
+/// at most [`STALL_GRACE`]. A backward pass still running that long after its push failed feeds
+/// no step any shard still holds. The default config (300 s, 600 s) gives [`STALL_GRACE`]; a
+/// test config with 1 s timeouts gives up after 2 s.
+pub fn stall_grace(cfg: &ps_config::Config) -> Duration {
+    let held = cfg
+        .server
+        .pull_timeout_secs
+        .max(2.0 * cfg.server.barrier_timeout_secs);
+    Duration::try_from_secs_f64(held).map_or(STALL_GRACE, |held| held.min(STALL_GRACE))
+}
+
 /// The watch over each step's backward pass: which step computes, and the error that ends the
-/// run when that computation stalls (a push of the step failed and it did not end within
-/// [`STALL_GRACE`], or the push's deadline passed while the backward pass fed it).
-#[derive(Clone, Default)]
+/// run when that computation stalls (a push of the step failed and it did not end within the
+/// grace, [`stall_grace`], or the push's deadline passed while the backward pass fed it).
+#[derive(Clone)]
 pub struct Watch(Arc<WatchState>);
 
-#[derive(Default)]
+/// A watch with the longest grace, [`STALL_GRACE`].
+impl Default for Watch {
+    fn default() -> Self {
+        Self::with_grace(STALL_GRACE)
+    }
+}
+
 struct WatchState {
+    /// How long a backward pass may go on after its push failed.
+    grace: Duration,
     /// The step whose backward pass runs, plus one (0: none).
     computing: std::sync::atomic::AtomicU64,
     fatal: std::sync::Mutex<Option<anyhow::Error>>,
@@ -34,6 +56,21 @@ struct WatchState {
 }
 
 impl Watch {
+    /// The watch of a run of `cfg`: its grace is [`stall_grace`]`(cfg)`.
+    pub fn for_run(cfg: &ps_config::Config) -> Self {
+        Self::with_grace(stall_grace(cfg))
+    }
+
+    /// A watch whose grace is `grace`.
+    pub fn with_grace(grace: Duration) -> Self {
+        Self(Arc::new(WatchState {
+            grace,
+            computing: Default::default(),
+            fatal: Default::default(),
+            notify: Default::default(),
+        }))
+    }
+
     /// Step `t`'s computation begins (`Some`) or ended (`None`).
     pub(crate) fn computing(&self, t: Option<u64>) {
         let v = t.map_or(0, |t| t + 1);
@@ -47,13 +84,13 @@ impl Watch {
     }
 
     /// A push of step `t` to a shard failed with `e`: if the step's backward pass still runs
-    /// when its feed stalled, or [`STALL_GRACE`] later otherwise, the run ends with the error.
+    /// when its feed stalled, or the grace later otherwise, the run ends with the error.
     pub(crate) fn push_failed(&self, t: u64, rank: usize, e: &ps_net::client::ClientError) {
         let stalled = matches!(e, ps_net::client::ClientError::FeedStalled { .. });
-        let (w, said) = (self.clone(), e.to_string());
+        let (w, said, grace) = (self.clone(), e.to_string(), self.0.grace);
         tokio::spawn(async move {
             if !stalled {
-                tokio::time::sleep(STALL_GRACE).await;
+                tokio::time::sleep(grace).await;
             }
             if w.still_computing(t) {
                 let e = if stalled {
@@ -61,7 +98,7 @@ impl Watch {
                 } else {
                     anyhow::anyhow!(
                         "worker {rank}: the backward pass of step {t} did not end within {} s after its push failed ({said})",
-                        STALL_GRACE.as_secs()
+                        grace.as_secs_f64()
                     )
                 };
                 w.fire(e);

@@ -133,11 +133,11 @@ pub const MIN_PIECE_VALUES: usize = 1 << 16;
 /// Runs the worker to the end of the training run; returns its timing. The run is a task of
 /// its own; this returns early, with the error, when a step's backward pass stalls
 /// ([`Watch`]: its push's deadline passed with the gradient unfinished, or
-/// [`STALL_GRACE`] after a push of the step failed): that thread cannot be stopped, so the
+/// its grace, `stall_grace`, after a push of the step failed): that thread cannot be stopped, so the
 /// caller must not wait for the runtime's threads to end (ps-worker shuts its runtime down
 /// with a bound and exits).
 pub async fn run_worker(setup: WorkerSetup) -> anyhow::Result<Timing> {
-    let watch = Watch::default();
+    let watch = Watch::for_run(&setup.cfg);
     let mut task = AbortOnDrop(tokio::spawn(train(setup, watch.clone())));
     tokio::select! {
         r = &mut task.0 => r.context("the worker's task")?,

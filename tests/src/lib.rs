@@ -3,9 +3,11 @@
 //! into a temporary directory ([`Spec::prepare`]); a cluster in this process ([`inproc`]:
 //! shards and workers as tasks on 127.0.0.1:0) for the tests of the protocol and the math,
 //! or of real `ps-server` and `ps-worker` processes ([`run_cluster`]) where the process is the
-//! subject; the weights the shards wrote, and the single-process reference.
+//! subject; the weights the shards wrote, and the single-process reference; the Slurm batch
+//! script run here ([`slurm`]).
 
 pub mod inproc;
+pub mod slurm;
 
 use ps_config::{Aggregation, Config, LossReduction, TestConfig, Transport};
 use ps_data::idx::{Dataset, Split, load_split};
@@ -553,21 +555,29 @@ pub fn start_shard_with_health(config: PathBuf, logs: &Path) -> (LocalCluster, S
     (cluster, addr)
 }
 
-/// The address a shard logged after `marker` (e.g. "Prometheus metrics on http://").
+/// The address a shard logged after `marker` (e.g. "Prometheus metrics on http://"), waiting
+/// for it at most 30 s.
 pub fn logged_addr(log: &Path, marker: &str) -> String {
+    let text = wait_for_log(log, marker, Duration::from_secs(30));
+    let rest = text.split(marker).nth(1).unwrap_or_default();
+    rest.split(|c: char| c.is_whitespace() || c == '/')
+        .next()
+        .unwrap_or_default()
+        .to_string()
+}
+
+/// Waits (at most `limit`, panicking with the text so far) until the log file `log` holds
+/// `needle`; its text.
+pub fn wait_for_log(log: &Path, needle: &str, limit: Duration) -> String {
     let t0 = std::time::Instant::now();
     loop {
         let text = std::fs::read_to_string(log).unwrap_or_default();
-        if let Some(rest) = text.split(marker).nth(1) {
-            return rest
-                .split(|c: char| c.is_whitespace() || c == '/')
-                .next()
-                .unwrap()
-                .to_string();
+        if text.contains(needle) {
+            return text;
         }
         assert!(
-            t0.elapsed() < Duration::from_secs(30),
-            "no {marker:?} in {}:\n{text}",
+            t0.elapsed() < limit,
+            "no {needle:?} in {} within {limit:?}:\n{text}",
             log.display()
         );
         std::thread::sleep(Duration::from_millis(20));

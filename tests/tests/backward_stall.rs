@@ -2,8 +2,9 @@
 //! one in-process shard on port 0, one worker (`run_worker`) on the data connection, whose
 //! backend hands over all of step 1's gradient but its first value and then hangs. The worker
 //! must not hang with it: `run_worker` ends with an error naming the step, the shard and the
-//! wait, within the stated bound (the push's deadline, `call_deadline`, or `STALL_GRACE`
-//! after the shard refused the push), while the backward pass is still stuck.
+//! wait, within the stated bound (the push's deadline, `call_deadline`, or the grace,
+//! `stall_grace`, after the shard refused the push), while the backward pass is still stuck.
+//! The grace follows the config's timeouts: 2 s here, 30 s (`STALL_GRACE`) by default.
 
 use ps_config::{Config, LossReduction, Transport};
 use ps_net::client::call_deadline;
@@ -11,7 +12,8 @@ use ps_server::{ShardSetup, run_shard};
 use ps_tests::{Spec, mnist_dir, mnist_train};
 use ps_worker::backend::{Backend, BackendResult, StepStats};
 use ps_worker::gate::PullGate;
-use ps_worker::worker::{STALL_GRACE, WorkerSetup, run_worker};
+use ps_worker::watch::{STALL_GRACE, stall_grace};
+use ps_worker::worker::{WorkerSetup, run_worker};
 use std::ops::Range;
 use std::sync::Arc;
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
@@ -107,10 +109,11 @@ fn config(dir: &std::path::Path) -> Config {
     spec.write(dir).1
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_stalled_backward_ends_the_worker_with_the_shard_and_the_wait() {
-    let dir = tempfile::tempdir().unwrap();
-    let cfg = config(dir.path());
+/// Runs one in-process shard of `cfg` and worker 0 on the [`Stalling`] backend, whose step 1
+/// backward pass stalls, until the worker ends (bounded: three times the longer of the push's
+/// deadline and the grace plus 5 s); the worker's error and how long it ran. Asserts the
+/// backend stalled and the error names the step, the shard and what stalled.
+async fn stalled_run(cfg: &Config) -> (String, Duration) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap().to_string();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
@@ -148,7 +151,7 @@ async fn a_stalled_backward_ends_the_worker_with_the_shard_and_the_wait() {
         backend,
     };
     let t0 = Instant::now();
-    let bound = call_deadline(&cfg).max(STALL_GRACE + Duration::from_secs(5));
+    let bound = call_deadline(cfg).max(stall_grace(cfg) + Duration::from_secs(5));
     let ended = tokio::time::timeout(bound * 3, run_worker(worker)).await;
     let waited = t0.elapsed();
     let _ = release.send(()); // the stuck backward pass may end now
@@ -167,16 +170,86 @@ async fn a_stalled_backward_ends_the_worker_with_the_shard_and_the_wait() {
     assert!(err.contains("step 1"), "names the step: {err}");
     assert!(err.contains("shard 0"), "names the shard: {err}");
     assert!(err.contains("backward pass"), "says what stalled: {err}");
-    let deadline = call_deadline(&cfg).as_secs();
-    assert_eq!(deadline, 32, "max(1, 2 x 1) + 30 s");
-    assert!(
-        err.contains(&format!("within {deadline} s")) || err.contains("within 30 s after"),
-        "names the wait: {err}"
-    );
-    assert!(
-        waited >= STALL_GRACE,
-        "gave up no sooner than its bound ({waited:?}): {err}"
-    );
     let _ = stop.send(());
     shard.abort();
+    (err, waited)
+}
+
+/// The shard waits for the rest of the push (its stream is not idle for 60 s): the worker
+/// gives up at the push's deadline, or the grace after a failed push, no sooner than the
+/// bound it names.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_backward_ends_the_worker_with_the_shard_and_the_wait() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = config(dir.path());
+    let deadline = call_deadline(&cfg);
+    assert_eq!(deadline.as_secs(), 32, "max(1, 2 x 1) + 30 s");
+    let grace = stall_grace(&cfg);
+    assert_eq!(grace, Duration::from_secs(2), "max(1, 2 x 1) s");
+    let (err, waited) = stalled_run(&cfg).await;
+    let bound = if err.contains("within 32 s") {
+        deadline
+    } else {
+        assert!(err.contains("within 2 s after"), "names the wait: {err}");
+        grace
+    };
+    assert!(
+        waited >= bound,
+        "gave up no sooner than its bound, {bound:?} ({waited:?}): {err}"
+    );
+}
+
+/// The shard ends the stalled push once its stream is idle past `stream_idle_secs` (1 s): the
+/// push failed, and the worker gives up the grace later, 2 s with these 1 s timeouts (30 s,
+/// `STALL_GRACE`, with the default config's), no sooner, naming it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_backward_after_a_failed_push_ends_the_worker_after_the_configs_grace() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = config(dir.path());
+    cfg.server.stream_idle_secs = 1.0;
+    let grace = stall_grace(&cfg);
+    assert_eq!(grace, Duration::from_secs(2), "max(1, 2 x 1) s");
+    let (err, waited) = stalled_run(&cfg).await;
+    assert!(
+        err.contains("did not end within 2 s after its push failed"),
+        "names the grace: {err}"
+    );
+    assert!(
+        waited >= grace,
+        "gave up no sooner than the grace, {grace:?} ({waited:?}): {err}"
+    );
+}
+
+/// The grace of the default config is the longest, `STALL_GRACE` (30 s): a shard of it holds a
+/// step far longer (barrier 300 s, pull 600 s); a config whose shards hold a step less than 30 s
+/// gives up sooner, and one with a longer hold never later than 30 s.
+#[test]
+fn the_grace_is_the_longest_hold_of_a_step_at_most_30_s() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = Spec {
+        config: ps_config::TestConfig::new(),
+        ..Spec::default()
+    };
+    let (_, default) = spec.write(dir.path());
+    assert_eq!(
+        (
+            default.server.barrier_timeout_secs,
+            default.server.pull_timeout_secs
+        ),
+        (300.0, 600.0)
+    );
+    assert_eq!(stall_grace(&default), STALL_GRACE);
+    assert_eq!(STALL_GRACE, Duration::from_secs(30));
+    let mut cfg = default.clone();
+    cfg.server.barrier_timeout_secs = 4.0;
+    cfg.server.pull_timeout_secs = 5.0;
+    assert_eq!(stall_grace(&cfg), Duration::from_secs(8), "2 x 4 s");
+    cfg.server.pull_timeout_secs = 12.5;
+    assert_eq!(
+        stall_grace(&cfg),
+        Duration::from_secs_f64(12.5),
+        "the pull's 12.5 s"
+    );
+    cfg.server.barrier_timeout_secs = 20.0;
+    assert_eq!(stall_grace(&cfg), STALL_GRACE, "2 x 20 s, capped");
 }

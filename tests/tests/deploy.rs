@@ -7,27 +7,18 @@
 
 use ps_config::Config;
 use ps_launch::bin_dir;
+use ps_tests::slurm::{
+    Group, fake_job_env, free_port_pair, repo, run_sbatch, sbatch, small_template, write_exe,
+};
 use serde_yaml::Value;
 use std::collections::{BTreeMap, BTreeSet};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, ExitStatus, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
-
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("the workspace root")
-        .canonicalize()
-        .expect("canonical workspace root")
-}
 
 fn deploy() -> PathBuf {
     repo().join("deploy")
-}
-
-fn sbatch() -> PathBuf {
-    deploy().join("slurm/ps-cluster.sbatch")
 }
 
 fn read(path: &Path) -> String {
@@ -300,113 +291,7 @@ fn k8s_config(cm: &Value, dir: &Path) -> Config {
 // ---------------------------------------------------------------------------------------------
 // processes
 
-/// A process group killed when dropped, so a failing test leaves nothing behind.
-struct Group(u32);
-
-impl Drop for Group {
-    fn drop(&mut self) {
-        // SAFETY: plain syscall on a process group this test created.
-        unsafe { libc::killpg(self.0 as i32, libc::SIGKILL) };
-    }
-}
-
-/// Runs `bash sbatch args` with exactly `env` (plus PATH), in its own process group, bounded.
-fn run_sbatch(
-    args: &[&Path],
-    env: &[(&str, String)],
-    dir: &Path,
-    limit: Duration,
-) -> (ExitStatus, String, String, Duration) {
-    let out = dir.join("sbatch.stdout");
-    let err = dir.join("sbatch.stderr");
-    let mut cmd = Command::new("bash");
-    cmd.arg(sbatch())
-        .args(args)
-        .env_clear()
-        .env("PATH", std::env::var("PATH").unwrap_or_default())
-        .current_dir(dir)
-        .stdin(Stdio::null())
-        .stdout(std::fs::File::create(&out).unwrap())
-        .stderr(std::fs::File::create(&err).unwrap())
-        .process_group(0);
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    let started = Instant::now();
-    let mut child = cmd.spawn().expect("bash runs");
-    let _group = Group(child.id());
-    let status = loop {
-        if let Some(s) = child.try_wait().unwrap() {
-            break s;
-        }
-        if started.elapsed() > limit {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!(
-                "the batch script ran past {limit:?}\nstdout:\n{}\nstderr:\n{}",
-                read(&out),
-                read(&err)
-            );
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    (status, read(&out), read(&err), started.elapsed())
-}
-
-/// Writes an executable script.
-fn write_exe(path: &Path, body: &str) {
-    use std::os::unix::fs::PermissionsExt;
-    std::fs::write(path, body).unwrap();
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755)).unwrap();
-}
-
-/// A stand-in `srun`: logs its arguments, then runs the command here `--ntasks` times with
-/// Slurm's task variables, `--output` (with `%t`) as each task's log, forwarding TERM/INT.
-/// Every option must be written `--name=value` or `--flag`, as the batch script does.
-const FAKE_SRUN: &str = r#"#!/usr/bin/env bash
-set -u
-echo "$*" >>"$FAKE_SRUN_LOG"
-n=1 out=
-while [[ $# -gt 0 && $1 == -* ]]; do
-    case $1 in
-        --ntasks=*) n=${1#*=} ;;
-        --output=*) out=${1#*=} ;;
-        --*) ;;
-        *) echo "fake srun: unsupported option $1" >&2; exit 2 ;;
-    esac
-    shift
-done
-pids=()
-trap 'kill -TERM "${pids[@]}" 2>/dev/null' TERM INT
-for ((t = 0; t < n; t++)); do
-    if [[ -n $out ]]; then
-        SLURM_PROCID=$t SLURM_NTASKS=$n SLURM_LOCALID=$t "$@" >"${out//%t/$t}" 2>&1 &
-    else
-        SLURM_PROCID=$t SLURM_NTASKS=$n SLURM_LOCALID=$t "$@" &
-    fi
-    pids+=("$!")
-    echo "$!" >>"$FAKE_SRUN_PIDS"
-done
-rc=0
-for p in "${pids[@]}"; do
-    wait "$p"; s=$?
-    while kill -0 "$p" 2>/dev/null; do wait "$p"; s=$?; done
-    if ((s != 0 && rc == 0)); then rc=$s; fi
-done
-exit "$rc"
-"#;
-
-/// Two consecutive free TCP ports (PS_PORT and PS_PORT + 1).
-fn free_port_pair() -> u16 {
-    for _ in 0..100 {
-        let a = std::net::TcpListener::bind("0.0.0.0:0").unwrap();
-        let p = a.local_addr().unwrap().port();
-        if p < 65535 && std::net::TcpListener::bind(("0.0.0.0", p + 1)).is_ok() {
-            return p;
-        }
-    }
-    panic!("no two consecutive free ports");
-}
+// The batch script's runs, the stand-in srun and the job's environment: `ps_tests::slurm`.
 
 // ---------------------------------------------------------------------------------------------
 // tests
@@ -1064,58 +949,11 @@ fn slurm_config_generation_gives_every_shard_its_node_and_port() {
     );
 }
 
-/// A small config for a real job: 5 steps of a 784-16-10 MLP; placeholders in [cluster].
-fn small_template(dir: &Path, barrier_timeout: u32) -> PathBuf {
-    let path = dir.join("template.toml");
-    std::fs::write(
-        &path,
-        format!(
-            "[cluster]\nservers = [\"placeholder:1\"]\nworkers = 1\n\n[model]\nhidden = [16]\n\n[data]\ndir = {:?}\n\n[train]\nseed = 3\nglobal_batch = 32\nsteps = 5\nloss_reduction = \"mean\"\naggregation = \"mean\"\nlog_every = 1\n\n[optimizer]\nkind = \"sgd\"\nlr = 0.1\n\n[server]\nout_dir = \"out\"\nbarrier_timeout_secs = {barrier_timeout}\nlinger_secs = 5\n\n[worker]\nthreads = 1\nconnect_timeout_secs = 60\n",
-            repo().join("data/mnist").display().to_string()
-        ),
-    )
-    .unwrap();
-    path
-}
-
-/// The environment of a job on "node" 127.0.0.1 with 2 tasks and the stand-in srun.
-fn fake_job_env(tmp: &Path, port: u16) -> Vec<(&'static str, String)> {
-    let bin = tmp.join("bin");
-    std::fs::create_dir_all(&bin).unwrap();
-    write_exe(&bin.join("srun"), FAKE_SRUN);
-    vec![
-        (
-            "PATH",
-            format!(
-                "{}:{}",
-                bin.display(),
-                std::env::var("PATH").unwrap_or_default()
-            ),
-        ),
-        ("FAKE_SRUN_LOG", tmp.join("srun.log").display().to_string()),
-        (
-            "FAKE_SRUN_PIDS",
-            tmp.join("srun.pids").display().to_string(),
-        ),
-        ("SLURM_SUBMIT_DIR", tmp.display().to_string()),
-        ("SLURM_JOB_ID", "4242".into()),
-        ("SLURM_NTASKS", "2".into()),
-        ("SLURM_CPUS_PER_TASK", "1".into()),
-        ("PS_NODES", "127.0.0.1".into()),
-        ("PS_SHARDS", "2".into()),
-        ("PS_SHARD_CPUS", "1".into()),
-        ("PS_PORT", port.to_string()),
-        ("PS_BIN", bin_dir().display().to_string()),
-        // GPUs are opt-in: as a job submitted with --gpus-per-task=1
-        ("SLURM_GPUS_PER_TASK", "1".into()),
-    ]
-}
-
 #[test]
 fn slurm_job_runs_a_whole_cluster_with_a_stand_in_srun() {
     let dir = tempfile::tempdir().unwrap();
     let tmp = dir.path().canonicalize().unwrap();
-    let template = small_template(&tmp, 120);
+    let template = small_template(&tmp, 120, None);
     let port = free_port_pair();
     let (st, out, err, took) = run_sbatch(
         &[&template],
@@ -1223,7 +1061,7 @@ fn slurm_job_stops_the_shards_when_the_workers_fail() {
     let dir = tempfile::tempdir().unwrap();
     let tmp = dir.path().canonicalize().unwrap();
     // a barrier timeout far beyond the bound below: only the script can end the shards early
-    let template = small_template(&tmp, 600);
+    let template = small_template(&tmp, 600, None);
     let port = free_port_pair();
     let mut env = fake_job_env(&tmp, port);
     env.push(("PS_DEVICE", "no-such-device".into()));
@@ -1250,7 +1088,7 @@ fn slurm_job_stops_the_shards_when_the_workers_fail() {
 fn slurm_job_fails_within_the_wait_naming_a_shard_that_never_listens() {
     let dir = tempfile::tempdir().unwrap();
     let tmp = dir.path().canonicalize().unwrap();
-    let template = small_template(&tmp, 600);
+    let template = small_template(&tmp, 600, None);
     let port = free_port_pair();
     // stand-in binaries: a shard that starts but never listens; a worker that must not start
     let fake = tmp.join("fakebin");
@@ -1297,7 +1135,7 @@ fn slurm_job_restarts_a_lost_shard_and_ends_with_the_same_weights() {
     let job = |kill: bool| {
         let dir = tempfile::tempdir().unwrap();
         let tmp = dir.path().canonicalize().unwrap();
-        let template = small_template(&tmp, 120);
+        let template = small_template(&tmp, 120, None);
         let text = read(&template).replace("steps = 5\n", "steps = 150\n")
             + "\n[checkpoint]\nevery = 10\n";
         std::fs::write(&template, text).unwrap();
@@ -1448,7 +1286,7 @@ fn slurm_resume_of_a_named_job_continues_that_run() {
 fn resume_in_a_new_job(resume: &str) {
     let dir = tempfile::tempdir().unwrap();
     let tmp = dir.path().canonicalize().unwrap();
-    let template = small_template(&tmp, 120);
+    let template = small_template(&tmp, 120, None);
     // gRPC only: a killed run leaves no shared-memory boards for the next to meet
     let text = read(&template)
         .replace("steps = 5", "steps = 300")

@@ -1,112 +1,24 @@
 //! The Slurm recipe and the Kubernetes manifests take a run's credentials from the credentials
 //! step (`ps-server credentials --dir DIR`, deploy/README.md "Credentials"), as every cluster
-//! started without `ps-launch` must. The Slurm job is run here with a stand-in `srun` and a
+//! started without `ps-launch` must. The Slurm job is run here with the stand-in `srun` of
+//! `ps_tests::slurm` (shared with `deploy.rs`) and a
 //! `ps-server` that logs its arguments before running the real one; the Kubernetes commands
 //! that make the Secrets are read from the manifests' and the README's text and run up to the
 //! step.
 
 use ps_config::Config;
 use ps_launch::bin_dir;
+use ps_tests::slurm::{fake_job_env, free_port_pair, repo, run_sbatch, small_template, write_exe};
 use std::os::unix::fs::PermissionsExt;
-use std::os::unix::process::CommandExt;
-use std::path::{Path, PathBuf};
-use std::process::{Command, ExitStatus, Stdio};
-use std::time::{Duration, Instant};
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
 
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("the workspace root")
-        .to_path_buf()
-}
+/// The longest a run of the batch script may take (a loaded machine included).
+const JOB_LIMIT: Duration = Duration::from_secs(240);
 
 fn read(p: &Path) -> String {
     std::fs::read_to_string(p).unwrap_or_default()
-}
-
-fn write_exe(path: &Path, body: &str) {
-    std::fs::write(path, body).unwrap();
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755)).unwrap();
-}
-
-/// A stand-in `srun`: runs the command here `--ntasks` times with Slurm's task variables and
-/// `--output` (with `%t`) as each task's log, forwarding TERM.
-const SRUN: &str = r#"#!/usr/bin/env bash
-n=1 out=
-while [[ $# -gt 0 && $1 == -* ]]; do
-    case $1 in
-        --ntasks=*) n=${1#*=} ;;
-        --output=*) out=${1#*=} ;;
-    esac
-    shift
-done
-pids=()
-trap 'kill -TERM "${pids[@]}" 2>/dev/null' TERM INT
-for ((t = 0; t < n; t++)); do
-    SLURM_PROCID=$t SLURM_NTASKS=$n SLURM_LOCALID=$t "$@" >"${out//%t/$t}" 2>&1 &
-    pids+=("$!")
-done
-rc=0
-for p in "${pids[@]}"; do
-    wait "$p"; s=$?
-    while kill -0 "$p" 2>/dev/null; do wait "$p"; s=$?; done
-    if ((s != 0 && rc == 0)); then rc=$s; fi
-done
-exit "$rc"
-"#;
-
-/// Kills the batch script's process group when dropped.
-struct Group(u32);
-
-impl Drop for Group {
-    fn drop(&mut self) {
-        // SAFETY: plain syscall on a process group this test created.
-        unsafe { libc::killpg(self.0 as i32, libc::SIGKILL) };
-    }
-}
-
-/// Runs the Slurm batch script on `template` with `env` (and a clean environment), bounded.
-fn run_job(template: &Path, env: &[(&str, String)], dir: &Path) -> (ExitStatus, String) {
-    let log = dir.join("sbatch.log");
-    let mut cmd = Command::new("bash");
-    cmd.arg(repo().join("deploy/slurm/ps-cluster.sbatch"))
-        .arg(template)
-        .env_clear()
-        .current_dir(dir)
-        .stdin(Stdio::null())
-        .stdout(std::fs::File::create(&log).unwrap())
-        .stderr(std::fs::File::create(dir.join("sbatch.err")).unwrap())
-        .process_group(0);
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    let t0 = Instant::now();
-    let mut child = cmd.spawn().unwrap();
-    let _group = Group(child.id());
-    loop {
-        if let Some(st) = child.try_wait().unwrap() {
-            return (st, read(&log) + &read(&dir.join("sbatch.err")));
-        }
-        assert!(
-            t0.elapsed() < Duration::from_secs(240),
-            "the job ran past 240 s:\n{}{}",
-            read(&log),
-            read(&dir.join("sbatch.err"))
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
-/// Two consecutive free ports (PS_PORT, PS_PORT + 1).
-fn free_port_pair() -> u16 {
-    for _ in 0..100 {
-        let a = std::net::TcpListener::bind("0.0.0.0:0").unwrap();
-        let p = a.local_addr().unwrap().port();
-        if p < 65535 && std::net::TcpListener::bind(("0.0.0.0", p + 1)).is_ok() {
-            return p;
-        }
-    }
-    panic!("no two consecutive free ports");
 }
 
 /// A credential file as the step writes it: 32 hex digits and a newline, mode 0600.
@@ -131,20 +43,11 @@ fn assert_written_by_the_step(f: &Path) -> String {
 fn the_slurm_job_takes_its_credentials_from_the_credentials_step() {
     let dir = tempfile::tempdir().unwrap();
     let tmp = dir.path().canonicalize().unwrap();
-    let template = tmp.join("template.toml");
-    std::fs::write(
-        &template,
-        format!(
-            "[cluster]\nservers = [\"placeholder:1\"]\nworkers = 1\n\n[model]\nhidden = [16]\n\n[data]\ndir = {:?}\n\n[train]\nseed = 3\nglobal_batch = 32\nsteps = 5\nloss_reduction = \"mean\"\naggregation = \"mean\"\n\n[optimizer]\nkind = \"sgd\"\nlr = 0.1\nclip_norm = 0.5\n\n[server]\nout_dir = \"out\"\nbarrier_timeout_secs = 120\nlinger_secs = 5\n\n[worker]\nthreads = 1\nconnect_timeout_secs = 60\n",
-            repo().join("data/mnist").display().to_string()
-        ),
-    )
-    .unwrap();
-    // PS_BIN: a ps-server that logs its arguments, then is the real one; the real ps-worker
-    // and ps-launch
+    let template = small_template(&tmp, 120, Some(0.5));
+    // the stand-in srun in tmp/bin (`fake_job_env`); beside it, as PS_BIN, a ps-server that
+    // logs its arguments, then is the real one, and the real ps-worker and ps-launch
+    let job_env = fake_job_env(&tmp, free_port_pair());
     let bin = tmp.join("bin");
-    std::fs::create_dir(&bin).unwrap();
-    write_exe(&bin.join("srun"), SRUN);
     let calls = tmp.join("ps-server.calls");
     write_exe(
         &bin.join("ps-server"),
@@ -157,31 +60,22 @@ fn the_slurm_job_takes_its_credentials_from_the_credentials_step() {
     for b in ["ps-worker", "ps-launch"] {
         std::os::unix::fs::symlink(bin_dir().join(b), bin.join(b)).unwrap();
     }
-    let port = free_port_pair();
     let env = |generate_only: bool| {
-        let mut env = vec![
-            (
-                "PATH",
-                format!("{}:{}", bin.display(), std::env::var("PATH").unwrap()),
-            ),
-            ("SLURM_SUBMIT_DIR", tmp.display().to_string()),
-            ("SLURM_JOB_ID", "4343".into()),
-            ("SLURM_NTASKS", "2".into()),
-            ("SLURM_CPUS_PER_TASK", "1".into()),
-            ("PS_NODES", "127.0.0.1".into()),
-            ("PS_SHARDS", "2".into()),
-            ("PS_SHARD_CPUS", "1".into()),
-            ("PS_PORT", port.to_string()),
-            ("PS_BIN", bin.display().to_string()),
-        ];
+        // a CPU job; PS_BIN the logging ps-server's folder
+        let mut env: Vec<(&str, String)> = job_env
+            .iter()
+            .filter(|(k, _)| *k != "SLURM_GPUS_PER_TASK")
+            .cloned()
+            .collect();
+        env.push(("PS_BIN", bin.display().to_string()));
         if generate_only {
             env.push(("PS_GENERATE_ONLY", "1".into()));
         }
         env
     };
-    let job = tmp.join("runs/slurm-4343");
-    let (st, out) = run_job(&template, &env(true), &tmp);
-    assert!(st.success(), "{st:?}\n{out}");
+    let job = tmp.join("runs/slurm-4242");
+    let (st, out, err, _) = run_sbatch(&[&template], &env(true), &tmp, JOB_LIMIT);
+    assert!(st.success(), "{st:?}\n{out}{err}");
     assert_eq!(
         read(&calls),
         format!("credentials --dir {}\n", job.display()),
@@ -198,9 +92,9 @@ fn the_slurm_job_takes_its_credentials_from_the_credentials_step() {
     );
     // the whole job (a requeued one: the same folder): no second step, the same credentials,
     // and the clipped run needs the shard credential the step wrote
-    let (st, out) = run_job(&template, &env(false), &tmp);
+    let (st, out, err, _) = run_sbatch(&[&template], &env(false), &tmp, JOB_LIMIT);
     let shard1 = read(&job.join("shard-1.log"));
-    assert!(st.success(), "{st:?}\n{out}\nshard 1:\n{shard1}");
+    assert!(st.success(), "{st:?}\n{out}{err}\nshard 1:\n{shard1}");
     assert_eq!(read(&job.join("token")), token);
     assert_eq!(read(&job.join("shard-token")), shard_token);
     let calls = read(&calls);

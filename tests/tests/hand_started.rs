@@ -355,6 +355,12 @@ fn hand_started_workers_whose_shard_is_frozen_exit_naming_it_within_their_deadli
             t0.elapsed() < Duration::from_secs(120),
             "no step 5 after 120 s"
         );
+        // a run that failed before step 5 fails the test at once, with the reason
+        for p in shards.iter_mut() {
+            if let Ok(Some(st)) = p.child.try_wait() {
+                panic!("a shard ended ({st}) before step 5:\n{}", p.log());
+            }
+        }
         std::thread::sleep(Duration::from_millis(5));
     }
     // SAFETY: kill(2) on a process this test started.

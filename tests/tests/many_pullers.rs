@@ -195,7 +195,13 @@ async fn a_stalled_pull_ends_with_the_idle_status() {
         .await
         .unwrap()
         .into_inner();
-    tokio::time::sleep(Duration::from_millis(2500)).await;
+    // nothing taken: the shard ends the reply once idle past stream_idle_secs, and says so
+    let shard_log = dir.path().join("logs/shard-0.log");
+    tokio::task::spawn_blocking(move || {
+        ps_tests::wait_for_log(&shard_log, "pull stream idle for", Duration::from_secs(60))
+    })
+    .await
+    .unwrap();
     let mut chunks = 0;
     let e = loop {
         match tokio::time::timeout(Duration::from_secs(30), reply.message())

@@ -102,10 +102,20 @@ async fn pull(c: &mut Client, lease: &Option<Lease>, version: u64) -> (u64, Vec<
     (h.version, rx.finish().unwrap().0)
 }
 
+/// How a run of [`two_steps`] pushes.
+#[derive(Clone, Copy, PartialEq)]
+enum Pushes {
+    /// The last rank of the order sends its data 3.5 s after its header, and during step 1,
+    /// while the others wait for their turn, a retry and a conflict of step 0 are pushed.
+    Slow,
+    /// Every push whole at once: the reference weights.
+    Whole,
+}
+
 /// Runs two steps on a live one-shard server of W = 4 with `limit` pending gradients,
-/// pushing in `order` (each push starting 150 ms after the previous one, the last rank of
-/// the order sending its data 3.5 s after its header); returns the weights of versions 0, 1
-/// and 2 and the shard's log.
+/// pushing in `order` (each push starting 150 ms after the previous one, and with
+/// [`Pushes::Slow`] the last rank of the order sending its data 3.5 s after its header);
+/// returns the weights of versions 0, 1 and 2 and the shard's log.
 ///
 /// The barrier timeout (2.5 s) must be shorter than that pause, to show that pushes waiting
 /// for their turn do not count as missing, and longer than the time from a step's start to
@@ -118,6 +128,7 @@ async fn two_steps(
     limit: usize,
     order: [u32; W],
     aggregation: Aggregation,
+    pushes: Pushes,
 ) -> (Vec<Vec<f32>>, String) {
     let spec = Spec {
         shards: 1,
@@ -158,17 +169,18 @@ async fn two_steps(
             tasks.push(tokio::spawn(async move {
                 tokio::time::sleep(Duration::from_millis(150 * i as u64)).await;
                 let h = header(rank, step, n);
-                if i == W - 1 {
+                if i == W - 1 && pushes == Pushes::Slow {
                     slow_push(&mut c, &lease, h, &g, Duration::from_millis(3500)).await
                 } else {
                     push(&mut c, &lease, h, &g).await
                 }
             }));
         }
-        if step == 1 {
-            // while the others wait for their turn: a retry of step 0 is acknowledged, not
+        if step == 1 && pushes == Pushes::Slow {
+            // while the others wait for their turn (the shard says so: every header of step 1
+            // is in, the last rank's data not): a retry of step 0 is acknowledged, not
             // counted, and a different gradient for step 0 is refused
-            tokio::time::sleep(Duration::from_millis(700)).await;
+            every_header_in(&shards, 1).await;
             let mut c = clients[2].clone();
             let r = push(&mut c, &leases[2], header(2, 0, n), &grad(n, 2, 0))
                 .await
@@ -199,33 +211,65 @@ async fn two_steps(
     (versions, shards.log(0))
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn reverse_rank_order_with_one_pending_gradient_equals_all_at_once() {
-    for aggregation in [Aggregation::Weighted, Aggregation::Mean] {
-        let (reverse, log) = two_steps(1, [3, 2, 1, 0], aggregation).await;
-        let (forward, _) = two_steps(W, [0, 1, 2, 3], aggregation).await;
-        assert!(
-            reverse[0].iter().zip(&reverse[2]).any(|(a, b)| a != b),
-            "the steps moved the weights"
-        );
-        for v in 1..3 {
-            assert_bit_identical(
-                &reverse[v],
-                &forward[v],
-                &format!("{aggregation}: version {v}"),
-            );
+/// Waits (at most 60 s) until shard 0 logs that every rank's push of `step` is in or under
+/// way: its barrier's word, past `barrier_warn_secs`, for a step whose last rank's data has not
+/// all arrived.
+async fn every_header_in(shards: &ps_tests::inproc::Shards, step: u64) {
+    let said = format!("shard 0 step {step}: ");
+    let t0 = std::time::Instant::now();
+    loop {
+        let log = shards.log(0);
+        if log.lines().any(|l| {
+            l.contains(&said)
+                && (l.contains("every rank's push is in or under way")
+                    || l.contains("whose gradient has started to arrive"))
+        }) {
+            return;
         }
-        // waiting for their turn did not make ranks "missing" (the barrier timeout is 2.5 s,
-        // rank 0, pushed last, sent its data 3.5 s after its header while ranks 3, 2 and 1
-        // waited), and the log said who was awaited
-        assert!(!log.contains("run failed"), "{log}");
         assert!(
-            (log.contains("for rank 0, whose gradient has started to arrive but not finished")
-                || log.contains("receiving rank 0's gradient"))
-                && log.contains("ranks [1, 2, 3] queued"),
-            "the log names the awaited and the queued ranks:\n{log}"
+            t0.elapsed() < Duration::from_secs(60),
+            "shard 0 never said every push of step {step} is in or under way:\n{log}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Limit 1 in reverse rank order, rank 0 last and slow, against the reference (every
+/// gradient at once, in rank order): the same bits, and the log's account of the wait.
+async fn reverse_order_equals_all_at_once(aggregation: Aggregation) {
+    let (reverse, log) = two_steps(1, [3, 2, 1, 0], aggregation, Pushes::Slow).await;
+    let (forward, _) = two_steps(W, [0, 1, 2, 3], aggregation, Pushes::Whole).await;
+    assert!(
+        reverse[0].iter().zip(&reverse[2]).any(|(a, b)| a != b),
+        "the steps moved the weights"
+    );
+    for v in 1..3 {
+        assert_bit_identical(
+            &reverse[v],
+            &forward[v],
+            &format!("{aggregation}: version {v}"),
         );
     }
+    // waiting for their turn did not make ranks "missing" (the barrier timeout is 2.5 s,
+    // rank 0, pushed last, sent its data 3.5 s after its header while ranks 3, 2 and 1
+    // waited), and the log said who was awaited
+    assert!(!log.contains("run failed"), "{log}");
+    assert!(
+        (log.contains("for rank 0, whose gradient has started to arrive but not finished")
+            || log.contains("receiving rank 0's gradient"))
+            && log.contains("ranks [1, 2, 3] queued"),
+        "the log names the awaited and the queued ranks:\n{log}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn reverse_rank_order_with_one_pending_gradient_equals_all_at_once_weighted() {
+    reverse_order_equals_all_at_once(Aggregation::Weighted).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn reverse_rank_order_with_one_pending_gradient_equals_all_at_once_mean() {
+    reverse_order_equals_all_at_once(Aggregation::Mean).await;
 }
 
 /// W = 16 through gRPC with 2 pending gradients gives the weights of 16 (every gradient at
