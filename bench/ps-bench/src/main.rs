@@ -32,6 +32,10 @@
 //!    on one host whose device computes nothing: pull, gradient write, push and update times
 //!    beside this machine's memcpy rate, and the bytes each part moves.
 //!
+//! Across hosts (`xhost.rs`, run by `crosshost.sh` with `PUSHPULL=1`), instead of the
+//! sections: `--xhost-serve` on one host, `--xhost-client` on the other time the data
+//! connection's pull and push of the large model beside raw TCP of the same bytes.
+//!
 //! Every figure is the median of several repeats. Needs the `ps-server` and `ps-worker`
 //! binaries next to this one: `cargo build --release --bins` first.
 

@@ -9,7 +9,9 @@
 //!   value travels on the data connection. Per repeat: version t pulled by rank 0 (the gRPC
 //!   request, the frame read straight into a `Vec<f32>`), rank 0's push of step t timed (the
 //!   gradient encoded once before, as in section 2; the barrier is then incomplete, so the
-//!   reply does not wait for an update), rank 1's push untimed, the update waited for, then the
+//!   reply does not wait for an update): whole on even steps, in one piece per tensor, last
+//!   first, on odd ones (a worker's progressive push); rank 1's push untimed, the update
+//!   waited for, then the
 //!   same bytes on the raw connection both ways (`P`: write all, wait for the byte; `G`: one
 //!   byte asked, all read). The two transports alternate within each repeat, so load from
 //!   elsewhere falls on both alike; the ratio printed is the median of the repeats' own
@@ -102,8 +104,44 @@ async fn within<T>(what: &str, io: impl Future<Output = std::io::Result<T>>) -> 
 struct XhostTimes {
     pull: Vec<f64>,
     push: Vec<f64>,
+    pieces: Vec<f64>,
     raw_pull: Vec<f64>,
+    /// Raw TCP client -> shard of the repeats with a whole push.
     raw_push: Vec<f64>,
+    /// Raw TCP client -> shard of the repeats with a push in pieces.
+    raw_push_pieces: Vec<f64>,
+}
+
+/// Pushes the encoded gradient `grad` as step `step` of `rank` in pieces, one per tensor of
+/// `layout`, last tensor first (as the backward pass hands them to a worker's progressive
+/// push), all ready at once.
+async fn push_pieces(
+    c: &Client,
+    rank: usize,
+    step: u64,
+    grad: &Bytes,
+    layout: &ps_model::layout::ModelSpec,
+) -> anyhow::Result<()> {
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    for t in layout.tensors.iter().rev() {
+        let r = t.range();
+        tx.send((r.start, grad.slice(4 * r.start..4 * r.end)))
+            .map_err(|_| anyhow::anyhow!("the push's piece receiver is gone"))?;
+    }
+    drop(tx);
+    let header = PushHeader {
+        rank: rank as u32,
+        step,
+        samples: BATCH as u32,
+        loss_sum: 1.0,
+        correct: 0,
+        len: (grad.len() / 4) as u64,
+        eval_correct: 0,
+        eval_count: 0,
+        shm: false,
+    };
+    c.push_progressive(header, rx, CHUNK_BYTES).await.0?;
+    Ok(())
 }
 
 /// `--xhost-client`: `repeats` timed rounds (after one untimed) against the shard on `addr`;
@@ -171,13 +209,19 @@ async fn rounds(
     let mut w = vec![0f32; len];
     let mut rbuf = vec![0u8; len * 4];
     let raw_data: Vec<u8> = (0..len * 4).map(|i| (i * 7) as u8).collect();
+    let layout = cfg.layout();
     let mut out = XhostTimes::default();
-    for t in 0..=repeats as u64 {
+    // odd steps push in pieces, even ones whole: `repeats` of each after the untimed step 0
+    for t in 0..=2 * repeats as u64 {
         wait_version(&mut c0, cfg, t).await?;
         let t0 = Instant::now();
         c0.pull_into(t, false, None, &mut w).await?;
         let t1 = Instant::now();
-        push(&mut c0, 0, t, grad).await?;
+        if t % 2 == 1 {
+            push_pieces(&c0, 0, t, grad, &layout).await?;
+        } else {
+            push(&mut c0, 0, t, grad).await?;
+        }
         let t2 = Instant::now();
         push(&mut c1, 1, t, grad).await?;
         // the update done before the raw transfers, so they do not share the CPU with it
@@ -199,9 +243,14 @@ async fn rounds(
         if t > 0 {
             let s = |a: Instant, b: Instant| (b - a).as_secs_f64();
             out.pull.push(s(t0, t1));
-            out.push.push(s(t1, t2));
-            out.raw_push.push(s(t3, t4));
             out.raw_pull.push(s(t4, t5));
+            if t % 2 == 1 {
+                out.pieces.push(s(t1, t2));
+                out.raw_push_pieces.push(s(t3, t4));
+            } else {
+                out.push.push(s(t1, t2));
+                out.raw_push.push(s(t3, t4));
+            }
         }
     }
     within("ending the raw peer", raw.write_all(b"Q")).await?;
@@ -258,6 +307,12 @@ fn xhost_rows(t: &XhostTimes, bytes: usize) -> Vec<Value> {
             "step t of rank 0 (W = 2: no update before the reply), pre-encoded: gRPC header + one frame worker -> shard; raw: all bytes written, 1-byte ack",
             &t.push,
             &t.raw_push,
+        ),
+        row(
+            "push in pieces",
+            "as push, the frame in one piece per tensor, last first (a worker's progressive push, every piece ready); raw: all bytes written, 1-byte ack",
+            &t.pieces,
+            &t.raw_push_pieces,
         ),
     ]
 }
