@@ -9,6 +9,7 @@
 //! the buffer is unmapped. With `[train] exact_sum` it sums the micro-batch gradient terms PyTorch
 //! computes exactly (`ps_net::exact`) and pushes that partial sum, encoded. The Python package
 //! (`ps_torch/__init__.py`) wraps it in `ps_torch.Worker`.
+
 use ps_config::Config;
 use ps_data::order::BatchPlanner;
 use ps_net::session::Session;
