@@ -350,15 +350,25 @@ impl Run {
             GradMem::Board { board, .. } => Some(board),
             GradMem::Heap(_) => None,
         };
+        let mut new = 0;
         for b in params.chain(grad) {
-            if let Err(e) = b.register(r.as_ref()) {
-                tracing::warn!(
-                    "worker {}: {e}; the weights and gradients go through the device's pinned staging memory (a host copy each way)",
-                    self.rank
-                );
-                self.dma_refused = true;
-                return;
+            match b.register(r.as_ref()) {
+                Ok(fresh) => new += usize::from(fresh),
+                Err(e) => {
+                    tracing::warn!(
+                        "worker {}: {e}; the weights and gradients go through the device's pinned staging memory (a host copy each way)",
+                        self.rank
+                    );
+                    self.dma_refused = true;
+                    return;
+                }
             }
+        }
+        if new > 0 {
+            tracing::info!(
+                "worker {}: {new} shared-memory boards registered for the device's DMA: weights uploaded from the shards' boards and gradients downloaded into this worker's, no host copy",
+                self.rank
+            );
         }
     }
 
