@@ -45,6 +45,11 @@ fn cuda_cluster(spec: &Spec) -> (Config, String, f64) {
             log.contains("shared-memory boards registered for the device's DMA"),
             "worker 0 registered the boards:\n{log}"
         );
+        // and its steps copied nothing on the host, either way
+        assert!(
+            log.contains("host bytes copied per step: pull 0, push 0"),
+            "worker 0's steps copied no host bytes:\n{log}"
+        );
         // the harness counts the copies that ran on registered memory
         if let Some(l) = log
             .lines()
