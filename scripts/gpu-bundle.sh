@@ -3,7 +3,7 @@
 # GPU machine that has no Rust toolchain, stripped and packed small enough to travel with the
 # work tree (the device tool's limit is 64 MiB in all; the tracked tree is ~44 MB):
 #   .dev/gpu-bin.tar.xz   ps-worker, ps-server, ps-launch, gpu-bench, and the test executables
-#                         ps_worker_lib (the --lib tests), cuda_parity and cluster_cuda, side by
+#                         ps_worker_lib (the --lib tests), cuda_parity, cuda_dma and cluster_cuda, side by
 #                         side (cluster_cuda and ps-launch start the binaries of their own folder)
 #   .dev/pypkg.tar.xz     the Python package (ps, ps_torch and its native module, abi3)
 #   .dev/gpu-old.tar.xz   with OLD=DIR (a folder holding another build's ps-worker): that
@@ -19,12 +19,14 @@ cargo build --release --bins
 cargo build --release -p ps-python
 LIB="$(exe -p ps-worker --lib)"
 PARITY="$(exe -p ps-worker --test cuda_parity)"
+DMA="$(exe -p ps-worker --test cuda_dma)"
 CLUSTER="$(exe -p ps-tests --test cluster_cuda)"
 rm -rf .dev/gpu-bin .dev/pypkg .dev/gpu-old
 mkdir -p .dev/gpu-bin .dev/pypkg/ps .dev/pypkg/ps_torch
 cp target/release/{ps-worker,ps-server,ps-launch,gpu-bench} .dev/gpu-bin/
 cp "$LIB" .dev/gpu-bin/ps_worker_lib
 cp "$PARITY" .dev/gpu-bin/cuda_parity
+cp "$DMA" .dev/gpu-bin/cuda_dma
 cp "$CLUSTER" .dev/gpu-bin/cluster_cuda
 strip --strip-all .dev/gpu-bin/*
 echo "$(git rev-parse --short HEAD)$(git diff --quiet HEAD -- . ':!bench' || echo ' with uncommitted changes')" >.dev/gpu-bin/BUILD

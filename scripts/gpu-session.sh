@@ -4,7 +4,9 @@
 # repository root on the GPU machine; everything it prints goes to $OUT/all.log too, and
 # gpu-check.sh's report and JSON into $OUT. In order (a section that would pass the deadline
 # is skipped, saying so):
-#   1. the driver, the libraries, NVRTC compiling the kernels, the ps-worker CUDA unit tests
+#   1. the driver, the libraries, NVRTC compiling the kernels, the ps-worker CUDA unit tests,
+#      and the registered-board (DMA) tests: 0 host bytes copied on pull and push, a torn
+#      version refused (cuda_dma, real cuMemHostRegister)
 #   2. scripts/gpu-check.sh: every CUDA parity test, the CUDA-worker clusters against the
 #      single process (cluster_cuda), gpu-bench and the same MLPs in PyTorch (TF32 off)
 #   3. the 784-4096-4096-10 MLP, global batch 1024, 2 shards and 2 CUDA workers sharing the
@@ -56,6 +58,7 @@ nvidia-smi --query-gpu=name,driver_version,compute_cap,memory.total,clocks.max.s
 echo "cores $(nproc), binaries of $(cat "$B/BUILD" 2>/dev/null || echo 'an unknown commit')"
 bounded 120 "$B/ps_worker_lib" --include-ignored --test-threads=1 cuda:: device::
 echo "rc unit=$?"
+if [ -x "$B/cuda_dma" ]; then bounded 60 "$B/cuda_dma" --ignored --test-threads=1; echo "rc dma=$?"; fi
 
 step "2. gpu-check.sh: parity, cluster_cuda, gpu-bench, PyTorch"
 if [ "${SKIP_CHECK:-0}" = 1 ]; then echo "skipped (SKIP_CHECK=1)"; else

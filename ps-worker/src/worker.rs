@@ -63,6 +63,8 @@ pub struct Timing {
     pub layer_wait: Vec<Duration>,
     /// On a device with its own memory: what its copies took over the steps counted.
     pub copies: Option<crate::ops::CopyTimes>,
+    /// Host bytes the steps counted copied on their pulls and pushes (`ps_net::copied`).
+    pub host_copied: (u64, u64),
 }
 
 impl Timing {
@@ -91,7 +93,8 @@ impl Timing {
     /// "pull 1.20 ms, compute 10.31 ms, push 0.52 ms; pull wait per layer [0.80, 0.10, 0.00]
     /// ms", then on a device "; device copies: up 1.52 ms (80.2 MB), down 1.49 ms (80.1 MB),
     /// gradient out of pinned memory 3.10 ms" (device times of the copies, which overlap the
-    /// pull and the compute; the host's copy out of pinned memory): the averages per step.
+    /// pull and the compute; the host's copy out of pinned memory), then "; host bytes copied
+    /// per step: pull 40000000, push 40000000" (`ps_net::copied`): the averages per step.
     pub fn describe(&self) -> String {
         let per = |d: &Duration| d.as_secs_f64() * 1e3 / self.steps.max(1) as f64;
         let waits: Vec<String> = self
@@ -118,6 +121,12 @@ impl Timing {
                 per(&c.copy_out)
             );
         }
+        let steps = self.steps.max(1);
+        s += &format!(
+            "; host bytes copied per step: pull {}, push {}",
+            self.host_copied.0 / steps,
+            self.host_copied.1 / steps
+        );
         s
     }
 }
@@ -350,15 +359,25 @@ impl Run {
             GradMem::Board { board, .. } => Some(board),
             GradMem::Heap(_) => None,
         };
+        let mut new = 0;
         for b in params.chain(grad) {
-            if let Err(e) = b.register(r.as_ref()) {
-                tracing::warn!(
-                    "worker {}: {e}; the weights and gradients go through the device's pinned staging memory (a host copy each way)",
-                    self.rank
-                );
-                self.dma_refused = true;
-                return;
+            match b.register(r.as_ref()) {
+                Ok(fresh) => new += usize::from(fresh),
+                Err(e) => {
+                    tracing::warn!(
+                        "worker {}: {e}; the weights and gradients go through the device's pinned staging memory (a host copy each way)",
+                        self.rank
+                    );
+                    self.dma_refused = true;
+                    return;
+                }
             }
+        }
+        if new > 0 {
+            tracing::info!(
+                "worker {}: {new} shared-memory boards registered for the device's DMA: weights uploaded from the shards' boards and gradients downloaded into this worker's, no host copy",
+                self.rank
+            );
         }
     }
 
@@ -366,6 +385,7 @@ impl Run {
         let t = self.t;
         // the copies counted for this step are its own (not those of a failed one)
         self.backend.take_copy_times()?;
+        let copied0 = ps_net::copied::totals();
         let t0 = Instant::now();
         let patience = pull_patience(&self.cfg);
         let (gate, backend_gated) = open_step_gate(
@@ -407,6 +427,9 @@ impl Run {
         if let Some(c) = self.backend.take_copy_times()? {
             *self.timing.copies.get_or_insert_default() += c;
         }
+        let copied1 = ps_net::copied::totals();
+        self.timing.host_copied.0 += copied1.0 - copied0.0;
+        self.timing.host_copied.1 += copied1.1 - copied0.1;
         self.t += 1;
         Ok(())
     }

@@ -263,7 +263,6 @@ fn a_version_torn_under_the_upload_is_refused_and_the_step_again_is_exact() {
         None => tear(shard0.cast()),
     }
     let mut handed = 0;
-    let before = bits(b.grad.slot_mut(0));
     let e = m
         .forward_backward_overlapped(
             &x,
@@ -298,7 +297,6 @@ fn a_version_torn_under_the_upload_is_refused_and_the_step_again_is_exact() {
         b.worker[0].in_place(VERSION).is_none(),
         "version {VERSION} left the board"
     );
-    let _ = before;
 
     // the step again, its pull copying (the worker's redo: the version comes through gRPC,
     // here delivered from the reference weights): exact, into the registered gradient board
@@ -314,4 +312,69 @@ fn a_version_torn_under_the_upload_is_refused_and_the_step_again_is_exact() {
     m.close_gate();
     drop(gate);
     assert_eq!(bits(b.grad.slot_mut(0)), bits(&want));
+}
+
+/// Unregistration before unmap, checked by the harness: a child process registers an
+/// anonymous mapping, is refused a second registration of it with the driver's code, is
+/// refused the unregistration of memory never registered with the driver's code, then unmaps
+/// the range before it unregisters it: the harness names the fault and the process exits with
+/// 86. (On a GPU the driver does not check this: the test says so and checks nothing.)
+#[test]
+#[ignore = "needs a CUDA GPU: run with --ignored on a GPU machine, or under scripts/cuda-harness.sh"]
+fn the_harness_fails_a_process_that_unmaps_registered_memory_first() {
+    const NAME: &str = "the_harness_fails_a_process_that_unmaps_registered_memory_first";
+    let m = gpu(&MlpLayout::new(&[2, 2]));
+    let r = m.registrar().unwrap();
+    if std::env::var_os("PS_DMA_UNMAP_CHILD").is_some() {
+        let len = 2 * 4096;
+        // SAFETY: a fresh anonymous mapping, checked
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(p, libc::MAP_FAILED);
+        let reg = r.register(p.cast(), len).unwrap();
+        let again = r
+            .register(p.cast(), len)
+            .err()
+            .expect("a second registration");
+        assert!(again.contains("HOST_MEMORY_ALREADY_REGISTERED"), "{again}");
+        let heap = [0u8; 64];
+        // SAFETY: the driver only looks the pointer up
+        let rc = unsafe { cudarc::driver::sys::cuMemHostUnregister(heap.as_ptr() as *mut _) };
+        assert_eq!(
+            rc,
+            cudarc::driver::sys::CUresult::CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED
+        );
+        // SAFETY: unmaps the mapping made above, which nothing reads any more
+        assert_eq!(unsafe { libc::munmap(p, len) }, 0);
+        drop(reg); // after the unmap: the fault the harness reports
+        return;
+    }
+    if harness_fn(c"cuda_harness_registered_bytes").is_none() {
+        eprintln!("a GPU, not the harness: the unmap-before-unregister check is the harness's");
+        return;
+    }
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--ignored", "--exact", NAME, "--test-threads=1"])
+        .env("PS_DMA_UNMAP_CHILD", "1")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(86), "{err}");
+    assert!(
+        err.contains("CUDA-HARNESS-ERROR: cuMemHostUnregister of 0x")
+            && err.contains("its memory was unmapped first"),
+        "{err}"
+    );
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("1 passed"),
+        "the child's own checks (the driver's codes) passed"
+    );
 }

@@ -4,8 +4,10 @@
 //! memory on one host, gRPC otherwise, token and TLS as the config says), hands out this rank's
 //! sample indices of each step (the data-order contract), pushes a flat gradient and pulls a flat
 //! weight vector, both as float32 buffers (numpy arrays) that it reads and writes in place with the
-//! GIL released. With `[train] exact_sum` it sums the micro-batch gradient terms PyTorch computes
-//! exactly (`ps_net::exact`) and pushes that partial sum, encoded. The Python package
+//! GIL released; for a model on a GPU it lends its push buffer instead (`lend_grad_buffer`: the
+//! GPU copies into it, registered for DMA; `push_in_place`), calling the borrower's release before
+//! the buffer is unmapped. With `[train] exact_sum` it sums the micro-batch gradient terms PyTorch
+//! computes exactly (`ps_net::exact`) and pushes that partial sum, encoded. The Python package
 //! (`ps_torch/__init__.py`) wraps it in `ps_torch.Worker`.
 
 use ps_config::Config;

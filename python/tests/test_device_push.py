@@ -279,7 +279,8 @@ def test_exact_terms_copied_through_one_staging_tensor(tmp_path, device_path, cp
 
 def test_push_buffer_lent_once_and_given_back_before_unmapping(tmp_path):
     """The native client's lending: one borrower; the release callable runs exactly once, in
-    close(), while the board is still mapped; lending is refused before connecting."""
+    close() (or when the client is dropped without it), while the board is still mapped;
+    lending is refused before connecting."""
     torch.manual_seed(3)
     base = Mlp()
     init = tmp_path / "init.safetensors"
@@ -306,6 +307,17 @@ def test_push_buffer_lent_once_and_given_back_before_unmapping(tmp_path):
         assert mapped_file(address) != board
         client.close()
         assert calls == [board]
+    # a client dropped without close() (its Worker gone): the same, before it unmaps
+    (tmp_path / "dropped").mkdir()
+    with Shards(cfg, 2, tmp_path / "dropped") as shards:
+        dropped = _native.Client(str(cfg), desc, rank=0, servers=shards.addrs)
+        dropped.connect(640)
+        later = []
+        address, _ = dropped.lend_grad_buffer(lambda: later.append(mapped_file(address)))
+        board = mapped_file(address)
+        del dropped
+        assert later == [board] and board.endswith("/grad")
+        assert mapped_file(address) != board
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["step", "backward"])

@@ -39,6 +39,31 @@ fn cuda_cluster(spec: &Spec) -> (Config, String, f64) {
     {
         eprintln!("worker 0: {l}");
     }
+    // over shared memory the worker's GPU reads and writes the boards directly (registered)
+    if log.contains("tensors via [\"shared memory\"") {
+        assert!(
+            log.contains("shared-memory boards registered for the device's DMA"),
+            "worker 0 registered the boards:\n{log}"
+        );
+        // and its steps copied nothing on the host, either way
+        assert!(
+            log.contains("host bytes copied per step: pull 0, push 0"),
+            "worker 0's steps copied no host bytes:\n{log}"
+        );
+        // the harness counts the copies that ran on registered memory
+        if let Some(l) = log
+            .lines()
+            .find(|l| l.contains("copies by DMA on registered"))
+        {
+            let n: u64 = l
+                .split(" copies by DMA")
+                .next()
+                .and_then(|h| h.rsplit(' ').next())
+                .and_then(|n| n.parse().ok())
+                .unwrap_or(0);
+            assert!(n > 0, "no copy ran on registered memory: {l}");
+        }
+    }
     let d = rel_diff(&cfg, &cluster_weights(&cfg), &reference_weights(&cfg));
     (cfg, log, d)
 }
