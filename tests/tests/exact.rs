@@ -1,20 +1,18 @@
 //! `[train] exact_sum`: the weights are the same bits at any W, any split of the global batch,
 //! any start (and so arrival) order, over gRPC chunks, the data connection and shared memory,
 //! with 1, 2 and 3 shards, and the same bits as the single-process reference in the mode
-//! (`ps_worker::reference`). The subject is the math over every plane: the clusters run in this
-//! process (`ps_tests::inproc`: the real shards and workers on 127.0.0.1, their planes
-//! included), except the CUDA workers' (`ps-worker --device=cuda` processes).
+//! (`ps_worker::reference`). Real clusters on 127.0.0.1: the process and its planes are the
+//! subject.
 
 use ps_config::{Aggregation, LossReduction, TestConfig, Transport};
 use ps_tests::{
-    Spec, Start, assert_bit_identical, cluster_weights, inproc, reference_weights, rel_diff,
-    run_cluster,
+    Spec, Start, assert_bit_identical, cluster_weights, reference_weights, rel_diff, run_cluster,
 };
 use std::time::Duration;
 
-/// One cluster of the run `spec` with W = `workers` over `shards` shards on `plane`, in this
-/// process, its workers started in `order` (each once the one before has registered with every
-/// shard, so they register in that order); returns its final weights.
+/// One cluster of the run `spec` with W = `workers` over `shards` shards on `plane`, its
+/// workers started in `order` (a pause between them, so their first pushes arrive in that
+/// order); returns its final weights and the config.
 fn run(spec: &Spec, workers: usize, shards: usize, plane: Plane, order: Vec<usize>) -> Vec<f32> {
     let dir = tempfile::tempdir().unwrap();
     let (transport, data) = match plane {
@@ -31,18 +29,15 @@ fn run(spec: &Spec, workers: usize, shards: usize, plane: Plane, order: Vec<usiz
     };
     let (path, cfg) = spec.write(dir.path());
     assert!(cfg.train.exact_micro_batch.is_some(), "the mode is on");
-    let shards = inproc::Shards::start(&path);
-    let mut nodes = Vec::new();
-    for &r in &order {
-        let node = inproc::start_worker(&shards.cfg, r);
-        node.log
-            .wait_for("registered with", Duration::from_secs(120));
-        nodes.push(node);
-    }
-    let finished = inproc::finish(shards, nodes);
+    let start = Start {
+        order: Some(order),
+        delay: Duration::from_millis(300),
+        ..Start::default()
+    };
+    run_cluster(&path, &cfg, &start);
     let w = cluster_weights(&cfg);
-    let first = order.iter().position(|&r| r == 0).expect("rank 0 started");
-    let log = &finished.worker_logs[first];
+    let log =
+        std::fs::read_to_string(dir.path().join("logs").join("worker-0.log")).unwrap_or_default();
     assert_eq!(
         log.contains("tensors via [\"shared memory\""),
         plane == Plane::SharedMemory,
@@ -186,13 +181,17 @@ fn a_run_resumed_with_another_w_is_the_same_bits() {
         ..Spec::default()
     };
     let dir = tempfile::tempdir().unwrap();
-    let (path, _) = spec(12, 2).write(dir.path());
-    inproc::run_in_process(&path);
+    let (path, cfg) = spec(12, 2).write(dir.path());
+    run_cluster(&path, &cfg, &Start::default());
     let (path, cfg) = spec(20, 3).write(dir.path());
-    let resumed = inproc::run_in_process_with(&path, inproc::resume);
-    let log = &resumed.shard_logs[0];
+    let resume = Start {
+        server_args: vec!["--resume".into()],
+        ..Start::default()
+    };
+    run_cluster(&path, &cfg, &resume);
+    let log = std::fs::read_to_string(dir.path().join("logs/shard-0.log")).unwrap();
     assert!(log.contains("resuming at version 10"), "{log}");
-    let worker = &resumed.worker_logs[2];
+    let worker = std::fs::read_to_string(dir.path().join("logs/worker-2.log")).unwrap();
     assert!(worker.contains("starting at step 10 of 20"), "{worker}");
     assert_bit_identical(
         &cluster_weights(&cfg),

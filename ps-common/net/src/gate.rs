@@ -75,7 +75,7 @@ pub enum Source<'a> {
     Copied(&'a [f32]),
     /// In a shard's board slot: these values of it (a device reads them by DMA; see
     /// [`PullGate::verify`]).
-    InPlace(&'a crate::shm::InPlace, Range<usize>),
+    InPlace(&'a crate::dma::InPlace, Range<usize>),
 }
 
 /// What a reader's wait is blocked on, and the per-layer wait times.
@@ -110,7 +110,7 @@ pub struct PullGate {
     /// The registrar key of the device whose registered boards a pull may hand over in place.
     in_place_key: Option<u64>,
     /// Each shard's board slot, when its pull handed it over in place.
-    sources: Vec<std::sync::OnceLock<crate::shm::InPlace>>,
+    sources: Vec<std::sync::OnceLock<crate::dma::InPlace>>,
 }
 
 // SAFETY: the pointer is written only by the shard writers, each in the unpublished part of
@@ -467,7 +467,7 @@ impl crate::sink::PullSink for ShardWriter<'_> {
         self.gate.published_cv.notify_all();
     }
 
-    fn in_place(&mut self, slot: &crate::shm::InPlace) -> bool {
+    fn in_place(&mut self, slot: &crate::dma::InPlace) -> bool {
         let usable = self
             .gate
             .in_place_key

@@ -6,6 +6,7 @@
 //! - `exact`: the exact-sum mode's fixed point and its encoding as f32 digits;
 //! - `datalink`: the plain-TCP tensor data connection's framing (hello, frames, pieces);
 //! - `shm`: the shared-memory boards of a host;
+//! - `dma`: plane memory a device reads and writes directly (registration, in-place slots);
 //! - `sink`: where a pull writes its values, piece by piece, publishing how far it got;
 //! - `source`: where a shard reads a push's values, in place, whatever plane carried them;
 //! - `gate`: a step's pulls and its forward pass sharing the weights, layer by layer;
@@ -16,8 +17,8 @@
 //! - `throttle`: the rate limit of repeated warnings.
 //!
 //! The credentials themselves are read by `ps_config::credential`; the messages and the error
-//! table are `ps_proto`'s. Without the `grpc` feature only `wire`, `shm`, `sink`, `gate`, `copied` and
-//! `throttle` are here (no tonic, no tokio): the shard core's part.
+//! table are `ps_proto`'s. Without the `grpc` feature only `wire`, `shm`, `dma`, `sink`,
+//! `gate`, `copied` and `throttle` are here (no tonic, no tokio): the shard core's part.
 
 #[cfg(feature = "grpc")]
 pub mod auth;
@@ -26,6 +27,7 @@ pub mod client;
 pub mod copied;
 #[cfg(feature = "grpc")]
 pub mod datalink;
+pub mod dma;
 pub mod exact;
 pub mod gate;
 #[cfg(feature = "grpc")]

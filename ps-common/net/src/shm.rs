@@ -29,7 +29,8 @@
 
 pub mod registration;
 
-pub use registration::{HostRegistration, InPlace, RegisterError, Registrar};
+pub use crate::dma::{HostRegistration, InPlace, Registrar};
+pub use registration::RegisterError;
 
 use crate::sink::PullSink;
 use std::fs::{File, OpenOptions};

@@ -36,9 +36,9 @@ pub trait PullSink: Send {
     }
     /// The pull's values lie complete in `slot` (a shard's parameters board, this version):
     /// a sink whose reader can use them there (a device that registered the board reads them
-    /// by DMA, checking [`crate::shm::InPlace::intact`] afterwards) takes them and returns
+    /// by DMA, checking [`crate::dma::InPlace::intact`] afterwards) takes them and returns
     /// true: nothing is copied. False (the default): the pull copies them into the sink.
-    fn in_place(&mut self, _slot: &crate::shm::InPlace) -> bool {
+    fn in_place(&mut self, _slot: &crate::dma::InPlace) -> bool {
         false
     }
 }

@@ -1,34 +1,20 @@
-//! Board memory with an owner and a lifetime, for a device's DMA: a device ([`Registrar`])
-//! registers a board's whole mapping (`cuMemHostRegister` on a GPU) through
-//! [`Board::register`], and the [`HostRegistration`] it returns is owned by the mapping from
+//! Board memory with an owner and a lifetime, for a device's DMA (`crate::dma`): a device
+//! ([`Registrar`]) registers a board's whole mapping (`cuMemHostRegister` on a GPU) through
+//! [`Board::register`], and the [`crate::dma::HostRegistration`] it returns is owned by the mapping from
 //! then on. Dropping the registration unregisters the memory; the mapping's `Drop` drops its
 //! registrations before it unmaps, and nothing else can unmap it, so a registration never
 //! outlives its memory: a type rule, not a convention. A registration holds what it needs to
 //! unregister (a GPU's context), so it may also outlive the device that made it.
 //!
-//! [`InPlace`] is one slot of a parameters board read where it lies (by a registered device's
-//! DMA) under the board's seqlock: it holds the mapping (so the memory and its registrations
+//! [`InPlace`] (here a `MappedSlot`) is one slot of a parameters board read where it lies (by
+//! a registered device's DMA) under the board's seqlock: it holds the mapping (so the memory and its registrations
 //! stay while it lives), and [`InPlace::intact`] says, after the device's copies completed,
 //! whether the slot still held the version throughout (a torn version is refused).
 
 use super::{Board, Mapping, seq_offset};
-use std::ops::Range;
+use crate::dma::{InPlace, Registrar, SlotMemory};
 use std::sync::Arc;
 use std::sync::atomic::{Ordering, fence};
-
-/// A device's registration of host memory for DMA; dropping it unregisters the memory (a GPU
-/// waits for its copies first). Owned by the board's mapping ([`Board::register`]).
-pub trait HostRegistration: Send + Sync {}
-
-/// A device that registers host memory for its DMA.
-pub trait Registrar: Send + Sync {
-    /// Who registers: one registration per key and board (a GPU's context).
-    fn key(&self) -> u64;
-    /// Registers the `bytes` bytes at `ptr` (page-aligned, mapped, readable and writable) for
-    /// this device's DMA. The caller ([`Board::register`]) keeps them mapped until the
-    /// returned registration is dropped.
-    fn register(&self, ptr: *mut u8, bytes: usize) -> Result<Box<dyn HostRegistration>, String>;
-}
 
 /// Why a board could not be registered.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -79,14 +65,14 @@ impl Board {
         if self.map.atomic(seq_offset(k)).load(Ordering::Acquire) != want || self.faulted() {
             return None;
         }
-        Some(InPlace {
+        Some(InPlace::new(Arc::new(MappedSlot {
             map: self.map.clone(),
             offset: self.slot_ptr(k) as usize - self.map.ptr.as_ptr() as usize,
             len: self.len,
             seq: seq_offset(k),
             want,
             version,
-        })
+        })))
     }
 }
 
@@ -100,12 +86,10 @@ impl Mapping {
     }
 }
 
-/// One version of a parameters board's slot, read where it lies by a device's DMA: the
-/// mapping is held (with its registrations) while this lives. The shard may overwrite the slot
-/// at any time (it then publishes another version there): whatever was read from it counts only
-/// if [`InPlace::intact`] says so after the reads completed.
-#[derive(Debug, Clone)]
-pub struct InPlace {
+/// A slot of a board's mapping, held by an [`InPlace`] (with the mapping, so the memory and its
+/// registrations stay while it lives).
+#[derive(Debug)]
+struct MappedSlot {
     map: Arc<Mapping>,
     /// Byte offset of the slot in the mapping.
     offset: usize,
@@ -117,57 +101,32 @@ pub struct InPlace {
     version: u64,
 }
 
-impl InPlace {
-    /// Values of the slot.
-    pub fn len(&self) -> usize {
+impl SlotMemory for MappedSlot {
+    fn base(&self) -> *const f32 {
+        // SAFETY: the slot lies inside the mapping, which `self` holds
+        unsafe { self.map.ptr.as_ptr().add(self.offset).cast::<f32>() }
+    }
+    fn len(&self) -> usize {
         self.len
     }
-    /// True when the slot holds no values.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-    /// The version read.
-    pub fn version(&self) -> u64 {
+    fn version(&self) -> u64 {
         self.version
     }
-    /// True when the device of registrar key `key` registered the board.
-    pub fn registered_with(&self, key: u64) -> bool {
+    fn registered_with(&self, key: u64) -> bool {
         self.map.registered_with(key)
     }
-    /// True while the slot still holds the version, complete, and the file was not truncated:
-    /// asked after the device's copies out of it completed, it says they read that version
-    /// alone (the shard marks a slot "being written" before it writes it).
-    pub fn intact(&self) -> bool {
+    fn intact(&self) -> bool {
+        // after the device's copies: the sequence the shard marks "being written" before it
+        // writes the slot, and the file not truncated
         fence(Ordering::Acquire);
         self.map.atomic(self.seq).load(Ordering::Acquire) == self.want && !self.map.faulted()
-    }
-    /// Values `r` of the slot, for a device's DMA to read.
-    ///
-    /// # Safety
-    /// The shard may write them meanwhile: they may be handed to a device copy that reads them
-    /// as bytes (a DMA), whose result is used only if [`InPlace::intact`] holds after it
-    /// completed; Rust code must not read them through the slice.
-    pub unsafe fn values(&self, r: Range<usize>) -> &[f32] {
-        assert!(r.start <= r.end && r.end <= self.len, "{r:?} past the slot");
-        // SAFETY: inside the slot, which lies inside the mapping `self` holds; 4-byte aligned
-        // (slots are page-aligned); reads are the caller's contract above.
-        unsafe {
-            std::slice::from_raw_parts(
-                self.map
-                    .ptr
-                    .as_ptr()
-                    .add(self.offset)
-                    .cast::<f32>()
-                    .add(r.start),
-                r.len(),
-            )
-        }
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::dma::HostRegistration;
     use crate::shm::{BoardDir, params_path};
     use std::sync::Mutex;
 
