@@ -36,7 +36,7 @@
 // when it is unregistered (unregister before unmap); one unmapped while registered is reported
 // at exit. cuda_harness_before_registered_read sets a hook run once, right before the next
 // queued copy from registered memory runs (to write the memory between the queueing and the
-// DMA, as a shard may).
+// DMA, as a shard may). CUDA_HARNESS_REGISTER_RESULT=N refuses every registration with N.
 #include "simt.h"
 #include KERNELS_CU
 #include <algorithm>
@@ -441,6 +441,9 @@ CUresult cuMemHostRegister_v2(void *p, size_t bytes, unsigned) {
   need_ctx("cuMemHostRegister");
   const char *c = (const char *)p;
   if (!p || !bytes) return INVALID_VALUE;
+  // CUDA_HARNESS_REGISTER_RESULT=N: every registration refused with N (a driver or an
+  // allocation limit that refuses it), for the workers' fallback to their staging memory
+  if (const char *r = getenv("CUDA_HARNESS_REGISTER_RESULT")) return atoi(r);
   if (overlaps(registered, c, bytes) || overlaps(pinned, c, bytes)) return 712; // HOST_MEMORY_ALREADY_REGISTERED
   if (!is_mapped(p, bytes)) return INVALID_VALUE;
   registered[c] = bytes;
