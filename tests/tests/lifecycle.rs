@@ -58,6 +58,59 @@ fn a_missing_rank_is_named_then_the_barrier_times_out() {
     assert_eq!(shard_code, Some(1), "the shard fails loudly: {err}");
 }
 
+/// No worker ever registers with an in-process shard: it waits for the first with the
+/// workers' own patience (`[worker] connect_timeout_secs` + `[server] barrier_timeout_secs`,
+/// 1 + 0.5 s here), not the barrier timeout alone, then fails the run naming the wait and the
+/// bound, no sooner.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shard_no_worker_joins_fails_after_the_workers_patience_naming_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = Spec {
+        shards: 1,
+        workers: 2,
+        steps: 3,
+        config: Spec::base()
+            .barrier_timeout_secs(0.5)
+            .connect_timeout_secs(1.0),
+        ..Spec::default()
+    };
+    let (_, cfg) = spec.write(dir.path());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let setup = ps_server::ShardSetup {
+        cfg,
+        index: 0,
+        train_len: 60_000,
+        test_len: None,
+        shard0: None,
+        resume_from: None,
+        metrics_listen: None,
+        health_listen: None,
+    };
+    let t0 = Instant::now();
+    let ran = ps_server::run_shard(setup, listener, std::future::pending());
+    let outcome = tokio::time::timeout(Duration::from_secs(120), ran)
+        .await
+        .expect("the shard still waits for a worker after 120 s")
+        .unwrap();
+    let elapsed = t0.elapsed();
+    let ps_server::Outcome::Failed(why) = outcome else {
+        panic!("expected a failed run, got {outcome:?}");
+    };
+    let waited: f64 = why
+        .strip_prefix("step 0: no worker registered within ")
+        .and_then(|rest| rest.split(" s of the shard's start (0 of 2 ranks registered; the bound is [worker] connect_timeout_secs + [server] barrier_timeout_secs = 1 + 0.5 s)").next())
+        .and_then(|secs| secs.parse().ok())
+        .unwrap_or_else(|| panic!("the failure names the wait and the bound: {why}"));
+    assert!(
+        waited >= 1.5,
+        "failed after {waited} s, before the bound: {why}"
+    );
+    assert!(
+        elapsed >= Duration::from_millis(1500),
+        "ended after {elapsed:?}, before the bound: {why}"
+    );
+}
+
 #[test]
 fn ctrl_c_on_the_launcher_leaves_no_process_behind() {
     let spec = Spec {
