@@ -16,21 +16,24 @@ impl<T> Drop for AbortOnDrop<T> {
 }
 
 /// The longest a step's backward pass may go on after one of its pushes failed before the
-/// worker gives up on it (the step is lost; a backward still running is stalled): the grace of
-/// the default config, and of every config whose shards hold a step this long or longer.
+/// worker gives up on it (the step is lost; a backward still running is stalled) with the
+/// default `[worker] deadline_margin_secs`: the grace of the default config, and of every
+/// config whose shards hold a step this long or longer.
 pub const STALL_GRACE: Duration = ps_net::client::DEADLINE_MARGIN;
 
 /// The grace of a run of `cfg`: the longest a shard of it holds a step (`[server]
 /// pull_timeout_secs`, or twice `barrier_timeout_secs`, as in `ps_net::client::call_deadline`),
-/// at most [`STALL_GRACE`]. A backward pass still running that long after its push failed feeds
-/// no step any shard still holds. The default config (300 s, 600 s) gives [`STALL_GRACE`]; a
-/// test config with 1 s timeouts gives up after 2 s.
+/// at most the deadline's margin (`[worker] deadline_margin_secs`, [`STALL_GRACE`] by default).
+/// A backward pass still running that long after its push failed feeds no step any shard
+/// still holds. The default config (300 s, 600 s) gives [`STALL_GRACE`]; a test config with
+/// 1 s timeouts gives up after 2 s.
 pub fn stall_grace(cfg: &ps_config::Config) -> Duration {
+    let cap = ps_net::client::deadline_margin(cfg);
     let held = cfg
         .server
         .pull_timeout_secs
         .max(2.0 * cfg.server.barrier_timeout_secs);
-    Duration::try_from_secs_f64(held).map_or(STALL_GRACE, |held| held.min(STALL_GRACE))
+    Duration::try_from_secs_f64(held).map_or(cap, |held| held.min(cap))
 }
 
 /// The watch over each step's backward pass: which step computes, and the error that ends the

@@ -4,7 +4,8 @@
 //! must not hang with it: `run_worker` ends with an error naming the step, the shard and the
 //! wait, within the stated bound (the push's deadline, `call_deadline`, or the grace,
 //! `stall_grace`, after the shard refused the push), while the backward pass is still stuck.
-//! The grace follows the config's timeouts: 2 s here, 30 s (`STALL_GRACE`) by default.
+//! The grace follows the config's timeouts: 2 s here, 30 s (`STALL_GRACE`) by default. The
+//! deadline's margin is `[worker] deadline_margin_secs`: 3 s here (30 s by default).
 
 use ps_config::{Config, LossReduction, Transport};
 use ps_net::client::call_deadline;
@@ -103,7 +104,8 @@ fn config(dir: &std::path::Path) -> Config {
         config: Spec::base()
             .sgd(0.1, 0.0)
             .barrier_timeout_secs(1.0)
-            .pull_timeout_secs(1.0),
+            .pull_timeout_secs(1.0)
+            .deadline_margin_secs(3.0),
         ..Spec::default()
     };
     spec.write(dir).1
@@ -183,11 +185,15 @@ async fn a_stalled_backward_ends_the_worker_with_the_shard_and_the_wait() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = config(dir.path());
     let deadline = call_deadline(&cfg);
-    assert_eq!(deadline.as_secs(), 32, "max(1, 2 x 1) + 30 s");
+    assert_eq!(deadline.as_secs(), 5, "max(1, 2 x 1) + 3 s");
     let grace = stall_grace(&cfg);
     assert_eq!(grace, Duration::from_secs(2), "max(1, 2 x 1) s");
     let (err, waited) = stalled_run(&cfg).await;
-    let bound = if err.contains("within 32 s") {
+    let bound = if err.contains("within 5 s") {
+        assert!(
+            err.contains("[worker] deadline_margin_secs = 3 s"),
+            "names the margin: {err}"
+        );
         deadline
     } else {
         assert!(err.contains("within 2 s after"), "names the wait: {err}");
@@ -222,7 +228,8 @@ async fn a_stalled_backward_after_a_failed_push_ends_the_worker_after_the_config
 
 /// The grace of the default config is the longest, `STALL_GRACE` (30 s): a shard of it holds a
 /// step far longer (barrier 300 s, pull 600 s); a config whose shards hold a step less than 30 s
-/// gives up sooner, and one with a longer hold never later than 30 s.
+/// gives up sooner, and one with a longer hold never later than 30 s, or its `[worker]
+/// deadline_margin_secs` when set.
 #[test]
 fn the_grace_is_the_longest_hold_of_a_step_at_most_30_s() {
     let dir = tempfile::tempdir().unwrap();
@@ -252,4 +259,13 @@ fn the_grace_is_the_longest_hold_of_a_step_at_most_30_s() {
     );
     cfg.server.barrier_timeout_secs = 20.0;
     assert_eq!(stall_grace(&cfg), STALL_GRACE, "2 x 20 s, capped");
+    // the cap is the deadline's margin, [worker] deadline_margin_secs
+    cfg.worker.deadline_margin_secs = 7.5;
+    assert_eq!(
+        stall_grace(&cfg),
+        Duration::from_secs_f64(7.5),
+        "2 x 20 s, capped by the margin"
+    );
+    cfg.worker.deadline_margin_secs = 100.0;
+    assert_eq!(stall_grace(&cfg), Duration::from_secs(40), "2 x 20 s");
 }

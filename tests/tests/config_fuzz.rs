@@ -228,6 +228,7 @@ fn use_accepted(cfg: &Config) {
         cfg.server.pull_timeout_secs,
         cfg.server.linger_secs,
         cfg.worker.connect_timeout_secs,
+        cfg.worker.deadline_margin_secs,
     ] {
         let d = Duration::from_secs_f64(secs);
         let _ = now + d;

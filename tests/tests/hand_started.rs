@@ -341,12 +341,13 @@ fn hand_started_workers_whose_shard_is_frozen_exit_naming_it_within_their_deadli
             .barrier_timeout_secs(2.0)
             .pull_timeout_secs(2.0)
             .connect_timeout_secs(5.0)
+            .deadline_margin_secs(3.0)
             .log_every(1),
         ..Spec::default()
     };
     let (path, cfg) = spec.write(dir.path());
     let deadline = ps_net::client::call_deadline(&cfg);
-    assert_eq!(deadline, Duration::from_secs(34), "max(2, 2 x 2) + 30 s");
+    assert_eq!(deadline, Duration::from_secs(7), "max(2, 2 x 2) + 3 s");
     let (mut shards, workers, addrs) = start_by_hand(&path, &cfg);
     let metrics = cfg.server.out_dir.join("metrics.jsonl");
     let t0 = Instant::now();
@@ -383,7 +384,8 @@ fn hand_started_workers_whose_shard_is_frozen_exit_naming_it_within_their_deadli
         assert!(!st.success(), "worker {r}: {st}:\n{log}");
         assert!(
             log.contains(&format!("shard 1 at {} did not answer", addrs[1]))
-                && log.contains("within 34 s (the worker's deadline"),
+                && log.contains("within 7 s (the worker's deadline")
+                && log.contains("[worker] deadline_margin_secs = 3 s)"),
             "worker {r}:\n{log}"
         );
         eprintln!(

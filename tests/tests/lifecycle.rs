@@ -58,6 +58,104 @@ fn a_missing_rank_is_named_then_the_barrier_times_out() {
     assert_eq!(shard_code, Some(1), "the shard fails loudly: {err}");
 }
 
+/// The config of the two tests below: 1 shard, 2 workers, a 0.5 s barrier timeout, logging
+/// every 0.2 s, and `connect_timeout_secs` the workers' patience.
+fn unjoined_spec(connect_timeout_secs: f64) -> Spec {
+    Spec {
+        shards: 1,
+        workers: 2,
+        hidden: vec![4],
+        steps: 3,
+        config: Spec::base()
+            .barrier_warn_secs(0.2)
+            .barrier_timeout_secs(0.5)
+            .connect_timeout_secs(connect_timeout_secs),
+        ..Spec::default()
+    }
+}
+
+/// The longest wait for the workers to register that `log` states so far (0 when none).
+fn longest_unjoined_wait(log: &str) -> f64 {
+    log.lines()
+        .filter_map(|l| {
+            let rest = l.split("step 0: waiting ").nth(1)?;
+            let (secs, tail) = rest.split_once(" s for the workers to register")?;
+            tail.starts_with(" (0 of 2 ranks registered)")
+                .then(|| secs.parse::<f64>().ok())?
+        })
+        .fold(0.0, f64::max)
+}
+
+/// No worker ever registers with an in-process shard: it waits for the first with the
+/// workers' own patience (`[worker] connect_timeout_secs` + `[server] barrier_timeout_secs`,
+/// 1 + 0.5 s here), not the barrier timeout alone, saying so, then fails the run naming the
+/// wait and the bound, no sooner.
+#[test]
+fn a_shard_no_worker_joins_fails_after_the_workers_patience_naming_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let (path, _) = unjoined_spec(1.0).write(dir.path());
+    let t0 = Instant::now();
+    let shards = ps_tests::inproc::Shards::start(&path);
+    let log = shards.nodes[0].log.clone();
+    let outcome = shards.join(Duration::from_secs(120)).remove(0).unwrap();
+    let elapsed = t0.elapsed();
+    let log = log.text();
+    let ps_server::Outcome::Failed(why) = outcome else {
+        panic!("expected a failed run, got {outcome:?}:\n{log}");
+    };
+    let waited: f64 = why
+        .strip_prefix("step 0: no worker registered within ")
+        .and_then(|rest| rest.strip_suffix(" s of the shard's start (0 of 2 ranks registered; the bound is [worker] connect_timeout_secs + [server] barrier_timeout_secs = 1 + 0.5 s)"))
+        .and_then(|secs| secs.parse().ok())
+        .unwrap_or_else(|| panic!("the failure names the wait and the bound: {why}"));
+    assert!(
+        waited >= 1.5,
+        "failed after {waited} s, before the bound: {why}"
+    );
+    assert!(
+        elapsed >= Duration::from_millis(1500),
+        "ended after {elapsed:?}, before the bound: {why}"
+    );
+    assert!(
+        log.contains("the run fails if none has registered after 1.5 s ([worker] connect_timeout_secs + [server] barrier_timeout_secs)"),
+        "the wait is logged with its bound:\n{log}"
+    );
+    assert!(
+        longest_unjoined_wait(&log) >= 0.5,
+        "still waiting past barrier_timeout_secs, and saying so:\n{log}"
+    );
+    assert!(!log.contains("no gradient from ranks"), "{log}");
+}
+
+/// Workers that register only after the shard has been up longer than `barrier_timeout_secs`
+/// (a loaded machine loading their data) are waited for: the run finishes, and the barrier
+/// clock starts at the first registration.
+#[test]
+fn workers_registering_after_the_barrier_timeout_are_waited_for() {
+    let dir = tempfile::tempdir().unwrap();
+    let (path, _) = unjoined_spec(10.0).write(dir.path());
+    let _ = (ps_tests::mnist_train(), ps_tests::mnist_test()); // loaded before the clock runs
+    let shards = ps_tests::inproc::Shards::start(&path);
+    let t0 = Instant::now();
+    while longest_unjoined_wait(&shards.log(0)) < 0.5 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "the shard did not say it waits for the workers:\n{}",
+            shards.log(0)
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let workers: Vec<_> = (0..2)
+        .map(|r| ps_tests::inproc::start_worker(&shards.cfg, r))
+        .collect();
+    let done = ps_tests::inproc::finish(shards, workers);
+    assert!(
+        !done.shard_logs[0].contains("no gradient from ranks"),
+        "{}",
+        done.shard_logs[0]
+    );
+}
+
 #[test]
 fn ctrl_c_on_the_launcher_leaves_no_process_behind() {
     let spec = Spec {

@@ -415,6 +415,11 @@ impl TestConfig {
         self.raw.worker.connect_timeout_secs = s;
         self
     }
+    /// `[worker] deadline_margin_secs`.
+    pub fn deadline_margin_secs(mut self, s: f64) -> Self {
+        self.raw.worker.deadline_margin_secs = s;
+        self
+    }
     /// `[checkpoint] every` and `keep`.
     pub fn checkpoint(mut self, every: u64, keep: usize) -> Self {
         self.raw.checkpoint.every = every;

@@ -234,6 +234,7 @@ pub(super) struct RawWorker {
     pub device: String,
     pub threads: usize,
     pub connect_timeout_secs: f64,
+    pub deadline_margin_secs: f64,
 }
 
 impl Default for RawWorker {
@@ -242,6 +243,7 @@ impl Default for RawWorker {
             device: "cpu".into(),
             threads: 0,
             connect_timeout_secs: 60.0,
+            deadline_margin_secs: 30.0,
         }
     }
 }
@@ -255,6 +257,10 @@ pub struct WorkerConfig {
     pub threads: usize,
     /// How long a worker keeps retrying to reach a shard.
     pub connect_timeout_secs: f64,
+    /// What a worker's call deadline allows beyond the longest a live shard holds a call
+    /// (`ps_net::client::call_deadline`): a call unanswered that much longer has a shard that
+    /// stopped answering.
+    pub deadline_margin_secs: f64,
 }
 
 impl RawWorker {
@@ -272,10 +278,12 @@ impl RawWorker {
         }
         at_most("[worker] threads", self.threads, MAX_THREADS)?;
         secs("[worker] connect_timeout_secs", self.connect_timeout_secs)?;
+        secs("[worker] deadline_margin_secs", self.deadline_margin_secs)?;
         Ok(WorkerConfig {
             device: self.device.clone(),
             threads: self.threads,
             connect_timeout_secs: self.connect_timeout_secs,
+            deadline_margin_secs: self.deadline_margin_secs,
         })
     }
 }

@@ -440,6 +440,47 @@ fn the_builder_writes_the_file_the_parser_reads() {
 }
 
 #[test]
+fn the_deadline_margin_defaults_to_30_s_is_set_from_file_or_environment_and_refused_unless_positive()
+ {
+    assert_eq!(parse(GOOD).unwrap().worker.deadline_margin_secs, 30.0);
+    let c = parse(&format!("{GOOD}[worker]\ndeadline_margin_secs = 2.5\n")).unwrap();
+    assert_eq!(c.worker.deadline_margin_secs, 2.5);
+    let env = [(
+        "PS_SET_WORKER_DEADLINE_MARGIN_SECS".to_string(),
+        "4".to_string(),
+    )]
+    .into();
+    let o = Overrides::from_env(&env);
+    let c = Config::parse_with(GOOD, Path::new("/etc/ps/run.toml"), &o, &Host::this()).unwrap();
+    assert_eq!(c.worker.deadline_margin_secs, 4.0);
+    for (value, want) in [
+        (
+            "0",
+            "[worker] deadline_margin_secs = 0: expected a positive number of seconds",
+        ),
+        (
+            "-1",
+            "[worker] deadline_margin_secs = -1: expected a positive number of seconds",
+        ),
+        (
+            "nan",
+            "[worker] deadline_margin_secs = NaN: expected a positive number of seconds",
+        ),
+        (
+            "inf",
+            "[worker] deadline_margin_secs = inf: expected a positive number of seconds",
+        ),
+        (
+            "604801",
+            "[worker] deadline_margin_secs = 604801: expected at most 604800 seconds (7 days)",
+        ),
+    ] {
+        let e = refused(&format!("{GOOD}[worker]\ndeadline_margin_secs = {value}\n"));
+        assert_eq!(e, format!("/etc/ps/run.toml: {want}"), "{value}");
+    }
+}
+
+#[test]
 fn the_resolved_config_reads_as_before() {
     let c = parse(GOOD).unwrap();
     assert_eq!(

@@ -44,36 +44,52 @@ pub const CONNECT_LOG_EVERY: Duration = Duration::from_secs(3);
 pub const PUSH_RETRIES: u32 = 5;
 
 /// What a call's deadline allows beyond the longest a live shard holds it (the transfer of
-/// the values after the wait, a loaded machine).
+/// the values after the wait, a loaded machine) by default: `[worker] deadline_margin_secs`'s
+/// default, and the margin of a client whose deadline was not set.
 pub const DEADLINE_MARGIN: Duration = Duration::from_secs(30);
+
+/// The margin of a worker of `cfg`: `[worker] deadline_margin_secs`.
+pub fn deadline_margin(cfg: &ps_config::Config) -> Duration {
+    // validated: positive, finite, at most 7 days
+    Duration::try_from_secs_f64(cfg.worker.deadline_margin_secs).unwrap_or(DEADLINE_MARGIN)
+}
 
 /// The deadline of every call a worker of `cfg` makes to a shard (register, pull, push, leave,
 /// on gRPC or the data connection): a live shard answers a pull within `[server]
 /// pull_timeout_secs` (it says `DEADLINE_EXCEEDED` then) and holds a step at most twice
 /// `barrier_timeout_secs` (`barrier_policy = "continue"`), so a call still unanswered
-/// [`DEADLINE_MARGIN`] after the longer of the two has a shard that stopped answering.
+/// [`deadline_margin`] (`[worker] deadline_margin_secs`) after the longer of the two has a
+/// shard that stopped answering.
 pub fn call_deadline(cfg: &ps_config::Config) -> Duration {
     let longest = cfg
         .server
         .pull_timeout_secs
         .max(2.0 * cfg.server.barrier_timeout_secs);
-    Duration::from_secs_f64(longest) + DEADLINE_MARGIN
+    Duration::from_secs_f64(longest) + deadline_margin(cfg)
+}
+
+/// A client's bound on each call: the whole deadline, and the margin in it (for the error).
+#[derive(Debug, Clone, Copy)]
+struct Deadline {
+    total: Duration,
+    margin: Duration,
 }
 
 /// `call` bounded by `deadline`; [`ClientError::NoAnswer`] naming the shard and `what` when
 /// it passes.
 async fn bounded<T>(
-    (shard, addr, deadline): (usize, &str, Duration),
+    (shard, addr, deadline): (usize, &str, Deadline),
     what: impl FnOnce() -> String,
     call: impl std::future::Future<Output = Result<T, ClientError>>,
 ) -> Result<T, ClientError> {
-    match tokio::time::timeout(deadline, call).await {
+    match tokio::time::timeout(deadline.total, call).await {
         Ok(r) => r,
         Err(_) => Err(ClientError::NoAnswer {
             shard,
             addr: addr.to_string(),
             what: what(),
-            waited_secs: deadline.as_secs_f64(),
+            waited_secs: deadline.total.as_secs_f64(),
+            margin_secs: deadline.margin.as_secs_f64(),
         }),
     }
 }
@@ -112,8 +128,7 @@ pub enum ClientError {
     /// The shard did not answer a call within the client's deadline ([`call_deadline`]): a
     /// shard that is stopped, frozen or cut off. Not retried: a live shard answers sooner.
     #[error(
-        "shard {shard} at {addr} did not answer {what} within {waited_secs:.0} s (the worker's deadline: the longest a live shard holds a call, max([server] pull_timeout_secs, 2 x barrier_timeout_secs), + {margin} s)",
-        margin = DEADLINE_MARGIN.as_secs()
+        "shard {shard} at {addr} did not answer {what} within {waited_secs:.0} s (the worker's deadline: the longest a live shard holds a call, max([server] pull_timeout_secs, 2 x barrier_timeout_secs), + [worker] deadline_margin_secs = {margin_secs} s)"
     )]
     NoAnswer {
         /// The shard's index.
@@ -124,13 +139,14 @@ pub enum ClientError {
         what: String,
         /// The deadline, s.
         waited_secs: f64,
+        /// The margin in it, s (`[worker] deadline_margin_secs`).
+        margin_secs: f64,
     },
     /// A progressive push's deadline ([`call_deadline`]) passed while the backward pass that
     /// feeds it had not handed over the whole range: the worker's computation stalled, not
     /// (necessarily) the shard. Not retried.
     #[error(
-        "the push of step {step} to shard {shard}: the backward pass feeding it handed over {got} of {total} bytes within {waited_secs:.0} s (none for the last {idle_secs:.0} s; the worker's deadline: max([server] pull_timeout_secs, 2 x barrier_timeout_secs) + {margin} s)",
-        margin = DEADLINE_MARGIN.as_secs()
+        "the push of step {step} to shard {shard}: the backward pass feeding it handed over {got} of {total} bytes within {waited_secs:.0} s (none for the last {idle_secs:.0} s; the worker's deadline: max([server] pull_timeout_secs, 2 x barrier_timeout_secs) + [worker] deadline_margin_secs = {margin_secs} s)"
     )]
     FeedStalled {
         /// The shard's index.
@@ -145,6 +161,8 @@ pub enum ClientError {
         waited_secs: f64,
         /// Time since the last piece, s.
         idle_secs: f64,
+        /// The margin in the deadline, s (`[worker] deadline_margin_secs`).
+        margin_secs: f64,
     },
     /// The shard answered, but not as the contract says (or not what this client expects).
     #[error("shard {shard}: {message}")]
@@ -328,8 +346,8 @@ pub struct ShardClient {
     wire: ps_config::Wire,
     /// The leases registration granted (shared by clones).
     leases: HeldLeases,
-    /// The deadline of each call ([`call_deadline`]).
-    deadline: Duration,
+    /// The deadline of each call ([`call_deadline`]) and its margin.
+    deadline: Deadline,
 }
 
 /// The leases a client's registrations were granted (`ps_server::lease`), presented by its
@@ -406,7 +424,10 @@ impl ShardClient {
                         security: security.clone(),
                         wire: ps_config::Wire::F32,
                         leases: HeldLeases::default(),
-                        deadline: Duration::from_secs(600) + DEADLINE_MARGIN,
+                        deadline: Deadline {
+                            total: Duration::from_secs(600) + DEADLINE_MARGIN,
+                            margin: DEADLINE_MARGIN,
+                        },
                     });
                 }
                 Err(e) if start.elapsed() < patience => {
@@ -527,13 +548,16 @@ impl ShardClient {
         self.wire
     }
 
-    /// Sets the deadline of every call of this client (and its clones made after):
-    /// [`call_deadline`] of the run's config; 630 s (the defaults') until set.
-    pub fn set_deadline(&mut self, deadline: Duration) {
-        self.deadline = deadline;
+    /// Sets the deadline of every call of this client (and its clones made after) to `cfg`'s,
+    /// [`call_deadline`], with its margin [`deadline_margin`]; 630 s (the defaults') until set.
+    pub fn set_deadline(&mut self, cfg: &ps_config::Config) {
+        self.deadline = Deadline {
+            total: call_deadline(cfg),
+            margin: deadline_margin(cfg),
+        };
     }
 
-    fn bound(&self) -> (usize, &str, Duration) {
+    fn bound(&self) -> (usize, &str, Deadline) {
         (self.shard, &self.addr, self.deadline)
     }
 
@@ -767,9 +791,11 @@ impl ShardClient {
         let what = || format!("the push of step {}", header.step);
         match bounded(self.bound(), what, call).await {
             Ok(done) => done,
-            Err(ClientError::NoAnswer { waited_secs, .. })
-                if !feed.ended && feed.bytes < header.len as usize * self.wire.value_bytes() =>
-            {
+            Err(ClientError::NoAnswer {
+                waited_secs,
+                margin_secs,
+                ..
+            }) if !feed.ended && feed.bytes < header.len as usize * self.wire.value_bytes() => {
                 // the deadline covers the backward pass that feeds the push: say which stalled
                 let e = ClientError::FeedStalled {
                     shard: self.shard,
@@ -778,6 +804,7 @@ impl ShardClient {
                     total: header.len as usize * self.wire.value_bytes(),
                     waited_secs,
                     idle_secs: feed.last.elapsed().as_secs_f64(),
+                    margin_secs,
                 };
                 (Err(e), Vec::new())
             }

@@ -74,7 +74,7 @@ pub async fn register_all(
         client.set_wire(cfg.cluster.wire);
         // no call waits on a shard that stopped answering: a frozen or cut-off shard ends
         // this worker with an error naming it, however the worker was started
-        client.set_deadline(crate::client::call_deadline(cfg));
+        client.set_deadline(cfg);
         peers.push(Peer {
             client,
             range,

@@ -134,6 +134,9 @@ impl Shard {
         let rules = Rules {
             warn: Duration::from_secs_f64(cfg.server.barrier_warn_secs),
             timeout: Duration::from_secs_f64(cfg.server.barrier_timeout_secs),
+            first_worker: Duration::from_secs_f64(
+                cfg.worker.connect_timeout_secs + cfg.server.barrier_timeout_secs,
+            ),
             policy: cfg.server.barrier_policy,
         };
         let exact = cfg.train.exact_micro_batch;

@@ -1051,7 +1051,23 @@ async fn watch_barrier(cfg: &Config, svc: &ShardService) -> Outcome {
         tokio::select! {
             _ = versions.changed() => {}
             _ = tick.tick() => match shard.poll_barrier(Instant::now()) {
-                Verdict::Idle | Verdict::Waiting { warn: false, .. } => {}
+                Verdict::Idle | Verdict::Waiting { warn: false, .. } | Verdict::Unjoined { warn: false, .. } => {}
+                Verdict::Unjoined { step, waited, bound, .. } => tracing::info!(
+                    "shard {} step {step}: waiting {:.1} s for the workers to register (0 of {} ranks registered); the barrier clock starts at the first, and the run fails if none has registered after {:.1} s ([worker] connect_timeout_secs + [server] barrier_timeout_secs)",
+                    shard.index,
+                    waited.as_secs_f64(),
+                    shard.world,
+                    bound.as_secs_f64()
+                ),
+                Verdict::NoWorker { step, waited } => {
+                    return Outcome::Failed(format!(
+                        "step {step}: no worker registered within {:.1} s of the shard's start (0 of {} ranks registered; the bound is [worker] connect_timeout_secs + [server] barrier_timeout_secs = {} + {} s)",
+                        waited.as_secs_f64(),
+                        shard.world,
+                        cfg.worker.connect_timeout_secs,
+                        cfg.server.barrier_timeout_secs
+                    ));
+                }
                 Verdict::Waiting { step, missing, waited, warn: true, .. } if !missing.is_empty() => tracing::warn!(
                     "shard {} step {step}: waiting {:.1} s for ranks {missing:?} ({} of {} in)",
                     shard.index,
