@@ -1,5 +1,6 @@
 """Shared by the Python tests and the example: the shipped data sets, a small CNN, shards
-started as real ps-server processes, and the weight comparison the Rust tests use."""
+started as real ps-server processes, ranks run in threads, and the weight comparison the Rust
+tests use."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 import secrets
 import socket
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -228,6 +230,26 @@ def delaying_proxy(target: str, delay: float) -> str:
 
     threading.Thread(target=accept, daemon=True).start()
     return "127.0.0.1:%d" % listener.getsockname()[1]
+
+
+def run_ranks(go, ranks: int = 2, timeout: float = 120.0):
+    """Runs `go(r)` for each rank in a thread of its own and waits for them (each at most
+    `timeout` s); fails naming the ranks that raised, or if one still runs."""
+    errors = []
+
+    def run(r):
+        try:
+            go(r)
+        except BaseException as e:  # reported below, with the rank
+            errors.append((r, e))
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(ranks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert not any(t.is_alive() for t in threads), f"a rank still runs after {timeout} s"
+    assert not errors, errors
 
 
 def train_rank(worker, model, x, y, reduction: str, overlap: bool = False):

@@ -9,7 +9,6 @@ registered once and unregistered while still mapped, before the native client un
 the path chosen by device (a CPU model keeps the CPU path)."""
 
 import copy
-import threading
 
 import pytest
 import torch
@@ -18,7 +17,7 @@ import torch.nn.functional as F
 import ps
 from ps import _native
 from ps_torch import _device
-from common import REPO, Shards, SmallCNN, config_text, load, train_rank
+from common import REPO, Shards, SmallCNN, config_text, load, run_ranks, train_rank
 from test_ddp import Mlp, data as mlp_data
 from test_unused import Routed, data as routed_data
 
@@ -122,22 +121,9 @@ def run(tmp_path, base, x, y, overlap, train_len=None, extra="", global_batch=64
                        train_len=train_len, optimizer=optimizer)
     cfg.write_text(text.replace("workers = 2\n", "workers = 2\n" + extra))
     models = [copy.deepcopy(base) for _ in range(2)]
-    errors = []
     with Shards(cfg, 2, tmp_path) as shards:
         workers = [ps.Worker(cfg, m, rank=r, servers=shards.addrs) for r, m in enumerate(models)]
-
-        def go(r):
-            try:
-                train_rank(workers[r], models[r], x, y, "mean", overlap=overlap)
-            except BaseException as e:  # reported below, with the rank
-                errors.append((r, e))
-
-        threads = [threading.Thread(target=go, args=(r,)) for r in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-        assert not errors, errors
+        run_ranks(lambda r: train_rank(workers[r], models[r], x, y, "mean", overlap=overlap))
         assert shards.wait(60) == [0, 0]
     return models, workers
 
@@ -243,24 +229,15 @@ def test_exact_terms_copied_through_one_staging_tensor(tmp_path, device_path, cp
         cfg.write_text(text.replace('aggregation = "mean"', 'aggregation = "mean"\n'
                                     'exact_sum = true\nexact_micro_batch = 8'))
         models = [copy.deepcopy(base) for _ in range(2)]
-        errors = []
         with Shards(cfg, 2, out) as shards:
             def go(r):
-                try:
-                    w = ps.Worker(cfg, models[r], rank=r, servers=shards.addrs)
-                    for _, idx in w.batches():
-                        for part in w.terms(idx):
-                            F.cross_entropy(models[r](x[part]), y[part]).backward()
-                        w.step()
-                except BaseException as e:  # reported below, with the rank
-                    errors.append((r, e))
+                w = ps.Worker(cfg, models[r], rank=r, servers=shards.addrs)
+                for _, idx in w.batches():
+                    for part in w.terms(idx):
+                        F.cross_entropy(models[r](x[part]), y[part]).backward()
+                    w.step()
 
-            threads = [threading.Thread(target=go, args=(r,)) for r in range(2)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(120)
-            assert not errors, errors
+            run_ranks(go)
             assert shards.wait(60) == [0, 0]
         return models
 

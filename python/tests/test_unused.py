@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 import ps
 from ps import _native
-from common import REPO, Shards, lose_shard_after_checkpoint, config_text, max_rel_diff
+from common import REPO, Shards, lose_shard_after_checkpoint, config_text, max_rel_diff, run_ranks
 
 STEPS = 20
 HEADS = 6
@@ -96,27 +96,18 @@ def test_unreached_parameters_are_updated_as_torch_optim_does(case, tmp_path):
     assert none_reached > 5 and one_reached > 5, (none_reached, one_reached)
 
     models = [copy.deepcopy(base) for _ in range(2)]
-    errors = []
     with Shards(cfg, 2, tmp_path) as shards:
         def go(r):
-            try:
-                w = ps.Worker(cfg, models[r], rank=r, servers=shards.addrs)
-                for _, idx in w.batches():
-                    loss = F.cross_entropy(models[r](x[idx]), y[idx])
-                    if r == 1:  # both paths: rank 1 pushes while backward runs
-                        w.backward(loss)
-                    else:
-                        loss.backward()
-                        w.step(loss_sum=loss.item() * len(idx))
-            except BaseException as e:  # reported below, with the rank
-                errors.append((r, e))
+            w = ps.Worker(cfg, models[r], rank=r, servers=shards.addrs)
+            for _, idx in w.batches():
+                loss = F.cross_entropy(models[r](x[idx]), y[idx])
+                if r == 1:  # both paths: rank 1 pushes while backward runs
+                    w.backward(loss)
+                else:
+                    loss.backward()
+                    w.step(loss_sum=loss.item() * len(idx))
 
-        threads = [threading.Thread(target=go, args=(r,)) for r in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-        assert not errors, errors
+        run_ranks(go)
         assert shards.wait(60) == [0, 0]
 
     ref = copy.deepcopy(base)
