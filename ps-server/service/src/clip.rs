@@ -34,9 +34,11 @@ pub use ps_model::clip::{coefficient, partials, tensors_of, total_norm};
 
 /// How long a shard waits for the other shards' norms of a step: as long as their barriers
 /// may legitimately take (twice the barrier timeout, the longest under `barrier_policy =
-/// "continue"`), plus a margin for the update itself.
+/// "continue"`), plus the cluster's margin for a peer that is slow but alive (`[worker]
+/// deadline_margin_secs`, 30 s by default: the margin of the workers' call deadlines too).
 pub fn bound(cfg: &ps_config::Config) -> Duration {
-    Duration::from_secs_f64(2.0 * cfg.server.barrier_timeout_secs + 30.0)
+    Duration::from_secs_f64(2.0 * cfg.server.barrier_timeout_secs)
+        + ps_net::client::deadline_margin(cfg)
 }
 
 /// Resolves with the reason once `shard`'s run has failed (a rollback fails it too).
