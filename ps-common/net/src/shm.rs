@@ -27,15 +27,18 @@
 //! the `munmap`; every value that reads the board in place ([`InPlace`]) holds the mapping, so
 //! neither the memory nor its registration can go while one is in use.
 
+mod dir;
+mod guard;
 pub mod registration;
 
 pub use crate::dma::{HostRegistration, InPlace, Registrar};
+pub use dir::{BoardDir, grad_path, params_path, remove_stale, shm_root, this_user};
 pub use registration::RegisterError;
 
 use crate::sink::PullSink;
 use std::fs::{File, OpenOptions};
 use std::io;
-use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering, fence};
@@ -132,131 +135,6 @@ impl Drop for Mapping {
         // SAFETY: unmaps exactly what `new` mapped; no reference into it outlives `self`.
         unsafe {
             libc::munmap(self.ptr.as_ptr().cast(), self.len);
-        }
-    }
-}
-
-/// The SIGBUS guard of this process's board mappings. Touching a page of a shared file mapping
-/// past the end of the file (another process truncated it) raises SIGBUS, which would kill the
-/// process without a word. The guard's handler looks the faulting address up in a table of the
-/// mappings; for one of them it maps anonymous zero pages over the whole mapping (so the access
-/// goes on, reading zeros) and marks it faulted, which the code that read it checks afterwards.
-/// Any other SIGBUS goes to the handler that was there before (Rust's stack-overflow report, or
-/// the default action). The handler only does atomic loads and stores and `mmap`.
-mod guard {
-    use std::sync::OnceLock;
-    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-
-    /// Mappings guarded at once (a shard holds one per rank plus its own).
-    const SLOTS: usize = 1024;
-
-    struct Slot {
-        start: AtomicUsize,
-        len: AtomicUsize,
-        faulted: AtomicBool,
-    }
-
-    #[allow(clippy::declare_interior_mutable_const)]
-    const EMPTY: Slot = Slot {
-        start: AtomicUsize::new(0),
-        len: AtomicUsize::new(0),
-        faulted: AtomicBool::new(false),
-    };
-    static TABLE: [Slot; SLOTS] = [EMPTY; SLOTS];
-    /// The SIGBUS action before ours (installed once, at the first registration).
-    static PREVIOUS: OnceLock<Option<libc::sigaction>> = OnceLock::new();
-
-    /// Guards `len` bytes at `start`; the slot, or None when the table is full or the handler
-    /// could not be installed (the mapping is then unguarded).
-    pub(super) fn register(start: usize, len: usize) -> Option<usize> {
-        PREVIOUS.get_or_init(install).as_ref()?;
-        for (i, slot) in TABLE.iter().enumerate() {
-            if slot
-                .start
-                .compare_exchange(0, start, Ordering::AcqRel, Ordering::Relaxed)
-                .is_ok()
-            {
-                slot.faulted.store(false, Ordering::Relaxed);
-                slot.len.store(len, Ordering::Release);
-                return Some(i);
-            }
-        }
-        None
-    }
-
-    /// Stops guarding slot `i` (before its mapping is unmapped).
-    pub(super) fn unregister(i: usize) {
-        TABLE[i].len.store(0, Ordering::Release);
-        TABLE[i].start.store(0, Ordering::Release);
-    }
-
-    /// True once slot `i`'s mapping took a SIGBUS.
-    pub(super) fn faulted(i: usize) -> bool {
-        TABLE[i].faulted.load(Ordering::Acquire)
-    }
-
-    fn install() -> Option<libc::sigaction> {
-        // SAFETY: sigaction(2) with a zeroed, then filled, action; the previous one is kept.
-        unsafe {
-            let mut action: libc::sigaction = std::mem::zeroed();
-            action.sa_sigaction = on_sigbus as *const () as libc::sighandler_t;
-            action.sa_flags = libc::SA_SIGINFO | libc::SA_ONSTACK;
-            libc::sigemptyset(&mut action.sa_mask);
-            let mut previous: libc::sigaction = std::mem::zeroed();
-            if libc::sigaction(libc::SIGBUS, &action, &mut previous) != 0 {
-                return None;
-            }
-            Some(previous)
-        }
-    }
-
-    extern "C" fn on_sigbus(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut libc::c_void) {
-        // SAFETY: the kernel hands a valid siginfo to an SA_SIGINFO handler.
-        let addr = unsafe { (*info).si_addr() } as usize;
-        for slot in &TABLE {
-            let len = slot.len.load(Ordering::Acquire);
-            let start = slot.start.load(Ordering::Acquire);
-            if len > 0 && (start..start + len).contains(&addr) {
-                // SAFETY: replaces exactly this live mapping (registered until it is unmapped)
-                // with private zero pages: the faulting access then completes.
-                let p = unsafe {
-                    libc::mmap(
-                        start as *mut libc::c_void,
-                        len,
-                        libc::PROT_READ | libc::PROT_WRITE,
-                        libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED,
-                        -1,
-                        0,
-                    )
-                };
-                if p != libc::MAP_FAILED {
-                    slot.faulted.store(true, Ordering::Release);
-                    return;
-                }
-            }
-        }
-        // not a board: what would have happened without the guard
-        let previous = PREVIOUS.get().copied().flatten();
-        // SAFETY: calls the previous handler as it was installed, or restores the default
-        // action (the faulting instruction then raises SIGBUS again and the process dies).
-        unsafe {
-            match previous {
-                Some(p) if p.sa_sigaction != libc::SIG_DFL && p.sa_sigaction != libc::SIG_IGN => {
-                    if p.sa_flags & libc::SA_SIGINFO != 0 {
-                        let f: extern "C" fn(libc::c_int, *mut libc::siginfo_t, *mut libc::c_void) =
-                            std::mem::transmute(p.sa_sigaction);
-                        f(sig, info, ctx);
-                    } else {
-                        let f: extern "C" fn(libc::c_int) = std::mem::transmute(p.sa_sigaction);
-                        f(sig);
-                    }
-                }
-                _ => {
-                    let mut dfl: libc::sigaction = std::mem::zeroed();
-                    dfl.sa_sigaction = libc::SIG_DFL;
-                    libc::sigaction(libc::SIGBUS, &dfl, std::ptr::null_mut());
-                }
-            }
         }
     }
 }
@@ -808,157 +686,6 @@ pub enum BoardError {
         /// The header expected.
         expected: [u64; 4],
     },
-}
-
-/// A directory of boards in `/dev/shm`, removed when dropped. Its owner holds an exclusive
-/// `flock` on `<dir>/owner.lock` for as long as it lives: the kernel drops the lock when the
-/// process dies (however it dies), and a lock is seen from every PID namespace that shares the
-/// tmpfs (Docker `--ipc=host`), where the owner's pid is not.
-#[derive(Debug)]
-pub struct BoardDir {
-    path: PathBuf,
-    token: u64,
-    /// Holds the owner lock; closed (lock released) when dropped.
-    _lock: File,
-}
-
-/// The owner lock's name inside a board directory.
-const OWNER_LOCK: &str = "owner.lock";
-
-/// The tmpfs where boards live: `$PS_SHM_DIR` if set, else `/dev/shm`; None where it is not a
-/// directory (then only gRPC is offered).
-pub fn shm_root() -> Option<PathBuf> {
-    let p = std::env::var_os("PS_SHM_DIR").map_or_else(|| PathBuf::from("/dev/shm"), PathBuf::from);
-    p.is_dir().then_some(p)
-}
-
-impl BoardDir {
-    /// Creates `<root>/ps-<name>-pid<pid>-<token>` (`name` is e.g. `shard0` or `worker3`)
-    /// with a fresh random token and takes its owner lock, after removing the directories whose
-    /// owner lock nobody holds (their owners died).
-    pub fn create(root: &Path, name: &str) -> io::Result<Self> {
-        remove_stale(root);
-        let token = random_token();
-        let path = root.join(format!("ps-{name}-pid{}-{token:016x}", std::process::id()));
-        let err =
-            |p: &Path, e: io::Error| io::Error::new(e.kind(), format!("{}: {e}", p.display()));
-        std::fs::DirBuilder::new()
-            .mode(0o700)
-            .create(&path)
-            .map_err(|e| err(&path, e))?;
-        // locked under a temporary name, then renamed: `owner.lock` exists only while locked,
-        // so another process's `remove_stale` never sees it free while its owner lives
-        let tmp = path.join("owner.lock.tmp");
-        let lock = OpenOptions::new()
-            .create(true)
-            .write(true)
-            .truncate(true)
-            .mode(0o600)
-            .open(&tmp)
-            .map_err(|e| err(&tmp, e))?;
-        try_lock(&lock).map_err(|e| err(&tmp, e))?;
-        std::fs::rename(&tmp, path.join(OWNER_LOCK)).map_err(|e| err(&tmp, e))?;
-        Ok(Self {
-            path,
-            token,
-            _lock: lock,
-        })
-    }
-
-    /// The directory.
-    pub fn path(&self) -> &Path {
-        &self.path
-    }
-
-    /// The token every board in it carries.
-    pub fn token(&self) -> u64 {
-        self.token
-    }
-}
-
-impl Drop for BoardDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.path);
-    }
-}
-
-/// The parameters board of a shard in `dir`.
-pub fn params_path(dir: &Path) -> PathBuf {
-    dir.join("params")
-}
-
-/// A worker's gradient board in `dir`.
-pub fn grad_path(dir: &Path) -> PathBuf {
-    dir.join("grad")
-}
-
-/// This process's effective user id (who owns the boards it makes).
-pub fn this_user() -> u32 {
-    // SAFETY: geteuid(2) cannot fail.
-    unsafe { libc::geteuid() }
-}
-
-fn random_token() -> u64 {
-    use std::hash::{BuildHasher, Hash, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    std::process::id().hash(&mut h);
-    std::time::SystemTime::now().hash(&mut h);
-    h.finish() | 1
-}
-
-/// Takes an exclusive `flock` on `f` without waiting; `WouldBlock` when another open file holds it.
-fn try_lock(f: &File) -> io::Result<()> {
-    use std::os::fd::AsRawFd;
-    // SAFETY: flock(2) on a file descriptor this `File` owns.
-    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
-        Ok(())
-    } else {
-        Err(io::Error::last_os_error())
-    }
-}
-
-/// How old a board directory without an owner lock must be before it counts as abandoned:
-/// creating one takes microseconds; older ones are from a version without owner locks, or from
-/// an owner that died between `mkdir` and taking the lock.
-const UNLOCKED_GRACE: std::time::Duration = std::time::Duration::from_secs(60);
-
-/// Removes the `ps-*-pid*` board directories under `root` whose owner lock nobody holds: the
-/// lock, not the pid in the name, decides, because a process in another PID namespace (a
-/// container sharing `/dev/shm`) cannot see the owner's pid but does see its lock.
-pub fn remove_stale(root: &Path) {
-    let Ok(entries) = std::fs::read_dir(root) else {
-        return;
-    };
-    for e in entries.flatten() {
-        let name = e.file_name();
-        let ours = name
-            .to_str()
-            .is_some_and(|n| n.starts_with("ps-") && n.contains("-pid"));
-        if !ours || !e.file_type().is_ok_and(|t| t.is_dir()) {
-            continue;
-        }
-        let dir = e.path();
-        match File::open(dir.join(OWNER_LOCK)) {
-            // held while we hold it: its owner is gone and cannot come back
-            Ok(f) => {
-                if try_lock(&f).is_ok() {
-                    let _ = std::fs::remove_dir_all(&dir);
-                }
-            }
-            Err(err) if err.kind() == io::ErrorKind::NotFound => {
-                let old = e
-                    .metadata()
-                    .and_then(|m| m.modified())
-                    .ok()
-                    .and_then(|t| t.elapsed().ok())
-                    .is_some_and(|age| age > UNLOCKED_GRACE);
-                if old {
-                    let _ = std::fs::remove_dir_all(&dir);
-                }
-            }
-            Err(_) => {}
-        }
-    }
 }
 
 #[cfg(test)]

@@ -1,5 +1,7 @@
-//! Tests of the shared-memory slots and boards: torn-free reads at any length and into sinks, board headers, owner staleness, truncated files, trusted opens.
+//! Tests of the shared-memory slots and boards: torn-free reads at any length and into sinks,
+//! board headers, owner staleness, truncated files, trusted opens.
 
+use super::dir::{OWNER_LOCK, UNLOCKED_GRACE, try_lock};
 use super::*;
 
 #[test]
