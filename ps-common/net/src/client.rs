@@ -11,14 +11,19 @@
 use crate::auth::{Client, ClientSecurity};
 use crate::shm::{Board, params_path};
 use crate::sink::{PullSink, SliceSink, write_chunk};
-use crate::wire::{MAX_MESSAGE_BYTES, chunks_of};
+use crate::wire::MAX_MESSAGE_BYTES;
 pub use plane::{DATA_IDLE, Feed, FrameError, Plane};
 use plane::{Frame, PushPlane};
 
+mod chunks;
+mod error;
 mod plane;
+pub use chunks::{push_chunks, push_chunks_of, push_messages, push_messages_of, with_lease};
+use error::refused;
+pub use error::{ClientError, is_retryable_code};
 use ps_proto::pb::parameter_server_client::ParameterServerClient;
 use ps_proto::pb::{
-    ConstantsRequest, Lease, LeaveRequest, PullChunk, PullHeader, PushChunk, PushHeader, PushReply,
+    ConstantsRequest, Lease, LeaveRequest, PullChunk, PullHeader, PushHeader, PushReply,
     RegisterReply, RegisterRequest, UnusedRequest,
 };
 
@@ -27,8 +32,8 @@ pub use ps_proto::keys::{DATA_RANK_KEY, WIRE_KEY};
 use std::collections::HashMap;
 use std::path::Path;
 use std::time::{Duration, Instant};
+use tonic::Status;
 use tonic::transport::Endpoint;
-use tonic::{Code, Status};
 
 /// HTTP/2 stream window: a whole 1 MiB chunk, several times over, is in flight per stream.
 pub const STREAM_WINDOW_BYTES: u32 = 8 << 20;
@@ -94,146 +99,6 @@ async fn bounded<T>(
     }
 }
 
-/// Why a call to a shard did not succeed.
-#[derive(Debug, thiserror::Error)]
-pub enum ClientError {
-    /// No connection could be made before the deadline.
-    #[error("cannot reach shard at {addr} after {waited_secs:.0} s: {reason}")]
-    Unreachable {
-        /// The shard's address.
-        addr: String,
-        /// How long the client kept trying.
-        waited_secs: f64,
-        /// The last connection error.
-        reason: String,
-    },
-    /// The address (or the TLS set-up for it) is unusable: trying again cannot help.
-    #[error("{0}")]
-    BadAddress(#[from] crate::auth::EndpointError),
-    /// The shard (or the transport) answered a call with an error status.
-    #[error("{what}: {}", status.message())]
-    Refused {
-        /// The shard's index.
-        shard: usize,
-        /// The failed call, with the shard: "shard 0 refused registration", "pull of version 3
-        /// from shard 0 failed", ...
-        what: String,
-        /// The status, with the code mapped from the server's `PsError`.
-        status: Status,
-    },
-    /// The request could not be completed on this side: the pieces of a progressive push
-    /// stopped before they covered its range (the gradient's computation failed).
-    #[error("{0}")]
-    Incomplete(String),
-    /// The shard did not answer a call within the client's deadline ([`call_deadline`]): a
-    /// shard that is stopped, frozen or cut off. Not retried: a live shard answers sooner.
-    #[error(
-        "shard {shard} at {addr} did not answer {what} within {waited_secs:.0} s (the worker's deadline: the longest a live shard holds a call, max([server] pull_timeout_secs, 2 x barrier_timeout_secs), + [worker] deadline_margin_secs = {margin_secs} s)"
-    )]
-    NoAnswer {
-        /// The shard's index.
-        shard: usize,
-        /// Its address.
-        addr: String,
-        /// The call ("the pull of version 3").
-        what: String,
-        /// The deadline, s.
-        waited_secs: f64,
-        /// The margin in it, s (`[worker] deadline_margin_secs`).
-        margin_secs: f64,
-    },
-    /// A progressive push's deadline ([`call_deadline`]) passed while the backward pass that
-    /// feeds it had not handed over the whole range: the worker's computation stalled, not
-    /// (necessarily) the shard. Not retried.
-    #[error(
-        "the push of step {step} to shard {shard}: the backward pass feeding it handed over {got} of {total} bytes within {waited_secs:.0} s (none for the last {idle_secs:.0} s; the worker's deadline: max([server] pull_timeout_secs, 2 x barrier_timeout_secs) + [worker] deadline_margin_secs = {margin_secs} s)"
-    )]
-    FeedStalled {
-        /// The shard's index.
-        shard: usize,
-        /// The step pushed.
-        step: u64,
-        /// Bytes of the range handed over.
-        got: usize,
-        /// Bytes of the range.
-        total: usize,
-        /// The deadline, s.
-        waited_secs: f64,
-        /// Time since the last piece, s.
-        idle_secs: f64,
-        /// The margin in the deadline, s (`[worker] deadline_margin_secs`).
-        margin_secs: f64,
-    },
-    /// The shard answered, but not as the contract says (or not what this client expects).
-    #[error("shard {shard}: {message}")]
-    BadReply {
-        /// The shard's index.
-        shard: usize,
-        /// What was wrong.
-        message: String,
-    },
-}
-
-fn refused(shard: usize, what: String) -> impl FnOnce(Status) -> ClientError {
-    move |status| ClientError::Refused {
-        shard,
-        what,
-        status: name_transport_failure(status),
-    }
-}
-
-/// A transport failure (a status the shard did not send: the connection failed under the call)
-/// with its kind in words (`crate::neterr::kind`) before tonic's "transport error"; the code is
-/// kept, so retrying decides as before.
-fn name_transport_failure(status: Status) -> Status {
-    if !is_retryable_code(status.code()) {
-        return status;
-    }
-    let text = crate::neterr::chain(&status);
-    match crate::neterr::kind(&text) {
-        Some(k) if !status.message().starts_with(k) => {
-            Status::new(status.code(), format!("{k} ({})", status.message()))
-        }
-        _ => status,
-    }
-}
-
-/// Whether a call that failed with `code` may succeed if made again unchanged: the shard
-/// stopping or not yet serving (`Unavailable`, see `PsError::Unavailable`), its memory budget
-/// full for now (`ResourceExhausted`, `PsError::OverBudget`) and transport failures that tonic
-/// reports as `Unknown` or `Cancelled` (a connection reset mid-stream). Every other code is a
-/// refusal of the request itself (`PsError::code`), the same each time.
-pub fn is_retryable_code(code: Code) -> bool {
-    matches!(
-        code,
-        Code::Unavailable | Code::ResourceExhausted | Code::Unknown | Code::Cancelled
-    )
-}
-
-impl ClientError {
-    /// The status code of a refusal (None for the other errors).
-    pub fn code(&self) -> Option<Code> {
-        match self {
-            ClientError::Refused { status, .. } => Some(status.code()),
-            _ => None,
-        }
-    }
-
-    /// Whether the same call may succeed later: an unreachable shard, or a refusal with a
-    /// retryable code ([`is_retryable_code`]); never a bad address or a malformed reply.
-    pub fn is_retryable(&self) -> bool {
-        match self {
-            ClientError::Unreachable { .. } => true,
-            ClientError::Refused { status, .. } => is_retryable_code(status.code()),
-            ClientError::BadAddress(_)
-            | ClientError::NoAnswer { .. }
-            | ClientError::FeedStalled { .. }
-            | ClientError::BadReply { .. }
-            | ClientError::Incomplete(_) => false,
-        }
-    }
-}
-
 /// The endpoint of the shard at `addr` with the flow-control windows and frame size used by
 /// every client of the project, TLS when `security` has it.
 pub fn endpoint(
@@ -247,82 +112,6 @@ pub fn endpoint(
         .tcp_nodelay(true)
         .max_frame_size(MAX_FRAME_BYTES)
         .connect_timeout(CONNECT_ATTEMPT))
-}
-
-/// The chunks of one push: `header` on the first, then `bytes` (little-endian f32) in
-/// `chunk_bytes` pieces with their offsets; one chunk with no data when `bytes` is empty. The
-/// header is not checked against the data: tests build malformed pushes with it.
-pub fn push_chunks(header: PushHeader, bytes: &Bytes, chunk_bytes: usize) -> Vec<PushChunk> {
-    push_chunks_of(header, bytes, chunk_bytes, 4)
-}
-
-/// [`push_chunks`] for values of `value_bytes` bytes each (2 for bfloat16).
-pub fn push_chunks_of(
-    header: PushHeader,
-    bytes: &Bytes,
-    chunk_bytes: usize,
-    value_bytes: usize,
-) -> Vec<PushChunk> {
-    let mut msgs: Vec<PushChunk> = chunks_of(bytes, chunk_bytes, value_bytes)
-        .enumerate()
-        .map(|(i, (offset, data))| PushChunk {
-            header: (i == 0).then_some(header),
-            offset,
-            data,
-            lease: None,
-        })
-        .collect();
-    if msgs.is_empty() {
-        // no data (a shared-memory push): the header alone
-        msgs.push(PushChunk {
-            header: Some(header),
-            offset: 0,
-            data: Bytes::new(),
-            lease: None,
-        });
-    }
-    msgs
-}
-
-/// The chunks a worker sends for one push: the header alone first, then `bytes` in
-/// `chunk_bytes` pieces. A shard reads the header before it is this push's turn, and the data
-/// only then: sent apart, none of the data waits in the shard's memory meanwhile.
-pub fn push_messages(header: PushHeader, bytes: &Bytes, chunk_bytes: usize) -> Vec<PushChunk> {
-    push_messages_of(header, bytes, chunk_bytes, 4)
-}
-
-/// [`push_messages`] for values of `value_bytes` bytes each (2 with `[cluster] wire = "bf16"`).
-pub fn push_messages_of(
-    header: PushHeader,
-    bytes: &Bytes,
-    chunk_bytes: usize,
-    value_bytes: usize,
-) -> Vec<PushChunk> {
-    let mut msgs = vec![PushChunk {
-        header: Some(header),
-        offset: 0,
-        data: Bytes::new(),
-        lease: None,
-    }];
-    if !bytes.is_empty() {
-        msgs.extend(
-            chunks_of(bytes, chunk_bytes, value_bytes).map(|(offset, data)| PushChunk {
-                header: None,
-                offset,
-                data,
-                lease: None,
-            }),
-        );
-    }
-    msgs
-}
-
-/// `msgs` (a push's chunks) with `lease` on the first: the lease the pushing rank presents.
-pub fn with_lease(mut msgs: Vec<PushChunk>, lease: Option<Lease>) -> Vec<PushChunk> {
-    if let Some(first) = msgs.first_mut() {
-        first.lease = lease;
-    }
-    msgs
 }
 
 /// The pieces of a progressive push ([`ShardClient::push_progressive`]): each its offset in
@@ -1048,122 +837,4 @@ impl ShmLink {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use ps_proto::PsError;
-
-    #[test]
-    fn retryable_only_where_the_same_call_can_succeed() {
-        let refusal = |e: PsError| refused(0, "shard 0 refused x".into())(e.into());
-        assert!(refusal(PsError::Unavailable("stopping".into())).is_retryable());
-        assert!(refusal(PsError::OverBudget("partial messages".into())).is_retryable());
-        assert!(
-            refusal(PsError::Unavailable("stopping".into()))
-                .to_string()
-                .starts_with("shard 0 refused x: stopping")
-        );
-        for e in [
-            PsError::NonFinite {
-                index: 1,
-                value: f32::NAN,
-            },
-            PsError::StaleStep {
-                step: 1,
-                expected: 2,
-            },
-            PsError::Conflict { rank: 0, step: 1 },
-            PsError::Timeout("barrier".into()),
-            PsError::Unauthenticated("request".into()),
-            // a failed run: a retry would only meet the same refusal (or a shard gone)
-            PsError::RunFailed("rank 1 stopped on an error".into()),
-        ] {
-            let code = e.code();
-            let e = refusal(e);
-            assert!(!e.is_retryable(), "{e}");
-            assert_eq!(e.code(), Some(code));
-        }
-        let transport = refused(0, "x".into())(Status::unknown("connection reset"));
-        assert!(transport.is_retryable());
-        let bad = ClientError::BadReply {
-            shard: 1,
-            message: "empty pull reply".into(),
-        };
-        assert!(!bad.is_retryable() && bad.code().is_none());
-        assert_eq!(bad.to_string(), "shard 1: empty pull reply");
-    }
-
-    #[test]
-    fn push_chunks_carry_the_header_once_and_offsets_in_values() {
-        let h = PushHeader {
-            step: 3,
-            len: 5,
-            ..Default::default()
-        };
-        let bytes = crate::wire::f32_to_bytes(&[1.0, 2.0, 3.0, 4.0, 5.0]);
-        let msgs = push_chunks(h, &bytes, 8);
-        assert_eq!(msgs.len(), 3);
-        assert_eq!(msgs[0].header, Some(h));
-        assert!(msgs[1..].iter().all(|m| m.header.is_none()));
-        let offsets: Vec<u64> = msgs.iter().map(|m| m.offset).collect();
-        assert_eq!(offsets, [0, 2, 4]);
-        assert_eq!(msgs[2].data.len(), 4);
-        let alone = push_chunks(h, &Bytes::new(), 8);
-        assert_eq!(
-            alone.len(),
-            1,
-            "a header alone (shared memory) is one chunk"
-        );
-        assert!(alone[0].data.is_empty() && alone[0].header.is_some());
-        // what workers send: the header alone, then the data
-        let msgs = push_messages(h, &bytes, 8);
-        assert_eq!(msgs.len(), 4);
-        assert!(msgs[0].header == Some(h) && msgs[0].data.is_empty());
-        assert!(msgs[1..].iter().all(|m| m.header.is_none()));
-        let offsets: Vec<u64> = msgs[1..].iter().map(|m| m.offset).collect();
-        assert_eq!(offsets, [0, 2, 4]);
-        assert_eq!(push_messages(h, &Bytes::new(), 8).len(), 1);
-    }
-
-    #[tokio::test]
-    async fn an_unreachable_shard_is_said_after_the_patience() {
-        // a port nobody listens on: bind, read the port, close
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let addr = format!("127.0.0.1:{port}");
-        let t0 = Instant::now();
-        let e = ShardClient::connect(
-            2,
-            &addr,
-            &ClientSecurity::default(),
-            Duration::from_millis(300),
-        )
-        .await
-        .unwrap_err();
-        assert!(
-            t0.elapsed() >= Duration::from_millis(300),
-            "retried until the patience ran out"
-        );
-        assert!(matches!(e, ClientError::Unreachable { .. }), "{e}");
-        assert!(
-            e.to_string()
-                .starts_with(&format!("cannot reach shard at {addr}")),
-            "{e}"
-        );
-        assert!(e.is_retryable());
-        assert!(
-            e.to_string()
-                .contains("connection refused: nothing listens"),
-            "the kind of failure is named: {e}"
-        );
-        let e = ShardClient::connect(0, "no port", &ClientSecurity::default(), Duration::ZERO)
-            .await
-            .unwrap_err();
-        assert!(
-            matches!(e, ClientError::BadAddress(_)) && !e.is_retryable(),
-            "{e}"
-        );
-    }
-}
+mod tests;
