@@ -4,7 +4,8 @@
 // a summary line "CUDA-HARNESS: ..." at exit. The real Rust host code (cuda.rs, model.rs,
 // cudarc's argument marshalling) and the real NVRTC run against it; kernels run as the real
 // ps-worker/src/cuda/kernels.cu source compiled here for the CPU (simt.h: one fiber per CUDA
-// thread, barriers and warp shuffles emulated), sgemm as a reference column-major loop.
+// thread, barriers and warp shuffles emulated), sgemm (single and strided-batched) as a reference
+// column-major loop.
 //
 // Checks (each failure prints "CUDA-HARNESS-ERROR: ..." and makes the process exit with 86):
 //  - every device buffer is its own mmap with a PROT_NONE page right after its last byte (and
@@ -613,43 +614,68 @@ int cublasDestroy_v2(Handle *h) { delete h; return 0; }
 int cublasSetStream_v2(Handle *h, void *s) { h->stream = s; return 0; }
 int cublasSetMathMode(Handle *h, int m) { h->math = m; return 0; }
 int cublasGetMathMode(Handle *h, int *m) { *m = h->math; return 0; }
-int cublasSgemm_v2(Handle *h, int ta, int tb, int m, int n, int k, const float *alpha, const float *A, int lda,
-                   const float *B, int ldb, const float *beta, float *C, int ldc) {
+// One call of `count` column-major products C[b] = alpha op(A[b]) op(B[b]) + beta C[b], A[b] at
+// A + b * sa (likewise B, C; a stride of 0 reuses one matrix), checked as cuBLAS checks them
+// and run in order on the handle's stream: cublasSgemm_v2 is the batch of one.
+static int sgemm_batch(const char *what, Handle *h, int ta, int tb, int m, int n, int k, const float *alpha,
+                       const float *A, int lda, long long sa, const float *B, int ldb, long long sb,
+                       const float *beta, float *C, int ldc, long long sc, int count) {
   std::lock_guard<std::recursive_mutex> l(mu);
-  need_ctx("cublasSgemm_v2");
+  need_ctx(what);
   ++sgemms;
-  if (h->math != 0) err("sgemm with math mode %d (not CUBLAS_DEFAULT_MATH)", h->math);
-  if ((ta != 0 && ta != 1) || (tb != 0 && tb != 1)) { err("sgemm: operation %d/%d is neither N nor T", ta, tb); return 7; }
-  if (m < 0 || n < 0 || k < 0) { err("sgemm negative size"); return 7; }
+  if (h->math != 0) err("%s with math mode %d (not CUBLAS_DEFAULT_MATH)", what, h->math);
+  if ((ta != 0 && ta != 1) || (tb != 0 && tb != 1)) { err("%s: operation %d/%d is neither N nor T", what, ta, tb); return 7; }
+  if (m < 0 || n < 0 || k < 0 || count < 0 || sa < 0 || sb < 0 || sc < 0) { err("%s negative size or stride", what); return 7; }
   int arows = ta == 0 ? m : k, acols = ta == 0 ? k : m;
   int brows = tb == 0 ? k : n, bcols = tb == 0 ? n : k;
   if (lda < std::max(1, arows) || ldb < std::max(1, brows) || ldc < std::max(1, m)) {
-    err("sgemm BLAS rule: m %d n %d k %d ta %d tb %d lda %d ldb %d ldc %d", m, n, k, ta, tb, lda, ldb, ldc); return 7;
+    err("%s BLAS rule: m %d n %d k %d ta %d tb %d lda %d ldb %d ldc %d", what, m, n, k, ta, tb, lda, ldb, ldc); return 7;
   }
-  if (m == 0 || n == 0) return 0;
-  if (k > 0) {
-    in_live(A, ((size_t)(acols - 1) * lda + arows) * 4, "sgemm A");
-    in_live(B, ((size_t)(bcols - 1) * ldb + brows) * 4, "sgemm B");
+  if (m == 0 || n == 0 || count == 0) return 0;
+  const size_t csize = (size_t)(n - 1) * ldc + m;
+  // results of a batch may not overlap (cuBLAS computes them in parallel)
+  if (count > 1 && (size_t)sc < csize) { err("%s: results %lld apart overlap (each spans %zu)", what, sc, csize); return 7; }
+  for (int b = 0; b < count; ++b) {
+    if (k > 0) {
+      in_live(A + b * sa, ((size_t)(acols - 1) * lda + arows) * 4, "sgemm A");
+      in_live(B + b * sb, ((size_t)(bcols - 1) * ldb + brows) * 4, "sgemm B");
+    }
+    in_live(C + b * sc, csize * 4, "sgemm C");
   }
-  in_live(C, ((size_t)(n - 1) * ldc + m) * 4, "sgemm C");
   // CUDA_HARNESS_FAULT=sgemm: a broken sgemm that drops the last term of every inner product
   // (zero weights cannot tell); for the test that the start-up self-test catches it
   const char *fault = getenv("CUDA_HARNESS_FAULT");
   const int kk = fault && !std::strcmp(fault, "sgemm") && k > 1 ? k - 1 : k;
   const float al = *alpha, be = *beta;
-  enqueue(need_stream(h->stream, "cublasSgemm_v2"), [=] {
-  for (int j = 0; j < n; ++j)
-    for (int i = 0; i < m; ++i) {
-      float s = 0;
-      for (int p = 0; p < kk; ++p) {
-        float a = ta == 0 ? A[i + (size_t)p * lda] : A[p + (size_t)i * lda];
-        float b = tb == 0 ? B[p + (size_t)j * ldb] : B[j + (size_t)p * ldb];
-        s += a * b;
+  enqueue(need_stream(h->stream, what), [=] {
+  for (int b = 0; b < count; ++b) {
+    const float *Ab = A + b * sa, *Bb = B + b * sb;
+    float *Cb = C + b * sc;
+    for (int j = 0; j < n; ++j)
+      for (int i = 0; i < m; ++i) {
+        float s = 0;
+        for (int p = 0; p < kk; ++p) {
+          float a = ta == 0 ? Ab[i + (size_t)p * lda] : Ab[p + (size_t)i * lda];
+          float bv = tb == 0 ? Bb[p + (size_t)j * ldb] : Bb[j + (size_t)p * ldb];
+          s += a * bv;
+        }
+        float &c = Cb[i + (size_t)j * ldc];
+        c = al * s + (be == 0.0f ? 0.0f : be * c);
       }
-      float &c = C[i + (size_t)j * ldc];
-      c = al * s + (be == 0.0f ? 0.0f : be * c);
-    }
+  }
   });
   return 0;
 }
+int cublasSgemm_v2(Handle *h, int ta, int tb, int m, int n, int k, const float *alpha, const float *A, int lda,
+                   const float *B, int ldb, const float *beta, float *C, int ldc) {
+  return sgemm_batch("cublasSgemm_v2", h, ta, tb, m, n, k, alpha, A, lda, 0, B, ldb, 0, beta, C, ldc, 0, 1);
+}
+int cublasSgemmStridedBatched(Handle *h, int ta, int tb, int m, int n, int k, const float *alpha, const float *A,
+                              int lda, long long sa, const float *B, int ldb, long long sb, const float *beta,
+                              float *C, int ldc, long long sc, int count) {
+  return sgemm_batch("cublasSgemmStridedBatched", h, ta, tb, m, n, k, alpha, A, lda, sa, B, ldb, sb, beta, C, ldc,
+                     sc, count);
+}
+// cuBLAS calls (one per product or per batch of products) so far
+long cuda_harness_sgemm_calls() { std::lock_guard<std::recursive_mutex> l(mu); return sgemms; }
 }

@@ -7,7 +7,7 @@ use crate::backend::Backend;
 use crate::backend::{BackendError, BackendResult, StepStats};
 use crate::model::Mlp;
 pub(crate) use crate::ops::check_len;
-use crate::ops::{ConvGeom, Device, Mat, check_pool};
+use crate::ops::{ConvGeom, Device, Mat, Strides, check_pool};
 use ndarray::linalg::general_mat_mul;
 use ndarray::{ArrayView2, ArrayViewMut2};
 use ps_model::layout::{MlpLayout, ModelLayout};
@@ -166,6 +166,39 @@ impl Device for CpuDevice {
 
     fn gemm_acc(&mut self, a: Mat<&[f32]>, b: Mat<&[f32]>, c: &mut [f32]) -> BackendResult<()> {
         gemm_beta(a, b, c, 1.0)
+    }
+
+    fn gemm_batched(
+        &mut self,
+        a: Mat<&[f32]>,
+        b: Mat<&[f32]>,
+        c: &mut [f32],
+        s: Strides,
+    ) -> BackendResult<()> {
+        let (m, _, n) = s.check(&a, a.data.len(), &b, b.data.len(), c.len(), false)?;
+        for i in 0..s.count {
+            let (ai, bi) = (nth(&a, i, s.a), nth(&b, i, s.b));
+            gemm_beta(ai, bi, &mut c[i * s.c..i * s.c + m * n], 0.0)?;
+        }
+        Ok(())
+    }
+
+    fn gemm_batched_sum(
+        &mut self,
+        a: Mat<&[f32]>,
+        b: Mat<&[f32]>,
+        c: &mut [f32],
+        s: Strides,
+    ) -> BackendResult<()> {
+        s.check(&a, a.data.len(), &b, b.data.len(), c.len(), true)?;
+        if s.count == 0 {
+            c.fill(0.0);
+        }
+        for i in 0..s.count {
+            let beta = if i == 0 { 0.0 } else { 1.0 };
+            gemm_beta(nth(&a, i, s.a), nth(&b, i, s.b), c, beta)?;
+        }
+        Ok(())
     }
 
     fn channel_bias_act(
@@ -428,6 +461,16 @@ impl Device for CpuDevice {
 }
 
 /// `c = a · b + beta c`, on the calling thread (matrixmultiply's threads).
+/// Matrix `i` of a strided batch whose matrices are `stride` apart in `m`'s data (the lengths
+/// were checked by [`Strides::check`]).
+fn nth<'a>(m: &Mat<&'a [f32]>, i: usize, stride: usize) -> Mat<&'a [f32]> {
+    let start = i * stride;
+    Mat {
+        data: &m.data[start..start + m.rows * m.cols],
+        ..*m
+    }
+}
+
 fn gemm_beta(a: Mat<&[f32]>, b: Mat<&[f32]>, c: &mut [f32], beta: f32) -> BackendResult<()> {
     let (m, k) = a.dim();
     let (k2, n) = b.dim();
@@ -699,6 +742,83 @@ mod tests {
         assert!(
             e.to_string()
                 .contains("the pooling's output holds 3 values: expected 2"),
+            "{e}"
+        );
+    }
+
+    /// A strided batch of products on the CPU is the products one by one, bit for bit (a
+    /// shared left matrix, a transposed right one, gaps between results left as they were);
+    /// the batched sum is the first product then each next one added, in order, bit for bit
+    /// (the CNN's weight gradient as it was computed before batching); an empty sum is zero;
+    /// a wrong length is a `Shape` error naming the operand.
+    #[test]
+    fn strided_batches_are_the_products_one_by_one() {
+        let mut d = CpuDevice::new(1);
+        let (m, k, n, count, gap) = (3, 4, 5, 3, 2);
+        let s = Strides {
+            count,
+            a: 0,
+            b: k * n + gap,
+            c: m * n + gap,
+        };
+        let v = |seed: u64, len: usize| -> Vec<f32> {
+            (0..len as u64)
+                .map(|i| {
+                    (ps_model::layout::splitmix64(seed * 977 + i) % 2001) as f32 / 1000.0 - 1.0
+                })
+                .collect()
+        };
+        let a = v(1, m * k);
+        let b = v(2, s.extent(s.b, k * n));
+        let mut got = vec![7.0; s.extent(s.c, m * n)];
+        d.gemm_batched(Mat::new(&a[..], m, k), Mat::new(&b[..], k, n), &mut got, s)
+            .unwrap();
+        let mut sum = vec![f32::NAN; m * n];
+        for i in 0..count {
+            let bi = Mat::new(&b[i * s.b..i * s.b + k * n], k, n);
+            let mut want = vec![0.0; m * n];
+            d.gemm(Mat::new(&a[..], m, k), bi, &mut want).unwrap();
+            assert_eq!(&got[i * s.c..i * s.c + m * n], &want[..], "product {i}");
+            if i + 1 < count {
+                assert_eq!(&got[i * s.c + m * n..(i + 1) * s.c], &[7.0; 2], "gap {i}");
+            }
+            let bi = Mat::new(&b[i * s.b..i * s.b + k * n], k, n);
+            match i {
+                0 => d.gemm(Mat::new(&a[..], m, k), bi, &mut sum).unwrap(),
+                _ => d.gemm_acc(Mat::new(&a[..], m, k), bi, &mut sum).unwrap(),
+            }
+        }
+        let mut got_sum = vec![f32::NAN; m * n];
+        d.gemm_batched_sum(
+            Mat::new(&a[..], m, k),
+            Mat::new(&b[..], k, n),
+            &mut got_sum,
+            s,
+        )
+        .unwrap();
+        assert_eq!(
+            got_sum.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            sum.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+        );
+        let none = Strides { count: 0, ..s };
+        d.gemm_batched_sum(
+            Mat::new(&a[..0], m, k),
+            Mat::new(&b[..0], k, n),
+            &mut got_sum,
+            none,
+        )
+        .unwrap();
+        assert!(got_sum.iter().all(|&x| x == 0.0));
+        let e = d
+            .gemm_batched_sum(
+                Mat::new(&a[..], m, k),
+                Mat::new(&b[1..], k, n),
+                &mut got_sum,
+                s,
+            )
+            .unwrap_err();
+        assert!(
+            matches!(e, BackendError::Shape(_)) && e.to_string().contains("right matrices"),
             "{e}"
         );
     }

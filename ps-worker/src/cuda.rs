@@ -16,6 +16,7 @@
 //! Submodules: `compile` (compiling and loading the kernels), `ops` ([`Device`] for
 //! [`CudaDevice`]), `dma` (host memory registered for the GPU's DMA).
 
+mod batched;
 mod compile;
 mod dma;
 mod ops;
@@ -387,6 +388,8 @@ pub struct CudaDevice {
     /// Pinned host memory of [`Device::staging`]: the weights a pull writes, uploaded from
     /// there piece by piece while the rest arrives.
     weight_staging: Option<PinnedHostSlice<f32>>,
+    /// Scratch memory of the batched sums (a convolution's weight gradient).
+    sum_scratch: batched::SumScratch,
     /// The copies between host and device queued since the last [`Device::take_copy_times`],
     /// each between two timing events, and the times of those already read.
     copy_spans: Vec<CopySpan>,
@@ -789,6 +792,7 @@ impl CudaDevice {
             direct: HashMap::new(),
             registered: Default::default(),
             weight_staging: None,
+            sum_scratch: Default::default(),
             copy_spans: Vec::new(),
             copy_times: CopyTimes::default(),
             spare_events: Vec::new(),

@@ -16,7 +16,7 @@
 
 use crate::backend::{Backend, BackendError, BackendResult, StepStats, check_shapes};
 use crate::gate::{PullGate, Source};
-use crate::ops::{ConvGeom, Device, Mat};
+use crate::ops::{ConvGeom, Device, Mat, Strides};
 use ps_config::LossReduction;
 use ps_model::layout::{CnnLayout, MlpLayout, ModelLayout};
 use std::ops::Range;
@@ -882,8 +882,8 @@ struct Stage<D: Device> {
     dy: D::Buf,
 }
 
-/// The CNN's computation: convolution stages (im2col, one product per sample with the weight
-/// `[out, c * k * k]`, per-channel bias and ReLU, 2x2 max-pooling), then the linear layers of
+/// The CNN's computation: convolution stages (im2col, the products of every sample with the
+/// weight `[out, c * k * k]` as one strided batch, per-channel bias and ReLU, 2x2 max-pooling), then the linear layers of
 /// an [`MlpNet`] over the flattened pooled features (NCHW order, as `torch.flatten`).
 pub struct CnnNet<D: Device> {
     layout: CnnLayout,
@@ -980,18 +980,18 @@ impl<D: Device> Net<D> for CnnNet<D> {
                 let y = D::view(&before[s - 1].y, 0..n * g.input_len());
                 dev.im2col(y, cols, n, g)?;
             }
-            // z[b] [out, plane] = W [out, c k k] · cols[b] [c k k, plane]
-            for b in 0..n {
-                dev.gemm(
-                    Mat::new(D::view(w, wr.clone()), out, ckk),
-                    Mat::new(
-                        D::view(&st.cols, b * ckk * plane..(b + 1) * ckk * plane),
-                        ckk,
-                        plane,
-                    ),
-                    D::view_mut(&mut st.z, b * out * plane..(b + 1) * out * plane),
-                )?;
-            }
+            // z[b] [out, plane] = W [out, c k k] · cols[b] [c k k, plane], for every b at once
+            dev.gemm_batched(
+                Mat::new(D::view(w, wr.clone()), out, ckk),
+                Mat::new(D::view(&st.cols, 0..n * ckk * plane), ckk, plane),
+                D::view_mut(&mut st.z, 0..n * out * plane),
+                Strides {
+                    count: n,
+                    a: 0,
+                    b: ckk * plane,
+                    c: out * plane,
+                },
+            )?;
             dev.channel_bias_act(
                 D::view_mut(&mut st.z, 0..n * out * plane),
                 D::view(w, br),
@@ -1072,40 +1072,32 @@ impl<D: Device> Net<D> for CnnNet<D> {
                 D::sub_mut(grad, br.clone()),
             )?;
             // dW [out, c k k] = sum over b of dz[b] [out, plane] · cols[b]ᵀ [plane, c k k]
-            for b in 0..n {
-                let dz = Mat::new(
-                    D::view(&st.dz, b * out * plane..(b + 1) * out * plane),
-                    out,
-                    plane,
-                );
-                let cols = Mat::new(
-                    D::view(&st.cols, b * ckk * plane..(b + 1) * ckk * plane),
-                    ckk,
-                    plane,
-                )
-                .t();
-                let dw = D::sub_mut(grad, wr.clone());
-                if b == 0 {
-                    dev.gemm(dz, cols, dw)?;
-                } else {
-                    dev.gemm_acc(dz, cols, dw)?;
-                }
-            }
+            dev.gemm_batched_sum(
+                Mat::new(D::view(&st.dz, 0..n * out * plane), out, plane),
+                Mat::new(D::view(&st.cols, 0..n * ckk * plane), ckk, plane).t(),
+                D::sub_mut(grad, wr.clone()),
+                Strides {
+                    count: n,
+                    a: out * plane,
+                    b: ckk * plane,
+                    c: 0,
+                },
+            )?;
             ready(dev, wr.start..br.end, grad)?;
             if s > 0 {
                 // d cols[b] [c k k, plane] = Wᵀ · dz[b], into the column buffer, then summed
                 // back onto the previous stage's pooled output
-                for b in 0..n {
-                    dev.gemm(
-                        Mat::new(D::view(w, wr.clone()), out, ckk).t(),
-                        Mat::new(
-                            D::view(&st.dz, b * out * plane..(b + 1) * out * plane),
-                            out,
-                            plane,
-                        ),
-                        D::view_mut(&mut st.cols, b * ckk * plane..(b + 1) * ckk * plane),
-                    )?;
-                }
+                dev.gemm_batched(
+                    Mat::new(D::view(w, wr.clone()), out, ckk).t(),
+                    Mat::new(D::view(&st.dz, 0..n * out * plane), out, plane),
+                    D::view_mut(&mut st.cols, 0..n * ckk * plane),
+                    Strides {
+                        count: n,
+                        a: 0,
+                        b: out * plane,
+                        c: ckk * plane,
+                    },
+                )?;
                 dev.col2im(
                     D::view(&st.cols, 0..n * ckk * plane),
                     D::view_mut(&mut before[s - 1].dy, 0..n * g.input_len()),
@@ -1261,6 +1253,24 @@ mod tests {
         }
         fn gemm_acc(&mut self, a: Mat<&[f32]>, b: Mat<&[f32]>, c: &mut [f32]) -> BackendResult<()> {
             self.0.gemm_acc(a, b, c)
+        }
+        fn gemm_batched(
+            &mut self,
+            a: Mat<&[f32]>,
+            b: Mat<&[f32]>,
+            c: &mut [f32],
+            s: Strides,
+        ) -> BackendResult<()> {
+            self.0.gemm_batched(a, b, c, s)
+        }
+        fn gemm_batched_sum(
+            &mut self,
+            a: Mat<&[f32]>,
+            b: Mat<&[f32]>,
+            c: &mut [f32],
+            s: Strides,
+        ) -> BackendResult<()> {
+            self.0.gemm_batched_sum(a, b, c, s)
         }
         fn channel_bias_act(
             &mut self,

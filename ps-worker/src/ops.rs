@@ -1,6 +1,6 @@
 //! The operations a model needs from a device: buffers, upload and download, matrix products
-//! with transposes (overwriting or accumulating), bias and activation (per column or per
-//! channel), the ReLU backward mask, softmax cross-entropy, the bias gradients, and the
+//! with transposes (overwriting or accumulating, one at a time or a strided batch of them per
+//! call), bias and activation (per column or per channel), the ReLU backward mask, softmax cross-entropy, the bias gradients, and the
 //! convolution's column matrices and 2x2 max-pooling. A model ([`crate::model`]: the MLP and
 //! the CNN) is written once over this trait; the CPU
 //! ([`crate::cpu::CpuDevice`]) and CUDA ([`crate::cuda::CudaDevice`]) devices implement it.
@@ -98,6 +98,71 @@ impl<V> Mat<V> {
         } else {
             (self.rows, self.cols)
         }
+    }
+}
+
+/// `count` products of the same shapes made by one call (cuBLAS's strided batch): product `i`
+/// reads its left matrix at offset `i * a` of the left operand's data (0: one matrix for all
+/// the products, such as a convolution's weight), its right matrix at `i * b`, and writes its
+/// result at `i * c` (unused by [`Device::gemm_batched_sum`]). A convolution over a batch is
+/// three such calls, whatever the batch size, instead of one product per sample.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Strides {
+    /// Products.
+    pub count: usize,
+    /// Offset between the left matrices.
+    pub a: usize,
+    /// Offset between the right matrices.
+    pub b: usize,
+    /// Offset between the results.
+    pub c: usize,
+}
+
+impl Strides {
+    /// The values an operand of `count` matrices of `size` values, `stride` apart, spans:
+    /// exactly what its data must hold.
+    pub fn extent(&self, stride: usize, size: usize) -> usize {
+        match self.count {
+            0 => 0,
+            n => (n - 1) * stride + size,
+        }
+    }
+
+    /// Checks a batch of products `op(a) [m, k] · op(b) [k, n]` and its operands' lengths (`c`:
+    /// the result's, `sum`: one `[m, n]` result for the whole batch); `(m, k, n)`.
+    pub fn check<V, W>(
+        &self,
+        a: &Mat<V>,
+        a_len: usize,
+        b: &Mat<W>,
+        b_len: usize,
+        c_len: usize,
+        sum: bool,
+    ) -> BackendResult<(usize, usize, usize)> {
+        let (m, k) = a.dim();
+        let (k2, n) = b.dim();
+        if k != k2 {
+            return Err(BackendError::Shape(format!(
+                "batched product of [{m}, {k}] and [{k2}, {n}]"
+            )));
+        }
+        check_len(
+            "a batched product's left matrices",
+            a_len,
+            self.extent(self.a, m * k),
+        )?;
+        check_len(
+            "a batched product's right matrices",
+            b_len,
+            self.extent(self.b, k * n),
+        )?;
+        let c_want = if sum {
+            m * n
+        } else {
+            self.extent(self.c, m * n)
+        };
+        check_len("a batched product's result", c_len, c_want)?;
+        Ok((m, k, n))
     }
 }
 
@@ -298,6 +363,25 @@ pub trait Device: Send {
         a: Mat<Self::View<'_>>,
         b: Mat<Self::View<'_>>,
         c: Self::ViewMut<'_>,
+    ) -> BackendResult<()>;
+    /// `c[i] = a[i] · b[i]` for each of the `s.count` products (see [`Strides`]; results may
+    /// not overlap).
+    fn gemm_batched(
+        &mut self,
+        a: Mat<Self::View<'_>>,
+        b: Mat<Self::View<'_>>,
+        c: Self::ViewMut<'_>,
+        s: Strides,
+    ) -> BackendResult<()>;
+    /// `c = Σ_i a[i] · b[i]` over the `s.count` products (`c` `[m, n]` overwritten; zero when
+    /// there are none): a convolution's weight gradient over the samples of a batch. A host
+    /// device sums in the order of `i`.
+    fn gemm_batched_sum(
+        &mut self,
+        a: Mat<Self::View<'_>>,
+        b: Mat<Self::View<'_>>,
+        c: Self::ViewMut<'_>,
+        s: Strides,
     ) -> BackendResult<()>;
     /// `z[r, c] += bias[c]` over `[rows, cols]`, then ReLU when `relu`.
     fn bias_act(

@@ -7,7 +7,7 @@ use super::{
 };
 use crate::backend::{BackendError, BackendResult, StepStats};
 use crate::cpu::{check_len, check_rows};
-use crate::ops::{ConvGeom, CopyTimes, Device, Mat, check_pool};
+use crate::ops::{ConvGeom, CopyTimes, Device, Mat, Strides, check_pool};
 use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, PushKernelArg};
 use std::ops::Range;
 use std::sync::Arc;
@@ -281,6 +281,26 @@ impl Device for CudaDevice {
         c: CudaViewMut<'_, f32>,
     ) -> BackendResult<()> {
         self.gemm_beta(a, b, c, 1.0)
+    }
+
+    fn gemm_batched(
+        &mut self,
+        a: Mat<CudaView<'_, f32>>,
+        b: Mat<CudaView<'_, f32>>,
+        c: CudaViewMut<'_, f32>,
+        s: Strides,
+    ) -> BackendResult<()> {
+        self.strided_products(a, b, c, s)
+    }
+
+    fn gemm_batched_sum(
+        &mut self,
+        a: Mat<CudaView<'_, f32>>,
+        b: Mat<CudaView<'_, f32>>,
+        c: CudaViewMut<'_, f32>,
+        s: Strides,
+    ) -> BackendResult<()> {
+        self.strided_sum(a, b, c, s)
     }
 
     fn channel_bias_act(

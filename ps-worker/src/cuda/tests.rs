@@ -235,3 +235,62 @@ fn no_gpu_is_an_error_not_a_panic() {
         Err(e) => assert!(!e.to_string().contains('\n'), "{e}"),
     }
 }
+
+/// A batched sum whose partial products exceed the scratch limit is summed chunk by chunk
+/// (here 8 products in chunks of 3, 3 and 2, the later chunks added onto the result): the same
+/// as in one chunk and as the products one by one on the CPU, within rounding.
+#[test]
+#[ignore = "needs a CUDA GPU (or scripts/cuda-harness.sh test)"]
+fn a_batched_sum_beyond_the_scratch_limit_is_summed_in_chunks() {
+    use crate::cpu::CpuDevice;
+    use crate::ops::Strides;
+    let mut gpu = CudaDevice::new(0).expect("a CUDA device");
+    let mut cpu = CpuDevice::new(1);
+    let (m, k, n, count) = (4, 5, 6, 8);
+    let s = Strides {
+        count,
+        a: m * k,
+        b: n * k,
+        c: 0,
+    };
+    let (a, b) = (val(3, count * m * k), val(4, count * n * k));
+    let mut want = vec![f32::NAN; m * n];
+    cpu.gemm_batched_sum(
+        Mat::new(&a[..], m, k),
+        Mat::new(&b[..], n, k).t(),
+        &mut want,
+        s,
+    )
+    .unwrap();
+    let up = |gpu: &mut CudaDevice, v: &[f32]| {
+        let mut d = gpu.alloc(v.len()).unwrap();
+        gpu.upload(v, CudaDevice::view_mut(&mut d, 0..v.len()))
+            .unwrap();
+        d
+    };
+    let (ab, bb) = (up(&mut gpu, &a), up(&mut gpu, &b));
+    let mut sums = Vec::new();
+    for limit in [batched::SUM_SCRATCH, 3 * m * n] {
+        gpu.sum_scratch.limit = limit;
+        let mut c = up(&mut gpu, &vec![f32::NAN; m * n]);
+        gpu.gemm_batched_sum(
+            Mat::new(CudaDevice::view(&ab, 0..a.len()), m, k),
+            Mat::new(CudaDevice::view(&bb, 0..b.len()), n, k).t(),
+            CudaDevice::view_mut(&mut c, 0..m * n),
+            s,
+        )
+        .unwrap();
+        let mut got = vec![f32::NAN; m * n];
+        gpu.download(CudaDevice::view(&c, 0..m * n), &mut got)
+            .unwrap();
+        sums.push(got);
+    }
+    for (got, what) in sums.iter().zip(["one chunk", "chunks of 3"]) {
+        for (g, w) in got.iter().zip(&want) {
+            assert!(
+                (g - w).abs() <= 1e-5 * w.abs().max(1.0),
+                "{what}: {g} vs {w}"
+            );
+        }
+    }
+}
