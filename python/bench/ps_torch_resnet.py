@@ -121,11 +121,12 @@ def synthetic(n: int, seed: int, device: torch.device):
     return x.to(device), y.to(device)
 
 
-def setup_device(device: str, threads: int) -> torch.device:
-    """TF32 off and cuDNN deterministic (both sides alike); ``threads`` intra-op CPU threads."""
+def setup_device(device: str, threads: int, tf32: bool = False) -> torch.device:
+    """cuDNN deterministic, TF32 off unless ``tf32`` (every process alike); ``threads``
+    intra-op CPU threads."""
     torch.set_num_threads(threads)
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    torch.backends.cudnn.allow_tf32 = tf32
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False
     return torch.device(device)
@@ -149,7 +150,7 @@ def cpu_state(model: nn.Module) -> dict[str, torch.Tensor]:
 def worker_main(a) -> int:
     """One rank: trains against the shards, timing each step; writes its records (and its
     state after --check-steps steps) into --out-dir."""
-    device = setup_device(a.device, a.threads)
+    device = setup_device(a.device, a.threads, a.tf32)
     x, y = synthetic(a.train_len, a.seed, device)
     torch.manual_seed(a.seed)
     model = ResNet18(a.width).to(device)
@@ -326,7 +327,8 @@ def passed_on(a) -> list[str]:
     """The arguments a worker process shares with this one."""
     return ["--device", a.device, "--width", str(a.width), "--batch", str(a.batch),
             "--steps", str(a.steps), "--warmup", str(a.warmup), "--check-steps",
-            str(a.check_steps), "--seed", str(a.seed), "--train-len", str(a.train_len)]
+            str(a.check_steps), "--seed", str(a.seed), "--train-len", str(a.train_len),
+            *(["--tf32"] if a.tf32 else [])]
 
 
 def tail(path: Path, n: int = 1500) -> str:
@@ -381,7 +383,22 @@ def figures(records: list[dict], warmup: int) -> dict[str, float]:
     return out
 
 
-def bound(single: dict, cluster: dict, n: int, bw: dict) -> dict:
+def shard_figures(tmp: Path, warmup: int) -> dict[str, float]:
+    """Shard 0's own figures (its metrics.jsonl) over the timed steps, in ms per step (means):
+    ``apply_ms`` (its update, from the barrier's completion), ``tail_ms`` (the last gradient's
+    arrival to the new version, when it updates bucket by bucket), ``barrier_wait_ms``."""
+    rows = [json.loads(line) for line in (tmp / "metrics.jsonl").read_text().splitlines()
+            if '"step_ms"' in line]
+    rows = [r for r in rows if r["step"] > warmup]  # its step t + 1 is the workers' step t
+    out = {"steps": len(rows)}
+    for k in ("apply_ms", "tail_ms", "barrier_wait_ms", "step_ms"):
+        got = [r[k] for r in rows if k in r]
+        if got:
+            out[k] = sum(got) / len(got)
+    return out
+
+
+def bound(single: dict, cluster: dict, n: int, bw: dict, shard0: dict) -> dict:
     """What the cluster's step is made of, each part against a limit measured in this run."""
     both_ways = 8 * n  # bytes per worker per step: the gradient pushed, the weights pulled
     step = cluster["step_ms"]
@@ -392,12 +409,14 @@ def bound(single: dict, cluster: dict, n: int, bw: dict) -> dict:
                    f"single process's on the whole batch ({single['compute_ms']:.2f} ms)",
         "communication": f"push {cluster['push_ms']:.2f} + pull {cluster['pull_ms']:.2f} ms "
                          f"(the pull includes the barrier wait for the other rank and the "
-                         f"shards' SGD) for {both_ways / 1e6:.1f} MB per worker both ways = "
+                         f"shards' SGD: shard 0's update {shard0.get('apply_ms', float('nan')):.2f} ms "
+                         f"from the barrier) for {both_ways / 1e6:.1f} MB per worker both ways = "
                          f"{both_ways / (cluster['comm_ms'] / 1e3) / 1e9:.2f} GB/s; one host "
                          f"copy of those bytes at {bw['host_copy_gbps']:.1f} GB/s (measured "
                          f"here) takes {floor_host:.2f} ms",
-        "rest": f"{cluster['rest_ms']:.2f} ms: the gradients' copies off the device and their "
-                f"wait, BatchNorm buffers through shard 0, the weights' upload, Python",
+        "rest": f"{cluster['rest_ms']:.2f} ms: BatchNorm buffers through shard 0, Python, "
+                + ("the gradients' copies off the device and their wait, the weights' upload"
+                   if "d2h_pinned_gbps" in bw else "the gradients read in place"),
     }
     out = {"bytes_per_worker_per_step_each_way": 4 * n,
            "bytes_per_worker_per_step_both_ways": both_ways,
@@ -440,7 +459,8 @@ def report(res: dict) -> None:
     s, c, b, e = res["single"], res["cluster"], res["bound"], res["equivalence"]
     print(f"\nResNet-18 (CIFAR variant, width {res['width']}: {res['params']:,} parameters, "
           f"{res['buffers']} buffers), synthetic 3x32x32, 10 classes; {res['device_name']}; "
-          f"torch {res['torch']}; TF32 off, cuDNN deterministic; {c['timed_steps']} steps timed "
+          f"torch {res['torch']}; TF32 {'on' if res['settings']['tf32'] else 'off'}, cuDNN "
+          f"deterministic; {c['timed_steps']} steps timed "
           f"after {res['warmup']}")
     print(f"{'':34}{'step ms':>9}{'compute':>9}{'comm':>9}{'rest':>9}  (means; median step)")
     print(f"{'one process, batch ' + str(res['global_batch']):34}{s['step_ms']:9.2f}"
@@ -468,7 +488,7 @@ def report(res: dict) -> None:
 
 
 def bench(a, tmp: Path) -> dict:
-    device = setup_device(a.device, a.threads)
+    device = setup_device(a.device, a.threads, a.tf32)
     torch.manual_seed(a.seed)
     base = ResNet18(a.width)
     cfg = write_config(a, tmp, base)
@@ -485,13 +505,14 @@ def bench(a, tmp: Path) -> dict:
     per_rank = [dict(figures(r["steps"], a.warmup), rank=r["rank"]) for r in ranks]
     cluster = max(per_rank, key=lambda m: m["step_ms"])
     single_m = figures(single, a.warmup)
+    shard0 = shard_figures(tmp, a.warmup)
     return {
         "device": a.device, "width": a.width, "params": n,
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
         "torch": torch.__version__, "buffers": sum(1 for _ in base.buffers()),
         "batch": a.batch, "global_batch": WORLD * a.batch, "workers": WORLD, "shards": WORLD,
         "steps": a.steps, "warmup": a.warmup, "threads": a.threads,
-        "settings": {"tf32": False, "cudnn_deterministic": True, "cudnn_benchmark": False,
+        "settings": {"tf32": a.tf32, "cudnn_deterministic": True, "cudnn_benchmark": False,
                      "optimizer": f"SGD lr {LR} momentum {MOMENTUM} weight_decay {WEIGHT_DECAY}",
                      "loss": "mean", "aggregation": "mean",
                      "batch_norm": "running statistics as buffers (DDP broadcast_buffers: "
@@ -499,7 +520,7 @@ def bench(a, tmp: Path) -> dict:
         "single": single_m, "cluster": cluster, "cluster_ranks": per_rank,
         "ratio": cluster["step_ms"] / single_m["step_ms"], "target_ratio": 2.0,
         "transport": ranks[0]["transport"], "bandwidth": bw,
-        "bound": bound(single_m, cluster, n, bw),
+        "bound": bound(single_m, cluster, n, bw, shard0), "shard0": shard0,
         "equivalence": equivalence(a, tmp, ghost, plain, ranks[0]["equivalence"]),
     }
 
@@ -520,6 +541,9 @@ def arguments(argv=None):
                    help="CPU threads of the single process; each worker gets half")
     p.add_argument("--timeout", type=float, default=300,
                    help="seconds the cluster (shards and workers) may take in all")
+    p.add_argument("--tf32", action="store_true",
+                   help="TF32 in cuDNN convolutions and matmuls (PyTorch's default for cuDNN; "
+                   "default here: off, f32 as the project's other GPU comparisons)")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--keep", help="keep the cluster's files (logs, config) in this folder")
     # a worker process (started by this script)

@@ -60,6 +60,7 @@ def test_resnet_bench_cluster_equals_ghost_batch_norm_and_reports_its_figures(tm
     assert math.isclose(sum(b["shares"].values()), 1.0, rel_tol=1e-9)
     assert b["bound_by"] in ("compute", "communication", "rest")
     assert res["bandwidth"]["host_copy_gbps"] > 0
+    assert res["shard0"]["steps"] == 2 and res["shard0"]["apply_ms"] >= 0, res["shard0"]
     assert "ratio cluster / one process" in printed and "PASS" in printed
 
 
