@@ -171,7 +171,7 @@ def worker_main(a) -> int:
         sync(device)
         t2 = time.perf_counter()
         after = w.timing()
-        steps.append({"step": t, "step_s": t2 - t0, "compute_s": t1 - t0,
+        steps.append({"step": t, "t0": t0, "step_s": t2 - t0, "compute_s": t1 - t0,
                       "push_s": after["push_s"] - before["push_s"],
                       "pull_s": after["pull_s"] - before["pull_s"]})
         if t + 1 == a.check_steps:
@@ -215,7 +215,8 @@ def single_process(a, base: nn.Module, x, y, plan, device: torch.device):
         opt.step()
         opt.zero_grad(set_to_none=True)
         sync(device)
-        steps.append({"step": t, "step_s": time.perf_counter() - t0, "compute_s": t1 - t0})
+        steps.append({"step": t, "t0": t0, "step_s": time.perf_counter() - t0,
+                      "compute_s": t1 - t0})
         if t + 1 == a.check_steps:
             state = cpu_state(model)
     return steps, state
@@ -309,7 +310,8 @@ def run_cluster(a, tmp: Path, cfg: Path) -> list[dict]:
                                        f"within --timeout {a.timeout:.0f} s; its log ends: "
                                        f"{tail(logs[r])}") from None
                 if code != 0:
-                    raise RuntimeError(f"rank {r} exited with {code}; its log ends: {tail(logs[r])}")
+                    raise RuntimeError(f"rank {r} exited with {code}; its log ends: "
+                                       f"{tail(logs[r])}")
         finally:
             for p in procs:
                 if p.poll() is None:
@@ -368,11 +370,15 @@ def bandwidths(n: int, device: torch.device) -> dict[str, float]:
 
 def figures(records: list[dict], warmup: int) -> dict[str, float]:
     """Milliseconds per step over the timed steps (after warm-up): the mean of each component
-    (they add up to the mean step: the split), and the median step."""
+    (they add up to the mean step: the split), the median step, and the timed window's wall
+    time per step."""
     timed = [r for r in records if r["step"] >= warmup]
     ms = lambda f: 1e3 * sum(f(r) for r in timed) / len(timed)  # noqa: E731
     out = {"step_ms": ms(lambda r: r["step_s"]), "compute_ms": ms(lambda r: r["compute_s"]),
            "step_ms_median": 1e3 * statistics.median(r["step_s"] for r in timed),
+           # the window's wall time per step: the steps and what runs between them
+           "wall_ms_per_step": 1e3 * (timed[-1]["t0"] + timed[-1]["step_s"] - timed[0]["t0"])
+           / len(timed),
            "timed_steps": len(timed)}
     if "push_s" in timed[0]:
         out["push_ms"], out["pull_ms"] = ms(lambda r: r["push_s"]), ms(lambda r: r["pull_s"])
@@ -401,6 +407,7 @@ def shard_figures(tmp: Path, warmup: int) -> dict[str, float]:
 def bound(single: dict, cluster: dict, n: int, bw: dict, shard0: dict) -> dict:
     """What the cluster's step is made of, each part against a limit measured in this run."""
     both_ways = 8 * n  # bytes per worker per step: the gradient pushed, the weights pulled
+    apply_ms = shard0.get("apply_ms", float("nan"))
     step = cluster["step_ms"]
     floor_host = 1e3 * both_ways / (bw["host_copy_gbps"] * 1e9)
     parts = {
@@ -409,7 +416,7 @@ def bound(single: dict, cluster: dict, n: int, bw: dict, shard0: dict) -> dict:
                    f"single process's on the whole batch ({single['compute_ms']:.2f} ms)",
         "communication": f"push {cluster['push_ms']:.2f} + pull {cluster['pull_ms']:.2f} ms "
                          f"(the pull includes the barrier wait for the other rank and the "
-                         f"shards' SGD: shard 0's update {shard0.get('apply_ms', float('nan')):.2f} ms "
+                         f"shards' SGD: shard 0's update {apply_ms:.2f} ms "
                          f"from the barrier) for {both_ways / 1e6:.1f} MB per worker both ways = "
                          f"{both_ways / (cluster['comm_ms'] / 1e3) / 1e9:.2f} GB/s; one host "
                          f"copy of those bytes at {bw['host_copy_gbps']:.1f} GB/s (measured "
@@ -462,12 +469,16 @@ def report(res: dict) -> None:
           f"torch {res['torch']}; TF32 {'on' if res['settings']['tf32'] else 'off'}, cuDNN "
           f"deterministic; {c['timed_steps']} steps timed "
           f"after {res['warmup']}")
-    print(f"{'':34}{'step ms':>9}{'compute':>9}{'comm':>9}{'rest':>9}  (means; median step)")
-    print(f"{'one process, batch ' + str(res['global_batch']):34}{s['step_ms']:9.2f}"
-          f"{s['compute_ms']:9.2f}{'-':>9}{s['optimizer_ms']:9.2f}  ({s['step_ms_median']:.2f}; rest: optimizer)")
-    print(f"{'2 workers x ' + str(res['batch']) + ' + 2 shards':34}{c['step_ms']:9.2f}"
-          f"{c['compute_ms']:9.2f}{c['comm_ms']:9.2f}{c['rest_ms']:9.2f}  ({c['step_ms_median']:.2f}; rank "
-          f"{c['rank']}, the slower; transport {', '.join(res['transport'])})")
+    head = ("step ms", "median", "wall", "compute", "comm", "rest")
+    print(f"{'':30}" + "".join(f"{h:>9}" for h in head) + "  (ms per step: means, the median "
+          "step, the timed window's wall time per step; the means add up)")
+    row = lambda label, f, comm, rest, note: print(  # noqa: E731
+        f"{label:30}{f['step_ms']:9.2f}{f['step_ms_median']:9.2f}{f['wall_ms_per_step']:9.2f}"
+        f"{f['compute_ms']:9.2f}{comm:>9}{rest:9.2f}  ({note})")
+    row(f"one process, batch {res['global_batch']}", s, "-", s["optimizer_ms"],
+        "rest: the optimizer")
+    row(f"2 workers x {res['batch']} + 2 shards", c, f"{c['comm_ms']:.2f}", c["rest_ms"],
+        f"rank {c['rank']}, the slower; transport {', '.join(res['transport'])}")
     print(f"ratio cluster / one process: {res['ratio']:.2f}x (target <= 2x: "
           f"{'met' if res['ratio'] <= 2 else 'NOT met'}); communication "
           f"{100 * b['shares']['comm']:.0f}% of the step, compute "

@@ -54,6 +54,8 @@ def test_resnet_bench_cluster_equals_ghost_batch_norm_and_reports_its_figures(tm
     assert math.isclose(single["compute_ms"] + single["optimizer_ms"], single["step_ms"],
                         rel_tol=1e-9)
     assert math.isclose(res["ratio"], cluster["step_ms"] / single["step_ms"], rel_tol=1e-12)
+    for f in (single, cluster):  # the window holds the timed steps and the gaps between them
+        assert f["wall_ms_per_step"] >= f["step_ms"] * (1 - 1e-9), f
     b = res["bound"]
     assert b["bytes_per_worker_per_step_each_way"] == 4 * params
     assert b["bytes_per_worker_per_step_both_ways"] == 8 * params
