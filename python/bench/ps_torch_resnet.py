@@ -23,6 +23,9 @@ What is measured, per step after --warmup steps, each step ended by a device syn
     (Worker.timing(): the push, and the pull including the wait for the other rank at the
     barrier and the shards' update) and rest (the step minus both: the gradients' device
     copies and their wait, the buffers' PutBuffers/GetBuffers, the weights' upload, Python).
+Both sides alike: SGD lr 0.05, momentum 0.9, weight decay 5e-4 (the shards' optimizer in (b)),
+cuDNN deterministic, TF32 off unless --tf32; on the CPU the single process has --threads
+threads and each worker half of them.
 
 The equivalence check (the promise is exactness): after --check-steps steps every rank's
 parameters and buffers are compared with one process that computes exactly what the cluster
@@ -36,7 +39,7 @@ Run from the repository root (ps-server from $PS_BIN_DIR, default target/release
     target/pyenv/bin/python python/bench/ps_torch_resnet.py --device cpu --width 0.125 --batch 8
 On the GPU machine (scripts/gpu-session.sh):
     PS_BIN_DIR=.dev/gpu-bin PYTHONPATH=.dev/pypkg python3 python/bench/ps_torch_resnet.py \\
-        --device cuda --json "$OUT/ps-torch-resnet.json"
+        --device cuda --steps 30 --timeout 70 --json "$OUT/ps-torch-resnet.json"
 Exit status: 0 when the check passed, 1 when it failed or the cluster did not finish, 2 on
 refused arguments or no device.
 """
@@ -297,7 +300,7 @@ def run_cluster(a, tmp: Path, cfg: Path) -> list[dict]:
             logs.append(log)
             args = [sys.executable, str(Path(__file__).resolve()), "--worker-rank", str(r),
                     "--config", str(cfg), "--servers", ",".join(shards.addrs),
-                    "--out-dir", str(tmp), "--threads", str(max(1, a.threads // WORLD)),
+                    "--out-dir", str(tmp), "--threads", str(worker_threads(a)),
                     *passed_on(a)]
             with open(log, "w") as f:
                 procs.append(subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT))
@@ -323,6 +326,11 @@ def run_cluster(a, tmp: Path, cfg: Path) -> list[dict]:
                                f"{min(left(), 60):.0f} s is killed); shard 0's log ends: "
                                f"{tail(tmp / 'shard-0.log')}")
     return [json.loads((tmp / f"rank-{r}.json").read_text()) for r in range(WORLD)]
+
+
+def worker_threads(a) -> int:
+    """Each worker's CPU threads: half the single process's (at least one)."""
+    return max(1, a.threads // WORLD)
 
 
 def passed_on(a) -> list[str]:
@@ -523,6 +531,7 @@ def bench(a, tmp: Path) -> dict:
         "torch": torch.__version__, "buffers": sum(1 for _ in base.buffers()),
         "batch": a.batch, "global_batch": WORLD * a.batch, "workers": WORLD, "shards": WORLD,
         "steps": a.steps, "warmup": a.warmup, "threads": a.threads,
+        "worker_threads": worker_threads(a),
         "settings": {"tf32": a.tf32, "cudnn_deterministic": True, "cudnn_benchmark": False,
                      "optimizer": f"SGD lr {LR} momentum {MOMENTUM} weight_decay {WEIGHT_DECAY}",
                      "loss": "mean", "aggregation": "mean",
