@@ -343,7 +343,7 @@ def passed_on(a) -> list[str]:
 
 def tail(path: Path, n: int = 1500) -> str:
     try:
-        return path.read_text()[-n:]
+        return path.read_text()[-n:] or "(empty: nothing printed yet)"
     except OSError as e:
         return f"(unreadable: {e})"
 
@@ -600,7 +600,7 @@ def main(argv=None) -> int:
         tmp = keep or Path(t)
         try:
             res = bench(a, tmp)
-        except RuntimeError as e:
+        except (RuntimeError, OSError) as e:  # the cluster did not finish, or did not start
             print(f"ps_torch_resnet: FAILED: {e}", file=sys.stderr)
             return 1
     report(res)
