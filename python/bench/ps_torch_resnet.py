@@ -487,6 +487,9 @@ def report(res: dict) -> None:
         "rest: the optimizer")
     row(f"2 workers x {res['batch']} + 2 shards", c, f"{c['comm_ms']:.2f}", c["rest_ms"],
         f"rank {c['rank']}, the slower; transport {', '.join(res['transport'])}")
+    for f in res["cluster_ranks"]:
+        print(f"  rank {f['rank']}: step {f['step_ms']:.2f} = compute {f['compute_ms']:.2f} + "
+              f"push {f['push_ms']:.2f} + pull {f['pull_ms']:.2f} + rest {f['rest_ms']:.2f}")
     print(f"ratio cluster / one process: {res['ratio']:.2f}x (target <= 2x: "
           f"{'met' if res['ratio'] <= 2 else 'NOT met'}); communication "
           f"{100 * b['shares']['comm']:.0f}% of the step, compute "
