@@ -14,8 +14,10 @@
 #      same through gRPC (`[cluster] transport = "grpc"`) once each, and with CPU workers (16 cores)
 #   4. the default job (deploy/mnist.toml) with CUDA workers, against the single process
 #   5. compute-sanitizer (memcheck, racecheck, synccheck) on small parity cases and the gated pull
-#   6. the Python worker with a CUDA model (scripts/py_cuda_check.py), and its gradients leaving
-#      the GPU by non-blocking copies into the registered push buffer (python/tests/test_cuda_push.py)
+#   6. the Python worker with a CUDA model (scripts/py_cuda_check.py), its gradients leaving
+#      the GPU by non-blocking copies into the registered push buffer (python/tests/test_cuda_push.py),
+#      and ResNet-18 (CIFAR-shaped, batch 128 per worker) with 2 ps_torch workers and 2 shards
+#      against one PyTorch process at the same global batch (python/bench/ps_torch_resnet.py)
 #   7. the Fashion-MNIST CNN job with CUDA workers, against the single process
 # Environment: DEADLINE (seconds for the whole script, default 400), ROUNDS (2), LARGE_STEPS (60),
 # SKIP_CHECK=1 (no section 2), STOP_AFTER=N (end after section N).
@@ -112,6 +114,9 @@ PS_BIN_DIR="$B" PYTHONPATH="$PWD/.dev/pypkg" PYTHONUNBUFFERED=1 bounded 90 pytho
 echo "rc python=$?"
 PS_BIN_DIR="$B" PYTHONPATH="$PWD/.dev/pypkg" PYTHONUNBUFFERED=1 bounded 90 python3 python/tests/test_cuda_push.py
 echo "rc python push=$?"
+PS_BIN_DIR="$B" PYTHONPATH="$PWD/.dev/pypkg" PYTHONUNBUFFERED=1 bounded 90 python3 python/bench/ps_torch_resnet.py \
+    --device cuda --steps 30 --timeout 70 --json "$OUT/ps-torch-resnet.json"
+echo "rc resnet=$?"
 
 step "7. the Fashion-MNIST CNN job on CUDA workers, against the single process"
 bounded 90 "$B/ps-launch" --config deploy/fashion-cnn.toml --set worker.device=cuda --set train.steps=300 \
