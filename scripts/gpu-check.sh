@@ -39,6 +39,10 @@
 #    When libnvrtc / libcublas are not in the loader's cache, the script adds
 #    /usr/local/cuda/lib64 (or the pip "nvidia-*" wheels' lib directories) to LD_LIBRARY_PATH.
 #
+# The report ends with scripts/gpu_compare.py's table of ours / PyTorch per MLP and CNN and
+# batch (the CNN against PyTorch with cudnn.benchmark on, and with cuDNN's defaults), with
+# issue 38's target: the Fashion-MNIST CNN at batch 256 within 2x of PyTorch (PASS or FAIL).
+#
 # Exit status: non-zero when the parity tests fail (or cannot run); the report is written
 # either way. Benchmark failures are recorded in the report but do not change the status.
 set -uo pipefail
@@ -170,7 +174,7 @@ cat "$TMP/bench" >>"$REPORT"
 [ "$BENCH_RC" -eq 0 ] || echo "**gpu-bench failed (exit $BENCH_RC)**" >>"$REPORT"
 [ -f "$BENCH_JSON" ] && echo "JSON: \`$BENCH_JSON\`" >>"$REPORT"
 
-section "PyTorch reference (same MLP, FP32, TF32 off)"
+section "PyTorch reference (same MLPs and CNN, FP32, TF32 off)"
 if [ "${SKIP_TORCH:-0}" = 1 ]; then
     echo "skipped (SKIP_TORCH=1)" >>"$REPORT"
 elif ! command -v "$PYTHON" >/dev/null; then
@@ -182,6 +186,14 @@ else
     cat "$TMP/torch" >>"$REPORT"
     [ "$TORCH_RC" -eq 0 ] || echo "**torch_mlp_bench failed (exit $TORCH_RC)**" >>"$REPORT"
     [ -f "$TORCH_JSON" ] && echo "JSON: \`$TORCH_JSON\`" >>"$REPORT"
+fi
+
+section "gpu-bench against PyTorch (ours / PyTorch; issue 38: the Fashion-MNIST CNN at batch 256 <= 2x)"
+if [ -f "$BENCH_JSON" ] && [ -f "$TORCH_JSON" ]; then
+    run_to "$TMP/compare" "$PYTHON" scripts/gpu_compare.py "$BENCH_JSON" "$TORCH_JSON"
+    cat "$TMP/compare" >>"$REPORT"
+else
+    echo "not compared: $([ -f "$BENCH_JSON" ] || echo "no gpu-bench JSON; ")$([ -f "$TORCH_JSON" ] || echo "no PyTorch JSON")" | tee -a "$REPORT"
 fi
 
 echo
