@@ -10,8 +10,9 @@
 #                         ps-worker beside this build's ps-server and ps-launch, for an A/B of
 #                         the worker alone in the same device call; and that folder's gpu-bench
 #                         when it has one (gpu-check.sh then times the old build's CNN beside
-#                         this one's: build it from the old commit, `cargo build --release -p
-#                         ps-bench --bin gpu-bench`)
+#                         this one's; it needs `--cnns`, so build it from a commit that has
+#                         it with the old ps-worker: `cargo build --release -p ps-bench --bin
+#                         gpu-bench`)
 # Then, e.g.: device run with carry [".dev"]: DEADLINE=300 bash scripts/gpu-session.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -20,8 +20,12 @@
 //! Then, for each CNN of `--cnns` (default the Fashion-MNIST CNN of `deploy/fashion-cnn.toml`;
 //! `none` to skip), the built-in CNN of `ps_worker::model` on the CUDA device at each batch:
 //! forward+backward on a batch already on the device, stream-synchronised, checked once per
-//! batch against the CPU device; the batch upload; the worker's step without a pull (see
-//! [`gpu_cnn`], which also states how its FLOPs are counted).
+//! batch against the CPU device; the batch upload; the worker's step without a pull
+//! ([`gpu_cnn`]). Its FLOPs are counted as 2·batch·(3·ΣM − M₁) per step, M being each
+//! convolution's (`out·oh·ow·c·k·k`) and linear layer's (`in·out`) multiply-adds per sample and
+//! M₁ the first layer's: forward, weight gradient and input gradient of every layer but the
+//! first, whose input gradient is not computed (here the real step's count, not the MLP's
+//! convention: the first convolution is a fifth of the CNN's products).
 //!
 //! Prints markdown tables; `--json PATH` also writes the figures as JSON (the MLPs under
 //! `results`, the CNNs under `cnn_results`). Without a GPU it prints one "no GPU: …" line and

@@ -198,7 +198,12 @@ fn error_vs_cpu(
             .max(1e-12);
         for (a, b) in grad[r.clone()].iter().zip(&want[r]) {
             let e = f64::from((a - b).abs() / scale);
-            err = if e.is_nan() { f64::NAN } else { err.max(e) };
+            // NaN sticks (f64::max would drop it)
+            err = if e.is_nan() || err.is_nan() {
+                f64::NAN
+            } else {
+                err.max(e)
+            };
         }
     }
     Ok(err)
