@@ -181,7 +181,7 @@ def main() -> int:
     ap.add_argument("--batches", default="64,256,1024")
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--warmup", type=int, default=10)
-    ap.add_argument("--device", default="0", help="CUDA device index, or cpu")
+    ap.add_argument("--device", default="0", help="CUDA device index (or cuda:N), or cpu")
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args()
 
@@ -205,8 +205,9 @@ def main() -> int:
         print(f"no GPU: torch {torch.__version__} sees no CUDA device")
         return 0
     else:
-        dev = torch.device("cuda", int(args.device))
-        name = f"cuda:{args.device} ({torch.cuda.get_device_name(dev)})"
+        index = int(args.device.removeprefix("cuda:"))
+        dev = torch.device("cuda", index)
+        name = f"cuda:{index} ({torch.cuda.get_device_name(dev)})"
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
