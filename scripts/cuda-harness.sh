@@ -6,8 +6,9 @@
 #                                       NVRTC compiles every kernel for sm_80 and sm_90, the
 #                                       ps-worker lib tests with a "GPU" present, the CUDA parity
 #                                       tests, the registered-board (DMA) tests, a --device cuda
-#                                       cluster against the reference, and
-#                                       the exact-sum mode's CUDA workers at W = 1 and 2;
+#                                       cluster against the reference,
+#                                       the exact-sum mode's CUDA workers at W = 1 and 2, and
+#                                       gpu-bench's CNN path;
 #   scripts/cuda-harness.sh run CMD...  runs CMD under it (e.g. target/release/ps-launch ...).
 # An emulation, not a GPU: the device calls itself "cuda-harness CPU emulation (not a GPU)",
 # each process prints "CUDA-HARNESS: ..." at exit, and a harness check that fails (a bounds,
@@ -53,6 +54,8 @@ test)
     cargo test --release -p ps-worker --test cuda_dma -- --include-ignored --test-threads=1
     cargo test --release -p ps-tests --test cluster_cuda -- --include-ignored --test-threads=1
     cargo test --release -p ps-tests --test exact -- --ignored --test-threads=1 cuda_workers
+    # gpu-bench's CNN path (what a GPU session measures) end to end on a small CNN
+    cargo test --release -p ps-bench --test cli -- --test-threads=1 gpu_bench
     echo "cuda-harness: every CUDA test passed on the CPU emulation (not a GPU)"
     ;;
 *)

@@ -8,7 +8,11 @@
 #   .dev/pypkg.tar.xz     the Python package (ps, ps_torch and its native module, abi3)
 #   .dev/gpu-old.tar.xz   with OLD=DIR (a folder holding another build's ps-worker): that
 #                         ps-worker beside this build's ps-server and ps-launch, for an A/B of
-#                         the worker alone in the same device call
+#                         the worker alone in the same device call; and that folder's gpu-bench
+#                         when it has one (gpu-check.sh then times the old build's CNN beside
+#                         this one's; it needs `--cnns`, so build it from a commit that has
+#                         it with the old ps-worker: `cargo build --release -p ps-bench --bin
+#                         gpu-bench`)
 # Then, e.g.: device run with carry [".dev"]: DEADLINE=300 bash scripts/gpu-session.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -40,6 +44,11 @@ if [ -n "${OLD:-}" ]; then
     cp .dev/gpu-bin/{ps-server,ps-launch} .dev/gpu-old/
     cp "$OLD/ps-worker" .dev/gpu-old/
     strip --strip-all .dev/gpu-old/ps-worker
+    if [ -x "$OLD/gpu-bench" ]; then
+        cp "$OLD/gpu-bench" .dev/gpu-old/
+        strip --strip-all .dev/gpu-old/gpu-bench
+    fi
+    if [ -f "$OLD/BUILD" ]; then cp "$OLD/BUILD" .dev/gpu-old/; fi
     packs+=(gpu-old)
 fi
 for p in "${packs[@]}"; do

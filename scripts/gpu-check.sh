@@ -34,10 +34,17 @@
 #      scripts/gpu-check.sh [BIN_DIR]        # BIN_DIR: argument, else $BIN, else .dev/gpu-bin
 #
 #    BIN_DIR must hold `gpu-bench` and the test executable (`cuda_parity` or `cuda_parity-<hash>`).
+#    OLD_BIN (default .dev/gpu-old, where scripts/gpu-session.sh unpacks the bundle's OLD build):
+#    when it holds a `gpu-bench` (scripts/gpu-bundle.sh carries one from OLD=DIR), its CNN rows
+#    are measured too, right after this build's, and compared (new / old).
 #    Environment: PS_CUDA_DEVICE (device ordinal, default 0), STEPS / WARMUP (benchmark steps,
 #    default 50 / 10), PYTHON (default python3), SKIP_TORCH=1 to skip the PyTorch comparison.
 #    When libnvrtc / libcublas are not in the loader's cache, the script adds
 #    /usr/local/cuda/lib64 (or the pip "nvidia-*" wheels' lib directories) to LD_LIBRARY_PATH.
+#
+# The report ends with scripts/gpu_compare.py's table of ours / PyTorch per MLP and CNN and
+# batch (the CNN against PyTorch with cudnn.benchmark on, and with cuDNN's defaults), with
+# issue 38's target: the Fashion-MNIST CNN at batch 256 within 2x of PyTorch (PASS or FAIL).
 #
 # Exit status: non-zero when the parity tests fail (or cannot run); the report is written
 # either way. Benchmark failures are recorded in the report but do not change the status.
@@ -50,6 +57,7 @@ DEVICE="${PS_CUDA_DEVICE:-0}"
 STEPS="${STEPS:-50}"
 WARMUP="${WARMUP:-10}"
 PYTHON="${PYTHON:-python3}"
+OLD_BIN="${OLD_BIN:-.dev/gpu-old}"
 
 die() { echo "gpu-check: $*" >&2; exit 2; }
 
@@ -111,6 +119,7 @@ STAMP="$(date -u +%Y-%m-%d-%H%M%S)"
 mkdir -p bench/results
 REPORT="bench/results/gpu-$STAMP-$SAFE_NAME.md"
 BENCH_JSON="bench/results/gpu-$STAMP-$SAFE_NAME.gpu-bench.json"
+OLD_JSON="bench/results/gpu-$STAMP-$SAFE_NAME.gpu-bench-old.json"
 TORCH_JSON="bench/results/gpu-$STAMP-$SAFE_NAME.torch.json"
 TMP="$(mktemp -d)"
 trap 'rm -rf "$TMP"' EXIT
@@ -170,7 +179,16 @@ cat "$TMP/bench" >>"$REPORT"
 [ "$BENCH_RC" -eq 0 ] || echo "**gpu-bench failed (exit $BENCH_RC)**" >>"$REPORT"
 [ -f "$BENCH_JSON" ] && echo "JSON: \`$BENCH_JSON\`" >>"$REPORT"
 
-section "PyTorch reference (same MLP, FP32, TF32 off)"
+if [ -x "$OLD_BIN/gpu-bench" ]; then
+    section "gpu-bench of the old build ($OLD_BIN, $(cat "$OLD_BIN/BUILD" 2>/dev/null || echo 'commit unknown')): the CNN only"
+    run_to "$TMP/old" "$OLD_BIN/gpu-bench" --device "$DEVICE" --steps "$STEPS" --warmup "$WARMUP" --models none \
+        --json "$OLD_JSON"
+    OLD_RC=$?
+    cat "$TMP/old" >>"$REPORT"
+    [ "$OLD_RC" -eq 0 ] || echo "**old gpu-bench failed (exit $OLD_RC)**" >>"$REPORT"
+fi
+
+section "PyTorch reference (same MLPs and CNN, FP32, TF32 off)"
 if [ "${SKIP_TORCH:-0}" = 1 ]; then
     echo "skipped (SKIP_TORCH=1)" >>"$REPORT"
 elif ! command -v "$PYTHON" >/dev/null; then
@@ -182,6 +200,16 @@ else
     cat "$TMP/torch" >>"$REPORT"
     [ "$TORCH_RC" -eq 0 ] || echo "**torch_mlp_bench failed (exit $TORCH_RC)**" >>"$REPORT"
     [ -f "$TORCH_JSON" ] && echo "JSON: \`$TORCH_JSON\`" >>"$REPORT"
+fi
+
+section "gpu-bench against PyTorch (ours / PyTorch; issue 38: the Fashion-MNIST CNN at batch 256 <= 2x)"
+if [ -f "$BENCH_JSON" ] && [ -f "$TORCH_JSON" ]; then
+    OLD_ARG=()
+    [ -f "$OLD_JSON" ] && OLD_ARG=("$OLD_JSON")
+    run_to "$TMP/compare" "$PYTHON" scripts/gpu_compare.py "$BENCH_JSON" "$TORCH_JSON" "${OLD_ARG[@]}"
+    cat "$TMP/compare" >>"$REPORT"
+else
+    echo "not compared: $([ -f "$BENCH_JSON" ] || echo "no gpu-bench JSON; ")$([ -f "$TORCH_JSON" ] || echo "no PyTorch JSON")" | tee -a "$REPORT"
 fi
 
 echo

@@ -9,15 +9,31 @@
 //! pinned staging memory) and the device-to-host gradient download; a full step (upload
 //! weights, upload batch, forward+backward, download gradient layer by layer); and the
 //! worker's gated step (the weights copied into the staging memory as a pull writes them, then
-//! uploaded piece by piece by the forward pass). Medians over `--steps` timed steps after `--warmup` untimed ones, each timed
-//! step ending with a stream synchronisation. FLOPs are counted as 6·batch·Σ(in·out) per step
+//! uploaded piece by piece by the forward pass). Medians over `--steps` timed steps after
+//! `--warmup` untimed ones, each timed step ending with a stream synchronisation (the fwd+bwd
+//! step too: the loss is read back, then the stream synchronised, so the backward pass after
+//! the loss is inside the time). FLOPs are counted as 6·batch·Σ(in·out) per step
 //! (forward, weight gradient and input gradient of every layer; a real step skips the first
 //! layer's input gradient but the count, like PyTorch's usual one, includes it); the sgemm-only
 //! rate counts the FLOPs of the products it runs.
 //!
-//! Prints a markdown table; `--json PATH` also writes the figures as JSON. Without a GPU it
-//! prints one "no GPU: …" line and exits 0.
+//! Then, for each CNN of `--cnns` (default the Fashion-MNIST CNN of `deploy/fashion-cnn.toml`;
+//! `none` to skip), the built-in CNN of `ps_worker::model` on the CUDA device at each batch:
+//! forward+backward on a batch already on the device, stream-synchronised, checked once per
+//! batch against the CPU device; the batch upload; the worker's step without a pull
+//! ([`gpu_cnn`]). Its FLOPs are counted as 2·batch·(3·ΣM − M₁) per step, M being each
+//! convolution's (`out·oh·ow·c·k·k`) and linear layer's (`in·out`) multiply-adds per sample and
+//! M₁ the first layer's: forward, weight gradient and input gradient of every layer but the
+//! first, whose input gradient is not computed (here the real step's count, not the MLP's
+//! convention: the first convolution is a fifth of the CNN's products).
+//!
+//! Prints markdown tables; `--json PATH` also writes the figures as JSON (the MLPs under
+//! `results`, the CNNs under `cnn_results`). Without a GPU it prints one "no GPU: …" line and
+//! exits 0.
 
+mod gpu_cnn;
+
+use gpu_cnn::{CnnList, FASHION_CNN, parse_cnns};
 use ps_config::LossReduction;
 use ps_model::layout::{MlpLayout, splitmix64};
 use ps_worker::backend::{Backend, BackendError};
@@ -46,7 +62,8 @@ struct Args {
     /// CUDA device index.
     #[arg(long, default_value_t = 0)]
     device: usize,
-    /// Models as layer widths joined by '-', comma-separated (at least two widths each).
+    /// MLPs as layer widths joined by '-', comma-separated (at least two widths each), or
+    /// `none`.
     #[arg(
         long,
         value_delimiter = ',',
@@ -54,6 +71,11 @@ struct Args {
         value_parser = parse_model
     )]
     models: Vec<Vec<usize>>,
+    /// CNNs as CxHxW:CHANNELS:KERNEL:HIDDEN:CLASSES[:STRIDE[:PADDING]] (channels and hidden
+    /// widths joined by '-'), comma-separated, or `none`; the default is the Fashion-MNIST
+    /// CNN of deploy/fashion-cnn.toml.
+    #[arg(long, default_value = FASHION_CNN, value_parser = parse_cnns)]
+    cnns: CnnList,
     /// Global batch sizes, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "64,256,1024", value_parser = positive)]
     batches: Vec<usize>,
@@ -67,8 +89,12 @@ fn positive(s: &str) -> Result<usize, String> {
     }
 }
 
-/// One `--models` entry: positive widths joined by '-', at least two (e.g. 784-10).
+/// One `--models` entry: positive widths joined by '-', at least two (e.g. 784-10); `none`: no
+/// MLP (an empty list, skipped).
 fn parse_model(s: &str) -> Result<Vec<usize>, String> {
+    if s.trim() == "none" {
+        return Ok(Vec::new());
+    }
     let dims: Vec<usize> = s.split('-').map(positive).collect::<Result<_, _>>()?;
     if dims.len() < 2 {
         return Err(format!(
@@ -158,7 +184,8 @@ fn bench_model(
         let (warm, steps) = (a.warmup, a.steps);
         b.upload_batch(&x, &labels)?;
         let step_ms = median_ms(warm, steps, || {
-            b.compute_uploaded(LossReduction::Mean).map(|_| ())
+            b.compute_uploaded(LossReduction::Mean)?;
+            b.sync()
         })?;
         let gemm_ms = median_ms(warm, steps, || {
             b.gemm_only(n)?;
@@ -275,7 +302,7 @@ fn json_str(s: &str) -> String {
     o
 }
 
-fn json(device: &str, arch: &str, a: &Args, rows: &[Row]) -> String {
+fn json(device: &str, arch: &str, a: &Args, rows: &[Row], cnns: &[gpu_cnn::CnnRow]) -> String {
     let items: Vec<String> = rows
         .iter()
         .map(|r| {
@@ -305,51 +332,98 @@ fn json(device: &str, arch: &str, a: &Args, rows: &[Row]) -> String {
             )
         })
         .collect();
+    let cnn_items = gpu_cnn::json_items(cnns, json_str);
     format!(
         "{{\n  \"tool\": \"gpu-bench\",\n  \"device\": {},\n  \"arch\": {},\n  \"precision\": \"fp32 (no TF32)\",\n  \
-         \"steps\": {},\n  \"warmup\": {},\n  \"statistic\": \"median\",\n  \"results\": [\n{}\n  ]\n}}\n",
+         \"steps\": {},\n  \"warmup\": {},\n  \"statistic\": \"median\",\n  \"results\": [\n{}\n  ],\n  \
+         \"cnn_flops\": \"2*batch*(3*sum(M) - M1), M: multiply-adds per sample of each conv and linear layer\",\n  \
+         \"cnn_results\": [\n{}\n  ]\n}}\n",
         json_str(device),
         json_str(arch),
         a.steps,
         a.warmup,
-        items.join(",\n")
+        items.join(",\n"),
+        cnn_items.join(",\n")
     )
+}
+
+/// Why the benchmarks stopped early: no GPU (said, exit 0) or a failure (exit 1).
+enum Stop {
+    NoGpu(String),
+    Failed(String),
+}
+
+impl Stop {
+    /// A failed start of a model: `NoGpu` stays itself.
+    fn opening(e: BackendError) -> Self {
+        match e {
+            BackendError::NoGpu(_) => Stop::NoGpu(e.to_string()),
+            e => Stop::Failed(e.to_string()),
+        }
+    }
+}
+
+/// The figures of every benchmark, with the device's name and what its kernels loaded as.
+#[derive(Default)]
+struct Figures {
+    mlps: Vec<Row>,
+    cnns: Vec<gpu_cnn::CnnRow>,
+    device: String,
+    arch: String,
+}
+
+/// Times every `--models` MLP, then every `--cnns` CNN.
+fn run(a: &Args) -> Result<Figures, Stop> {
+    let mut f = Figures::default();
+    for dims in a.models.iter().filter(|d| !d.is_empty()) {
+        let mut b = CudaBackend::new(a.device, MlpLayout::new(dims)).map_err(Stop::opening)?;
+        f.device = b.name();
+        f.arch = b.arch().to_string();
+        let rows = bench_model(&mut b, dims, &a.batches, a)
+            .map_err(|e| Stop::Failed(format!("{dims:?}: {e}")))?;
+        f.mlps.extend(rows);
+    }
+    for spec in &a.cnns.0 {
+        let (rows, device, arch) = gpu_cnn::bench_cnn(
+            spec, a.device, &a.batches, a.warmup, a.steps,
+        )
+        .map_err(|e| match e {
+            BackendError::NoGpu(_) => Stop::opening(e),
+            e => Stop::Failed(format!("{}: {e}", spec.text)),
+        })?;
+        (f.device, f.arch) = (device, arch);
+        f.cnns.extend(rows);
+    }
+    Ok(f)
 }
 
 fn main() -> ExitCode {
     let a = <Args as clap::Parser>::parse();
-    let mut rows = Vec::new();
-    let (mut device, mut arch) = (String::new(), String::new());
-    for dims in &a.models {
-        let mut b = match CudaBackend::new(a.device, MlpLayout::new(dims)) {
-            Ok(b) => b,
-            Err(e @ BackendError::NoGpu(_)) => {
-                println!("{e}");
-                return ExitCode::SUCCESS;
-            }
-            Err(e) => {
-                eprintln!("gpu-bench: {e}");
-                return ExitCode::FAILURE;
-            }
-        };
-        device = b.name();
-        arch = b.arch().to_string();
-        match bench_model(&mut b, dims, &a.batches, &a) {
-            Ok(r) => rows.extend(r),
-            Err(e) => {
-                eprintln!("gpu-bench: {dims:?}: {e}");
-                return ExitCode::FAILURE;
-            }
+    let f = match run(&a) {
+        Ok(f) => f,
+        Err(Stop::NoGpu(e)) => {
+            println!("{e}");
+            return ExitCode::SUCCESS;
         }
-    }
+        Err(Stop::Failed(e)) => {
+            eprintln!("gpu-bench: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let (device, arch) = (&f.device, &f.arch);
     let header = format!(
         "gpu-bench on {device} [{arch}], FP32 (no TF32): median of {} steps after {} warm-up steps; \
-         FLOPs = 6·batch·Σ(in·out)",
+         MLP FLOPs = 6·batch·Σ(in·out)",
         a.steps, a.warmup
     );
-    print!("{}", markdown(&header, &rows));
+    if f.mlps.is_empty() {
+        println!("{header}");
+    } else {
+        print!("{}", markdown(&header, &f.mlps));
+    }
+    print!("{}", gpu_cnn::markdown(&f.cnns));
     if let Some(path) = &a.json {
-        if let Err(e) = std::fs::write(path, json(&device, &arch, &a, &rows)) {
+        if let Err(e) = std::fs::write(path, json(device, arch, &a, &f.mlps, &f.cnns)) {
             eprintln!("gpu-bench: writing {path}: {e}");
             return ExitCode::FAILURE;
         }
