@@ -8,7 +8,8 @@
 #      and the registered-board (DMA) tests: 0 host bytes copied on pull and push, a torn
 #      version refused (cuda_dma, real cuMemHostRegister)
 #   2. scripts/gpu-check.sh: every CUDA parity test, the CUDA-worker clusters against the
-#      single process (cluster_cuda), gpu-bench and the same MLPs in PyTorch (TF32 off)
+#      single process (cluster_cuda), gpu-bench and the same MLPs and CNN in PyTorch (TF32 off),
+#      compared against issue 38's targets (scripts/gpu_compare.py)
 #   3. the 784-4096-4096-10 MLP, global batch 1024, 2 shards and 2 CUDA workers sharing the
 #      GPU: with gpu-old (when bundled) and this build alternately, ROUNDS times; then the
 #      same through gRPC (`[cluster] transport = "grpc"`) once each, and with CPU workers (16 cores)
