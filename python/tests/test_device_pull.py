@@ -315,6 +315,9 @@ def test_param_boards_released_once_while_mapped(tmp_path):
             dst = torch.zeros(n, dtype=torch.float32)
             spans = client.pull_lent(0, dst.numpy())
             assert [(lo, hi) for lo, hi, _ in spans][0][0] == 0 and spans[-1][1] == n
+            # fc1.weight lies in both shards: the training tests above upload it in 2 pieces
+            fc1 = sum(p.numel() for p in list(base.parameters())[:4])
+            assert fc1 < spans[0][1] < fc1 + base.fc1.weight.numel(), spans
             for (lo, hi, at), (_, address, nbytes, _) in zip(spans, regs):
                 assert address + 4096 <= at and at + 4 * (hi - lo) <= address + nbytes
             assert torch.count_nonzero(dst) == 0  # nothing copied into the buffer
