@@ -18,6 +18,8 @@
 //!   ratios.
 
 use super::*;
+use crate::aggregation::bench_copy;
+use crate::transfer::{InProcShard, push, register, spawn_runtime, wait_version};
 
 /// Longest either side waits for the other (connect, a transfer, the shard's version).
 const XHOST_WAIT: Duration = Duration::from_secs(120);
