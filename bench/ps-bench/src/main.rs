@@ -42,6 +42,7 @@
 mod aggregation;
 mod e2e;
 mod host_path;
+mod raw_tcp;
 mod scale;
 mod transfer;
 mod vs_torch;

@@ -4,6 +4,7 @@
 //! calls are shared with the sections and modes that time a shard in this process.
 
 use super::*;
+use crate::raw_tcp;
 
 /// Runs `make()`'s future to completion on a new multi-thread runtime of `threads` workers, on
 /// its own OS thread (as a separate process would have its own runtime).
@@ -270,7 +271,7 @@ pub(crate) fn section_transfer(tmp: &Path, plan: &Plan) -> anyhow::Result<Vec<Va
         ),
         row(
             "raw TCP",
-            "tokio write_all into a sink reading into a preallocated buffer, 1-byte ack",
+            "tokio write_all (after a 1-byte command) into a peer reading into a preallocated buffer, 1-byte ack",
             &tcp_s,
             tcp,
         ),
@@ -404,8 +405,9 @@ fn time_shm_w2(
 }
 
 /// Seconds to move `n` bytes over one loopback TCP connection into a preallocated buffer, per
-/// repeat (after one untimed transfer). The sink runs on its own single-thread runtime and
-/// answers one byte once it has all `n`; the client writes from its own buffer.
+/// repeat (after one untimed transfer): `raw_tcp::send` to a `raw_tcp::peer` on its own
+/// single-thread runtime, which answers one byte once it has all `n`; the client writes from
+/// its own buffer.
 fn tcp_baseline(
     client_rt: &tokio::runtime::Runtime,
     n: usize,
@@ -414,35 +416,19 @@ fn tcp_baseline(
     let std_listener = std::net::TcpListener::bind("127.0.0.1:0")?;
     std_listener.set_nonblocking(true)?;
     let addr = std_listener.local_addr()?;
-    let sink = spawn_runtime(1, move || async move {
-        let listener = tokio::net::TcpListener::from_std(std_listener)?;
-        let (mut s, _) = listener.accept().await?;
-        s.set_nodelay(true)?;
-        let mut buf = vec![0u8; n];
-        loop {
-            match s.read_exact(&mut buf).await {
-                Ok(_) => s.write_all(&[1]).await?,
-                Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => break,
-                Err(e) => return Err(e.into()),
-            }
-        }
-        black_box(&buf);
-        Ok(())
-    });
+    let sink = spawn_runtime(1, move || raw_tcp::peer(std_listener, n));
     let times = client_rt.block_on(async {
-        let mut c = tokio::net::TcpStream::connect(addr).await?;
-        c.set_nodelay(true)?;
+        let mut c = raw_tcp::connect(addr).await?;
         let data: Vec<u8> = (0..n).map(|i| i as u8).collect();
-        let mut ack = [0u8; 1];
         let mut out = Vec::new();
         for rep in 0..=repeats {
             let t = Instant::now();
-            c.write_all(&data).await?;
-            c.read_exact(&mut ack).await?;
+            raw_tcp::send(&mut c, &data).await?;
             if rep > 0 {
                 out.push(t.elapsed().as_secs_f64());
             }
         }
+        raw_tcp::end(&mut c).await?;
         Ok::<_, anyhow::Error>(out)
     })?;
     sink.join()
