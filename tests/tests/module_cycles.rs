@@ -432,6 +432,13 @@ fn cycles(g: &Graph) -> Vec<Vec<String>> {
     out
 }
 
+/// Writes `text` to `path` under a fixture's `src`, with the folders it needs.
+fn write_source(src: &Path, path: &str, text: &str) {
+    let p = src.join(path);
+    std::fs::create_dir_all(p.parent().expect("a file in a folder")).unwrap();
+    std::fs::write(p, text).unwrap();
+}
+
 fn workspace_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .parent()
@@ -463,8 +470,7 @@ fn no_module_cycles_in_any_crate() {
 fn the_check_finds_cycles_and_ignores_comments() {
     let dir = tempfile::tempdir().unwrap();
     let src = dir.path();
-    std::fs::create_dir_all(src.join("svc")).unwrap();
-    let write = |p: &str, s: &str| std::fs::write(src.join(p), s).unwrap();
+    let write = |p: &str, s: &str| write_source(src, p, s);
     write("lib.rs", "pub mod a; pub mod b; pub mod c; pub mod svc;");
     write("a.rs", "use crate::{b::B, c};\npub struct A;");
     write(
@@ -508,8 +514,7 @@ fn the_check_finds_cycles_and_ignores_comments() {
 fn a_test_module_in_its_own_file_draws_no_edge() {
     let dir = tempfile::tempdir().unwrap();
     let src = dir.path();
-    std::fs::create_dir_all(src.join("model/tests")).unwrap();
-    let write = |p: &str, s: &str| std::fs::write(src.join(p), s).unwrap();
+    let write = |p: &str, s: &str| write_source(src, p, s);
     write(
         "lib.rs",
         "pub mod cpu; pub mod model;\n#[cfg(test)]\nmod tests;",
@@ -537,8 +542,7 @@ fn a_test_module_in_its_own_file_draws_no_edge() {
 fn a_real_cycle_beside_a_test_file_module_is_still_found() {
     let dir = tempfile::tempdir().unwrap();
     let src = dir.path();
-    std::fs::create_dir_all(src.join("model")).unwrap();
-    let write = |p: &str, s: &str| std::fs::write(src.join(p), s).unwrap();
+    let write = |p: &str, s: &str| write_source(src, p, s);
     write("lib.rs", "pub mod cpu; pub mod model;");
     write("cpu.rs", "use crate::model::Model;\npub struct Cpu(Model);");
     write("model/tests.rs", "use crate::cpu::Cpu;");
