@@ -36,7 +36,7 @@ use cudarc::driver::{
     PinnedHostSlice, PushKernelArg,
 };
 use ps_config::LossReduction;
-use ps_model::layout::{MlpLayout, ModelLayout};
+use ps_model::layout::{CnnLayout, MlpLayout, ModelLayout};
 use std::collections::HashMap;
 use std::fmt::Display;
 use std::panic::{AssertUnwindSafe, catch_unwind};
@@ -450,6 +450,17 @@ impl CudaBackend {
     }
 }
 
+/// The CNN on a CUDA device.
+pub type CudaCnn = Cnn<CudaDevice>;
+
+impl CudaCnn {
+    /// The CNN of `layout` on device `ordinal` ([`CudaDevice::new`]), checked by the self-test
+    /// of [`open`].
+    pub fn new(ordinal: usize, layout: CnnLayout) -> BackendResult<Self> {
+        checked(ordinal, &layout.clone().into(), |dev| Cnn::on(layout, dev))
+    }
+}
+
 /// The model of `layout` on device `ordinal` ([`CudaDevice::new`]), checked by a three-sample
 /// self-test that runs every kernel, sgemm and copy of its step once against the CPU device,
 /// so that a broken installation fails here; with what the kernels were loaded as. `NoGpu`
@@ -463,7 +474,7 @@ pub fn open(ordinal: usize, layout: &ModelLayout) -> BackendResult<(Box<dyn Back
             (Box::new(b), arch)
         }
         ModelLayout::Cnn(c) => {
-            let b = checked(ordinal, layout, |dev| Cnn::on(c.clone(), dev))?;
+            let b = CudaCnn::new(ordinal, c.clone())?;
             let arch = b.arch().to_string();
             (Box::new(b), arch)
         }

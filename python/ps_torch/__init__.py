@@ -299,15 +299,20 @@ class Worker:
         # views of it, so a pull updates them in place with no copy
         self._flat = torch.zeros(n, dtype=torch.float32)
         self._grad = torch.zeros(n, dtype=torch.float32)
-        self._views = all(p.device.type == "cpu" for _, p in self._params)
         # a model on a GPU: its gradients are copied off it asynchronously into page-locked
         # memory (the push buffer, lent once connected; a staging tensor for exact terms)
         self._copies = _device.copies_for([p for _, p in self._params])
+        self._views = all(p.device.type == "cpu" for _, p in self._params) and getattr(
+            self._copies, "host_params", True)
         self._push_buffer = None
         self._staging = None
-        # and its weights pulled into page-locked memory, uploaded by non-blocking copies (the
-        # events behind the last pull's uploads: waited for before the next pull writes there)
+        # and its weights uploaded by non-blocking copies, from the shards' boards where they
+        # lend them (_boards), else from page-locked memory pulled into (the events behind the
+        # last pull's uploads: waited for before the next pull writes there or a board goes)
         self._uploads = []
+        self._boards = None
+        # the version of the pull lent from the boards whose uploads are not verified yet
+        self._lent = None
         if self._copies is not None and not self._views:
             self._flat = self._copies.staging(n)
         if self._views:
@@ -401,19 +406,32 @@ class Worker:
 
         return save({n: b.detach().cpu().contiguous() for n, b in self._buffers})
 
-    def _pull(self, version: int) -> None:
-        for event in self._uploads:  # the last pull's uploads read the memory pulled into
+    def _wait_uploads(self) -> None:
+        """Waits for the last pull's uploads (they read the memory pulled into)."""
+        uploads, self._uploads = self._uploads, []
+        for event in uploads:
             self._copies.wait(event)
-        self._uploads = []
-        self._native.pull(version, self._flat.numpy())
-        if not self._views and self._copies is not None:
-            self._uploads = self._copies.upload(
-                [(p.data, self._flat[o : o + p.numel()].view_as(p))
-                 for (_, p), o in zip(self._params, self._offsets)])
-        elif not self._views:
-            with torch.no_grad():
-                for (_, p), o in zip(self._params, self._offsets):
-                    p.data.copy_(self._flat[o : o + p.numel()].view_as(p))
+
+    def _pull(self, version: int, copied: bool = False) -> None:
+        """Pulls ``version`` into the parameters (and the model's buffers); ``copied``: through
+        page-locked host memory even where the shards lend their boards."""
+        self._wait_uploads()
+        self._lent = None
+        spans = None if copied or self._boards is None else self._pull_lent(version)
+        if spans is not None:
+            self._uploads = self._copies.upload(self._boards.pairs(
+                spans, self._flat, [p.data for _, p in self._params], self._offsets))
+            self._lent = version
+        else:
+            self._native.pull(version, self._flat.numpy())
+            if not self._views and self._copies is not None:
+                self._uploads = self._copies.upload(
+                    [(p.data, self._flat[o : o + p.numel()].view_as(p))
+                     for (_, p), o in zip(self._params, self._offsets)])
+            elif not self._views:
+                with torch.no_grad():
+                    for (_, p), o in zip(self._params, self._offsets):
+                        p.data.copy_(self._flat[o : o + p.numel()].view_as(p))
         if self._buffers:
             # the model's buffers of this version: rank 0's after its forward of the step before
             from safetensors.torch import load
@@ -422,6 +440,54 @@ class Worker:
             with torch.no_grad():
                 for n, b in self._buffers:
                     b.copy_(got[n])
+
+    def _pull_lent(self, version: int):
+        """The pull of ``version`` lent from the shards' boards registered for the GPU's DMA
+        (``pull_lent``'s spans), or None where none is (gRPC, the registration refused: said
+        once), then pulled by copying."""
+        boards = self._boards
+        if boards.refused is not None:
+            return None
+        before = len(boards.registered)
+        try:
+            if self._native.register_param_boards(boards) == 0:
+                return None
+        except RuntimeError as e:
+            boards.refused = str(e)
+            _log.warning("worker %d: %s; the weights are pulled into page-locked memory and "
+                         "uploaded from there (a host copy)", self.rank, e)
+            return None
+        if len(boards.registered) > before:
+            _log.info("worker %d: %d shared-memory parameters boards registered for the GPU's "
+                      "DMA: the weights are uploaded from the shards' boards, no host copy",
+                      self.rank, len(boards.registered) - before)
+        return self._native.pull_lent(version, self._flat.numpy())
+
+    def _pulled_intact(self) -> bool:
+        """True unless the last pull was lent from the boards and a shard overwrote a slot
+        while the uploads read it: the native client re-checks each slot's version once the
+        uploads completed; a torn one is said, and the version pulled again by copying (the
+        step computed from it is then redone)."""
+        version, self._lent = self._lent, None
+        if version is None:
+            return True
+        self._wait_uploads()
+        torn = self._native.verify_pulled()
+        if torn is None:
+            return True
+        _log.warning("worker %d: %s; version %d pulled again by copying, the step computed "
+                     "from it done again", self.rank, torn, version)
+        self._pull_or_rewind(version, copied=True)
+        return False
+
+    def _redo(self, t: int) -> None:
+        """Step ``t`` is not pushed and is done again (after ``_pulled_intact`` refused its
+        weights): the same batch, from the weights pulled again."""
+        for _, p in self._params:
+            p.grad = None
+        if self._rewind is None:  # a rollback while pulling again says where to go on
+            self._rewind = t
+        self._step = None
 
     def _data_len(self, train_len: int | None) -> int:
         """``train_len``, or the config's ``[data] train_len`` when None."""
@@ -637,6 +703,8 @@ class Worker:
             if self._copies is not None and self._exact_m is None:
                 self._push_buffer = _device.PushBuffer(
                     self._native, self._copies, self._offsets, self._sizes())
+            if self._copies is not None and not self._views:
+                self._boards = _device.ParamBoards(self._copies, self._wait_uploads)
             # frozen parameters and buffers: every worker's must equal the first worker's
             self._native.check_constants(self._constants())
             self._rewind = None
@@ -665,6 +733,7 @@ class Worker:
                 if redo is None:
                     break
                 t0 = redo
+            self._pulled_intact()  # the final weights: pulled again by copying if torn
             correct, count = self._run_evaluate()
             self._native.leave(correct, count)
         except BaseException as e:
@@ -679,8 +748,12 @@ class Worker:
             self._step = None
             self._pulling = None  # close() stops a pull under way
             self._timing = self._native.timing()
-            self._native.close()  # gives the push buffer back first (PushBuffer.release)
+            # gives the push buffer back first (PushBuffer.release), then the parameters
+            # boards (ParamBoards.release, after the uploads from them)
+            self._native.close()
             self._push_buffer = None
+            self._boards = None
+            self._lent = None
 
     def _constants(self):
         """(name, shape, dtype, fingerprint, is a buffer) of each frozen parameter (the
@@ -695,12 +768,13 @@ class Worker:
                         int.from_bytes(digest, "little"), buffer))
         return out
 
-    def _pull_or_rewind(self, version: int) -> None:
-        """Pulls ``version``; when a shard was lost meanwhile and the cluster rolled back, pulls
-        the version rolled back to instead and records it as the step to go on from."""
+    def _pull_or_rewind(self, version: int, copied: bool = False) -> None:
+        """Pulls ``version`` (``copied``: see ``_pull``); when a shard was lost meanwhile and the
+        cluster rolled back, pulls the version rolled back to instead and records it as the
+        step to go on from."""
         while True:
             try:
-                self._pull(version)
+                self._pull(version, copied)
                 return
             except _native.RolledBack as e:
                 version = self._rolled_back(e)
@@ -775,6 +849,9 @@ class Worker:
             raise RuntimeError("worker.step() outside a step of worker.batches()")
         if not self._finish_pull():
             self._step = None  # computed with a failed pull's weights: redone after the rollback
+            return
+        if not self._pulled_intact():
+            self._redo(t)
             return
         if self._exact_m is not None:
             self._step_exact(t, loss_sum, correct, samples)
@@ -868,6 +945,9 @@ class Worker:
                              "of micro-batch terms: use worker.terms(batch), then step()")
         if not self._finish_pull():
             self._step = None  # computed with a failed pull's weights: redone after the rollback
+            return
+        if not self._pulled_intact():  # before anything computed from the weights goes out
+            self._redo(t)
             return
         n = self._samples if samples is None else int(samples)
         value = float(loss.detach())

@@ -13,8 +13,15 @@ memory unregistered while it is still mapped.
 
 With ``[train] exact_sum`` the gradient terms are summed on the host: they are copied the same
 way into a page-locked staging tensor allocated once (``DeviceGrads`` over ``CudaCopies.staging``).
-The weights are pulled into a page-locked tensor too and uploaded from it by non-blocking copies
-queued before the forward pass (``CudaCopies.upload``); the next pull waits for them first.
+
+The weights go up by non-blocking copies queued before the forward pass (``CudaCopies.upload``);
+the next pull waits for them first. When the shards share the host, the native client lends
+their parameters boards (``ParamBoards``: each mapping page-locked once, released before it is
+unmapped) and the uploads read the board slots of the version pulled where they lie, copying
+nothing on the host (``ParamBoards.pairs``); a shard may overwrite a slot only by publishing a
+later version there, which the native client's re-check (``verify_pulled``, once the uploads
+completed) refuses, and the step is then redone from a copied pull. Otherwise (gRPC, a refused
+registration) the weights are pulled into a page-locked tensor and uploaded from it.
 """
 
 from __future__ import annotations
@@ -29,6 +36,10 @@ import torch
 class CudaCopies:
     """The CUDA operations of the device path: page-locking host memory, the copy stream of
     each device, non-blocking copies and the events behind them."""
+
+    #: The parameters are on the device: the pulled weights are uploaded into them (they are
+    #: never views of the host memory pulled into).
+    host_params = False
 
     def __init__(self) -> None:
         self._cudart = torch.cuda.cudart()
@@ -158,3 +169,60 @@ class PushBuffer(DeviceGrads):
         finally:
             self.views = []
             self.flat = None
+
+
+class ParamBoards:
+    """The shards' parameters boards on this host, lent by the native client
+    (``register_param_boards``): it calls ``register`` once per board mapping (page-locked by
+    ``copies``; an error refuses it) and ``release`` exactly once before the mapping goes away,
+    which waits for the uploads queued (``wait_uploads``), then unregisters it while it is
+    still mapped. ``pairs`` makes a pull's uploads straight from the slots."""
+
+    def __init__(self, copies: Any, wait_uploads: Any) -> None:
+        self._copies = copies
+        self._wait_uploads = wait_uploads
+        self.registered: dict[int, int] = {}  # address -> bytes of each mapping registered
+        self.refused: str | None = None
+        self._slots: dict[tuple[int, int], torch.Tensor] = {}
+
+    def register(self, address: int, nbytes: int) -> None:
+        self._copies.register(address, nbytes)
+        self.registered[address] = nbytes
+
+    def release(self, address: int) -> None:
+        self._wait_uploads()
+        self._slots = {}
+        if self.registered.pop(address, None) is not None:
+            self._copies.unregister(address)
+
+    def _slot(self, address: int, n: int) -> torch.Tensor:
+        """The ``n`` float32 values at ``address`` (a lent slot) as a tensor (made once)."""
+        t = self._slots.get((address, n))
+        if t is None:
+            memory = (ctypes.c_float * n).from_address(address)
+            t = self._slots[(address, n)] = torch.frombuffer(memory, dtype=torch.float32)
+        return t
+
+    def pairs(self, spans: Sequence[tuple[int, int, int]], flat: torch.Tensor,
+              params: Sequence[torch.Tensor], offsets: Sequence[int]
+              ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The uploads ``(dst, src)`` of a pull lent as ``spans`` (``pull_lent``: each shard's
+        flat range ``[lo, hi)`` and the address of its slot, 0 when copied into ``flat``) into
+        ``params`` (at ``offsets`` of the flat vector): one per parameter, from the slot (or
+        ``flat``) where it lies; a parameter split between shards goes up piece by piece into a
+        contiguous device tensor, then into the parameter (a copy on the device)."""
+        sources = [(lo, hi, self._slot(a, hi - lo) if a else flat[lo:hi]) for lo, hi, a in spans]
+        out = []
+        for p, o in zip(params, offsets):
+            k = p.numel()
+            pieces = [(max(o, lo), min(o + k, hi), lo, src) for lo, hi, src in sources
+                      if lo < o + k and o < hi]
+            if len(pieces) == 1:
+                a, b, lo, src = pieces[0]
+                out.append((p, src[a - lo : b - lo].view_as(p)))
+                continue
+            whole = torch.empty(k, dtype=p.dtype, device=p.device)
+            out.extend((whole[a - o : b - o], src[a - lo : b - lo]) for a, b, lo, src in pieces)
+            if pieces:
+                out.append((p, whole.view_as(p)))
+        return out

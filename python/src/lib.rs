@@ -6,18 +6,23 @@
 //! weight vector, both as float32 buffers (numpy arrays) that it reads and writes in place with the
 //! GIL released; for a model on a GPU it lends its push buffer instead (`lend_grad_buffer`: the
 //! GPU copies into it, registered for DMA; `push_in_place`), calling the borrower's release before
-//! the buffer is unmapped. With `[train] exact_sum` it sums the micro-batch gradient terms PyTorch
+//! the buffer is unmapped; and it lends the shards' parameters boards on this host the same way
+//! (`register_param_boards`: registered once per mapping through the borrower, released before
+//! the mapping goes; `pull_lent`: the slots of a version, read in place by the GPU's uploads;
+//! `verify_pulled`: the version re-checked after them). With `[train] exact_sum` it sums the micro-batch gradient terms PyTorch
 //! computes exactly (`ps_net::exact`) and pushes that partial sum, encoded. The Python package
 //! (`ps_torch/__init__.py`) wraps it in `ps_torch.Worker`.
 
 use ps_config::Config;
 use ps_data::order::BatchPlanner;
+use ps_net::dma::{HostRegistration, InPlace, Registrar};
 use ps_net::session::Session;
 use ps_proto::pb::TensorDesc;
 use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 pyo3::create_exception!(
     _native,
@@ -81,6 +86,57 @@ fn f32_buffer(obj: &Bound<'_, PyAny>, len: usize, writable: bool, what: &str) ->
     Ok(buf.buf_ptr() as usize)
 }
 
+/// The registrar key of the next client (each registers the boards once for itself; far from
+/// the small keys of the CUDA contexts of ps-worker).
+static NEXT_KEY: AtomicU64 = AtomicU64::new(1 << 40);
+
+/// The device of a Python borrower (`ps_torch._device.ParamBoards`: `register(address,
+/// nbytes)`, which raises to refuse, and `release(address)`), registering board mappings for
+/// its DMA.
+struct PyRegistrar {
+    key: u64,
+    borrower: Py<PyAny>,
+}
+
+impl Registrar for PyRegistrar {
+    fn key(&self) -> u64 {
+        self.key
+    }
+
+    fn register(&self, ptr: *mut u8, bytes: usize) -> Result<Box<dyn HostRegistration>, String> {
+        let address = ptr as usize;
+        Python::attach(|py| {
+            self.borrower
+                .call_method1(py, "register", (address, bytes))
+                .map_err(|e| e.to_string())?;
+            Ok(Box::new(PyRegistration {
+                address,
+                borrower: self.borrower.clone_ref(py),
+            }) as Box<dyn HostRegistration>)
+        })
+    }
+}
+
+/// A board mapping registered by a Python borrower: owned by the mapping, which drops it
+/// before it unmaps; dropping it calls the borrower's `release(address)` (which waits for the
+/// uploads from it and unregisters it) once, its error reported as unraisable.
+struct PyRegistration {
+    address: usize,
+    borrower: Py<PyAny>,
+}
+
+impl HostRegistration for PyRegistration {}
+
+impl Drop for PyRegistration {
+    fn drop(&mut self) {
+        Python::attach(|py| {
+            if let Err(e) = self.borrower.call_method1(py, "release", (self.address,)) {
+                e.write_unraisable(py, Some(self.borrower.bind(py)));
+            }
+        });
+    }
+}
+
 /// One worker of a run (see the module's documentation).
 #[pyclass(module = "ps_torch._native")]
 struct Client {
@@ -102,6 +158,11 @@ struct Client {
     /// The push buffer lent out (`lend_grad_buffer`): the callable to call before it goes away
     /// (the caller unregisters it from the GPU's DMA there), called once.
     lent: Option<Py<PyAny>>,
+    /// This client's registrar key (`register_param_boards`).
+    key: u64,
+    /// The board slots the last `pull_lent` handed over in place (None: copied), until
+    /// `verify_pulled`; they hold their mappings (and registrations) while held.
+    pulled: Vec<Option<InPlace>>,
 }
 
 impl Drop for Client {
@@ -243,6 +304,8 @@ impl Client {
             pulling: None,
             terms: Default::default(),
             lent: None,
+            key: NEXT_KEY.fetch_add(1, Ordering::Relaxed),
+            pulled: Vec::new(),
         })
     }
 
@@ -250,6 +313,7 @@ impl Client {
     /// (the step to start at, the run's total steps).
     fn connect(&mut self, py: Python<'_>, train_len: usize) -> PyResult<(u64, u64)> {
         self.give_back(py); // a session before this one: its push buffer goes below
+        self.pulled.clear();
         let (cfg, servers, rank, model) = (&self.cfg, &self.servers, self.rank, self.model.clone());
         let rt = &self.rt;
         let session = py
@@ -287,6 +351,7 @@ impl Client {
     fn pull(&mut self, py: Python<'_>, version: u64, dst: &Bound<'_, PyAny>) -> PyResult<()> {
         let addr = f32_buffer(dst, self.num_params, true, "pull destination")?;
         let n = self.num_params;
+        self.pulled.clear();
         let rt = &self.rt;
         let session = self.session.as_mut().ok_or_else(|| {
             PyRuntimeError::new_err("not connected: call connect(train_len) first")
@@ -298,6 +363,77 @@ impl Client {
             let dst = unsafe { std::slice::from_raw_parts_mut(addr as *mut f32, n) };
             rt.block_on(session.pull(version, dst))
                 .map_err(|e| after_failure(rt, session, version, e))
+        })
+    }
+
+    /// Registers the parameters boards of the shards on this host for `borrower`'s device
+    /// (`ps_torch._device.ParamBoards`): `borrower.register(address, nbytes)` once per board
+    /// mapping (it raises to refuse), and `borrower.release(address)` exactly once before that
+    /// mapping goes away (`close`, a new `connect`, a lost shard's boards replaced, this
+    /// client's end). Returns how many parameters boards the session has (0 over gRPC: pull
+    /// with `pull`). A refusal raises RuntimeError naming the board.
+    fn register_param_boards(&mut self, borrower: Py<PyAny>) -> PyResult<usize> {
+        let registrar = PyRegistrar {
+            key: self.key,
+            borrower,
+        };
+        self.session()?
+            .register_param_boards(&registrar)
+            .map_err(|e| PyRuntimeError::new_err(e.to_string()))
+    }
+
+    /// Pulls version `version` as `pull` does, except that each shard whose parameters board
+    /// was registered (`register_param_boards`) lends its slot of the version instead of
+    /// copying it into `dst`: per shard, `(lo, hi, address)`, the flat range and where its
+    /// values lie, `address` 0 when they were copied into `dst[lo:hi]`. The slot may be
+    /// overwritten at any time: read it only by device copies, and use what they read only if
+    /// `verify_pulled()` says so once they completed.
+    fn pull_lent(
+        &mut self,
+        py: Python<'_>,
+        version: u64,
+        dst: &Bound<'_, PyAny>,
+    ) -> PyResult<Vec<(usize, usize, usize)>> {
+        let addr = f32_buffer(dst, self.num_params, true, "pull destination")?;
+        let (n, key) = (self.num_params, self.key);
+        self.pulled.clear();
+        let rt = &self.rt;
+        let session = self.session.as_mut().ok_or_else(|| {
+            PyRuntimeError::new_err("not connected: call connect(train_len) first")
+        })?;
+        let slots = py.detach(|| {
+            // SAFETY: as in `pull`.
+            let dst = unsafe { std::slice::from_raw_parts_mut(addr as *mut f32, n) };
+            rt.block_on(session.pull_lent(version, dst, key))
+                .map_err(|e| after_failure(rt, session, version, e))
+        })?;
+        let spans = slots
+            .iter()
+            .map(|(r, slot)| {
+                // SAFETY: only the slot's address is taken, for device copies (see above)
+                let at = slot
+                    .as_ref()
+                    .map_or(0, |s| unsafe { s.values(0..s.len()) }.as_ptr() as usize);
+                (r.start, r.end, at)
+            })
+            .collect();
+        self.pulled = slots.into_iter().map(|(_, slot)| slot).collect();
+        Ok(spans)
+    }
+
+    /// After the device's copies out of the slots of the last `pull_lent` completed: None when
+    /// every slot still holds the version pulled (the copies read it alone), else why not
+    /// (the shard and version torn: the values read must not be used). The slots are let go.
+    fn verify_pulled(&mut self) -> Option<String> {
+        let slots = std::mem::take(&mut self.pulled);
+        slots.iter().enumerate().find_map(|(shard, slot)| {
+            slot.as_ref().filter(|s| !s.intact()).map(|s| {
+                ps_net::gate::GateError::Torn {
+                    shard,
+                    version: s.version(),
+                }
+                .to_string()
+            })
         })
     }
 
@@ -645,6 +781,7 @@ impl Client {
     /// under way first), after the release callable of the push buffer lent out, if any.
     fn close(&mut self, py: Python<'_>) {
         self.give_back(py);
+        self.pulled.clear();
         self.session = None;
         self.pulling = None;
     }
@@ -835,10 +972,17 @@ fn save_init(
         .map_err(|e| PyRuntimeError::new_err(e.to_string()))
 }
 
+/// The host bytes this process's data path copied so far: (pull, push) (`ps_net::copied`).
+#[pyfunction]
+fn copied() -> (u64, u64) {
+    ps_net::copied::totals()
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Client>()?;
     m.add_function(wrap_pyfunction!(save_init, m)?)?;
+    m.add_function(wrap_pyfunction!(copied, m)?)?;
     m.add("RolledBack", m.py().get_type::<RolledBack>())?;
     m.add(
         "ModelMismatchError",

@@ -5,7 +5,9 @@ hooks), and each equals the single-process CPU reference (torch.optim.SGD on the
 page-locked memory (the push buffer registered with cudaHostRegister: ``is_pinned()``), once per
 tensor and step, the buffer registered and unregistered once per worker, and no synchronous
 device-to-host copy (``Tensor.copy_``, ``.cpu()``, ``.to("cpu")`` counted in the whole run); the
-pulled weights went up by non-blocking copies from page-locked memory.
+pulled weights went up by non-blocking copies straight from the shards' parameters boards (each
+registered with cudaHostRegister once and unregistered once), the pulls copying 0 host bytes
+(``_native.copied()``).
 
 On the GPU machine (no pytest needed), from the repository root, as scripts/gpu-session.sh does:
     PS_BIN_DIR=.dev/gpu-bin PYTHONPATH=.dev/pypkg python3 python/tests/test_cuda_push.py
@@ -23,6 +25,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import ps  # noqa: E402
+from ps import _native  # noqa: E402
 from ps_torch import _device  # noqa: E402
 from common import REPO, Shards, SmallCNN, config_text, load, max_rel_diff  # noqa: E402
 
@@ -43,10 +46,21 @@ class CountingCudaCopies(_device.CudaCopies):
     def __init__(self):
         super().__init__()
         self.copies = self.unpinned = self.registered = self.unregistered = 0
+        self.ranges = []  # (address, bytes) registered
+        self.uploads = self.from_boards = 0  # host-to-device uploads, those from a board
 
     def register(self, address, nbytes):
         super().register(address, nbytes)
         self.registered += 1
+        self.ranges.append((address, nbytes))
+
+    def upload(self, pairs):
+        for _, src in pairs:
+            if src.device.type == "cpu":
+                at = src.data_ptr()
+                self.uploads += 1
+                self.from_boards += any(a + 4096 <= at < a + n for a, n in self.ranges)
+        return super().upload(pairs)
 
     def unregister(self, address):
         super().unregister(address)
@@ -123,6 +137,7 @@ def train_on_cuda(tmp: Path, overlap: bool):
 
     _device.copies_for = counting
     errors, times = [], []
+    before = _native.copied()[0]
     try:
         with Shards(cfg, 2, tmp) as shards, SyncDeviceToHost() as sync:
             workers = [ps.Worker(cfg, m, rank=r, servers=shards.addrs)
@@ -155,14 +170,16 @@ def train_on_cuda(tmp: Path, overlap: bool):
             assert shards.wait(60) == [0, 0]
     finally:
         _device.copies_for = real
-    return base, cfg, models, made, workers, sync.seen, sorted(times)[len(times) // 2] * 1e3
+    pulled = _native.copied()[0] - before
+    return (base, cfg, models, made, workers, sync.seen, sorted(times)[len(times) // 2] * 1e3,
+            pulled)
 
 
 def check(tmp: Path, overlap: bool) -> str:
     from test_equivalence import STEPS as REF_STEPS, reference
 
     assert REF_STEPS == STEPS
-    base, cfg, models, made, workers, sync, step_ms = train_on_cuda(tmp, overlap)
+    base, cfg, models, made, workers, sync, step_ms, pulled = train_on_cuda(tmp, overlap)
     x, y = load(DATA, "train")
     ref = reference(base, cfg, x, y, lambda p: torch.optim.SGD(p, lr=0.05))
     lines = []
@@ -171,15 +188,20 @@ def check(tmp: Path, overlap: bool) -> str:
         assert isinstance(c, CountingCudaCopies)
         assert workers[r].transport() == ["shared memory"] * 2
         assert c.copies == STEPS * len(workers[r]._params), c.copies
-        assert c.unpinned == 0 and c.registered == 1 and c.unregistered == 1
+        # the push buffer (this worker's gradient board) and the 2 shards' parameters boards
+        assert c.unpinned == 0 and c.registered == 3 and c.unregistered == 3
+        assert c.uploads >= (STEPS + 1) * len(workers[r]._params) and \
+            c.from_boards == c.uploads, (c.uploads, c.from_boards)
         diff, name = max_rel_diff(models[r].cpu(), ref)
         assert diff < TOLERANCE, f"rank {r}: {diff:.2e} in {name}"
         lines.append(f"rank {r}: largest relative difference vs CPU torch.optim {diff:.2e} "
                      f"(in {name})")
     assert sync == [], f"synchronous device-to-host copies: {sync[:5]} ({len(sync)})"
+    assert pulled == 0, f"the pulls copied {pulled} host bytes"
     return (f"{'backward' if overlap else 'step'}: PASS; " + "; ".join(lines)
             + f"; {c.copies} non-blocking copies into registered memory per worker, 0 "
-            f"synchronous; median step {step_ms:.1f} ms")
+            f"synchronous; {c.from_boards} uploads straight from the shards' boards, 0 host "
+            f"bytes copied by the pulls; median step {step_ms:.1f} ms")
 
 
 if pytest is not None:

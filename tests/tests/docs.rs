@@ -420,8 +420,11 @@ fn the_documents_commands_use_flags_their_programs_have() {
                         }
                         if pair[0] == "--test" && pair[1].starts_with('=') {
                             checked += 1;
-                            let here = repo().join(format!("tests/tests/{value}.rs")).exists()
-                                || repo().join(format!("ps-worker/tests/{value}.rs")).exists();
+                            // a test target is `tests/NAME.rs` or `tests/NAME/main.rs`
+                            let here = ["tests/tests", "ps-worker/tests"].iter().any(|d| {
+                                repo().join(format!("{d}/{value}.rs")).exists()
+                                    || repo().join(format!("{d}/{value}/main.rs")).exists()
+                            });
                             if !here {
                                 wrong.push(format!("{doc}: no test {value} (in `{code}`)"));
                             }

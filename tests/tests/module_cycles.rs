@@ -4,7 +4,9 @@
 //! reference from `service::push` to `crate::service::pull::X` is the edge push -> pull; from
 //! `report` to `crate::tensorboard::X` the edge report -> tensorboard); a module naming its own
 //! ancestors or descendants draws none (that is Rust's nesting, not a cycle). Items under
-//! `#[cfg(test)]` are left out: a unit-test module exercises its crate from the outside.
+//! `#[cfg(test)]` are left out: a unit-test module exercises its crate from the outside. That
+//! holds for one kept in its own file too: `#[cfg(test)] mod tests;` in `model.rs` leaves out
+//! `model/tests.rs` and every module under it.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -194,6 +196,52 @@ fn without_tests(code: &str) -> String {
     String::from_utf8_lossy(&b).into_owned()
 }
 
+/// `s` past the bracketed group it opens with (`#[..]`, `(..)`), or `s` when it opens none.
+fn past_group(s: &str, open: char, close: char) -> &str {
+    let mut depth = 0usize;
+    for (k, c) in s.char_indices() {
+        if c == open {
+            depth += 1;
+        } else if c == close {
+            depth = depth.saturating_sub(1);
+            if depth == 0 {
+                return &s[k + 1..];
+            }
+        } else if depth == 0 {
+            break;
+        }
+    }
+    s
+}
+
+/// The modules that `code` (the code of module `at`, comments and strings blanked) declares
+/// under `#[cfg(test)]` and keeps in their own files: `#[cfg(test)] mod tests;`, also with
+/// other attributes or a visibility between, in `at` is the module `at::tests`.
+fn test_file_modules(code: &str, at: &ModPath) -> Vec<ModPath> {
+    let mut out = Vec::new();
+    for (p, attr) in code.match_indices("#[cfg(test)]") {
+        let mut rest = code[p + attr.len()..].trim_start();
+        while rest.starts_with("#[") {
+            rest = past_group(&rest[1..], '[', ']').trim_start();
+        }
+        if let Some(r) = rest.strip_prefix("pub") {
+            rest = past_group(r.trim_start(), '(', ')').trim_start();
+        }
+        let Some(r) = rest.strip_prefix("mod") else {
+            continue;
+        };
+        let r = r.trim_start();
+        if let Some(name) = ident_at(r)
+            && r[name.len()..].trim_start().starts_with(';')
+        {
+            let mut m = at.clone();
+            m.push(name.to_string());
+            out.push(m);
+        }
+    }
+    out
+}
+
 fn ident_at(s: &str) -> Option<&str> {
     let end = s
         .find(|c: char| !(c.is_alphanumeric() || c == '_'))
@@ -292,14 +340,32 @@ fn references(code: &str, at: &ModPath) -> Vec<(ModPath, usize)> {
 fn graph(src: &Path) -> Graph {
     let mut files = Vec::new();
     rust_files(src, &mut files);
+    let code: BTreeMap<&PathBuf, String> = files
+        .iter()
+        .map(|f| {
+            let text = std::fs::read_to_string(f).expect("a source file");
+            (f, code_only(&text))
+        })
+        .collect();
+    // a crate root (`lib.rs`, `main.rs`, a `[[bin]]` root beside them) declares the modules
+    // at the top of `src`
+    let declared_in = |f: &Path| match module_of(src, f) {
+        Some(m) => Some(m),
+        None => (f.parent() == Some(src)).then(Vec::new),
+    };
+    let test_modules: Vec<ModPath> = files
+        .iter()
+        .filter_map(|f| declared_in(f).map(|m| test_file_modules(&code[f], &m)))
+        .flatten()
+        .collect();
     let modules: BTreeMap<ModPath, PathBuf> = files
         .iter()
         .filter_map(|f| module_of(src, f).map(|m| (m, f.clone())))
+        .filter(|(m, _)| !test_modules.iter().any(|t| m.starts_with(t)))
         .collect();
     let mut g = Graph::default();
     for (m, file) in &modules {
-        let text = std::fs::read_to_string(file).expect("a source file");
-        let code = without_tests(&code_only(&text));
+        let code = without_tests(&code[file]);
         for (target, line) in references(&code, m) {
             let common = m.iter().zip(&target).take_while(|(a, b)| a == b).count();
             if common >= m.len() || common >= target.len() {
@@ -366,6 +432,13 @@ fn cycles(g: &Graph) -> Vec<Vec<String>> {
     out
 }
 
+/// Writes `text` to `path` under a fixture's `src`, with the folders it needs.
+fn write_source(src: &Path, path: &str, text: &str) {
+    let p = src.join(path);
+    std::fs::create_dir_all(p.parent().expect("a file in a folder")).unwrap();
+    std::fs::write(p, text).unwrap();
+}
+
 fn workspace_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .parent()
@@ -397,8 +470,7 @@ fn no_module_cycles_in_any_crate() {
 fn the_check_finds_cycles_and_ignores_comments() {
     let dir = tempfile::tempdir().unwrap();
     let src = dir.path();
-    std::fs::create_dir_all(src.join("svc")).unwrap();
-    let write = |p: &str, s: &str| std::fs::write(src.join(p), s).unwrap();
+    let write = |p: &str, s: &str| write_source(src, p, s);
     write("lib.rs", "pub mod a; pub mod b; pub mod c; pub mod svc;");
     write("a.rs", "use crate::{b::B, c};\npub struct A;");
     write(
@@ -432,4 +504,70 @@ fn the_check_finds_cycles_and_ignores_comments() {
     write("b.rs", "pub struct B;");
     write("svc/y.rs", "pub struct Y;");
     assert!(cycles(&graph(src)).is_empty());
+}
+
+/// A test module kept in its own file (`#[cfg(test)] mod tests;` in `model.rs`, its body in
+/// `model/tests.rs`) is left out with everything under it: `cpu` uses `model`, and
+/// `model/tests.rs` (and `model/tests/helpers.rs` under it) using `cpu` is no cycle; nor with
+/// an attribute and a visibility between, nor in the crate root.
+#[test]
+fn a_test_module_in_its_own_file_draws_no_edge() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = dir.path();
+    let write = |p: &str, s: &str| write_source(src, p, s);
+    write(
+        "lib.rs",
+        "pub mod cpu; pub mod model;\n#[cfg(test)]\nmod tests;",
+    );
+    write("cpu.rs", "use crate::model::Model;\npub struct Cpu(Model);");
+    write(
+        "model.rs",
+        "pub struct Model;\n#[cfg(test)]\n#[allow(clippy::unwrap_used)]\npub(crate) mod tests;",
+    );
+    write("model/tests.rs", "use crate::cpu::Cpu;\nmod helpers;");
+    write("model/tests/helpers.rs", "pub fn h(_: crate::cpu::Cpu) {}");
+    write("tests.rs", "use crate::{cpu::Cpu, model::Model};");
+    let g = graph(src);
+    assert_eq!(
+        g.edges.keys().collect::<Vec<_>>(),
+        vec![&vec!["cpu".to_string()]],
+        "{g:?}"
+    );
+    assert!(cycles(&g).is_empty(), "{:?}", cycles(&g));
+}
+
+/// The same two modules with a real cycle: `model` naming `cpu` in its own code, and in a file
+/// module that is not under `#[cfg(test)]` (`mod real;`); each is found, with its place.
+#[test]
+fn a_real_cycle_beside_a_test_file_module_is_still_found() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = dir.path();
+    let write = |p: &str, s: &str| write_source(src, p, s);
+    write("lib.rs", "pub mod cpu; pub mod model;");
+    write("cpu.rs", "use crate::model::Model;\npub struct Cpu(Model);");
+    write("model/tests.rs", "use crate::cpu::Cpu;");
+    write(
+        "model.rs",
+        "pub struct Model;\npub fn f(_: crate::cpu::Cpu) {}\n#[cfg(test)]\nmod tests;",
+    );
+    let expect = |model_line: String| {
+        vec![vec![
+            format!("cpu -> model ({}:1)", src.join("cpu.rs").display()),
+            format!("model -> cpu ({model_line})"),
+        ]]
+    };
+    assert_eq!(
+        cycles(&graph(src)),
+        expect(format!("{}:2", src.join("model.rs").display()))
+    );
+    // the reference moved into a file module that is no test module
+    write("model/real.rs", "use crate::cpu::Cpu;");
+    write(
+        "model.rs",
+        "pub struct Model;\nmod real;\n#[cfg(test)]\nmod tests;",
+    );
+    assert_eq!(
+        cycles(&graph(src)),
+        expect(format!("{}:1", src.join("model/real.rs").display()))
+    );
 }

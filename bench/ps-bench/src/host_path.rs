@@ -16,6 +16,9 @@
 //! counted by the bench (`Side::Push`) and shown on its own row.
 
 use super::*;
+use crate::aggregation::bench_copy;
+use crate::e2e::read_metrics;
+use crate::transfer::{InProcShard, connect, push_shm, register_with};
 use ps_net::copied::{self, Side};
 
 /// One worker's timings of each step after the first: (pull, gradient write, push, step).

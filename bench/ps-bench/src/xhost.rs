@@ -18,9 +18,12 @@
 //!   ratios.
 
 use super::*;
+use crate::aggregation::bench_copy;
+use crate::raw_tcp;
+use crate::transfer::{InProcShard, push, register, spawn_runtime, wait_version};
 
 /// Longest either side waits for the other (connect, a transfer, the shard's version).
-const XHOST_WAIT: Duration = Duration::from_secs(120);
+const XHOST_WAIT: Duration = raw_tcp::WAIT;
 
 /// The config both sides build (the same text: the same layout).
 fn xhost_config(tmp: &Path) -> anyhow::Result<Config> {
@@ -54,48 +57,12 @@ pub(crate) fn serve(addr: SocketAddr, tmp: &Path) -> anyhow::Result<()> {
         shard.addr,
         raw.local_addr()?
     );
-    let peer = spawn_runtime(1, move || raw_peer(raw, n));
+    let peer = spawn_runtime(1, move || raw_tcp::peer(raw, n));
     let r = peer
         .join()
         .map_err(|_| anyhow::anyhow!("the raw TCP peer panicked"))?;
     shard.stop()?;
     r
-}
-
-/// The raw TCP peer: one connection, commands `P` (receive `n` bytes, answer one), `G` (send
-/// `n` bytes), `Q` (end).
-async fn raw_peer(listener: std::net::TcpListener, n: usize) -> anyhow::Result<()> {
-    let listener = tokio::net::TcpListener::from_std(listener)?;
-    let (mut s, _) = tokio::time::timeout(XHOST_WAIT, listener.accept())
-        .await
-        .context("no client on the raw TCP port")??;
-    s.set_nodelay(true)?;
-    let mut buf: Vec<u8> = (0..n).map(|i| i as u8).collect();
-    let mut cmd = [0u8; 1];
-    loop {
-        tokio::time::timeout(XHOST_WAIT, s.read_exact(&mut cmd))
-            .await
-            .context("the client said nothing")??;
-        match cmd[0] {
-            b'P' => {
-                within("reading the client's bytes", s.read_exact(&mut buf)).await?;
-                within("answering the client", s.write_all(&[1])).await?;
-            }
-            b'G' => within("writing the bytes to the client", s.write_all(&buf)).await?,
-            b'Q' => break,
-            c => bail!("raw TCP peer: command {c:#04x}: expected P, G or Q"),
-        }
-    }
-    black_box(&buf);
-    Ok(())
-}
-
-/// `io` within [`XHOST_WAIT`], or an error saying what did not finish.
-async fn within<T>(what: &str, io: impl Future<Output = std::io::Result<T>>) -> anyhow::Result<T> {
-    match tokio::time::timeout(XHOST_WAIT, io).await {
-        Ok(r) => r.with_context(|| what.to_string()),
-        Err(_) => bail!("{what}: not done within {} s", XHOST_WAIT.as_secs()),
-    }
 }
 
 /// Seconds of each repeat: (data connection pull, push; raw TCP shard → client, client →
@@ -205,7 +172,7 @@ async fn rounds(
     if !c0.has_data_link() || !c1.has_data_link() {
         bail!("the shard at {addr} offered no data connection");
     }
-    let mut raw = raw_connect(raw_addr(addr)?).await?;
+    let mut raw = raw_tcp::connect(raw_addr(addr)?).await?;
     let mut w = vec![0f32; len];
     let mut rbuf = vec![0u8; len * 4];
     let raw_data: Vec<u8> = (0..len * 4).map(|i| (i * 7) as u8).collect();
@@ -227,18 +194,9 @@ async fn rounds(
         // the update done before the raw transfers, so they do not share the CPU with it
         wait_version(&mut c0, cfg, t + 1).await?;
         let t3 = Instant::now();
-        within("raw TCP to the peer", async {
-            raw.write_all(b"P").await?;
-            raw.write_all(&raw_data).await?;
-            raw.read_exact(&mut [0u8; 1]).await
-        })
-        .await?;
+        raw_tcp::send(&mut raw, &raw_data).await?;
         let t4 = Instant::now();
-        within("raw TCP from the peer", async {
-            raw.write_all(b"G").await?;
-            raw.read_exact(&mut rbuf).await
-        })
-        .await?;
+        raw_tcp::fetch(&mut raw, &mut rbuf).await?;
         let t5 = Instant::now();
         if t > 0 {
             let s = |a: Instant, b: Instant| (b - a).as_secs_f64();
@@ -253,7 +211,7 @@ async fn rounds(
             }
         }
     }
-    within("ending the raw peer", raw.write_all(b"Q")).await?;
+    raw_tcp::end(&mut raw).await?;
     if !c0.data_link_usable() || !c1.data_link_usable() {
         bail!(
             "the data connection to {addr} was found unreachable: the values went through gRPC chunks"
@@ -261,23 +219,6 @@ async fn rounds(
     }
     black_box((&w, &rbuf));
     Ok(out)
-}
-
-/// The raw peer's connection, retried until it listens (bounded by [`XHOST_WAIT`]).
-async fn raw_connect(addr: SocketAddr) -> anyhow::Result<tokio::net::TcpStream> {
-    let deadline = Instant::now() + XHOST_WAIT;
-    loop {
-        match tokio::net::TcpStream::connect(addr).await {
-            Ok(s) => {
-                s.set_nodelay(true)?;
-                return Ok(s);
-            }
-            Err(e) if Instant::now() > deadline => {
-                return Err(e).with_context(|| format!("raw TCP peer at {addr}"));
-            }
-            Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
-        }
-    }
 }
 
 /// One row per direction: the data connection's median against raw TCP's of the same bytes.

@@ -205,6 +205,11 @@ impl PullGate {
             .unwrap_or(self.shards.len().saturating_sub(1))
     }
 
+    /// Shard `shard`'s board slot, when its pull handed it over in place.
+    pub fn slot(&self, shard: usize) -> Option<&crate::dma::InPlace> {
+        self.sources[shard].get()
+    }
+
     /// True when some shard's values were handed over in place.
     pub fn any_in_place(&self) -> bool {
         self.sources.iter().any(|s| s.get().is_some())

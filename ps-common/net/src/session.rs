@@ -249,6 +249,81 @@ impl Session {
         Ok(())
     }
 
+    /// Registers the parameters boards of the shards on this host with `registrar`'s device
+    /// for its DMA, each once per mapping (the board owns the registration and drops it before
+    /// it is unmapped: at the session's end, or when a lost shard's boards are replaced):
+    /// how many parameters boards this session has (0 over gRPC).
+    ///
+    /// # Errors
+    /// The device's refusal, naming the board (boards registered before it stay so until
+    /// they are unmapped).
+    pub fn register_param_boards(
+        &self,
+        registrar: &dyn crate::dma::Registrar,
+    ) -> Result<usize, crate::shm::RegisterError> {
+        let boards: Vec<&Board> = self
+            .peers
+            .iter()
+            .filter_map(|p| p.link.params.as_deref())
+            .collect();
+        for b in &boards {
+            b.register(registrar)?;
+        }
+        Ok(boards.len())
+    }
+
+    /// [`Session::pull`], except that a shard whose parameters board the device of registrar
+    /// key `key` registered ([`Session::register_param_boards`]) hands over its slot of
+    /// `version` in place, copying nothing: per shard, that slot, or None when the shard's
+    /// values were copied into its range of `dst` (gRPC, a shard pulled exactly, a version
+    /// that left the board), with the shard's range. The caller reads the slots by its device's DMA and uses what it
+    /// read only if [`crate::dma::InPlace::intact`] holds for each after its copies completed.
+    pub async fn pull_lent(
+        &mut self,
+        version: u64,
+        dst: &mut [f32],
+        key: u64,
+    ) -> anyhow::Result<Vec<(Range<usize>, Option<crate::dma::InPlace>)>> {
+        anyhow::ensure!(
+            dst.len() == self.num_params,
+            "pull buffer holds {} values: expected {}",
+            dst.len(),
+            self.num_params
+        );
+        anyhow::ensure!(
+            self.pending.is_none(),
+            "a pull is under way beside the forward pass: finish it first"
+        );
+        let t = Instant::now();
+        let shards: Vec<Range<usize>> = self.peers.iter().map(|p| p.range.clone()).collect();
+        let patience = pull_patience(&self.cfg);
+        // SAFETY: `dst` is borrowed mutably for this call, and the gate's writers and views
+        // end before it returns: `pull_gated` runs to its end here, joining every shard's
+        // task (each holds the gate, and so its writer, until it ends).
+        let gate = Arc::new(
+            unsafe {
+                PullGate::new(
+                    dst.as_mut_ptr(),
+                    dst.len(),
+                    version,
+                    shards.clone(),
+                    Vec::new(),
+                    patience,
+                )
+            }
+            .with_in_place(key),
+        );
+        pull_gated(pull_jobs(&self.peers), gate.clone()).await?;
+        let slots = shards
+            .into_iter()
+            .enumerate()
+            .map(|(s, r)| (r, gate.slot(s).cloned()))
+            .collect();
+        self.timing.pulls += 1;
+        self.timing.pull += t.elapsed();
+        Ok(slots)
+    }
+
     /// Starts pulling `version` from every shard into the flat vector at `dst`, in the
     /// background (on the current Tokio runtime), as `ps-worker` pulls beside its forward
     /// pass: each shard's values are published as they arrive; [`Session::wait_pulled`] waits
