@@ -17,8 +17,7 @@ use crate::median_ms;
 use ps_config::LossReduction;
 use ps_model::layout::{CnnLayout, CnnShape, splitmix64};
 use ps_worker::backend::{Backend, BackendError};
-use ps_worker::cuda::{CudaDevice, SELF_TEST_TOL};
-use ps_worker::model::Cnn;
+use ps_worker::cuda::{CudaCnn, SELF_TEST_TOL};
 
 /// The Fashion-MNIST CNN of `deploy/fashion-cnn.toml`.
 pub const FASHION_CNN: &str = "1x28x28:16-32:5:64:10";
@@ -220,7 +219,7 @@ pub fn bench_cnn(
     steps: usize,
 ) -> Result<(Vec<CnnRow>, String, String), BackendError> {
     let l = &spec.layout;
-    let mut m = Cnn::on(l.clone(), CudaDevice::new(ordinal)?)?;
+    let mut m = CudaCnn::new(ordinal, l.clone())?;
     let (device, arch) = (m.name(), m.arch().to_string());
     let p = l.num_params();
     let w = l.init_range(1, 0..p);
