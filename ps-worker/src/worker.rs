@@ -355,13 +355,13 @@ impl Run {
     /// then. A refusal leaves no board of the set registered, is said once, and leaves the run
     /// on the staging path.
     fn register_boards(&mut self) {
-        let r = self.backend.registrar();
+        let backend = &self.backend;
         let params: Vec<_> = self.peers.iter().map(|p| p.link.params.as_ref()).collect();
         let grad = match &self.grad {
             GradMem::Board { board, .. } => Some(board),
             GradMem::Heap(_) => None,
         };
-        match self.dma.update(r.as_deref(), &params, grad) {
+        match self.dma.update(|| backend.registrar(), &params, grad) {
             Registration::Unchanged | Registration::Registered { new: 0 } => {}
             Registration::Registered { new } => tracing::info!(
                 "worker {}: {new} shared-memory boards registered for the device's DMA: weights uploaded from the shards' boards and gradients downloaded into this worker's, no host copy",

@@ -31,25 +31,28 @@ pub(super) struct DmaBoards {
     params: Vec<Option<Weak<Board>>>,
     /// The gradient board was registered (it lives as long as the run).
     grad: bool,
-    /// The device refused a registration: the run is on the staging path.
-    refused: bool,
+    /// Nothing to do for the rest of the run: the device registers no host memory (a CPU), or
+    /// it refused a registration (the run is on the staging path).
+    off: bool,
 }
 
 impl DmaBoards {
     /// Registers the set (`params`, a board or none per shard, and the gradient board) with
-    /// `registrar`'s device when it is not the set registered before.
+    /// the device of `registrar()` (asked only then) when it is not the set registered before.
     pub(super) fn update(
         &mut self,
-        registrar: Option<&dyn Registrar>,
+        registrar: impl FnOnce() -> Option<Arc<dyn Registrar>>,
         params: &[Option<&Arc<Board>>],
         grad: Option<&Board>,
     ) -> Registration {
-        let Some(r) = registrar.filter(|_| !self.refused) else {
-            return Registration::Unchanged;
-        };
-        if self.grad == grad.is_some() && self.same_params(params) {
+        if self.off || (self.grad == grad.is_some() && self.same_params(params)) {
             return Registration::Unchanged;
         }
+        let Some(r) = registrar() else {
+            self.off = true;
+            return Registration::Unchanged;
+        };
+        let r = r.as_ref();
         let boards = || params.iter().flatten().map(|a| a.as_ref()).chain(grad);
         let mut new = 0;
         for b in boards() {
@@ -58,7 +61,7 @@ impl DmaBoards {
                 Err(error) => {
                     let dropped = boards().filter(|b| b.unregister(r.key())).count();
                     *self = Self {
-                        refused: true,
+                        off: true,
                         ..Self::default()
                     };
                     return Registration::Refused { error, dropped };
@@ -161,9 +164,9 @@ mod tests {
             }
         }
 
-        fn update(&self, boards: &mut DmaBoards, r: &Probe) -> Registration {
+        fn update(&self, boards: &mut DmaBoards, r: &Arc<Probe>) -> Registration {
             let params: Vec<_> = self.params.iter().map(Some).collect();
-            boards.update(Some(r), &params, Some(&self.grad))
+            boards.update(|| Some(r.clone()), &params, Some(&self.grad))
         }
 
         fn registered(&self) -> Vec<bool> {
@@ -182,10 +185,10 @@ mod tests {
     fn a_set_is_registered_once_and_a_board_opened_anew_alone_again() {
         let mut set = Set::new("once");
         let log = Arc::new(Mutex::new(Vec::new()));
-        let r = Probe {
+        let r = Arc::new(Probe {
             log: log.clone(),
             refuse_at: None,
-        };
+        });
         let mut boards = DmaBoards::default();
         assert_eq!(
             set.update(&mut boards, &r),
@@ -212,26 +215,41 @@ mod tests {
             format!("register {}", s[1]),
         ];
         assert_eq!(*log.lock().unwrap(), want);
-        // no device, or a shard without a board: nothing registered for it
+        // the device is asked for its registrar only when the set changed
+        let unasked = || -> Option<Arc<dyn Registrar>> { panic!("asked") };
         assert_eq!(
-            DmaBoards::default().update(None, &[Some(&set.params[0])], None),
+            set.update(&mut boards, &r),
+            Registration::Unchanged,
+            "again"
+        );
+        let params: Vec<_> = set.params.iter().map(Some).collect();
+        assert_eq!(
+            boards.update(unasked, &params, Some(&set.grad)),
             Registration::Unchanged
         );
+        // a shard without a board: nothing registered for it
         let one = [None, Some(&set.params[1])];
+        let r2 = r.clone();
         assert_eq!(
-            boards.update(Some(&r), &one, Some(&set.grad)),
+            boards.update(|| Some(r2), &one, Some(&set.grad)),
             Registration::Registered { new: 0 }
         );
+        // no device: asked once, then never again
+        let mut cpu = DmaBoards::default();
+        assert_eq!(cpu.update(|| None, &params, None), Registration::Unchanged);
+        let (changed, _) = set.params.split_at(1);
+        let changed: Vec<_> = changed.iter().map(Some).collect();
+        assert_eq!(cpu.update(unasked, &changed, None), Registration::Unchanged);
     }
 
     #[test]
     fn a_refusal_leaves_no_board_of_the_set_registered_and_is_final() {
         let set = Set::new("refused");
         let log = Arc::new(Mutex::new(Vec::new()));
-        let refuse = Probe {
+        let refuse = Arc::new(Probe {
             log: log.clone(),
             refuse_at: Some(2),
-        };
+        });
         let mut boards = DmaBoards::default();
         let Registration::Refused { error, dropped } = set.update(&mut boards, &refuse) else {
             panic!("the gradient board is refused");
@@ -252,10 +270,10 @@ mod tests {
         ];
         assert_eq!(*log.lock().unwrap(), want);
         // from then on nothing is tried, even by a device that would accept
-        let accept = Probe {
+        let accept = Arc::new(Probe {
             log: log.clone(),
             refuse_at: None,
-        };
+        });
         assert_eq!(set.update(&mut boards, &accept), Registration::Unchanged);
         assert_eq!(set.registered(), vec![false; 3]);
         assert_eq!(log.lock().unwrap().len(), 4);
