@@ -476,14 +476,73 @@ fn wait_bounded(child: &mut std::process::Child, log: &std::path::Path, limit: D
     }
 }
 
-/// The fallback end to end: every registration refused by the driver (the harness's
-/// `CUDA_HARNESS_REGISTER_RESULT`, read at each call; set for the worker processes alone),
-/// two CUDA workers (`ps-worker --device=cuda`, each a process as in production) train with
-/// two in-process shards over shared memory: each says the refusal once and registers nothing,
-/// each step copies exactly the staging figures on the host (`ps_net::copied`: the weights out
-/// of the boards, 4·params, and the gradient out of pinned memory into the board, 4·params),
-/// nothing runs by DMA on registered memory and nothing is registered at exit (the harness's
-/// summary), and the final weights equal the CPU reference within `CUDA_TOL`.
+/// The 2-shard cluster (784-16-10, 4 steps of 32 over 2 workers, over shared memory) in
+/// `dir`: the shards in this process, the workers `ps-worker --device=cuda` processes, every
+/// registration refused by the driver when `refuse` (the harness's
+/// `CUDA_HARNESS_REGISTER_RESULT`, set for the worker processes alone). Its config, each
+/// worker's log and the final weights.
+fn cuda_cluster(dir: &std::path::Path, refuse: bool) -> (ps_config::Config, Vec<String>, Vec<f32>) {
+    let path = dir.join("config.toml");
+    let toml = ps_config::TestConfig::new()
+        .shards(2)
+        .workers(2)
+        .hidden(&[16])
+        .transport(ps_config::Transport::Auto)
+        .sgd(0.1, 0.9)
+        .barrier_timeout_secs(120.0)
+        .data_dir(mnist())
+        .global_batch(32)
+        .steps(4)
+        .out_dir(dir.join("out"))
+        .toml();
+    std::fs::write(&path, &toml).unwrap();
+    let cfg = ps_config::Config::load(&path).unwrap();
+    let shards = Shards::start(&path, 2);
+    let mut workers: Vec<_> = (0..2)
+        .map(|rank| {
+            let log = dir.join(format!("worker-{rank}.log"));
+            let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_ps-worker"));
+            cmd.arg("--config")
+                .arg(&path)
+                .args(["--rank", &rank.to_string(), "--world-size", "2"])
+                .args(["--local-rank", "0", "--device", "cuda"])
+                .arg("--servers")
+                .arg(shards.addrs.join(","))
+                .env_remove("CUDA_HARNESS_REGISTER_RESULT")
+                .stdout(std::fs::File::create(dir.join("stdout")).unwrap())
+                .stderr(std::fs::File::create(&log).unwrap());
+            if refuse {
+                cmd.env("CUDA_HARNESS_REGISTER_RESULT", "2");
+            }
+            (cmd.spawn().unwrap(), log)
+        })
+        .collect();
+    for (child, log) in &mut workers {
+        wait_bounded(child, log, Duration::from_secs(300));
+    }
+    shards.join(Duration::from_secs(60));
+    let logs = workers
+        .iter()
+        .map(|(_, log)| std::fs::read_to_string(log).unwrap())
+        .collect();
+    let p = cfg.layout().num_params();
+    let (w, version) = ps_model::weights::read_shards(&cfg.server.out_dir, 2, p).unwrap();
+    assert_eq!(version, 4, "the shards at the last version");
+    (cfg, logs, w)
+}
+
+fn mnist() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../data/mnist")
+}
+
+/// The fallback end to end: with every registration refused by the driver, two CUDA workers
+/// (each a process, as in production) train with two in-process shards over shared memory:
+/// each says the refusal once and registers nothing, each step copies exactly the staging
+/// figures on the host (`ps_net::copied`: the weights out of the boards, 4·params, and the
+/// gradient out of pinned memory into the board, 4·params), nothing runs by DMA on registered
+/// memory and nothing is registered at exit (the harness's summary). The final weights are
+/// those of the same cluster with the boards registered (0 host bytes per step) bit for bit,
+/// and the CPU reference's within `CUDA_TOL`.
 #[test]
 #[ignore = "needs the CUDA harness (its registration switch): run under scripts/cuda-harness.sh"]
 fn refused_registration_trains_on_staging_with_its_host_copies_said_once() {
@@ -492,49 +551,10 @@ fn refused_registration_trains_on_staging_with_its_host_copies_said_once() {
         eprintln!("a GPU, not the harness: registration cannot be refused on demand here");
         return;
     }
-    let data = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../data/mnist");
     let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("config.toml");
-    let toml = ps_config::TestConfig::new()
-        .shards(2)
-        .workers(2)
-        .hidden(&[16])
-        .transport(ps_config::Transport::Auto)
-        .sgd(0.1, 0.9)
-        .barrier_timeout_secs(120.0)
-        .data_dir(&data)
-        .global_batch(32)
-        .steps(4)
-        .out_dir(dir.path().join("out"))
-        .toml();
-    std::fs::write(&path, &toml).unwrap();
-    let cfg = ps_config::Config::load(&path).unwrap();
+    let (cfg, logs, w) = cuda_cluster(dir.path(), true);
     let p = cfg.layout().num_params();
-    let shards = Shards::start(&path, 2);
-    let mut workers: Vec<_> = (0..2)
-        .map(|rank| {
-            let log = dir.path().join(format!("worker-{rank}.log"));
-            let child = std::process::Command::new(env!("CARGO_BIN_EXE_ps-worker"))
-                .arg("--config")
-                .arg(&path)
-                .args(["--rank", &rank.to_string(), "--world-size", "2"])
-                .args(["--local-rank", "0", "--device", "cuda"])
-                .arg("--servers")
-                .arg(shards.addrs.join(","))
-                .env("CUDA_HARNESS_REGISTER_RESULT", "2")
-                .stdout(std::fs::File::create(dir.path().join("stdout")).unwrap())
-                .stderr(std::fs::File::create(&log).unwrap())
-                .spawn()
-                .unwrap();
-            (child, log)
-        })
-        .collect();
-    for (child, log) in &mut workers {
-        wait_bounded(child, log, Duration::from_secs(300));
-    }
-    shards.join(Duration::from_secs(60));
-    for (rank, (_, log)) in workers.iter().enumerate() {
-        let log = std::fs::read_to_string(log).unwrap();
+    for (rank, log) in logs.iter().enumerate() {
         assert!(log.contains("device cuda: using cuda:"), "{log}");
         assert!(
             log.contains("tensors via [\"shared memory\", \"shared memory\"]"),
@@ -560,9 +580,22 @@ fn refused_registration_trains_on_staging_with_its_host_copies_said_once() {
             "worker {rank}: the harness's summary:\n{log}"
         );
     }
-    let (w, version) = ps_model::weights::read_shards(&cfg.server.out_dir, 2, p).unwrap();
-    assert_eq!(version, 4, "the shards at the last version");
-    let train = ps_data::idx::load_split(&data, ps_data::idx::Split::Train, 10).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let (_, logs, registered) = cuda_cluster(dir.path(), false);
+    for (rank, log) in logs.iter().enumerate() {
+        assert!(
+            log.contains(&format!(
+                "worker {rank}: 3 shared-memory boards registered for the device's DMA"
+            )) && log.contains("host bytes copied per step: pull 0, push 0"),
+            "worker {rank} registered its boards:\n{log}"
+        );
+    }
+    assert_eq!(
+        bits(&w),
+        bits(&registered),
+        "the staging path's weights are the registered boards' bit for bit"
+    );
+    let train = ps_data::idx::load_split(&mnist(), ps_data::idx::Split::Train, 10).unwrap();
     let want = ps_worker::reference::run_reference(&cfg, &train)
         .unwrap()
         .weights;
