@@ -7,11 +7,14 @@
 //! same host, tensors go through shared-memory boards and only headers through gRPC
 //! (`ps_net::shm`); each shard and direction falls back to gRPC on its own.
 
+mod boards;
+
 use crate::backend::{Backend, StepStats};
 use crate::gate::{GateError, PullGate};
 use crate::watch::AbortOnDrop;
 pub use crate::watch::{STALL_GRACE, Watch};
 use anyhow::Context;
+use boards::{DmaBoards, Registration};
 use bytes::Bytes;
 use ps_config::Config;
 use ps_config::{BarrierPolicy, Transport};
@@ -204,9 +207,9 @@ struct Run {
     push_ranges: Vec<Range<usize>>,
     /// The next step.
     t: u64,
-    /// The device's DMA registration of the boards was refused (said once): every pull and
-    /// download goes through the device's staging memory.
-    dma_refused: bool,
+    /// The board set registered for the device's DMA (refused: every pull and download goes
+    /// through the device's staging memory).
+    dma: DmaBoards,
 }
 
 /// The run: registration, the steps, the end.
@@ -314,7 +317,7 @@ impl Run {
             shard_ranges,
             push_ranges,
             t: start_step,
-            dma_refused: false,
+            dma: DmaBoards::default(),
         })
     }
 
@@ -347,37 +350,27 @@ impl Run {
     /// Registers the shards' parameters boards and this worker's gradient board for the
     /// device's DMA (a GPU's `cuMemHostRegister`; each board owns its registration and drops it
     /// before it is unmapped), so that the weights are uploaded from where the shards publish
-    /// them and the gradient downloaded where they read it: no host copy. A board registered
-    /// already is left as it is; the boards of shards registered again (a rejoin) are new. A
-    /// refusal is said once and leaves the run on the staging path.
+    /// them and the gradient downloaded where they read it: no host copy. Once per board set
+    /// ([`boards::DmaBoards`]): a board opened anew (a shard restarted, a rejoin) is registered
+    /// then. A refusal leaves no board of the set registered, is said once, and leaves the run
+    /// on the staging path.
     fn register_boards(&mut self) {
-        let Some(r) = self.backend.registrar().filter(|_| !self.dma_refused) else {
-            return;
-        };
-        let params = self.peers.iter().filter_map(|p| p.link.params.as_deref());
+        let backend = &self.backend;
+        let params: Vec<_> = self.peers.iter().map(|p| p.link.params.as_ref()).collect();
         let grad = match &self.grad {
             GradMem::Board { board, .. } => Some(board),
             GradMem::Heap(_) => None,
         };
-        let mut new = 0;
-        for b in params.chain(grad) {
-            match b.register(r.as_ref()) {
-                Ok(fresh) => new += usize::from(fresh),
-                Err(e) => {
-                    tracing::warn!(
-                        "worker {}: {e}; the weights and gradients go through the device's pinned staging memory (a host copy each way)",
-                        self.rank
-                    );
-                    self.dma_refused = true;
-                    return;
-                }
-            }
-        }
-        if new > 0 {
-            tracing::info!(
+        match self.dma.update(|| backend.registrar(), &params, grad) {
+            Registration::Unchanged | Registration::Registered { new: 0 } => {}
+            Registration::Registered { new } => tracing::info!(
                 "worker {}: {new} shared-memory boards registered for the device's DMA: weights uploaded from the shards' boards and gradients downloaded into this worker's, no host copy",
                 self.rank
-            );
+            ),
+            Registration::Refused { error, dropped } => tracing::warn!(
+                "worker {}: {error}; the weights and gradients go through the device's pinned staging memory (a host copy each way), the {dropped} boards registered before it unregistered",
+                self.rank
+            ),
         }
     }
 

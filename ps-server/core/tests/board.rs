@@ -220,11 +220,13 @@ fn a_board_truncated_under_its_push_is_refused_and_forgotten() {
 /// copy no push byte; the same gradients received as gRPC chunks (decoded into the per-bucket
 /// buffer, as ps-server's receipt does) copy exactly their range, rank by rank, and end
 /// bit-identical; a version's first reply copies the weights out of the board once, and the
-/// next pull shares it. No other test of this binary decodes a chunk or takes a snapshot, so
-/// the process-wide counts move only by this test's copies.
+/// next pull shares it. Counted in a scope of this test's thread (`copied::scoped`), where
+/// the shard core receives, reads in place and snapshots: exact whatever the other tests of
+/// this binary copy meanwhile.
 #[test]
 fn board_pushes_copy_nothing_and_chunked_pushes_copy_their_range() {
-    use ps_net::copied::totals;
+    let (scope, _on_this_thread) = ps_net::copied::scoped();
+    let totals = || scope.totals();
     let dir = tempfile::tempdir().unwrap();
     let shm = config(dir.path(), Transport::Auto);
     let grpc = config(dir.path(), Transport::Grpc);

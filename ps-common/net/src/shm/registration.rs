@@ -53,6 +53,23 @@ impl Board {
         Ok(true)
     }
 
+    /// Drops this board's registration with the device of registrar key `key`, if it has
+    /// one (the device unregisters the memory, a GPU after its copies): true when it had one.
+    /// The mapping stays; a later [`Board::register`] registers it again.
+    pub fn unregister(&self, key: u64) -> bool {
+        let dropped = {
+            let mut regs = self
+                .map
+                .registrations
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
+            let i = regs.iter().position(|(k, _)| *k == key);
+            i.map(|i| regs.swap_remove(i))
+        };
+        // dropped outside the lock: a device's unregistration may wait for its copies
+        dropped.is_some()
+    }
+
     /// True when the device of registrar key `key` registered this board.
     pub fn registered_with(&self, key: u64) -> bool {
         self.map.registered_with(key)
@@ -210,9 +227,15 @@ mod tests {
         assert!(!view.intact(), "a version being written is not intact");
         w.end_version(7);
         assert!(!view.intact(), "another version is not this one");
+        // unregistered on demand, the mapping kept: registered again, once
+        assert!(r.unregister(7) && !r.registered_with(7));
+        assert!(!r.unregister(7), "nothing left to unregister");
+        // SAFETY: nothing writes the board meanwhile
+        assert_eq!(unsafe { view.values(0..1) }, &[-1.0], "still mapped");
+        assert_eq!(r.register(&probe), Ok(true));
         drop(r);
         // the view holds the mapping: nothing unregistered, still readable
-        assert_eq!(log.lock().unwrap().len(), 1, "{:?}", log.lock().unwrap());
+        assert_eq!(log.lock().unwrap().len(), 3, "{:?}", log.lock().unwrap());
         // SAFETY: as above
         assert_eq!(unsafe { view.values(0..1) }, &[-1.0]);
         drop(view);
@@ -220,6 +243,8 @@ mod tests {
         assert_eq!(
             *log.lock().unwrap(),
             vec![
+                format!("register {bytes} bytes"),
+                format!("unregister {bytes} bytes, mapped: true"),
                 format!("register {bytes} bytes"),
                 format!("unregister {bytes} bytes, mapped: true")
             ]
