@@ -49,8 +49,9 @@ test)
     cargo test --release -p ps-worker --lib -- --include-ignored --test-threads=1
     cargo test --release -p ps-worker --test cli -- --include-ignored --test-threads=1
     cargo test --release -p ps-worker --test cuda_parity -- --include-ignored --test-threads=1
-    # registered boards: 0 host bytes on pull and push, a torn version refused, unregistration
-    # before unmap (the harness checks it at each unregistration and at exit)
+    # registered boards: 0 host bytes on pull and push, a torn version refused (and the worker's
+    # step redone exactly), unregistration before unmap (the harness checks it at each
+    # unregistration and at exit), a refused registration training on staging, said once
     cargo test --release -p ps-worker --test cuda_dma -- --include-ignored --test-threads=1
     cargo test --release -p ps-tests --test cluster_cuda -- --include-ignored --test-threads=1
     cargo test --release -p ps-tests --test exact -- --ignored --test-threads=1 cuda_workers
