@@ -128,9 +128,9 @@ async fn one_step(pending: usize) -> (usize, [u64; 3], [u64; 2]) {
     (n, pushed, pulled)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn chunks_into_the_whole_range_buffer_and_a_frame_count_their_values_once() {
-    let (n, pushed, pulled) = one_step(1).await;
+/// One step with `max_pending` gradients held: its push and pull bytes as counted.
+async fn assert_counted_once(max_pending: usize) {
+    let (n, pushed, pulled) = one_step(max_pending).await;
     let b = 4 * n as u64;
     assert_eq!(
         pushed,
@@ -145,17 +145,11 @@ async fn chunks_into_the_whole_range_buffer_and_a_frame_count_their_values_once(
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chunks_into_the_whole_range_buffer_and_a_frame_count_their_values_once() {
+    assert_counted_once(1).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chunks_and_a_frame_into_the_per_bucket_buffer_count_their_values_once() {
-    let (n, pushed, pulled) = one_step(2).await;
-    let b = 4 * n as u64;
-    assert_eq!(
-        pushed,
-        [b, 0, b],
-        "push bytes: chunks, their retry, a frame"
-    );
-    assert_eq!(
-        pulled,
-        [0, 0],
-        "pull bytes: the update's own buffer is the reply"
-    );
+    assert_counted_once(2).await;
 }
