@@ -21,7 +21,8 @@
 #      against one PyTorch process at the same global batch (python/bench/ps_torch_resnet.py)
 #   7. the Fashion-MNIST CNN job with CUDA workers, against the single process
 # Environment: DEADLINE (seconds for the whole script, default 400), ROUNDS (2), LARGE_STEPS (60),
-# SKIP_CHECK=1 (no section 2), STOP_AFTER=N (end after section N).
+# SKIP_CHECK=1 (no section 2), STOP_AFTER=N (end after section N), SECTIONS="N ..." (only those
+# sections, e.g. a first call with SECTIONS="1 2 3" and a second with SECTIONS="4 5 6 7").
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
 T0=$(date +%s)
@@ -30,6 +31,10 @@ ROUNDS="${ROUNDS:-2}"
 LARGE_STEPS="${LARGE_STEPS:-60}"
 left() { echo $((DEADLINE - ($(date +%s) - T0))); }
 step() { echo; echo "=================== $* (t=$(($(date +%s) - T0))s, left $(left)s)"; }
+want() { # want N: section N is in SECTIONS (default every section), else it says it is skipped
+    case " ${SECTIONS:-1 2 3 4 5 6 7} " in *" $1 "*) return 0 ;; esac
+    echo; echo "=================== section $1 skipped (SECTIONS=${SECTIONS:-})"; return 1
+}
 bounded() { # bounded MAX CMD...: runs CMD for at most min(MAX, the time left - 5) seconds
     local max="$1" l=$(($(left) - 5))
     shift
@@ -56,18 +61,22 @@ B="$PWD/.dev/gpu-bin"
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 export RUST_LOG=info
 
+if want 1; then
 step "1. driver, libraries, NVRTC, unit tests"
 nvidia-smi --query-gpu=name,driver_version,compute_cap,memory.total,clocks.max.sm --format=csv
 echo "cores $(nproc), binaries of $(cat "$B/BUILD" 2>/dev/null || echo 'an unknown commit')"
 bounded 120 "$B/ps_worker_lib" --include-ignored --test-threads=1 cuda:: device::
 echo "rc unit=$?"
 if [ -x "$B/cuda_dma" ]; then bounded 60 "$B/cuda_dma" --ignored --test-threads=1; echo "rc dma=$?"; fi
+fi
 
+if want 2; then
 step "2. gpu-check.sh: parity, cluster_cuda, gpu-bench, PyTorch"
 if [ "${SKIP_CHECK:-0}" = 1 ]; then echo "skipped (SKIP_CHECK=1)"; else
     STEPS=30 WARMUP=5 bounded 200 scripts/gpu-check.sh "$B"; fi
 echo "rc gpu-check=$?"
 find bench/results -name 'gpu-*' -newermt "@$T0" -exec cp {} "$OUT/" \;
+fi
 
 median() { # median FIELD metrics.jsonl: over the steps after the first 5
     python3 -c "import json,sys,statistics as s;r=[json.loads(l) for l in open(sys.argv[2]) if '\"step_ms\"' in l][5:];print('%.2f' % s.median(x[sys.argv[1]] for x in r) if r else '-')" "$1" "$2"
@@ -81,6 +90,7 @@ large() { # large LABEL BIN_DIR DEVICE STEPS [--set K=V ...]
     echo "rc large $label=$? | median step_ms $(median step_ms "$d/metrics.jsonl") apply_ms $(median apply_ms "$d/metrics.jsonl") barrier_wait_ms $(median barrier_wait_ms "$d/metrics.jsonl") | $(grep -h 'training finished' "$d.log" | sed 's/.*INFO //')"
     grep -h "done after" "$d"/logs/worker-*.log | sed 's/.*INFO //'
 }
+if want 3; then
 step "3. 784-4096-4096-10, global batch 1024, 2 shards, 2 CUDA workers on one GPU"
 for r in $(seq 1 "$ROUNDS"); do
     [ -x .dev/gpu-old/ps-worker ] && large "old-$r" .dev/gpu-old cuda "$LARGE_STEPS"
@@ -89,10 +99,12 @@ done
 [ -x .dev/gpu-old/ps-worker ] && large old-grpc .dev/gpu-old cuda "$LARGE_STEPS" --set cluster.transport=grpc
 large new-grpc "$B" cuda "$LARGE_STEPS" --set cluster.transport=grpc
 large cpu "$B" cpu 20
+fi
 
 stop_after() { [ "${STOP_AFTER:-9}" -le "$1" ] && { step "done (STOP_AFTER=$STOP_AFTER)"; exit 0; }; }
 stop_after 3
 
+if want 4; then
 step "4. the default job, CUDA workers, against the single process"
 bounded 120 "$B/ps-launch" --config deploy/mnist.toml --set worker.device=cuda --check-reference \
     --out-dir /tmp/gpu-mnist >/tmp/gpu-mnist.log 2>&1
@@ -100,16 +112,20 @@ echo "rc default job=$?"
 grep -A12 "^reference check" /tmp/gpu-mnist.log
 grep -h "training finished" /tmp/gpu-mnist.log | sed 's/.*INFO //'
 grep -h "device cuda\|done after" /tmp/gpu-mnist/logs/worker-*.log | sed 's/.*INFO //'
+fi
 
 stop_after 4
+if want 5; then
 step "5. compute-sanitizer"
 for tool in memcheck racecheck synccheck; do
     bounded 60 compute-sanitizer --tool "$tool" --error-exitcode 9 "$B/cuda_parity" --ignored --test-threads=1 \
         --exact parity_13_7_3 gated_pull_uploads_pieces_as_they_arrive 2>&1 | grep -E "SUMMARY|test result"
     echo "$tool rc=${PIPESTATUS[0]}"
 done
+fi
 
 stop_after 5
+if want 6; then
 step "6. the Python worker with a CUDA model"
 PS_BIN_DIR="$B" PYTHONPATH="$PWD/.dev/pypkg" PYTHONUNBUFFERED=1 bounded 90 python3 scripts/py_cuda_check.py
 echo "rc python=$?"
@@ -118,10 +134,13 @@ echo "rc python push=$?"
 PS_BIN_DIR="$B" PYTHONPATH="$PWD/.dev/pypkg" PYTHONUNBUFFERED=1 bounded 90 python3 python/bench/ps_torch_resnet.py \
     --device cuda --steps 30 --timeout 70 --json "$OUT/ps-torch-resnet.json"
 echo "rc resnet=$?"
+fi
 
+if want 7; then
 step "7. the Fashion-MNIST CNN job on CUDA workers, against the single process"
 bounded 90 "$B/ps-launch" --config deploy/fashion-cnn.toml --set worker.device=cuda --set train.steps=300 \
     --check-reference --out-dir /tmp/gpu-cnn >/tmp/gpu-cnn.log 2>&1
 echo "rc cnn=$?"
 grep -E "after [0-9]+ step|test accuracy  |verdict" /tmp/gpu-cnn.log
+fi
 step "done"
