@@ -105,6 +105,8 @@ import torch
 import torch.utils.data
 
 from . import _device, _native
+from ._errors import GradNoneError, UnsupportedModelError
+from ._model import _EXTRA_DTYPES, _entries, export, save_init
 from ._native import ModelMismatchError
 
 try:
@@ -131,108 +133,6 @@ __all__ = [
 ORDER_KEY = _native.ORDER_KEY
 
 _log = logging.getLogger("ps")
-
-
-class GradNoneError(RuntimeError):
-    """A trainable parameter has no gradient at ``Worker.step()``."""
-
-
-class UnsupportedModelError(ValueError):
-    """The model has something the cluster cannot keep in step (a parameter that is not
-    float32, a buffer or frozen entry of a dtype safetensors cannot hold)."""
-
-
-# dtypes a buffer or frozen parameter may have (ps_model::declared::EXTRA_DTYPES)
-_EXTRA_DTYPES = {
-    torch.float32: "F32", torch.float64: "F64", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-    torch.uint8: "U8", torch.bool: "BOOL",
-}
-
-
-def _entries(model: torch.nn.Module):
-    """The model's ``state_dict`` entries by role: (trainable parameters, frozen parameters,
-    persistent buffers, aliases {tied name: the name it shares a tensor with}); each a list of
-    (name, tensor) in the model's order. Refuses a buffer or frozen parameter of a dtype the
-    init file cannot hold."""
-    params = _trainable(model)
-    frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
-    keys = model.state_dict(keep_vars=True)
-    buffers = [(n, b) for n, b in model.named_buffers() if n in keys]
-    for kind, items in (("buffer", buffers), ("frozen parameter", frozen)):
-        for n, t in items:
-            if t.dtype not in _EXTRA_DTYPES:
-                raise UnsupportedModelError(
-                    f"{kind} {n} is {t.dtype}: supported are "
-                    f"{', '.join(str(d).removeprefix('torch.') for d in _EXTRA_DTYPES)}"
-                )
-    canonical = {id(t): n for n, t in params + frozen + buffers}
-    aliases = {k: canonical[id(v)] for k, v in keys.items()
-               if k not in canonical.values() and id(v) in canonical}
-    return params, frozen, buffers, aliases
-
-
-def _trainable(model: torch.nn.Module):
-    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    if not params:
-        raise UnsupportedModelError("the model has no parameter with requires_grad=True")
-    for n, p in params:
-        if p.dtype != torch.float32:
-            raise UnsupportedModelError(
-                f"parameter {n} is {p.dtype}: expected torch.float32 (call model.float())"
-            )
-    return params
-
-
-def save_init(model: torch.nn.Module, path: str | os.PathLike[str]) -> None:
-    """Writes the run's model, the file ``[model] init`` names (safetensors): the initial
-    weights of ``model``'s trainable parameters (float32) in ``named_parameters()`` order,
-    carried in the file's metadata under ``parameter_order``; its persistent buffers
-    (``buffer_order``: the shards hold them through the run) and frozen parameters
-    (``constant_order``), each in its own dtype; and its tied entries (``aliases``), so that
-    the shards' export holds the whole ``state_dict``. ``batch_statistics`` names the modules
-    that normalise by the batch's statistics and keep no running ones (BatchNorm with
-    ``track_running_stats=False``), for the shards' equivalence statement."""
-    import json
-
-    from safetensors.torch import save_file
-
-    params, frozen, buffers, aliases = _entries(model)
-    tensors = {n: t.detach().cpu().clone().contiguous() for n, t in params + frozen + buffers}
-    meta = {
-        ORDER_KEY: json.dumps([n for n, _ in params]),
-        "buffer_order": json.dumps([n for n, _ in buffers]),
-        "constant_order": json.dumps([n for n, _ in frozen]),
-        "aliases": json.dumps(aliases),
-        "batch_statistics": json.dumps(_batch_statistics(model)),
-    }
-    save_file(tensors, str(path), metadata=meta)
-
-
-def _batch_statistics(model: torch.nn.Module) -> list[str]:
-    """The modules of ``model`` that normalise by the statistics of the batch they see and
-    hold no running statistics (BatchNorm with ``track_running_stats=False``: also in eval
-    mode): on the cluster each worker's forward pass sees only its own samples of a step."""
-    return [n for n, m in model.named_modules()
-            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and not m.track_running_stats]
-
-
-def export(model: torch.nn.Module, path: str | os.PathLike[str],
-           metadata: dict[str, str] | None = None) -> None:
-    """Writes every entry of ``model.state_dict()`` to ``path`` (safetensors): the trained
-    parameters, frozen parameters, tied parameters under each of their names, and buffers
-    (BatchNorm running statistics, ``num_batches_tracked`` in its own dtype), so
-    ``model.load_state_dict(safetensors.torch.load_file(path), strict=True)`` restores the
-    whole model. Call it on a worker after ``batches()`` ended: its model holds the run's final
-    weights, the frozen entries every worker holds alike, and the model's buffers (rank 0's,
-    which every worker got with the final weights). ``ps-launch --export`` writes the same
-    entries from the shards' final files and the init file."""
-    from safetensors.torch import save_file
-
-    # each entry its own contiguous copy: tied entries share storage, and on a worker the
-    # parameters are views of one flat buffer, which safetensors refuses to write as such
-    tensors = {k: v.detach().cpu().clone().contiguous() for k, v in model.state_dict().items()}
-    save_file(tensors, str(path), metadata={"format": "pt", **(metadata or {})})
 
 
 class Worker:
@@ -1046,103 +946,11 @@ class Worker:
         return self._transport
 
 
-class StepSampler(torch.utils.data.Sampler):
-    """A ``DataLoader`` batch sampler (``Worker.sampler()``): yields this rank's sample
-    indices of each step from the step the run starts at (or was rolled back to), a pure
-    function of the step (the data-order contract), so a loader may read any number ahead."""
+# after Worker: the wrapper builds one (the circular import finds it defined)
+from ._ddp import Distributed, StepSampler, distributed  # noqa: E402
 
-    def __init__(self, worker: Worker, train_len: int):
-        self.worker = worker
-        self.train_len = int(train_len)
-        self._start = 0
-        self._native = worker._native
-        self._native.plan(self.train_len)  # the order, before connecting (connect sets it too)
-
-    def step_len(self, step: int) -> int:
-        """How many samples this rank has in step ``step``."""
-        return len(self._native.batch(step))
-
-    def __iter__(self):
-        total = self.worker.total_steps
-        if total is None:
-            raise RuntimeError(
-                "iterate the loader through worker.steps(loader): it registers with the "
-                "shards first, which says the step the run starts at"
-            )
-        for t in range(self._start, total):
-            yield [int(i) for i in self._native.batch(t)]
-
-    def __len__(self) -> int:
-        total = self.worker.total_steps
-        if total is None:
-            total = self._native.total_steps_for(self.train_len)
-        return total - self._start
-
-
-def distributed(model: torch.nn.Module, config: str | os.PathLike[str],
-                **worker_args: Any) -> "Distributed":
-    """Wraps ``model`` for a run of ``config``, as ``DistributedDataParallel`` wraps a model:
-    the loop keeps its shape (forward through the wrapper, ``loss.backward()``, then
-    ``opt_step()`` where ``optimizer.step()`` was; the shards run the optimizer of the
-    config). ``worker_args`` go to ``ps.Worker`` (rank, servers, evaluate, run_id)."""
-    return Distributed(model, config, **worker_args)
-
-
-class Distributed(torch.nn.Module):
-    """``ps.distributed(model, config)``: the model, a ``ps.Worker`` beside it, and the run's
-    data order. ``loader(dataset, ...)`` yields this rank's batch of each step of the run
-    (through a ``DataLoader``: ``num_workers``, ``pin_memory`` and the other ``DataLoader``
-    arguments are the user's; after a lost shard's rollback it goes on from the step rolled
-    back to), ``opt_step()`` pushes the gradients and loads the next weights (and buffers).
-    ``module`` is the wrapped model (export it with ``ps.export(model.module, path)``);
-    ``worker`` the ``ps.Worker``; ``step_number`` the run's step being computed."""
-
-    def __init__(self, model: torch.nn.Module, config: str | os.PathLike[str],
-                 **worker_args: Any):
-        super().__init__()
-        self.module = model
-        self.worker = Worker(config, model, **worker_args)
-        self.step_number = None
-
-    def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
-
-    def loader(self, dataset: torch.utils.data.Dataset,
-               **loader_args: Any) -> torch.utils.data.DataLoader:
-        """This rank's batch of each step of the run, as a ``DataLoader`` over ``dataset``
-        with ``batch_sampler=worker.sampler(len(dataset))`` makes it (``loader_args``: the
-        other ``DataLoader`` arguments). Registers with the shards and loads the run's
-        weights first; call ``opt_step()`` once per batch."""
-        if "batch_size" in loader_args or "sampler" in loader_args or "shuffle" in loader_args:
-            raise ValueError(
-                "loader(): batch_size, sampler and shuffle come from the run (its global batch "
-                "and data order); pass the other DataLoader arguments only"
-            )
-        loader = torch.utils.data.DataLoader(
-            dataset, batch_sampler=self.worker.sampler(len(dataset)), **loader_args
-        )
-        try:
-            for t, batch in self.worker.steps(loader):
-                self.step_number = t
-                yield batch
-        finally:
-            self.step_number = None
-
-    def opt_step(self, loss: torch.Tensor | None = None,
-                 correct: int | torch.Tensor = 0) -> None:
-        """Pushes every ``.grad`` of this step (``loss``: the batch's loss, for the shards'
-        log only) and pulls the new weights into the model; clears the gradients."""
-        loss_sum = 0.0
-        if loss is not None:
-            n = self.worker._samples
-            value = float(loss.detach())
-            loss_sum = value * n if self.worker.loss_reduction == "mean" else value
-        self.worker.step(loss_sum=loss_sum, correct=correct)
-
-    def micro_batches(self, batch: Any, k: int) -> Iterator[tuple[Any, float]]:
-        """``Worker.micro_batches`` of this step's batch."""
-        return self.worker.micro_batches(batch, k)
-
-    def terms(self, batch: Any) -> Iterator[Any]:
-        """``Worker.terms`` of this step's batch (``[train] exact_sum = true``)."""
-        return self.worker.terms(batch)
+# the public names defined in the private modules show as ps_torch's (reprs, tracebacks, help)
+for _public in (GradNoneError, UnsupportedModelError, save_init, export, StepSampler,
+                distributed, Distributed):
+    _public.__module__ = __name__
+del _public

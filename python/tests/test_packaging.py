@@ -74,7 +74,7 @@ def test_the_build_backend_refuses_an_executable_newer_than_the_manylinux_tag():
 
 def test_the_type_stub_names_what_the_extension_has():
     """ps_torch/_native.pyi (the extension's type hints) has every public name of the module
-    and of its Client, and nothing more, so a change to python/src/lib.rs shows here."""
+    and of its Client, and nothing more, so a change to python/src/ shows here."""
     import ast
 
     stub = ast.parse((REPO / "python" / "ps_torch" / "_native.pyi").read_text())
