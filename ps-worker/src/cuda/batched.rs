@@ -112,7 +112,11 @@ impl CudaDevice {
             return Ok(());
         }
         if k == 0 {
-            return self.fill_zero(c);
+            // empty products: each result is zero, the values between results stay
+            for i in 0..s.count {
+                self.fill_zero(c.slice_mut(i * s.c..i * s.c + m * n))?;
+            }
+            return Ok(());
         }
         let g = GemmShape::row_major((a.rows, a.cols, a.t), (b.rows, b.cols, b.t));
         self.bind()?;

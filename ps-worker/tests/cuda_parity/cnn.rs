@@ -319,6 +319,7 @@ fn strided_batched_products_parity() {
         b(7, 3, 5, 1, (false, true), (false, false), 2),
         b(5, 4, 3, 6, (false, false), (true, true), 3),
         b(4, 6, 3, 0, (true, false), (false, false), 0),
+        b(3, 0, 4, 3, (false, false), (false, false), 2), // empty products: zero results
     ];
     for (i, case) in cases.iter().enumerate() {
         let s = case.strides();
