@@ -220,6 +220,25 @@ impl GemmShape {
     }
 }
 
+impl GemmShape {
+    /// cuBLAS's arguments of this shape (alpha 1), each checked to fit an `int`.
+    fn config(&self, beta: f32) -> BackendResult<GemmConfig<f32>> {
+        let i = |what: &str, v: usize| check_i32(what, v);
+        Ok(GemmConfig {
+            transa: self.transa,
+            transb: self.transb,
+            m: i("a product's width", self.m)?,
+            n: i("a product's height", self.n)?,
+            k: i("a product's inner size", self.k)?,
+            alpha: 1.0f32,
+            lda: i("a leading dimension", self.lda)?,
+            ldb: i("a leading dimension", self.ldb)?,
+            beta,
+            ldc: i("a leading dimension", self.ldc)?,
+        })
+    }
+}
+
 /// cuBLAS's column-major `C = op(A)·op(B) + beta C` (alpha 1) in full FP32 on the handle's
 /// stream; `a` and `b` are cuBLAS's operands, so [`CudaDevice::gemm`] passes the storage of
 /// the row-major right matrix as `a` and of the left one as `b` (see [`GemmShape::row_major`]).
@@ -236,19 +255,7 @@ unsafe fn sgemm(
     b: &CudaView<'_, f32>,
     c: &mut CudaViewMut<'_, f32>,
 ) -> BackendResult<()> {
-    let i = |what: &str, v: usize| check_i32(what, v);
-    let cfg = GemmConfig {
-        transa: g.transa,
-        transb: g.transb,
-        m: i("a product's width", g.m)?,
-        n: i("a product's height", g.n)?,
-        k: i("a product's inner size", g.k)?,
-        alpha: 1.0f32,
-        lda: i("a leading dimension", g.lda)?,
-        ldb: i("a leading dimension", g.ldb)?,
-        beta,
-        ldc: i("a leading dimension", g.ldc)?,
-    };
+    let cfg = g.config(beta)?;
     // SAFETY: as the caller promises; alpha and beta are host values (the default host
     // pointer mode).
     unsafe { blas.gemm(cfg, a, b, c) }.map_err(cuda_err(format_args!(

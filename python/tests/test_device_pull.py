@@ -332,3 +332,42 @@ def test_param_boards_released_once_while_mapped(tmp_path):
             assert sorted(e[1] for e in released) == sorted(e[1] for e in regs)
             assert {e[2] for e in released} == {e[3] for e in regs}  # still mapped then
             assert all(mapped_file(e[1]) != e[3] for e in regs)  # unmapped since
+
+
+def test_a_refused_parameters_board_leaves_none_registered(tmp_path):
+    """All or none: the device refusing the second parameters board makes the call fail
+    naming it, and the first board, registered just before, is released at once (while still
+    mapped); a later call registers both again."""
+    torch.manual_seed(3)
+    base = SmallCNN()
+    init = tmp_path / "init.safetensors"
+    ps.save_init(base, init)
+    cfg = tmp_path / "run.toml"
+    cfg.write_text(config_text(init, DATA, tmp_path, workers=1, global_batch=32, steps=STEPS))
+    desc = [(n, list(p.shape)) for n, p in base.named_parameters()]
+
+    class Refusing:
+        def __init__(self, refuse_at):
+            self.log, self.refuse_at = [], refuse_at
+
+        def register(self, address, nbytes):
+            if len([e for e in self.log if e[0] == "register"]) + 1 == self.refuse_at:
+                raise RuntimeError("out of registrable memory")
+            self.log.append(("register", address, mapped_file(address)))
+
+        def release(self, address):
+            self.log.append(("release", address, mapped_file(address)))
+
+    with Shards(cfg, 2, tmp_path) as shards:
+        client = _native.Client(str(cfg), desc, rank=0, servers=shards.addrs)
+        client.connect(32 * STEPS)
+        b = Refusing(refuse_at=2)
+        with pytest.raises(RuntimeError, match="out of registrable memory"):
+            client.register_param_boards(b)
+        assert [e[0] for e in b.log] == ["register", "release"], b.log
+        assert b.log[1][1:] == b.log[0][1:]  # the same board, released while still mapped
+        b.refuse_at = 0
+        assert client.register_param_boards(b) == 2
+        assert [e[0] for e in b.log] == ["register", "release", "register", "register"], b.log
+        client.close()
+        assert [e[0] for e in b.log].count("release") == 3

@@ -230,18 +230,23 @@ impl Session {
         }
     }
 
-    /// Pulls version `version` from every shard, in parallel, into `dst` (the flat vector).
-    pub async fn pull(&mut self, version: u64, dst: &mut [f32]) -> anyhow::Result<()> {
+    /// A pull into `len` values can start: they are the model's, and no pull is under way.
+    fn check_pull(&self, len: usize) -> anyhow::Result<()> {
         anyhow::ensure!(
-            dst.len() == self.num_params,
-            "pull buffer holds {} values: expected {}",
-            dst.len(),
+            len == self.num_params,
+            "pull buffer holds {len} values: expected {}",
             self.num_params
         );
         anyhow::ensure!(
             self.pending.is_none(),
             "a pull is under way beside the forward pass: finish it first"
         );
+        Ok(())
+    }
+
+    /// Pulls version `version` from every shard, in parallel, into `dst` (the flat vector).
+    pub async fn pull(&mut self, version: u64, dst: &mut [f32]) -> anyhow::Result<()> {
+        self.check_pull(dst.len())?;
         let t = Instant::now();
         pull_all(&mut self.peers, version, dst).await?;
         self.timing.pulls += 1;
@@ -255,8 +260,8 @@ impl Session {
     /// how many parameters boards this session has (0 over gRPC).
     ///
     /// # Errors
-    /// The device's refusal, naming the board (boards registered before it stay so until
-    /// they are unmapped).
+    /// The device's refusal, naming the board; all or none: the boards of this session
+    /// registered with that device before it are unregistered.
     pub fn register_param_boards(
         &self,
         registrar: &dyn crate::dma::Registrar,
@@ -267,7 +272,12 @@ impl Session {
             .filter_map(|p| p.link.params.as_deref())
             .collect();
         for b in &boards {
-            b.register(registrar)?;
+            if let Err(e) = b.register(registrar) {
+                for b in &boards {
+                    b.unregister(registrar.key());
+                }
+                return Err(e);
+            }
         }
         Ok(boards.len())
     }
@@ -284,16 +294,7 @@ impl Session {
         dst: &mut [f32],
         key: u64,
     ) -> anyhow::Result<Vec<(Range<usize>, Option<crate::dma::InPlace>)>> {
-        anyhow::ensure!(
-            dst.len() == self.num_params,
-            "pull buffer holds {} values: expected {}",
-            dst.len(),
-            self.num_params
-        );
-        anyhow::ensure!(
-            self.pending.is_none(),
-            "a pull is under way beside the forward pass: finish it first"
-        );
+        self.check_pull(dst.len())?;
         let t = Instant::now();
         let shards: Vec<Range<usize>> = self.peers.iter().map(|p| p.range.clone()).collect();
         let patience = pull_patience(&self.cfg);

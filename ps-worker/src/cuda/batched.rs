@@ -10,7 +10,7 @@
 use super::{CudaDevice, GemmShape, check_i32, cuda_err};
 use crate::backend::BackendResult;
 use crate::ops::{Device, Mat, Strides};
-use cudarc::cublas::{CudaBlas, Gemm, GemmConfig, StridedBatchedConfig};
+use cudarc::cublas::{CudaBlas, Gemm, StridedBatchedConfig};
 use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
 
 /// Values of scratch memory a batched sum uses at most (64 MiB); a batch whose partial products
@@ -43,7 +43,6 @@ impl Default for SumScratch {
 /// # Safety
 /// `a`, `b` and `c` must hold every element the `count` products read and write (checked by
 /// [`Strides::check`] in the callers), on the handle's stream; the results may not overlap.
-#[allow(clippy::too_many_arguments)]
 unsafe fn sgemm_strided(
     blas: &CudaBlas,
     g: GemmShape,
@@ -55,18 +54,7 @@ unsafe fn sgemm_strided(
     let i = |what: &str, v: usize| check_i32(what, v);
     let stride = |v: usize| i("a batch stride", v).map(i64::from);
     let cfg = StridedBatchedConfig {
-        gemm: GemmConfig {
-            transa: g.transa,
-            transb: g.transb,
-            m: i("a product's width", g.m)?,
-            n: i("a product's height", g.n)?,
-            k: i("a product's inner size", g.k)?,
-            alpha: 1.0f32,
-            lda: i("a leading dimension", g.lda)?,
-            ldb: i("a leading dimension", g.ldb)?,
-            beta: 0.0f32,
-            ldc: i("a leading dimension", g.ldc)?,
-        },
+        gemm: g.config(0.0)?,
         batch_size: i("a batch's products", count)?,
         stride_a: stride(a.1)?,
         stride_b: stride(b.1)?,
